@@ -1,0 +1,63 @@
+// EncoderConfig: the model's hyper-parameters, with JSON I/O and validation.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include <nlohmann/json_fwd.hpp>
+
+#include "teo/errors.hpp"
+
+namespace teo {
+
+enum class Activation { relu, gelu, gelu_tanh };
+enum class Positional { sinusoidal, learned };
+enum class Pooling { mean, cls, max };
+
+const char* to_string(Activation a);
+const char* to_string(Positional p);
+const char* to_string(Pooling p);
+
+struct EncoderConfig {
+  index_t vocab_size = 64;
+  index_t max_len = 32;
+  index_t d_model = 16;
+  index_t num_heads = 2;
+  index_t d_ff = 32;
+  index_t num_layers = 2;
+  bool norm_first = false;  // false: post-norm (the original paper); true: pre-norm + final_norm
+  Activation activation = Activation::gelu;
+  double layer_norm_eps = 1e-5;
+  Positional positional = Positional::sinusoidal;
+  bool embed_scale = false;  // multiply token embeddings by sqrt(d_model)
+  Pooling pooling = Pooling::mean;
+  index_t num_classes = 4;
+  double dropout = 0.0;  // one probability for every dropout site
+  double label_smoothing = 0.0;
+  bool causal = false;
+
+  index_t d_head() const { return d_model / num_heads; }
+
+  // Throws ConfigError naming the first invalid field and its value; ShapeError when a parameter
+  // tensor's element or byte count would overflow 64 bits.
+  void validate() const;
+
+  // Reads every key present; absent keys keep their defaults. Unknown keys, wrong types and
+  // out-of-range values throw ConfigError. The result is validated.
+  static EncoderConfig from_json(const nlohmann::json& j);
+  static EncoderConfig from_json_text(const std::string& text);
+  static EncoderConfig from_file(const std::string& path);
+  nlohmann::json to_json() const;
+
+  bool operator==(const EncoderConfig&) const = default;
+};
+
+// The shape of one forward/backward call. Validated against a config before anything is
+// allocated: seq_len in [1, max_len], batch >= 0, and every activation's byte count fits in 64 bits.
+struct BatchShape {
+  index_t batch = 0;
+  index_t seq_len = 0;
+};
+void validate_batch_shape(const EncoderConfig& cfg, const BatchShape& shape, std::size_t real_size);
+
+}  // namespace teo

@@ -1,0 +1,48 @@
+// Exception types. Every rejection of bad input throws one of these, and its message names the
+// offending field and its value. All derive from teo::Error so callers can catch them together.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+namespace teo {
+
+class Error : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// An EncoderConfig field is missing, of the wrong type, unknown or out of range.
+class ConfigError : public Error {
+ public:
+  using Error::Error;
+};
+
+// A size is zero/negative where that makes no sense, inconsistent with the config, or its element
+// or byte count overflows 64 bits.
+class ShapeError : public Error {
+ public:
+  using Error::Error;
+};
+
+// A value inside an input tensor is invalid: a token id outside [0, vocab_size), a label outside
+// [0, num_classes).
+class InputError : public Error {
+ public:
+  using Error::Error;
+};
+
+using index_t = std::int64_t;
+
+// a * b, or ShapeError naming `what` when the product leaves [0, INT64_MAX].
+inline index_t checked_mul(index_t a, index_t b, const std::string& what) {
+  index_t r = 0;
+  if (a < 0 || b < 0 || __builtin_mul_overflow(a, b, &r)) {
+    throw ShapeError(what + ": size " + std::to_string(a) + " x " + std::to_string(b) +
+                     " overflows 64 bits");
+  }
+  return r;
+}
+
+}  // namespace teo

@@ -1,0 +1,24 @@
+// The kernel entry points. Every matrix product in teo goes through gemm(); the kernels issue
+// replaces its body with cache-blocked SIMD and BLAS backends behind the same signature.
+#pragma once
+
+#include "teo/errors.hpp"
+
+namespace teo {
+
+enum class Trans { no, yes };
+
+// C = alpha * op(A) * op(B) + beta * C, row-major, with op(A) (m, k), op(B) (k, n), C (m, n).
+// A is (m, k) with leading dimension lda when ta == no, and (k, m) when ta == yes; B likewise.
+// Each C element is one dot product accumulated in increasing k, in Real, then scaled by alpha.
+// With beta == 0, C is never read (it may hold NaN).
+template <class Real>
+void gemm(Trans ta, Trans tb, index_t m, index_t n, index_t k, Real alpha, const Real* a,
+          index_t lda, const Real* b, index_t ldb, Real beta, Real* c, index_t ldc);
+
+extern template void gemm<float>(Trans, Trans, index_t, index_t, index_t, float, const float*,
+                                 index_t, const float*, index_t, float, float*, index_t);
+extern template void gemm<double>(Trans, Trans, index_t, index_t, index_t, double, const double*,
+                                  index_t, const double*, index_t, double, double*, index_t);
+
+}  // namespace teo

@@ -1,0 +1,40 @@
+// Scaled dot-product attention over heads, with key-padding and causal masks.
+#pragma once
+
+#include <cstdint>
+
+#include "teo/errors.hpp"
+
+namespace teo {
+
+// (B, S, H * Dh) -> (B, H, S, Dh) and back. out and in must not alias.
+template <class Real>
+void split_heads(Real* out, const Real* in, index_t batch, index_t seq_len, index_t heads,
+                 index_t d_head);
+template <class Real>
+void merge_heads(Real* out, const Real* in, index_t batch, index_t seq_len, index_t heads,
+                 index_t d_head);
+
+// Key j is visible from query i of sequence b iff j < lengths[b] and (!causal or j <= i).
+//   scores = q k^T / sqrt(Dh) on visible keys, -inf elsewhere;
+//   probs  = softmax over keys; a row with no visible key is all 0 (never NaN);
+//   context = dropout(probs) v.
+// context (B, H, S, Dh); scores, probs (B, H, S, S); q, k, v (B, H, S, Dh); lengths (B);
+// drop_mask (B, H, S, S) or null when no dropout.
+template <class Real>
+void attention_forward(Real* context, Real* scores, Real* probs, const Real* q, const Real* k,
+                       const Real* v, const std::int64_t* lengths, const std::uint8_t* drop_mask,
+                       Real drop_scale, index_t batch, index_t heads, index_t seq_len,
+                       index_t d_head, bool causal);
+
+// Accumulates dq, dk, dv (B, H, S, Dh). dprobs and dscores (B, H, S, S) are overwritten with the
+// gradients of the loss with respect to probs (before dropout) and scores; both are exactly 0 at
+// masked positions' scores, and dq, dk, dv receive exactly 0 through masked entries.
+template <class Real>
+void attention_backward(Real* dq, Real* dk, Real* dv, Real* dprobs, Real* dscores,
+                        const Real* dcontext, const Real* q, const Real* k, const Real* v,
+                        const Real* probs, const std::int64_t* lengths,
+                        const std::uint8_t* drop_mask, Real drop_scale, index_t batch,
+                        index_t heads, index_t seq_len, index_t d_head);
+
+}  // namespace teo

@@ -1,0 +1,19 @@
+// Linear layer with PyTorch's layout: weight (out_f, in_f), y = x * weight^T + bias.
+#pragma once
+
+#include "teo/errors.hpp"
+
+namespace teo {
+
+// out (rows, out_f); in (rows, in_f); weight (out_f, in_f); bias (out_f) or null.
+template <class Real>
+void linear_forward(Real* out, const Real* in, const Real* weight, const Real* bias, index_t rows,
+                    index_t in_f, index_t out_f);
+
+// Accumulates din += dout * weight, dweight += dout^T * in, dbias += column sums of dout.
+// din and dbias may be null.
+template <class Real>
+void linear_backward(Real* din, Real* dweight, Real* dbias, const Real* dout, const Real* in,
+                     const Real* weight, index_t rows, index_t in_f, index_t out_f);
+
+}  // namespace teo

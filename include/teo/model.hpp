@@ -1,0 +1,217 @@
+// The whole encoder: parameters, the activations forward keeps, forward() and backward().
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "teo/config.hpp"
+#include "teo/tensor.hpp"
+
+namespace teo {
+
+// Token ids (B, S), one length per sequence (B) and one label per sequence (B). Positions
+// s >= lengths[b] are padding: their ids must still be valid, but they influence no real output.
+struct Batch {
+  index_t batch = 0;
+  index_t seq_len = 0;
+  std::vector<std::int64_t> tokens;   // (B, S)
+  std::vector<std::int64_t> lengths;  // (B)
+  std::vector<std::int64_t> labels;   // (B)
+
+  // A batch whose tokens and labels are drawn from `seed` with the counter-based generator;
+  // lengths default to seq_len.
+  static Batch random(const EncoderConfig& cfg, index_t batch, index_t seq_len, std::uint64_t seed,
+                      std::vector<std::int64_t> lengths = {});
+};
+
+// Checks every size against the config (ShapeError) and every id and label (InputError), before
+// anything is allocated. forward() and backward() call it first.
+void validate_batch(const EncoderConfig& cfg, const Batch& batch, std::size_t real_size);
+
+template <class Real>
+struct LayerParams {
+  Tensor<Real> q_weight, q_bias, k_weight, k_bias, v_weight, v_bias, o_weight, o_bias;  // (D, D), (D)
+  Tensor<Real> norm1_weight, norm1_bias, norm2_weight, norm2_bias;                      // (D)
+  Tensor<Real> fc1_weight, fc1_bias;  // (F, D), (F)
+  Tensor<Real> fc2_weight, fc2_bias;  // (D, F), (D)
+};
+
+// Every parameter of a config, named by the paths in docs/semantics.md. The same type holds the
+// gradients.
+template <class Real>
+struct Params {
+  EncoderConfig config;
+  Tensor<Real> embedding_weight;      // (V, D)
+  Tensor<Real> pos_embedding_weight;  // (max_len, D); learned positional only
+  std::vector<LayerParams<Real>> layers;
+  Tensor<Real> final_norm_weight, final_norm_bias;  // (D); pre-norm only
+  Tensor<Real> head_weight, head_bias;              // (C, D), (C)
+
+  // Every parameter present for this config, all zero. Validates the config first.
+  static Params zeros(const EncoderConfig& cfg);
+  // The deterministic initialisation from `seed` (docs/semantics.md, "Initialisation").
+  static Params init(const EncoderConfig& cfg, std::uint64_t seed);
+
+  // Calls f(name, tensor) for every present parameter in canonical order.
+  template <class F>
+  void visit(F&& f) {
+    visit_impl(*this, f);
+  }
+  template <class F>
+  void visit(F&& f) const {
+    visit_impl(*this, f);
+  }
+  index_t count() const {
+    index_t n = 0;
+    visit([&](const std::string&, const Tensor<Real>& t) { n += t.numel(); });
+    return n;
+  }
+
+ private:
+  template <class Self, class F>
+  static void visit_impl(Self& self, F& f) {
+    f("embedding.weight", self.embedding_weight);
+    if (self.config.positional == Positional::learned)
+      f("pos_embedding.weight", self.pos_embedding_weight);
+    for (std::size_t i = 0; i < self.layers.size(); ++i) {
+      auto& l = self.layers[i];
+      const std::string p = "layers." + std::to_string(i) + ".";
+      f(p + "attn.q.weight", l.q_weight);
+      f(p + "attn.q.bias", l.q_bias);
+      f(p + "attn.k.weight", l.k_weight);
+      f(p + "attn.k.bias", l.k_bias);
+      f(p + "attn.v.weight", l.v_weight);
+      f(p + "attn.v.bias", l.v_bias);
+      f(p + "attn.o.weight", l.o_weight);
+      f(p + "attn.o.bias", l.o_bias);
+      f(p + "norm1.weight", l.norm1_weight);
+      f(p + "norm1.bias", l.norm1_bias);
+      f(p + "norm2.weight", l.norm2_weight);
+      f(p + "norm2.bias", l.norm2_bias);
+      f(p + "ffn.fc1.weight", l.fc1_weight);
+      f(p + "ffn.fc1.bias", l.fc1_bias);
+      f(p + "ffn.fc2.weight", l.fc2_weight);
+      f(p + "ffn.fc2.bias", l.fc2_bias);
+    }
+    if (self.config.norm_first) {
+      f("final_norm.weight", self.final_norm_weight);
+      f("final_norm.bias", self.final_norm_bias);
+    }
+    f("head.weight", self.head_weight);
+    f("head.bias", self.head_bias);
+  }
+};
+
+// Dropout masks (1 = kept), present only when dropout is applied.
+struct LayerMasks {
+  std::vector<std::uint8_t> attn;       // (B, H, S, S)
+  std::vector<std::uint8_t> residual1;  // (B, S, D), on attn_out
+  std::vector<std::uint8_t> ffn;        // (B, S, F), on ffn_hidden
+  std::vector<std::uint8_t> residual2;  // (B, S, D), on ffn_out
+};
+
+template <class Real>
+struct LayerActs {
+  Tensor<Real> norm1, norm1_mean, norm1_rstd;  // (B, S, D), (B*S), (B*S)
+  Tensor<Real> q, k, v;                        // (B, H, S, Dh)
+  Tensor<Real> scores, probs;                  // (B, H, S, S); masked scores are -inf
+  Tensor<Real> context;                        // (B, S, D), heads concatenated
+  Tensor<Real> attn_out;                       // (B, S, D), after the output projection
+  Tensor<Real> residual1;                      // (B, S, D)
+  Tensor<Real> norm2, norm2_mean, norm2_rstd;  // (B, S, D), (B*S), (B*S)
+  Tensor<Real> ffn_pre;                        // (B, S, F), before the activation
+  Tensor<Real> ffn_hidden;                     // (B, S, F), after the activation
+  Tensor<Real> ffn_out;                        // (B, S, D)
+  Tensor<Real> residual2;                      // (B, S, D)
+  Tensor<Real> output;                         // (B, S, D)
+  LayerMasks masks;
+};
+
+// What forward keeps. The same type holds the gradients of the loss with respect to each named
+// activation (the saved statistics and masks are left empty there).
+template <class Real>
+struct Activations {
+  bool norm_first = false;
+  Tensor<Real> embedding;   // (B, S, D), scaled token embeddings
+  Tensor<Real> positional;  // (S, D), the positional table rows used
+  Tensor<Real> input;       // (B, S, D), dropout(embedding + positional)
+  std::vector<std::uint8_t> input_mask;  // (B, S, D)
+  std::vector<LayerActs<Real>> layers;
+  Tensor<Real> final_norm, final_norm_mean, final_norm_rstd;  // pre-norm only
+  Tensor<Real> pooled;                   // (B, D)
+  std::vector<std::int64_t> pool_argmax; // (B, D), max pooling only
+  Tensor<Real> logits;                   // (B, C)
+  Tensor<Real> class_probs;              // (B, C), softmax(logits), saved for backward
+  Tensor<Real> loss;                     // [] (a scalar)
+
+  // Calls f(name, tensor) for every named activation in pipeline order: embedding, positional,
+  // input, layers.{i}.{...} in the order they are computed, final_norm, pooled, logits, loss.
+  template <class F>
+  void visit(F&& f) {
+    visit_impl(*this, f);
+  }
+  template <class F>
+  void visit(F&& f) const {
+    visit_impl(*this, f);
+  }
+
+ private:
+  template <class Self, class F>
+  static void visit_impl(Self& self, F& f) {
+    f("embedding", self.embedding);
+    f("positional", self.positional);
+    f("input", self.input);
+    for (std::size_t i = 0; i < self.layers.size(); ++i) {
+      auto& l = self.layers[i];
+      const std::string p = "layers." + std::to_string(i) + ".";
+      if (self.norm_first) f(p + "norm1", l.norm1);
+      f(p + "q", l.q);
+      f(p + "k", l.k);
+      f(p + "v", l.v);
+      f(p + "scores", l.scores);
+      f(p + "probs", l.probs);
+      f(p + "context", l.context);
+      f(p + "attn_out", l.attn_out);
+      f(p + "residual1", l.residual1);
+      if (!self.norm_first) f(p + "norm1", l.norm1);
+      if (self.norm_first) f(p + "norm2", l.norm2);
+      f(p + "ffn_pre", l.ffn_pre);
+      f(p + "ffn_hidden", l.ffn_hidden);
+      f(p + "ffn_out", l.ffn_out);
+      f(p + "residual2", l.residual2);
+      if (!self.norm_first) f(p + "norm2", l.norm2);
+      f(p + "output", l.output);
+    }
+    if (self.norm_first) f("final_norm", self.final_norm);
+    f("pooled", self.pooled);
+    f("logits", self.logits);
+    f("loss", self.loss);
+  }
+};
+
+struct ForwardOptions {
+  // Dropout is applied when train is true and config.dropout > 0 (PyTorch's train mode);
+  // otherwise every dropout site is the identity and no mask is kept.
+  bool train = true;
+  std::uint64_t dropout_seed = 0;
+};
+
+// Validates, allocates and runs the whole forward pass into acts.
+template <class Real>
+void forward(const Params<Real>& params, const Batch& batch, Activations<Real>& acts,
+             const ForwardOptions& opts = {});
+
+// Runs the encoder stack, pooling, head and loss from acts.input, which the caller may have
+// changed; acts must come from forward() on the same params and batch.
+template <class Real>
+void encoder_forward(const Params<Real>& params, const Batch& batch, Activations<Real>& acts,
+                     const ForwardOptions& opts = {});
+
+// The exact gradient of acts.loss with respect to every parameter (grads, overwritten) and every
+// named activation (dacts, overwritten), from a forward() on the same params and batch.
+template <class Real>
+void backward(const Params<Real>& params, const Batch& batch, const Activations<Real>& acts,
+              Params<Real>& grads, Activations<Real>& dacts);
+
+}  // namespace teo

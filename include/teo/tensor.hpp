@@ -1,0 +1,99 @@
+// Tensor<Real>: an owning, row-major, 64-byte aligned buffer with a checked shape.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <initializer_list>
+#include <limits>
+#include <new>
+#include <string>
+#include <vector>
+
+#include "teo/errors.hpp"
+
+namespace teo {
+
+// A list of dimensions whose element count is checked for overflow on construction.
+class Shape {
+ public:
+  Shape() = default;
+  Shape(std::initializer_list<index_t> dims) : dims_(dims) { check(); }
+  explicit Shape(std::vector<index_t> dims) : dims_(std::move(dims)) { check(); }
+
+  const std::vector<index_t>& dims() const { return dims_; }
+  std::size_t rank() const { return dims_.size(); }
+  index_t operator[](std::size_t i) const { return dims_[i]; }
+  index_t numel() const { return numel_; }
+  bool operator==(const Shape& o) const { return dims_ == o.dims_; }
+  std::string str() const {
+    std::string s = "[";
+    for (std::size_t i = 0; i < dims_.size(); ++i) s += (i ? ", " : "") + std::to_string(dims_[i]);
+    return s + "]";
+  }
+
+ private:
+  void check() {
+    numel_ = 1;
+    for (index_t d : dims_) {
+      if (d < 0) throw ShapeError("shape dimension is negative: " + std::to_string(d));
+      numel_ = checked_mul(numel_, d, "shape element count");
+    }
+  }
+  std::vector<index_t> dims_;
+  index_t numel_ = 0;
+};
+
+template <class T>
+struct AlignedAllocator {
+  using value_type = T;
+  static constexpr std::align_val_t kAlign{64};
+  AlignedAllocator() = default;
+  template <class U>
+  AlignedAllocator(const AlignedAllocator<U>&) {}
+  T* allocate(std::size_t n) {
+    if (n > std::numeric_limits<std::size_t>::max() / sizeof(T)) throw std::bad_array_new_length();
+    return static_cast<T*>(::operator new(n * sizeof(T), kAlign));
+  }
+  void deallocate(T* p, std::size_t) { ::operator delete(p, kAlign); }
+  template <class U>
+  bool operator==(const AlignedAllocator<U>&) const { return true; }
+};
+
+template <class Real>
+class Tensor {
+ public:
+  Tensor() = default;
+  explicit Tensor(Shape shape) : shape_(std::move(shape)) {
+    checked_mul(shape_.numel(), static_cast<index_t>(sizeof(Real)), "tensor byte count");
+    data_.assign(static_cast<std::size_t>(shape_.numel()), Real(0));
+  }
+  Tensor(std::initializer_list<index_t> dims) : Tensor(Shape(dims)) {}
+
+  const Shape& shape() const { return shape_; }
+  index_t numel() const { return shape_.numel(); }
+  index_t dim(std::size_t i) const { return shape_[i]; }
+  bool empty() const { return data_.empty(); }
+  // True when the tensor was never given a shape (an absent optional activation or parameter).
+  bool absent() const { return shape_.rank() == 0 && data_.empty(); }
+
+  Real* data() { return data_.data(); }
+  const Real* data() const { return data_.data(); }
+  Real& operator[](index_t i) { return data_[static_cast<std::size_t>(i)]; }
+  const Real& operator[](index_t i) const { return data_[static_cast<std::size_t>(i)]; }
+  Real* begin() { return data_.data(); }
+  Real* end() { return data_.data() + data_.size(); }
+  const Real* begin() const { return data_.data(); }
+  const Real* end() const { return data_.data() + data_.size(); }
+
+  void fill(Real v) {
+    for (auto& x : data_) x = v;
+  }
+  void zero() { fill(Real(0)); }
+
+ private:
+  Shape shape_;
+  std::vector<Real, AlignedAllocator<Real>> data_;
+};
+
+}  // namespace teo

@@ -1,0 +1,86 @@
+#include "teo/cli/shapes.hpp"
+
+#include <iomanip>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "teo/model.hpp"
+
+namespace teo::cli {
+
+namespace {
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// The symbolic shape of a named activation, as a student writes it.
+std::string symbolic_act(const std::string& name) {
+  if (name == "positional") return "(S, D)";
+  if (name == "pooled") return "(B, D)";
+  if (name == "logits") return "(B, C)";
+  if (name == "loss") return "()";
+  if (ends_with(name, ".q") || ends_with(name, ".k") || ends_with(name, ".v")) return "(B, H, S, Dh)";
+  if (ends_with(name, ".scores") || ends_with(name, ".probs")) return "(B, H, S, S)";
+  if (ends_with(name, ".ffn_pre") || ends_with(name, ".ffn_hidden")) return "(B, S, F)";
+  return "(B, S, D)";
+}
+
+std::string symbolic_param(const std::string& name) {
+  if (name == "embedding.weight") return "(V, D)";
+  if (name == "pos_embedding.weight") return "(max_len, D)";
+  if (name == "head.weight") return "(C, D)";
+  if (name == "head.bias") return "(C)";
+  if (ends_with(name, "fc1.weight")) return "(F, D)";
+  if (ends_with(name, "fc1.bias")) return "(F)";
+  if (ends_with(name, "fc2.weight")) return "(D, F)";
+  if (ends_with(name, ".weight") && name.find("attn") != std::string::npos) return "(D, D)";
+  return "(D)";
+}
+
+template <class Real>
+int run(const EncoderConfig& cfg, const ShapesOptions& o, std::ostream& out) {
+  std::vector<std::int64_t> lengths;
+  for (index_t b = 0; b < o.batch; ++b) lengths.push_back(std::max<index_t>(0, o.seq_len - 3 * b));
+  const Batch batch = Batch::random(cfg, o.batch, o.seq_len, 1, lengths);
+  const auto params = Params<Real>::init(cfg, 0);
+  Activations<Real> acts;
+  forward(params, batch, acts);
+  Params<Real> grads;
+  Activations<Real> dacts;
+  backward(params, batch, acts, grads, dacts);
+
+  out << "teo shapes: " << cfg.to_json().dump() << "\n";
+  out << "B=" << o.batch << " S=" << o.seq_len << " D=" << cfg.d_model << " H=" << cfg.num_heads
+      << " Dh=" << cfg.d_head() << " F=" << cfg.d_ff << " C=" << cfg.num_classes
+      << " V=" << cfg.vocab_size << "  dtype=" << o.dtype << "  parameters=" << params.count()
+      << "\n\n";
+  auto row = [&](const std::string& name, const std::string& sym, const Shape& s) {
+    out << "  " << std::left << std::setw(34) << name << std::setw(16) << sym << s.str() << "\n";
+  };
+  out << "forward\n";
+  row("input.tokens", "(B, S)", Shape({o.batch, o.seq_len}));
+  row("input.lengths", "(B)", Shape({o.batch}));
+  acts.visit([&](const std::string& n, const Tensor<Real>& t) { row("act." + n, symbolic_act(n), t.shape()); });
+  out << "  loss = " << std::setprecision(17) << acts.loss[0] << "\n\nbackward\n";
+  std::vector<std::pair<std::string, Shape>> rev;
+  dacts.visit([&](const std::string& n, const Tensor<Real>& t) { rev.emplace_back(n, t.shape()); });
+  for (auto it = rev.rbegin(); it != rev.rend(); ++it) row("grad.act." + it->first, symbolic_act(it->first), it->second);
+  out << "\nparameter gradients\n";
+  grads.visit([&](const std::string& n, const Tensor<Real>& t) { row("grad." + n, symbolic_param(n), t.shape()); });
+  return 0;
+}
+
+}  // namespace
+
+int run_shapes(const ShapesOptions& o, std::ostream& out) {
+  const EncoderConfig cfg =
+      o.config_path.empty() ? EncoderConfig{} : EncoderConfig::from_file(o.config_path);
+  cfg.validate();
+  if (o.dtype == "float32") return run<float>(cfg, o, out);
+  return run<double>(cfg, o, out);
+}
+
+}  // namespace teo::cli

@@ -1,0 +1,233 @@
+#include "teo/config.hpp"
+
+#include <cmath>
+#include <fstream>
+#include <limits>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+namespace teo {
+
+const char* to_string(Activation a) {
+  switch (a) {
+    case Activation::relu: return "relu";
+    case Activation::gelu: return "gelu";
+    case Activation::gelu_tanh: return "gelu_tanh";
+  }
+  return "?";
+}
+const char* to_string(Positional p) {
+  return p == Positional::sinusoidal ? "sinusoidal" : "learned";
+}
+const char* to_string(Pooling p) {
+  switch (p) {
+    case Pooling::mean: return "mean";
+    case Pooling::cls: return "cls";
+    case Pooling::max: return "max";
+  }
+  return "?";
+}
+
+namespace {
+
+std::string fmt(double v) {
+  std::ostringstream os;
+  os.precision(17);
+  os << v;
+  return os.str();
+}
+
+void require_positive(const char* name, index_t v) {
+  if (v <= 0) throw ConfigError(std::string(name) + " must be >= 1, got " + std::to_string(v));
+}
+
+index_t get_int(const nlohmann::json& v, const std::string& key) {
+  if (v.is_number_integer()) {
+    if (v.is_number_unsigned() &&
+        v.get<std::uint64_t>() > static_cast<std::uint64_t>(std::numeric_limits<index_t>::max())) {
+      throw ConfigError(key + " is out of the 64-bit signed range: " + v.dump());
+    }
+    return v.get<index_t>();
+  }
+  throw ConfigError(key + " must be an integer, got " + std::string(v.type_name()) + " " + v.dump());
+}
+
+double get_real(const nlohmann::json& v, const std::string& key) {
+  if (!v.is_number()) {
+    throw ConfigError(key + " must be a number, got " + std::string(v.type_name()) + " " +
+                      v.dump());
+  }
+  return v.get<double>();
+}
+
+bool get_bool(const nlohmann::json& v, const std::string& key) {
+  if (!v.is_boolean()) {
+    throw ConfigError(key + " must be true or false, got " + std::string(v.type_name()) + " " +
+                      v.dump());
+  }
+  return v.get<bool>();
+}
+
+std::string get_string(const nlohmann::json& v, const std::string& key) {
+  if (!v.is_string()) {
+    throw ConfigError(key + " must be a string, got " + std::string(v.type_name()) + " " +
+                      v.dump());
+  }
+  return v.get<std::string>();
+}
+
+}  // namespace
+
+void EncoderConfig::validate() const {
+  require_positive("vocab_size", vocab_size);
+  require_positive("max_len", max_len);
+  require_positive("d_model", d_model);
+  require_positive("num_heads", num_heads);
+  require_positive("d_ff", d_ff);
+  require_positive("num_classes", num_classes);
+  if (num_layers < 0) {
+    throw ConfigError("num_layers must be >= 0, got " + std::to_string(num_layers));
+  }
+  if (d_model % num_heads != 0) {
+    throw ConfigError("d_model must be divisible by num_heads: d_model " + std::to_string(d_model) +
+                      ", num_heads " + std::to_string(num_heads));
+  }
+  if (!(layer_norm_eps > 0.0) || !std::isfinite(layer_norm_eps)) {
+    throw ConfigError("layer_norm_eps must be finite and > 0, got " + fmt(layer_norm_eps));
+  }
+  if (!(dropout >= 0.0 && dropout < 1.0)) {
+    throw ConfigError("dropout must be in [0, 1), got " + fmt(dropout));
+  }
+  if (!(label_smoothing >= 0.0 && label_smoothing <= 1.0)) {
+    throw ConfigError("label_smoothing must be in [0, 1], got " + fmt(label_smoothing));
+  }
+  // Parameter tensors: every element and byte count must fit in 64 bits (double is the widest).
+  const index_t bytes = sizeof(double);
+  checked_mul(checked_mul(vocab_size, d_model, "embedding.weight"), bytes, "embedding.weight bytes");
+  checked_mul(checked_mul(max_len, d_model, "pos_embedding.weight"), bytes,
+              "pos_embedding.weight bytes");
+  checked_mul(checked_mul(d_model, d_model, "attn weight"), bytes, "attn weight bytes");
+  checked_mul(checked_mul(d_ff, d_model, "ffn weight"), bytes, "ffn weight bytes");
+  checked_mul(checked_mul(num_classes, d_model, "head.weight"), bytes, "head.weight bytes");
+  checked_mul(checked_mul(checked_mul(d_ff, d_model, "ffn weight"), 2 * bytes, "layer bytes"),
+              num_layers + 1, "all layer bytes");
+}
+
+EncoderConfig EncoderConfig::from_json(const nlohmann::json& j) {
+  if (!j.is_object()) {
+    throw ConfigError("config must be a JSON object, got " + std::string(j.type_name()));
+  }
+  EncoderConfig c;
+  for (const auto& [key, v] : j.items()) {
+    if (key == "vocab_size") c.vocab_size = get_int(v, key);
+    else if (key == "max_len") c.max_len = get_int(v, key);
+    else if (key == "d_model") c.d_model = get_int(v, key);
+    else if (key == "num_heads") c.num_heads = get_int(v, key);
+    else if (key == "d_ff") c.d_ff = get_int(v, key);
+    else if (key == "num_layers") c.num_layers = get_int(v, key);
+    else if (key == "num_classes") c.num_classes = get_int(v, key);
+    else if (key == "norm_first") c.norm_first = get_bool(v, key);
+    else if (key == "embed_scale") c.embed_scale = get_bool(v, key);
+    else if (key == "causal") c.causal = get_bool(v, key);
+    else if (key == "layer_norm_eps") c.layer_norm_eps = get_real(v, key);
+    else if (key == "dropout") c.dropout = get_real(v, key);
+    else if (key == "label_smoothing") c.label_smoothing = get_real(v, key);
+    else if (key == "activation") {
+      const std::string s = get_string(v, key);
+      if (s == "relu") c.activation = Activation::relu;
+      else if (s == "gelu") c.activation = Activation::gelu;
+      else if (s == "gelu_tanh") c.activation = Activation::gelu_tanh;
+      else throw ConfigError("activation must be \"relu\", \"gelu\" or \"gelu_tanh\", got \"" + s + "\"");
+    } else if (key == "positional") {
+      const std::string s = get_string(v, key);
+      if (s == "sinusoidal") c.positional = Positional::sinusoidal;
+      else if (s == "learned") c.positional = Positional::learned;
+      else throw ConfigError("positional must be \"sinusoidal\" or \"learned\", got \"" + s + "\"");
+    } else if (key == "pooling") {
+      const std::string s = get_string(v, key);
+      if (s == "mean") c.pooling = Pooling::mean;
+      else if (s == "cls") c.pooling = Pooling::cls;
+      else if (s == "max") c.pooling = Pooling::max;
+      else throw ConfigError("pooling must be \"mean\", \"cls\" or \"max\", got \"" + s + "\"");
+    } else {
+      throw ConfigError("unknown config key \"" + key + "\"");
+    }
+  }
+  c.validate();
+  return c;
+}
+
+EncoderConfig EncoderConfig::from_json_text(const std::string& text) {
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::parse_error& e) {
+    throw ConfigError(std::string("config is not valid JSON: ") + e.what());
+  }
+  return from_json(j);
+}
+
+EncoderConfig EncoderConfig::from_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw ConfigError("cannot open config file \"" + path + "\"");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  try {
+    return from_json_text(ss.str());
+  } catch (const ConfigError& e) {
+    throw ConfigError(path + ": " + e.what());
+  }
+}
+
+nlohmann::json EncoderConfig::to_json() const {
+  return nlohmann::json{{"vocab_size", vocab_size},
+                        {"max_len", max_len},
+                        {"d_model", d_model},
+                        {"num_heads", num_heads},
+                        {"d_ff", d_ff},
+                        {"num_layers", num_layers},
+                        {"norm_first", norm_first},
+                        {"activation", to_string(activation)},
+                        {"layer_norm_eps", layer_norm_eps},
+                        {"positional", to_string(positional)},
+                        {"embed_scale", embed_scale},
+                        {"pooling", to_string(pooling)},
+                        {"num_classes", num_classes},
+                        {"dropout", dropout},
+                        {"label_smoothing", label_smoothing},
+                        {"causal", causal}};
+}
+
+void validate_batch_shape(const EncoderConfig& cfg, const BatchShape& s, std::size_t real_size) {
+  if (s.batch < 0) throw ShapeError("batch must be >= 0, got " + std::to_string(s.batch));
+  if (s.seq_len < 1) throw ShapeError("seq_len must be >= 1, got " + std::to_string(s.seq_len));
+  if (s.seq_len > cfg.max_len) {
+    throw ShapeError("seq_len " + std::to_string(s.seq_len) + " exceeds max_len " +
+                     std::to_string(cfg.max_len));
+  }
+  const auto bytes = static_cast<index_t>(real_size);
+  const index_t tokens = checked_mul(s.batch, s.seq_len, "batch x seq_len");
+  checked_mul(checked_mul(tokens, cfg.d_model, "batch x seq_len x d_model"), bytes,
+              "batch x seq_len x d_model bytes");
+  checked_mul(checked_mul(tokens, cfg.d_ff, "batch x seq_len x d_ff"), bytes,
+              "batch x seq_len x d_ff bytes");
+  const index_t scores = checked_mul(checked_mul(tokens, cfg.num_heads, "batch x heads x seq_len"),
+                                     s.seq_len, "batch x heads x seq_len x seq_len");
+  checked_mul(scores, bytes, "attention scores bytes");
+  checked_mul(checked_mul(s.batch, cfg.num_classes, "batch x num_classes"), bytes,
+              "logits bytes");
+  // Everything the forward keeps, all layers together: a loose upper bound of 16 (B,S,D)-sized,
+  // 4 (B,S,F)-sized and 3 (B,H,S,S)-sized buffers per layer.
+  const index_t per_layer = [&] {
+    index_t a = checked_mul(checked_mul(tokens, cfg.d_model, "act"), 16, "layer activations");
+    index_t b = checked_mul(checked_mul(tokens, cfg.d_ff, "act"), 4, "layer activations");
+    index_t c = checked_mul(scores, 3, "layer activations");
+    if (a > INT64_MAX - b || a + b > INT64_MAX - c) throw ShapeError("layer activations overflow 64 bits");
+    return a + b + c;
+  }();
+  checked_mul(checked_mul(per_layer, cfg.num_layers + 1, "all activations"), bytes,
+              "all activation bytes");
+}
+
+}  // namespace teo

@@ -1,0 +1,162 @@
+#include "teo/layers/attention.hpp"
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "teo/kernels.hpp"
+
+namespace teo {
+
+template <class Real>
+void split_heads(Real* out, const Real* in, index_t batch, index_t seq_len, index_t heads,
+                 index_t d_head) {
+  for (index_t b = 0; b < batch; ++b)
+    for (index_t s = 0; s < seq_len; ++s)
+      for (index_t h = 0; h < heads; ++h)
+        for (index_t c = 0; c < d_head; ++c)
+          out[((b * heads + h) * seq_len + s) * d_head + c] =
+              in[((b * seq_len + s) * heads + h) * d_head + c];
+}
+
+template <class Real>
+void merge_heads(Real* out, const Real* in, index_t batch, index_t seq_len, index_t heads,
+                 index_t d_head) {
+  for (index_t b = 0; b < batch; ++b)
+    for (index_t s = 0; s < seq_len; ++s)
+      for (index_t h = 0; h < heads; ++h)
+        for (index_t c = 0; c < d_head; ++c)
+          out[((b * seq_len + s) * heads + h) * d_head + c] =
+              in[((b * heads + h) * seq_len + s) * d_head + c];
+}
+
+namespace {
+
+// Number of keys visible from query i: keys [0, visible) are visible, the rest masked.
+index_t visible_keys(index_t i, index_t length, bool causal) {
+  return causal ? std::min(length, i + 1) : length;
+}
+
+}  // namespace
+
+template <class Real>
+void attention_forward(Real* context, Real* scores, Real* probs, const Real* q, const Real* k,
+                       const Real* v, const std::int64_t* lengths, const std::uint8_t* drop_mask,
+                       Real drop_scale, index_t batch, index_t heads, index_t seq_len,
+                       index_t d_head, bool causal) {
+  const Real alpha = static_cast<Real>(1.0 / std::sqrt(static_cast<double>(d_head)));
+  const Real neg_inf = -std::numeric_limits<Real>::infinity();
+  const index_t ss = seq_len * seq_len;
+  std::vector<Real> dropped(static_cast<std::size_t>(drop_mask ? ss : 0));  // (S, S)
+  for (index_t b = 0; b < batch; ++b) {
+    const index_t len = lengths[b];
+    for (index_t h = 0; h < heads; ++h) {
+      const index_t bh = b * heads + h;
+      const Real* qh = q + bh * seq_len * d_head;  // (S, Dh)
+      const Real* kh = k + bh * seq_len * d_head;  // (S, Dh)
+      const Real* vh = v + bh * seq_len * d_head;  // (S, Dh)
+      Real* sc = scores + bh * ss;                 // (S, S)
+      Real* pr = probs + bh * ss;                  // (S, S)
+      // scores (S, S) = q (S, Dh) * k^T (Dh, S) / sqrt(Dh)
+      gemm<Real>(Trans::no, Trans::yes, seq_len, seq_len, d_head, alpha, qh, d_head, kh, d_head,
+                 Real(0), sc, seq_len);
+      for (index_t i = 0; i < seq_len; ++i) {
+        Real* srow = sc + i * seq_len;
+        Real* prow = pr + i * seq_len;
+        const index_t nv = visible_keys(i, len, causal);
+        for (index_t j = nv; j < seq_len; ++j) srow[j] = neg_inf;
+        for (index_t j = 0; j < seq_len; ++j) prow[j] = Real(0);
+        if (nv == 0) continue;  // fully masked row: probabilities stay exactly 0
+        Real mx = srow[0];
+        for (index_t j = 1; j < nv; ++j) mx = std::max(mx, srow[j]);
+        Real sum = 0;
+        for (index_t j = 0; j < nv; ++j) {
+          prow[j] = std::exp(srow[j] - mx);
+          sum += prow[j];
+        }
+        const Real inv = Real(1) / sum;
+        for (index_t j = 0; j < nv; ++j) prow[j] *= inv;
+      }
+      const Real* pv = pr;
+      if (drop_mask) {
+        const std::uint8_t* m = drop_mask + bh * ss;
+        for (index_t j = 0; j < ss; ++j) dropped[j] = m[j] ? pr[j] * drop_scale : Real(0);
+        pv = dropped.data();
+      }
+      // context (S, Dh) = dropout(probs) (S, S) * v (S, Dh)
+      gemm<Real>(Trans::no, Trans::no, seq_len, d_head, seq_len, Real(1), pv, seq_len, vh, d_head,
+                 Real(0), context + bh * seq_len * d_head, d_head);
+    }
+  }
+}
+
+template <class Real>
+void attention_backward(Real* dq, Real* dk, Real* dv, Real* dprobs, Real* dscores,
+                        const Real* dcontext, const Real* q, const Real* k, const Real* v,
+                        const Real* probs, const std::int64_t* lengths,
+                        const std::uint8_t* drop_mask, Real drop_scale, index_t batch,
+                        index_t heads, index_t seq_len, index_t d_head) {
+  const Real alpha = static_cast<Real>(1.0 / std::sqrt(static_cast<double>(d_head)));
+  const index_t ss = seq_len * seq_len;
+  std::vector<Real> dropped(static_cast<std::size_t>(drop_mask ? ss : 0));  // (S, S)
+  (void)lengths;  // the mask is carried by probs: masked entries are exactly 0
+  for (index_t b = 0; b < batch; ++b) {
+    for (index_t h = 0; h < heads; ++h) {
+      const index_t bh = b * heads + h;
+      const index_t off = bh * seq_len * d_head;
+      const Real* pr = probs + bh * ss;  // (S, S)
+      Real* dp = dprobs + bh * ss;       // (S, S)
+      Real* ds = dscores + bh * ss;      // (S, S)
+      const Real* pv = pr;
+      if (drop_mask) {
+        const std::uint8_t* m = drop_mask + bh * ss;
+        for (index_t j = 0; j < ss; ++j) dropped[j] = m[j] ? pr[j] * drop_scale : Real(0);
+        pv = dropped.data();
+      }
+      // in the forward pass this was: context = pv * v, with pv = dropout(probs)
+      // dv (S, Dh) += pv^T (S, S) * dcontext (S, Dh)
+      gemm<Real>(Trans::yes, Trans::no, seq_len, d_head, seq_len, Real(1), pv, seq_len,
+                 dcontext + off, d_head, Real(1), dv + off, d_head);
+      // dpv (S, S) = dcontext (S, Dh) * v^T (Dh, S); then through the dropout
+      gemm<Real>(Trans::no, Trans::yes, seq_len, seq_len, d_head, Real(1), dcontext + off, d_head,
+                 v + off, d_head, Real(0), dp, seq_len);
+      if (drop_mask) {
+        const std::uint8_t* m = drop_mask + bh * ss;
+        for (index_t j = 0; j < ss; ++j) dp[j] = m[j] ? dp[j] * drop_scale : Real(0);
+      }
+      // in the forward pass this was: probs = softmax(scores)
+      // dscores = probs * (dprobs - sum_j probs * dprobs); 0 wherever probs is 0 (masked).
+      for (index_t i = 0; i < seq_len; ++i) {
+        const Real* prow = pr + i * seq_len;
+        const Real* dprow = dp + i * seq_len;
+        Real* dsrow = ds + i * seq_len;
+        Real dot = 0;
+        for (index_t j = 0; j < seq_len; ++j) dot += prow[j] * dprow[j];
+        for (index_t j = 0; j < seq_len; ++j)
+          dsrow[j] = prow[j] == Real(0) ? Real(0) : prow[j] * (dprow[j] - dot);
+      }
+      // in the forward pass this was: scores = alpha * q * k^T
+      // dq (S, Dh) += alpha * dscores (S, S) * k (S, Dh)
+      gemm<Real>(Trans::no, Trans::no, seq_len, d_head, seq_len, alpha, ds, seq_len, k + off,
+                 d_head, Real(1), dq + off, d_head);
+      // dk (S, Dh) += alpha * dscores^T (S, S) * q (S, Dh)
+      gemm<Real>(Trans::yes, Trans::no, seq_len, d_head, seq_len, alpha, ds, seq_len, q + off,
+                 d_head, Real(1), dk + off, d_head);
+    }
+  }
+}
+
+#define TEO_INSTANTIATE(Real)                                                                  \
+  template void split_heads<Real>(Real*, const Real*, index_t, index_t, index_t, index_t);     \
+  template void merge_heads<Real>(Real*, const Real*, index_t, index_t, index_t, index_t);     \
+  template void attention_forward<Real>(Real*, Real*, Real*, const Real*, const Real*,         \
+                                        const Real*, const std::int64_t*, const std::uint8_t*, \
+                                        Real, index_t, index_t, index_t, index_t, bool);       \
+  template void attention_backward<Real>(Real*, Real*, Real*, Real*, Real*, const Real*,       \
+                                         const Real*, const Real*, const Real*, const Real*,   \
+                                         const std::int64_t*, const std::uint8_t*, Real,       \
+                                         index_t, index_t, index_t, index_t);
+TEO_INSTANTIATE(float)
+TEO_INSTANTIATE(double)
+
+}  // namespace teo

@@ -1,0 +1,59 @@
+#include "teo/layers/cross_entropy.hpp"
+
+#include <cmath>
+
+namespace teo {
+
+template <class Real>
+Real cross_entropy_forward(Real* probs, const Real* logits, const std::int64_t* labels,
+                           index_t batch, index_t classes, Real smoothing) {
+  Real total = 0;
+  const Real on_target = Real(1) - smoothing;
+  const Real uniform = smoothing / static_cast<Real>(classes);
+  for (index_t b = 0; b < batch; ++b) {
+    const Real* z = logits + b * classes;  // (C)
+    Real* p = probs + b * classes;         // (C)
+    Real mx = z[0];
+    for (index_t c = 1; c < classes; ++c) mx = std::max(mx, z[c]);
+    Real sum = 0;
+    for (index_t c = 0; c < classes; ++c) {
+      p[c] = std::exp(z[c] - mx);
+      sum += p[c];
+    }
+    const Real log_sum = std::log(sum);
+    const Real inv = Real(1) / sum;
+    Real sum_logp = 0;
+    for (index_t c = 0; c < classes; ++c) {
+      p[c] *= inv;
+      sum_logp += z[c] - mx - log_sum;
+    }
+    const Real logp_y = z[labels[b]] - mx - log_sum;
+    total += -on_target * logp_y - uniform * sum_logp;
+  }
+  return batch == 0 ? Real(0) : total / static_cast<Real>(batch);
+}
+
+template <class Real>
+void cross_entropy_backward(Real* dlogits, const Real* probs, const std::int64_t* labels,
+                            index_t batch, index_t classes, Real smoothing, Real dloss) {
+  // in the forward pass this was: loss = mean_b [-(1 - eps) logp[y] - eps / C sum_c logp[c]]
+  const Real on_target = Real(1) - smoothing;
+  const Real uniform = smoothing / static_cast<Real>(classes);
+  const Real scale = batch == 0 ? Real(0) : dloss / static_cast<Real>(batch);
+  for (index_t b = 0; b < batch; ++b) {
+    for (index_t c = 0; c < classes; ++c) {
+      const Real target = (c == labels[b] ? on_target : Real(0)) + uniform;
+      dlogits[b * classes + c] += (probs[b * classes + c] - target) * scale;
+    }
+  }
+}
+
+#define TEO_INSTANTIATE(Real)                                                                   \
+  template Real cross_entropy_forward<Real>(Real*, const Real*, const std::int64_t*, index_t,   \
+                                            index_t, Real);                                     \
+  template void cross_entropy_backward<Real>(Real*, const Real*, const std::int64_t*, index_t,  \
+                                             index_t, Real, Real);
+TEO_INSTANTIATE(float)
+TEO_INSTANTIATE(double)
+
+}  // namespace teo

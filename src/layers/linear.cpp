@@ -1,0 +1,45 @@
+#include "teo/layers/linear.hpp"
+
+#include "teo/kernels.hpp"
+
+namespace teo {
+
+template <class Real>
+void linear_forward(Real* out, const Real* in, const Real* weight, const Real* bias, index_t rows,
+                    index_t in_f, index_t out_f) {
+  // out (rows, out_f) = in (rows, in_f) * weight^T (in_f, out_f)
+  gemm<Real>(Trans::no, Trans::yes, rows, out_f, in_f, Real(1), in, in_f, weight, in_f, Real(0),
+             out, out_f);
+  if (bias) {
+    for (index_t r = 0; r < rows; ++r)
+      for (index_t o = 0; o < out_f; ++o) out[r * out_f + o] += bias[o];
+  }
+}
+
+template <class Real>
+void linear_backward(Real* din, Real* dweight, Real* dbias, const Real* dout, const Real* in,
+                     const Real* weight, index_t rows, index_t in_f, index_t out_f) {
+  // in the forward pass this was: out = in * weight^T + bias
+  if (din) {
+    // din (rows, in_f) += dout (rows, out_f) * weight (out_f, in_f)
+    gemm<Real>(Trans::no, Trans::no, rows, in_f, out_f, Real(1), dout, out_f, weight, in_f,
+               Real(1), din, in_f);
+  }
+  // dweight (out_f, in_f) += dout^T (out_f, rows) * in (rows, in_f)
+  gemm<Real>(Trans::yes, Trans::no, out_f, in_f, rows, Real(1), dout, out_f, in, in_f, Real(1),
+             dweight, in_f);
+  if (dbias) {
+    for (index_t r = 0; r < rows; ++r)
+      for (index_t o = 0; o < out_f; ++o) dbias[o] += dout[r * out_f + o];
+  }
+}
+
+#define TEO_INSTANTIATE(Real)                                                                 \
+  template void linear_forward<Real>(Real*, const Real*, const Real*, const Real*, index_t,   \
+                                     index_t, index_t);                                       \
+  template void linear_backward<Real>(Real*, Real*, Real*, const Real*, const Real*,          \
+                                      const Real*, index_t, index_t, index_t);
+TEO_INSTANTIATE(float)
+TEO_INSTANTIATE(double)
+
+}  // namespace teo

@@ -1,0 +1,527 @@
+#include "teo/model.hpp"
+
+#include <algorithm>
+#include <cmath>
+
+#include "teo/layers/attention.hpp"
+#include "teo/layers/cross_entropy.hpp"
+#include "teo/layers/dropout.hpp"
+#include "teo/layers/embedding.hpp"
+#include "teo/layers/feed_forward.hpp"
+#include "teo/layers/layer_norm.hpp"
+#include "teo/layers/linear.hpp"
+#include "teo/layers/pooling.hpp"
+#include "teo/layers/positional.hpp"
+#include "teo/rng.hpp"
+
+namespace teo {
+
+// ---------------------------------------------------------------------------------------------
+// Batches
+
+Batch Batch::random(const EncoderConfig& cfg, index_t batch, index_t seq_len, std::uint64_t seed,
+                    std::vector<std::int64_t> lengths) {
+  cfg.validate();
+  validate_batch_shape(cfg, {batch, seq_len}, sizeof(double));
+  Batch b;
+  b.batch = batch;
+  b.seq_len = seq_len;
+  b.lengths = lengths.empty() ? std::vector<std::int64_t>(static_cast<std::size_t>(batch), seq_len)
+                              : std::move(lengths);
+  b.tokens.resize(static_cast<std::size_t>(batch * seq_len));
+  b.labels.resize(static_cast<std::size_t>(batch));
+  const auto tok_stream = rng::stream_id("input.tokens");
+  const auto lab_stream = rng::stream_id("input.labels");
+  for (std::size_t i = 0; i < b.tokens.size(); ++i)
+    b.tokens[i] = static_cast<std::int64_t>(rng::bits(seed, tok_stream, i) %
+                                            static_cast<std::uint64_t>(cfg.vocab_size));
+  for (std::size_t i = 0; i < b.labels.size(); ++i)
+    b.labels[i] = static_cast<std::int64_t>(rng::bits(seed, lab_stream, i) %
+                                            static_cast<std::uint64_t>(cfg.num_classes));
+  validate_batch(cfg, b, sizeof(double));
+  return b;
+}
+
+void validate_batch(const EncoderConfig& cfg, const Batch& b, std::size_t real_size) {
+  validate_batch_shape(cfg, {b.batch, b.seq_len}, real_size);
+  const auto n = static_cast<std::size_t>(b.batch * b.seq_len);
+  if (b.tokens.size() != n) {
+    throw ShapeError("tokens has " + std::to_string(b.tokens.size()) +
+                     " elements, expected batch x seq_len = " + std::to_string(n));
+  }
+  if (b.lengths.size() != static_cast<std::size_t>(b.batch)) {
+    throw ShapeError("lengths has " + std::to_string(b.lengths.size()) +
+                     " elements, expected batch = " + std::to_string(b.batch));
+  }
+  if (b.labels.size() != static_cast<std::size_t>(b.batch)) {
+    throw ShapeError("labels has " + std::to_string(b.labels.size()) +
+                     " elements, expected batch = " + std::to_string(b.batch));
+  }
+  for (std::size_t i = 0; i < b.lengths.size(); ++i) {
+    if (b.lengths[i] < 0 || b.lengths[i] > b.seq_len) {
+      throw ShapeError("lengths[" + std::to_string(i) + "] = " + std::to_string(b.lengths[i]) +
+                       " is outside [0, seq_len = " + std::to_string(b.seq_len) + "]");
+    }
+  }
+  for (std::size_t i = 0; i < n; ++i) {
+    if (b.tokens[i] < 0 || b.tokens[i] >= cfg.vocab_size) {
+      throw InputError("tokens[" + std::to_string(i / b.seq_len) + "][" +
+                       std::to_string(i % b.seq_len) + "] = " + std::to_string(b.tokens[i]) +
+                       " is outside [0, vocab_size = " + std::to_string(cfg.vocab_size) + ")");
+    }
+  }
+  for (std::size_t i = 0; i < b.labels.size(); ++i) {
+    if (b.labels[i] < 0 || b.labels[i] >= cfg.num_classes) {
+      throw InputError("labels[" + std::to_string(i) + "] = " + std::to_string(b.labels[i]) +
+                       " is outside [0, num_classes = " + std::to_string(cfg.num_classes) + ")");
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Parameters
+
+template <class Real>
+Params<Real> Params<Real>::zeros(const EncoderConfig& cfg) {
+  cfg.validate();
+  const index_t d = cfg.d_model, f = cfg.d_ff;
+  Params p;
+  p.config = cfg;
+  p.embedding_weight = Tensor<Real>({cfg.vocab_size, d});
+  if (cfg.positional == Positional::learned) p.pos_embedding_weight = Tensor<Real>({cfg.max_len, d});
+  p.layers.resize(static_cast<std::size_t>(cfg.num_layers));
+  for (auto& l : p.layers) {
+    for (Tensor<Real>* w : {&l.q_weight, &l.k_weight, &l.v_weight, &l.o_weight}) *w = Tensor<Real>({d, d});
+    for (Tensor<Real>* b : {&l.q_bias, &l.k_bias, &l.v_bias, &l.o_bias, &l.norm1_weight,
+                            &l.norm1_bias, &l.norm2_weight, &l.norm2_bias, &l.fc2_bias})
+      *b = Tensor<Real>({d});
+    l.fc1_weight = Tensor<Real>({f, d});
+    l.fc1_bias = Tensor<Real>({f});
+    l.fc2_weight = Tensor<Real>({d, f});
+  }
+  if (cfg.norm_first) {
+    p.final_norm_weight = Tensor<Real>({d});
+    p.final_norm_bias = Tensor<Real>({d});
+  }
+  p.head_weight = Tensor<Real>({cfg.num_classes, d});
+  p.head_bias = Tensor<Real>({cfg.num_classes});
+  return p;
+}
+
+namespace {
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+}  // namespace
+
+template <class Real>
+Params<Real> Params<Real>::init(const EncoderConfig& cfg, std::uint64_t seed) {
+  Params p = zeros(cfg);
+  p.visit([&](const std::string& name, Tensor<Real>& t) {
+    const bool is_norm = name.find("norm") != std::string::npos;
+    if (is_norm) {
+      t.fill(ends_with(name, ".weight") ? Real(1) : Real(0));
+      return;
+    }
+    double bound;
+    if (name == "embedding.weight" || name == "pos_embedding.weight") {
+      bound = std::sqrt(3.0);  // variance 1, like PyTorch's N(0, 1) embedding
+    } else {
+      // Linear: PyTorch's default bound 1 / sqrt(in_features) for weight and bias alike.
+      const index_t in_features = ends_with(name, ".weight") ? t.dim(1)
+                                  : name.find("fc2") != std::string::npos ? cfg.d_ff
+                                                                          : cfg.d_model;
+      bound = 1.0 / std::sqrt(static_cast<double>(in_features));
+    }
+    const std::uint64_t stream = rng::stream_id(name);
+    for (index_t i = 0; i < t.numel(); ++i) {
+      const double u = rng::uniform01(seed, stream, static_cast<std::uint64_t>(i));
+      t[i] = static_cast<Real>((2.0 * u - 1.0) * bound);
+    }
+  });
+  return p;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Forward and backward
+
+namespace {
+
+struct Dims {
+  index_t B, S, D, H, Dh, F, C, N;  // N = B * S rows
+};
+
+Dims dims_of(const EncoderConfig& c, const Batch& b) {
+  return {b.batch, b.seq_len, c.d_model, c.num_heads, c.d_head(), c.d_ff, c.num_classes,
+          b.batch * b.seq_len};
+}
+
+template <class Real>
+void copy(Real* dst, const Real* src, index_t n) {
+  std::copy(src, src + n, dst);
+}
+
+template <class Real>
+void add(Real* dst, const Real* src, index_t n) {
+  for (index_t i = 0; i < n; ++i) dst[i] += src[i];
+}
+
+// Applies dropout site `site` to in (n) into out, recording its mask, or copies when inactive.
+template <class Real>
+void apply_dropout(Real* out, const Real* in, std::vector<std::uint8_t>& mask, index_t n,
+                   const std::string& site, double p, bool active, std::uint64_t seed) {
+  if (!active) {
+    mask.clear();
+    if (out != in) copy(out, in, n);
+    return;
+  }
+  mask.assign(static_cast<std::size_t>(n), 0);
+  dropout_mask(mask.data(), n, seed, site, p);
+  dropout_forward(out, in, mask.data(), n, dropout_scale<Real>(p));
+}
+
+// Accumulates din += dropout'(dout): masked and scaled, or passed through when inactive.
+template <class Real>
+void accumulate_dropout_grad(Real* din, const Real* dout, const std::vector<std::uint8_t>& mask,
+                             index_t n, double p) {
+  if (mask.empty()) {
+    add(din, dout, n);
+  } else {
+    dropout_backward(din, dout, mask.data(), n, dropout_scale<Real>(p));
+  }
+}
+
+template <class Real>
+void allocate_layer(LayerActs<Real>& l, const Dims& d) {
+  for (Tensor<Real>* t : {&l.norm1, &l.context, &l.attn_out, &l.residual1, &l.norm2, &l.ffn_out,
+                          &l.residual2, &l.output})
+    *t = Tensor<Real>({d.B, d.S, d.D});
+  for (Tensor<Real>* t : {&l.norm1_mean, &l.norm1_rstd, &l.norm2_mean, &l.norm2_rstd})
+    *t = Tensor<Real>({d.N});
+  for (Tensor<Real>* t : {&l.q, &l.k, &l.v}) *t = Tensor<Real>({d.B, d.H, d.S, d.Dh});
+  for (Tensor<Real>* t : {&l.scores, &l.probs}) *t = Tensor<Real>({d.B, d.H, d.S, d.S});
+  for (Tensor<Real>* t : {&l.ffn_pre, &l.ffn_hidden}) *t = Tensor<Real>({d.B, d.S, d.F});
+}
+
+// Shapes every named activation of `acts` for this config and batch, all zero.
+template <class Real>
+void allocate(Activations<Real>& a, const EncoderConfig& cfg, const Dims& d) {
+  a = Activations<Real>{};
+  a.norm_first = cfg.norm_first;
+  a.embedding = Tensor<Real>({d.B, d.S, d.D});
+  a.positional = Tensor<Real>({d.S, d.D});
+  a.input = Tensor<Real>({d.B, d.S, d.D});
+  a.layers.resize(static_cast<std::size_t>(cfg.num_layers));
+  for (auto& l : a.layers) allocate_layer(l, d);
+  if (cfg.norm_first) {
+    a.final_norm = Tensor<Real>({d.B, d.S, d.D});
+    a.final_norm_mean = Tensor<Real>({d.N});
+    a.final_norm_rstd = Tensor<Real>({d.N});
+  }
+  a.pooled = Tensor<Real>({d.B, d.D});
+  a.logits = Tensor<Real>({d.B, d.C});
+  a.class_probs = Tensor<Real>({d.B, d.C});
+  a.loss = Tensor<Real>(Shape(std::vector<index_t>{}));
+}
+
+template <class Real>
+void layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P, LayerActs<Real>& L,
+                   const Real* x, const Batch& batch, const Dims& d, const std::string& prefix,
+                   bool drop, std::uint64_t seed) {
+  const index_t nd = d.N * d.D;
+  const Real eps = static_cast<Real>(cfg.layer_norm_eps);
+  const double p = cfg.dropout;
+  Tensor<Real> tmp({d.B, d.S, d.D});           // (B, S, D) scratch
+  Tensor<Real> ctx({d.B, d.H, d.S, d.Dh});     // (B, H, S, Dh) scratch
+
+  const Real* attn_in = x;
+  if (cfg.norm_first) {
+    layer_norm_forward(L.norm1.data(), L.norm1_mean.data(), L.norm1_rstd.data(), x,
+                       P.norm1_weight.data(), P.norm1_bias.data(), d.N, d.D, eps);
+    attn_in = L.norm1.data();
+  }
+  // q, k, v (B, H, S, Dh) = split(attn_in * W^T + b)
+  const std::pair<const Tensor<Real>*, const Tensor<Real>*> proj[3] = {
+      {&P.q_weight, &P.q_bias}, {&P.k_weight, &P.k_bias}, {&P.v_weight, &P.v_bias}};
+  Tensor<Real>* heads[3] = {&L.q, &L.k, &L.v};
+  for (int i = 0; i < 3; ++i) {
+    linear_forward(tmp.data(), attn_in, proj[i].first->data(), proj[i].second->data(), d.N, d.D,
+                   d.D);
+    split_heads(heads[i]->data(), tmp.data(), d.B, d.S, d.H, d.Dh);
+  }
+  const bool drop_attn = drop;
+  if (drop_attn) {
+    L.masks.attn.assign(static_cast<std::size_t>(L.probs.numel()), 0);
+    dropout_mask(L.masks.attn.data(), L.probs.numel(), seed, prefix + "attn", p);
+  } else {
+    L.masks.attn.clear();
+  }
+  attention_forward(ctx.data(), L.scores.data(), L.probs.data(), L.q.data(), L.k.data(),
+                    L.v.data(), batch.lengths.data(), drop_attn ? L.masks.attn.data() : nullptr,
+                    dropout_scale<Real>(p), d.B, d.H, d.S, d.Dh, cfg.causal);
+  merge_heads(L.context.data(), ctx.data(), d.B, d.S, d.H, d.Dh);
+  linear_forward(L.attn_out.data(), L.context.data(), P.o_weight.data(), P.o_bias.data(), d.N, d.D,
+                 d.D);
+  // residual1 = x + dropout(attn_out)
+  apply_dropout(tmp.data(), L.attn_out.data(), L.masks.residual1, nd, prefix + "residual1", p,
+                drop, seed);
+  for (index_t i = 0; i < nd; ++i) L.residual1[i] = x[i] + tmp[i];
+
+  const Real* ffn_in;  // the FFN's input, and the second residual's base
+  if (cfg.norm_first) {
+    layer_norm_forward(L.norm2.data(), L.norm2_mean.data(), L.norm2_rstd.data(),
+                       L.residual1.data(), P.norm2_weight.data(), P.norm2_bias.data(), d.N, d.D,
+                       eps);
+    ffn_in = L.norm2.data();
+  } else {
+    layer_norm_forward(L.norm1.data(), L.norm1_mean.data(), L.norm1_rstd.data(),
+                       L.residual1.data(), P.norm1_weight.data(), P.norm1_bias.data(), d.N, d.D,
+                       eps);
+    ffn_in = L.norm1.data();
+  }
+  const Real* base = cfg.norm_first ? L.residual1.data() : L.norm1.data();
+
+  // ffn_out = fc2(dropout(act(fc1(ffn_in))))
+  linear_forward(L.ffn_pre.data(), ffn_in, P.fc1_weight.data(), P.fc1_bias.data(), d.N, d.D, d.F);
+  activation_forward(L.ffn_hidden.data(), L.ffn_pre.data(), L.ffn_pre.numel(), cfg.activation);
+  Tensor<Real> hidden_dropped({d.B, d.S, d.F});
+  apply_dropout(hidden_dropped.data(), L.ffn_hidden.data(), L.masks.ffn, L.ffn_hidden.numel(),
+                prefix + "ffn", p, drop, seed);
+  linear_forward(L.ffn_out.data(), hidden_dropped.data(), P.fc2_weight.data(), P.fc2_bias.data(),
+                 d.N, d.F, d.D);
+  // residual2 = base + dropout(ffn_out)
+  apply_dropout(tmp.data(), L.ffn_out.data(), L.masks.residual2, nd, prefix + "residual2", p, drop,
+                seed);
+  for (index_t i = 0; i < nd; ++i) L.residual2[i] = base[i] + tmp[i];
+
+  if (cfg.norm_first) {
+    copy(L.output.data(), L.residual2.data(), nd);
+  } else {
+    layer_norm_forward(L.norm2.data(), L.norm2_mean.data(), L.norm2_rstd.data(),
+                       L.residual2.data(), P.norm2_weight.data(), P.norm2_bias.data(), d.N, d.D,
+                       eps);
+    copy(L.output.data(), L.norm2.data(), nd);
+  }
+}
+
+// Accumulates dx (B, S, D) with the gradient through one layer, given dL.output. Fills every
+// other named gradient of dL, and accumulates the parameter gradients into G.
+template <class Real>
+void layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P, const LayerActs<Real>& L,
+                    LayerParams<Real>& G, LayerActs<Real>& dL, Real* dx, const Real* x,
+                    const Batch& batch, const Dims& d) {
+  const index_t nd = d.N * d.D;
+  const double p = cfg.dropout;
+  const Real scale = dropout_scale<Real>(p);
+
+  // in the forward pass this was: output = LN2(residual2) (post) or residual2 (pre)
+  if (cfg.norm_first) {
+    copy(dL.residual2.data(), dL.output.data(), nd);
+  } else {
+    copy(dL.norm2.data(), dL.output.data(), nd);
+    layer_norm_backward(dL.residual2.data(), G.norm2_weight.data(), G.norm2_bias.data(),
+                        dL.norm2.data(), L.residual2.data(), P.norm2_weight.data(),
+                        L.norm2_mean.data(), L.norm2_rstd.data(), d.N, d.D);
+  }
+  // residual2 = base + dropout(ffn_out); base = residual1 (pre) or norm1 (post)
+  accumulate_dropout_grad(dL.ffn_out.data(), dL.residual2.data(), L.masks.residual2, nd, p);
+  Real* dbase = cfg.norm_first ? dL.residual1.data() : dL.norm1.data();
+  add(dbase, dL.residual2.data(), nd);
+
+  // ffn_out = fc2(hidden_dropped); hidden_dropped = dropout(ffn_hidden)
+  Tensor<Real> hidden_dropped({d.B, d.S, d.F});
+  if (L.masks.ffn.empty()) {
+    copy(hidden_dropped.data(), L.ffn_hidden.data(), L.ffn_hidden.numel());
+  } else {
+    dropout_forward(hidden_dropped.data(), L.ffn_hidden.data(), L.masks.ffn.data(),
+                    L.ffn_hidden.numel(), scale);
+  }
+  Tensor<Real> dhidden_dropped({d.B, d.S, d.F});
+  linear_backward(dhidden_dropped.data(), G.fc2_weight.data(), G.fc2_bias.data(),
+                  dL.ffn_out.data(), hidden_dropped.data(), P.fc2_weight.data(), d.N, d.F, d.D);
+  accumulate_dropout_grad(dL.ffn_hidden.data(), dhidden_dropped.data(), L.masks.ffn,
+                          dL.ffn_hidden.numel(), p);
+  activation_backward(dL.ffn_pre.data(), dL.ffn_hidden.data(), L.ffn_pre.data(),
+                      L.ffn_pre.numel(), cfg.activation);
+  // ffn_pre = fc1(ffn_in); ffn_in = norm2 (pre) or norm1 (post)
+  const Real* ffn_in = cfg.norm_first ? L.norm2.data() : L.norm1.data();
+  Real* dffn_in = cfg.norm_first ? dL.norm2.data() : dL.norm1.data();
+  linear_backward(dffn_in, G.fc1_weight.data(), G.fc1_bias.data(), dL.ffn_pre.data(), ffn_in,
+                  P.fc1_weight.data(), d.N, d.D, d.F);
+
+  // the norm between the two residuals: LN2(residual1) (pre) or LN1(residual1) (post)
+  if (cfg.norm_first) {
+    layer_norm_backward(dL.residual1.data(), G.norm2_weight.data(), G.norm2_bias.data(),
+                        dL.norm2.data(), L.residual1.data(), P.norm2_weight.data(),
+                        L.norm2_mean.data(), L.norm2_rstd.data(), d.N, d.D);
+  } else {
+    layer_norm_backward(dL.residual1.data(), G.norm1_weight.data(), G.norm1_bias.data(),
+                        dL.norm1.data(), L.residual1.data(), P.norm1_weight.data(),
+                        L.norm1_mean.data(), L.norm1_rstd.data(), d.N, d.D);
+  }
+  // residual1 = x + dropout(attn_out)
+  add(dx, dL.residual1.data(), nd);
+  accumulate_dropout_grad(dL.attn_out.data(), dL.residual1.data(), L.masks.residual1, nd, p);
+  // attn_out = context * Wo^T + bo
+  linear_backward(dL.context.data(), G.o_weight.data(), G.o_bias.data(), dL.attn_out.data(),
+                  L.context.data(), P.o_weight.data(), d.N, d.D, d.D);
+  Tensor<Real> dctx({d.B, d.H, d.S, d.Dh});
+  split_heads(dctx.data(), dL.context.data(), d.B, d.S, d.H, d.Dh);
+  attention_backward(dL.q.data(), dL.k.data(), dL.v.data(), dL.probs.data(), dL.scores.data(),
+                     dctx.data(), L.q.data(), L.k.data(), L.v.data(), L.probs.data(),
+                     batch.lengths.data(), L.masks.attn.empty() ? nullptr : L.masks.attn.data(),
+                     scale, d.B, d.H, d.S, d.Dh);
+  // q, k, v = split(attn_in * W^T + b); attn_in = LN1(x) (pre) or x (post)
+  const Real* attn_in = cfg.norm_first ? L.norm1.data() : x;
+  Tensor<Real> dattn_in_pre;
+  Real* dattn_in = dx;
+  if (cfg.norm_first) dattn_in = dL.norm1.data();
+  Tensor<Real> tmp({d.B, d.S, d.D});
+  const Tensor<Real>* dheads[3] = {&dL.q, &dL.k, &dL.v};
+  const Tensor<Real>* weights[3] = {&P.q_weight, &P.k_weight, &P.v_weight};
+  std::pair<Tensor<Real>*, Tensor<Real>*> gproj[3] = {
+      {&G.q_weight, &G.q_bias}, {&G.k_weight, &G.k_bias}, {&G.v_weight, &G.v_bias}};
+  for (int i = 0; i < 3; ++i) {
+    merge_heads(tmp.data(), dheads[i]->data(), d.B, d.S, d.H, d.Dh);
+    linear_backward(dattn_in, gproj[i].first->data(), gproj[i].second->data(), tmp.data(),
+                    attn_in, weights[i]->data(), d.N, d.D, d.D);
+  }
+  if (cfg.norm_first) {
+    layer_norm_backward(dx, G.norm1_weight.data(), G.norm1_bias.data(), dL.norm1.data(), x,
+                        P.norm1_weight.data(), L.norm1_mean.data(), L.norm1_rstd.data(), d.N,
+                        d.D);
+  }
+}
+
+}  // namespace
+
+template <class Real>
+void forward(const Params<Real>& params, const Batch& batch, Activations<Real>& acts,
+             const ForwardOptions& opts) {
+  const EncoderConfig& cfg = params.config;
+  cfg.validate();
+  validate_batch(cfg, batch, sizeof(Real));
+  const Dims d = dims_of(cfg, batch);
+  allocate(acts, cfg, d);
+
+  const Real scale = cfg.embed_scale ? static_cast<Real>(std::sqrt(static_cast<double>(d.D)))
+                                     : Real(1);
+  embedding_forward(acts.embedding.data(), batch.tokens.data(), params.embedding_weight.data(),
+                    d.N, d.D, scale);
+  if (cfg.positional == Positional::sinusoidal) {
+    sinusoidal_table(acts.positional.data(), d.S, d.D);
+  } else {
+    copy(acts.positional.data(), params.pos_embedding_weight.data(), d.S * d.D);
+  }
+  Tensor<Real> sum({d.B, d.S, d.D});
+  add_positional_forward(sum.data(), acts.embedding.data(), acts.positional.data(), d.B, d.S, d.D);
+  const bool drop = opts.train && cfg.dropout > 0.0;
+  apply_dropout(acts.input.data(), sum.data(), acts.input_mask, d.N * d.D, "dropout.input",
+                cfg.dropout, drop, opts.dropout_seed);
+  encoder_forward(params, batch, acts, opts);
+}
+
+template <class Real>
+void encoder_forward(const Params<Real>& params, const Batch& batch, Activations<Real>& acts,
+                     const ForwardOptions& opts) {
+  const EncoderConfig& cfg = params.config;
+  validate_batch(cfg, batch, sizeof(Real));
+  const Dims d = dims_of(cfg, batch);
+  if (acts.input.shape() != Shape({d.B, d.S, d.D}) ||
+      acts.layers.size() != static_cast<std::size_t>(cfg.num_layers)) {
+    throw ShapeError("encoder_forward: activations were not produced by forward() for batch " +
+                     std::to_string(d.B) + " x seq_len " + std::to_string(d.S));
+  }
+  const bool drop = opts.train && cfg.dropout > 0.0;
+  const Real* x = acts.input.data();
+  for (std::size_t i = 0; i < acts.layers.size(); ++i) {
+    layer_forward(cfg, params.layers[i], acts.layers[i], x, batch, d,
+                  "dropout.layers." + std::to_string(i) + ".", drop, opts.dropout_seed);
+    x = acts.layers[i].output.data();
+  }
+  if (cfg.norm_first) {
+    layer_norm_forward(acts.final_norm.data(), acts.final_norm_mean.data(),
+                       acts.final_norm_rstd.data(), x, params.final_norm_weight.data(),
+                       params.final_norm_bias.data(), d.N, d.D,
+                       static_cast<Real>(cfg.layer_norm_eps));
+    x = acts.final_norm.data();
+  }
+  if (cfg.pooling == Pooling::max) acts.pool_argmax.assign(static_cast<std::size_t>(d.B * d.D), -1);
+  pooling_forward(acts.pooled.data(), acts.pool_argmax.data(), x, batch.lengths.data(), d.B, d.S,
+                  d.D, cfg.pooling);
+  linear_forward(acts.logits.data(), acts.pooled.data(), params.head_weight.data(),
+                 params.head_bias.data(), d.B, d.D, d.C);
+  acts.loss[0] = cross_entropy_forward(acts.class_probs.data(), acts.logits.data(),
+                                       batch.labels.data(), d.B, d.C,
+                                       static_cast<Real>(cfg.label_smoothing));
+}
+
+template <class Real>
+void backward(const Params<Real>& params, const Batch& batch, const Activations<Real>& acts,
+              Params<Real>& grads, Activations<Real>& dacts) {
+  const EncoderConfig& cfg = params.config;
+  cfg.validate();
+  validate_batch(cfg, batch, sizeof(Real));
+  const Dims d = dims_of(cfg, batch);
+  if (acts.input.shape() != Shape({d.B, d.S, d.D}) || acts.loss.numel() != 1 ||
+      acts.layers.size() != static_cast<std::size_t>(cfg.num_layers)) {
+    throw ShapeError("backward: activations were not produced by forward() for batch " +
+                     std::to_string(d.B) + " x seq_len " + std::to_string(d.S));
+  }
+  grads = Params<Real>::zeros(cfg);
+  allocate(dacts, cfg, d);
+
+  // loss = cross_entropy(logits); logits = pooled * head^T + b
+  dacts.loss[0] = Real(1);
+  cross_entropy_backward(dacts.logits.data(), acts.class_probs.data(), batch.labels.data(), d.B,
+                         d.C, static_cast<Real>(cfg.label_smoothing), dacts.loss[0]);
+  linear_backward(dacts.pooled.data(), grads.head_weight.data(), grads.head_bias.data(),
+                  dacts.logits.data(), acts.pooled.data(), params.head_weight.data(), d.B, d.D,
+                  d.C);
+  // pooled = pool(top); top = final_norm(last) (pre) or last
+  Tensor<Real>& dlast = cfg.num_layers > 0 ? dacts.layers.back().output : dacts.input;
+  const Real* last = cfg.num_layers > 0 ? acts.layers.back().output.data() : acts.input.data();
+  Real* dtop = cfg.norm_first ? dacts.final_norm.data() : dlast.data();
+  pooling_backward(dtop, dacts.pooled.data(), acts.pool_argmax.data(), batch.lengths.data(), d.B,
+                   d.S, d.D, cfg.pooling);
+  if (cfg.norm_first) {
+    layer_norm_backward(dlast.data(), grads.final_norm_weight.data(),
+                        grads.final_norm_bias.data(), dacts.final_norm.data(), last,
+                        params.final_norm_weight.data(), acts.final_norm_mean.data(),
+                        acts.final_norm_rstd.data(), d.N, d.D);
+  }
+  for (std::size_t i = acts.layers.size(); i-- > 0;) {
+    Real* dx = i > 0 ? dacts.layers[i - 1].output.data() : dacts.input.data();
+    const Real* x = i > 0 ? acts.layers[i - 1].output.data() : acts.input.data();
+    layer_backward(cfg, params.layers[i], acts.layers[i], grads.layers[i], dacts.layers[i], dx, x,
+                   batch, d);
+  }
+  // input = dropout(embedding + positional)
+  Tensor<Real> dsum({d.B, d.S, d.D});
+  accumulate_dropout_grad(dsum.data(), dacts.input.data(), acts.input_mask, d.N * d.D,
+                          cfg.dropout);
+  copy(dacts.embedding.data(), dsum.data(), d.N * d.D);
+  add_positional_backward(dacts.positional.data(), dsum.data(), d.B, d.S, d.D);
+  if (cfg.positional == Positional::learned) {
+    add(grads.pos_embedding_weight.data(), dacts.positional.data(), d.S * d.D);
+  }
+  const Real scale = cfg.embed_scale ? static_cast<Real>(std::sqrt(static_cast<double>(d.D)))
+                                     : Real(1);
+  embedding_backward(grads.embedding_weight.data(), dacts.embedding.data(), batch.tokens.data(),
+                     d.N, d.D, scale);
+}
+
+#define TEO_INSTANTIATE(Real)                                                                 \
+  template struct Params<Real>;                                                               \
+  template void forward<Real>(const Params<Real>&, const Batch&, Activations<Real>&,          \
+                              const ForwardOptions&);                                         \
+  template void encoder_forward<Real>(const Params<Real>&, const Batch&, Activations<Real>&,  \
+                                      const ForwardOptions&);                                 \
+  template void backward<Real>(const Params<Real>&, const Batch&, const Activations<Real>&,   \
+                               Params<Real>&, Activations<Real>&);
+TEO_INSTANTIATE(float)
+TEO_INSTANTIATE(double)
+
+}  // namespace teo

@@ -1,1 +1,91 @@
-#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "support.hpp"
+#include "teo/config.hpp"
+
+namespace teo {
+namespace {
+
+TEST(Config, JsonRoundTripPreservesEveryField) {
+  EncoderConfig c;
+  c.vocab_size = 1000;
+  c.max_len = 77;
+  c.d_model = 48;
+  c.num_heads = 6;
+  c.d_ff = 100;
+  c.num_layers = 3;
+  c.norm_first = true;
+  c.activation = Activation::gelu_tanh;
+  c.layer_norm_eps = 1e-6;
+  c.positional = Positional::learned;
+  c.embed_scale = true;
+  c.pooling = Pooling::max;
+  c.num_classes = 7;
+  c.dropout = 0.125;
+  c.label_smoothing = 0.05;
+  c.causal = true;
+  const auto j = c.to_json();
+  EXPECT_EQ(j.size(), 16u);
+  EXPECT_EQ(EncoderConfig::from_json(j), c);
+  EXPECT_EQ(EncoderConfig::from_json_text(j.dump()), c);
+}
+
+TEST(Config, AbsentKeysKeepDefaults) {
+  EXPECT_EQ(EncoderConfig::from_json_text("{}"), EncoderConfig{});
+}
+
+void expect_config_error(const std::string& text, const std::string& needle) {
+  try {
+    EncoderConfig::from_json_text(text);
+    ADD_FAILURE() << "accepted: " << text;
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos)
+        << "message \"" << e.what() << "\" does not name \"" << needle << "\"";
+  }
+}
+
+TEST(Config, RejectsUnknownKeysWrongTypesAndBadValuesWithNamedError) {
+  expect_config_error(R"({"d_modle": 16})", "d_modle");
+  expect_config_error(R"({"d_model": "16"})", "d_model");
+  expect_config_error(R"({"d_model": 16.5})", "d_model");
+  expect_config_error(R"({"num_layers": true})", "num_layers");
+  expect_config_error(R"({"norm_first": 1})", "norm_first");
+  expect_config_error(R"({"activation": "swish"})", "swish");
+  expect_config_error(R"({"positional": "rope"})", "rope");
+  expect_config_error(R"({"pooling": "sum"})", "sum");
+  expect_config_error(R"({"d_model": 0})", "d_model");
+  expect_config_error(R"({"vocab_size": -3})", "-3");
+  expect_config_error(R"({"num_heads": 0})", "num_heads");
+  expect_config_error(R"({"d_model": 10, "num_heads": 4})", "divisible");
+  expect_config_error(R"({"num_layers": -1})", "num_layers");
+  expect_config_error(R"({"layer_norm_eps": 0})", "layer_norm_eps");
+  expect_config_error(R"({"dropout": 1.0})", "dropout");
+  expect_config_error(R"({"dropout": -0.1})", "dropout");
+  expect_config_error(R"({"label_smoothing": 1.5})", "label_smoothing");
+  expect_config_error(R"({"max_len": 18446744073709551615})", "max_len");
+  expect_config_error(R"([1, 2])", "object");
+  expect_config_error(R"({"d_model": 16,)", "JSON");
+}
+
+TEST(Config, RejectsSizesWhoseByteCountOverflows) {
+  EncoderConfig c;
+  c.vocab_size = index_t{1} << 40;
+  c.d_model = index_t{1} << 30;
+  c.num_heads = 1;
+  EXPECT_THROW(c.validate(), ShapeError);
+  EncoderConfig ok;
+  EXPECT_NO_THROW(ok.validate());
+}
+
+TEST(Config, BatchShapeValidation) {
+  EncoderConfig c;
+  EXPECT_NO_THROW(validate_batch_shape(c, {0, 1}, 8));
+  EXPECT_THROW(validate_batch_shape(c, {-1, 4}, 8), ShapeError);
+  EXPECT_THROW(validate_batch_shape(c, {2, 0}, 8), ShapeError);
+  EXPECT_THROW(validate_batch_shape(c, {2, c.max_len + 1}, 8), ShapeError);
+  c.max_len = index_t{1} << 40;
+  EXPECT_THROW(validate_batch_shape(c, {index_t{1} << 30, index_t{1} << 30}, 8), ShapeError);
+}
+
+}  // namespace
+}  // namespace teo

@@ -1,1 +1,137 @@
-#include <gtest/gtest.h>
+#include <cmath>
+
+#include "support.hpp"
+#include "teo/layers/attention.hpp"
+#include "teo/layers/dropout.hpp"
+
+namespace teo {
+namespace {
+
+struct Case {
+  index_t b = 3, h = 2, s = 5, dh = 3;
+  std::vector<std::int64_t> len = {5, 2, 0};
+};
+
+template <class Real>
+struct Run {
+  std::vector<Real> ctx, scores, probs;
+};
+
+template <class Real>
+Run<Real> run_forward(const Case& c, const std::vector<Real>& q, const std::vector<Real>& k,
+                      const std::vector<Real>& v, bool causal, const std::uint8_t* mask,
+                      Real scale) {
+  Run<Real> r;
+  r.ctx.assign(c.b * c.h * c.s * c.dh, Real(-7));
+  r.scores.assign(c.b * c.h * c.s * c.s, Real(-7));
+  r.probs.assign(c.b * c.h * c.s * c.s, Real(-7));
+  attention_forward(r.ctx.data(), r.scores.data(), r.probs.data(), q.data(), k.data(), v.data(),
+                    c.len.data(), mask, scale, c.b, c.h, c.s, c.dh, causal);
+  return r;
+}
+
+template <class Real>
+class Attention : public ::testing::Test {};
+TYPED_TEST_SUITE(Attention, test::Dtypes);
+
+TYPED_TEST(Attention, MaskedScoresAreMinusInfAndRowsSumToOne) {
+  using Real = TypeParam;
+  const Case c;
+  const index_t n = c.b * c.h * c.s * c.dh;
+  const auto q = test::uniform_vector<Real>(n, 1, "q"), k = test::uniform_vector<Real>(n, 2, "k"),
+             v = test::uniform_vector<Real>(n, 3, "v");
+  for (bool causal : {false, true}) {
+    const auto r = run_forward(c, q, k, v, causal, nullptr, Real(1));
+    for (index_t b = 0; b < c.b; ++b)
+      for (index_t h = 0; h < c.h; ++h)
+        for (index_t i = 0; i < c.s; ++i) {
+          const index_t row = ((b * c.h + h) * c.s + i) * c.s;
+          double sum = 0;
+          for (index_t j = 0; j < c.s; ++j) {
+            const bool visible = j < c.len[b] && (!causal || j <= i);
+            if (!visible) {
+              EXPECT_EQ(r.scores[row + j], -std::numeric_limits<Real>::infinity());
+              EXPECT_EQ(r.probs[row + j], Real(0));
+            } else {
+              double dot = 0;
+              for (index_t x = 0; x < c.dh; ++x)
+                dot += static_cast<double>(q[((b * c.h + h) * c.s + i) * c.dh + x]) *
+                       k[((b * c.h + h) * c.s + j) * c.dh + x];
+              EXPECT_NEAR(r.scores[row + j], dot / std::sqrt(3.0), 10 * test::Tol<Real>::rel);
+            }
+            sum += r.probs[row + j];
+          }
+          const bool any = c.len[b] > 0;
+          EXPECT_NEAR(sum, any ? 1.0 : 0.0, 10 * test::Tol<Real>::rel);
+        }
+  }
+}
+
+TYPED_TEST(Attention, FullyMaskedRowsGiveExactZeroAndNoNaN) {
+  using Real = TypeParam;
+  Case c;
+  c.len = {0, 0, 0};
+  const index_t n = c.b * c.h * c.s * c.dh;
+  const auto q = test::uniform_vector<Real>(n, 1, "q"), k = test::uniform_vector<Real>(n, 2, "k"),
+             v = test::uniform_vector<Real>(n, 3, "v");
+  const auto r = run_forward(c, q, k, v, false, nullptr, Real(1));
+  for (Real x : r.ctx) EXPECT_EQ(x, Real(0));
+  for (Real x : r.probs) EXPECT_EQ(x, Real(0));
+  const auto g = test::uniform_vector<Real>(n, 4, "g");
+  std::vector<Real> dq(n, Real(0)), dk(n, Real(0)), dv(n, Real(0));
+  std::vector<Real> dp(r.probs.size()), ds(r.probs.size());
+  attention_backward(dq.data(), dk.data(), dv.data(), dp.data(), ds.data(), g.data(), q.data(),
+                     k.data(), v.data(), r.probs.data(), c.len.data(), nullptr, Real(1), c.b, c.h,
+                     c.s, c.dh);
+  for (const auto* t : {&dq, &dk, &dv, &ds})
+    for (Real x : *t) EXPECT_EQ(x, Real(0));
+}
+
+TEST(Attention, BackwardMatchesFiniteDifferences) {
+  const Case c;
+  const index_t n = c.b * c.h * c.s * c.dh, nss = c.b * c.h * c.s * c.s;
+  auto q = test::uniform_vector<double>(n, 1, "q", -1.5, 1.5);
+  auto k = test::uniform_vector<double>(n, 2, "k", -1.5, 1.5);
+  auto v = test::uniform_vector<double>(n, 3, "v", -1.5, 1.5);
+  const auto rc = test::uniform_vector<double>(n, 4, "r");
+  std::vector<std::uint8_t> mask(nss);
+  dropout_mask(mask.data(), nss, 9, "attn", 0.3);
+  for (bool causal : {false, true}) {
+    for (bool drop : {false, true}) {
+      const std::uint8_t* m = drop ? mask.data() : nullptr;
+      const double scale = dropout_scale<double>(0.3);
+      const auto r = run_forward(c, q, k, v, causal, m, scale);
+      std::vector<double> dq(n, 0.0), dk(n, 0.0), dv(n, 0.0), dp(nss), ds(nss);
+      attention_backward(dq.data(), dk.data(), dv.data(), dp.data(), ds.data(), rc.data(),
+                         q.data(), k.data(), v.data(), r.probs.data(), c.len.data(), m, scale,
+                         c.b, c.h, c.s, c.dh);
+      auto loss = [&] { return test::dot(run_forward(c, q, k, v, causal, m, scale).ctx, rc); };
+      const std::string what = std::string(causal ? "causal" : "padding") + (drop ? "+dropout" : "");
+      test::expect_gradient("dq " + what, q.data(), dq, loss);
+      test::expect_gradient("dk " + what, k.data(), dk, loss);
+      test::expect_gradient("dv " + what, v.data(), dv, loss);
+      // keys past a sequence's length get exactly zero gradient
+      for (index_t h = 0; h < c.h; ++h)
+        for (index_t j = 2; j < c.s; ++j)
+          for (index_t x = 0; x < c.dh; ++x) {
+            EXPECT_EQ(dk[((1 * c.h + h) * c.s + j) * c.dh + x], 0.0);
+            EXPECT_EQ(dv[((1 * c.h + h) * c.s + j) * c.dh + x], 0.0);
+          }
+    }
+  }
+}
+
+TYPED_TEST(Attention, SplitAndMergeHeadsAreInverse) {
+  using Real = TypeParam;
+  const index_t b = 2, s = 3, h = 4, dh = 5;
+  const auto x = test::uniform_vector<Real>(b * s * h * dh, 1, "x");
+  std::vector<Real> split(x.size()), back(x.size());
+  split_heads(split.data(), x.data(), b, s, h, dh);
+  merge_heads(back.data(), split.data(), b, s, h, dh);
+  EXPECT_EQ(back, x);
+  // element (b=1, s=2, head 3, c=4) lands at [1, 3, 2, 4]
+  EXPECT_EQ(split[((1 * h + 3) * s + 2) * dh + 4], x[((1 * s + 2) * h + 3) * dh + 4]);
+}
+
+}  // namespace
+}  // namespace teo

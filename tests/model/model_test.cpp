@@ -1,1 +1,260 @@
-#include <gtest/gtest.h>
+#include <cmath>
+#include <cstring>
+
+#include "support.hpp"
+
+namespace teo {
+namespace {
+
+EncoderConfig small_config() {
+  EncoderConfig c;
+  c.vocab_size = 13;
+  c.max_len = 9;
+  c.d_model = 12;
+  c.num_heads = 3;
+  c.d_ff = 20;
+  c.num_layers = 2;
+  c.num_classes = 5;
+  return c;
+}
+
+template <class Real>
+class Model : public ::testing::Test {};
+TYPED_TEST_SUITE(Model, test::Dtypes);
+
+TYPED_TEST(Model, EveryStageHasItsShape) {
+  using Real = TypeParam;
+  for (bool pre : {false, true}) {
+    EncoderConfig c = small_config();
+    c.norm_first = pre;
+    const auto p = Params<Real>::init(c, 1);
+    const Batch batch = Batch::random(c, 3, 7, 2, {7, 3, 0});
+    Activations<Real> a;
+    forward(p, batch, a);
+    EXPECT_EQ(a.embedding.shape(), Shape({3, 7, 12}));
+    EXPECT_EQ(a.positional.shape(), Shape({7, 12}));
+    for (const auto& l : a.layers) {
+      EXPECT_EQ(l.q.shape(), Shape({3, 3, 7, 4}));
+      EXPECT_EQ(l.scores.shape(), Shape({3, 3, 7, 7}));
+      EXPECT_EQ(l.probs.shape(), Shape({3, 3, 7, 7}));
+      EXPECT_EQ(l.context.shape(), Shape({3, 7, 12}));
+      EXPECT_EQ(l.ffn_hidden.shape(), Shape({3, 7, 20}));
+      EXPECT_EQ(l.output.shape(), Shape({3, 7, 12}));
+    }
+    EXPECT_EQ(a.final_norm.absent(), !pre);
+    EXPECT_EQ(a.pooled.shape(), Shape({3, 12}));
+    EXPECT_EQ(a.logits.shape(), Shape({3, 5}));
+    EXPECT_EQ(a.loss.numel(), 1);
+    Params<Real> g;
+    Activations<Real> da;
+    backward(p, batch, a, g, da);
+    // gradients mirror what they differentiate
+    auto ga = test::named(da);
+    for (const auto& [name, v] : test::named(a)) EXPECT_EQ(ga.at(name).size(), v.size()) << name;
+    auto gp = test::named(g);
+    for (const auto& [name, v] : test::named(p)) EXPECT_EQ(gp.at(name).size(), v.size()) << name;
+  }
+}
+
+TYPED_TEST(Model, ParametersFollowTheConfig) {
+  using Real = TypeParam;
+  EncoderConfig c = small_config();
+  std::vector<std::string> names;
+  Params<Real>::init(c, 0).visit([&](const std::string& n, const Tensor<Real>&) { names.push_back(n); });
+  EXPECT_EQ(names.front(), "embedding.weight");
+  EXPECT_EQ(names[1], "layers.0.attn.q.weight");
+  EXPECT_EQ(names.back(), "head.bias");
+  EXPECT_EQ(names.size(), 1u + 2 * 16 + 2);
+  c.norm_first = true;
+  c.positional = Positional::learned;
+  names.clear();
+  Params<Real>::init(c, 0).visit([&](const std::string& n, const Tensor<Real>&) { names.push_back(n); });
+  EXPECT_EQ(names[1], "pos_embedding.weight");
+  EXPECT_EQ(names[names.size() - 3], "final_norm.bias");
+}
+
+// The initialisation uses only integer arithmetic and correctly rounded operations, so these
+// checksums hold on every machine and compiler; a change here changes every golden file.
+TEST(Model, InitialisationIsBitReproducible) {
+  EncoderConfig c = small_config();
+  c.positional = Positional::learned;
+  std::uint64_t h = 0xCBF29CE484222325ull;
+  const auto p = Params<double>::init(c, 42);
+  p.visit([&](const std::string&, const Tensor<double>& t) {
+    const auto* bytes = reinterpret_cast<const unsigned char*>(t.data());
+    for (std::size_t i = 0; i < sizeof(double) * t.numel(); ++i) {
+      h ^= bytes[i];
+      h *= 0x100000001B3ull;
+    }
+  });
+  const auto q = Params<double>::init(c, 42);
+  const auto r = Params<double>::init(c, 43);
+  EXPECT_EQ(test::named(p), test::named(q));
+  EXPECT_NE(test::named(p), test::named(r));
+  EXPECT_EQ(h, 0x0c433ab0f3b7ae2aull) << std::hex << h;
+  // Linear weights lie within PyTorch's default bound 1/sqrt(in_features).
+  for (index_t i = 0; i < p.layers[0].fc2_weight.numel(); ++i)
+    EXPECT_LE(std::abs(p.layers[0].fc2_weight[i]), 1 / std::sqrt(20.0));
+}
+
+TYPED_TEST(Model, EmptySequenceGivesZerosNeverNaN) {
+  using Real = TypeParam;
+  for (Pooling pool : {Pooling::mean, Pooling::cls, Pooling::max}) {
+    for (bool pre : {false, true}) {
+      EncoderConfig c = small_config();
+      c.pooling = pool;
+      c.norm_first = pre;
+      c.causal = true;
+      const auto p = Params<Real>::init(c, 3);
+      const Batch batch = Batch::random(c, 2, 5, 4, {0, 5});
+      Activations<Real> a;
+      forward(p, batch, a);
+      for (const auto& l : a.layers) {
+        for (index_t i = 0; i < l.probs.numel() / 2; ++i) EXPECT_EQ(l.probs[i], Real(0));
+        for (index_t i = 0; i < l.context.numel() / 2; ++i) EXPECT_EQ(l.context[i], Real(0));
+      }
+      for (index_t c2 = 0; c2 < c.d_model; ++c2) EXPECT_EQ(a.pooled[c2], Real(0));
+      Params<Real> g;
+      Activations<Real> da;
+      backward(p, batch, a, g, da);
+      for (const auto& [name, v] : test::named(g))
+        for (double x : v) ASSERT_TRUE(std::isfinite(x)) << name;
+      for (const auto& [name, v] : test::named(da))
+        for (double x : v) ASSERT_TRUE(std::isfinite(x)) << name;
+      for (index_t i = 0; i < da.input.numel() / 2; ++i) EXPECT_EQ(da.input[i], Real(0));
+    }
+  }
+}
+
+TYPED_TEST(Model, EmptyBatchGivesEmptyOutputsAndZeroLoss) {
+  using Real = TypeParam;
+  const EncoderConfig c = small_config();
+  const auto p = Params<Real>::init(c, 3);
+  const Batch batch = Batch::random(c, 0, 4, 4);
+  Activations<Real> a;
+  forward(p, batch, a);
+  EXPECT_EQ(a.logits.shape(), Shape({0, 5}));
+  EXPECT_EQ(a.loss[0], Real(0));
+  Params<Real> g;
+  Activations<Real> da;
+  backward(p, batch, a, g, da);
+  for (const auto& [name, v] : test::named(g))
+    for (double x : v) EXPECT_EQ(x, 0.0) << name;
+}
+
+template <class E, class F>
+void expect_error_naming(F&& f, const std::string& needle) {
+  try {
+    f();
+    ADD_FAILURE() << "no exception; expected one naming " << needle;
+  } catch (const E& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+  }
+}
+
+TYPED_TEST(Model, BadInputIsRejectedByNameAndChangesNothing) {
+  using Real = TypeParam;
+  const EncoderConfig c = small_config();
+  const auto p = Params<Real>::init(c, 3);
+  const Batch good = Batch::random(c, 2, 4, 4);
+  Activations<Real> a;
+  forward(p, good, a);
+  const Activations<Real> before = a;
+  auto run = [&](const Batch& b) { return [&, b] { forward(p, b, a); }; };
+
+  Batch bad = good;
+  bad.tokens[5] = 13;
+  expect_error_naming<InputError>(run(bad), "tokens[1][1] = 13");
+  bad = good;
+  bad.tokens[0] = -1;
+  expect_error_naming<InputError>(run(bad), "tokens[0][0] = -1");
+  bad = good;
+  bad.labels[1] = 5;
+  expect_error_naming<InputError>(run(bad), "labels[1] = 5");
+  bad = good;
+  bad.lengths[0] = 5;
+  expect_error_naming<ShapeError>(run(bad), "lengths[0] = 5");
+  bad = good;
+  bad.lengths[1] = -1;
+  expect_error_naming<ShapeError>(run(bad), "lengths[1] = -1");
+  bad = good;
+  bad.tokens.pop_back();
+  expect_error_naming<ShapeError>(run(bad), "tokens");
+  bad = Batch::random(c, 1, 9, 1);
+  bad.seq_len = 10;
+  bad.tokens.resize(10, 0);
+  expect_error_naming<ShapeError>(run(bad), "max_len 9");
+  EXPECT_TRUE(test::bitwise_equal(a, before));  // every rejected call left acts untouched
+
+  bad = good;
+  bad.batch = index_t{1} << 62;
+  expect_error_naming<ShapeError>(run(bad), "overflows");
+  EXPECT_TRUE(test::bitwise_equal(a, before));
+}
+
+TYPED_TEST(Model, ForwardIsDeterministicAndDropoutFollowsTheSeed) {
+  using Real = TypeParam;
+  EncoderConfig c = small_config();
+  c.dropout = 0.3;
+  const auto p = Params<Real>::init(c, 3);
+  const Batch batch = Batch::random(c, 3, 6, 4, {6, 2, 5});
+  Activations<Real> a1, a2, a3, eval1, eval0;
+  forward(p, batch, a1, {.train = true, .dropout_seed = 7});
+  forward(p, batch, a2, {.train = true, .dropout_seed = 7});
+  forward(p, batch, a3, {.train = true, .dropout_seed = 8});
+  EXPECT_TRUE(test::bitwise_equal(a1, a2));
+  EXPECT_FALSE(test::bitwise_equal(a1, a3));
+  EXPECT_EQ(a1.input_mask.size(), static_cast<std::size_t>(3 * 6 * 12));
+  EXPECT_EQ(a1.layers[0].masks.attn.size(), static_cast<std::size_t>(3 * 3 * 6 * 6));
+  // eval mode is the identity at every site and equals dropout = 0
+  forward(p, batch, eval1, {.train = false});
+  EncoderConfig c0 = c;
+  c0.dropout = 0;
+  Params<Real> p0 = p;
+  p0.config = c0;
+  forward(p0, batch, eval0);
+  EXPECT_TRUE(eval1.input_mask.empty());
+  EXPECT_TRUE(test::bitwise_equal(eval1, eval0));
+}
+
+// The float forward and backward agree with the double ones run on the same (float-valued)
+// parameters. Tolerance: 1e-4 of each tensor's largest magnitude. Float's unit roundoff is 6e-8;
+// two layers of LayerNorm, softmax and GEMMs of length <= 20 amplify it by well under 1e3 here.
+TEST(Model, FloatAgreesWithDouble) {
+  for (bool pre : {false, true}) {
+    for (Activation act : {Activation::relu, Activation::gelu, Activation::gelu_tanh}) {
+      EncoderConfig c = small_config();
+      c.norm_first = pre;
+      c.activation = act;
+      c.causal = pre;
+      c.label_smoothing = 0.1;
+      c.dropout = 0.1;
+      const auto pf = Params<float>::init(c, 5);
+      const auto pd = test::to_double_params(pf);
+      const Batch batch = Batch::random(c, 3, 8, 6, {8, 1, 5});
+      Activations<float> af, gaf;
+      Activations<double> ad, gad;
+      Params<float> gf;
+      Params<double> gd;
+      forward(pf, batch, af, {.dropout_seed = 3});
+      forward(pd, batch, ad, {.dropout_seed = 3});
+      backward(pf, batch, af, gf, gaf);
+      backward(pd, batch, ad, gd, gad);
+      const auto nf = test::named(af), nd = test::named(ad);
+      for (const auto& [name, v] : nd) EXPECT_LE(test::compare(nf.at(name), v), 1e-4) << name;
+      const auto gnf = test::named(gaf), gnd = test::named(gad);
+      for (const auto& [name, v] : gnd) EXPECT_LE(test::compare(gnf.at(name), v), 1e-4) << "grad.act." << name;
+      // Some parameter gradients are exactly 0 in exact arithmetic (attn.k.bias: softmax ignores a
+      // shift shared by a row), so each is judged against at least 1% of the largest gradient.
+      const auto pnf = test::named(gf), pnd = test::named(gd);
+      double largest = 0;
+      for (const auto& [name, v] : pnd)
+        for (double x : v) largest = std::max(largest, std::abs(x));
+      for (const auto& [name, v] : pnd)
+        EXPECT_LE(test::compare(pnf.at(name), v, 1e-2 * largest), 1e-4) << "grad." << name;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace teo

@@ -11,9 +11,12 @@ namespace teo {
 
 const char* to_string(Activation a) {
   switch (a) {
-    case Activation::relu: return "relu";
-    case Activation::gelu: return "gelu";
-    case Activation::gelu_tanh: return "gelu_tanh";
+    case Activation::relu:
+      return "relu";
+    case Activation::gelu:
+      return "gelu";
+    case Activation::gelu_tanh:
+      return "gelu_tanh";
   }
   return "?";
 }
@@ -22,9 +25,12 @@ const char* to_string(Positional p) {
 }
 const char* to_string(Pooling p) {
   switch (p) {
-    case Pooling::mean: return "mean";
-    case Pooling::cls: return "cls";
-    case Pooling::max: return "max";
+    case Pooling::mean:
+      return "mean";
+    case Pooling::cls:
+      return "cls";
+    case Pooling::max:
+      return "max";
   }
   return "?";
 }
@@ -50,7 +56,8 @@ index_t get_int(const nlohmann::json& v, const std::string& key) {
     }
     return v.get<index_t>();
   }
-  throw ConfigError(key + " must be an integer, got " + std::string(v.type_name()) + " " + v.dump());
+  throw ConfigError(key + " must be an integer, got " + std::string(v.type_name()) + " " +
+                    v.dump());
 }
 
 double get_real(const nlohmann::json& v, const std::string& key) {
@@ -102,16 +109,22 @@ void EncoderConfig::validate() const {
   if (!(label_smoothing >= 0.0 && label_smoothing <= 1.0)) {
     throw ConfigError("label_smoothing must be in [0, 1], got " + fmt(label_smoothing));
   }
-  // Parameter tensors: every element and byte count must fit in 64 bits (double is the widest).
-  const index_t bytes = sizeof(double);
-  checked_mul(checked_mul(vocab_size, d_model, "embedding.weight"), bytes, "embedding.weight bytes");
-  checked_mul(checked_mul(max_len, d_model, "pos_embedding.weight"), bytes,
-              "pos_embedding.weight bytes");
-  checked_mul(checked_mul(d_model, d_model, "attn weight"), bytes, "attn weight bytes");
-  checked_mul(checked_mul(d_ff, d_model, "ffn weight"), bytes, "ffn weight bytes");
-  checked_mul(checked_mul(num_classes, d_model, "head.weight"), bytes, "head.weight bytes");
-  checked_mul(checked_mul(checked_mul(d_ff, d_model, "ffn weight"), 2 * bytes, "layer bytes"),
-              num_layers + 1, "all layer bytes");
+  // Every parameter tensor, and all of them together, must have an element and byte count that
+  // fits in 64 bits (double is the widest dtype).
+  const index_t d = d_model;
+  const index_t embed = checked_mul(vocab_size, d, "embedding.weight");
+  const index_t pos = checked_mul(max_len, d, "pos_embedding.weight");
+  const index_t attn = checked_add(checked_mul(checked_mul(d, d, "attn weight"), 4, "attn weights"),
+                                   checked_mul(d, 8, "attn and norm biases"), "attention");
+  const index_t ffn = checked_add(checked_mul(checked_mul(d_ff, d, "ffn weight"), 2, "ffn weights"),
+                                  checked_add(d_ff, d, "ffn biases"), "ffn");
+  const index_t layers = checked_mul(checked_add(attn, ffn, "layer"), num_layers, "all layers");
+  const index_t head = checked_add(checked_mul(num_classes, d, "head.weight"), num_classes, "head");
+  const index_t total =
+      checked_add(checked_add(checked_add(embed, pos, "embeddings"),
+                              checked_add(layers, head, "layers + head"), "parameters"),
+                  checked_mul(d, 2, "final_norm"), "parameters");
+  checked_mul(total, static_cast<index_t>(sizeof(double)), "parameter bytes");
 }
 
 EncoderConfig EncoderConfig::from_json(const nlohmann::json& j) {
@@ -120,36 +133,61 @@ EncoderConfig EncoderConfig::from_json(const nlohmann::json& j) {
   }
   EncoderConfig c;
   for (const auto& [key, v] : j.items()) {
-    if (key == "vocab_size") c.vocab_size = get_int(v, key);
-    else if (key == "max_len") c.max_len = get_int(v, key);
-    else if (key == "d_model") c.d_model = get_int(v, key);
-    else if (key == "num_heads") c.num_heads = get_int(v, key);
-    else if (key == "d_ff") c.d_ff = get_int(v, key);
-    else if (key == "num_layers") c.num_layers = get_int(v, key);
-    else if (key == "num_classes") c.num_classes = get_int(v, key);
-    else if (key == "norm_first") c.norm_first = get_bool(v, key);
-    else if (key == "embed_scale") c.embed_scale = get_bool(v, key);
-    else if (key == "causal") c.causal = get_bool(v, key);
-    else if (key == "layer_norm_eps") c.layer_norm_eps = get_real(v, key);
-    else if (key == "dropout") c.dropout = get_real(v, key);
-    else if (key == "label_smoothing") c.label_smoothing = get_real(v, key);
+    if (key == "vocab_size")
+      c.vocab_size = get_int(v, key);
+    else if (key == "max_len")
+      c.max_len = get_int(v, key);
+    else if (key == "d_model")
+      c.d_model = get_int(v, key);
+    else if (key == "num_heads")
+      c.num_heads = get_int(v, key);
+    else if (key == "d_ff")
+      c.d_ff = get_int(v, key);
+    else if (key == "num_layers")
+      c.num_layers = get_int(v, key);
+    else if (key == "num_classes")
+      c.num_classes = get_int(v, key);
+    else if (key == "norm_first")
+      c.norm_first = get_bool(v, key);
+    else if (key == "embed_scale")
+      c.embed_scale = get_bool(v, key);
+    else if (key == "causal")
+      c.causal = get_bool(v, key);
+    else if (key == "layer_norm_eps")
+      c.layer_norm_eps = get_real(v, key);
+    else if (key == "dropout")
+      c.dropout = get_real(v, key);
+    else if (key == "label_smoothing")
+      c.label_smoothing = get_real(v, key);
     else if (key == "activation") {
       const std::string s = get_string(v, key);
-      if (s == "relu") c.activation = Activation::relu;
-      else if (s == "gelu") c.activation = Activation::gelu;
-      else if (s == "gelu_tanh") c.activation = Activation::gelu_tanh;
-      else throw ConfigError("activation must be \"relu\", \"gelu\" or \"gelu_tanh\", got \"" + s + "\"");
+      if (s == "relu")
+        c.activation = Activation::relu;
+      else if (s == "gelu")
+        c.activation = Activation::gelu;
+      else if (s == "gelu_tanh")
+        c.activation = Activation::gelu_tanh;
+      else
+        throw ConfigError("activation must be \"relu\", \"gelu\" or \"gelu_tanh\", got \"" + s +
+                          "\"");
     } else if (key == "positional") {
       const std::string s = get_string(v, key);
-      if (s == "sinusoidal") c.positional = Positional::sinusoidal;
-      else if (s == "learned") c.positional = Positional::learned;
-      else throw ConfigError("positional must be \"sinusoidal\" or \"learned\", got \"" + s + "\"");
+      if (s == "sinusoidal")
+        c.positional = Positional::sinusoidal;
+      else if (s == "learned")
+        c.positional = Positional::learned;
+      else
+        throw ConfigError("positional must be \"sinusoidal\" or \"learned\", got \"" + s + "\"");
     } else if (key == "pooling") {
       const std::string s = get_string(v, key);
-      if (s == "mean") c.pooling = Pooling::mean;
-      else if (s == "cls") c.pooling = Pooling::cls;
-      else if (s == "max") c.pooling = Pooling::max;
-      else throw ConfigError("pooling must be \"mean\", \"cls\" or \"max\", got \"" + s + "\"");
+      if (s == "mean")
+        c.pooling = Pooling::mean;
+      else if (s == "cls")
+        c.pooling = Pooling::cls;
+      else if (s == "max")
+        c.pooling = Pooling::max;
+      else
+        throw ConfigError("pooling must be \"mean\", \"cls\" or \"max\", got \"" + s + "\"");
     } else {
       throw ConfigError("unknown config key \"" + key + "\"");
     }
@@ -215,19 +253,20 @@ void validate_batch_shape(const EncoderConfig& cfg, const BatchShape& s, std::si
   const index_t scores = checked_mul(checked_mul(tokens, cfg.num_heads, "batch x heads x seq_len"),
                                      s.seq_len, "batch x heads x seq_len x seq_len");
   checked_mul(scores, bytes, "attention scores bytes");
-  checked_mul(checked_mul(s.batch, cfg.num_classes, "batch x num_classes"), bytes,
-              "logits bytes");
+  checked_mul(checked_mul(s.batch, cfg.num_classes, "batch x num_classes"), bytes, "logits bytes");
   // Everything the forward keeps, all layers together: a loose upper bound of 16 (B,S,D)-sized,
   // 4 (B,S,F)-sized and 3 (B,H,S,S)-sized buffers per layer.
   const index_t per_layer = [&] {
     index_t a = checked_mul(checked_mul(tokens, cfg.d_model, "act"), 16, "layer activations");
     index_t b = checked_mul(checked_mul(tokens, cfg.d_ff, "act"), 4, "layer activations");
     index_t c = checked_mul(scores, 3, "layer activations");
-    if (a > INT64_MAX - b || a + b > INT64_MAX - c) throw ShapeError("layer activations overflow 64 bits");
+    if (a > INT64_MAX - b || a + b > INT64_MAX - c)
+      throw ShapeError("layer activations overflow 64 bits");
     return a + b + c;
   }();
-  checked_mul(checked_mul(per_layer, cfg.num_layers + 1, "all activations"), bytes,
-              "all activation bytes");
+  checked_mul(
+      checked_mul(per_layer, checked_add(cfg.num_layers, 1, "num_layers + 1"), "all activations"),
+      bytes, "all activation bytes");
 }
 
 }  // namespace teo

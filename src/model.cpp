@@ -23,6 +23,16 @@ Batch Batch::random(const EncoderConfig& cfg, index_t batch, index_t seq_len, st
                     std::vector<std::int64_t> lengths) {
   cfg.validate();
   validate_batch_shape(cfg, {batch, seq_len}, sizeof(double));
+  if (!lengths.empty() && lengths.size() != static_cast<std::size_t>(batch)) {
+    throw ShapeError("lengths has " + std::to_string(lengths.size()) +
+                     " elements, expected batch = " + std::to_string(batch));
+  }
+  for (std::size_t i = 0; i < lengths.size(); ++i) {
+    if (lengths[i] < 0 || lengths[i] > seq_len) {
+      throw ShapeError("lengths[" + std::to_string(i) + "] = " + std::to_string(lengths[i]) +
+                       " is outside [0, seq_len = " + std::to_string(seq_len) + "]");
+    }
+  }
   Batch b;
   b.batch = batch;
   b.seq_len = seq_len;
@@ -88,10 +98,12 @@ Params<Real> Params<Real>::zeros(const EncoderConfig& cfg) {
   Params p;
   p.config = cfg;
   p.embedding_weight = Tensor<Real>({cfg.vocab_size, d});
-  if (cfg.positional == Positional::learned) p.pos_embedding_weight = Tensor<Real>({cfg.max_len, d});
+  if (cfg.positional == Positional::learned)
+    p.pos_embedding_weight = Tensor<Real>({cfg.max_len, d});
   p.layers.resize(static_cast<std::size_t>(cfg.num_layers));
   for (auto& l : p.layers) {
-    for (Tensor<Real>* w : {&l.q_weight, &l.k_weight, &l.v_weight, &l.o_weight}) *w = Tensor<Real>({d, d});
+    for (Tensor<Real>* w : {&l.q_weight, &l.k_weight, &l.v_weight, &l.o_weight})
+      *w = Tensor<Real>({d, d});
     for (Tensor<Real>* b : {&l.q_bias, &l.k_bias, &l.v_bias, &l.o_bias, &l.norm1_weight,
                             &l.norm1_bias, &l.norm2_weight, &l.norm2_bias, &l.fc2_bias})
       *b = Tensor<Real>({d});
@@ -111,7 +123,8 @@ Params<Real> Params<Real>::zeros(const EncoderConfig& cfg) {
 namespace {
 
 bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+  return s.size() >= suffix.size() &&
+         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
 }  // namespace
@@ -130,7 +143,7 @@ Params<Real> Params<Real>::init(const EncoderConfig& cfg, std::uint64_t seed) {
       bound = std::sqrt(3.0);  // variance 1, like PyTorch's N(0, 1) embedding
     } else {
       // Linear: PyTorch's default bound 1 / sqrt(in_features) for weight and bias alike.
-      const index_t in_features = ends_with(name, ".weight") ? t.dim(1)
+      const index_t in_features = ends_with(name, ".weight")              ? t.dim(1)
                                   : name.find("fc2") != std::string::npos ? cfg.d_ff
                                                                           : cfg.d_model;
       bound = 1.0 / std::sqrt(static_cast<double>(in_features));
@@ -154,8 +167,8 @@ struct Dims {
 };
 
 Dims dims_of(const EncoderConfig& c, const Batch& b) {
-  return {b.batch, b.seq_len, c.d_model, c.num_heads, c.d_head(), c.d_ff, c.num_classes,
-          b.batch * b.seq_len};
+  return {b.batch,    b.seq_len, c.d_model,     c.num_heads,
+          c.d_head(), c.d_ff,    c.num_classes, b.batch * b.seq_len};
 }
 
 template <class Real>
@@ -233,8 +246,8 @@ void layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P, LayerAc
   const index_t nd = d.N * d.D;
   const Real eps = static_cast<Real>(cfg.layer_norm_eps);
   const double p = cfg.dropout;
-  Tensor<Real> tmp({d.B, d.S, d.D});           // (B, S, D) scratch
-  Tensor<Real> ctx({d.B, d.H, d.S, d.Dh});     // (B, H, S, Dh) scratch
+  Tensor<Real> tmp({d.B, d.S, d.D});        // (B, S, D) scratch
+  Tensor<Real> ctx({d.B, d.H, d.S, d.Dh});  // (B, H, S, Dh) scratch
 
   const Real* attn_in = x;
   if (cfg.norm_first) {
@@ -258,27 +271,25 @@ void layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P, LayerAc
   } else {
     L.masks.attn.clear();
   }
-  attention_forward(ctx.data(), L.scores.data(), L.probs.data(), L.q.data(), L.k.data(),
-                    L.v.data(), batch.lengths.data(), drop_attn ? L.masks.attn.data() : nullptr,
+  attention_forward(ctx.data(), L.scores.data(), L.probs.data(), L.q.data(), L.k.data(), L.v.data(),
+                    batch.lengths.data(), drop_attn ? L.masks.attn.data() : nullptr,
                     dropout_scale<Real>(p), d.B, d.H, d.S, d.Dh, cfg.causal);
   merge_heads(L.context.data(), ctx.data(), d.B, d.S, d.H, d.Dh);
   linear_forward(L.attn_out.data(), L.context.data(), P.o_weight.data(), P.o_bias.data(), d.N, d.D,
                  d.D);
   // residual1 = x + dropout(attn_out)
-  apply_dropout(tmp.data(), L.attn_out.data(), L.masks.residual1, nd, prefix + "residual1", p,
-                drop, seed);
+  apply_dropout(tmp.data(), L.attn_out.data(), L.masks.residual1, nd, prefix + "residual1", p, drop,
+                seed);
   for (index_t i = 0; i < nd; ++i) L.residual1[i] = x[i] + tmp[i];
 
   const Real* ffn_in;  // the FFN's input, and the second residual's base
   if (cfg.norm_first) {
-    layer_norm_forward(L.norm2.data(), L.norm2_mean.data(), L.norm2_rstd.data(),
-                       L.residual1.data(), P.norm2_weight.data(), P.norm2_bias.data(), d.N, d.D,
-                       eps);
+    layer_norm_forward(L.norm2.data(), L.norm2_mean.data(), L.norm2_rstd.data(), L.residual1.data(),
+                       P.norm2_weight.data(), P.norm2_bias.data(), d.N, d.D, eps);
     ffn_in = L.norm2.data();
   } else {
-    layer_norm_forward(L.norm1.data(), L.norm1_mean.data(), L.norm1_rstd.data(),
-                       L.residual1.data(), P.norm1_weight.data(), P.norm1_bias.data(), d.N, d.D,
-                       eps);
+    layer_norm_forward(L.norm1.data(), L.norm1_mean.data(), L.norm1_rstd.data(), L.residual1.data(),
+                       P.norm1_weight.data(), P.norm1_bias.data(), d.N, d.D, eps);
     ffn_in = L.norm1.data();
   }
   const Real* base = cfg.norm_first ? L.residual1.data() : L.norm1.data();
@@ -299,9 +310,8 @@ void layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P, LayerAc
   if (cfg.norm_first) {
     copy(L.output.data(), L.residual2.data(), nd);
   } else {
-    layer_norm_forward(L.norm2.data(), L.norm2_mean.data(), L.norm2_rstd.data(),
-                       L.residual2.data(), P.norm2_weight.data(), P.norm2_bias.data(), d.N, d.D,
-                       eps);
+    layer_norm_forward(L.norm2.data(), L.norm2_mean.data(), L.norm2_rstd.data(), L.residual2.data(),
+                       P.norm2_weight.data(), P.norm2_bias.data(), d.N, d.D, eps);
     copy(L.output.data(), L.norm2.data(), nd);
   }
 }
@@ -339,12 +349,12 @@ void layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P, const 
                     L.ffn_hidden.numel(), scale);
   }
   Tensor<Real> dhidden_dropped({d.B, d.S, d.F});
-  linear_backward(dhidden_dropped.data(), G.fc2_weight.data(), G.fc2_bias.data(),
-                  dL.ffn_out.data(), hidden_dropped.data(), P.fc2_weight.data(), d.N, d.F, d.D);
+  linear_backward(dhidden_dropped.data(), G.fc2_weight.data(), G.fc2_bias.data(), dL.ffn_out.data(),
+                  hidden_dropped.data(), P.fc2_weight.data(), d.N, d.F, d.D);
   accumulate_dropout_grad(dL.ffn_hidden.data(), dhidden_dropped.data(), L.masks.ffn,
                           dL.ffn_hidden.numel(), p);
-  activation_backward(dL.ffn_pre.data(), dL.ffn_hidden.data(), L.ffn_pre.data(),
-                      L.ffn_pre.numel(), cfg.activation);
+  activation_backward(dL.ffn_pre.data(), dL.ffn_hidden.data(), L.ffn_pre.data(), L.ffn_pre.numel(),
+                      cfg.activation);
   // ffn_pre = fc1(ffn_in); ffn_in = norm2 (pre) or norm1 (post)
   const Real* ffn_in = cfg.norm_first ? L.norm2.data() : L.norm1.data();
   Real* dffn_in = cfg.norm_first ? dL.norm2.data() : dL.norm1.data();
@@ -385,13 +395,12 @@ void layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P, const 
       {&G.q_weight, &G.q_bias}, {&G.k_weight, &G.k_bias}, {&G.v_weight, &G.v_bias}};
   for (int i = 0; i < 3; ++i) {
     merge_heads(tmp.data(), dheads[i]->data(), d.B, d.S, d.H, d.Dh);
-    linear_backward(dattn_in, gproj[i].first->data(), gproj[i].second->data(), tmp.data(),
-                    attn_in, weights[i]->data(), d.N, d.D, d.D);
+    linear_backward(dattn_in, gproj[i].first->data(), gproj[i].second->data(), tmp.data(), attn_in,
+                    weights[i]->data(), d.N, d.D, d.D);
   }
   if (cfg.norm_first) {
     layer_norm_backward(dx, G.norm1_weight.data(), G.norm1_bias.data(), dL.norm1.data(), x,
-                        P.norm1_weight.data(), L.norm1_mean.data(), L.norm1_rstd.data(), d.N,
-                        d.D);
+                        P.norm1_weight.data(), L.norm1_mean.data(), L.norm1_rstd.data(), d.N, d.D);
   }
 }
 
@@ -406,10 +415,10 @@ void forward(const Params<Real>& params, const Batch& batch, Activations<Real>& 
   const Dims d = dims_of(cfg, batch);
   allocate(acts, cfg, d);
 
-  const Real scale = cfg.embed_scale ? static_cast<Real>(std::sqrt(static_cast<double>(d.D)))
-                                     : Real(1);
-  embedding_forward(acts.embedding.data(), batch.tokens.data(), params.embedding_weight.data(),
-                    d.N, d.D, scale);
+  const Real scale =
+      cfg.embed_scale ? static_cast<Real>(std::sqrt(static_cast<double>(d.D))) : Real(1);
+  embedding_forward(acts.embedding.data(), batch.tokens.data(), params.embedding_weight.data(), d.N,
+                    d.D, scale);
   if (cfg.positional == Positional::sinusoidal) {
     sinusoidal_table(acts.positional.data(), d.S, d.D);
   } else {
@@ -453,9 +462,9 @@ void encoder_forward(const Params<Real>& params, const Batch& batch, Activations
                   d.D, cfg.pooling);
   linear_forward(acts.logits.data(), acts.pooled.data(), params.head_weight.data(),
                  params.head_bias.data(), d.B, d.D, d.C);
-  acts.loss[0] = cross_entropy_forward(acts.class_probs.data(), acts.logits.data(),
-                                       batch.labels.data(), d.B, d.C,
-                                       static_cast<Real>(cfg.label_smoothing));
+  acts.loss[0] =
+      cross_entropy_forward(acts.class_probs.data(), acts.logits.data(), batch.labels.data(), d.B,
+                            d.C, static_cast<Real>(cfg.label_smoothing));
 }
 
 template <class Real>
@@ -487,10 +496,9 @@ void backward(const Params<Real>& params, const Batch& batch, const Activations<
   pooling_backward(dtop, dacts.pooled.data(), acts.pool_argmax.data(), batch.lengths.data(), d.B,
                    d.S, d.D, cfg.pooling);
   if (cfg.norm_first) {
-    layer_norm_backward(dlast.data(), grads.final_norm_weight.data(),
-                        grads.final_norm_bias.data(), dacts.final_norm.data(), last,
-                        params.final_norm_weight.data(), acts.final_norm_mean.data(),
-                        acts.final_norm_rstd.data(), d.N, d.D);
+    layer_norm_backward(dlast.data(), grads.final_norm_weight.data(), grads.final_norm_bias.data(),
+                        dacts.final_norm.data(), last, params.final_norm_weight.data(),
+                        acts.final_norm_mean.data(), acts.final_norm_rstd.data(), d.N, d.D);
   }
   for (std::size_t i = acts.layers.size(); i-- > 0;) {
     Real* dx = i > 0 ? dacts.layers[i - 1].output.data() : dacts.input.data();
@@ -500,26 +508,25 @@ void backward(const Params<Real>& params, const Batch& batch, const Activations<
   }
   // input = dropout(embedding + positional)
   Tensor<Real> dsum({d.B, d.S, d.D});
-  accumulate_dropout_grad(dsum.data(), dacts.input.data(), acts.input_mask, d.N * d.D,
-                          cfg.dropout);
+  accumulate_dropout_grad(dsum.data(), dacts.input.data(), acts.input_mask, d.N * d.D, cfg.dropout);
   copy(dacts.embedding.data(), dsum.data(), d.N * d.D);
   add_positional_backward(dacts.positional.data(), dsum.data(), d.B, d.S, d.D);
   if (cfg.positional == Positional::learned) {
     add(grads.pos_embedding_weight.data(), dacts.positional.data(), d.S * d.D);
   }
-  const Real scale = cfg.embed_scale ? static_cast<Real>(std::sqrt(static_cast<double>(d.D)))
-                                     : Real(1);
+  const Real scale =
+      cfg.embed_scale ? static_cast<Real>(std::sqrt(static_cast<double>(d.D))) : Real(1);
   embedding_backward(grads.embedding_weight.data(), dacts.embedding.data(), batch.tokens.data(),
                      d.N, d.D, scale);
 }
 
-#define TEO_INSTANTIATE(Real)                                                                 \
-  template struct Params<Real>;                                                               \
-  template void forward<Real>(const Params<Real>&, const Batch&, Activations<Real>&,          \
-                              const ForwardOptions&);                                         \
-  template void encoder_forward<Real>(const Params<Real>&, const Batch&, Activations<Real>&,  \
-                                      const ForwardOptions&);                                 \
-  template void backward<Real>(const Params<Real>&, const Batch&, const Activations<Real>&,   \
+#define TEO_INSTANTIATE(Real)                                                                \
+  template struct Params<Real>;                                                              \
+  template void forward<Real>(const Params<Real>&, const Batch&, Activations<Real>&,         \
+                              const ForwardOptions&);                                        \
+  template void encoder_forward<Real>(const Params<Real>&, const Batch&, Activations<Real>&, \
+                                      const ForwardOptions&);                                \
+  template void backward<Real>(const Params<Real>&, const Batch&, const Activations<Real>&,  \
                                Params<Real>&, Activations<Real>&);
 TEO_INSTANTIATE(float)
 TEO_INSTANTIATE(double)

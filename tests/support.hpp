@@ -37,7 +37,8 @@ void fill_uniform(Real* p, index_t n, std::uint64_t seed, const std::string& nam
                   double hi) {
   const std::uint64_t s = rng::stream_id(name);
   for (index_t i = 0; i < n; ++i)
-    p[i] = static_cast<Real>(lo + (hi - lo) * rng::uniform01(seed, s, static_cast<std::uint64_t>(i)));
+    p[i] =
+        static_cast<Real>(lo + (hi - lo) * rng::uniform01(seed, s, static_cast<std::uint64_t>(i)));
 }
 template <class Real>
 std::vector<Real> uniform_vector(index_t n, std::uint64_t seed, const std::string& name,
@@ -52,8 +53,8 @@ std::vector<Real> uniform_vector(index_t n, std::uint64_t seed, const std::strin
 template <class Real>
 void randomise(Params<Real>& p, std::uint64_t seed, double scale = 0.5) {
   p.visit([&](const std::string& name, Tensor<Real>& t) {
-    const bool norm_weight = name.find("norm") != std::string::npos &&
-                             name.find(".weight") != std::string::npos;
+    const bool norm_weight =
+        name.find("norm") != std::string::npos && name.find(".weight") != std::string::npos;
     fill_uniform(t.data(), t.numel(), seed, name, norm_weight ? 0.5 : -scale,
                  norm_weight ? 1.5 : scale);
   });
@@ -191,13 +192,15 @@ inline double compare(const std::vector<double>& a, const std::vector<double>& r
 template <class Real>
 std::map<std::string, std::vector<double>> named(const Activations<Real>& a) {
   std::map<std::string, std::vector<double>> m;
-  a.visit([&](const std::string& n, const Tensor<Real>& t) { m[n] = to_double(t.data(), t.numel()); });
+  a.visit(
+      [&](const std::string& n, const Tensor<Real>& t) { m[n] = to_double(t.data(), t.numel()); });
   return m;
 }
 template <class Real>
 std::map<std::string, std::vector<double>> named(const Params<Real>& p) {
   std::map<std::string, std::vector<double>> m;
-  p.visit([&](const std::string& n, const Tensor<Real>& t) { m[n] = to_double(t.data(), t.numel()); });
+  p.visit(
+      [&](const std::string& n, const Tensor<Real>& t) { m[n] = to_double(t.data(), t.numel()); });
   return m;
 }
 

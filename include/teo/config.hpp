@@ -53,7 +53,8 @@ struct EncoderConfig {
 };
 
 // The shape of one forward/backward call. Validated against a config before anything is
-// allocated: seq_len in [1, max_len], batch >= 0, and every activation's byte count fits in 64 bits.
+// allocated: seq_len in [1, max_len], batch >= 0, and every activation's byte count fits in 64
+// bits.
 struct BatchShape {
   index_t batch = 0;
   index_t seq_len = 0;

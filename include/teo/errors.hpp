@@ -45,4 +45,14 @@ inline index_t checked_mul(index_t a, index_t b, const std::string& what) {
   return r;
 }
 
+// a + b for non-negative sizes, or ShapeError naming `what` on overflow.
+inline index_t checked_add(index_t a, index_t b, const std::string& what) {
+  index_t r = 0;
+  if (a < 0 || b < 0 || __builtin_add_overflow(a, b, &r)) {
+    throw ShapeError(what + ": size " + std::to_string(a) + " + " + std::to_string(b) +
+                     " overflows 64 bits");
+  }
+  return r;
+}
+
 }  // namespace teo

@@ -31,10 +31,11 @@ void validate_batch(const EncoderConfig& cfg, const Batch& batch, std::size_t re
 
 template <class Real>
 struct LayerParams {
-  Tensor<Real> q_weight, q_bias, k_weight, k_bias, v_weight, v_bias, o_weight, o_bias;  // (D, D), (D)
-  Tensor<Real> norm1_weight, norm1_bias, norm2_weight, norm2_bias;                      // (D)
-  Tensor<Real> fc1_weight, fc1_bias;  // (F, D), (F)
-  Tensor<Real> fc2_weight, fc2_bias;  // (D, F), (D)
+  Tensor<Real> q_weight, q_bias, k_weight, k_bias, v_weight, v_bias, o_weight,
+      o_bias;                                                       // (D, D), (D)
+  Tensor<Real> norm1_weight, norm1_bias, norm2_weight, norm2_bias;  // (D)
+  Tensor<Real> fc1_weight, fc1_bias;                                // (F, D), (F)
+  Tensor<Real> fc2_weight, fc2_bias;                                // (D, F), (D)
 };
 
 // Every parameter of a config, named by the paths in docs/semantics.md. The same type holds the
@@ -129,21 +130,22 @@ struct LayerActs {
 };
 
 // What forward keeps. The same type holds the gradients of the loss with respect to each named
-// activation (the saved statistics and masks are left empty there).
+// activation; there the masks and pool_argmax are empty and the saved statistics (*_mean, *_rstd,
+// class_probs) are allocated but stay 0, since they are not differentiated.
 template <class Real>
 struct Activations {
   bool norm_first = false;
-  Tensor<Real> embedding;   // (B, S, D), scaled token embeddings
-  Tensor<Real> positional;  // (S, D), the positional table rows used
-  Tensor<Real> input;       // (B, S, D), dropout(embedding + positional)
+  Tensor<Real> embedding;                // (B, S, D), scaled token embeddings
+  Tensor<Real> positional;               // (S, D), the positional table rows used
+  Tensor<Real> input;                    // (B, S, D), dropout(embedding + positional)
   std::vector<std::uint8_t> input_mask;  // (B, S, D)
   std::vector<LayerActs<Real>> layers;
   Tensor<Real> final_norm, final_norm_mean, final_norm_rstd;  // pre-norm only
-  Tensor<Real> pooled;                   // (B, D)
-  std::vector<std::int64_t> pool_argmax; // (B, D), max pooling only
-  Tensor<Real> logits;                   // (B, C)
-  Tensor<Real> class_probs;              // (B, C), softmax(logits), saved for backward
-  Tensor<Real> loss;                     // [] (a scalar)
+  Tensor<Real> pooled;                                        // (B, D)
+  std::vector<std::int64_t> pool_argmax;                      // (B, D), max pooling only
+  Tensor<Real> logits;                                        // (B, C)
+  Tensor<Real> class_probs;  // (B, C), softmax(logits), saved for backward
+  Tensor<Real> loss;         // [] (a scalar)
 
   // Calls f(name, tensor) for every named activation in pipeline order: embedding, positional,
   // input, layers.{i}.{...} in the order they are computed, final_norm, pooled, logits, loss.

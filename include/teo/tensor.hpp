@@ -57,7 +57,9 @@ struct AlignedAllocator {
   }
   void deallocate(T* p, std::size_t) { ::operator delete(p, kAlign); }
   template <class U>
-  bool operator==(const AlignedAllocator<U>&) const { return true; }
+  bool operator==(const AlignedAllocator<U>&) const {
+    return true;
+  }
 };
 
 template <class Real>

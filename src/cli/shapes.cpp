@@ -13,7 +13,8 @@ namespace teo::cli {
 namespace {
 
 bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+  return s.size() >= suffix.size() &&
+         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
 // The symbolic shape of a named activation, as a student writes it.
@@ -22,7 +23,8 @@ std::string symbolic_act(const std::string& name) {
   if (name == "pooled") return "(B, D)";
   if (name == "logits") return "(B, C)";
   if (name == "loss") return "()";
-  if (ends_with(name, ".q") || ends_with(name, ".k") || ends_with(name, ".v")) return "(B, H, S, Dh)";
+  if (ends_with(name, ".q") || ends_with(name, ".k") || ends_with(name, ".v"))
+    return "(B, H, S, Dh)";
   if (ends_with(name, ".scores") || ends_with(name, ".probs")) return "(B, H, S, S)";
   if (ends_with(name, ".ffn_pre") || ends_with(name, ".ffn_hidden")) return "(B, S, F)";
   return "(B, S, D)";
@@ -63,13 +65,18 @@ int run(const EncoderConfig& cfg, const ShapesOptions& o, std::ostream& out) {
   out << "forward\n";
   row("input.tokens", "(B, S)", Shape({o.batch, o.seq_len}));
   row("input.lengths", "(B)", Shape({o.batch}));
-  acts.visit([&](const std::string& n, const Tensor<Real>& t) { row("act." + n, symbolic_act(n), t.shape()); });
+  acts.visit([&](const std::string& n, const Tensor<Real>& t) {
+    row("act." + n, symbolic_act(n), t.shape());
+  });
   out << "  loss = " << std::setprecision(17) << acts.loss[0] << "\n\nbackward\n";
   std::vector<std::pair<std::string, Shape>> rev;
   dacts.visit([&](const std::string& n, const Tensor<Real>& t) { rev.emplace_back(n, t.shape()); });
-  for (auto it = rev.rbegin(); it != rev.rend(); ++it) row("grad.act." + it->first, symbolic_act(it->first), it->second);
+  for (auto it = rev.rbegin(); it != rev.rend(); ++it)
+    row("grad.act." + it->first, symbolic_act(it->first), it->second);
   out << "\nparameter gradients\n";
-  grads.visit([&](const std::string& n, const Tensor<Real>& t) { row("grad." + n, symbolic_param(n), t.shape()); });
+  grads.visit([&](const std::string& n, const Tensor<Real>& t) {
+    row("grad." + n, symbolic_param(n), t.shape());
+  });
   return 0;
 }
 

@@ -22,7 +22,7 @@ void gemm(Trans ta, Trans tb, index_t m, index_t n, index_t k, Real alpha, const
 
 template void gemm<float>(Trans, Trans, index_t, index_t, index_t, float, const float*, index_t,
                           const float*, index_t, float, float*, index_t);
-template void gemm<double>(Trans, Trans, index_t, index_t, index_t, double, const double*,
-                           index_t, const double*, index_t, double, double*, index_t);
+template void gemm<double>(Trans, Trans, index_t, index_t, index_t, double, const double*, index_t,
+                           const double*, index_t, double, double*, index_t);
 
 }  // namespace teo

@@ -1,5 +1,6 @@
 #include "teo/layers/attention.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -146,16 +147,16 @@ void attention_backward(Real* dq, Real* dk, Real* dv, Real* dprobs, Real* dscore
   }
 }
 
-#define TEO_INSTANTIATE(Real)                                                                  \
-  template void split_heads<Real>(Real*, const Real*, index_t, index_t, index_t, index_t);     \
-  template void merge_heads<Real>(Real*, const Real*, index_t, index_t, index_t, index_t);     \
-  template void attention_forward<Real>(Real*, Real*, Real*, const Real*, const Real*,         \
-                                        const Real*, const std::int64_t*, const std::uint8_t*, \
-                                        Real, index_t, index_t, index_t, index_t, bool);       \
-  template void attention_backward<Real>(Real*, Real*, Real*, Real*, Real*, const Real*,       \
-                                         const Real*, const Real*, const Real*, const Real*,   \
-                                         const std::int64_t*, const std::uint8_t*, Real,       \
-                                         index_t, index_t, index_t, index_t);
+#define TEO_INSTANTIATE(Real)                                                                     \
+  template void split_heads<Real>(Real*, const Real*, index_t, index_t, index_t, index_t);        \
+  template void merge_heads<Real>(Real*, const Real*, index_t, index_t, index_t, index_t);        \
+  template void attention_forward<Real>(Real*, Real*, Real*, const Real*, const Real*,            \
+                                        const Real*, const std::int64_t*, const std::uint8_t*,    \
+                                        Real, index_t, index_t, index_t, index_t, bool);          \
+  template void attention_backward<Real>(Real*, Real*, Real*, Real*, Real*, const Real*,          \
+                                         const Real*, const Real*, const Real*, const Real*,      \
+                                         const std::int64_t*, const std::uint8_t*, Real, index_t, \
+                                         index_t, index_t, index_t);
 TEO_INSTANTIATE(float)
 TEO_INSTANTIATE(double)
 

@@ -1,5 +1,6 @@
 #include "teo/layers/cross_entropy.hpp"
 
+#include <algorithm>
 #include <cmath>
 
 namespace teo {
@@ -48,10 +49,10 @@ void cross_entropy_backward(Real* dlogits, const Real* probs, const std::int64_t
   }
 }
 
-#define TEO_INSTANTIATE(Real)                                                                   \
-  template Real cross_entropy_forward<Real>(Real*, const Real*, const std::int64_t*, index_t,   \
-                                            index_t, Real);                                     \
-  template void cross_entropy_backward<Real>(Real*, const Real*, const std::int64_t*, index_t,  \
+#define TEO_INSTANTIATE(Real)                                                                  \
+  template Real cross_entropy_forward<Real>(Real*, const Real*, const std::int64_t*, index_t,  \
+                                            index_t, Real);                                    \
+  template void cross_entropy_backward<Real>(Real*, const Real*, const std::int64_t*, index_t, \
                                              index_t, Real, Real);
 TEO_INSTANTIATE(float)
 TEO_INSTANTIATE(double)

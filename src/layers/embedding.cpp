@@ -23,10 +23,10 @@ void embedding_backward(Real* dweight, const Real* dout, const std::int64_t* tok
   }
 }
 
-#define TEO_INSTANTIATE(Real)                                                                 \
-  template void embedding_forward<Real>(Real*, const std::int64_t*, const Real*, index_t,     \
-                                        index_t, Real);                                       \
-  template void embedding_backward<Real>(Real*, const Real*, const std::int64_t*, index_t,    \
+#define TEO_INSTANTIATE(Real)                                                                      \
+  template void embedding_forward<Real>(Real*, const std::int64_t*, const Real*, index_t, index_t, \
+                                        Real);                                                     \
+  template void embedding_backward<Real>(Real*, const Real*, const std::int64_t*, index_t,         \
                                          index_t, Real);
 TEO_INSTANTIATE(float)
 TEO_INSTANTIATE(double)

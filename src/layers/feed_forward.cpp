@@ -23,8 +23,12 @@ void activation_forward(Real* out, const Real* in, index_t n, Activation act) {
   for (index_t i = 0; i < n; ++i) {
     const Real x = in[i];
     switch (act) {
-      case Activation::relu: out[i] = x > Real(0) ? x : Real(0); break;
-      case Activation::gelu: out[i] = half * x * (Real(1) + std::erf(x * inv_sqrt2)); break;
+      case Activation::relu:
+        out[i] = std::isnan(x) ? x : (x > Real(0) ? x : Real(0));
+        break;
+      case Activation::gelu:
+        out[i] = half * x * (Real(1) + std::erf(x * inv_sqrt2));
+        break;
       case Activation::gelu_tanh:
         out[i] = half * x * (Real(1) + std::tanh(gelu_tanh_inner(x)));
         break;
@@ -43,7 +47,9 @@ void activation_backward(Real* din, const Real* dout, const Real* in, index_t n,
     const Real x = in[i];
     Real g = 0;
     switch (act) {
-      case Activation::relu: g = x > Real(0) ? Real(1) : Real(0); break;
+      case Activation::relu:
+        g = x > Real(0) ? Real(1) : Real(0);
+        break;
       case Activation::gelu:
         // d/dx [x Phi(x)] = Phi(x) + x phi(x)
         g = half * (Real(1) + std::erf(x * inv_sqrt2)) + x * inv_sqrt2pi * std::exp(-half * x * x);
@@ -58,8 +64,8 @@ void activation_backward(Real* din, const Real* dout, const Real* in, index_t n,
   }
 }
 
-#define TEO_INSTANTIATE(Real)                                                                 \
-  template void activation_forward<Real>(Real*, const Real*, index_t, Activation);            \
+#define TEO_INSTANTIATE(Real)                                                      \
+  template void activation_forward<Real>(Real*, const Real*, index_t, Activation); \
   template void activation_backward<Real>(Real*, const Real*, const Real*, index_t, Activation);
 TEO_INSTANTIATE(float)
 TEO_INSTANTIATE(double)

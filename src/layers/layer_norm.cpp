@@ -57,11 +57,11 @@ void layer_norm_backward(Real* din, Real* dweight, Real* dbias, const Real* dout
   }
 }
 
-#define TEO_INSTANTIATE(Real)                                                                 \
-  template void layer_norm_forward<Real>(Real*, Real*, Real*, const Real*, const Real*,       \
-                                         const Real*, index_t, index_t, Real);                \
-  template void layer_norm_backward<Real>(Real*, Real*, Real*, const Real*, const Real*,      \
-                                          const Real*, const Real*, const Real*, index_t,     \
+#define TEO_INSTANTIATE(Real)                                                             \
+  template void layer_norm_forward<Real>(Real*, Real*, Real*, const Real*, const Real*,   \
+                                         const Real*, index_t, index_t, Real);            \
+  template void layer_norm_backward<Real>(Real*, Real*, Real*, const Real*, const Real*,  \
+                                          const Real*, const Real*, const Real*, index_t, \
                                           index_t);
 TEO_INSTANTIATE(float)
 TEO_INSTANTIATE(double)

@@ -22,8 +22,8 @@ void linear_backward(Real* din, Real* dweight, Real* dbias, const Real* dout, co
   // in the forward pass this was: out = in * weight^T + bias
   if (din) {
     // din (rows, in_f) += dout (rows, out_f) * weight (out_f, in_f)
-    gemm<Real>(Trans::no, Trans::no, rows, in_f, out_f, Real(1), dout, out_f, weight, in_f,
-               Real(1), din, in_f);
+    gemm<Real>(Trans::no, Trans::no, rows, in_f, out_f, Real(1), dout, out_f, weight, in_f, Real(1),
+               din, in_f);
   }
   // dweight (out_f, in_f) += dout^T (out_f, rows) * in (rows, in_f)
   gemm<Real>(Trans::yes, Trans::no, out_f, in_f, rows, Real(1), dout, out_f, in, in_f, Real(1),
@@ -34,11 +34,11 @@ void linear_backward(Real* din, Real* dweight, Real* dbias, const Real* dout, co
   }
 }
 
-#define TEO_INSTANTIATE(Real)                                                                 \
-  template void linear_forward<Real>(Real*, const Real*, const Real*, const Real*, index_t,   \
-                                     index_t, index_t);                                       \
-  template void linear_backward<Real>(Real*, Real*, Real*, const Real*, const Real*,          \
-                                      const Real*, index_t, index_t, index_t);
+#define TEO_INSTANTIATE(Real)                                                                     \
+  template void linear_forward<Real>(Real*, const Real*, const Real*, const Real*, index_t,       \
+                                     index_t, index_t);                                           \
+  template void linear_backward<Real>(Real*, Real*, Real*, const Real*, const Real*, const Real*, \
+                                      index_t, index_t, index_t);
 TEO_INSTANTIATE(float)
 TEO_INSTANTIATE(double)
 

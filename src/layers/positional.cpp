@@ -36,10 +36,10 @@ void add_positional_backward(Real* dpe, const Real* dout, index_t batch, index_t
       for (index_t c = 0; c < d; ++c) dpe[s * d + c] += dout[(b * seq_len + s) * d + c];
 }
 
-#define TEO_INSTANTIATE(Real)                                                                  \
-  template void sinusoidal_table<Real>(Real*, index_t, index_t);                               \
+#define TEO_INSTANTIATE(Real)                                                                   \
+  template void sinusoidal_table<Real>(Real*, index_t, index_t);                                \
   template void add_positional_forward<Real>(Real*, const Real*, const Real*, index_t, index_t, \
-                                             index_t);                                         \
+                                             index_t);                                          \
   template void add_positional_backward<Real>(Real*, const Real*, index_t, index_t, index_t);
 TEO_INSTANTIATE(float)
 TEO_INSTANTIATE(double)

@@ -1,1 +1,69 @@
+// `teo shapes` end to end: the real binary, its output and its exit codes.
+#include <array>
+#include <cstdio>
+#include <fstream>
+#include <string>
+
 #include <gtest/gtest.h>
+
+namespace {
+
+struct Result {
+  int code;
+  std::string out;
+};
+
+Result run(const std::string& args) {
+  const std::string cmd = std::string(TEO_TEO_BINARY) + " " + args + " 2>&1";
+  FILE* pipe = popen(cmd.c_str(), "r");
+  EXPECT_NE(pipe, nullptr);
+  std::string out;
+  std::array<char, 4096> buf{};
+  while (std::fgets(buf.data(), buf.size(), pipe)) out += buf.data();
+  const int status = pclose(pipe);
+  return {WEXITSTATUS(status), out};
+}
+
+TEST(ShapesCli, PrintsEveryStageForwardAndBackward) {
+  const Result r = run("shapes");
+  ASSERT_EQ(r.code, 0) << r.out;
+  for (const char* line : {"input.tokens", "act.embedding", "act.layers.1.scores",
+                           "act.layers.1.ffn_hidden", "act.pooled", "act.logits", "act.loss",
+                           "grad.act.input", "grad.layers.0.attn.q.weight", "grad.head.bias"})
+    EXPECT_NE(r.out.find(line), std::string::npos) << line;
+  EXPECT_NE(r.out.find("(B, H, S, S)    [2, 2, 8, 8]"), std::string::npos);
+  // forward comes before backward, and the backward walks from the loss to the input
+  EXPECT_LT(r.out.find("act.loss"), r.out.find("grad.act.loss"));
+  EXPECT_LT(r.out.find("grad.act.logits"), r.out.find("grad.act.input"));
+}
+
+TEST(ShapesCli, ReadsAConfigFile) {
+  const std::string path = ::testing::TempDir() + "teo_shapes_cfg.json";
+  std::ofstream(path)
+      << R"({"d_model": 6, "num_heads": 3, "d_ff": 5, "num_layers": 1, "norm_first": true})";
+  const Result r = run("shapes --config " + path + " --batch 3 --seq-len 4 --dtype float32");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("act.final_norm"), std::string::npos);
+  EXPECT_NE(r.out.find("(B, H, S, Dh)   [3, 3, 4, 2]"), std::string::npos) << r.out;
+}
+
+TEST(ShapesCli, BadInputExitsTwoWithTheFieldNamed) {
+  const std::string path = ::testing::TempDir() + "teo_shapes_bad.json";
+  std::ofstream(path) << R"({"d_model": 10, "num_heads": 4})";
+  Result r = run("shapes --config " + path);
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.out.find("d_model must be divisible by num_heads"), std::string::npos) << r.out;
+  std::ofstream(path) << R"({"d_model": 8, "dropuot": 0.1})";
+  r = run("shapes --config " + path);
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.out.find("dropuot"), std::string::npos) << r.out;
+  r = run("shapes --seq-len 33");  // default max_len is 32
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.out.find("max_len"), std::string::npos) << r.out;
+  r = run("shapes --dtype float16");
+  EXPECT_EQ(r.code, 2);
+  r = run("frobnicate");
+  EXPECT_EQ(r.code, 2);
+}
+
+}  // namespace

@@ -43,7 +43,8 @@ TYPED_TEST(GemmReference, BetaZeroNeverReadsC) {
   const auto a = test::uniform_vector<Real>(12, 1, "a");
   const auto b = test::uniform_vector<Real>(12, 2, "b");
   std::vector<Real> c(9, std::numeric_limits<Real>::quiet_NaN());
-  gemm<Real>(Trans::no, Trans::no, 3, 3, 4, Real(1), a.data(), 4, b.data(), 3, Real(0), c.data(), 3);
+  gemm<Real>(Trans::no, Trans::no, 3, 3, 4, Real(1), a.data(), 4, b.data(), 3, Real(0), c.data(),
+             3);
   for (Real v : c) EXPECT_TRUE(std::isfinite(v));
 }
 

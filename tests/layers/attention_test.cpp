@@ -102,11 +102,12 @@ TEST(Attention, BackwardMatchesFiniteDifferences) {
       const double scale = dropout_scale<double>(0.3);
       const auto r = run_forward(c, q, k, v, causal, m, scale);
       std::vector<double> dq(n, 0.0), dk(n, 0.0), dv(n, 0.0), dp(nss), ds(nss);
-      attention_backward(dq.data(), dk.data(), dv.data(), dp.data(), ds.data(), rc.data(),
-                         q.data(), k.data(), v.data(), r.probs.data(), c.len.data(), m, scale,
-                         c.b, c.h, c.s, c.dh);
+      attention_backward(dq.data(), dk.data(), dv.data(), dp.data(), ds.data(), rc.data(), q.data(),
+                         k.data(), v.data(), r.probs.data(), c.len.data(), m, scale, c.b, c.h, c.s,
+                         c.dh);
       auto loss = [&] { return test::dot(run_forward(c, q, k, v, causal, m, scale).ctx, rc); };
-      const std::string what = std::string(causal ? "causal" : "padding") + (drop ? "+dropout" : "");
+      const std::string what =
+          std::string(causal ? "causal" : "padding") + (drop ? "+dropout" : "");
       test::expect_gradient("dq " + what, q.data(), dq, loss);
       test::expect_gradient("dk " + what, k.data(), dk, loss);
       test::expect_gradient("dv " + what, v.data(), dv, loss);

@@ -17,7 +17,8 @@ TYPED_TEST(CrossEntropy, MatchesPyTorchDefinitionWithLabelSmoothing) {
   const std::vector<std::int64_t> y = {0, 4, 2};
   for (double eps : {0.0, 0.1, 1.0}) {
     std::vector<Real> p(b * c);
-    const Real loss = cross_entropy_forward(p.data(), z.data(), y.data(), b, c, static_cast<Real>(eps));
+    const Real loss =
+        cross_entropy_forward(p.data(), z.data(), y.data(), b, c, static_cast<Real>(eps));
     double want = 0;
     for (index_t i = 0; i < b; ++i) {
       double lse = 0;

@@ -1,5 +1,5 @@
-#include "support.hpp"
 #include "teo/layers/dropout.hpp"
+#include "support.hpp"
 
 namespace teo {
 namespace {

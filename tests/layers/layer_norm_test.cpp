@@ -24,12 +24,13 @@ TYPED_TEST(LayerNorm, ForwardMatchesDoubleDefinition) {
     for (index_t c = 0; c < cols; ++c) m += x[r * cols + c];
     m /= cols;
     for (index_t c = 0; c < cols; ++c) v += (x[r * cols + c] - m) * (x[r * cols + c] - m);
-    v /= cols;  // biased variance
+    v /= cols;                                 // biased variance
     const double s = 1 / std::sqrt(v + 1e-5);  // eps inside the sqrt
     EXPECT_NEAR(mean[r], m, 10 * test::Tol<Real>::rel);
     EXPECT_NEAR(rstd[r], s, 10 * test::Tol<Real>::rel * s);
     for (index_t c = 0; c < cols; ++c)
-      EXPECT_NEAR(y[r * cols + c], (x[r * cols + c] - m) * s * w[c] + b[c], 10 * test::Tol<Real>::rel);
+      EXPECT_NEAR(y[r * cols + c], (x[r * cols + c] - m) * s * w[c] + b[c],
+                  10 * test::Tol<Real>::rel);
   }
 }
 

@@ -1,5 +1,5 @@
-#include "support.hpp"
 #include "teo/layers/linear.hpp"
+#include "support.hpp"
 
 namespace teo {
 namespace {

@@ -1,5 +1,5 @@
-#include "support.hpp"
 #include "teo/layers/pooling.hpp"
+#include "support.hpp"
 
 namespace teo {
 namespace {

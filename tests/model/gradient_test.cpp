@@ -28,6 +28,8 @@ EncoderConfig tiny() {
   return c;
 }
 
+void PrintTo(const GradCase& c, std::ostream* os) { *os << c.name; }
+
 std::vector<GradCase> cases() {
   std::vector<GradCase> out;
   auto add = [&](std::string name, std::vector<std::int64_t> len, auto&& edit) {
@@ -91,7 +93,7 @@ double kink_margin(const EncoderConfig& cfg, const Batch& batch, const Activatio
             margin = std::min(margin, std::abs(l.ffn_pre[(b * s + t) * cfg.d_ff + f]));
   }
   if (cfg.pooling == Pooling::max) {
-    const Tensor<double>& top = cfg.norm_first ? a.final_norm
+    const Tensor<double>& top = cfg.norm_first   ? a.final_norm
                                 : cfg.num_layers ? a.layers.back().output
                                                  : a.input;
     for (index_t b = 0; b < batch.batch; ++b)

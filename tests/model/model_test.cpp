@@ -60,7 +60,8 @@ TYPED_TEST(Model, ParametersFollowTheConfig) {
   using Real = TypeParam;
   EncoderConfig c = small_config();
   std::vector<std::string> names;
-  Params<Real>::init(c, 0).visit([&](const std::string& n, const Tensor<Real>&) { names.push_back(n); });
+  Params<Real>::init(c, 0).visit(
+      [&](const std::string& n, const Tensor<Real>&) { names.push_back(n); });
   EXPECT_EQ(names.front(), "embedding.weight");
   EXPECT_EQ(names[1], "layers.0.attn.q.weight");
   EXPECT_EQ(names.back(), "head.bias");
@@ -68,7 +69,8 @@ TYPED_TEST(Model, ParametersFollowTheConfig) {
   c.norm_first = true;
   c.positional = Positional::learned;
   names.clear();
-  Params<Real>::init(c, 0).visit([&](const std::string& n, const Tensor<Real>&) { names.push_back(n); });
+  Params<Real>::init(c, 0).visit(
+      [&](const std::string& n, const Tensor<Real>&) { names.push_back(n); });
   EXPECT_EQ(names[1], "pos_embedding.weight");
   EXPECT_EQ(names[names.size() - 3], "final_norm.bias");
 }
@@ -243,7 +245,8 @@ TEST(Model, FloatAgreesWithDouble) {
       const auto nf = test::named(af), nd = test::named(ad);
       for (const auto& [name, v] : nd) EXPECT_LE(test::compare(nf.at(name), v), 1e-4) << name;
       const auto gnf = test::named(gaf), gnd = test::named(gad);
-      for (const auto& [name, v] : gnd) EXPECT_LE(test::compare(gnf.at(name), v), 1e-4) << "grad.act." << name;
+      for (const auto& [name, v] : gnd)
+        EXPECT_LE(test::compare(gnf.at(name), v), 1e-4) << "grad.act." << name;
       // Some parameter gradients are exactly 0 in exact arithmetic (attn.k.bias: softmax ignores a
       // shift shared by a row), so each is judged against at least 1% of the largest gradient.
       const auto pnf = test::named(gf), pnd = test::named(gd);

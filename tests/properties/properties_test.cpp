@@ -1,1 +1,321 @@
+// rapidcheck properties over random valid configs and batches. Generators reach the edges:
+// batch 0, length 0 and 1, seq_len 1, one head, d_head 1, zero layers, one class.
+#include <cmath>
+#include <numeric>
+
 #include <gtest/gtest.h>
+#include <rapidcheck.h>
+#include <rapidcheck/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "support.hpp"
+#include "teo/layers/layer_norm.hpp"
+#include "teo/layers/positional.hpp"
+
+namespace teo {
+namespace {
+
+EncoderConfig gen_config() {
+  EncoderConfig c;
+  c.num_heads = *rc::gen::inRange<index_t>(1, 4);
+  c.d_model = c.num_heads * *rc::gen::inRange<index_t>(1, 5);
+  c.d_ff = *rc::gen::inRange<index_t>(1, 17);
+  c.num_layers = *rc::gen::inRange<index_t>(0, 4);
+  c.vocab_size = *rc::gen::inRange<index_t>(1, 21);
+  c.max_len = *rc::gen::inRange<index_t>(1, 13);
+  c.num_classes = *rc::gen::inRange<index_t>(1, 6);
+  c.norm_first = *rc::gen::arbitrary<bool>();
+  c.activation = *rc::gen::element(Activation::relu, Activation::gelu, Activation::gelu_tanh);
+  c.positional = *rc::gen::element(Positional::sinusoidal, Positional::learned);
+  c.embed_scale = *rc::gen::arbitrary<bool>();
+  c.pooling = *rc::gen::element(Pooling::mean, Pooling::cls, Pooling::max);
+  c.causal = *rc::gen::arbitrary<bool>();
+  c.label_smoothing = *rc::gen::element(0.0, 0.1, 1.0);
+  c.dropout = *rc::gen::element(0.0, 0.0, 0.25);
+  return c;
+}
+
+Batch gen_batch(const EncoderConfig& c, index_t min_batch = 0) {
+  const index_t b = *rc::gen::inRange<index_t>(min_batch, 5);
+  const index_t s = *rc::gen::inRange<index_t>(1, c.max_len + 1);
+  std::vector<std::int64_t> len(static_cast<std::size_t>(b));
+  for (auto& l : len)
+    l = *rc::gen::oneOf(rc::gen::just<index_t>(0), rc::gen::just(s),
+                        rc::gen::inRange<index_t>(0, s + 1));
+  return Batch::random(c, b, s, *rc::gen::arbitrary<std::uint32_t>(), len);
+}
+
+// The shape each named activation must have.
+Shape expected_shape(const std::string& name, const EncoderConfig& c, const Batch& b) {
+  auto ends = [&](const char* s) {
+    const std::string suf = s;
+    return name.size() >= suf.size() &&
+           name.compare(name.size() - suf.size(), suf.size(), suf) == 0;
+  };
+  const index_t B = b.batch, S = b.seq_len, D = c.d_model, H = c.num_heads;
+  if (name == "positional") return Shape({S, D});
+  if (name == "pooled") return Shape({B, D});
+  if (name == "logits") return Shape({B, c.num_classes});
+  if (name == "loss") return Shape(std::vector<index_t>{});
+  if (ends(".q") || ends(".k") || ends(".v")) return Shape({B, H, S, c.d_head()});
+  if (ends(".scores") || ends(".probs")) return Shape({B, H, S, S});
+  if (ends(".ffn_pre") || ends(".ffn_hidden")) return Shape({B, S, c.d_ff});
+  return Shape({B, S, D});
+}
+
+RC_GTEST_PROP(Properties, EveryStageHasTheRightShape, ()) {
+  const EncoderConfig c = gen_config();
+  const Batch b = gen_batch(c);
+  const auto p = Params<double>::init(c, 1);
+  Activations<double> a, da;
+  Params<double> g;
+  forward(p, b, a, {.dropout_seed = 5});
+  backward(p, b, a, g, da);
+  std::size_t n = 0;
+  a.visit([&](const std::string& name, const Tensor<double>& t) {
+    RC_ASSERT(t.shape() == expected_shape(name, c, b));
+    ++n;
+  });
+  // embedding, positional, input; 15 per layer; final_norm (pre-norm); pooled, logits, loss
+  RC_ASSERT(n == 3 + 15 * static_cast<std::size_t>(c.num_layers) + (c.norm_first ? 1 : 0) + 3);
+  da.visit([&](const std::string& name, const Tensor<double>& t) {
+    RC_ASSERT(t.shape() == expected_shape(name, c, b));
+  });
+  std::vector<Shape> ps;
+  p.visit([&](const std::string&, const Tensor<double>& t) { ps.push_back(t.shape()); });
+  std::size_t k = 0;
+  g.visit([&](const std::string&, const Tensor<double>& t) { RC_ASSERT(t.shape() == ps[k++]); });
+  RC_ASSERT(k == ps.size());
+  RC_ASSERT(std::isfinite(a.loss[0]));
+}
+
+RC_GTEST_PROP(Properties, SoftmaxRowsSumToOneOrAreZeroWhenFullyMasked, ()) {
+  const EncoderConfig c = gen_config();
+  const Batch b = gen_batch(c);
+  const auto p = Params<double>::init(c, 2);
+  Activations<double> a;
+  forward(p, b, a);
+  const index_t S = b.seq_len;
+  for (const auto& l : a.layers)
+    for (index_t bb = 0; bb < b.batch; ++bb)
+      for (index_t h = 0; h < c.num_heads; ++h)
+        for (index_t i = 0; i < S; ++i) {
+          const index_t visible =
+              c.causal ? std::min<index_t>(b.lengths[bb], i + 1) : b.lengths[bb];
+          double sum = 0;
+          for (index_t j = 0; j < S; ++j) {
+            const double pr = l.probs[((bb * c.num_heads + h) * S + i) * S + j];
+            RC_ASSERT(pr >= 0.0);
+            sum += pr;
+          }
+          if (visible == 0) {
+            RC_ASSERT(sum == 0.0);
+          } else {
+            RC_ASSERT(std::abs(sum - 1.0) <= 1e-14 * static_cast<double>(S + 1));
+          }
+        }
+}
+
+RC_GTEST_PROP(Properties, LayerNormWithUnitWeightGivesMeanZeroVarianceOne, ()) {
+  const index_t rows = *rc::gen::inRange<index_t>(1, 6);
+  const index_t cols = *rc::gen::inRange<index_t>(2, 65);
+  const double spread = *rc::gen::element(1.0, 10.0, 1000.0);
+  const double offset = *rc::gen::element(0.0, 5.0, -300.0);
+  auto x = test::uniform_vector<double>(rows * cols, *rc::gen::arbitrary<std::uint32_t>(), "x",
+                                        offset - spread, offset + spread);
+  std::vector<double> w(cols, 1.0), bias(cols, 0.0), y(x.size()), m(rows), s(rows);
+  const double eps = 1e-5;
+  layer_norm_forward(y.data(), m.data(), s.data(), x.data(), w.data(), bias.data(), rows, cols,
+                     eps);
+  for (index_t r = 0; r < rows; ++r) {
+    double in_mean = 0, in_var = 0, mean = 0, var = 0;
+    for (index_t c = 0; c < cols; ++c) in_mean += x[r * cols + c] / cols;
+    for (index_t c = 0; c < cols; ++c)
+      in_var += (x[r * cols + c] - in_mean) * (x[r * cols + c] - in_mean) / cols;
+    if (in_var < 1e-6) continue;  // a (near-)constant row: eps dominates, variance is not 1
+    for (index_t c = 0; c < cols; ++c) mean += y[r * cols + c] / cols;
+    for (index_t c = 0; c < cols; ++c)
+      var += (y[r * cols + c] - mean) * (y[r * cols + c] - mean) / cols;
+    // Rounding in x - mean is ~u * max|x| per element, amplified by rstd ~ 1 / sqrt(in_var):
+    // the bound allows 64 such units, so a row far from 0 with a small spread is judged fairly.
+    double max_abs = 0;
+    for (index_t c = 0; c < cols; ++c) max_abs = std::max(max_abs, std::abs(x[r * cols + c]));
+    const double tol = 64 * 0x1p-53 * (max_abs / std::sqrt(in_var) + 1);
+    RC_ASSERT(std::abs(mean) <= tol);
+    // exactly in_var / (in_var + eps) in real arithmetic: 1 up to the eps term
+    RC_ASSERT(std::abs(var - in_var / (in_var + eps)) <= 2 * tol);
+    RC_ASSERT(std::abs(var - 1.0) <= eps / in_var + 2 * tol);
+  }
+}
+
+// Positional-encoding identities, in double, for even and odd widths.
+RC_GTEST_PROP(Properties, SinusoidalIdentities, ()) {
+  const index_t d = *rc::gen::inRange<index_t>(1, 65);
+  const index_t len = *rc::gen::inRange<index_t>(1, 300);
+  std::vector<double> pe(len * d);
+  sinusoidal_table(pe.data(), len, d);
+  auto at = [&](index_t p, index_t c) { return pe[p * d + c]; };
+  // PE(0) = [0, 1, 0, 1, ...], exactly; |PE| <= 1 everywhere.
+  for (index_t c = 0; c < d; ++c) RC_ASSERT(at(0, c) == (c % 2 == 0 ? 0.0 : 1.0));
+  for (double v : pe) RC_ASSERT(std::abs(v) <= 1.0);
+  // PE(p, 2i)^2 + PE(p, 2i+1)^2 = 1.
+  for (index_t p = 0; p < len; ++p)
+    for (index_t i = 0; 2 * i + 1 < d; ++i)
+      RC_ASSERT(std::abs(at(p, 2 * i) * at(p, 2 * i) + at(p, 2 * i + 1) * at(p, 2 * i + 1) - 1) <=
+                4e-16);
+  // PE(p + k) = R(k) PE(p): per pair, the rotation by angle k * w_i, whose entries are read off
+  // PE(k) itself, so R depends on k only.
+  const index_t p = *rc::gen::inRange<index_t>(0, len);
+  const index_t k = *rc::gen::inRange<index_t>(0, len - p);
+  for (index_t i = 0; 2 * i + 1 < d; ++i) {
+    const double sk = at(k, 2 * i), ck = at(k, 2 * i + 1);  // sin(k w), cos(k w)
+    const double sp = at(p, 2 * i), cp = at(p, 2 * i + 1);
+    // Angle arguments up to ~300 carry ~300 ulp of absolute error through sin and cos.
+    RC_ASSERT(std::abs(at(p + k, 2 * i) - (ck * sp + sk * cp)) <= 1e-12);
+    RC_ASSERT(std::abs(at(p + k, 2 * i + 1) - (ck * cp - sk * sp)) <= 1e-12);
+  }
+  // PE(p) . PE(q) depends on |p - q| only.
+  auto dot = [&](index_t a, index_t b) {
+    double s = 0;
+    for (index_t i = 0; 2 * i + 1 < d; ++i)
+      s += at(a, 2 * i) * at(b, 2 * i) + at(a, 2 * i + 1) * at(b, 2 * i + 1);
+    return s;  // the pairs only: an odd width's last sin column is not a rotation
+  };
+  const index_t q = *rc::gen::inRange<index_t>(0, len);
+  const index_t shift = *rc::gen::inRange<index_t>(0, len - std::max(p, q));
+  RC_ASSERT(std::abs(dot(p, q) - dot(p + shift, q + shift)) <= 1e-11 * static_cast<double>(d));
+  RC_ASSERT(std::abs(dot(p, q) - dot(q, p)) <= 1e-14 * static_cast<double>(d));
+}
+
+RC_GTEST_PROP(Properties, WithoutPositionsPermutingTokensPermutesOutputs, ()) {
+  EncoderConfig c = gen_config();
+  c.positional = Positional::learned;  // with pos_embedding.weight zeroed: no position signal
+  c.causal = false;
+  c.dropout = 0;
+  c.pooling = *rc::gen::element(Pooling::mean, Pooling::max);
+  auto p = Params<double>::init(c, 3);
+  p.pos_embedding_weight.zero();
+  Batch b = gen_batch(c, 1);
+  for (auto& l : b.lengths) l = b.seq_len;
+  const index_t S = b.seq_len, D = c.d_model;
+  std::vector<index_t> perm(S);
+  std::iota(perm.begin(), perm.end(), 0);
+  perm = *rc::gen::just(perm);
+  const auto keys =
+      *rc::gen::container<std::vector<std::uint32_t>>(S, rc::gen::arbitrary<std::uint32_t>());
+  std::stable_sort(perm.begin(), perm.end(),
+                   [&](index_t x, index_t y) { return keys[x] < keys[y]; });
+  Batch pb = b;
+  for (index_t bb = 0; bb < b.batch; ++bb)
+    for (index_t s = 0; s < S; ++s) pb.tokens[bb * S + s] = b.tokens[bb * S + perm[s]];
+  Activations<double> a, pa;
+  forward(p, b, a);
+  forward(p, pb, pa);
+  const Tensor<double>& out = c.num_layers ? a.layers.back().output : a.input;
+  const Tensor<double>& pout = c.num_layers ? pa.layers.back().output : pa.input;
+  for (index_t bb = 0; bb < b.batch; ++bb)
+    for (index_t s = 0; s < S; ++s)
+      for (index_t k = 0; k < D; ++k)
+        RC_ASSERT(std::abs(pout[(bb * S + s) * D + k] - out[(bb * S + perm[s]) * D + k]) <= 1e-12);
+  RC_ASSERT(std::abs(a.loss[0] - pa.loss[0]) <= 1e-12);  // mean and max pooling are symmetric
+}
+
+RC_GTEST_PROP(Properties, PaddedTokensChangeNoRealOutputNorTheLoss, ()) {
+  const EncoderConfig c = gen_config();
+  const Batch b = gen_batch(c, 1);
+  Batch changed = b;
+  const auto salt = *rc::gen::arbitrary<std::uint32_t>();
+  for (index_t bb = 0; bb < b.batch; ++bb)
+    for (index_t s = b.lengths[bb]; s < b.seq_len; ++s)
+      changed.tokens[bb * b.seq_len + s] =
+          static_cast<std::int64_t>(rng::bits(salt, 9, bb * b.seq_len + s) % c.vocab_size);
+  const auto p = Params<double>::init(c, 4);
+  Activations<double> a, ca;
+  forward(p, b, a, {.dropout_seed = 6});
+  forward(p, changed, ca, {.dropout_seed = 6});
+  const index_t S = b.seq_len, D = c.d_model;
+  for (std::size_t l = 0; l < a.layers.size(); ++l)
+    for (index_t bb = 0; bb < b.batch; ++bb)
+      for (index_t s = 0; s < b.lengths[bb]; ++s)
+        for (index_t k = 0; k < D; ++k)
+          RC_ASSERT(a.layers[l].output[(bb * S + s) * D + k] ==
+                    ca.layers[l].output[(bb * S + s) * D + k]);
+  for (index_t i = 0; i < a.logits.numel(); ++i) RC_ASSERT(a.logits[i] == ca.logits[i]);
+  RC_ASSERT(a.loss[0] == ca.loss[0]);
+}
+
+RC_GTEST_PROP(Properties, SequenceOutputsDoNotDependOnTheRestOfTheBatch, ()) {
+  EncoderConfig c = gen_config();
+  c.dropout = 0;  // masks are indexed by position in the batch (docs/semantics.md)
+  const Batch b = gen_batch(c, 1);
+  const auto p = Params<double>::init(c, 5);
+  Activations<double> a;
+  forward(p, b, a);
+  const index_t bb = *rc::gen::inRange<index_t>(0, b.batch);
+  const index_t S = b.seq_len, D = c.d_model;
+  Batch one;
+  one.batch = 1;
+  one.seq_len = S;
+  one.tokens.assign(b.tokens.begin() + bb * S, b.tokens.begin() + (bb + 1) * S);
+  one.lengths = {b.lengths[bb]};
+  one.labels = {b.labels[bb]};
+  Activations<double> o;
+  forward(p, one, o);
+  for (std::size_t l = 0; l < a.layers.size(); ++l)
+    RC_ASSERT(std::memcmp(&a.layers[l].output[bb * S * D], o.layers[l].output.data(),
+                          sizeof(double) * S * D) == 0);
+  RC_ASSERT(std::memcmp(&a.logits[bb * c.num_classes], o.logits.data(),
+                        sizeof(double) * c.num_classes) == 0);
+}
+
+// Random JSON objects over the real keys with values of every type and sign: the parser either
+// accepts a config that then validates and runs, or throws a named teo error.
+RC_GTEST_PROP(Properties, InvalidConfigsAreRejectedWithNamedErrors, ()) {
+  static const std::vector<std::string> keys = {
+      "vocab_size",  "max_len",    "d_model",         "num_heads",  "d_ff",        "num_layers",
+      "norm_first",  "activation", "layer_norm_eps",  "positional", "embed_scale", "pooling",
+      "num_classes", "dropout",    "label_smoothing", "causal",     "bogus"};
+  nlohmann::json j = nlohmann::json::object();
+  const int n = *rc::gen::inRange(0, 6);
+  for (int i = 0; i < n; ++i) {
+    const std::string& key = *rc::gen::elementOf(keys);
+    switch (*rc::gen::inRange(0, 6)) {
+      case 0:
+        j[key] = *rc::gen::inRange<std::int64_t>(-3, 9);
+        break;
+      case 1:
+        j[key] = *rc::gen::element<std::int64_t>(INT64_MAX, INT64_MIN, std::int64_t{1} << 40);
+        break;
+      case 2:
+        j[key] = *rc::gen::element(-0.5, 0.0, 0.3, 1.0, 2.5, 1e300);
+        break;
+      case 3:
+        j[key] = *rc::gen::arbitrary<bool>();
+        break;
+      case 4:
+        j[key] = *rc::gen::element<std::string>("relu", "gelu", "learned", "max", "x", "");
+        break;
+      default:
+        j[key] = nullptr;
+        break;
+    }
+  }
+  try {
+    const EncoderConfig c = EncoderConfig::from_json(j);
+    c.validate();
+    if (c.vocab_size <= 64 && c.d_model <= 16 && c.d_ff <= 16 && c.num_layers <= 8 &&
+        c.max_len <= 64 && c.num_classes <= 16) {
+      const auto p = Params<double>::init(c, 0);
+      Activations<double> a;
+      forward(p, Batch::random(c, 2, 1, 0), a);
+      RC_ASSERT(std::isfinite(a.loss[0]));
+    }
+  } catch (const ConfigError& e) {
+    RC_ASSERT(std::string(e.what()).size() > 0);
+  } catch (const ShapeError& e) {
+    RC_ASSERT(std::string(e.what()).find("overflow") != std::string::npos);
+  }
+}
+
+}  // namespace
+}  // namespace teo

@@ -28,8 +28,9 @@ void attention_forward(Real* context, Real* scores, Real* probs, const Real* q, 
                        index_t d_head, bool causal);
 
 // Accumulates dq, dk, dv (B, H, S, Dh). dprobs and dscores (B, H, S, S) are overwritten with the
-// gradients of the loss with respect to probs (before dropout) and scores; both are exactly 0 at
-// masked positions' scores, and dq, dk, dv receive exactly 0 through masked entries.
+// gradients of the loss with respect to probs (before dropout) and scores. dscores is exactly 0 at
+// every masked position, so dq, dk, dv receive exactly 0 through masked entries; dprobs there is
+// the formal derivative dcontext . v (times the dropout factor), which the softmax then discards.
 template <class Real>
 void attention_backward(Real* dq, Real* dk, Real* dv, Real* dprobs, Real* dscores,
                         const Real* dcontext, const Real* q, const Real* k, const Real* v,

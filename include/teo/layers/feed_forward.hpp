@@ -5,7 +5,7 @@
 
 namespace teo {
 
-// out[i] = act(in[i]); relu(x) = max(x, 0);
+// out[i] = act(in[i]); relu(x) = max(x, 0), with relu(NaN) = NaN as in PyTorch;
 // gelu(x) = 0.5 x (1 + erf(x / sqrt 2));
 // gelu_tanh(x) = 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))).
 template <class Real>

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Installs every Debian 12 package teo needs to build, run and test. Idempotent.
+set -euo pipefail
+packages=(
+  build-essential cmake ninja-build git
+  libxsimd-dev libtbb-dev libopenblas-dev
+  nlohmann-json3-dev libcli11-dev
+  libgtest-dev librapidcheck-dev
+)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]})); then
+  SUDO=""
+  if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi

@@ -104,34 +104,16 @@ std::vector<double> to_double(const Real* p, index_t n) {
   return std::vector<double>(p, p + n);
 }
 
-// max |a - b| / max |b| over two tensors of the same size (a in any dtype, b the double truth).
-template <class Real>
-double rel_error(const Tensor<Real>& a, const Tensor<double>& b) {
-  return rel_error(to_double(a.data(), a.numel()), to_double(b.data(), b.numel()), 1e-30);
-}
-
-// The double copy of a params struct (used to compare float against double).
-template <class Real>
-Params<double> to_double_params(const Params<Real>& p) {
-  Params<double> out = Params<double>::zeros(p.config);
-  std::vector<const Tensor<Real>*> src;
-  p.visit([&](const std::string&, const Tensor<Real>& t) { src.push_back(&t); });
+// The same parameters in another dtype (float-valued weights widened to double, say), so that the
+// two dtypes can be compared on identical inputs.
+template <class To, class From>
+Params<To> convert_params(const Params<From>& p) {
+  Params<To> out = Params<To>::zeros(p.config);
+  std::vector<const Tensor<From>*> src;
+  p.visit([&](const std::string&, const Tensor<From>& t) { src.push_back(&t); });
   std::size_t k = 0;
-  out.visit([&](const std::string&, Tensor<double>& t) {
-    for (index_t i = 0; i < t.numel(); ++i) t[i] = static_cast<double>((*src[k])[i]);
-    ++k;
-  });
-  return out;
-}
-
-template <class Real>
-Params<Real> from_double_params(const Params<double>& p) {
-  Params<Real> out = Params<Real>::zeros(p.config);
-  std::vector<const Tensor<double>*> src;
-  p.visit([&](const std::string&, const Tensor<double>& t) { src.push_back(&t); });
-  std::size_t k = 0;
-  out.visit([&](const std::string&, Tensor<Real>& t) {
-    for (index_t i = 0; i < t.numel(); ++i) t[i] = static_cast<Real>((*src[k])[i]);
+  out.visit([&](const std::string&, Tensor<To>& t) {
+    for (index_t i = 0; i < t.numel(); ++i) t[i] = static_cast<To>((*src[k])[i]);
     ++k;
   });
   return out;
@@ -153,6 +135,12 @@ inline constexpr double kFdTolerance = 1e-6;
 // relative error is meaningless. Such tensors must still match to 1e-6 * 1e-4 = 1e-10 absolute.
 inline constexpr double kFdFloor = 1e-4;
 
+// The largest error expect_gradient() has seen in this process, for reporting.
+inline double& worst_fd_error() {
+  static double worst = 0;
+  return worst;
+}
+
 // Expects the analytic gradient g of loss() with respect to x to match finite differences:
 // max |g - fd| <= 1e-6 * max(max |fd|, 1e-4).
 inline void expect_gradient(const std::string& what, double* x, const std::vector<double>& g,
@@ -160,7 +148,9 @@ inline void expect_gradient(const std::string& what, double* x, const std::vecto
   const auto numeric = fd_gradient(x, static_cast<index_t>(g.size()), loss);
   double mx = 0;
   for (double v : numeric) mx = std::max(mx, std::abs(v));
-  EXPECT_LE(rel_error(g, numeric, kFdFloor), kFdTolerance) << what << " (max |grad| " << mx << ")";
+  const double err = rel_error(g, numeric, kFdFloor);
+  worst_fd_error() = std::max(worst_fd_error(), err);
+  EXPECT_LE(err, kFdTolerance) << what << " (max |grad| " << mx << ")";
 }
 
 // sum(out * r): the scalar loss whose gradient with respect to out is r.

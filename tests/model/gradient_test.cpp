@@ -4,6 +4,7 @@
 // (the masks are a pure function of the seed, so the perturbed forwards replay them), learned
 // and sinusoidal positions, and embedding scaling.
 #include <cmath>
+#include <iostream>
 
 #include "support.hpp"
 
@@ -28,7 +29,9 @@ EncoderConfig tiny() {
   return c;
 }
 
-void PrintTo(const GradCase& c, std::ostream* os) { *os << c.name; }
+void PrintTo(const GradCase& c, std::ostream* os) {
+  *os << c.name;
+}
 
 std::vector<GradCase> cases() {
   std::vector<GradCase> out;
@@ -141,6 +144,7 @@ TEST_P(ModelGradient, BackwardMatchesFiniteDifferences) {
   Params<double> grads;
   Activations<double> dacts;
   backward(params, batch, acts, grads, dacts);
+  test::worst_fd_error() = 0;
   ASSERT_TRUE(std::isfinite(acts.loss[0]));
 
   auto loss = [&] {
@@ -165,6 +169,8 @@ TEST_P(ModelGradient, BackwardMatchesFiniteDifferences) {
   };
   test::expect_gradient("act.input", base.input.data(),
                         test::to_double(dacts.input.data(), dacts.input.numel()), loss_from_input);
+  std::cout << "[ measured ] " << gc.name << ": worst normwise FD error " << test::worst_fd_error()
+            << " (bound " << test::kFdTolerance << ")\n";
   // Padded positions get exactly zero gradient at the input.
   for (index_t b = 0; b < batch.batch; ++b)
     for (index_t t = batch.lengths[b]; t < seq_len; ++t)

@@ -232,7 +232,7 @@ TEST(Model, FloatAgreesWithDouble) {
       c.label_smoothing = 0.1;
       c.dropout = 0.1;
       const auto pf = Params<float>::init(c, 5);
-      const auto pd = test::to_double_params(pf);
+      const auto pd = test::convert_params<double>(pf);
       const Batch batch = Batch::random(c, 3, 8, 6, {8, 1, 5});
       Activations<float> af, gaf;
       Activations<double> ad, gad;

@@ -10,8 +10,13 @@ enum class Trans { no, yes };
 
 // C = alpha * op(A) * op(B) + beta * C, row-major, with op(A) (m, k), op(B) (k, n), C (m, n).
 // A is (m, k) with leading dimension lda when ta == no, and (k, m) when ta == yes; B likewise.
-// Each C element is one dot product accumulated in increasing k, in Real, then scaled by alpha.
-// With beta == 0, C is never read (it may hold NaN).
+// With beta == 0, C is never read (it may hold NaN). The backend (teo/backend.hpp) decides the
+// rounding, and each is deterministic:
+//   reference: acc = sum over increasing k of a * b (separate multiply and add, in Real), then
+//              C = alpha * acc (+ beta * C);
+//   simd:      C = fma chain over increasing k of (alpha * a) * b, starting from 0 (beta == 0), C
+//              (beta == 1) or beta * C: bitwise identical for every ISA, blocking and thread count;
+//   blas:      OpenBLAS's own order.
 template <class Real>
 void gemm(Trans ta, Trans tb, index_t m, index_t n, index_t k, Real alpha, const Real* a,
           index_t lda, const Real* b, index_t ldb, Real beta, Real* c, index_t ldc);

@@ -1,0 +1,57 @@
+// Execution settings: which backend computes, on which instruction set, with how many threads.
+// They are process-wide; set them before running a model (the CLI does it from its flags, and
+// init_from_environment() from TEO_BACKEND, TEO_ISA and TEO_NUM_THREADS).
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace teo {
+
+enum class Backend {
+  reference,  // the plain loops: the oracle of the oracle
+  simd,       // cache-blocked xsimd kernels, oneTBB-parallel
+  blas,       // OpenBLAS sgemm/dgemm for GEMM-shaped work; the simd kernels for the rest
+};
+
+enum class Isa { scalar, avx2, avx512, neon };
+
+const char* to_string(Backend b);
+const char* to_string(Isa i);
+// Parse a name; throw teo::ConfigError naming the flag and the value on an unknown one.
+Backend parse_backend(const std::string& name, const std::string& what = "backend");
+Isa parse_isa(const std::string& name, const std::string& what = "isa");
+
+// The instruction sets this binary was built for and this CPU runs, best first; scalar is always
+// there.
+std::vector<Isa> supported_isas();
+Isa best_isa();
+
+void set_backend(Backend b);
+Backend backend();
+// Throws teo::ConfigError when the ISA is not supported here.
+void set_isa(Isa i);
+Isa isa();
+// 1 to 1024 threads, else teo::ConfigError. The default is the machine's hardware concurrency.
+void set_num_threads(int n);
+int num_threads();
+
+// Reads TEO_BACKEND, TEO_ISA and TEO_NUM_THREADS when set; throws teo::ConfigError naming the
+// variable on a bad value.
+void init_from_environment();
+
+// Restores the previous settings on destruction (for tests and scoped runs).
+class ScopedSettings {
+ public:
+  ScopedSettings();
+  ~ScopedSettings();
+  ScopedSettings(const ScopedSettings&) = delete;
+  ScopedSettings& operator=(const ScopedSettings&) = delete;
+
+ private:
+  Backend backend_;
+  Isa isa_;
+  int threads_;
+};
+
+}  // namespace teo

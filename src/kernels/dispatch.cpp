@@ -1,0 +1,209 @@
+// The execution settings and the only place that knows every ISA.
+#include <atomic>
+#include <cstdlib>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+#include <xsimd/xsimd.hpp>
+
+#include "kernels_internal.hpp"
+#include "parallel.hpp"
+#include "teo/errors.hpp"
+
+namespace teo {
+
+namespace detail {
+void blas_set_threads(int n);
+}
+
+namespace {
+
+struct Settings {
+  Backend backend = Backend::reference;
+  Isa isa = Isa::scalar;
+  int threads = 1;
+  std::unique_ptr<tbb::task_arena> arena;
+  std::once_flag init;
+};
+
+Settings& settings() {
+  static Settings s;
+  std::call_once(s.init, [] {
+    s.isa = best_isa();
+    s.threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    s.arena = std::make_unique<tbb::task_arena>(s.threads);
+    detail::blas_set_threads(s.threads);
+  });
+  return s;
+}
+
+}  // namespace
+
+const char* to_string(Backend b) {
+  switch (b) {
+    case Backend::reference:
+      return "reference";
+    case Backend::simd:
+      return "simd";
+    case Backend::blas:
+      return "blas";
+  }
+  return "?";
+}
+
+const char* to_string(Isa i) {
+  switch (i) {
+    case Isa::scalar:
+      return "scalar";
+    case Isa::avx2:
+      return "avx2";
+    case Isa::avx512:
+      return "avx512";
+    case Isa::neon:
+      return "neon";
+  }
+  return "?";
+}
+
+Backend parse_backend(const std::string& name, const std::string& what) {
+  for (Backend b : {Backend::reference, Backend::simd, Backend::blas})
+    if (name == to_string(b)) return b;
+  throw ConfigError(what + " must be reference, simd or blas, got \"" + name + "\"");
+}
+
+Isa parse_isa(const std::string& name, const std::string& what) {
+  for (Isa i : {Isa::scalar, Isa::avx2, Isa::avx512, Isa::neon})
+    if (name == to_string(i)) return i;
+  throw ConfigError(what + " must be avx512, avx2, neon or scalar, got \"" + name + "\"");
+}
+
+std::vector<Isa> supported_isas() {
+  std::vector<Isa> out;
+  [[maybe_unused]] const auto avail = xsimd::available_architectures();
+#if defined(__x86_64__) || defined(_M_X64)
+  if (avail.avx512f && avail.fma3_avx2) out.push_back(Isa::avx512);
+  if (avail.fma3_avx2) out.push_back(Isa::avx2);
+#endif
+#if defined(__aarch64__)
+  out.push_back(Isa::neon);
+#endif
+  out.push_back(Isa::scalar);
+  return out;
+}
+
+Isa best_isa() {
+  return supported_isas().front();
+}
+
+void set_backend(Backend b) {
+  settings().backend = b;
+}
+Backend backend() {
+  return settings().backend;
+}
+
+void set_isa(Isa i) {
+  const auto ok = supported_isas();
+  if (std::find(ok.begin(), ok.end(), i) == ok.end()) {
+    std::string list;
+    for (Isa s : ok) list += std::string(list.empty() ? "" : ", ") + to_string(s);
+    throw ConfigError(std::string("isa \"") + to_string(i) +
+                      "\" is not supported on this machine (supported: " + list + ")");
+  }
+  settings().isa = i;
+}
+Isa isa() {
+  return settings().isa;
+}
+
+void set_num_threads(int n) {
+  if (n < 1 || n > 1024) {
+    throw ConfigError("threads must be in [1, 1024], got " + std::to_string(n));
+  }
+  Settings& s = settings();
+  if (n == s.threads) return;
+  s.threads = n;
+  s.arena = std::make_unique<tbb::task_arena>(n);
+  detail::blas_set_threads(n);
+}
+int num_threads() {
+  return settings().threads;
+}
+
+void init_from_environment() {
+  if (const char* v = std::getenv("TEO_BACKEND"); v && *v)
+    set_backend(parse_backend(v, "TEO_BACKEND"));
+  if (const char* v = std::getenv("TEO_ISA"); v && *v) set_isa(parse_isa(v, "TEO_ISA"));
+  if (const char* v = std::getenv("TEO_NUM_THREADS"); v && *v) {
+    char* end = nullptr;
+    const long n = std::strtol(v, &end, 10);
+    if (*end != '\0' || n < 1 || n > 1024) {
+      throw ConfigError(std::string("TEO_NUM_THREADS must be an integer in [1, 1024], got \"") + v +
+                        "\"");
+    }
+    set_num_threads(static_cast<int>(n));
+  }
+}
+
+ScopedSettings::ScopedSettings() : backend_(backend()), isa_(isa()), threads_(num_threads()) {}
+ScopedSettings::~ScopedSettings() {
+  set_backend(backend_);
+  set_isa(isa_);
+  set_num_threads(threads_);
+}
+
+namespace detail {
+
+tbb::task_arena& arena() {
+  return *settings().arena;
+}
+
+const simd::IsaKernels& isa_kernels(Isa i) {
+  switch (i) {
+#if defined(__x86_64__) || defined(_M_X64)
+    case Isa::avx512:
+      return simd::kernels_avx512();
+    case Isa::avx2:
+      return simd::kernels_avx2();
+#endif
+#if defined(__aarch64__)
+    case Isa::neon:
+      return simd::kernels_neon();
+#endif
+    default:
+      return simd::kernels_scalar();
+  }
+}
+
+const simd::IsaKernels& isa_kernels() {
+  return isa_kernels(isa());
+}
+
+}  // namespace detail
+
+template <class Real>
+void gemm(Trans ta, Trans tb, index_t m, index_t n, index_t k, Real alpha, const Real* a,
+          index_t lda, const Real* b, index_t ldb, Real beta, Real* c, index_t ldc) {
+  switch (backend()) {
+    case Backend::reference:
+      return detail::reference_gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    case Backend::blas:
+      return detail::blas_gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    case Backend::simd: {
+      const auto& t = detail::isa_kernels();
+      if constexpr (std::is_same_v<Real, float>) {
+        return detail::simd_gemm(t.sgemm, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+      } else {
+        return detail::simd_gemm(t.dgemm, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+      }
+    }
+  }
+}
+
+template void gemm<float>(Trans, Trans, index_t, index_t, index_t, float, const float*, index_t,
+                          const float*, index_t, float, float*, index_t);
+template void gemm<double>(Trans, Trans, index_t, index_t, index_t, double, const double*, index_t,
+                           const double*, index_t, double, double*, index_t);
+
+}  // namespace teo

@@ -1,0 +1,46 @@
+// The interface between the ISA-neutral drivers and the per-ISA translation units. Each of
+// avx512.cpp, avx2.cpp, neon.cpp and scalar.cpp is compiled with its own flags and exports one
+// table of plain functions; nothing else in it is visible. The drivers (threads, packing, blocking)
+// are compiled for the baseline and call through the table, so no inline function compiled for a
+// wide ISA can leak into code that runs on a narrower CPU.
+#pragma once
+
+#include <cstdint>
+
+namespace teo::simd {
+
+using index_t = std::int64_t;
+
+// How the micro-kernel starts its accumulators: from zero (C is never read), from C, or from
+// beta * C.
+enum class Start : int { zero = 0, c = 1, beta_c = 2 };
+
+template <class Real>
+struct GemmKernel {
+  int mr;              // rows of the register tile
+  int nr;              // columns of the register tile (a multiple of the vector width)
+  index_t kc, mc, nc;  // cache blocking: KC for L1 (B sliver), MC for L2 (A block), NC for L3
+  // C (mc, nc) = start(C) + Ap * Bp over kc, one MR x NR tile at a time (jr outer, ir inner).
+  // Ap: ceil(mc / MR) slivers, each kc x MR (k-major); Bp: ceil(nc / NR) slivers, each kc x NR.
+  // Every C element is one fused multiply-add chain in increasing k, so the result depends on
+  // neither MR, NR nor the vector width.
+  void (*macro)(index_t mc, index_t nc, index_t kc, const Real* ap, const Real* bp, Real* c,
+                index_t ldc, Start start, Real beta);
+};
+
+struct IsaKernels {
+  const char* name;
+  GemmKernel<float> sgemm;
+  GemmKernel<double> dgemm;
+};
+
+const IsaKernels& kernels_scalar();
+#if defined(__x86_64__) || defined(_M_X64)
+const IsaKernels& kernels_avx2();
+const IsaKernels& kernels_avx512();
+#endif
+#if defined(__aarch64__)
+const IsaKernels& kernels_neon();
+#endif
+
+}  // namespace teo::simd

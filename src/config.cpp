@@ -100,8 +100,14 @@ void EncoderConfig::validate() const {
     throw ConfigError("d_model must be divisible by num_heads: d_model " + std::to_string(d_model) +
                       ", num_heads " + std::to_string(num_heads));
   }
-  if (!(layer_norm_eps > 0.0) || !std::isfinite(layer_norm_eps)) {
-    throw ConfigError("layer_norm_eps must be finite and > 0, got " + fmt(layer_norm_eps));
+  // eps is rounded to the dtype; below float's smallest normal it would vanish (or lose its
+  // precision) in float32 and a constant row would give 0 * inf.
+  if (!(layer_norm_eps >= static_cast<double>(std::numeric_limits<float>::min())) ||
+      !(layer_norm_eps <= static_cast<double>(std::numeric_limits<float>::max()))) {
+    throw ConfigError(
+        "layer_norm_eps must be a normal float32 value in [1.1754943508222875e-38, "
+        "3.4028234663852886e+38], got " +
+        fmt(layer_norm_eps));
   }
   if (!(dropout >= 0.0 && dropout < 1.0)) {
     throw ConfigError("dropout must be in [0, 1), got " + fmt(dropout));

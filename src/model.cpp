@@ -158,6 +158,106 @@ Params<Real> Params<Real>::init(const EncoderConfig& cfg, std::uint64_t seed) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Validation of what callers hand back to us
+
+namespace {
+
+void expect_shape(const std::string& what, const Shape& got, const Shape& want) {
+  if (!(got == want)) {
+    throw ShapeError(what + " has shape " + got.str() + ", expected " + want.str());
+  }
+}
+
+template <class T>
+void expect_size(const std::string& what, const std::vector<T>& v, index_t want, bool optional) {
+  if (optional && v.empty()) return;
+  if (static_cast<index_t>(v.size()) != want) {
+    throw ShapeError(what + " has " + std::to_string(v.size()) + " elements, expected " +
+                     std::to_string(want));
+  }
+}
+
+}  // namespace
+
+template <class Real>
+void validate_params(const Params<Real>& p) {
+  const EncoderConfig& c = p.config;
+  c.validate();
+  if (p.layers.size() != static_cast<std::size_t>(c.num_layers)) {
+    throw ShapeError("params has " + std::to_string(p.layers.size()) +
+                     " layers, config.num_layers is " + std::to_string(c.num_layers));
+  }
+  const index_t d = c.d_model, f = c.d_ff;
+  p.visit([&](const std::string& name, const Tensor<Real>& t) {
+    Shape want;
+    if (name == "embedding.weight")
+      want = Shape({c.vocab_size, d});
+    else if (name == "pos_embedding.weight")
+      want = Shape({c.max_len, d});
+    else if (name == "head.weight")
+      want = Shape({c.num_classes, d});
+    else if (name == "head.bias")
+      want = Shape({c.num_classes});
+    else if (name.ends_with("fc1.weight"))
+      want = Shape({f, d});
+    else if (name.ends_with("fc1.bias"))
+      want = Shape({f});
+    else if (name.ends_with("fc2.weight"))
+      want = Shape({d, f});
+    else if (name.ends_with(".weight") && name.find(".attn.") != std::string::npos)
+      want = Shape({d, d});
+    else
+      want = Shape({d});
+    expect_shape("parameter " + name, t.shape(), want);
+  });
+}
+
+template <class Real>
+void validate_activations(const EncoderConfig& c, const Batch& b, const Activations<Real>& a) {
+  const index_t B = b.batch, S = b.seq_len, D = c.d_model, H = c.num_heads, N = B * S;
+  if (a.norm_first != c.norm_first || a.layers.size() != static_cast<std::size_t>(c.num_layers)) {
+    throw ShapeError("activations were produced for a different config (norm_first or num_layers)");
+  }
+  a.visit([&](const std::string& name, const Tensor<Real>& t) {
+    Shape want;
+    if (name == "positional")
+      want = Shape({S, D});
+    else if (name == "pooled")
+      want = Shape({B, D});
+    else if (name == "logits")
+      want = Shape({B, c.num_classes});
+    else if (name == "loss")
+      want = Shape(std::vector<index_t>{});
+    else if (name.ends_with(".q") || name.ends_with(".k") || name.ends_with(".v"))
+      want = Shape({B, H, S, c.d_head()});
+    else if (name.ends_with(".scores") || name.ends_with(".probs"))
+      want = Shape({B, H, S, S});
+    else if (name.ends_with(".ffn_pre") || name.ends_with(".ffn_hidden"))
+      want = Shape({B, S, c.d_ff});
+    else
+      want = Shape({B, S, D});
+    expect_shape("activation " + name, t.shape(), want);
+  });
+  for (std::size_t i = 0; i < a.layers.size(); ++i) {
+    const auto& l = a.layers[i];
+    const std::string p = "layers." + std::to_string(i) + ".";
+    for (const auto* t : {&l.norm1_mean, &l.norm1_rstd, &l.norm2_mean, &l.norm2_rstd})
+      expect_shape("statistic " + p + "norm mean/rstd", t->shape(), Shape({N}));
+    expect_size("mask " + p + "attn", l.masks.attn, B * H * S * S, true);
+    expect_size("mask " + p + "residual1", l.masks.residual1, N * D, true);
+    expect_size("mask " + p + "ffn", l.masks.ffn, N * c.d_ff, true);
+    expect_size("mask " + p + "residual2", l.masks.residual2, N * D, true);
+  }
+  expect_size("mask input", a.input_mask, N * D, true);
+  if (c.norm_first) {
+    expect_shape("statistic final_norm mean", a.final_norm_mean.shape(), Shape({N}));
+    expect_shape("statistic final_norm rstd", a.final_norm_rstd.shape(), Shape({N}));
+  }
+  expect_shape("class_probs", a.class_probs.shape(), Shape({B, c.num_classes}));
+  if (c.pooling == Pooling::max) expect_size("pool_argmax", a.pool_argmax, B * D, false);
+}
+
+// ---------------------------------------------------------------------------------------------
 // Forward and backward
 
 namespace {
@@ -234,6 +334,7 @@ void allocate(Activations<Real>& a, const EncoderConfig& cfg, const Dims& d) {
     a.final_norm_rstd = Tensor<Real>({d.N});
   }
   a.pooled = Tensor<Real>({d.B, d.D});
+  if (cfg.pooling == Pooling::max) a.pool_argmax.assign(static_cast<std::size_t>(d.B * d.D), -1);
   a.logits = Tensor<Real>({d.B, d.C});
   a.class_probs = Tensor<Real>({d.B, d.C});
   a.loss = Tensor<Real>(Shape(std::vector<index_t>{}));
@@ -410,7 +511,7 @@ template <class Real>
 void forward(const Params<Real>& params, const Batch& batch, Activations<Real>& acts,
              const ForwardOptions& opts) {
   const EncoderConfig& cfg = params.config;
-  cfg.validate();
+  validate_params(params);
   validate_batch(cfg, batch, sizeof(Real));
   const Dims d = dims_of(cfg, batch);
   allocate(acts, cfg, d);
@@ -436,13 +537,10 @@ template <class Real>
 void encoder_forward(const Params<Real>& params, const Batch& batch, Activations<Real>& acts,
                      const ForwardOptions& opts) {
   const EncoderConfig& cfg = params.config;
+  validate_params(params);
   validate_batch(cfg, batch, sizeof(Real));
+  validate_activations(cfg, batch, acts);
   const Dims d = dims_of(cfg, batch);
-  if (acts.input.shape() != Shape({d.B, d.S, d.D}) ||
-      acts.layers.size() != static_cast<std::size_t>(cfg.num_layers)) {
-    throw ShapeError("encoder_forward: activations were not produced by forward() for batch " +
-                     std::to_string(d.B) + " x seq_len " + std::to_string(d.S));
-  }
   const bool drop = opts.train && cfg.dropout > 0.0;
   const Real* x = acts.input.data();
   for (std::size_t i = 0; i < acts.layers.size(); ++i) {
@@ -471,14 +569,10 @@ template <class Real>
 void backward(const Params<Real>& params, const Batch& batch, const Activations<Real>& acts,
               Params<Real>& grads, Activations<Real>& dacts) {
   const EncoderConfig& cfg = params.config;
-  cfg.validate();
+  validate_params(params);
   validate_batch(cfg, batch, sizeof(Real));
+  validate_activations(cfg, batch, acts);
   const Dims d = dims_of(cfg, batch);
-  if (acts.input.shape() != Shape({d.B, d.S, d.D}) || acts.loss.numel() != 1 ||
-      acts.layers.size() != static_cast<std::size_t>(cfg.num_layers)) {
-    throw ShapeError("backward: activations were not produced by forward() for batch " +
-                     std::to_string(d.B) + " x seq_len " + std::to_string(d.S));
-  }
   grads = Params<Real>::zeros(cfg);
   allocate(dacts, cfg, d);
 
@@ -527,7 +621,10 @@ void backward(const Params<Real>& params, const Batch& batch, const Activations<
   template void encoder_forward<Real>(const Params<Real>&, const Batch&, Activations<Real>&, \
                                       const ForwardOptions&);                                \
   template void backward<Real>(const Params<Real>&, const Batch&, const Activations<Real>&,  \
-                               Params<Real>&, Activations<Real>&);
+                               Params<Real>&, Activations<Real>&);                           \
+  template void validate_params<Real>(const Params<Real>&);                                  \
+  template void validate_activations<Real>(const EncoderConfig&, const Batch&,               \
+                                           const Activations<Real>&);
 TEO_INSTANTIATE(float)
 TEO_INSTANTIATE(double)
 

@@ -59,6 +59,8 @@ TEST(Config, RejectsUnknownKeysWrongTypesAndBadValuesWithNamedError) {
   expect_config_error(R"({"d_model": 10, "num_heads": 4})", "divisible");
   expect_config_error(R"({"num_layers": -1})", "num_layers");
   expect_config_error(R"({"layer_norm_eps": 0})", "layer_norm_eps");
+  expect_config_error(R"({"layer_norm_eps": 1e-50})", "layer_norm_eps");  // 0 in float32
+  expect_config_error(R"({"layer_norm_eps": 1e300})", "layer_norm_eps");  // inf in float32
   expect_config_error(R"({"dropout": 1.0})", "dropout");
   expect_config_error(R"({"dropout": -0.1})", "dropout");
   expect_config_error(R"({"label_smoothing": 1.5})", "label_smoothing");

@@ -192,6 +192,17 @@ struct Activations {
   }
 };
 
+// Throws ShapeError naming the first parameter whose presence or shape disagrees with
+// params.config (after validating the config). forward() and backward() call it first.
+template <class Real>
+void validate_params(const Params<Real>& params);
+
+// Throws ShapeError naming the first kept activation, statistic or mask whose shape disagrees with
+// what forward() produces for this config and batch. encoder_forward() and backward() call it.
+template <class Real>
+void validate_activations(const EncoderConfig& cfg, const Batch& batch,
+                          const Activations<Real>& acts);
+
 struct ForwardOptions {
   // Dropout is applied when train is true and config.dropout > 0 (PyTorch's train mode);
   // otherwise every dropout site is the identity and no mask is kept.

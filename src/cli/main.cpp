@@ -1,6 +1,7 @@
 // The `teo` command.
 #include <cstdio>
 #include <iostream>
+#include <new>
 #include <string>
 
 #include <CLI/CLI.hpp>
@@ -17,7 +18,7 @@ int main(int argc, char** argv) {
   shapes->add_option("--config", shapes_opts.config_path, "EncoderConfig JSON (default: built-in)")
       ->check(CLI::ExistingFile);
   shapes->add_option("--batch", shapes_opts.batch, "batch size")->check(CLI::Range(0, 1 << 20));
-  shapes->add_option("--seq-len", shapes_opts.seq_len, "sequence length")
+  shapes->add_option("--seq-len", shapes_opts.seq_len, "sequence length (default: min(8, max_len))")
       ->check(CLI::Range(1, 1 << 20));
   shapes->add_option("--dtype", shapes_opts.dtype, "float32 or float64")
       ->check(CLI::IsMember({"float32", "float64"}));
@@ -29,6 +30,12 @@ int main(int argc, char** argv) {
   try {
     if (*shapes) return teo::cli::run_shapes(shapes_opts, std::cout);
   } catch (const teo::Error& e) {
+    std::cerr << "teo: error: " << e.what() << "\n";
+    return 2;
+  } catch (const std::bad_alloc&) {
+    std::cerr << "teo: error: out of memory: the config or batch is too large for this machine\n";
+    return 2;
+  } catch (const std::exception& e) {
     std::cerr << "teo: error: " << e.what() << "\n";
     return 2;
   }

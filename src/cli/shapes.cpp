@@ -1,5 +1,6 @@
 #include "teo/cli/shapes.hpp"
 
+#include <algorithm>
 #include <iomanip>
 #include <string>
 #include <vector>
@@ -86,8 +87,10 @@ int run_shapes(const ShapesOptions& o, std::ostream& out) {
   const EncoderConfig cfg =
       o.config_path.empty() ? EncoderConfig{} : EncoderConfig::from_file(o.config_path);
   cfg.validate();
-  if (o.dtype == "float32") return run<float>(cfg, o, out);
-  return run<double>(cfg, o, out);
+  ShapesOptions opts = o;
+  if (opts.seq_len == 0) opts.seq_len = std::min<index_t>(8, cfg.max_len);
+  if (opts.dtype == "float32") return run<float>(cfg, opts, out);
+  return run<double>(cfg, opts, out);
 }
 
 }  // namespace teo::cli

@@ -47,6 +47,22 @@ TEST(ShapesCli, ReadsAConfigFile) {
   EXPECT_NE(r.out.find("(B, H, S, Dh)   [3, 3, 4, 2]"), std::string::npos) << r.out;
 }
 
+TEST(ShapesCli, DefaultSequenceLengthFitsASmallMaxLen) {
+  const std::string path = ::testing::TempDir() + "teo_shapes_short.json";
+  std::ofstream(path) << R"({"max_len": 3})";
+  const Result r = run("shapes --config " + path);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("(S, D)          [3, 16]"), std::string::npos) << r.out;
+}
+
+TEST(ShapesCli, HugeConfigFailsCleanlyNotWithACrash) {
+  const std::string path = ::testing::TempDir() + "teo_shapes_huge.json";
+  std::ofstream(path) << R"({"vocab_size": 1000000000000000, "d_model": 16})";
+  const Result r = run("shapes --config " + path);
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("teo: error:"), std::string::npos) << r.out;
+}
+
 TEST(ShapesCli, BadInputExitsTwoWithTheFieldNamed) {
   const std::string path = ::testing::TempDir() + "teo_shapes_bad.json";
   std::ofstream(path) << R"({"d_model": 10, "num_heads": 4})";

@@ -34,8 +34,11 @@ TYPED_TEST(CrossEntropy, MatchesPyTorchDefinitionWithLabelSmoothing) {
 
 TYPED_TEST(CrossEntropy, EmptyBatchGivesZeroLossAndNoGradient) {
   using Real = TypeParam;
-  EXPECT_EQ(cross_entropy_forward<Real>(nullptr, nullptr, nullptr, 0, 3, Real(0.1)), Real(0));
-  cross_entropy_backward<Real>(nullptr, nullptr, nullptr, 0, 3, Real(0.1), Real(1));
+  std::vector<Real> probs(3, Real(-7)), dlogits(3, Real(-7));
+  EXPECT_EQ(cross_entropy_forward<Real>(probs.data(), nullptr, nullptr, 0, 3, Real(0.1)), Real(0));
+  cross_entropy_backward<Real>(dlogits.data(), probs.data(), nullptr, 0, 3, Real(0.1), Real(1));
+  for (Real v : probs) EXPECT_EQ(v, Real(-7));  // nothing written past an empty batch
+  for (Real v : dlogits) EXPECT_EQ(v, Real(-7));
 }
 
 TYPED_TEST(CrossEntropy, LargeLogitsStayFinite) {

@@ -79,6 +79,20 @@ std::vector<GradCase> cases() {
     c.activation = Activation::gelu_tanh;
     c.causal = true;
   });
+  add("PostNormReluMaxLength0FullSmoothing", {4, 0, 2}, [](EncoderConfig& c) {
+    c.activation = Activation::relu;
+    c.pooling = Pooling::max;
+    c.label_smoothing = 1.0;
+  });
+  add("ZeroLayersPreNormMeanLearned", {4, 2, 0}, [](EncoderConfig& c) {
+    c.num_layers = 0;
+    c.norm_first = true;
+    c.positional = Positional::learned;
+  });
+  add("ZeroLayersPostNormMax", {3, 4, 1}, [](EncoderConfig& c) {
+    c.num_layers = 0;
+    c.pooling = Pooling::max;
+  });
   return out;
 }
 

@@ -194,6 +194,45 @@ TYPED_TEST(Model, BadInputIsRejectedByNameAndChangesNothing) {
   EXPECT_TRUE(test::bitwise_equal(a, before));
 }
 
+TYPED_TEST(Model, ParamsOrActivationsThatDisagreeWithTheConfigAreRejected) {
+  using Real = TypeParam;
+  const EncoderConfig c = small_config();
+  const Batch batch = Batch::random(c, 2, 4, 4);
+  Activations<Real> a;
+  auto p = Params<Real>::init(c, 3);
+  p.config.positional = Positional::learned;  // no pos_embedding.weight was made for this
+  expect_error_naming<ShapeError>([&] { forward(p, batch, a); }, "pos_embedding.weight");
+  p = Params<Real>::init(c, 3);
+  p.layers.pop_back();
+  expect_error_naming<ShapeError>([&] { forward(p, batch, a); }, "layers");
+  p = Params<Real>::init(c, 3);
+  p.layers[1].fc1_weight = Tensor<Real>({3, 3});
+  expect_error_naming<ShapeError>([&] { forward(p, batch, a); }, "layers.1.ffn.fc1.weight");
+  Params<Real> empty;
+  empty.config = c;
+  expect_error_naming<ShapeError>([&] { forward(empty, batch, a); }, "layers");
+
+  // backward with activations from a different config or batch
+  p = Params<Real>::init(c, 3);
+  forward(p, batch, a);
+  Params<Real> g;
+  Activations<Real> da;
+  auto pmax = p;
+  pmax.config.pooling = Pooling::max;
+  expect_error_naming<ShapeError>([&] { backward(pmax, batch, a, g, da); }, "pool_argmax");
+  auto ppre = Params<Real>::init(
+      [&] {
+        auto x = c;
+        x.norm_first = true;
+        return x;
+      }(),
+      3);
+  expect_error_naming<ShapeError>([&] { backward(ppre, batch, a, g, da); }, "norm_first");
+  const Batch longer = Batch::random(c, 2, 5, 4);
+  expect_error_naming<ShapeError>([&] { backward(p, longer, a, g, da); }, "activation");
+  expect_error_naming<ShapeError>([&] { encoder_forward(p, longer, a); }, "activation");
+}
+
 TYPED_TEST(Model, ForwardIsDeterministicAndDropoutFollowsTheSeed) {
   using Real = TypeParam;
   EncoderConfig c = small_config();

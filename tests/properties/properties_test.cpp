@@ -268,6 +268,30 @@ RC_GTEST_PROP(Properties, SequenceOutputsDoNotDependOnTheRestOfTheBatch, ()) {
                         sizeof(double) * c.num_classes) == 0);
 }
 
+// With dropout on, a sequence keeps its outputs, bit for bit, whatever the other sequences of a
+// batch of the same shape hold: masks are indexed by position, never by content.
+RC_GTEST_PROP(Properties, WithDropoutASequenceIgnoresItsNeighbours, ()) {
+  EncoderConfig c = gen_config();
+  c.dropout = 0.25;
+  const Batch b = gen_batch(c, 2);
+  const auto p = Params<double>::init(c, 5);
+  const index_t keep = *rc::gen::inRange<index_t>(0, b.batch);
+  Batch other = Batch::random(c, b.batch, b.seq_len, *rc::gen::arbitrary<std::uint32_t>());
+  const index_t S = b.seq_len, D = c.d_model;
+  std::copy(b.tokens.begin() + keep * S, b.tokens.begin() + (keep + 1) * S,
+            other.tokens.begin() + keep * S);
+  other.lengths[keep] = b.lengths[keep];
+  other.labels[keep] = b.labels[keep];
+  Activations<double> a, o;
+  forward(p, b, a, {.dropout_seed = 11});
+  forward(p, other, o, {.dropout_seed = 11});
+  for (std::size_t l = 0; l < a.layers.size(); ++l)
+    RC_ASSERT(std::memcmp(&a.layers[l].output[keep * S * D], &o.layers[l].output[keep * S * D],
+                          sizeof(double) * S * D) == 0);
+  RC_ASSERT(std::memcmp(&a.logits[keep * c.num_classes], &o.logits[keep * c.num_classes],
+                        sizeof(double) * c.num_classes) == 0);
+}
+
 // Random JSON objects over the real keys with values of every type and sign: the parser either
 // accepts a config that then validates and runs, or throws a named teo error.
 RC_GTEST_PROP(Properties, InvalidConfigsAreRejectedWithNamedErrors, ()) {
@@ -311,10 +335,79 @@ RC_GTEST_PROP(Properties, InvalidConfigsAreRejectedWithNamedErrors, ()) {
       RC_ASSERT(std::isfinite(a.loss[0]));
     }
   } catch (const ConfigError& e) {
-    RC_ASSERT(std::string(e.what()).size() > 0);
+    // The message names one of the keys this config set (the offender, or for the divisibility
+    // rule d_model / num_heads, both of which it names).
+    const std::string msg = e.what();
+    bool named = msg.find("JSON object") != std::string::npos;
+    for (const auto& [key, v] : j.items()) named = named || msg.find(key) != std::string::npos;
+    RC_ASSERT(named);
   } catch (const ShapeError& e) {
     RC_ASSERT(std::string(e.what()).find("overflow") != std::string::npos);
   }
+}
+
+// Random corruptions of a valid batch: each is rejected with ShapeError or InputError naming the
+// field, and the activations of an earlier call stay as they were.
+RC_GTEST_PROP(Properties, InvalidBatchesAreRejectedWithNamedErrors, ()) {
+  const EncoderConfig c = gen_config();
+  const Batch good = gen_batch(c, 1);
+  const auto p = Params<double>::init(c, 7);
+  Activations<double> a;
+  forward(p, good, a);
+  const Activations<double> before = a;
+  Batch bad = good;
+  std::string needle;
+  bool shape = true;
+  switch (*rc::gen::inRange(0, 7)) {
+    case 0: {
+      const auto i = *rc::gen::inRange<std::size_t>(0, bad.tokens.size());
+      bad.tokens[i] = *rc::gen::element<std::int64_t>(-1, c.vocab_size, INT64_MAX, INT64_MIN);
+      needle = "tokens[";
+      shape = false;
+      break;
+    }
+    case 1: {
+      const auto i = *rc::gen::inRange<std::size_t>(0, bad.labels.size());
+      bad.labels[i] = *rc::gen::element<std::int64_t>(-1, c.num_classes, INT64_MAX);
+      needle = "labels[";
+      shape = false;
+      break;
+    }
+    case 2: {
+      const auto i = *rc::gen::inRange<std::size_t>(0, bad.lengths.size());
+      bad.lengths[i] = *rc::gen::element<std::int64_t>(-1, bad.seq_len + 1, INT64_MAX);
+      needle = "lengths[";
+      break;
+    }
+    case 3:
+      bad.tokens.push_back(0);
+      needle = "tokens";
+      break;
+    case 4:
+      bad.lengths.pop_back();
+      needle = "lengths";
+      break;
+    case 5:
+      bad.seq_len = c.max_len + *rc::gen::inRange<index_t>(1, 4);
+      bad.tokens.assign(bad.batch * bad.seq_len, 0);
+      needle = "max_len";
+      break;
+    default:
+      bad.batch = *rc::gen::element<index_t>(-1, index_t{1} << 62);
+      needle = "batch";
+      break;
+  }
+  try {
+    forward(p, bad, a);
+    RC_FAIL("accepted an invalid batch");
+  } catch (const ShapeError& e) {
+    RC_ASSERT(shape);
+    RC_ASSERT(std::string(e.what()).find(needle) != std::string::npos);
+  } catch (const InputError& e) {
+    RC_ASSERT(!shape);
+    RC_ASSERT(std::string(e.what()).find(needle) != std::string::npos);
+  }
+  RC_ASSERT(test::bitwise_equal(a, before));
 }
 
 }  // namespace

@@ -11,7 +11,7 @@ namespace teo::cli {
 struct ShapesOptions {
   std::string config_path;  // empty: the built-in default EncoderConfig
   index_t batch = 2;
-  index_t seq_len = 8;
+  index_t seq_len = 0;  // 0: min(8, max_len)
   std::string dtype = "float64";
 };
 

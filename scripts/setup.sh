@@ -5,7 +5,7 @@ packages=(
   build-essential cmake ninja-build git
   libxsimd-dev libtbb-dev libopenblas-dev
   nlohmann-json3-dev libcli11-dev
-  libgtest-dev librapidcheck-dev
+  libgtest-dev librapidcheck-dev libbenchmark-dev
 )
 missing=()
 for p in "${packages[@]}"; do

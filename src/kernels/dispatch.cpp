@@ -5,6 +5,7 @@
 #include <mutex>
 #include <thread>
 
+#include <tbb/global_control.h>
 #include <xsimd/xsimd.hpp>
 
 #include "kernels_internal.hpp"
@@ -23,6 +24,9 @@ struct Settings {
   Backend backend = Backend::reference;
   Isa isa = Isa::scalar;
   int threads = 1;
+  // TBB caps its workers at the core count unless told otherwise; the cap is lifted so that a
+  // thread count above the core count (7 on 2 cores, in the determinism tests) is real.
+  std::unique_ptr<tbb::global_control> limit;
   std::unique_ptr<tbb::task_arena> arena;
   std::once_flag init;
 };
@@ -32,6 +36,8 @@ Settings& settings() {
   std::call_once(s.init, [] {
     s.isa = best_isa();
     s.threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+    s.limit = std::make_unique<tbb::global_control>(tbb::global_control::max_allowed_parallelism,
+                                                    static_cast<std::size_t>(s.threads));
     s.arena = std::make_unique<tbb::task_arena>(s.threads);
     detail::blas_set_threads(s.threads);
   });
@@ -124,6 +130,9 @@ void set_num_threads(int n) {
   Settings& s = settings();
   if (n == s.threads) return;
   s.threads = n;
+  s.arena.reset();
+  s.limit = std::make_unique<tbb::global_control>(tbb::global_control::max_allowed_parallelism,
+                                                  static_cast<std::size_t>(n));
   s.arena = std::make_unique<tbb::task_arena>(n);
   detail::blas_set_threads(n);
 }

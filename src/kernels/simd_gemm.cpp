@@ -76,10 +76,13 @@ void simd_gemm(const simd::GemmKernel<Real>& kern, Trans ta, Trans tb, index_t m
   const bool serial = m * n * k <= kSerialWork || num_threads() == 1;
   // MC adapts to the thread count so that every thread gets whole row blocks; it changes only
   // which task computes a tile, never the order of any sum.
+  // The number of row blocks is a multiple of the thread count and the MR-row tiles are spread
+  // evenly over them, so every thread gets the same work.
   const index_t threads = serial ? 1 : num_threads();
-  const index_t per_thread = (m + threads - 1) / threads;
-  const index_t mc =
-      std::max<index_t>(mr, std::min<index_t>(kern.mc, (per_thread + mr - 1) / mr * mr));
+  const index_t tiles = (m + mr - 1) / mr;
+  const index_t max_tiles = std::max<index_t>(1, kern.mc / mr);
+  const index_t want_blocks = threads * ((tiles + threads * max_tiles - 1) / (threads * max_tiles));
+  const index_t mc = ((tiles + want_blocks - 1) / want_blocks) * mr;
   const index_t ic_blocks = (m + mc - 1) / mc;
 
   // Packing buffers. A serial call makes no TBB call, so no other work can run on this thread

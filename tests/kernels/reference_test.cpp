@@ -2,6 +2,7 @@
 #include <limits>
 
 #include "support.hpp"
+#include "teo/backend.hpp"
 #include "teo/kernels.hpp"
 
 namespace teo {

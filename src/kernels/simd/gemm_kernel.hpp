@@ -18,13 +18,18 @@ inline void micro_kernel(index_t kc, const Real* __restrict a, const Real* __res
   using B = typename V::B;
   constexpr int W = static_cast<int>(V::size);
   constexpr int NR = NV * W;
+  // Every loop over i and v is fully unrolled so that the accumulators stay in registers.
   B acc[MR][NV];
   if (start == Start::zero) {
+#pragma GCC unroll 16
     for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) acc[i][v] = V::set1(Real(0));
   } else {
     const B vb = V::set1(beta);
+#pragma GCC unroll 16
     for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) {
         acc[i][v] = V::load(c + i * ldc + v * W);
         if (start == Start::beta_c) acc[i][v] = V::mul(acc[i][v], vb);
@@ -32,13 +37,18 @@ inline void micro_kernel(index_t kc, const Real* __restrict a, const Real* __res
   }
   for (index_t p = 0; p < kc; ++p) {
     B bv[NV];
+#pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) bv[v] = V::load(b + p * NR + v * W);
+#pragma GCC unroll 16
     for (int i = 0; i < MR; ++i) {
       const B av = V::set1(a[p * MR + i]);
+#pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) acc[i][v] = V::fma(av, bv[v], acc[i][v]);
     }
   }
+#pragma GCC unroll 16
   for (int i = 0; i < MR; ++i)
+#pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) V::store(c + i * ldc + v * W, acc[i][v]);
 }
 

@@ -24,6 +24,21 @@ struct Vec {
   static B mul(const B& a, const B& b) { return a * b; }
 };
 
+#if defined(__AVX512F__)
+// xsimd 8.1 has no AVX-512 fma and falls back to a separate multiply and add, which would round
+// differently from every other ISA: use the fused instruction directly.
+template <>
+inline xsimd::batch<float, xsimd::avx512f> Vec<float, xsimd::avx512f>::fma(const B& a, const B& b,
+                                                                           const B& c) {
+  return _mm512_fmadd_ps(a, b, c);
+}
+template <>
+inline xsimd::batch<double, xsimd::avx512f> Vec<double, xsimd::avx512f>::fma(const B& a, const B& b,
+                                                                             const B& c) {
+  return _mm512_fmadd_pd(a, b, c);
+}
+#endif
+
 template <class Real>
 struct Vec<Real, scalar_arch> {
   using B = Real;

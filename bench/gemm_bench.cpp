@@ -1,7 +1,9 @@
 // Google Benchmark: GEMM at the encoder's shapes, teo's simd kernel and OpenBLAS in the same run.
 // Run: build/bench/teo_microbench --benchmark_repetitions=5 --benchmark_report_aggregates_only
 #include <benchmark/benchmark.h>
+#include <cblas.h>
 
+#include <type_traits>
 #include <vector>
 
 #include "teo/backend.hpp"
@@ -32,12 +34,48 @@ void BM_Gemm(benchmark::State& state, teo::Backend backend, teo::Trans ta, teo::
 }
 
 void shapes(benchmark::internal::Benchmark* b) {
-  for (long threads : {1, 2}) {
+  for (long threads : {2}) {
     b->Args({1024, 768, 768, threads});
     b->Args({1024, 3072, 768, threads});
     b->Args({1024, 768, 3072, threads});
   }
   b->ArgNames({"m", "n", "k", "threads"})->UseRealTime()->Unit(benchmark::kMillisecond);
+}
+
+// OpenBLAS as its users call it: one cblas call with OpenBLAS's own threads.
+template <class Real>
+void BM_OpenBlas(benchmark::State& state, teo::Trans ta, teo::Trans tb) {
+  const int m = static_cast<int>(state.range(0)), n = static_cast<int>(state.range(1)),
+            k = static_cast<int>(state.range(2));
+  openblas_set_num_threads(static_cast<int>(state.range(3)));
+  std::vector<Real> a(m * k), b(k * n), c(m * n);
+  for (std::size_t i = 0; i < a.size(); ++i)
+    a[i] = static_cast<Real>(teo::rng::uniform01(1, 1, i) - 0.5);
+  for (std::size_t i = 0; i < b.size(); ++i)
+    b[i] = static_cast<Real>(teo::rng::uniform01(1, 2, i) - 0.5);
+  const auto TA = ta == teo::Trans::no ? CblasNoTrans : CblasTrans;
+  const auto TB = tb == teo::Trans::no ? CblasNoTrans : CblasTrans;
+  const int lda = ta == teo::Trans::no ? k : m, ldb = tb == teo::Trans::no ? n : k;
+  for (auto _ : state) {
+    if constexpr (std::is_same_v<Real, float>) {
+      cblas_sgemm(CblasRowMajor, TA, TB, m, n, k, 1.0f, a.data(), lda, b.data(), ldb, 0.0f,
+                  c.data(), n);
+    } else {
+      cblas_dgemm(CblasRowMajor, TA, TB, m, n, k, 1.0, a.data(), lda, b.data(), ldb, 0.0, c.data(),
+                  n);
+    }
+    benchmark::DoNotOptimize(c.data());
+    benchmark::ClobberMemory();
+  }
+  openblas_set_num_threads(1);
+  state.counters["GFLOP/s"] = benchmark::Counter(
+      2.0 * m * n * k, benchmark::Counter::kIsIterationInvariantRate, benchmark::Counter::kIs1000);
+}
+void BM_OpenBlasF32(benchmark::State& s, teo::Trans ta, teo::Trans tb) {
+  BM_OpenBlas<float>(s, ta, tb);
+}
+void BM_OpenBlasF64(benchmark::State& s, teo::Trans ta, teo::Trans tb) {
+  BM_OpenBlas<double>(s, ta, tb);
 }
 
 void BM_GemmF32(benchmark::State& s, teo::Backend b, teo::Trans ta, teo::Trans tb) {
@@ -51,12 +89,14 @@ using teo::Backend;
 using teo::Trans;
 BENCHMARK_CAPTURE(BM_GemmF32, simd_f32_NT, Backend::simd, Trans::no, Trans::yes)->Apply(shapes);
 BENCHMARK_CAPTURE(BM_GemmF32, blas_f32_NT, Backend::blas, Trans::no, Trans::yes)->Apply(shapes);
+BENCHMARK_CAPTURE(BM_OpenBlasF32, openblas_f32_NT, Trans::no, Trans::yes)->Apply(shapes);
 BENCHMARK_CAPTURE(BM_GemmF64, simd_f64_NT, Backend::simd, Trans::no, Trans::yes)->Apply(shapes);
 BENCHMARK_CAPTURE(BM_GemmF64, blas_f64_NT, Backend::blas, Trans::no, Trans::yes)->Apply(shapes);
+BENCHMARK_CAPTURE(BM_OpenBlasF64, openblas_f64_NT, Trans::no, Trans::yes)->Apply(shapes);
 BENCHMARK_CAPTURE(BM_GemmF32, simd_f32_NN, Backend::simd, Trans::no, Trans::no)->Apply(shapes);
-BENCHMARK_CAPTURE(BM_GemmF32, blas_f32_NN, Backend::blas, Trans::no, Trans::no)->Apply(shapes);
+BENCHMARK_CAPTURE(BM_OpenBlasF32, openblas_f32_NN, Trans::no, Trans::no)->Apply(shapes);
 BENCHMARK_CAPTURE(BM_GemmF32, simd_f32_TN, Backend::simd, Trans::yes, Trans::no)->Apply(shapes);
-BENCHMARK_CAPTURE(BM_GemmF32, blas_f32_TN, Backend::blas, Trans::yes, Trans::no)->Apply(shapes);
+BENCHMARK_CAPTURE(BM_OpenBlasF32, openblas_f32_TN, Trans::yes, Trans::no)->Apply(shapes);
 
 }  // namespace
 

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "kernels/parallel.hpp"
 #include "teo/layers/attention.hpp"
 #include "teo/layers/cross_entropy.hpp"
 #include "teo/layers/dropout.hpp"
@@ -271,14 +272,27 @@ Dims dims_of(const EncoderConfig& c, const Batch& b) {
           c.d_head(), c.d_ff,    c.num_classes, b.batch * b.seq_len};
 }
 
+constexpr index_t kElementGrain = 16384;
+
 template <class Real>
 void copy(Real* dst, const Real* src, index_t n) {
-  std::copy(src, src + n, dst);
+  detail::for_blocks(n, kElementGrain,
+                     [&](index_t i0, index_t i1) { std::copy(src + i0, src + i1, dst + i0); });
 }
 
 template <class Real>
 void add(Real* dst, const Real* src, index_t n) {
-  for (index_t i = 0; i < n; ++i) dst[i] += src[i];
+  detail::for_blocks(n, kElementGrain, [&](index_t i0, index_t i1) {
+    for (index_t i = i0; i < i1; ++i) dst[i] += src[i];
+  });
+}
+
+// out = a + b, element-wise.
+template <class Real>
+void add3(Real* out, const Real* a, const Real* b, index_t n) {
+  detail::for_blocks(n, kElementGrain, [&](index_t i0, index_t i1) {
+    for (index_t i = i0; i < i1; ++i) out[i] = a[i] + b[i];
+  });
 }
 
 // Applies dropout site `site` to in (n) into out, recording its mask, or copies when inactive.
@@ -381,7 +395,7 @@ void layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P, LayerAc
   // residual1 = x + dropout(attn_out)
   apply_dropout(tmp.data(), L.attn_out.data(), L.masks.residual1, nd, prefix + "residual1", p, drop,
                 seed);
-  for (index_t i = 0; i < nd; ++i) L.residual1[i] = x[i] + tmp[i];
+  add3(L.residual1.data(), x, tmp.data(), nd);
 
   const Real* ffn_in;  // the FFN's input, and the second residual's base
   if (cfg.norm_first) {
@@ -406,7 +420,7 @@ void layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P, LayerAc
   // residual2 = base + dropout(ffn_out)
   apply_dropout(tmp.data(), L.ffn_out.data(), L.masks.residual2, nd, prefix + "residual2", p, drop,
                 seed);
-  for (index_t i = 0; i < nd; ++i) L.residual2[i] = base[i] + tmp[i];
+  add3(L.residual2.data(), base, tmp.data(), nd);
 
   if (cfg.norm_first) {
     copy(L.output.data(), L.residual2.data(), nd);

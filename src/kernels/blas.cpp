@@ -5,7 +5,10 @@
 #include <limits>
 #include <string>
 
+#include <type_traits>
+
 #include "kernels_internal.hpp"
+#include "parallel.hpp"
 
 namespace teo::detail {
 
@@ -24,27 +27,45 @@ blasint to_blasint(index_t v, const char* what) {
   return static_cast<blasint>(v);
 }
 
+template <class Real>
+void call(Trans ta, Trans tb, index_t m, index_t n, index_t k, Real alpha, const Real* a,
+          index_t lda, const Real* b, index_t ldb, Real beta, Real* c, index_t ldc) {
+  const blasint M = to_blasint(m, "m"), N = to_blasint(n, "n"), K = to_blasint(k, "k");
+  const blasint LDA = to_blasint(std::max<index_t>(lda, 1), "lda");
+  const blasint LDB = to_blasint(std::max<index_t>(ldb, 1), "ldb");
+  const blasint LDC = to_blasint(ldc, "ldc");
+  if constexpr (std::is_same_v<Real, float>) {
+    cblas_sgemm(CblasRowMajor, tr(ta), tr(tb), M, N, K, alpha, a, LDA, b, LDB, beta, c, LDC);
+  } else {
+    cblas_dgemm(CblasRowMajor, tr(ta), tr(tb), M, N, K, alpha, a, LDA, b, LDB, beta, c, LDC);
+  }
+}
+
+// OpenBLAS's threads split the work by thread count, and its result changes with it. So OpenBLAS
+// always runs on one thread here, and teo cuts C into fixed 256 x 256 blocks, one call each, spread
+// over teo's own threads: the blocks, and so the bits, are the same for any thread count.
+constexpr index_t kBlock = 256;
+
 }  // namespace
 
-template <>
-void blas_gemm<float>(Trans ta, Trans tb, index_t m, index_t n, index_t k, float alpha,
-                      const float* a, index_t lda, const float* b, index_t ldb, float beta,
-                      float* c, index_t ldc) {
+template <class Real>
+void blas_gemm(Trans ta, Trans tb, index_t m, index_t n, index_t k, Real alpha, const Real* a,
+               index_t lda, const Real* b, index_t ldb, Real beta, Real* c, index_t ldc) {
   if (m <= 0 || n <= 0) return;
-  cblas_sgemm(CblasRowMajor, tr(ta), tr(tb), to_blasint(m, "m"), to_blasint(n, "n"),
-              to_blasint(k, "k"), alpha, a, to_blasint(std::max<index_t>(lda, 1), "lda"), b,
-              to_blasint(std::max<index_t>(ldb, 1), "ldb"), beta, c, to_blasint(ldc, "ldc"));
+  const index_t mb = (m + kBlock - 1) / kBlock, nb = (n + kBlock - 1) / kBlock;
+  parallel_for_each(mb * nb, [&](index_t blk) {
+    const index_t i0 = (blk / nb) * kBlock, j0 = (blk % nb) * kBlock;
+    const index_t bm = std::min(kBlock, m - i0), bn = std::min(kBlock, n - j0);
+    const Real* ab = ta == Trans::no ? a + i0 * lda : a + i0;
+    const Real* bb = tb == Trans::no ? b + j0 : b + j0 * ldb;
+    call(ta, tb, bm, bn, k, alpha, ab, lda, bb, ldb, beta, c + i0 * ldc + j0, ldc);
+  });
 }
 
-template <>
-void blas_gemm<double>(Trans ta, Trans tb, index_t m, index_t n, index_t k, double alpha,
-                       const double* a, index_t lda, const double* b, index_t ldb, double beta,
-                       double* c, index_t ldc) {
-  if (m <= 0 || n <= 0) return;
-  cblas_dgemm(CblasRowMajor, tr(ta), tr(tb), to_blasint(m, "m"), to_blasint(n, "n"),
-              to_blasint(k, "k"), alpha, a, to_blasint(std::max<index_t>(lda, 1), "lda"), b,
-              to_blasint(std::max<index_t>(ldb, 1), "ldb"), beta, c, to_blasint(ldc, "ldc"));
-}
+template void blas_gemm<float>(Trans, Trans, index_t, index_t, index_t, float, const float*,
+                               index_t, const float*, index_t, float, float*, index_t);
+template void blas_gemm<double>(Trans, Trans, index_t, index_t, index_t, double, const double*,
+                                index_t, const double*, index_t, double, double*, index_t);
 
 void blas_set_threads(int n) {
   openblas_set_num_threads(n);

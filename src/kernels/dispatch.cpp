@@ -39,7 +39,7 @@ Settings& settings() {
     s.limit = std::make_unique<tbb::global_control>(tbb::global_control::max_allowed_parallelism,
                                                     static_cast<std::size_t>(s.threads));
     s.arena = std::make_unique<tbb::task_arena>(s.threads);
-    detail::blas_set_threads(s.threads);
+    detail::blas_set_threads(1);
   });
   return s;
 }
@@ -134,7 +134,6 @@ void set_num_threads(int n) {
   s.limit = std::make_unique<tbb::global_control>(tbb::global_control::max_allowed_parallelism,
                                                   static_cast<std::size_t>(n));
   s.arena = std::make_unique<tbb::task_arena>(n);
-  detail::blas_set_threads(n);
 }
 int num_threads() {
   return settings().threads;
@@ -166,6 +165,16 @@ namespace detail {
 
 tbb::task_arena& arena() {
   return *settings().arena;
+}
+
+namespace {
+thread_local bool tl_in_parallel_region = false;
+}
+bool in_parallel_region() {
+  return tl_in_parallel_region;
+}
+void set_in_parallel_region(bool v) {
+  tl_in_parallel_region = v;
 }
 
 const simd::IsaKernels& isa_kernels(Isa i) {

@@ -1,6 +1,9 @@
 // The one place kernels get threads: a process-wide tbb::task_arena sized by set_num_threads().
+// Every parallel loop hands each index (or fixed-size block of indices) to exactly one task, so no
+// result depends on the thread count or on scheduling.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include <tbb/blocked_range.h>
@@ -8,27 +11,52 @@
 #include <tbb/partitioner.h>
 #include <tbb/task_arena.h>
 
+#include "teo/backend.hpp"
+
 namespace teo::detail {
 
 tbb::task_arena& arena();
 
-// Runs body(i) for i in [0, n) in the arena, statically partitioned: each index is owned by one
-// task, so results never depend on the thread count or on scheduling.
+// True inside a task of for_blocks(): nested kernels (a GEMM inside an attention head) then run
+// on the calling thread instead of forking again.
+bool in_parallel_region();
+void set_in_parallel_region(bool v);
+
+// Runs body(i) for i in [0, n) in the arena with a static partitioner.
 template <class F>
 void parallel_for_each(std::int64_t n, F&& body) {
   if (n <= 0) return;
-  if (n == 1) {
-    body(std::int64_t{0});
+  if (n == 1 || num_threads() == 1 || in_parallel_region()) {
+    for (std::int64_t i = 0; i < n; ++i) body(i);
     return;
   }
   arena().execute([&] {
     tbb::parallel_for(
         tbb::blocked_range<std::int64_t>(0, n, 1),
         [&](const tbb::blocked_range<std::int64_t>& r) {
+          const bool outer = in_parallel_region();
+          set_in_parallel_region(true);
           for (std::int64_t i = r.begin(); i != r.end(); ++i) body(i);
+          set_in_parallel_region(outer);
         },
         tbb::static_partitioner());
   });
+}
+
+// Runs body(begin, end) over [0, n) cut into blocks of `grain` indices, in parallel unless the
+// reference backend is selected (the oracle stays a plain loop) or the work is one block. The
+// body must only write outputs owned by its indices; then the result is the serial loop's, bit
+// for bit.
+template <class F>
+void for_blocks(std::int64_t n, std::int64_t grain, F&& body) {
+  if (n <= 0) return;
+  grain = std::max<std::int64_t>(1, grain);
+  const std::int64_t blocks = (n + grain - 1) / grain;
+  if (backend() == Backend::reference || blocks == 1) {
+    body(std::int64_t{0}, n);
+    return;
+  }
+  parallel_for_each(blocks, [&](std::int64_t b) { body(b * grain, std::min(n, (b + 1) * grain)); });
 }
 
 }  // namespace teo::detail

@@ -73,7 +73,7 @@ void simd_gemm(const simd::GemmKernel<Real>& kern, Trans ta, Trans tb, index_t m
     return;
   }
   const int mr = kern.mr, nr = kern.nr;
-  const bool serial = m * n * k <= kSerialWork || num_threads() == 1;
+  const bool serial = m * n * k <= kSerialWork || num_threads() == 1 || in_parallel_region();
   // MC adapts to the thread count so that every thread gets whole row blocks; it changes only
   // which task computes a tile, never the order of any sum.
   // The number of row blocks is a multiple of the thread count and the MR-row tiles are spread

@@ -5,6 +5,7 @@
 #include <limits>
 #include <vector>
 
+#include "kernels/parallel.hpp"
 #include "teo/kernels.hpp"
 
 namespace teo {
@@ -12,23 +13,27 @@ namespace teo {
 template <class Real>
 void split_heads(Real* out, const Real* in, index_t batch, index_t seq_len, index_t heads,
                  index_t d_head) {
-  for (index_t b = 0; b < batch; ++b)
-    for (index_t s = 0; s < seq_len; ++s)
-      for (index_t h = 0; h < heads; ++h)
-        for (index_t c = 0; c < d_head; ++c)
-          out[((b * heads + h) * seq_len + s) * d_head + c] =
-              in[((b * seq_len + s) * heads + h) * d_head + c];
+  detail::for_blocks(batch, 1, [&](index_t b0, index_t b1) {
+    for (index_t b = b0; b < b1; ++b)
+      for (index_t s = 0; s < seq_len; ++s)
+        for (index_t h = 0; h < heads; ++h)
+          for (index_t c = 0; c < d_head; ++c)
+            out[((b * heads + h) * seq_len + s) * d_head + c] =
+                in[((b * seq_len + s) * heads + h) * d_head + c];
+  });
 }
 
 template <class Real>
 void merge_heads(Real* out, const Real* in, index_t batch, index_t seq_len, index_t heads,
                  index_t d_head) {
-  for (index_t b = 0; b < batch; ++b)
-    for (index_t s = 0; s < seq_len; ++s)
-      for (index_t h = 0; h < heads; ++h)
-        for (index_t c = 0; c < d_head; ++c)
-          out[((b * seq_len + s) * heads + h) * d_head + c] =
-              in[((b * heads + h) * seq_len + s) * d_head + c];
+  detail::for_blocks(batch, 1, [&](index_t b0, index_t b1) {
+    for (index_t b = b0; b < b1; ++b)
+      for (index_t s = 0; s < seq_len; ++s)
+        for (index_t h = 0; h < heads; ++h)
+          for (index_t c = 0; c < d_head; ++c)
+            out[((b * seq_len + s) * heads + h) * d_head + c] =
+                in[((b * heads + h) * seq_len + s) * d_head + c];
+  });
 }
 
 namespace {
@@ -48,11 +53,11 @@ void attention_forward(Real* context, Real* scores, Real* probs, const Real* q, 
   const Real alpha = static_cast<Real>(1.0 / std::sqrt(static_cast<double>(d_head)));
   const Real neg_inf = -std::numeric_limits<Real>::infinity();
   const index_t ss = seq_len * seq_len;
-  std::vector<Real> dropped(static_cast<std::size_t>(drop_mask ? ss : 0));  // (S, S)
-  for (index_t b = 0; b < batch; ++b) {
-    const index_t len = lengths[b];
-    for (index_t h = 0; h < heads; ++h) {
-      const index_t bh = b * heads + h;
+  // Each (batch, head) block is one task's: its scores, probs and context rows are its own.
+  detail::for_blocks(batch * heads, 1, [&](index_t bh0, index_t bh1) {
+    std::vector<Real> dropped(static_cast<std::size_t>(drop_mask ? ss : 0));  // (S, S)
+    for (index_t bh = bh0; bh < bh1; ++bh) {
+      const index_t len = lengths[bh / heads];
       const Real* qh = q + bh * seq_len * d_head;  // (S, Dh)
       const Real* kh = k + bh * seq_len * d_head;  // (S, Dh)
       const Real* vh = v + bh * seq_len * d_head;  // (S, Dh)
@@ -88,7 +93,7 @@ void attention_forward(Real* context, Real* scores, Real* probs, const Real* q, 
       gemm<Real>(Trans::no, Trans::no, seq_len, d_head, seq_len, Real(1), pv, seq_len, vh, d_head,
                  Real(0), context + bh * seq_len * d_head, d_head);
     }
-  }
+  });
 }
 
 template <class Real>
@@ -99,11 +104,10 @@ void attention_backward(Real* dq, Real* dk, Real* dv, Real* dprobs, Real* dscore
                         index_t heads, index_t seq_len, index_t d_head) {
   const Real alpha = static_cast<Real>(1.0 / std::sqrt(static_cast<double>(d_head)));
   const index_t ss = seq_len * seq_len;
-  std::vector<Real> dropped(static_cast<std::size_t>(drop_mask ? ss : 0));  // (S, S)
   (void)lengths;  // the mask is carried by probs: masked entries are exactly 0
-  for (index_t b = 0; b < batch; ++b) {
-    for (index_t h = 0; h < heads; ++h) {
-      const index_t bh = b * heads + h;
+  detail::for_blocks(batch * heads, 1, [&](index_t bh0, index_t bh1) {
+    std::vector<Real> dropped(static_cast<std::size_t>(drop_mask ? ss : 0));  // (S, S)
+    for (index_t bh = bh0; bh < bh1; ++bh) {
       const index_t off = bh * seq_len * d_head;
       const Real* pr = probs + bh * ss;  // (S, S)
       Real* dp = dprobs + bh * ss;       // (S, S)
@@ -144,7 +148,7 @@ void attention_backward(Real* dq, Real* dk, Real* dv, Real* dprobs, Real* dscore
       gemm<Real>(Trans::yes, Trans::no, seq_len, d_head, seq_len, alpha, ds, seq_len, q + off,
                  d_head, Real(1), dk + off, d_head);
     }
-  }
+  });
 }
 
 #define TEO_INSTANTIATE(Real)                                                                     \

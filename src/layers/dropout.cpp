@@ -1,5 +1,6 @@
 #include "teo/layers/dropout.hpp"
 
+#include "kernels/parallel.hpp"
 #include "teo/rng.hpp"
 
 namespace teo {
@@ -7,9 +8,10 @@ namespace teo {
 void dropout_mask(std::uint8_t* mask, index_t n, std::uint64_t seed, std::string_view site,
                   double p) {
   const std::uint64_t stream = rng::stream_id(site);
-  for (index_t i = 0; i < n; ++i) {
-    mask[i] = rng::uniform01(seed, stream, static_cast<std::uint64_t>(i)) >= p ? 1 : 0;
-  }
+  detail::for_blocks(n, 8192, [&](index_t i0, index_t i1) {
+    for (index_t i = i0; i < i1; ++i)
+      mask[i] = rng::uniform01(seed, stream, static_cast<std::uint64_t>(i)) >= p ? 1 : 0;
+  });
 }
 
 template <class Real>
@@ -19,15 +21,19 @@ Real dropout_scale(double p) {
 
 template <class Real>
 void dropout_forward(Real* out, const Real* in, const std::uint8_t* mask, index_t n, Real scale) {
-  for (index_t i = 0; i < n; ++i) out[i] = mask[i] ? in[i] * scale : Real(0);
+  detail::for_blocks(n, 8192, [&](index_t i0, index_t i1) {
+    for (index_t i = i0; i < i1; ++i) out[i] = mask[i] ? in[i] * scale : Real(0);
+  });
 }
 
 template <class Real>
 void dropout_backward(Real* din, const Real* dout, const std::uint8_t* mask, index_t n,
                       Real scale) {
   // in the forward pass this was: out = mask ? in * scale : 0
-  for (index_t i = 0; i < n; ++i)
-    if (mask[i]) din[i] += dout[i] * scale;
+  detail::for_blocks(n, 8192, [&](index_t i0, index_t i1) {
+    for (index_t i = i0; i < i1; ++i)
+      if (mask[i]) din[i] += dout[i] * scale;
+  });
 }
 
 #define TEO_INSTANTIATE(Real)                                                                  \

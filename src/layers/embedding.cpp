@@ -1,15 +1,19 @@
 #include "teo/layers/embedding.hpp"
 
+#include "kernels/parallel.hpp"
+
 namespace teo {
 
 template <class Real>
 void embedding_forward(Real* out, const std::int64_t* tokens, const Real* weight, index_t n,
                        index_t d, Real scale) {
-  for (index_t t = 0; t < n; ++t) {
-    const Real* row = weight + tokens[t] * d;  // (D)
-    Real* o = out + t * d;                     // (D)
-    for (index_t c = 0; c < d; ++c) o[c] = row[c] * scale;
-  }
+  detail::for_blocks(n, 64, [&](index_t t0, index_t t1) {
+    for (index_t t = t0; t < t1; ++t) {
+      const Real* row = weight + tokens[t] * d;  // (D)
+      Real* o = out + t * d;                     // (D)
+      for (index_t c = 0; c < d; ++c) o[c] = row[c] * scale;
+    }
+  });
 }
 
 template <class Real>

@@ -3,6 +3,8 @@
 #include <cmath>
 #include <numbers>
 
+#include "kernels/parallel.hpp"
+
 namespace teo {
 
 namespace {
@@ -20,20 +22,22 @@ template <class Real>
 void activation_forward(Real* out, const Real* in, index_t n, Activation act) {
   const Real half = Real(0.5);
   const Real inv_sqrt2 = static_cast<Real>(std::numbers::sqrt2 / 2);
-  for (index_t i = 0; i < n; ++i) {
-    const Real x = in[i];
-    switch (act) {
-      case Activation::relu:
-        out[i] = std::isnan(x) ? x : (x > Real(0) ? x : Real(0));
-        break;
-      case Activation::gelu:
-        out[i] = half * x * (Real(1) + std::erf(x * inv_sqrt2));
-        break;
-      case Activation::gelu_tanh:
-        out[i] = half * x * (Real(1) + std::tanh(gelu_tanh_inner(x)));
-        break;
+  detail::for_blocks(n, 4096, [&](index_t i0, index_t i1) {
+    for (index_t i = i0; i < i1; ++i) {
+      const Real x = in[i];
+      switch (act) {
+        case Activation::relu:
+          out[i] = std::isnan(x) ? x : (x > Real(0) ? x : Real(0));
+          break;
+        case Activation::gelu:
+          out[i] = half * x * (Real(1) + std::erf(x * inv_sqrt2));
+          break;
+        case Activation::gelu_tanh:
+          out[i] = half * x * (Real(1) + std::tanh(gelu_tanh_inner(x)));
+          break;
+      }
     }
-  }
+  });
 }
 
 template <class Real>
@@ -43,25 +47,28 @@ void activation_backward(Real* din, const Real* dout, const Real* in, index_t n,
   const Real inv_sqrt2pi = static_cast<Real>(0.5 * std::numbers::inv_sqrtpi * std::numbers::sqrt2);
   const Real k0 = static_cast<Real>(0.79788456080286535588);
   const Real k1 = static_cast<Real>(3 * 0.044715);
-  for (index_t i = 0; i < n; ++i) {
-    const Real x = in[i];
-    Real g = 0;
-    switch (act) {
-      case Activation::relu:
-        g = x > Real(0) ? Real(1) : Real(0);
-        break;
-      case Activation::gelu:
-        // d/dx [x Phi(x)] = Phi(x) + x phi(x)
-        g = half * (Real(1) + std::erf(x * inv_sqrt2)) + x * inv_sqrt2pi * std::exp(-half * x * x);
-        break;
-      case Activation::gelu_tanh: {
-        const Real t = std::tanh(gelu_tanh_inner(x));
-        g = half * (Real(1) + t) + half * x * (Real(1) - t * t) * k0 * (Real(1) + k1 * x * x);
-        break;
+  detail::for_blocks(n, 4096, [&](index_t i0, index_t i1) {
+    for (index_t i = i0; i < i1; ++i) {
+      const Real x = in[i];
+      Real g = 0;
+      switch (act) {
+        case Activation::relu:
+          g = x > Real(0) ? Real(1) : Real(0);
+          break;
+        case Activation::gelu:
+          // d/dx [x Phi(x)] = Phi(x) + x phi(x)
+          g = half * (Real(1) + std::erf(x * inv_sqrt2)) +
+              x * inv_sqrt2pi * std::exp(-half * x * x);
+          break;
+        case Activation::gelu_tanh: {
+          const Real t = std::tanh(gelu_tanh_inner(x));
+          g = half * (Real(1) + t) + half * x * (Real(1) - t * t) * k0 * (Real(1) + k1 * x * x);
+          break;
+        }
       }
+      din[i] += g * dout[i];
     }
-    din[i] += g * dout[i];
-  }
+  });
 }
 
 #define TEO_INSTANTIATE(Real)                                                      \

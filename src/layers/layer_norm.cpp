@@ -2,57 +2,74 @@
 
 #include <cmath>
 
+#include "kernels/parallel.hpp"
+
 namespace teo {
 
 template <class Real>
 void layer_norm_forward(Real* out, Real* mean, Real* rstd, const Real* in, const Real* weight,
                         const Real* bias, index_t rows, index_t cols, Real eps) {
-  for (index_t r = 0; r < rows; ++r) {
-    const Real* x = in + r * cols;  // (cols)
-    Real* y = out + r * cols;       // (cols)
-    Real m = 0;
-    for (index_t c = 0; c < cols; ++c) m += x[c];
-    m = m / static_cast<Real>(cols);
-    Real v = 0;
-    for (index_t c = 0; c < cols; ++c) {
-      const Real xm = x[c] - m;
-      v += xm * xm;
+  detail::for_blocks(rows, 16, [&](index_t r0, index_t r1) {
+    for (index_t r = r0; r < r1; ++r) {
+      const Real* x = in + r * cols;  // (cols)
+      Real* y = out + r * cols;       // (cols)
+      Real m = 0;
+      for (index_t c = 0; c < cols; ++c) m += x[c];
+      m = m / static_cast<Real>(cols);
+      Real v = 0;
+      for (index_t c = 0; c < cols; ++c) {
+        const Real xm = x[c] - m;
+        v += xm * xm;
+      }
+      v = v / static_cast<Real>(cols);
+      const Real s = Real(1) / std::sqrt(v + eps);
+      for (index_t c = 0; c < cols; ++c) y[c] = (x[c] - m) * s * weight[c] + bias[c];
+      mean[r] = m;
+      rstd[r] = s;
     }
-    v = v / static_cast<Real>(cols);
-    const Real s = Real(1) / std::sqrt(v + eps);
-    for (index_t c = 0; c < cols; ++c) y[c] = (x[c] - m) * s * weight[c] + bias[c];
-    mean[r] = m;
-    rstd[r] = s;
-  }
+  });
 }
 
 template <class Real>
 void layer_norm_backward(Real* din, Real* dweight, Real* dbias, const Real* dout, const Real* in,
                          const Real* weight, const Real* mean, const Real* rstd, index_t rows,
                          index_t cols) {
+  // in the forward pass this was: y = norm * weight + bias, with norm = (x - mean) * rstd.
+  // dnorm = g * weight; dx = rstd * (dnorm - mean(dnorm) - norm * mean(dnorm * norm))
+  if (din) {
+    detail::for_blocks(rows, 16, [&](index_t r0, index_t r1) {
+      for (index_t r = r0; r < r1; ++r) {
+        const Real* x = in + r * cols;
+        const Real* g = dout + r * cols;
+        const Real m = mean[r];
+        const Real s = rstd[r];
+        Real dnorm_mean = 0;
+        Real dnorm_norm_mean = 0;
+        for (index_t c = 0; c < cols; ++c) {
+          const Real norm = (x[c] - m) * s;
+          const Real dnorm = g[c] * weight[c];
+          dnorm_mean += dnorm;
+          dnorm_norm_mean += dnorm * norm;
+        }
+        dnorm_mean = dnorm_mean / static_cast<Real>(cols);
+        dnorm_norm_mean = dnorm_norm_mean / static_cast<Real>(cols);
+        for (index_t c = 0; c < cols; ++c) {
+          const Real norm = (x[c] - m) * s;
+          const Real dnorm = g[c] * weight[c];
+          din[r * cols + c] += (dnorm - dnorm_mean - norm * dnorm_norm_mean) * s;
+        }
+      }
+    });
+  }
+  // The weight and bias gradients sum over rows: in increasing r, whatever the thread count.
   for (index_t r = 0; r < rows; ++r) {
     const Real* x = in + r * cols;
     const Real* g = dout + r * cols;
     const Real m = mean[r];
     const Real s = rstd[r];
-    // in the forward pass this was: y = norm * weight + bias, with norm = (x - mean) * rstd.
-    // dnorm = g * weight; dx = rstd * (dnorm - mean(dnorm) - norm * mean(dnorm * norm))
-    Real dnorm_mean = 0;
-    Real dnorm_norm_mean = 0;
     for (index_t c = 0; c < cols; ++c) {
-      const Real norm = (x[c] - m) * s;
-      const Real dnorm = g[c] * weight[c];
-      dnorm_mean += dnorm;
-      dnorm_norm_mean += dnorm * norm;
-    }
-    dnorm_mean = dnorm_mean / static_cast<Real>(cols);
-    dnorm_norm_mean = dnorm_norm_mean / static_cast<Real>(cols);
-    for (index_t c = 0; c < cols; ++c) {
-      const Real norm = (x[c] - m) * s;
-      const Real dnorm = g[c] * weight[c];
-      dweight[c] += g[c] * norm;
+      dweight[c] += g[c] * ((x[c] - m) * s);
       dbias[c] += g[c];
-      if (din) din[r * cols + c] += (dnorm - dnorm_mean - norm * dnorm_norm_mean) * s;
     }
   }
 }

@@ -1,5 +1,6 @@
 #include "teo/layers/linear.hpp"
 
+#include "kernels/parallel.hpp"
 #include "teo/kernels.hpp"
 
 namespace teo {
@@ -11,8 +12,10 @@ void linear_forward(Real* out, const Real* in, const Real* weight, const Real* b
   gemm<Real>(Trans::no, Trans::yes, rows, out_f, in_f, Real(1), in, in_f, weight, in_f, Real(0),
              out, out_f);
   if (bias) {
-    for (index_t r = 0; r < rows; ++r)
-      for (index_t o = 0; o < out_f; ++o) out[r * out_f + o] += bias[o];
+    detail::for_blocks(rows, 64, [&](index_t r0, index_t r1) {
+      for (index_t r = r0; r < r1; ++r)
+        for (index_t o = 0; o < out_f; ++o) out[r * out_f + o] += bias[o];
+    });
   }
 }
 

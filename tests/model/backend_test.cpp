@@ -1,0 +1,133 @@
+// The whole encoder on every backend: simd and blas against the reference on every stage's
+// activation and gradient, in both dtypes; and bitwise determinism across thread counts (1, 2, 7),
+// repeated runs and, for simd, forced ISAs.
+#include <cstring>
+
+#include "support.hpp"
+#include "teo/backend.hpp"
+
+namespace teo {
+namespace {
+
+EncoderConfig backend_config(bool pre) {
+  EncoderConfig c;
+  c.vocab_size = 50;
+  c.max_len = 40;
+  c.d_model = 64;
+  c.num_heads = 4;
+  c.d_ff = 136;  // not a multiple of any register tile
+  c.num_layers = 2;
+  c.norm_first = pre;
+  c.activation = pre ? Activation::gelu_tanh : Activation::gelu;
+  c.causal = pre;
+  c.dropout = 0.1;
+  c.label_smoothing = 0.1;
+  c.pooling = pre ? Pooling::max : Pooling::mean;
+  c.num_classes = 7;
+  return c;
+}
+
+template <class Real>
+struct Run {
+  Activations<Real> acts, dacts;
+  Params<Real> grads;
+};
+
+template <class Real>
+Run<Real> run(const Params<Real>& p, const Batch& b) {
+  Run<Real> r;
+  forward(p, b, r.acts, {.dropout_seed = 17});
+  backward(p, b, r.acts, r.grads, r.dacts);
+  return r;
+}
+
+template <class Real>
+bool bitwise_equal(const Params<Real>& a, const Params<Real>& b) {
+  std::vector<const Tensor<Real>*> ta, tb;
+  a.visit([&](const std::string&, const Tensor<Real>& t) { ta.push_back(&t); });
+  b.visit([&](const std::string&, const Tensor<Real>& t) { tb.push_back(&t); });
+  for (std::size_t i = 0; i < ta.size(); ++i)
+    if (std::memcmp(ta[i]->data(), tb[i]->data(), sizeof(Real) * ta[i]->numel()) != 0) return false;
+  return ta.size() == tb.size();
+}
+
+template <class Real>
+bool bitwise_equal(const Run<Real>& a, const Run<Real>& b) {
+  return test::bitwise_equal(a.acts, b.acts) && test::bitwise_equal(a.dacts, b.dacts) &&
+         bitwise_equal(a.grads, b.grads);
+}
+
+template <class Real>
+class Backends : public ::testing::Test {
+ protected:
+  ScopedSettings restore_;
+};
+TYPED_TEST_SUITE(Backends, test::Dtypes);
+
+// Tolerance relative to each tensor's largest magnitude (parameter gradients: to the larger of
+// that and 1% of the largest gradient, since some are exactly 0 in exact arithmetic). The backends
+// differ from the reference only in the GEMMs' rounding (fused multiply-add chains, OpenBLAS's
+// order), a few units of roundoff per product of length <= 136, amplified by two layers.
+TYPED_TEST(Backends, SimdAndBlasMatchTheReferenceOnEveryStage) {
+  using Real = TypeParam;
+  const double tol = std::is_same_v<Real, float> ? 2e-4 : 1e-11;
+  for (bool pre : {false, true}) {
+    const EncoderConfig c = backend_config(pre);
+    auto p = Params<Real>::init(c, 3);
+    const Batch b = Batch::random(c, 6, 33, 4, {33, 1, 0, 20, 33, 7});
+    set_backend(Backend::reference);
+    const Run<Real> want = run(p, b);
+    const auto wa = test::named(want.acts), wd = test::named(want.dacts);
+    const auto wg = test::named(want.grads);
+    double largest = 0;
+    for (const auto& [n, v] : wg)
+      for (double x : v) largest = std::max(largest, std::abs(x));
+    for (Backend be : {Backend::simd, Backend::blas}) {
+      set_backend(be);
+      const Run<Real> got = run(p, b);
+      const std::string tag = std::string(to_string(be)) + (pre ? " pre-norm " : " post-norm ");
+      for (const auto& [n, v] : test::named(got.acts))
+        EXPECT_LE(test::compare(v, wa.at(n)), tol) << tag << "act." << n;
+      for (const auto& [n, v] : test::named(got.dacts))
+        EXPECT_LE(test::compare(v, wd.at(n)), tol) << tag << "grad.act." << n;
+      for (const auto& [n, v] : test::named(got.grads))
+        EXPECT_LE(test::compare(v, wg.at(n), 1e-2 * largest), tol) << tag << "grad." << n;
+    }
+  }
+}
+
+TYPED_TEST(Backends, EveryBackendIsBitwiseDeterministicAcrossThreadCounts) {
+  using Real = TypeParam;
+  const EncoderConfig c = backend_config(false);
+  const auto p = Params<Real>::init(c, 5);
+  const Batch b = Batch::random(c, 6, 33, 6, {33, 2, 0, 33, 17, 9});
+  for (Backend be : {Backend::reference, Backend::simd, Backend::blas}) {
+    set_backend(be);
+    set_num_threads(1);
+    const Run<Real> want = run(p, b);
+    for (int t : {2, 7, 2}) {
+      set_num_threads(t);
+      EXPECT_TRUE(bitwise_equal(run(p, b), want)) << to_string(be) << " threads=" << t;
+    }
+  }
+}
+
+TYPED_TEST(Backends, SimdIsBitwiseIdenticalAcrossIsas) {
+  using Real = TypeParam;
+  for (bool pre : {false, true}) {
+    const EncoderConfig c = backend_config(pre);
+    const auto p = Params<Real>::init(c, 7);
+    const Batch b = Batch::random(c, 5, 40, 8, {40, 3, 0, 39, 12});
+    set_backend(Backend::simd);
+    set_isa(Isa::scalar);
+    const Run<Real> want = run(p, b);
+    for (Isa i : supported_isas()) {
+      set_isa(i);
+      set_num_threads(2);
+      EXPECT_TRUE(bitwise_equal(run(p, b), want)) << to_string(i);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace teo

@@ -13,6 +13,7 @@
 #include "teo/layers/linear.hpp"
 #include "teo/layers/pooling.hpp"
 #include "teo/layers/positional.hpp"
+#include "teo/profile.hpp"
 #include "teo/rng.hpp"
 
 namespace teo {
@@ -274,6 +275,13 @@ Dims dims_of(const EncoderConfig& c, const Batch& b) {
 
 constexpr index_t kElementGrain = 16384;
 
+// Times the enclosed statements as stage `name` when profiling is on (`teo bench`).
+#define TEO_STAGE(name, ...)         \
+  do {                               \
+    profile::Scope teo_scope_{name}; \
+    __VA_ARGS__;                     \
+  } while (0)
+
 template <class Real>
 void copy(Real* dst, const Real* src, index_t n) {
   detail::for_blocks(n, kElementGrain,
@@ -366,68 +374,82 @@ void layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P, LayerAc
 
   const Real* attn_in = x;
   if (cfg.norm_first) {
-    layer_norm_forward(L.norm1.data(), L.norm1_mean.data(), L.norm1_rstd.data(), x,
-                       P.norm1_weight.data(), P.norm1_bias.data(), d.N, d.D, eps);
+    TEO_STAGE("layer_norm",
+              layer_norm_forward(L.norm1.data(), L.norm1_mean.data(), L.norm1_rstd.data(), x,
+                                 P.norm1_weight.data(), P.norm1_bias.data(), d.N, d.D, eps));
     attn_in = L.norm1.data();
   }
   // q, k, v (B, H, S, Dh) = split(attn_in * W^T + b)
   const std::pair<const Tensor<Real>*, const Tensor<Real>*> proj[3] = {
       {&P.q_weight, &P.q_bias}, {&P.k_weight, &P.k_bias}, {&P.v_weight, &P.v_bias}};
   Tensor<Real>* heads[3] = {&L.q, &L.k, &L.v};
-  for (int i = 0; i < 3; ++i) {
-    linear_forward(tmp.data(), attn_in, proj[i].first->data(), proj[i].second->data(), d.N, d.D,
-                   d.D);
-    split_heads(heads[i]->data(), tmp.data(), d.B, d.S, d.H, d.Dh);
+  TEO_STAGE(
+      "qkv_proj", for (int i = 0; i < 3; ++i) {
+        linear_forward(tmp.data(), attn_in, proj[i].first->data(), proj[i].second->data(), d.N, d.D,
+                       d.D);
+        split_heads(heads[i]->data(), tmp.data(), d.B, d.S, d.H, d.Dh);
+      });
+  {
+    profile::Scope attention_scope("attention");
+    const bool drop_attn = drop;
+    if (drop_attn) {
+      L.masks.attn.assign(static_cast<std::size_t>(L.probs.numel()), 0);
+      dropout_mask(L.masks.attn.data(), L.probs.numel(), seed, prefix + "attn", p);
+    } else {
+      L.masks.attn.clear();
+    }
+    attention_forward(ctx.data(), L.scores.data(), L.probs.data(), L.q.data(), L.k.data(),
+                      L.v.data(), batch.lengths.data(), drop_attn ? L.masks.attn.data() : nullptr,
+                      dropout_scale<Real>(p), d.B, d.H, d.S, d.Dh, cfg.causal);
+    merge_heads(L.context.data(), ctx.data(), d.B, d.S, d.H, d.Dh);
   }
-  const bool drop_attn = drop;
-  if (drop_attn) {
-    L.masks.attn.assign(static_cast<std::size_t>(L.probs.numel()), 0);
-    dropout_mask(L.masks.attn.data(), L.probs.numel(), seed, prefix + "attn", p);
-  } else {
-    L.masks.attn.clear();
-  }
-  attention_forward(ctx.data(), L.scores.data(), L.probs.data(), L.q.data(), L.k.data(), L.v.data(),
-                    batch.lengths.data(), drop_attn ? L.masks.attn.data() : nullptr,
-                    dropout_scale<Real>(p), d.B, d.H, d.S, d.Dh, cfg.causal);
-  merge_heads(L.context.data(), ctx.data(), d.B, d.S, d.H, d.Dh);
-  linear_forward(L.attn_out.data(), L.context.data(), P.o_weight.data(), P.o_bias.data(), d.N, d.D,
-                 d.D);
+  TEO_STAGE("out_proj", linear_forward(L.attn_out.data(), L.context.data(), P.o_weight.data(),
+                                       P.o_bias.data(), d.N, d.D, d.D));
   // residual1 = x + dropout(attn_out)
-  apply_dropout(tmp.data(), L.attn_out.data(), L.masks.residual1, nd, prefix + "residual1", p, drop,
-                seed);
-  add3(L.residual1.data(), x, tmp.data(), nd);
+  TEO_STAGE("residual", apply_dropout(tmp.data(), L.attn_out.data(), L.masks.residual1, nd,
+                                      prefix + "residual1", p, drop, seed);
+            add3(L.residual1.data(), x, tmp.data(), nd));
 
   const Real* ffn_in;  // the FFN's input, and the second residual's base
-  if (cfg.norm_first) {
-    layer_norm_forward(L.norm2.data(), L.norm2_mean.data(), L.norm2_rstd.data(), L.residual1.data(),
-                       P.norm2_weight.data(), P.norm2_bias.data(), d.N, d.D, eps);
-    ffn_in = L.norm2.data();
-  } else {
-    layer_norm_forward(L.norm1.data(), L.norm1_mean.data(), L.norm1_rstd.data(), L.residual1.data(),
-                       P.norm1_weight.data(), P.norm1_bias.data(), d.N, d.D, eps);
-    ffn_in = L.norm1.data();
+  {
+    profile::Scope norm_scope("layer_norm");
+    if (cfg.norm_first) {
+      layer_norm_forward(L.norm2.data(), L.norm2_mean.data(), L.norm2_rstd.data(),
+                         L.residual1.data(), P.norm2_weight.data(), P.norm2_bias.data(), d.N, d.D,
+                         eps);
+      ffn_in = L.norm2.data();
+    } else {
+      layer_norm_forward(L.norm1.data(), L.norm1_mean.data(), L.norm1_rstd.data(),
+                         L.residual1.data(), P.norm1_weight.data(), P.norm1_bias.data(), d.N, d.D,
+                         eps);
+      ffn_in = L.norm1.data();
+    }
   }
   const Real* base = cfg.norm_first ? L.residual1.data() : L.norm1.data();
 
   // ffn_out = fc2(dropout(act(fc1(ffn_in))))
-  linear_forward(L.ffn_pre.data(), ffn_in, P.fc1_weight.data(), P.fc1_bias.data(), d.N, d.D, d.F);
-  activation_forward(L.ffn_hidden.data(), L.ffn_pre.data(), L.ffn_pre.numel(), cfg.activation);
+  TEO_STAGE("ffn_fc1", linear_forward(L.ffn_pre.data(), ffn_in, P.fc1_weight.data(),
+                                      P.fc1_bias.data(), d.N, d.D, d.F));
   Tensor<Real> hidden_dropped({d.B, d.S, d.F});
-  apply_dropout(hidden_dropped.data(), L.ffn_hidden.data(), L.masks.ffn, L.ffn_hidden.numel(),
-                prefix + "ffn", p, drop, seed);
-  linear_forward(L.ffn_out.data(), hidden_dropped.data(), P.fc2_weight.data(), P.fc2_bias.data(),
-                 d.N, d.F, d.D);
+  TEO_STAGE("activation", activation_forward(L.ffn_hidden.data(), L.ffn_pre.data(),
+                                             L.ffn_pre.numel(), cfg.activation);
+            apply_dropout(hidden_dropped.data(), L.ffn_hidden.data(), L.masks.ffn,
+                          L.ffn_hidden.numel(), prefix + "ffn", p, drop, seed));
+  TEO_STAGE("ffn_fc2", linear_forward(L.ffn_out.data(), hidden_dropped.data(), P.fc2_weight.data(),
+                                      P.fc2_bias.data(), d.N, d.F, d.D));
   // residual2 = base + dropout(ffn_out)
-  apply_dropout(tmp.data(), L.ffn_out.data(), L.masks.residual2, nd, prefix + "residual2", p, drop,
-                seed);
-  add3(L.residual2.data(), base, tmp.data(), nd);
+  TEO_STAGE("residual", apply_dropout(tmp.data(), L.ffn_out.data(), L.masks.residual2, nd,
+                                      prefix + "residual2", p, drop, seed);
+            add3(L.residual2.data(), base, tmp.data(), nd));
 
   if (cfg.norm_first) {
-    copy(L.output.data(), L.residual2.data(), nd);
+    TEO_STAGE("residual", copy(L.output.data(), L.residual2.data(), nd));
   } else {
-    layer_norm_forward(L.norm2.data(), L.norm2_mean.data(), L.norm2_rstd.data(), L.residual2.data(),
-                       P.norm2_weight.data(), P.norm2_bias.data(), d.N, d.D, eps);
-    copy(L.output.data(), L.norm2.data(), nd);
+    TEO_STAGE("layer_norm",
+              layer_norm_forward(L.norm2.data(), L.norm2_mean.data(), L.norm2_rstd.data(),
+                                 L.residual2.data(), P.norm2_weight.data(), P.norm2_bias.data(),
+                                 d.N, d.D, eps);
+              copy(L.output.data(), L.norm2.data(), nd));
   }
 }
 
@@ -442,65 +464,77 @@ void layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P, const 
   const Real scale = dropout_scale<Real>(p);
 
   // in the forward pass this was: output = LN2(residual2) (post) or residual2 (pre)
-  if (cfg.norm_first) {
-    copy(dL.residual2.data(), dL.output.data(), nd);
-  } else {
-    copy(dL.norm2.data(), dL.output.data(), nd);
-    layer_norm_backward(dL.residual2.data(), G.norm2_weight.data(), G.norm2_bias.data(),
-                        dL.norm2.data(), L.residual2.data(), P.norm2_weight.data(),
-                        L.norm2_mean.data(), L.norm2_rstd.data(), d.N, d.D);
+  {
+    profile::Scope stage("bwd.layer_norm");
+    if (cfg.norm_first) {
+      copy(dL.residual2.data(), dL.output.data(), nd);
+    } else {
+      copy(dL.norm2.data(), dL.output.data(), nd);
+      layer_norm_backward(dL.residual2.data(), G.norm2_weight.data(), G.norm2_bias.data(),
+                          dL.norm2.data(), L.residual2.data(), P.norm2_weight.data(),
+                          L.norm2_mean.data(), L.norm2_rstd.data(), d.N, d.D);
+    }
   }
   // residual2 = base + dropout(ffn_out); base = residual1 (pre) or norm1 (post)
-  accumulate_dropout_grad(dL.ffn_out.data(), dL.residual2.data(), L.masks.residual2, nd, p);
   Real* dbase = cfg.norm_first ? dL.residual1.data() : dL.norm1.data();
-  add(dbase, dL.residual2.data(), nd);
+  TEO_STAGE("bwd.residual", accumulate_dropout_grad(dL.ffn_out.data(), dL.residual2.data(),
+                                                    L.masks.residual2, nd, p);
+            add(dbase, dL.residual2.data(), nd));
 
   // ffn_out = fc2(hidden_dropped); hidden_dropped = dropout(ffn_hidden)
   Tensor<Real> hidden_dropped({d.B, d.S, d.F});
-  if (L.masks.ffn.empty()) {
-    copy(hidden_dropped.data(), L.ffn_hidden.data(), L.ffn_hidden.numel());
-  } else {
-    dropout_forward(hidden_dropped.data(), L.ffn_hidden.data(), L.masks.ffn.data(),
-                    L.ffn_hidden.numel(), scale);
-  }
   Tensor<Real> dhidden_dropped({d.B, d.S, d.F});
-  linear_backward(dhidden_dropped.data(), G.fc2_weight.data(), G.fc2_bias.data(), dL.ffn_out.data(),
-                  hidden_dropped.data(), P.fc2_weight.data(), d.N, d.F, d.D);
-  accumulate_dropout_grad(dL.ffn_hidden.data(), dhidden_dropped.data(), L.masks.ffn,
-                          dL.ffn_hidden.numel(), p);
-  activation_backward(dL.ffn_pre.data(), dL.ffn_hidden.data(), L.ffn_pre.data(), L.ffn_pre.numel(),
-                      cfg.activation);
+  {
+    profile::Scope stage("bwd.ffn_fc2");
+    if (L.masks.ffn.empty()) {
+      copy(hidden_dropped.data(), L.ffn_hidden.data(), L.ffn_hidden.numel());
+    } else {
+      dropout_forward(hidden_dropped.data(), L.ffn_hidden.data(), L.masks.ffn.data(),
+                      L.ffn_hidden.numel(), scale);
+    }
+    linear_backward(dhidden_dropped.data(), G.fc2_weight.data(), G.fc2_bias.data(),
+                    dL.ffn_out.data(), hidden_dropped.data(), P.fc2_weight.data(), d.N, d.F, d.D);
+  }
+  TEO_STAGE("bwd.activation", accumulate_dropout_grad(dL.ffn_hidden.data(), dhidden_dropped.data(),
+                                                      L.masks.ffn, dL.ffn_hidden.numel(), p);
+            activation_backward(dL.ffn_pre.data(), dL.ffn_hidden.data(), L.ffn_pre.data(),
+                                L.ffn_pre.numel(), cfg.activation));
   // ffn_pre = fc1(ffn_in); ffn_in = norm2 (pre) or norm1 (post)
   const Real* ffn_in = cfg.norm_first ? L.norm2.data() : L.norm1.data();
   Real* dffn_in = cfg.norm_first ? dL.norm2.data() : dL.norm1.data();
-  linear_backward(dffn_in, G.fc1_weight.data(), G.fc1_bias.data(), dL.ffn_pre.data(), ffn_in,
-                  P.fc1_weight.data(), d.N, d.D, d.F);
+  TEO_STAGE("bwd.ffn_fc1",
+            linear_backward(dffn_in, G.fc1_weight.data(), G.fc1_bias.data(), dL.ffn_pre.data(),
+                            ffn_in, P.fc1_weight.data(), d.N, d.D, d.F));
 
   // the norm between the two residuals: LN2(residual1) (pre) or LN1(residual1) (post)
-  if (cfg.norm_first) {
-    layer_norm_backward(dL.residual1.data(), G.norm2_weight.data(), G.norm2_bias.data(),
-                        dL.norm2.data(), L.residual1.data(), P.norm2_weight.data(),
-                        L.norm2_mean.data(), L.norm2_rstd.data(), d.N, d.D);
-  } else {
-    layer_norm_backward(dL.residual1.data(), G.norm1_weight.data(), G.norm1_bias.data(),
-                        dL.norm1.data(), L.residual1.data(), P.norm1_weight.data(),
-                        L.norm1_mean.data(), L.norm1_rstd.data(), d.N, d.D);
+  {
+    profile::Scope stage("bwd.layer_norm");
+    if (cfg.norm_first) {
+      layer_norm_backward(dL.residual1.data(), G.norm2_weight.data(), G.norm2_bias.data(),
+                          dL.norm2.data(), L.residual1.data(), P.norm2_weight.data(),
+                          L.norm2_mean.data(), L.norm2_rstd.data(), d.N, d.D);
+    } else {
+      layer_norm_backward(dL.residual1.data(), G.norm1_weight.data(), G.norm1_bias.data(),
+                          dL.norm1.data(), L.residual1.data(), P.norm1_weight.data(),
+                          L.norm1_mean.data(), L.norm1_rstd.data(), d.N, d.D);
+    }
   }
   // residual1 = x + dropout(attn_out)
-  add(dx, dL.residual1.data(), nd);
-  accumulate_dropout_grad(dL.attn_out.data(), dL.residual1.data(), L.masks.residual1, nd, p);
+  TEO_STAGE("bwd.residual", add(dx, dL.residual1.data(), nd); accumulate_dropout_grad(
+                dL.attn_out.data(), dL.residual1.data(), L.masks.residual1, nd, p));
   // attn_out = context * Wo^T + bo
-  linear_backward(dL.context.data(), G.o_weight.data(), G.o_bias.data(), dL.attn_out.data(),
-                  L.context.data(), P.o_weight.data(), d.N, d.D, d.D);
+  TEO_STAGE("bwd.out_proj", linear_backward(dL.context.data(), G.o_weight.data(), G.o_bias.data(),
+                                            dL.attn_out.data(), L.context.data(), P.o_weight.data(),
+                                            d.N, d.D, d.D));
   Tensor<Real> dctx({d.B, d.H, d.S, d.Dh});
-  split_heads(dctx.data(), dL.context.data(), d.B, d.S, d.H, d.Dh);
-  attention_backward(dL.q.data(), dL.k.data(), dL.v.data(), dL.probs.data(), dL.scores.data(),
-                     dctx.data(), L.q.data(), L.k.data(), L.v.data(), L.probs.data(),
-                     batch.lengths.data(), L.masks.attn.empty() ? nullptr : L.masks.attn.data(),
-                     scale, d.B, d.H, d.S, d.Dh);
+  TEO_STAGE(
+      "bwd.attention", split_heads(dctx.data(), dL.context.data(), d.B, d.S, d.H, d.Dh);
+      attention_backward(dL.q.data(), dL.k.data(), dL.v.data(), dL.probs.data(), dL.scores.data(),
+                         dctx.data(), L.q.data(), L.k.data(), L.v.data(), L.probs.data(),
+                         batch.lengths.data(), L.masks.attn.empty() ? nullptr : L.masks.attn.data(),
+                         scale, d.B, d.H, d.S, d.Dh));
   // q, k, v = split(attn_in * W^T + b); attn_in = LN1(x) (pre) or x (post)
   const Real* attn_in = cfg.norm_first ? L.norm1.data() : x;
-  Tensor<Real> dattn_in_pre;
   Real* dattn_in = dx;
   if (cfg.norm_first) dattn_in = dL.norm1.data();
   Tensor<Real> tmp({d.B, d.S, d.D});
@@ -508,12 +542,14 @@ void layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P, const 
   const Tensor<Real>* weights[3] = {&P.q_weight, &P.k_weight, &P.v_weight};
   std::pair<Tensor<Real>*, Tensor<Real>*> gproj[3] = {
       {&G.q_weight, &G.q_bias}, {&G.k_weight, &G.k_bias}, {&G.v_weight, &G.v_bias}};
-  for (int i = 0; i < 3; ++i) {
-    merge_heads(tmp.data(), dheads[i]->data(), d.B, d.S, d.H, d.Dh);
-    linear_backward(dattn_in, gproj[i].first->data(), gproj[i].second->data(), tmp.data(), attn_in,
-                    weights[i]->data(), d.N, d.D, d.D);
-  }
+  TEO_STAGE(
+      "bwd.qkv_proj", for (int i = 0; i < 3; ++i) {
+        merge_heads(tmp.data(), dheads[i]->data(), d.B, d.S, d.H, d.Dh);
+        linear_backward(dattn_in, gproj[i].first->data(), gproj[i].second->data(), tmp.data(),
+                        attn_in, weights[i]->data(), d.N, d.D, d.D);
+      });
   if (cfg.norm_first) {
+    profile::Scope stage("bwd.layer_norm");
     layer_norm_backward(dx, G.norm1_weight.data(), G.norm1_bias.data(), dL.norm1.data(), x,
                         P.norm1_weight.data(), L.norm1_mean.data(), L.norm1_rstd.data(), d.N, d.D);
   }
@@ -530,20 +566,24 @@ void forward(const Params<Real>& params, const Batch& batch, Activations<Real>& 
   const Dims d = dims_of(cfg, batch);
   allocate(acts, cfg, d);
 
-  const Real scale =
-      cfg.embed_scale ? static_cast<Real>(std::sqrt(static_cast<double>(d.D))) : Real(1);
-  embedding_forward(acts.embedding.data(), batch.tokens.data(), params.embedding_weight.data(), d.N,
-                    d.D, scale);
-  if (cfg.positional == Positional::sinusoidal) {
-    sinusoidal_table(acts.positional.data(), d.S, d.D);
-  } else {
-    copy(acts.positional.data(), params.pos_embedding_weight.data(), d.S * d.D);
+  {
+    profile::Scope stage("embedding");
+    const Real scale =
+        cfg.embed_scale ? static_cast<Real>(std::sqrt(static_cast<double>(d.D))) : Real(1);
+    embedding_forward(acts.embedding.data(), batch.tokens.data(), params.embedding_weight.data(),
+                      d.N, d.D, scale);
+    if (cfg.positional == Positional::sinusoidal) {
+      sinusoidal_table(acts.positional.data(), d.S, d.D);
+    } else {
+      copy(acts.positional.data(), params.pos_embedding_weight.data(), d.S * d.D);
+    }
+    Tensor<Real> sum({d.B, d.S, d.D});
+    add_positional_forward(sum.data(), acts.embedding.data(), acts.positional.data(), d.B, d.S,
+                           d.D);
+    const bool drop = opts.train && cfg.dropout > 0.0;
+    apply_dropout(acts.input.data(), sum.data(), acts.input_mask, d.N * d.D, "dropout.input",
+                  cfg.dropout, drop, opts.dropout_seed);
   }
-  Tensor<Real> sum({d.B, d.S, d.D});
-  add_positional_forward(sum.data(), acts.embedding.data(), acts.positional.data(), d.B, d.S, d.D);
-  const bool drop = opts.train && cfg.dropout > 0.0;
-  apply_dropout(acts.input.data(), sum.data(), acts.input_mask, d.N * d.D, "dropout.input",
-                cfg.dropout, drop, opts.dropout_seed);
   encoder_forward(params, batch, acts, opts);
 }
 
@@ -562,6 +602,7 @@ void encoder_forward(const Params<Real>& params, const Batch& batch, Activations
                   "dropout.layers." + std::to_string(i) + ".", drop, opts.dropout_seed);
     x = acts.layers[i].output.data();
   }
+  profile::Scope stage("head");
   if (cfg.norm_first) {
     layer_norm_forward(acts.final_norm.data(), acts.final_norm_mean.data(),
                        acts.final_norm_rstd.data(), x, params.final_norm_weight.data(),
@@ -591,22 +632,26 @@ void backward(const Params<Real>& params, const Batch& batch, const Activations<
   allocate(dacts, cfg, d);
 
   // loss = cross_entropy(logits); logits = pooled * head^T + b
-  dacts.loss[0] = Real(1);
-  cross_entropy_backward(dacts.logits.data(), acts.class_probs.data(), batch.labels.data(), d.B,
-                         d.C, static_cast<Real>(cfg.label_smoothing), dacts.loss[0]);
-  linear_backward(dacts.pooled.data(), grads.head_weight.data(), grads.head_bias.data(),
-                  dacts.logits.data(), acts.pooled.data(), params.head_weight.data(), d.B, d.D,
-                  d.C);
-  // pooled = pool(top); top = final_norm(last) (pre) or last
-  Tensor<Real>& dlast = cfg.num_layers > 0 ? dacts.layers.back().output : dacts.input;
-  const Real* last = cfg.num_layers > 0 ? acts.layers.back().output.data() : acts.input.data();
-  Real* dtop = cfg.norm_first ? dacts.final_norm.data() : dlast.data();
-  pooling_backward(dtop, dacts.pooled.data(), acts.pool_argmax.data(), batch.lengths.data(), d.B,
-                   d.S, d.D, cfg.pooling);
-  if (cfg.norm_first) {
-    layer_norm_backward(dlast.data(), grads.final_norm_weight.data(), grads.final_norm_bias.data(),
-                        dacts.final_norm.data(), last, params.final_norm_weight.data(),
-                        acts.final_norm_mean.data(), acts.final_norm_rstd.data(), d.N, d.D);
+  {
+    profile::Scope stage("bwd.head");
+    dacts.loss[0] = Real(1);
+    cross_entropy_backward(dacts.logits.data(), acts.class_probs.data(), batch.labels.data(), d.B,
+                           d.C, static_cast<Real>(cfg.label_smoothing), dacts.loss[0]);
+    linear_backward(dacts.pooled.data(), grads.head_weight.data(), grads.head_bias.data(),
+                    dacts.logits.data(), acts.pooled.data(), params.head_weight.data(), d.B, d.D,
+                    d.C);
+    // pooled = pool(top); top = final_norm(last) (pre) or last
+    Tensor<Real>& dlast = cfg.num_layers > 0 ? dacts.layers.back().output : dacts.input;
+    const Real* last = cfg.num_layers > 0 ? acts.layers.back().output.data() : acts.input.data();
+    Real* dtop = cfg.norm_first ? dacts.final_norm.data() : dlast.data();
+    pooling_backward(dtop, dacts.pooled.data(), acts.pool_argmax.data(), batch.lengths.data(), d.B,
+                     d.S, d.D, cfg.pooling);
+    if (cfg.norm_first) {
+      layer_norm_backward(dlast.data(), grads.final_norm_weight.data(),
+                          grads.final_norm_bias.data(), dacts.final_norm.data(), last,
+                          params.final_norm_weight.data(), acts.final_norm_mean.data(),
+                          acts.final_norm_rstd.data(), d.N, d.D);
+    }
   }
   for (std::size_t i = acts.layers.size(); i-- > 0;) {
     Real* dx = i > 0 ? dacts.layers[i - 1].output.data() : dacts.input.data();
@@ -615,6 +660,7 @@ void backward(const Params<Real>& params, const Batch& batch, const Activations<
                    batch, d);
   }
   // input = dropout(embedding + positional)
+  profile::Scope stage("bwd.embedding");
   Tensor<Real> dsum({d.B, d.S, d.D});
   accumulate_dropout_grad(dsum.data(), dacts.input.data(), acts.input_mask, d.N * d.D, cfg.dropout);
   copy(dacts.embedding.data(), dsum.data(), d.N * d.D);

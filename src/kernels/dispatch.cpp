@@ -198,6 +198,15 @@ const simd::IsaKernels& isa_kernels() {
   return isa_kernels(isa());
 }
 
+template <>
+const simd::VectorKernels<float>& vector_kernels<float>() {
+  return isa_kernels().svec;
+}
+template <>
+const simd::VectorKernels<double>& vector_kernels<double>() {
+  return isa_kernels().dvec;
+}
+
 }  // namespace detail
 
 template <class Real>

@@ -20,6 +20,10 @@ template <class Real>
 void blas_gemm(Trans ta, Trans tb, index_t m, index_t n, index_t k, Real alpha, const Real* a,
                index_t lda, const Real* b, index_t ldb, Real beta, Real* c, index_t ldc);
 
+// The vector kernels of the ISA currently selected (for the simd and blas backends).
+template <class Real>
+const simd::VectorKernels<Real>& vector_kernels();
+
 // The kernel table of the ISA currently selected.
 const simd::IsaKernels& isa_kernels();
 const simd::IsaKernels& isa_kernels(Isa isa);

@@ -5,6 +5,7 @@
 #include <limits>
 #include <vector>
 
+#include "kernels/kernels_internal.hpp"
 #include "kernels/parallel.hpp"
 #include "teo/kernels.hpp"
 
@@ -53,6 +54,9 @@ void attention_forward(Real* context, Real* scores, Real* probs, const Real* q, 
   const Real alpha = static_cast<Real>(1.0 / std::sqrt(static_cast<double>(d_head)));
   const Real neg_inf = -std::numeric_limits<Real>::infinity();
   const index_t ss = seq_len * seq_len;
+  // The simd and blas backends use the vector kernels for the softmax; the reference its loops.
+  const simd::VectorKernels<Real>* vk =
+      backend() == Backend::reference ? nullptr : &detail::vector_kernels<Real>();
   // Each (batch, head) block is one task's: its scores, probs and context rows are its own.
   detail::for_blocks(batch * heads, 1, [&](index_t bh0, index_t bh1) {
     std::vector<Real> dropped(static_cast<std::size_t>(drop_mask ? ss : 0));  // (S, S)
@@ -71,6 +75,10 @@ void attention_forward(Real* context, Real* scores, Real* probs, const Real* q, 
         Real* prow = pr + i * seq_len;
         const index_t nv = visible_keys(i, len, causal);
         for (index_t j = nv; j < seq_len; ++j) srow[j] = neg_inf;
+        if (vk) {
+          vk->softmax_forward_row(prow, srow, nv, seq_len);
+          continue;
+        }
         for (index_t j = 0; j < seq_len; ++j) prow[j] = Real(0);
         if (nv == 0) continue;  // fully masked row: probabilities stay exactly 0
         Real mx = srow[0];
@@ -104,6 +112,9 @@ void attention_backward(Real* dq, Real* dk, Real* dv, Real* dprobs, Real* dscore
                         index_t heads, index_t seq_len, index_t d_head) {
   const Real alpha = static_cast<Real>(1.0 / std::sqrt(static_cast<double>(d_head)));
   const index_t ss = seq_len * seq_len;
+  // The simd and blas backends use the vector kernels for the softmax; the reference its loops.
+  const simd::VectorKernels<Real>* vk =
+      backend() == Backend::reference ? nullptr : &detail::vector_kernels<Real>();
   (void)lengths;  // the mask is carried by probs: masked entries are exactly 0
   detail::for_blocks(batch * heads, 1, [&](index_t bh0, index_t bh1) {
     std::vector<Real> dropped(static_cast<std::size_t>(drop_mask ? ss : 0));  // (S, S)
@@ -135,6 +146,10 @@ void attention_backward(Real* dq, Real* dk, Real* dv, Real* dprobs, Real* dscore
         const Real* prow = pr + i * seq_len;
         const Real* dprow = dp + i * seq_len;
         Real* dsrow = ds + i * seq_len;
+        if (vk) {
+          vk->softmax_backward_row(dsrow, prow, dprow, seq_len);
+          continue;
+        }
         Real dot = 0;
         for (index_t j = 0; j < seq_len; ++j) dot += prow[j] * dprow[j];
         for (index_t j = 0; j < seq_len; ++j)

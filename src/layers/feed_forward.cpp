@@ -3,6 +3,7 @@
 #include <cmath>
 #include <numbers>
 
+#include "kernels/kernels_internal.hpp"
 #include "kernels/parallel.hpp"
 
 namespace teo {
@@ -20,6 +21,13 @@ Real gelu_tanh_inner(Real x) {
 
 template <class Real>
 void activation_forward(Real* out, const Real* in, index_t n, Activation act) {
+  if (backend() != Backend::reference) {
+    const auto& vk = detail::vector_kernels<Real>();
+    detail::for_blocks(n, 4096, [&](index_t i0, index_t i1) {
+      vk.activation_forward(out + i0, in + i0, i1 - i0, static_cast<int>(act));
+    });
+    return;
+  }
   const Real half = Real(0.5);
   const Real inv_sqrt2 = static_cast<Real>(std::numbers::sqrt2 / 2);
   detail::for_blocks(n, 4096, [&](index_t i0, index_t i1) {
@@ -42,6 +50,13 @@ void activation_forward(Real* out, const Real* in, index_t n, Activation act) {
 
 template <class Real>
 void activation_backward(Real* din, const Real* dout, const Real* in, index_t n, Activation act) {
+  if (backend() != Backend::reference) {
+    const auto& vk = detail::vector_kernels<Real>();
+    detail::for_blocks(n, 4096, [&](index_t i0, index_t i1) {
+      vk.activation_backward(din + i0, dout + i0, in + i0, i1 - i0, static_cast<int>(act));
+    });
+    return;
+  }
   const Real half = Real(0.5);
   const Real inv_sqrt2 = static_cast<Real>(std::numbers::sqrt2 / 2);
   const Real inv_sqrt2pi = static_cast<Real>(0.5 * std::numbers::inv_sqrtpi * std::numbers::sqrt2);

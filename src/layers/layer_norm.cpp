@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "kernels/kernels_internal.hpp"
 #include "kernels/parallel.hpp"
 
 namespace teo {
@@ -9,6 +10,15 @@ namespace teo {
 template <class Real>
 void layer_norm_forward(Real* out, Real* mean, Real* rstd, const Real* in, const Real* weight,
                         const Real* bias, index_t rows, index_t cols, Real eps) {
+  if (backend() != Backend::reference) {
+    const auto& vk = detail::vector_kernels<Real>();
+    detail::for_blocks(rows, 16, [&](index_t r0, index_t r1) {
+      for (index_t r = r0; r < r1; ++r)
+        vk.layer_norm_forward_row(out + r * cols, mean + r, rstd + r, in + r * cols, weight, bias,
+                                  cols, eps);
+    });
+    return;
+  }
   detail::for_blocks(rows, 16, [&](index_t r0, index_t r1) {
     for (index_t r = r0; r < r1; ++r) {
       const Real* x = in + r * cols;  // (cols)
@@ -36,6 +46,21 @@ void layer_norm_backward(Real* din, Real* dweight, Real* dbias, const Real* dout
                          index_t cols) {
   // in the forward pass this was: y = norm * weight + bias, with norm = (x - mean) * rstd.
   // dnorm = g * weight; dx = rstd * (dnorm - mean(dnorm) - norm * mean(dnorm * norm))
+  if (backend() != Backend::reference) {
+    const auto& vk = detail::vector_kernels<Real>();
+    if (din) {
+      detail::for_blocks(rows, 16, [&](index_t r0, index_t r1) {
+        for (index_t r = r0; r < r1; ++r)
+          vk.layer_norm_backward_row(din + r * cols, dout + r * cols, in + r * cols, weight,
+                                     mean[r], rstd[r], cols);
+      });
+    }
+    // Column blocks: each owns its columns and sums them over the rows in order.
+    detail::for_blocks(cols, 64, [&](index_t c0, index_t c1) {
+      vk.layer_norm_param_grads(dweight, dbias, dout, in, mean, rstd, rows, cols, c0, c1);
+    });
+    return;
+  }
   if (din) {
     detail::for_blocks(rows, 16, [&](index_t r0, index_t r1) {
       for (index_t r = r0; r < r1; ++r) {

@@ -1,5 +1,6 @@
 // AVX-512 (Zen 4, Skylake-SP and later), compiled with -mavx512f -mavx512dq -mavx512vl -mfma.
 #include "gemm_kernel.hpp"
+#include "vector_kernels.hpp"
 
 namespace teo::simd {
 
@@ -9,7 +10,9 @@ namespace teo::simd {
 // 216 KiB) stays in the 1 MiB L2; NC bounds the B panel for the shared L3.
 const IsaKernels& kernels_avx512() {
   static const IsaKernels k{"avx512", make_gemm<float, xsimd::avx512f, 12, 2>(384, 144, 3072),
-                            make_gemm<double, xsimd::avx512f, 12, 2>(256, 144, 3072)};
+                            make_gemm<double, xsimd::avx512f, 12, 2>(256, 144, 3072),
+                            Kernels<float, xsimd::avx512f>::table(),
+                            Kernels<double, xsimd::avx512f>::table()};
   return k;
 }
 

@@ -28,10 +28,30 @@ struct GemmKernel {
                 index_t ldc, Start start, Real beta);
 };
 
+// The non-GEMM stages' kernels (simd/vector_kernels.hpp), per row or per element range.
+template <class Real>
+struct VectorKernels {
+  void (*activation_forward)(Real* out, const Real* in, index_t n, int act);
+  void (*activation_backward)(Real* din, const Real* dout, const Real* in, index_t n, int act);
+  void (*softmax_forward_row)(Real* prow, const Real* srow, index_t visible, index_t n);
+  void (*softmax_backward_row)(Real* dsrow, const Real* prow, const Real* dprow, index_t n);
+  void (*layer_norm_forward_row)(Real* y, Real* mean, Real* rstd, const Real* x, const Real* w,
+                                 const Real* b, index_t cols, Real eps);
+  void (*layer_norm_backward_row)(Real* dx, const Real* g, const Real* x, const Real* w, Real mean,
+                                  Real rstd, index_t cols);
+  void (*layer_norm_param_grads)(Real* dw, Real* db, const Real* g, const Real* x, const Real* mean,
+                                 const Real* rstd, index_t rows, index_t cols, index_t c0,
+                                 index_t c1);
+  // The elementary functions themselves (fn: 0 exp, 1 erf, 2 tanh), for testing their accuracy.
+  void (*math)(Real* out, const Real* in, index_t n, int fn);
+};
+
 struct IsaKernels {
   const char* name;
   GemmKernel<float> sgemm;
   GemmKernel<double> dgemm;
+  VectorKernels<float> svec;
+  VectorKernels<double> dvec;
 };
 
 const IsaKernels& kernels_scalar();

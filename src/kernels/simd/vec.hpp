@@ -4,6 +4,8 @@
 
 #include <cmath>
 #include <cstddef>
+#include <cstdint>
+#include <cstring>
 
 #include <xsimd/xsimd.hpp>
 
@@ -13,15 +15,50 @@ namespace teo::simd {
 // rounds exactly as the vector ISAs do.
 struct scalar_arch {};
 
+// Integer twin of a floating type, for building powers of two from their bits.
+template <class Real>
+struct Bits;
+template <>
+struct Bits<float> {
+  using I = std::int32_t;
+  static constexpr float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  static constexpr I magic_bits = 0x4B400000;
+  static constexpr I bias = 127;
+  static constexpr int mantissa = 23;
+};
+template <>
+struct Bits<double> {
+  using I = std::int64_t;
+  static constexpr double magic = 6755399441055744.0;  // 1.5 * 2^52
+  static constexpr I magic_bits = 0x4338000000000000;
+  static constexpr I bias = 1023;
+  static constexpr int mantissa = 52;
+};
+
+// Every operation a kernel may use. Each has the same IEEE result on every ISA: no operation
+// whose rounding or NaN handling differs between instruction sets is exposed.
 template <class Real, class Arch>
 struct Vec {
+  using arch = Arch;
   using B = xsimd::batch<Real, Arch>;
+  using M = xsimd::batch_bool<Real, Arch>;
   static constexpr std::size_t size = B::size;
   static B load(const Real* p) { return B::load_unaligned(p); }
   static void store(Real* p, const B& v) { v.store_unaligned(p); }
   static B set1(Real x) { return B(x); }
   static B fma(const B& a, const B& b, const B& c) { return xsimd::fma(a, b, c); }
   static B mul(const B& a, const B& b) { return a * b; }
+  static B select(const M& m, const B& a, const B& b) { return xsimd::select(m, a, b); }
+  static bool any(const M& m) { return xsimd::any(m); }
+  static B sqrt(const B& a) { return xsimd::sqrt(a); }
+  // 2^n for integer-valued n with a normal result (|n| <= 126 for float, 1022 for double).
+  static B pow2n(const B& n) {
+    using I = xsimd::batch<typename Bits<Real>::I, Arch>;
+    I i = xsimd::bitwise_cast<I>(n + B(Bits<Real>::magic));
+    i = i - I(Bits<Real>::magic_bits - Bits<Real>::bias);
+    i = i << Bits<Real>::mantissa;
+    return xsimd::bitwise_cast<B>(i);
+  }
 };
 
 #if defined(__AVX512F__)
@@ -41,13 +78,28 @@ inline xsimd::batch<double, xsimd::avx512f> Vec<double, xsimd::avx512f>::fma(con
 
 template <class Real>
 struct Vec<Real, scalar_arch> {
+  using arch = scalar_arch;
   using B = Real;
+  using M = bool;
   static constexpr std::size_t size = 1;
   static B load(const Real* p) { return *p; }
   static void store(Real* p, B v) { *p = v; }
   static B set1(Real x) { return x; }
   static B fma(B a, B b, B c) { return std::fma(a, b, c); }
   static B mul(B a, B b) { return a * b; }
+  static B select(M m, B a, B b) { return m ? a : b; }
+  static bool any(M m) { return m; }
+  static B sqrt(B a) { return std::sqrt(a); }
+  static B pow2n(B n) {
+    using I = typename Bits<Real>::I;
+    I i;
+    const Real t = n + Bits<Real>::magic;
+    std::memcpy(&i, &t, sizeof i);
+    i = (i - (Bits<Real>::magic_bits - Bits<Real>::bias)) << Bits<Real>::mantissa;
+    Real r;
+    std::memcpy(&r, &i, sizeof r);
+    return r;
+  }
 };
 
 }  // namespace teo::simd

@@ -6,6 +6,7 @@ packages=(
   libxsimd-dev libtbb-dev libopenblas-dev
   nlohmann-json3-dev libcli11-dev
   libgtest-dev librapidcheck-dev libbenchmark-dev
+  g++-aarch64-linux-gnu qemu-user
 )
 missing=()
 for p in "${packages[@]}"; do

@@ -48,9 +48,9 @@ struct Vec {
   static B set1(Real x) { return B(x); }
   static B fma(const B& a, const B& b, const B& c) { return xsimd::fma(a, b, c); }
   static B mul(const B& a, const B& b) { return a * b; }
+  static B div(const B& a, const B& b) { return a / b; }
   static B select(const M& m, const B& a, const B& b) { return xsimd::select(m, a, b); }
   static bool any(const M& m) { return xsimd::any(m); }
-  static B sqrt(const B& a) { return xsimd::sqrt(a); }
   // 2^n for integer-valued n with a normal result (|n| <= 126 for float, 1022 for double).
   static B pow2n(const B& n) {
     using I = xsimd::batch<typename Bits<Real>::I, Arch>;
@@ -76,6 +76,15 @@ inline xsimd::batch<double, xsimd::avx512f> Vec<double, xsimd::avx512f>::fma(con
 }
 #endif
 
+#if defined(__aarch64__)
+// xsimd 8.1 divides float vectors on NEON by a reciprocal estimate and two Newton steps, which is
+// not IEEE division: use the real instruction.
+template <>
+inline xsimd::batch<float, xsimd::neon64> Vec<float, xsimd::neon64>::div(const B& a, const B& b) {
+  return vdivq_f32(a, b);
+}
+#endif
+
 template <class Real>
 struct Vec<Real, scalar_arch> {
   using arch = scalar_arch;
@@ -87,9 +96,9 @@ struct Vec<Real, scalar_arch> {
   static B set1(Real x) { return x; }
   static B fma(B a, B b, B c) { return std::fma(a, b, c); }
   static B mul(B a, B b) { return a * b; }
+  static B div(B a, B b) { return a / b; }
   static B select(M m, B a, B b) { return m ? a : b; }
   static bool any(M m) { return m; }
-  static B sqrt(B a) { return std::sqrt(a); }
   static B pow2n(B n) {
     using I = typename Bits<Real>::I;
     I i;

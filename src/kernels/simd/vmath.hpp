@@ -101,8 +101,9 @@ struct Math {
     if (V::any(far)) {
       const B zc = V::select(z < V::set1(Real(1)), V::set1(Real(1)), z);  // keep t finite
       B t = zc;
-      for (int k = C::erfc_terms; k >= 1; --k) t = zc + V::set1(static_cast<Real>(0.5 * k)) / t;
-      const B erfc = exp(-(zc * zc)) / (t * V::set1(static_cast<Real>(1.7724538509055160)));
+      for (int k = C::erfc_terms; k >= 1; --k)
+        t = zc + V::div(V::set1(static_cast<Real>(0.5 * k)), t);
+      const B erfc = V::div(exp(-(zc * zc)), t * V::set1(static_cast<Real>(1.7724538509055160)));
       r = V::select(far, V::set1(Real(1)) - erfc, series);
     }
     r = V::select(z > V::set1(C::erf_one), V::set1(Real(1)), r);
@@ -113,7 +114,7 @@ struct Math {
   // tanh(y) = 1 - 2 / (e^(2y) + 1): exact limits +-1, absolute error a few ulp of 1.
   static B tanh(const B& y) {
     const B e = exp(y + y);
-    const B t = V::set1(Real(1)) - V::set1(Real(2)) / (e + V::set1(Real(1)));
+    const B t = V::set1(Real(1)) - V::div(V::set1(Real(2)), e + V::set1(Real(1)));
     return V::select(y != y, y, t);
   }
 };

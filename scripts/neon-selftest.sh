@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Cross-compiles the per-ISA kernel self-test for AArch64 (NEON) and runs it under qemu-aarch64.
+# Usage: scripts/neon-selftest.sh [BUILD_DIR]   (needs g++-aarch64-linux-gnu and qemu-user)
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+out="${1:-$root/build/aarch64}"
+mkdir -p "$out/include"
+# Only xsimd from the host's headers: the rest of /usr/include belongs to the host's libc.
+ln -sfn /usr/include/xsimd "$out/include/xsimd"
+flags=(-std=c++20 -O2 -g0 -ffp-contract=off -static -Wall -Wextra
+       -I"$root/include" -I"$root/src" -isystem "$out/include")
+aarch64-linux-gnu-g++ "${flags[@]}" -o "$out/isa_selftest" \
+  "$root/tests/kernels/isa_selftest.cpp" \
+  "$root/src/kernels/simd/neon.cpp" "$root/src/kernels/simd/scalar.cpp"
+qemu-aarch64 "$out/isa_selftest"

@@ -1,0 +1,112 @@
+// The BLIS-style GEMM driver: the outer three loops (jc over NC, pc over KC, ic over MC) and
+// packing, around the two inner loops and micro-kernel of an ISA's table (simd/isa.hpp). Free of
+// threading: the caller supplies the loop executor, so the same code runs parallel under oneTBB
+// (simd_gemm.cpp) and serially in the standalone cross-ISA self-test.
+#pragma once
+
+#include <algorithm>
+#include <vector>
+
+#include "simd/isa.hpp"
+#include "teo/kernels.hpp"
+#include "teo/tensor.hpp"
+
+namespace teo::detail {
+
+template <class Real>
+using Buffer = std::vector<Real, AlignedAllocator<Real>>;
+
+// op(A)(i, p) and op(B)(p, j) for row-major storage.
+template <class Real>
+inline Real at_a(Trans ta, const Real* a, index_t lda, index_t i, index_t p) {
+  return ta == Trans::no ? a[i * lda + p] : a[p * lda + i];
+}
+template <class Real>
+inline Real at_b(Trans tb, const Real* b, index_t ldb, index_t p, index_t j) {
+  return tb == Trans::no ? b[p * ldb + j] : b[j * ldb + p];
+}
+
+// Packs op(A)[i0 : i0 + mc, p0 : p0 + kc] into MR-row slivers, k-major, zero-padded, each value
+// multiplied by alpha (skipped when alpha is 1, so that value is exact).
+template <class Real>
+void pack_a(Real* dst, Trans ta, const Real* a, index_t lda, index_t i0, index_t mc, index_t p0,
+            index_t kc, int mr, Real alpha) {
+  for (index_t ir = 0; ir < mc; ir += mr) {
+    const index_t mb = std::min<index_t>(mr, mc - ir);
+    Real* d = dst + (ir / mr) * kc * mr;
+    for (index_t p = 0; p < kc; ++p) {
+      for (index_t i = 0; i < mb; ++i) {
+        const Real v = at_a(ta, a, lda, i0 + ir + i, p0 + p);
+        d[p * mr + i] = alpha == Real(1) ? v : alpha * v;
+      }
+      for (index_t i = mb; i < mr; ++i) d[p * mr + i] = Real(0);
+    }
+  }
+}
+
+// Packs one NR-column sliver of op(B)[p0 : p0 + kc, j0 : j0 + nb], k-major, zero-padded.
+template <class Real>
+void pack_b_sliver(Real* d, Trans tb, const Real* b, index_t ldb, index_t p0, index_t kc,
+                   index_t j0, index_t nb, int nr) {
+  for (index_t p = 0; p < kc; ++p) {
+    for (index_t j = 0; j < nb; ++j) d[p * nr + j] = at_b(tb, b, ldb, p0 + p, j0 + j);
+    for (index_t j = nb; j < nr; ++j) d[p * nr + j] = Real(0);
+  }
+}
+
+// C = alpha op(A) op(B) + beta C (see teo/kernels.hpp for the rounding). for_each(n, f) runs f(i)
+// for i < n, serially or in parallel; a_buffer() gives the running task its own A buffer; bpack
+// holds the shared B panel. `threads` only balances the row blocks.
+template <class Real, class ForEach, class ABuffer>
+void gemm_blocked(const simd::GemmKernel<Real>& kern, Trans ta, Trans tb, index_t m, index_t n,
+                  index_t k, Real alpha, const Real* a, index_t lda, const Real* b, index_t ldb,
+                  Real beta, Real* c, index_t ldc, index_t threads, Buffer<Real>& bpack,
+                  ForEach&& for_each, ABuffer&& a_buffer) {
+  if (m <= 0 || n <= 0) return;
+  if (k <= 0 || alpha == Real(0)) {
+    // C = beta * C; with beta == 0, C is written without being read.
+    for (index_t i = 0; i < m; ++i)
+      for (index_t j = 0; j < n; ++j)
+        c[i * ldc + j] = beta == Real(0) ? Real(0) : beta * c[i * ldc + j];
+    return;
+  }
+  const int mr = kern.mr, nr = kern.nr;
+  // The number of row blocks is a multiple of the thread count and the MR-row tiles are spread
+  // evenly over them, so every thread gets the same work. MC changes only which task computes a
+  // tile, never the order of any sum.
+  const index_t tiles = (m + mr - 1) / mr;
+  const index_t max_tiles = std::max<index_t>(1, kern.mc / mr);
+  const index_t want_blocks = threads * ((tiles + threads * max_tiles - 1) / (threads * max_tiles));
+  const index_t mc = ((tiles + want_blocks - 1) / want_blocks) * mr;
+  const index_t ic_blocks = (m + mc - 1) / mc;
+
+  for (index_t jc = 0; jc < n; jc += kern.nc) {
+    const index_t nc = std::min<index_t>(kern.nc, n - jc);
+    const index_t slivers = (nc + nr - 1) / nr;
+    for (index_t pc = 0; pc < k; pc += kern.kc) {
+      const index_t kc = std::min<index_t>(kern.kc, k - pc);
+      // The first k block starts from zero or beta * C; later ones continue the same chains from
+      // the partial sums stored in C, so KC never changes a result.
+      const simd::Start start = pc > 0            ? simd::Start::c
+                                : beta == Real(0) ? simd::Start::zero
+                                : beta == Real(1) ? simd::Start::c
+                                                  : simd::Start::beta_c;
+      bpack.resize(static_cast<std::size_t>(slivers * kc * nr));
+      Real* bp = bpack.data();
+      for_each(slivers, [&](index_t s) {
+        pack_b_sliver(bp + s * kc * nr, tb, b, ldb, pc, kc, jc + s * nr,
+                      std::min<index_t>(nr, nc - s * nr), nr);
+      });
+      for_each(ic_blocks, [&](index_t ib) {
+        const index_t ic = ib * mc;
+        const index_t mb = std::min<index_t>(mc, m - ic);
+        Buffer<Real>& ap = a_buffer();
+        ap.resize(static_cast<std::size_t>((mb + mr - 1) / mr * mr * kc));
+        pack_a(ap.data(), ta, a, lda, ic, mb, pc, kc, mr, alpha);
+        kern.macro(mb, nc, kc, ap.data(), bp, c + ic * ldc + jc, ldc, start, beta);
+      });
+    }
+  }
+}
+
+}  // namespace teo::detail

@@ -35,6 +35,7 @@ inline void micro_kernel(index_t kc, const Real* __restrict a, const Real* __res
         if (start == Start::beta_c) acc[i][v] = V::mul(acc[i][v], vb);
       }
   }
+#pragma GCC unroll 4
   for (index_t p = 0; p < kc; ++p) {
     B bv[NV];
 #pragma GCC unroll 4

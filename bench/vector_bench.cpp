@@ -1,0 +1,104 @@
+// Google Benchmark: the non-GEMM stage kernels at bert-base's shapes (B*S = 1024 rows, D = 768,
+// F = 3072, 12 heads of 128 x 128 scores), simd backend against the reference loops in one run.
+// Run: build/bench/teo_microbench --benchmark_filter=Stage
+#include <benchmark/benchmark.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "teo/backend.hpp"
+#include "teo/layers/attention.hpp"
+#include "teo/layers/dropout.hpp"
+#include "teo/layers/embedding.hpp"
+#include "teo/layers/feed_forward.hpp"
+#include "teo/layers/layer_norm.hpp"
+#include "teo/rng.hpp"
+
+namespace {
+
+enum class Stage {
+  gelu_fwd,
+  gelu_bwd,
+  layer_norm_fwd,
+  layer_norm_bwd,
+  attention_fwd,
+  dropout,
+  embedding
+};
+
+std::vector<float> data(std::size_t n, std::uint64_t stream) {
+  std::vector<float> v(n);
+  for (std::size_t i = 0; i < n; ++i)
+    v[i] = static_cast<float>(4 * teo::rng::uniform01(3, stream, i) - 2);
+  return v;
+}
+
+void BM_Stage(benchmark::State& state, Stage stage, teo::Backend backend) {
+  teo::ScopedSettings restore;
+  teo::set_backend(backend);
+  teo::set_num_threads(2);
+  const teo::index_t rows = 1024, d = 768, f = 3072, heads = 12, s = 128, b = 8;
+  const auto x = data(rows * f, 1), g = data(rows * f, 2), w = data(f, 3), bias = data(f, 4);
+  std::vector<float> y(rows * f), dx(rows * f), mean(rows), rstd(rows), dw(d), db(d);
+  std::vector<std::uint8_t> mask(rows * d);
+  std::vector<std::int64_t> tokens(rows), lengths(b, s);
+  for (teo::index_t i = 0; i < rows; ++i) tokens[i] = i * 7 % 1000;
+  std::vector<float> q = data(b * heads * s * 64, 5), k = data(b * heads * s * 64, 6),
+                     v = data(b * heads * s * 64, 7), scores(b * heads * s * s),
+                     probs(b * heads * s * s), ctx(b * heads * s * 64);
+  teo::index_t elements = 0;
+  for (auto _ : state) {
+    switch (stage) {
+      case Stage::gelu_fwd:
+        teo::activation_forward(y.data(), x.data(), rows * f, teo::Activation::gelu);
+        elements = rows * f;
+        break;
+      case Stage::gelu_bwd:
+        teo::activation_backward(dx.data(), g.data(), x.data(), rows * f, teo::Activation::gelu);
+        elements = rows * f;
+        break;
+      case Stage::layer_norm_fwd:
+        teo::layer_norm_forward(y.data(), mean.data(), rstd.data(), x.data(), w.data(), bias.data(),
+                                rows, d, 1e-5f);
+        elements = rows * d;
+        break;
+      case Stage::layer_norm_bwd:
+        teo::layer_norm_backward(dx.data(), dw.data(), db.data(), g.data(), x.data(), w.data(),
+                                 mean.data(), rstd.data(), rows, d);
+        elements = rows * d;
+        break;
+      case Stage::attention_fwd:
+        teo::attention_forward(ctx.data(), scores.data(), probs.data(), q.data(), k.data(),
+                               v.data(), lengths.data(), nullptr, 1.0f, b, heads, s, 64, false);
+        elements = b * heads * s * s;
+        break;
+      case Stage::dropout:
+        teo::dropout_mask(mask.data(), rows * d, 1, "dropout.bench", 0.1);
+        teo::dropout_forward(y.data(), x.data(), mask.data(), rows * d, 1.0f / 0.9f);
+        elements = rows * d;
+        break;
+      case Stage::embedding:
+        teo::embedding_forward(y.data(), tokens.data(), x.data(), rows, d, 1.0f);
+        elements = rows * d;
+        break;
+    }
+    benchmark::DoNotOptimize(y.data());
+    benchmark::ClobberMemory();
+  }
+  state.counters["Melem/s"] = benchmark::Counter(static_cast<double>(elements),
+                                                 benchmark::Counter::kIsIterationInvariantRate);
+}
+
+using teo::Backend;
+#define TEO_STAGE_BENCH(name)                                                          \
+  BENCHMARK_CAPTURE(BM_Stage, name##_simd, Stage::name, Backend::simd)->UseRealTime(); \
+  BENCHMARK_CAPTURE(BM_Stage, name##_reference, Stage::name, Backend::reference)->UseRealTime();
+TEO_STAGE_BENCH(gelu_fwd)
+TEO_STAGE_BENCH(gelu_bwd)
+TEO_STAGE_BENCH(layer_norm_fwd)
+TEO_STAGE_BENCH(layer_norm_bwd)
+TEO_STAGE_BENCH(attention_fwd)
+TEO_STAGE_BENCH(dropout)
+TEO_STAGE_BENCH(embedding)
+
+}  // namespace

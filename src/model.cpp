@@ -328,6 +328,17 @@ void accumulate_dropout_grad(Real* din, const Real* dout, const std::vector<std:
   }
 }
 
+// [Wq; Wk; Wv] (3D, D) and [bq; bk; bv] (3D): the three projections as one Linear.
+template <class Real>
+void stack_qkv(Real* w, Real* b, const LayerParams<Real>& P, index_t dm) {
+  const Tensor<Real>* ws[3] = {&P.q_weight, &P.k_weight, &P.v_weight};
+  const Tensor<Real>* bs[3] = {&P.q_bias, &P.k_bias, &P.v_bias};
+  for (int i = 0; i < 3; ++i) {
+    copy(w + i * dm * dm, ws[i]->data(), dm * dm);
+    copy(b + i * dm, bs[i]->data(), dm);
+  }
+}
+
 template <class Real>
 void allocate_layer(LayerActs<Real>& l, const Dims& d) {
   for (Tensor<Real>* t : {&l.norm1, &l.context, &l.attn_out, &l.residual1, &l.norm2, &l.ffn_out,
@@ -379,16 +390,18 @@ void layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P, LayerAc
                                  P.norm1_weight.data(), P.norm1_bias.data(), d.N, d.D, eps));
     attn_in = L.norm1.data();
   }
-  // q, k, v (B, H, S, Dh) = split(attn_in * W^T + b)
-  const std::pair<const Tensor<Real>*, const Tensor<Real>*> proj[3] = {
-      {&P.q_weight, &P.q_bias}, {&P.k_weight, &P.k_bias}, {&P.v_weight, &P.v_bias}};
-  Tensor<Real>* heads[3] = {&L.q, &L.k, &L.v};
-  TEO_STAGE(
-      "qkv_proj", for (int i = 0; i < 3; ++i) {
-        linear_forward(tmp.data(), attn_in, proj[i].first->data(), proj[i].second->data(), d.N, d.D,
-                       d.D);
-        split_heads(heads[i]->data(), tmp.data(), d.B, d.S, d.H, d.Dh);
-      });
+  // q, k, v (B, H, S, Dh) = split(attn_in * W^T + b), as one GEMM against [Wq; Wk; Wv]. Each
+  // output element is the same dot product as with three separate products.
+  {
+    profile::Scope stage("qkv_proj");
+    Tensor<Real> wqkv({3 * d.D, d.D}), bqkv({3 * d.D});
+    stack_qkv(wqkv.data(), bqkv.data(), P, d.D);
+    Tensor<Real> qkv({d.B, d.S, 3 * d.D});  // (B, S, 3D)
+    linear_forward(qkv.data(), attn_in, wqkv.data(), bqkv.data(), d.N, d.D, 3 * d.D);
+    Tensor<Real>* heads[3] = {&L.q, &L.k, &L.v};
+    for (int i = 0; i < 3; ++i)
+      split_heads(heads[i]->data(), qkv.data() + i * d.D, d.B, d.S, d.H, d.Dh, 3 * d.D);
+  }
   {
     profile::Scope attention_scope("attention");
     const bool drop_attn = drop;
@@ -537,17 +550,26 @@ void layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P, const 
   const Real* attn_in = cfg.norm_first ? L.norm1.data() : x;
   Real* dattn_in = dx;
   if (cfg.norm_first) dattn_in = dL.norm1.data();
-  Tensor<Real> tmp({d.B, d.S, d.D});
-  const Tensor<Real>* dheads[3] = {&dL.q, &dL.k, &dL.v};
-  const Tensor<Real>* weights[3] = {&P.q_weight, &P.k_weight, &P.v_weight};
-  std::pair<Tensor<Real>*, Tensor<Real>*> gproj[3] = {
-      {&G.q_weight, &G.q_bias}, {&G.k_weight, &G.k_bias}, {&G.v_weight, &G.v_bias}};
-  TEO_STAGE(
-      "bwd.qkv_proj", for (int i = 0; i < 3; ++i) {
-        merge_heads(tmp.data(), dheads[i]->data(), d.B, d.S, d.H, d.Dh);
-        linear_backward(dattn_in, gproj[i].first->data(), gproj[i].second->data(), tmp.data(),
-                        attn_in, weights[i]->data(), d.N, d.D, d.D);
-      });
+  {
+    // One product against [Wq; Wk; Wv] as in the forward pass: d attn_in sums over all 3D outputs
+    // in one dot product; the weight and bias gradients are the same sums as per projection.
+    profile::Scope stage("bwd.qkv_proj");
+    Tensor<Real> wqkv({3 * d.D, d.D}), bqkv({3 * d.D});
+    stack_qkv(wqkv.data(), bqkv.data(), P, d.D);
+    Tensor<Real> dqkv({d.B, d.S, 3 * d.D});  // (B, S, 3D)
+    const Tensor<Real>* dheads[3] = {&dL.q, &dL.k, &dL.v};
+    for (int i = 0; i < 3; ++i)
+      merge_heads(dqkv.data() + i * d.D, dheads[i]->data(), d.B, d.S, d.H, d.Dh, 3 * d.D);
+    Tensor<Real> gw({3 * d.D, d.D}), gb({3 * d.D});
+    linear_backward(dattn_in, gw.data(), gb.data(), dqkv.data(), attn_in, wqkv.data(), d.N, d.D,
+                    3 * d.D);
+    Tensor<Real>* gws[3] = {&G.q_weight, &G.k_weight, &G.v_weight};
+    Tensor<Real>* gbs[3] = {&G.q_bias, &G.k_bias, &G.v_bias};
+    for (int i = 0; i < 3; ++i) {
+      add(gws[i]->data(), gw.data() + i * d.D * d.D, d.D * d.D);
+      add(gbs[i]->data(), gb.data() + i * d.D, d.D);
+    }
+  }
   if (cfg.norm_first) {
     profile::Scope stage("bwd.layer_norm");
     layer_norm_backward(dx, G.norm1_weight.data(), G.norm1_bias.data(), dL.norm1.data(), x,

@@ -13,26 +13,28 @@ namespace teo {
 
 template <class Real>
 void split_heads(Real* out, const Real* in, index_t batch, index_t seq_len, index_t heads,
-                 index_t d_head) {
+                 index_t d_head, index_t row_stride) {
+  const index_t ld = row_stride ? row_stride : heads * d_head;
   detail::for_blocks(batch, 1, [&](index_t b0, index_t b1) {
     for (index_t b = b0; b < b1; ++b)
       for (index_t s = 0; s < seq_len; ++s)
         for (index_t h = 0; h < heads; ++h)
           for (index_t c = 0; c < d_head; ++c)
             out[((b * heads + h) * seq_len + s) * d_head + c] =
-                in[((b * seq_len + s) * heads + h) * d_head + c];
+                in[(b * seq_len + s) * ld + h * d_head + c];
   });
 }
 
 template <class Real>
 void merge_heads(Real* out, const Real* in, index_t batch, index_t seq_len, index_t heads,
-                 index_t d_head) {
+                 index_t d_head, index_t row_stride) {
+  const index_t ld = row_stride ? row_stride : heads * d_head;
   detail::for_blocks(batch, 1, [&](index_t b0, index_t b1) {
     for (index_t b = b0; b < b1; ++b)
       for (index_t s = 0; s < seq_len; ++s)
         for (index_t h = 0; h < heads; ++h)
           for (index_t c = 0; c < d_head; ++c)
-            out[((b * seq_len + s) * heads + h) * d_head + c] =
+            out[(b * seq_len + s) * ld + h * d_head + c] =
                 in[((b * heads + h) * seq_len + s) * d_head + c];
   });
 }
@@ -167,8 +169,10 @@ void attention_backward(Real* dq, Real* dk, Real* dv, Real* dprobs, Real* dscore
 }
 
 #define TEO_INSTANTIATE(Real)                                                                     \
-  template void split_heads<Real>(Real*, const Real*, index_t, index_t, index_t, index_t);        \
-  template void merge_heads<Real>(Real*, const Real*, index_t, index_t, index_t, index_t);        \
+  template void split_heads<Real>(Real*, const Real*, index_t, index_t, index_t, index_t,         \
+                                  index_t);                                                       \
+  template void merge_heads<Real>(Real*, const Real*, index_t, index_t, index_t, index_t,         \
+                                  index_t);                                                       \
   template void attention_forward<Real>(Real*, Real*, Real*, const Real*, const Real*,            \
                                         const Real*, const std::int64_t*, const std::uint8_t*,    \
                                         Real, index_t, index_t, index_t, index_t, bool);          \

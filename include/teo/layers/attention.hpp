@@ -7,13 +7,15 @@
 
 namespace teo {
 
-// (B, S, H * Dh) -> (B, H, S, Dh) and back. out and in must not alias.
+// (B, S, H * Dh) -> (B, H, S, Dh) and back. out and in must not alias. row_stride is the distance
+// between consecutive (b, s) rows of the (B, S, H * Dh) side (0: H * Dh), so that q, k and v can
+// be read from, or written into, one (B, S, 3 D) buffer.
 template <class Real>
 void split_heads(Real* out, const Real* in, index_t batch, index_t seq_len, index_t heads,
-                 index_t d_head);
+                 index_t d_head, index_t row_stride = 0);
 template <class Real>
 void merge_heads(Real* out, const Real* in, index_t batch, index_t seq_len, index_t heads,
-                 index_t d_head);
+                 index_t d_head, index_t row_stride = 0);
 
 // Key j is visible from query i of sequence b iff j < lengths[b] and (!causal or j <= i).
 //   scores = q k^T / sqrt(Dh) on visible keys, -inf elsewhere;

@@ -80,32 +80,43 @@ void gemm_blocked(const simd::GemmKernel<Real>& kern, Trans ta, Trans tb, index_
   const index_t mc = ((tiles + want_blocks - 1) / want_blocks) * mr;
   const index_t ic_blocks = (m + mc - 1) / mc;
 
-  for (index_t jc = 0; jc < n; jc += kern.nc) {
-    const index_t nc = std::min<index_t>(kern.nc, n - jc);
+  // The B panel holds every k block of NC columns at once, so each task walks all of K for its
+  // row block without waiting for the others: one barrier per NC panel instead of two per KC
+  // block. NC shrinks so that the panel stays within kPanelElements (a shared-L3-sized budget).
+  constexpr index_t kPanelElements = index_t{1} << 22;
+  const index_t nc_max = std::max<index_t>(
+      nr, std::min<index_t>(kern.nc, kPanelElements / std::max<index_t>(k, 1) / nr * nr));
+  const index_t kblocks = (k + kern.kc - 1) / kern.kc;
+  for (index_t jc = 0; jc < n; jc += nc_max) {
+    const index_t nc = std::min<index_t>(nc_max, n - jc);
     const index_t slivers = (nc + nr - 1) / nr;
-    for (index_t pc = 0; pc < k; pc += kern.kc) {
-      const index_t kc = std::min<index_t>(kern.kc, k - pc);
-      // The first k block starts from zero or beta * C; later ones continue the same chains from
-      // the partial sums stored in C, so KC never changes a result.
-      const simd::Start start = pc > 0            ? simd::Start::c
-                                : beta == Real(0) ? simd::Start::zero
-                                : beta == Real(1) ? simd::Start::c
-                                                  : simd::Start::beta_c;
-      bpack.resize(static_cast<std::size_t>(slivers * kc * nr));
-      Real* bp = bpack.data();
-      for_each(slivers, [&](index_t s) {
-        pack_b_sliver(bp + s * kc * nr, tb, b, ldb, pc, kc, jc + s * nr,
-                      std::min<index_t>(nr, nc - s * nr), nr);
-      });
-      for_each(ic_blocks, [&](index_t ib) {
-        const index_t ic = ib * mc;
-        const index_t mb = std::min<index_t>(mc, m - ic);
-        Buffer<Real>& ap = a_buffer();
+    // Panel layout: k block pb holds `slivers` slivers of kc x NR, at offset pc * slivers * NR.
+    bpack.resize(static_cast<std::size_t>(slivers * nr * k));
+    Real* panel = bpack.data();
+    for_each(kblocks * slivers, [&](index_t t) {
+      const index_t pb = t / slivers, s = t % slivers;
+      const index_t pc = pb * kern.kc, kc = std::min<index_t>(kern.kc, k - pc);
+      pack_b_sliver(panel + pc * slivers * nr + s * kc * nr, tb, b, ldb, pc, kc, jc + s * nr,
+                    std::min<index_t>(nr, nc - s * nr), nr);
+    });
+    for_each(ic_blocks, [&](index_t ib) {
+      const index_t ic = ib * mc;
+      const index_t mb = std::min<index_t>(mc, m - ic);
+      Buffer<Real>& ap = a_buffer();
+      for (index_t pc = 0; pc < k; pc += kern.kc) {
+        const index_t kc = std::min<index_t>(kern.kc, k - pc);
+        // The first k block starts from zero or beta * C; later ones continue the same chains
+        // from the partial sums stored in C, so KC never changes a result.
+        const simd::Start start = pc > 0            ? simd::Start::c
+                                  : beta == Real(0) ? simd::Start::zero
+                                  : beta == Real(1) ? simd::Start::c
+                                                    : simd::Start::beta_c;
         ap.resize(static_cast<std::size_t>((mb + mr - 1) / mr * mr * kc));
         pack_a(ap.data(), ta, a, lda, ic, mb, pc, kc, mr, alpha);
-        kern.macro(mb, nc, kc, ap.data(), bp, c + ic * ldc + jc, ldc, start, beta);
-      });
-    }
+        kern.macro(mb, nc, kc, ap.data(), panel + pc * slivers * nr, c + ic * ldc + jc, ldc, start,
+                   beta);
+      }
+    });
   }
 }
 

@@ -37,6 +37,10 @@ const char* to_string(Pooling p) {
 
 namespace {
 
+// User space on x86-64 and AArch64 Linux is 47 or 48 bits: no allocation can be larger, so sizes
+// beyond it are rejected up front rather than left to fail (or abort) in the allocator.
+constexpr index_t kAddressSpaceBytes = index_t{1} << 47;
+
 std::string fmt(double v) {
   std::ostringstream os;
   os.precision(17);
@@ -130,7 +134,13 @@ void EncoderConfig::validate() const {
       checked_add(checked_add(checked_add(embed, pos, "embeddings"),
                               checked_add(layers, head, "layers + head"), "parameters"),
                   checked_mul(d, 2, "final_norm"), "parameters");
-  checked_mul(total, static_cast<index_t>(sizeof(double)), "parameter bytes");
+  const index_t param_bytes =
+      checked_mul(total, static_cast<index_t>(sizeof(double)), "parameter bytes");
+  if (param_bytes > kAddressSpaceBytes) {
+    throw ShapeError("the parameters need " + std::to_string(param_bytes) +
+                     " bytes in float64, more than a 47-bit address space (" +
+                     std::to_string(kAddressSpaceBytes) + " bytes) can hold");
+  }
 }
 
 EncoderConfig EncoderConfig::from_json(const nlohmann::json& j) {
@@ -270,9 +280,14 @@ void validate_batch_shape(const EncoderConfig& cfg, const BatchShape& s, std::si
       throw ShapeError("layer activations overflow 64 bits");
     return a + b + c;
   }();
-  checked_mul(
+  const index_t act_bytes = checked_mul(
       checked_mul(per_layer, checked_add(cfg.num_layers, 1, "num_layers + 1"), "all activations"),
       bytes, "all activation bytes");
+  if (act_bytes > kAddressSpaceBytes) {
+    throw ShapeError("batch " + std::to_string(s.batch) + " x seq_len " +
+                     std::to_string(s.seq_len) + " needs about " + std::to_string(act_bytes) +
+                     " bytes of activations, more than a 47-bit address space can hold");
+  }
 }
 
 }  // namespace teo

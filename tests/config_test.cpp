@@ -77,6 +77,9 @@ TEST(Config, RejectsSizesWhoseByteCountOverflows) {
   EXPECT_THROW(c.validate(), ShapeError);
   EncoderConfig ok;
   EXPECT_NO_THROW(ok.validate());
+  EncoderConfig huge;  // no 64-bit overflow, but 2^53 bytes of parameters
+  huge.vocab_size = index_t{1} << 46;
+  EXPECT_THROW(huge.validate(), ShapeError);
 }
 
 TEST(Config, BatchShapeValidation) {

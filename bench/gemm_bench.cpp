@@ -96,6 +96,10 @@ BENCHMARK_CAPTURE(BM_OpenBlasF64, openblas_f64_NT, Trans::no, Trans::yes)->Apply
 BENCHMARK_CAPTURE(BM_GemmF32, simd_f32_NN, Backend::simd, Trans::no, Trans::no)->Apply(shapes);
 BENCHMARK_CAPTURE(BM_OpenBlasF32, openblas_f32_NN, Trans::no, Trans::no)->Apply(shapes);
 BENCHMARK_CAPTURE(BM_GemmF32, simd_f32_TN, Backend::simd, Trans::yes, Trans::no)->Apply(shapes);
+BENCHMARK_CAPTURE(BM_GemmF64, simd_f64_NN, Backend::simd, Trans::no, Trans::no)->Apply(shapes);
+BENCHMARK_CAPTURE(BM_OpenBlasF64, openblas_f64_NN, Trans::no, Trans::no)->Apply(shapes);
+BENCHMARK_CAPTURE(BM_GemmF64, simd_f64_TN, Backend::simd, Trans::yes, Trans::no)->Apply(shapes);
+BENCHMARK_CAPTURE(BM_OpenBlasF64, openblas_f64_TN, Trans::yes, Trans::no)->Apply(shapes);
 BENCHMARK_CAPTURE(BM_OpenBlasF32, openblas_f32_TN, Trans::yes, Trans::no)->Apply(shapes);
 
 }  // namespace

@@ -19,10 +19,10 @@ template <class Real>
 void simd_gemm(const simd::GemmKernel<Real>& kern, Trans ta, Trans tb, index_t m, index_t n,
                index_t k, Real alpha, const Real* a, index_t lda, const Real* b, index_t ldb,
                Real beta, Real* c, index_t ldc) {
-  // Packing buffers. A serial call makes no TBB call, so no other work can run on this thread
-  // while it uses its thread_local buffers. A parallel call owns its B panel (its calling thread
-  // may pick up other tasks while it waits), and each task packs A into its worker's own buffer,
-  // which nothing else touches until that task returns.
+  // Packing buffers, kept per thread so that their pages are faulted in once. A serial call makes
+  // no TBB call, so no other work can run on this thread while it uses its buffers; in a parallel
+  // call each task packs A into its worker's own buffer, which nothing else touches until the task
+  // returns (the task makes no TBB call).
   thread_local Buffer<Real> serial_a, serial_b;
   static tbb::enumerable_thread_specific<Buffer<Real>> worker_a;
   const bool serial = m * n * k <= kSerialWork || num_threads() == 1 || in_parallel_region();
@@ -34,7 +34,9 @@ void simd_gemm(const simd::GemmKernel<Real>& kern, Trans ta, Trans tb, index_t m
         },
         [&]() -> Buffer<Real>& { return serial_a; });
   } else {
-    Buffer<Real> parallel_b;
+    // A parallel GEMM is only ever started outside a parallel region (nested ones run serially),
+    // so no other call can reach this thread's panel while this one waits for its tasks.
+    thread_local Buffer<Real> parallel_b;
     gemm_blocked(
         kern, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, num_threads(), parallel_b,
         [](index_t count, auto&& f) { parallel_for_each(count, f); },

@@ -68,6 +68,12 @@ void macro_kernel(index_t mc, index_t nc, index_t kc, const Real* ap, const Real
       const index_t mb = mc - ir < MR ? mc - ir : MR;
       const Real* a = ap + (ir / MR) * kc * MR;
       Real* ct = c + ir * ldc + jr;
+      // The next tile's C rows, so that its first loads (and last stores) do not wait on L2/L3.
+      if (ir + MR < mc) {
+        for (int i = 0; i < MR; ++i)
+          for (int j = 0; j < NR; j += static_cast<int>(64 / sizeof(Real)))
+            __builtin_prefetch(ct + (MR + i) * ldc + j, 1);
+      }
       if (mb == MR && nb == NR) {
         micro_kernel<Real, Arch, MR, NV>(kc, a, b, ct, ldc, start, beta);
         continue;

@@ -44,18 +44,29 @@ class Shape {
   index_t numel_ = 0;
 };
 
+// Large buffers (1 MiB and up) come from a process-wide cache of freed blocks of the same size,
+// so that the activations of repeated forward/backward passes reuse memory whose pages are
+// already mapped instead of faulting in fresh pages every time. The cache holds at most
+// cached_memory_limit() bytes; release_cached_memory() returns everything to the system.
+namespace memory {
+void* allocate(std::size_t bytes);                // 64-byte aligned
+void deallocate(void* p, std::size_t bytes) noexcept;
+void release_cached_memory() noexcept;
+std::size_t cached_bytes() noexcept;
+std::size_t cached_memory_limit() noexcept;
+}  // namespace memory
+
 template <class T>
 struct AlignedAllocator {
   using value_type = T;
-  static constexpr std::align_val_t kAlign{64};
   AlignedAllocator() = default;
   template <class U>
   AlignedAllocator(const AlignedAllocator<U>&) {}
   T* allocate(std::size_t n) {
     if (n > std::numeric_limits<std::size_t>::max() / sizeof(T)) throw std::bad_array_new_length();
-    return static_cast<T*>(::operator new(n * sizeof(T), kAlign));
+    return static_cast<T*>(memory::allocate(n * sizeof(T)));
   }
-  void deallocate(T* p, std::size_t) { ::operator delete(p, kAlign); }
+  void deallocate(T* p, std::size_t n) noexcept { memory::deallocate(p, n * sizeof(T)); }
   template <class U>
   bool operator==(const AlignedAllocator<U>&) const {
     return true;

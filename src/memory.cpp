@@ -1,0 +1,89 @@
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <new>
+
+#include "teo/tensor.hpp"
+
+namespace teo::memory {
+
+namespace {
+
+constexpr std::align_val_t kAlign{64};
+constexpr std::size_t kCachedFrom = std::size_t{1} << 20;
+
+struct Cache {
+  std::mutex mu;
+  std::multimap<std::size_t, void*> blocks;  // size -> free block of exactly that size
+  std::size_t bytes = 0;
+  std::size_t limit = [] {
+    // TEO_CACHE_MB overrides the default of 4 GiB; 0 disables the cache.
+    if (const char* v = std::getenv("TEO_CACHE_MB"); v && *v) {
+      char* end = nullptr;
+      const unsigned long long mb = std::strtoull(v, &end, 10);
+      if (*end == '\0') return static_cast<std::size_t>(mb) << 20;
+    }
+    return std::size_t{4} << 30;
+  }();
+  ~Cache() {
+    for (auto& [size, p] : blocks) ::operator delete(p, kAlign);
+  }
+};
+
+Cache& cache() {
+  static Cache c;
+  return c;
+}
+
+}  // namespace
+
+void* allocate(std::size_t bytes) {
+  if (bytes >= kCachedFrom) {
+    Cache& c = cache();
+    std::lock_guard<std::mutex> lock(c.mu);
+    auto it = c.blocks.find(bytes);
+    if (it != c.blocks.end()) {
+      void* p = it->second;
+      c.blocks.erase(it);
+      c.bytes -= bytes;
+      return p;
+    }
+  }
+  return ::operator new(bytes, kAlign);
+}
+
+void deallocate(void* p, std::size_t bytes) noexcept {
+  if (!p) return;
+  if (bytes >= kCachedFrom) {
+    Cache& c = cache();
+    std::lock_guard<std::mutex> lock(c.mu);
+    if (c.bytes + bytes <= c.limit) {
+      try {
+        c.blocks.emplace(bytes, p);
+        c.bytes += bytes;
+        return;
+      } catch (...) {
+        // no room for the bookkeeping: free the block instead
+      }
+    }
+  }
+  ::operator delete(p, kAlign);
+}
+
+void release_cached_memory() noexcept {
+  Cache& c = cache();
+  std::lock_guard<std::mutex> lock(c.mu);
+  for (auto& [size, p] : c.blocks) ::operator delete(p, kAlign);
+  c.blocks.clear();
+  c.bytes = 0;
+}
+
+std::size_t cached_bytes() noexcept {
+  Cache& c = cache();
+  std::lock_guard<std::mutex> lock(c.mu);
+  return c.bytes;
+}
+
+std::size_t cached_memory_limit() noexcept { return cache().limit; }
+
+}  // namespace teo::memory

@@ -1,0 +1,47 @@
+// The large-buffer cache behind Tensor: reuse of same-size blocks, alignment, release, and that
+// reused memory is re-initialised by Tensor (a cached block never leaks old values).
+#include <cstdint>
+
+#include "support.hpp"
+#include "teo/tensor.hpp"
+
+namespace teo {
+namespace {
+
+TEST(Memory, LargeBlocksAreReusedAlignedAndReleased) {
+  memory::release_cached_memory();
+  const std::size_t bytes = std::size_t{3} << 20;
+  void* p = memory::allocate(bytes);
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(p) % 64, 0u);
+  memory::deallocate(p, bytes);
+  EXPECT_EQ(memory::cached_bytes(), bytes);
+  void* q = memory::allocate(bytes);  // the same size comes back from the cache
+  EXPECT_EQ(q, p);
+  EXPECT_EQ(memory::cached_bytes(), 0u);
+  void* r = memory::allocate(bytes + 64);  // another size does not
+  EXPECT_NE(r, q);
+  memory::deallocate(q, bytes);
+  memory::deallocate(r, bytes + 64);
+  EXPECT_EQ(memory::cached_bytes(), 2 * bytes + 64);
+  memory::release_cached_memory();
+  EXPECT_EQ(memory::cached_bytes(), 0u);
+  void* small = memory::allocate(100);  // small blocks bypass the cache
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(small) % 64, 0u);
+  memory::deallocate(small, 100);
+  EXPECT_EQ(memory::cached_bytes(), 0u);
+  EXPECT_GT(memory::cached_memory_limit(), 0u);
+}
+
+TEST(Memory, TensorsOnReusedBlocksStartAtZero) {
+  const index_t n = index_t{1} << 19;  // 4 MiB of double
+  {
+    Tensor<double> t({n});
+    t.fill(7.0);
+  }
+  Tensor<double> u({n});  // very likely the same block
+  for (index_t i = 0; i < n; i += 4097) ASSERT_EQ(u[i], 0.0);
+  EXPECT_EQ(u[n - 1], 0.0);
+}
+
+}  // namespace
+}  // namespace teo

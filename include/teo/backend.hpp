@@ -1,6 +1,7 @@
 // Execution settings: which backend computes, on which instruction set, with how many threads.
-// They are process-wide; set them before running a model (the CLI does it from its flags, and
-// init_from_environment() from TEO_BACKEND, TEO_ISA and TEO_NUM_THREADS).
+// They are process-wide; set them before running a model, from one thread, while no teo call is
+// running (the CLI does it from its flags, and init_from_environment() from TEO_BACKEND, TEO_ISA
+// and TEO_NUM_THREADS). Setting them from inside a teo task throws teo::ConfigError.
 #pragma once
 
 #include <string>

@@ -6,7 +6,6 @@
 #include <thread>
 
 #include <tbb/global_control.h>
-#include <xsimd/xsimd.hpp>
 
 #include "kernels_internal.hpp"
 #include "parallel.hpp"
@@ -86,10 +85,16 @@ Isa parse_isa(const std::string& name, const std::string& what) {
 
 std::vector<Isa> supported_isas() {
   std::vector<Isa> out;
-  [[maybe_unused]] const auto avail = xsimd::available_architectures();
 #if defined(__x86_64__) || defined(_M_X64)
-  if (avail.avx512f && avail.fma3_avx2) out.push_back(Isa::avx512);
-  if (avail.fma3_avx2) out.push_back(Isa::avx2);
+  // libgcc's CPU model checks both CPUID and that the OS saves the AVX / AVX-512 state (XCR0),
+  // and every extension the ISA's translation unit is compiled with must be there.
+  __builtin_cpu_init();
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") &&
+                      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl");
+  if (avx512) out.push_back(Isa::avx512);
+  if (avx2) out.push_back(Isa::avx2);
 #endif
 #if defined(__aarch64__)
   out.push_back(Isa::neon);
@@ -102,7 +107,18 @@ Isa best_isa() {
   return supported_isas().front();
 }
 
+namespace {
+// The settings are read by every task; changing them while tasks run would race with them (and
+// set_num_threads replaces the arena they run in).
+void require_outside_parallel_region(const char* what) {
+  if (detail::in_parallel_region()) {
+    throw ConfigError(std::string(what) + " cannot be called from inside a teo parallel region");
+  }
+}
+}  // namespace
+
 void set_backend(Backend b) {
+  require_outside_parallel_region("set_backend");
   settings().backend = b;
 }
 Backend backend() {
@@ -117,6 +133,7 @@ void set_isa(Isa i) {
     throw ConfigError(std::string("isa \"") + to_string(i) +
                       "\" is not supported on this machine (supported: " + list + ")");
   }
+  require_outside_parallel_region("set_isa");
   settings().isa = i;
 }
 Isa isa() {
@@ -127,6 +144,7 @@ void set_num_threads(int n) {
   if (n < 1 || n > 1024) {
     throw ConfigError("threads must be in [1, 1024], got " + std::to_string(n));
   }
+  require_outside_parallel_region("set_num_threads");
   Settings& s = settings();
   if (n == s.threads) return;
   s.threads = n;

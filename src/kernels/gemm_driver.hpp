@@ -1,7 +1,8 @@
-// The BLIS-style GEMM driver: the outer three loops (jc over NC, pc over KC, ic over MC) and
-// packing, around the two inner loops and micro-kernel of an ISA's table (simd/isa.hpp). Free of
-// threading: the caller supplies the loop executor, so the same code runs parallel under oneTBB
-// (simd_gemm.cpp) and serially in the standalone cross-ISA self-test.
+// The BLIS-style GEMM driver: the outer loops (jc over NC; B packed for every KC block of the
+// panel; then ic over MC row blocks, each walking pc over KC with its own packed A) around the two
+// inner loops and micro-kernel of an ISA's table (simd/isa.hpp). Free of threading: the caller
+// supplies the loop executor, so the same code runs parallel under oneTBB (simd_gemm.cpp) and
+// serially in the standalone cross-ISA self-test.
 #pragma once
 
 #include <algorithm>

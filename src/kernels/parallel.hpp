@@ -34,10 +34,14 @@ void parallel_for_each(std::int64_t n, F&& body) {
     tbb::parallel_for(
         tbb::blocked_range<std::int64_t>(0, n, 1),
         [&](const tbb::blocked_range<std::int64_t>& r) {
-          const bool outer = in_parallel_region();
-          set_in_parallel_region(true);
+          // Restored on exit, exceptions included, so a failed task cannot leave its thread
+          // believing it is still inside a parallel region.
+          struct Guard {
+            bool outer = in_parallel_region();
+            Guard() { set_in_parallel_region(true); }
+            ~Guard() { set_in_parallel_region(outer); }
+          } guard;
           for (std::int64_t i = r.begin(); i != r.end(); ++i) body(i);
-          set_in_parallel_region(outer);
         },
         tbb::static_partitioner());
   });

@@ -68,10 +68,11 @@ void macro_kernel(index_t mc, index_t nc, index_t kc, const Real* ap, const Real
       const index_t mb = mc - ir < MR ? mc - ir : MR;
       const Real* a = ap + (ir / MR) * kc * MR;
       Real* ct = c + ir * ldc + jr;
-      // The next tile's C rows, so that its first loads (and last stores) do not wait on L2/L3.
-      if (ir + MR < mc) {
-        for (int i = 0; i < MR; ++i)
-          for (int j = 0; j < NR; j += static_cast<int>(64 / sizeof(Real)))
+      // The next tile's C rows (inside this block), so that its first loads do not wait on L2/L3.
+      {
+        const index_t next_rows = mc - ir - MR < MR ? mc - ir - MR : MR;
+        for (index_t i = 0; i < next_rows; ++i)
+          for (index_t j = 0; j < nb; j += static_cast<index_t>(64 / sizeof(Real)))
             __builtin_prefetch(ct + (MR + i) * ldc + j, 1);
       }
       if (mb == MR && nb == NR) {

@@ -10,6 +10,9 @@
 #include <xsimd/xsimd.hpp>
 
 namespace teo::simd {
+// Internal linkage: each ISA's translation unit gets its own copy of every helper here, so no
+// inline function compiled with one ISA's flags can be picked by the linker for another.
+namespace {
 
 // The scalar "architecture": one lane, with a true fused multiply-add (std::fma), so that it
 // rounds exactly as the vector ISAs do.
@@ -51,6 +54,8 @@ struct Vec {
   static B div(const B& a, const B& b) { return a / b; }
   static B select(const M& m, const B& a, const B& b) { return xsimd::select(m, a, b); }
   static bool any(const M& m) { return xsimd::any(m); }
+  // Unordered compare: xsimd 8.1's != is an ordered compare on x86 (false for NaN).
+  static M isnan(const B& a) { return xsimd::isnan(a); }
   // 2^n for integer-valued n with a normal result (|n| <= 126 for float, 1022 for double).
   static B pow2n(const B& n) {
     using I = xsimd::batch<typename Bits<Real>::I, Arch>;
@@ -99,6 +104,7 @@ struct Vec<Real, scalar_arch> {
   static B div(B a, B b) { return a / b; }
   static B select(M m, B a, B b) { return m ? a : b; }
   static bool any(M m) { return m; }
+  static M isnan(B a) { return std::isnan(a); }
   static B pow2n(B n) {
     using I = typename Bits<Real>::I;
     I i;
@@ -111,4 +117,5 @@ struct Vec<Real, scalar_arch> {
   }
 };
 
+}  // namespace
 }  // namespace teo::simd

@@ -57,7 +57,7 @@ struct Kernels {
       const B half = VV::set1(Real(0.5)), one = VV::set1(Real(1));
       B y;
       if (act == 0) {
-        y = VV::select(x != x, x, VV::select(x > VV::set1(Real(0)), x, VV::set1(Real(0))));
+        y = VV::select(VV::isnan(x), x, VV::select(x > VV::set1(Real(0)), x, VV::set1(Real(0))));
       } else if (act == 1) {
         y = half * x * (one + M<VV>::erf(x * VV::set1(static_cast<Real>(0.70710678118654752440))));
       } else {

@@ -75,7 +75,7 @@ struct Math {
     B y = (p * V::pow2n(n1)) * V::pow2n(n2);
     y = V::select(x_in > V::set1(C::exp_hi), V::set1(std::numeric_limits<Real>::infinity()), y);
     y = V::select(x_in < V::set1(C::exp_lo), V::set1(Real(0)), y);
-    return V::select(x_in != x_in, x_in, y);  // NaN stays NaN
+    return V::select(V::isnan(x_in), x_in, y);  // NaN stays NaN
   }
 
   static B erf(const B& x) {
@@ -108,14 +108,14 @@ struct Math {
     }
     r = V::select(z > V::set1(C::erf_one), V::set1(Real(1)), r);
     r = V::select(x < V::set1(Real(0)), -r, r);
-    return V::select(x != x, x, r);
+    return V::select(V::isnan(x), x, r);
   }
 
   // tanh(y) = 1 - 2 / (e^(2y) + 1): exact limits +-1, absolute error a few ulp of 1.
   static B tanh(const B& y) {
     const B e = exp(y + y);
     const B t = V::set1(Real(1)) - V::div(V::set1(Real(2)), e + V::set1(Real(1)));
-    return V::select(y != y, y, t);
+    return V::select(V::isnan(y), y, t);
   }
 };
 

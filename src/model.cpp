@@ -21,11 +21,11 @@ namespace teo {
 // ---------------------------------------------------------------------------------------------
 // Batches
 
-Batch Batch::random(const EncoderConfig& cfg, index_t batch, index_t seq_len, std::uint64_t seed,
-                    std::vector<std::int64_t> lengths) {
-  cfg.validate();
-  validate_batch_shape(cfg, {batch, seq_len}, sizeof(double));
-  if (!lengths.empty() && lengths.size() != static_cast<std::size_t>(batch)) {
+namespace {
+
+// One length per sequence, each in [0, seq_len].
+void validate_lengths(const std::vector<std::int64_t>& lengths, index_t batch, index_t seq_len) {
+  if (lengths.size() != static_cast<std::size_t>(batch)) {
     throw ShapeError("lengths has " + std::to_string(lengths.size()) +
                      " elements, expected batch = " + std::to_string(batch));
   }
@@ -35,6 +35,15 @@ Batch Batch::random(const EncoderConfig& cfg, index_t batch, index_t seq_len, st
                        " is outside [0, seq_len = " + std::to_string(seq_len) + "]");
     }
   }
+}
+
+}  // namespace
+
+Batch Batch::random(const EncoderConfig& cfg, index_t batch, index_t seq_len, std::uint64_t seed,
+                    std::vector<std::int64_t> lengths) {
+  cfg.validate();
+  validate_batch_shape(cfg, {batch, seq_len}, sizeof(double));
+  if (!lengths.empty()) validate_lengths(lengths, batch, seq_len);
   Batch b;
   b.batch = batch;
   b.seq_len = seq_len;
@@ -61,20 +70,11 @@ void validate_batch(const EncoderConfig& cfg, const Batch& b, std::size_t real_s
     throw ShapeError("tokens has " + std::to_string(b.tokens.size()) +
                      " elements, expected batch x seq_len = " + std::to_string(n));
   }
-  if (b.lengths.size() != static_cast<std::size_t>(b.batch)) {
-    throw ShapeError("lengths has " + std::to_string(b.lengths.size()) +
-                     " elements, expected batch = " + std::to_string(b.batch));
-  }
   if (b.labels.size() != static_cast<std::size_t>(b.batch)) {
     throw ShapeError("labels has " + std::to_string(b.labels.size()) +
                      " elements, expected batch = " + std::to_string(b.batch));
   }
-  for (std::size_t i = 0; i < b.lengths.size(); ++i) {
-    if (b.lengths[i] < 0 || b.lengths[i] > b.seq_len) {
-      throw ShapeError("lengths[" + std::to_string(i) + "] = " + std::to_string(b.lengths[i]) +
-                       " is outside [0, seq_len = " + std::to_string(b.seq_len) + "]");
-    }
-  }
+  validate_lengths(b.lengths, b.batch, b.seq_len);
   for (std::size_t i = 0; i < n; ++i) {
     if (b.tokens[i] < 0 || b.tokens[i] >= cfg.vocab_size) {
       throw InputError("tokens[" + std::to_string(i / b.seq_len) + "][" +
@@ -93,43 +93,34 @@ void validate_batch(const EncoderConfig& cfg, const Batch& b, std::size_t real_s
 // ---------------------------------------------------------------------------------------------
 // Parameters
 
-template <class Real>
-Params<Real> Params<Real>::zeros(const EncoderConfig& cfg) {
-  cfg.validate();
-  const index_t d = cfg.d_model, f = cfg.d_ff;
-  Params p;
-  p.config = cfg;
-  p.embedding_weight = Tensor<Real>({cfg.vocab_size, d});
-  if (cfg.positional == Positional::learned)
-    p.pos_embedding_weight = Tensor<Real>({cfg.max_len, d});
-  p.layers.resize(static_cast<std::size_t>(cfg.num_layers));
-  for (auto& l : p.layers) {
-    for (Tensor<Real>* w : {&l.q_weight, &l.k_weight, &l.v_weight, &l.o_weight})
-      *w = Tensor<Real>({d, d});
-    for (Tensor<Real>* b : {&l.q_bias, &l.k_bias, &l.v_bias, &l.o_bias, &l.norm1_weight,
-                            &l.norm1_bias, &l.norm2_weight, &l.norm2_bias, &l.fc2_bias})
-      *b = Tensor<Real>({d});
-    l.fc1_weight = Tensor<Real>({f, d});
-    l.fc1_bias = Tensor<Real>({f});
-    l.fc2_weight = Tensor<Real>({d, f});
-  }
-  if (cfg.norm_first) {
-    p.final_norm_weight = Tensor<Real>({d});
-    p.final_norm_bias = Tensor<Real>({d});
-  }
-  p.head_weight = Tensor<Real>({cfg.num_classes, d});
-  p.head_bias = Tensor<Real>({cfg.num_classes});
-  return p;
-}
-
 namespace {
 
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() &&
-         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+// The shape of parameter `name` under config c: the one place parameter shapes are defined.
+Shape param_shape(const EncoderConfig& c, const std::string& name) {
+  const index_t d = c.d_model, f = c.d_ff;
+  if (name == "embedding.weight") return Shape({c.vocab_size, d});
+  if (name == "pos_embedding.weight") return Shape({c.max_len, d});
+  if (name == "head.weight") return Shape({c.num_classes, d});
+  if (name == "head.bias") return Shape({c.num_classes});
+  if (name.ends_with("fc1.weight")) return Shape({f, d});
+  if (name.ends_with("fc1.bias")) return Shape({f});
+  if (name.ends_with("fc2.weight")) return Shape({d, f});
+  if (name.ends_with(".weight") && name.find(".attn.") != std::string::npos) return Shape({d, d});
+  return Shape({d});  // attention biases, LayerNorm weights and biases, fc2.bias
 }
 
 }  // namespace
+
+template <class Real>
+Params<Real> Params<Real>::zeros(const EncoderConfig& cfg) {
+  cfg.validate();
+  Params p;
+  p.config = cfg;
+  p.layers.resize(static_cast<std::size_t>(cfg.num_layers));
+  p.visit(
+      [&](const std::string& name, Tensor<Real>& t) { t = Tensor<Real>(param_shape(cfg, name)); });
+  return p;
+}
 
 template <class Real>
 Params<Real> Params<Real>::init(const EncoderConfig& cfg, std::uint64_t seed) {
@@ -137,7 +128,7 @@ Params<Real> Params<Real>::init(const EncoderConfig& cfg, std::uint64_t seed) {
   p.visit([&](const std::string& name, Tensor<Real>& t) {
     const bool is_norm = name.find("norm") != std::string::npos;
     if (is_norm) {
-      t.fill(ends_with(name, ".weight") ? Real(1) : Real(0));
+      t.fill(name.ends_with(".weight") ? Real(1) : Real(0));
       return;
     }
     double bound;
@@ -145,7 +136,7 @@ Params<Real> Params<Real>::init(const EncoderConfig& cfg, std::uint64_t seed) {
       bound = std::sqrt(3.0);  // variance 1, like PyTorch's N(0, 1) embedding
     } else {
       // Linear: PyTorch's default bound 1 / sqrt(in_features) for weight and bias alike.
-      const index_t in_features = ends_with(name, ".weight")              ? t.dim(1)
+      const index_t in_features = name.ends_with(".weight")               ? t.dim(1)
                                   : name.find("fc2") != std::string::npos ? cfg.d_ff
                                                                           : cfg.d_model;
       bound = 1.0 / std::sqrt(static_cast<double>(in_features));
@@ -189,28 +180,8 @@ void validate_params(const Params<Real>& p) {
     throw ShapeError("params has " + std::to_string(p.layers.size()) +
                      " layers, config.num_layers is " + std::to_string(c.num_layers));
   }
-  const index_t d = c.d_model, f = c.d_ff;
   p.visit([&](const std::string& name, const Tensor<Real>& t) {
-    Shape want;
-    if (name == "embedding.weight")
-      want = Shape({c.vocab_size, d});
-    else if (name == "pos_embedding.weight")
-      want = Shape({c.max_len, d});
-    else if (name == "head.weight")
-      want = Shape({c.num_classes, d});
-    else if (name == "head.bias")
-      want = Shape({c.num_classes});
-    else if (name.ends_with("fc1.weight"))
-      want = Shape({f, d});
-    else if (name.ends_with("fc1.bias"))
-      want = Shape({f});
-    else if (name.ends_with("fc2.weight"))
-      want = Shape({d, f});
-    else if (name.ends_with(".weight") && name.find(".attn.") != std::string::npos)
-      want = Shape({d, d});
-    else
-      want = Shape({d});
-    expect_shape("parameter " + name, t.shape(), want);
+    expect_shape("parameter " + name, t.shape(), param_shape(c, name));
   });
 }
 
@@ -303,18 +274,19 @@ void add3(Real* out, const Real* a, const Real* b, index_t n) {
   });
 }
 
-// Applies dropout site `site` to in (n) into out, recording its mask, or copies when inactive.
+// Applies dropout site `site` to in (n), recording its mask, and returns where the result is:
+// out (which may alias in) when active; in itself, untouched and uncopied, when inactive.
 template <class Real>
-void apply_dropout(Real* out, const Real* in, std::vector<std::uint8_t>& mask, index_t n,
-                   const std::string& site, double p, bool active, std::uint64_t seed) {
+const Real* apply_dropout(Real* out, const Real* in, std::vector<std::uint8_t>& mask, index_t n,
+                          const std::string& site, double p, bool active, std::uint64_t seed) {
   if (!active) {
     mask.clear();
-    if (out != in) copy(out, in, n);
-    return;
+    return in;
   }
   mask.assign(static_cast<std::size_t>(n), 0);
   dropout_mask(mask.data(), n, seed, site, p);
   dropout_forward(out, in, mask.data(), n, dropout_scale<Real>(p));
+  return out;
 }
 
 // Accumulates din += dropout'(dout): masked and scaled, or passed through when inactive.
@@ -380,7 +352,8 @@ void layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P, LayerAc
   const index_t nd = d.N * d.D;
   const Real eps = static_cast<Real>(cfg.layer_norm_eps);
   const double p = cfg.dropout;
-  Tensor<Real> tmp({d.B, d.S, d.D});        // (B, S, D) scratch
+  // (B, S, D) scratch for a dropped residual branch; without dropout the branch is used as is.
+  Tensor<Real> tmp = drop ? Tensor<Real>({d.B, d.S, d.D}) : Tensor<Real>();
   Tensor<Real> ctx({d.B, d.H, d.S, d.Dh});  // (B, H, S, Dh) scratch
 
   const Real* attn_in = x;
@@ -419,9 +392,10 @@ void layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P, LayerAc
   TEO_STAGE("out_proj", linear_forward(L.attn_out.data(), L.context.data(), P.o_weight.data(),
                                        P.o_bias.data(), d.N, d.D, d.D));
   // residual1 = x + dropout(attn_out)
-  TEO_STAGE("residual", apply_dropout(tmp.data(), L.attn_out.data(), L.masks.residual1, nd,
-                                      prefix + "residual1", p, drop, seed);
-            add3(L.residual1.data(), x, tmp.data(), nd));
+  TEO_STAGE("residual", add3(L.residual1.data(), x,
+                             apply_dropout(tmp.data(), L.attn_out.data(), L.masks.residual1, nd,
+                                           prefix + "residual1", p, drop, seed),
+                             nd));
 
   const Real* ffn_in;  // the FFN's input, and the second residual's base
   {
@@ -443,17 +417,19 @@ void layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P, LayerAc
   // ffn_out = fc2(dropout(act(fc1(ffn_in))))
   TEO_STAGE("ffn_fc1", linear_forward(L.ffn_pre.data(), ffn_in, P.fc1_weight.data(),
                                       P.fc1_bias.data(), d.N, d.D, d.F));
-  Tensor<Real> hidden_dropped({d.B, d.S, d.F});
+  Tensor<Real> dropped_buf = drop ? Tensor<Real>({d.B, d.S, d.F}) : Tensor<Real>();
+  const Real* hidden_dropped = nullptr;  // dropout(ffn_hidden): the buffer, or ffn_hidden itself
   TEO_STAGE("activation", activation_forward(L.ffn_hidden.data(), L.ffn_pre.data(),
                                              L.ffn_pre.numel(), cfg.activation);
-            apply_dropout(hidden_dropped.data(), L.ffn_hidden.data(), L.masks.ffn,
-                          L.ffn_hidden.numel(), prefix + "ffn", p, drop, seed));
-  TEO_STAGE("ffn_fc2", linear_forward(L.ffn_out.data(), hidden_dropped.data(), P.fc2_weight.data(),
+            hidden_dropped = apply_dropout(dropped_buf.data(), L.ffn_hidden.data(), L.masks.ffn,
+                                           L.ffn_hidden.numel(), prefix + "ffn", p, drop, seed));
+  TEO_STAGE("ffn_fc2", linear_forward(L.ffn_out.data(), hidden_dropped, P.fc2_weight.data(),
                                       P.fc2_bias.data(), d.N, d.F, d.D));
   // residual2 = base + dropout(ffn_out)
-  TEO_STAGE("residual", apply_dropout(tmp.data(), L.ffn_out.data(), L.masks.residual2, nd,
-                                      prefix + "residual2", p, drop, seed);
-            add3(L.residual2.data(), base, tmp.data(), nd));
+  TEO_STAGE("residual", add3(L.residual2.data(), base,
+                             apply_dropout(tmp.data(), L.ffn_out.data(), L.masks.residual2, nd,
+                                           prefix + "residual2", p, drop, seed),
+                             nd));
 
   if (cfg.norm_first) {
     TEO_STAGE("residual", copy(L.output.data(), L.residual2.data(), nd));
@@ -494,22 +470,26 @@ void layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P, const 
                                                     L.masks.residual2, nd, p);
             add(dbase, dL.residual2.data(), nd));
 
-  // ffn_out = fc2(hidden_dropped); hidden_dropped = dropout(ffn_hidden)
-  Tensor<Real> hidden_dropped({d.B, d.S, d.F});
-  Tensor<Real> dhidden_dropped({d.B, d.S, d.F});
+  // ffn_out = fc2(hidden_dropped); hidden_dropped = dropout(ffn_hidden). Without a mask the
+  // dropout is the identity: fc2 reads ffn_hidden and writes its gradient straight into
+  // dL.ffn_hidden (zero until now). With one, both go through a scratch buffer.
+  const bool ffn_dropped = !L.masks.ffn.empty();
+  Tensor<Real> hidden_dropped = ffn_dropped ? Tensor<Real>({d.B, d.S, d.F}) : Tensor<Real>();
+  Tensor<Real> dhidden_dropped = ffn_dropped ? Tensor<Real>({d.B, d.S, d.F}) : Tensor<Real>();
   {
     profile::Scope stage("bwd.ffn_fc2");
-    if (L.masks.ffn.empty()) {
-      copy(hidden_dropped.data(), L.ffn_hidden.data(), L.ffn_hidden.numel());
-    } else {
+    if (ffn_dropped) {
       dropout_forward(hidden_dropped.data(), L.ffn_hidden.data(), L.masks.ffn.data(),
                       L.ffn_hidden.numel(), scale);
     }
-    linear_backward(dhidden_dropped.data(), G.fc2_weight.data(), G.fc2_bias.data(),
-                    dL.ffn_out.data(), hidden_dropped.data(), P.fc2_weight.data(), d.N, d.F, d.D);
+    linear_backward(ffn_dropped ? dhidden_dropped.data() : dL.ffn_hidden.data(),
+                    G.fc2_weight.data(), G.fc2_bias.data(), dL.ffn_out.data(),
+                    ffn_dropped ? hidden_dropped.data() : L.ffn_hidden.data(), P.fc2_weight.data(),
+                    d.N, d.F, d.D);
   }
-  TEO_STAGE("bwd.activation", accumulate_dropout_grad(dL.ffn_hidden.data(), dhidden_dropped.data(),
-                                                      L.masks.ffn, dL.ffn_hidden.numel(), p);
+  TEO_STAGE("bwd.activation",
+            if (ffn_dropped) accumulate_dropout_grad(dL.ffn_hidden.data(), dhidden_dropped.data(),
+                                                     L.masks.ffn, dL.ffn_hidden.numel(), p);
             activation_backward(dL.ffn_pre.data(), dL.ffn_hidden.data(), L.ffn_pre.data(),
                                 L.ffn_pre.numel(), cfg.activation));
   // ffn_pre = fc1(ffn_in); ffn_in = norm2 (pre) or norm1 (post)
@@ -579,6 +559,12 @@ void layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P, const 
 
 }  // namespace
 
+namespace {
+template <class Real>
+void run_encoder(const Params<Real>& params, const Batch& batch, Activations<Real>& acts,
+                 const ForwardOptions& opts);
+}  // namespace
+
 template <class Real>
 void forward(const Params<Real>& params, const Batch& batch, Activations<Real>& acts,
              const ForwardOptions& opts) {
@@ -599,23 +585,22 @@ void forward(const Params<Real>& params, const Batch& batch, Activations<Real>& 
     } else {
       copy(acts.positional.data(), params.pos_embedding_weight.data(), d.S * d.D);
     }
-    Tensor<Real> sum({d.B, d.S, d.D});
-    add_positional_forward(sum.data(), acts.embedding.data(), acts.positional.data(), d.B, d.S,
-                           d.D);
-    const bool drop = opts.train && cfg.dropout > 0.0;
-    apply_dropout(acts.input.data(), sum.data(), acts.input_mask, d.N * d.D, "dropout.input",
-                  cfg.dropout, drop, opts.dropout_seed);
+    // input = dropout(embedding + positional), the dropout applied in place
+    add_positional_forward(acts.input.data(), acts.embedding.data(), acts.positional.data(), d.B,
+                           d.S, d.D);
+    apply_dropout(acts.input.data(), acts.input.data(), acts.input_mask, d.N * d.D, "dropout.input",
+                  cfg.dropout, opts.train && cfg.dropout > 0.0, opts.dropout_seed);
   }
-  encoder_forward(params, batch, acts, opts);
+  run_encoder(params, batch, acts, opts);
 }
 
+namespace {
+
+// The stack, pooling, head and loss from acts.input; the caller has validated everything.
 template <class Real>
-void encoder_forward(const Params<Real>& params, const Batch& batch, Activations<Real>& acts,
-                     const ForwardOptions& opts) {
+void run_encoder(const Params<Real>& params, const Batch& batch, Activations<Real>& acts,
+                 const ForwardOptions& opts) {
   const EncoderConfig& cfg = params.config;
-  validate_params(params);
-  validate_batch(cfg, batch, sizeof(Real));
-  validate_activations(cfg, batch, acts);
   const Dims d = dims_of(cfg, batch);
   const bool drop = opts.train && cfg.dropout > 0.0;
   const Real* x = acts.input.data();
@@ -640,6 +625,17 @@ void encoder_forward(const Params<Real>& params, const Batch& batch, Activations
   acts.loss[0] =
       cross_entropy_forward(acts.class_probs.data(), acts.logits.data(), batch.labels.data(), d.B,
                             d.C, static_cast<Real>(cfg.label_smoothing));
+}
+
+}  // namespace
+
+template <class Real>
+void encoder_forward(const Params<Real>& params, const Batch& batch, Activations<Real>& acts,
+                     const ForwardOptions& opts) {
+  validate_params(params);
+  validate_batch(params.config, batch, sizeof(Real));
+  validate_activations(params.config, batch, acts);
+  run_encoder(params, batch, acts, opts);
 }
 
 template <class Real>
@@ -683,10 +679,10 @@ void backward(const Params<Real>& params, const Batch& batch, const Activations<
   }
   // input = dropout(embedding + positional)
   profile::Scope stage("bwd.embedding");
-  Tensor<Real> dsum({d.B, d.S, d.D});
-  accumulate_dropout_grad(dsum.data(), dacts.input.data(), acts.input_mask, d.N * d.D, cfg.dropout);
-  copy(dacts.embedding.data(), dsum.data(), d.N * d.D);
-  add_positional_backward(dacts.positional.data(), dsum.data(), d.B, d.S, d.D);
+  // d(embedding + positional) is the gradient of the embedding itself (zero until now)
+  accumulate_dropout_grad(dacts.embedding.data(), dacts.input.data(), acts.input_mask, d.N * d.D,
+                          cfg.dropout);
+  add_positional_backward(dacts.positional.data(), dacts.embedding.data(), d.B, d.S, d.D);
   if (cfg.positional == Positional::learned) {
     add(grads.pos_embedding_weight.data(), dacts.positional.data(), d.S * d.D);
   }

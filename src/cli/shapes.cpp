@@ -13,21 +13,15 @@ namespace teo::cli {
 
 namespace {
 
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() &&
-         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
 // The symbolic shape of a named activation, as a student writes it.
 std::string symbolic_act(const std::string& name) {
   if (name == "positional") return "(S, D)";
   if (name == "pooled") return "(B, D)";
   if (name == "logits") return "(B, C)";
   if (name == "loss") return "()";
-  if (ends_with(name, ".q") || ends_with(name, ".k") || ends_with(name, ".v"))
-    return "(B, H, S, Dh)";
-  if (ends_with(name, ".scores") || ends_with(name, ".probs")) return "(B, H, S, S)";
-  if (ends_with(name, ".ffn_pre") || ends_with(name, ".ffn_hidden")) return "(B, S, F)";
+  if (name.ends_with(".q") || name.ends_with(".k") || name.ends_with(".v")) return "(B, H, S, Dh)";
+  if (name.ends_with(".scores") || name.ends_with(".probs")) return "(B, H, S, S)";
+  if (name.ends_with(".ffn_pre") || name.ends_with(".ffn_hidden")) return "(B, S, F)";
   return "(B, S, D)";
 }
 
@@ -36,10 +30,10 @@ std::string symbolic_param(const std::string& name) {
   if (name == "pos_embedding.weight") return "(max_len, D)";
   if (name == "head.weight") return "(C, D)";
   if (name == "head.bias") return "(C)";
-  if (ends_with(name, "fc1.weight")) return "(F, D)";
-  if (ends_with(name, "fc1.bias")) return "(F)";
-  if (ends_with(name, "fc2.weight")) return "(D, F)";
-  if (ends_with(name, ".weight") && name.find("attn") != std::string::npos) return "(D, D)";
+  if (name.ends_with("fc1.weight")) return "(F, D)";
+  if (name.ends_with("fc1.bias")) return "(F)";
+  if (name.ends_with("fc2.weight")) return "(D, F)";
+  if (name.ends_with(".weight") && name.find("attn") != std::string::npos) return "(D, D)";
   return "(D)";
 }
 

@@ -11,32 +11,42 @@
 
 namespace teo {
 
-template <class Real>
-void split_heads(Real* out, const Real* in, index_t batch, index_t seq_len, index_t heads,
-                 index_t d_head, index_t row_stride) {
+namespace {
+
+// The one head transpose: (B, S, H * Dh) with row stride ld <-> (B, H, S, Dh).
+template <bool ToHeads, class Real>
+void transpose_heads(Real* out, const Real* in, index_t batch, index_t seq_len, index_t heads,
+                     index_t d_head, index_t row_stride) {
   const index_t ld = row_stride ? row_stride : heads * d_head;
   detail::for_blocks(batch, 1, [&](index_t b0, index_t b1) {
     for (index_t b = b0; b < b1; ++b)
       for (index_t s = 0; s < seq_len; ++s)
-        for (index_t h = 0; h < heads; ++h)
-          for (index_t c = 0; c < d_head; ++c)
-            out[((b * heads + h) * seq_len + s) * d_head + c] =
-                in[(b * seq_len + s) * ld + h * d_head + c];
+        for (index_t h = 0; h < heads; ++h) {
+          const index_t rows = (b * seq_len + s) * ld + h * d_head;        // (B, S, H*Dh) side
+          const index_t split = ((b * heads + h) * seq_len + s) * d_head;  // (B, H, S, Dh) side
+          for (index_t c = 0; c < d_head; ++c) {
+            if constexpr (ToHeads) {
+              out[split + c] = in[rows + c];
+            } else {
+              out[rows + c] = in[split + c];
+            }
+          }
+        }
   });
+}
+
+}  // namespace
+
+template <class Real>
+void split_heads(Real* out, const Real* in, index_t batch, index_t seq_len, index_t heads,
+                 index_t d_head, index_t row_stride) {
+  transpose_heads<true>(out, in, batch, seq_len, heads, d_head, row_stride);
 }
 
 template <class Real>
 void merge_heads(Real* out, const Real* in, index_t batch, index_t seq_len, index_t heads,
                  index_t d_head, index_t row_stride) {
-  const index_t ld = row_stride ? row_stride : heads * d_head;
-  detail::for_blocks(batch, 1, [&](index_t b0, index_t b1) {
-    for (index_t b = b0; b < b1; ++b)
-      for (index_t s = 0; s < seq_len; ++s)
-        for (index_t h = 0; h < heads; ++h)
-          for (index_t c = 0; c < d_head; ++c)
-            out[(b * seq_len + s) * ld + h * d_head + c] =
-                in[((b * heads + h) * seq_len + s) * d_head + c];
-  });
+  transpose_heads<false>(out, in, batch, seq_len, heads, d_head, row_stride);
 }
 
 namespace {

@@ -33,6 +33,19 @@ class InputError : public Error {
   using Error::Error;
 };
 
+// A file or directory cannot be opened, read, created or renamed; the message names the path.
+class FileError : public Error {
+ public:
+  using Error::Error;
+};
+
+// A file's contents break its format (a malformed safetensors file, a golden without the tensors
+// its case needs); the message names the file and the rule broken.
+class FormatError : public Error {
+ public:
+  using Error::Error;
+};
+
 using index_t = std::int64_t;
 
 // a * b, or ShapeError naming `what` when the product leaves [0, INT64_MAX].

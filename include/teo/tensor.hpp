@@ -49,7 +49,7 @@ class Shape {
 // already mapped instead of faulting in fresh pages every time. The cache holds at most
 // cached_memory_limit() bytes; release_cached_memory() returns everything to the system.
 namespace memory {
-void* allocate(std::size_t bytes);                // 64-byte aligned
+void* allocate(std::size_t bytes);  // 64-byte aligned
 void deallocate(void* p, std::size_t bytes) noexcept;
 void release_cached_memory() noexcept;
 std::size_t cached_bytes() noexcept;

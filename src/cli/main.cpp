@@ -9,6 +9,7 @@
 
 #include "teo/backend.hpp"
 #include "teo/cli/bench.hpp"
+#include "teo/cli/golden.hpp"
 #include "teo/cli/shapes.hpp"
 #include "teo/errors.hpp"
 
@@ -48,7 +49,46 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 1000));
   bench->add_option("--warmup", bench_opts.warmup, "untimed runs first")->check(CLI::Range(0, 100));
   bench->add_flag("--json", bench_opts.json, "print one JSON line");
-  for (CLI::App* sub : {shapes, bench}) {
+  CLI::App* golden =
+      app.add_subcommand("golden", "Write golden files, or check a backend's output against them");
+  golden->require_subcommand(1);
+  teo::cli::GoldenGenerateOptions gen_opts;
+  CLI::App* gen = golden->add_subcommand(
+      "generate", "Write one golden case (--config, --out), or regenerate a corpus (--corpus)");
+  auto* gen_config =
+      gen->add_option("--config", gen_opts.config_path, "CASE.json: config keys plus \"case\"");
+  auto* gen_out = gen->add_option("--out", gen_opts.out_path, "the .safetensors file to write");
+  auto* gen_corpus =
+      gen->add_option("--corpus", gen_opts.corpus_dir,
+                      "a directory with cases.json; rewrites its files and manifest");
+  gen_config->needs(gen_out);
+  gen_out->needs(gen_config);
+  gen_corpus->excludes(gen_config)->excludes(gen_out);
+  gen->add_flag("--force", gen_opts.force, "overwrite an existing --out file");
+  teo::cli::GoldenCheckOptions check_opts;
+  CLI::App* check = golden->add_subcommand(
+      "check", "Compare a candidate's tensors with a golden's and name the first divergence");
+  check->add_option("--golden", check_opts.golden, "golden file or directory")->required();
+  check->add_option("--candidate", check_opts.candidate, "candidate file or directory")->required();
+  check->add_option("--only", check_opts.only, "forward | backward (default: both)")
+      ->check(CLI::IsMember({"all", "forward", "backward"}));
+  check->add_option("--junit", check_opts.junit_path, "also write a JUnit XML report here");
+  check->add_option("--json", check_opts.json_path, "also write a JSON report here");
+  check->add_flag("--require-all", check_opts.require_all,
+                  "fail when a golden tensor is missing from the candidate");
+  check->add_option("--rtol", check_opts.tolerances.rtol, "float64: relative tolerance (1e-9)")
+      ->check(CLI::NonNegativeNumber);
+  check->add_option("--atol", check_opts.tolerances.atol, "float64: absolute tolerance (1e-12)")
+      ->check(CLI::NonNegativeNumber);
+  check
+      ->add_option("--k", check_opts.tolerances.k,
+                   "float32: multiple of teo's own float32 error (4)")
+      ->check(CLI::NonNegativeNumber);
+  check
+      ->add_option("--floor-eps", check_opts.tolerances.floor_eps,
+                   "float32: floor in units of FLT_EPSILON * max|ref64| (8)")
+      ->check(CLI::NonNegativeNumber);
+  for (CLI::App* sub : {shapes, bench, gen, check}) {
     sub->add_option("--backend", backend_flag, "reference | simd | blas");
     sub->add_option("--isa", isa_flag, "avx512 | avx2 | neon | scalar");
     sub->add_option("--threads", threads_flag, "thread count");
@@ -68,6 +108,8 @@ int main(int argc, char** argv) {
     if (threads_flag) teo::set_num_threads(*threads_flag);
     if (*shapes) return teo::cli::run_shapes(shapes_opts, std::cout);
     if (*bench) return teo::cli::run_bench(bench_opts, std::cout);
+    if (*gen) return teo::cli::run_golden_generate(gen_opts, std::cout);
+    if (*check) return teo::cli::run_golden_check(check_opts, std::cout);
   } catch (const teo::Error& e) {
     std::cerr << "teo: error: " << e.what() << "\n";
     return 2;

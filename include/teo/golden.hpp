@@ -1,0 +1,108 @@
+// Golden files: one safetensors file per case holding the inputs, parameters, every stage's
+// activation, the gradients and the dropout masks (docs/golden-format.md), a generator that
+// reproduces the committed corpus bit for bit, and a checker that compares a candidate backend's
+// file with a golden tensor by tensor and names the first stage that diverges.
+#pragma once
+
+#include <cstdint>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+#include "teo/config.hpp"
+#include "teo/safetensors.hpp"
+
+namespace teo::golden {
+
+inline constexpr const char* kFormat = "teo-golden/1";
+
+// One case: a model config plus the batch to run it on.
+struct Case {
+  EncoderConfig config;
+  index_t batch = 2;
+  index_t seq_len = 8;
+  std::vector<std::int64_t> lengths;  // empty: every sequence is full
+  std::string dtype = "float64";      // "float32" or "float64"
+  std::uint64_t seed = 0;
+
+  // CASE.json: the config keys plus "case": {batch, seq_len, lengths?, dtype, seed}. Throws
+  // ConfigError naming the bad key, ShapeError for sizes the config cannot take.
+  static Case from_json(const nlohmann::json& j);
+  nlohmann::json case_json() const;  // the "case" object, lengths always spelled out
+};
+
+// Runs the case (forward in train mode, so dropout applies when the config has it, with
+// dropout_seed = seed; then backward) on the current backend and returns the golden file.
+safetensors::File make(const Case& c);
+
+// One entry of golden/cases.json.
+struct CorpusEntry {
+  std::string name;  // the file is <name>.safetensors
+  std::string description;
+  Case spec;
+};
+// golden/cases.json: {"cases": [{"name", "description", <config keys>, "case": {...}}, ...]}.
+std::vector<CorpusEntry> read_corpus_cases(const std::string& path);
+
+// Writes every case of <dir>/cases.json to <dir>/<name>.safetensors and <dir>/manifest.json
+// (each file's sha256, size and description), each through a temporary file and a rename.
+void generate_corpus(const std::string& dir, std::ostream& log);
+
+// ---- checking ----------------------------------------------------------------------------------
+
+enum class Only { all, forward, backward };
+
+struct CheckOptions {
+  // float64 goldens: pass when max|c - g| <= rtol * max|g| + atol.
+  double rtol = 1e-9;
+  double atol = 1e-12;
+  // float32 goldens: pass when max|c - ref64| <= k * max|g - ref64| + floor,
+  // floor = floor_eps * FLT_EPSILON * max|ref64|.
+  double k = 4.0;
+  double floor_eps = 8.0;
+  Only only = Only::all;
+};
+
+enum class Status { pass, fail, not_checked };
+
+struct TensorResult {
+  std::string name;  // "act.layers.0.probs", "grad.head.weight", ...
+  Status status = Status::not_checked;
+  double max_abs = 0;   // max |c - ref| over finite entries (ref = g, or ref64 for float32)
+  double max_rel = 0;   // max_abs / max |ref|  (0 when ref is all zero and so is the error)
+  double bound = 0;     // the allowed max_abs
+  double ratio = 0;     // max_abs / bound: the error in units of the allowed bound
+  std::string message;  // why it failed or was not checked; where the worst error is
+};
+
+struct CaseReport {
+  std::string name;  // file name
+  std::string golden_path, candidate_path;
+  std::vector<TensorResult> tensors;  // pipeline order: forward, then backward
+  std::string first_divergence;       // "" when nothing failed
+  int passed = 0, failed = 0, not_checked = 0;
+};
+
+// Compares one candidate with one golden. The golden must be a teo golden (FormatError naming the
+// problem otherwise). Missing candidate tensors are not_checked; extra ones are ignored; a dtype
+// or shape mismatch fails that tensor.
+CaseReport check(const safetensors::File& golden, const safetensors::File& candidate,
+                 const CheckOptions& opts);
+
+// `golden` and `candidate` are both files or both directories; directories are matched by file
+// name (*.safetensors in the golden directory). A golden with no candidate file is reported with
+// every tensor not_checked.
+std::vector<CaseReport> check_paths(const std::string& golden, const std::string& candidate,
+                                    const CheckOptions& opts);
+
+void print_text(const std::vector<CaseReport>& reports, std::ostream& out);
+std::string junit_xml(const std::vector<CaseReport>& reports);
+std::string json_report(const std::vector<CaseReport>& reports);
+
+// The stage a tensor name belongs to, as printed in "first divergence": "layers.0.probs" for
+// "act.layers.0.probs", "grad.head.weight" for a gradient.
+std::string stage_name(const std::string& tensor_name);
+
+}  // namespace teo::golden

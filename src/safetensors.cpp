@@ -1,0 +1,365 @@
+#include "teo/safetensors.hpp"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <set>
+
+#include <nlohmann/json.hpp>
+
+namespace teo::safetensors {
+
+namespace {
+
+using nlohmann::json;
+
+[[noreturn]] void fail(const std::string& source, const std::string& what) {
+  throw FormatError(source + ": not a valid safetensors file: " + what);
+}
+
+bool parse_dtype(const std::string& s, DType& d) {
+  if (s == "F32")
+    d = DType::F32;
+  else if (s == "F64")
+    d = DType::F64;
+  else if (s == "I64")
+    d = DType::I64;
+  else if (s == "U8")
+    d = DType::U8;
+  else
+    return false;
+  return true;
+}
+
+std::uint64_t read_u64_le(const unsigned char* p) {
+  std::uint64_t v = 0;
+  for (int i = 7; i >= 0; --i) v = (v << 8) | p[i];
+  return v;
+}
+
+// A non-negative JSON integer that fits in int64, or FormatError naming `what`.
+std::int64_t json_size(const json& v, const std::string& source, const std::string& what) {
+  if (v.is_number_unsigned()) {
+    const auto u = v.get<std::uint64_t>();
+    if (u > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max())) {
+      fail(source, what + " " + std::to_string(u) + " is too large");
+    }
+    return static_cast<std::int64_t>(u);
+  }
+  if (v.is_number_integer()) fail(source, what + " is negative: " + v.dump());
+  fail(source, what + " is not a non-negative integer: " + v.dump());
+}
+
+struct Entry {
+  std::string name;
+  DType dtype;
+  std::vector<std::int64_t> shape;
+  std::int64_t begin, end;
+};
+
+}  // namespace
+
+const char* dtype_name(DType d) {
+  switch (d) {
+    case DType::F32:
+      return "F32";
+    case DType::F64:
+      return "F64";
+    case DType::I64:
+      return "I64";
+    case DType::U8:
+      return "U8";
+  }
+  return "?";
+}
+
+std::size_t dtype_size(DType d) {
+  switch (d) {
+    case DType::F32:
+      return 4;
+    case DType::F64:
+      return 8;
+    case DType::I64:
+      return 8;
+    case DType::U8:
+      return 1;
+  }
+  return 1;
+}
+
+std::int64_t Tensor::numel() const {
+  std::int64_t n = 1;
+  for (auto d : shape) n *= d;
+  return n;
+}
+
+std::string Tensor::shape_str() const {
+  std::string s = "[";
+  for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+const Tensor* File::find(const std::string& name) const {
+  for (const auto& t : tensors) {
+    if (t.name == name) return &t;
+  }
+  return nullptr;
+}
+
+const std::string* File::meta(const std::string& key) const {
+  for (const auto& [k, v] : metadata) {
+    if (k == key) return &v;
+  }
+  return nullptr;
+}
+
+void File::add(const std::string& name, DType dtype, std::vector<std::int64_t> shape,
+               const void* data, std::size_t bytes) {
+  if (name.empty() || name == "__metadata__") {
+    throw FormatError("safetensors: invalid tensor name '" + name + "'");
+  }
+  if (find(name)) throw FormatError("safetensors: duplicate tensor name " + name);
+  index_t n = 1;
+  for (auto d : shape) n = checked_mul(n, d, "safetensors tensor " + name);
+  const index_t expect = checked_mul(n, static_cast<index_t>(dtype_size(dtype)),
+                                     "safetensors tensor " + name + " bytes");
+  if (static_cast<std::uint64_t>(expect) != bytes) {
+    throw FormatError("safetensors: tensor " + name + " has " + std::to_string(bytes) +
+                      " bytes, its shape needs " + std::to_string(expect));
+  }
+  Tensor t;
+  t.name = name;
+  t.dtype = dtype;
+  t.shape = std::move(shape);
+  const auto* p = static_cast<const unsigned char*>(data);
+  t.bytes.assign(p, p + bytes);
+  tensors.push_back(std::move(t));
+}
+
+File parse(std::string_view bytes, const std::string& source, const Limits& limits) {
+  if (bytes.size() < 8) {
+    fail(source, "the file has " + std::to_string(bytes.size()) +
+                     " bytes, fewer than the 8-byte header length");
+  }
+  const auto* base = reinterpret_cast<const unsigned char*>(bytes.data());
+  const std::uint64_t n = read_u64_le(base);
+  if (n > limits.max_header_bytes) {
+    fail(source, "the header length " + std::to_string(n) + " exceeds the limit of " +
+                     std::to_string(limits.max_header_bytes) + " bytes");
+  }
+  if (n > bytes.size() - 8) {
+    fail(source, "the header length " + std::to_string(n) + " runs past the end of the file (" +
+                     std::to_string(bytes.size()) + " bytes)");
+  }
+  if (n < 2) fail(source, "the header length " + std::to_string(n) + " is too short for JSON");
+
+  // Duplicate keys are an error at every level (nlohmann::json would keep the last silently).
+  std::vector<std::set<std::string>> keys;
+  std::string duplicate;
+  const auto callback = [&](int, json::parse_event_t ev, json& parsed) {
+    if (ev == json::parse_event_t::object_start)
+      keys.emplace_back();
+    else if (ev == json::parse_event_t::object_end)
+      keys.pop_back();
+    else if (ev == json::parse_event_t::key && !keys.empty()) {
+      const auto k = parsed.get<std::string>();
+      if (!keys.back().insert(k).second && duplicate.empty()) duplicate = k;
+    }
+    return true;
+  };
+  json header;
+  try {
+    header = json::parse(bytes.substr(8, n), callback);
+  } catch (const json::exception& e) {
+    fail(source, std::string("the header is not valid JSON (") + e.what() + ")");
+  }
+  if (!duplicate.empty()) fail(source, "the header repeats the key '" + duplicate + "'");
+  if (!header.is_object()) fail(source, "the header is not a JSON object");
+
+  File file;
+  std::vector<Entry> entries;
+  for (const auto& [name, v] : header.items()) {
+    if (name == "__metadata__") {
+      if (!v.is_object()) fail(source, "__metadata__ is not an object");
+      for (const auto& [k, mv] : v.items()) {
+        if (!mv.is_string()) fail(source, "__metadata__ value for '" + k + "' is not a string");
+        file.metadata.emplace_back(k, mv.get<std::string>());
+      }
+      continue;
+    }
+    const std::string what = "tensor '" + name + "'";
+    if (name.empty()) fail(source, "a tensor has an empty name");
+    if (!v.is_object()) fail(source, what + " is not an object");
+    for (const auto& [k, unused] : v.items()) {
+      (void)unused;
+      if (k != "dtype" && k != "shape" && k != "data_offsets") {
+        fail(source, what + " has the unknown key '" + k + "'");
+      }
+    }
+    if (!v.contains("dtype") || !v.contains("shape") || !v.contains("data_offsets")) {
+      fail(source, what + " needs dtype, shape and data_offsets");
+    }
+    Entry e;
+    e.name = name;
+    if (!v["dtype"].is_string()) fail(source, what + " has a dtype that is not a string");
+    if (!parse_dtype(v["dtype"].get<std::string>(), e.dtype)) {
+      fail(source, what + " has the unsupported dtype '" + v["dtype"].get<std::string>() +
+                       "' (teo reads F32, F64, I64 and U8)");
+    }
+    const json& shape = v["shape"];
+    if (!shape.is_array()) fail(source, what + " has a shape that is not an array");
+    if (shape.size() > 64) fail(source, what + " has more than 64 dimensions");
+    std::int64_t numel = 1;
+    for (const auto& d : shape) {
+      e.shape.push_back(json_size(d, source, what + " dimension"));
+      if (__builtin_mul_overflow(numel, e.shape.back(), &numel)) {
+        fail(source, what + " has an element count that overflows 64 bits");
+      }
+    }
+    const json& off = v["data_offsets"];
+    if (!off.is_array() || off.size() != 2) {
+      fail(source, what + " has data_offsets that are not [begin, end]");
+    }
+    e.begin = json_size(off[0], source, what + " begin offset");
+    e.end = json_size(off[1], source, what + " end offset");
+    if (e.end < e.begin) fail(source, what + " ends before it begins");
+    std::int64_t size = 0;
+    if (__builtin_mul_overflow(numel, static_cast<std::int64_t>(dtype_size(e.dtype)), &size)) {
+      fail(source, what + " has a byte size that overflows 64 bits");
+    }
+    if (size != e.end - e.begin) {
+      fail(source, what + " has " + std::to_string(e.end - e.begin) +
+                       " bytes, but its shape and dtype need " + std::to_string(size));
+    }
+    entries.push_back(std::move(e));
+  }
+
+  std::stable_sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) {
+    return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+  });
+  std::int64_t at = 0;
+  for (const auto& e : entries) {
+    if (e.begin > at) {
+      fail(source, "a hole in the data before tensor '" + e.name + "' (offset " +
+                       std::to_string(at) + " to " + std::to_string(e.begin) + ")");
+    }
+    if (e.begin < at) fail(source, "tensor '" + e.name + "' overlaps the tensor before it");
+    at = e.end;
+  }
+  const std::uint64_t data_size = bytes.size() - 8 - n;
+  if (static_cast<std::uint64_t>(at) != data_size) {
+    fail(source, "the file is " + std::to_string(bytes.size()) + " bytes, but the header says " +
+                     std::to_string(8 + n + static_cast<std::uint64_t>(at)));
+  }
+
+  const auto* data = base + 8 + n;
+  for (auto& e : entries) {
+    Tensor t;
+    t.name = std::move(e.name);
+    t.dtype = e.dtype;
+    t.shape = std::move(e.shape);
+    t.bytes.assign(data + e.begin, data + e.end);
+    file.tensors.push_back(std::move(t));
+  }
+  return file;
+}
+
+File read(const std::string& path, const Limits& limits) {
+  std::error_code ec;
+  const auto status = std::filesystem::status(path, ec);
+  if (ec || !std::filesystem::exists(status)) throw FileError(path + ": no such file");
+  if (!std::filesystem::is_regular_file(status)) throw FileError(path + ": not a regular file");
+  const auto size = std::filesystem::file_size(path, ec);
+  if (ec) throw FileError(path + ": cannot read its size: " + ec.message());
+  if (size > limits.max_file_bytes) {
+    throw FormatError(path + ": the file is " + std::to_string(size) +
+                      " bytes, more than the limit of " + std::to_string(limits.max_file_bytes));
+  }
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw FileError(path + ": cannot open for reading");
+  std::string bytes(static_cast<std::size_t>(size), '\0');
+  in.read(bytes.data(), static_cast<std::streamsize>(size));
+  if (static_cast<std::uint64_t>(in.gcount()) != size) throw FileError(path + ": short read");
+  return parse(bytes, path, limits);
+}
+
+std::string serialize(const File& file) {
+  nlohmann::ordered_json header = nlohmann::ordered_json::object();
+  if (!file.metadata.empty()) {
+    auto meta = nlohmann::ordered_json::object();
+    for (const auto& [k, v] : file.metadata) meta[k] = v;
+    header["__metadata__"] = std::move(meta);
+  }
+  std::uint64_t at = 0;
+  for (const auto& t : file.tensors) {
+    nlohmann::ordered_json e = nlohmann::ordered_json::object();
+    e["dtype"] = dtype_name(t.dtype);
+    e["shape"] = t.shape;
+    e["data_offsets"] = {at, at + t.bytes.size()};
+    header[t.name] = std::move(e);
+    at += t.bytes.size();
+  }
+  std::string h = header.dump();
+  h.append((8 - h.size() % 8) % 8, ' ');
+  std::string out;
+  out.reserve(8 + h.size() + at);
+  const std::uint64_t n = h.size();
+  for (int i = 0; i < 8; ++i) out.push_back(static_cast<char>((n >> (8 * i)) & 0xff));
+  out += h;
+  for (const auto& t : file.tensors) {
+    out.append(reinterpret_cast<const char*>(t.bytes.data()), t.bytes.size());
+  }
+  return out;
+}
+
+void write_file_atomic(const std::string& path, std::string_view bytes, bool overwrite) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::path target(path);
+  if (fs::is_directory(target, ec)) throw FileError(path + ": is a directory");
+  if (!overwrite && fs::exists(target, ec)) {
+    throw FileError(path + ": already exists (pass --force to overwrite it)");
+  }
+  const fs::path dir = target.has_parent_path() ? target.parent_path() : fs::path(".");
+  if (!fs::is_directory(dir, ec)) throw FileError(path + ": the directory does not exist");
+  std::string tmp = (dir / ("." + target.filename().string() + ".tmp-XXXXXX")).string();
+  const int fd = ::mkstemp(tmp.data());
+  if (fd < 0) throw FileError(path + ": cannot create a temporary file: " + std::strerror(errno));
+  std::size_t done = 0;
+  while (done < bytes.size()) {
+    const ssize_t w = ::write(fd, bytes.data() + done, bytes.size() - done);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) {
+      const std::string why = std::strerror(errno);
+      ::close(fd);
+      ::unlink(tmp.c_str());
+      throw FileError(path + ": write failed: " + why);
+    }
+    done += static_cast<std::size_t>(w);
+  }
+  // The temporary file is private (0600); the result gets the usual permissions.
+  ::fchmod(fd, 0644);
+  if (::fsync(fd) != 0 || ::close(fd) != 0) {
+    const std::string why = std::strerror(errno);
+    ::unlink(tmp.c_str());
+    throw FileError(path + ": write failed: " + why);
+  }
+  if (!overwrite && fs::exists(target, ec)) {
+    ::unlink(tmp.c_str());
+    throw FileError(path + ": already exists (pass --force to overwrite it)");
+  }
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    const std::string why = std::strerror(errno);
+    ::unlink(tmp.c_str());
+    throw FileError(path + ": cannot rename the temporary file into place: " + why);
+  }
+}
+
+}  // namespace teo::safetensors

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Installs every Debian 12 package teo needs to build, run and test. Idempotent.
+# Installs every Debian 12 package teo needs to build and run; with --test, also what the test
+# suite needs (PyTorch, the second backend the golden corpus is checked against). Idempotent.
 set -euo pipefail
 packages=(
   build-essential cmake ninja-build git
@@ -8,6 +9,7 @@ packages=(
   libgtest-dev librapidcheck-dev libbenchmark-dev
   g++-aarch64-linux-gnu qemu-user
 )
+if [ "${1:-}" = "--test" ]; then packages+=(python3-torch python3-numpy); fi
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

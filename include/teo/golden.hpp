@@ -55,11 +55,12 @@ void generate_corpus(const std::string& dir, std::ostream& log);
 enum class Only { all, forward, backward };
 
 struct CheckOptions {
-  // float64 goldens: pass when max|c - g| <= rtol * max|g| + atol.
+  // float64 goldens: pass when max|c - g| <= rtol * scale + atol, scale = max|g|.
   double rtol = 1e-9;
   double atol = 1e-12;
   // float32 goldens: pass when max|c - ref64| <= k * max|g - ref64| + floor,
-  // floor = floor_eps * FLT_EPSILON * max|ref64|.
+  // floor = floor_eps * FLT_EPSILON * scale, scale = max|ref64|.
+  // For a bias gradient, scale is the larger of its own and its weight gradient's maximum.
   double k = 4.0;
   double floor_eps = 8.0;
   Only only = Only::all;

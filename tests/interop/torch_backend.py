@@ -9,7 +9,8 @@ The candidates are then compared by `teo golden check`.
 
 Usage:
   /usr/bin/python3 tests/interop/torch_backend.py --golden PATH --out DIR
-  /usr/bin/python3 tests/interop/torch_backend.py --golden PATH --list-unsupported
+  /usr/bin/python3 tests/interop/torch_backend.py --golden PATH \
+      --list-unsupported
 
 PATH is one golden file or a directory of *.safetensors files. The model
 follows docs/semantics.md; where teo deliberately differs from PyTorch
@@ -182,7 +183,7 @@ def param_names(cfg):
 # ---------------------------------------------------------------------------
 
 def sinusoidal_table(seq_len, d_model, dtype):
-    """teo's table: the angle and sin/cos in double, each entry rounded once."""
+    """teo's table: angle and sin/cos in double, each entry rounded once."""
     table = np.empty((seq_len, d_model), dtype=np.float64)
     for pos in range(seq_len):
         for c in range(d_model):
@@ -198,7 +199,8 @@ class Dropout:
     def __init__(self, masks, p, dtype):
         self.masks = masks
         # Real(1 / (1 - p)): computed in double, rounded once to the dtype.
-        self.scale = torch.tensor(1.0 / (1.0 - p), dtype=torch.float64).to(dtype)
+        self.scale = torch.tensor(1.0 / (1.0 - p),
+                                  dtype=torch.float64).to(dtype)
 
     def __call__(self, site, x):
         mask = self.masks.get(site)
@@ -299,7 +301,7 @@ def pool(top, lengths, kind):
     if kind == "mean":
         total = torch.where(real[:, :, None], top,
                             torch.zeros_like(top)).sum(dim=1)
-        inv = 1.0 / lengths.clamp(min=1).to(top.dtype)           # 1 / Real(len)
+        inv = 1.0 / lengths.clamp(min=1).to(top.dtype)  # 1 / Real(len)
         return torch.where(nonempty, total * inv[:, None], zeros)
     if kind == "cls":
         return torch.where(nonempty, top[:, 0, :], zeros)
@@ -308,7 +310,8 @@ def pool(top, lengths, kind):
         masked = top.masked_fill(~real[:, :, None], float("-inf"))
         best = masked.max(dim=1, keepdim=True).values
         is_best = (masked == best) & real[:, :, None]
-        # The first s that attains the maximum; 0 for an empty sequence.
+        # The first s that attains the maximum (S, clamped, when the
+        # sequence is empty; that row is replaced by 0 below).
         first = torch.where(is_best, torch.arange(S)[None, :, None],
                             torch.full_like(is_best, S, dtype=torch.long))
         index = first.min(dim=1, keepdim=True).values.clamp(max=S - 1)
@@ -324,7 +327,11 @@ def loss_fn(logits, labels, smoothing):
 
 
 def run_case(cfg, case, tensors):
-    """Forward + backward. Returns (acts, grads of acts, grads of params)."""
+    """Forward + backward.
+
+    Returns (acts, grads of acts, grads of params, extras for the
+    cross-check), each a name -> tensor dict in the case dtype.
+    """
     dtype = TORCH_DTYPES[case["dtype"]]
     tokens = torch.from_numpy(tensors["input.tokens"].astype(np.int64))
     lengths = torch.from_numpy(tensors["input.lengths"].astype(np.int64))
@@ -371,7 +378,7 @@ def run_case(cfg, case, tensors):
     visible = visible.expand(B, S, S)
     if cfg["causal"]:
         visible = visible & (j[None, :, None] >= j[None, None, :])
-    visible = visible[:, None, :, :]                              # (B, 1, S, S)
+    visible = visible[:, None, :, :]  # (B, 1, S, S)
 
     for i in range(cfg["num_layers"]):
         x = encoder_layer(x, i, cfg, P, visible, drop, acts)
@@ -517,7 +524,8 @@ def process(path, out_dir, check):
         if ref is not None and ref.dtype != arr.dtype:
             out[name] = arr.astype(ref.dtype)
     for name in missing:
-        print("warning: %s: cannot produce %s" % (os.path.basename(path), name))
+        print("warning: %s: cannot produce %s"
+              % (os.path.basename(path), name))
 
     if check:
         cross_check(cfg, acts, extra, os.path.basename(path))

@@ -1,0 +1,173 @@
+// `teo golden generate` and `teo golden check` end to end: the real binary, files and exit codes.
+#include <array>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "teo/safetensors.hpp"
+
+namespace {
+
+namespace fs = std::filesystem;
+namespace st = teo::safetensors;
+
+struct Result {
+  int code;
+  std::string out;
+};
+
+Result run(const std::string& args) {
+  const std::string cmd = std::string(TEO_TEO_BINARY) + " " + args + " 2>&1";
+  FILE* pipe = popen(cmd.c_str(), "r");
+  EXPECT_NE(pipe, nullptr);
+  std::string out;
+  std::array<char, 4096> buf{};
+  while (std::fgets(buf.data(), buf.size(), pipe)) out += buf.data();
+  const int status = pclose(pipe);
+  return {WEXITSTATUS(status), out};
+}
+
+std::string slurp(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), {}};
+}
+
+const fs::path kCorpus = fs::path(TEO_SOURCE_DIR) / "golden";
+
+fs::path fresh_dir(const std::string& name) {
+  const fs::path d = fs::path(::testing::TempDir()) / name;
+  fs::remove_all(d);
+  fs::create_directories(d);
+  return d;
+}
+
+TEST(GoldenCli, GenerateWritesTheCommittedBytesAndRefusesToOverwrite) {
+  const fs::path dir = fresh_dir("teo_golden_cli_gen");
+  // CASE.json for a corpus entry: its config keys and case, without name and description.
+  auto cases = nlohmann::json::parse(slurp(kCorpus / "cases.json"))["cases"];
+  nlohmann::json entry = cases[0];
+  const std::string name = entry["name"];
+  entry.erase("name");
+  entry.erase("description");
+  std::ofstream(dir / "case.json") << entry.dump();
+  const std::string out = (dir / "g.safetensors").string();
+  const std::string args =
+      "golden generate --config " + (dir / "case.json").string() + " --out " + out;
+  Result r = run(args);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(slurp(out) == slurp(kCorpus / (name + ".safetensors")));
+  std::ofstream(out, std::ios::trunc) << "keep me";
+  r = run(args);
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.out.find("already exists"), std::string::npos) << r.out;
+  EXPECT_EQ(slurp(out), "keep me") << "a refused generate changes nothing";
+  r = run(args + " --force");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(slurp(out) == slurp(kCorpus / (name + ".safetensors")));
+}
+
+TEST(GoldenCli, GenerateRejectsBadCasesWithExitCode2AndWritesNothing) {
+  const fs::path dir = fresh_dir("teo_golden_cli_bad");
+  struct Bad {
+    const char* json;
+    const char* message;
+  };
+  for (
+      const Bad& b : {
+          Bad{"{", "not valid JSON"},
+          Bad{R"({"d_model": 8})", "no \"case\""},
+          Bad{R"({"case": {"batch": 2, "seq_len": 4, "dtype": "float16", "seed": 1}})", "dtype"},
+          Bad{R"({"case": {"batch": 2, "seq_len": 4, "dtype": "float32"}})", "needs batch"},
+          Bad{R"({"case": {"batch": 2, "seq_len": 4, "dtype": "float32", "seed": 1, "x": 1}})",
+              "unknown key \"x\""},
+          Bad{R"({"case": {"batch": 2, "seq_len": 99, "dtype": "float32", "seed": 1}})", "seq_len"},
+          Bad{R"({"case": {"batch": 2, "seq_len": 4, "lengths": [5, 1], "dtype": "float32", "seed": 1}})",
+              "lengths"},
+          Bad{R"({"num_heads": 3, "case": {"batch": 2, "seq_len": 4, "dtype": "float32", "seed": 1}})",
+              "num_heads"},
+      }) {
+    std::ofstream(dir / "case.json", std::ios::trunc) << b.json;
+    const Result r = run("golden generate --config " + (dir / "case.json").string() + " --out " +
+                         (dir / "g.safetensors").string());
+    EXPECT_EQ(r.code, 2) << b.json << "\n" << r.out;
+    EXPECT_NE(r.out.find(b.message), std::string::npos) << b.json << "\n" << r.out;
+    EXPECT_FALSE(fs::exists(dir / "g.safetensors")) << b.json;
+  }
+  EXPECT_EQ(run("golden generate --out x.safetensors").code, 2) << "--out needs --config";
+  EXPECT_EQ(run("golden generate --corpus /nonexistent").code, 2);
+  EXPECT_EQ(run("golden generate --corpus " + kCorpus.string() + " --out x").code, 2);
+}
+
+TEST(GoldenCli, CheckExitCodesAndReports) {
+  const fs::path dir = fresh_dir("teo_golden_cli_check");
+  const std::string g = (kCorpus / "post_gelu_mean_f64.safetensors").string();
+  // A golden holds every act./grad. tensor itself, so it passes as its own candidate.
+  Result r = run("golden check --golden " + g + " --candidate " + g + " --junit " +
+                 (dir / "j.xml").string() + " --json " + (dir / "r.json").string());
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("0 failed, 0 not checked"), std::string::npos) << r.out;
+  EXPECT_NE(slurp(dir / "j.xml").find("<testsuites"), std::string::npos);
+  EXPECT_EQ(nlohmann::json::parse(slurp(dir / "r.json"))["failed"], 0);
+
+  // One wrong logit: exit 1, and the first divergence is named.
+  st::File c = st::read(g);
+  for (auto& t : c.tensors) {
+    if (t.name == "act.logits") {
+      const double v = 7.0;
+      std::memcpy(t.bytes.data(), &v, sizeof v);
+    }
+  }
+  st::write_file_atomic((dir / "c.safetensors").string(), st::serialize(c), true);
+  r = run("golden check --golden " + g + " --candidate " + (dir / "c.safetensors").string());
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_NE(r.out.find("first divergence: logits"), std::string::npos) << r.out;
+  r = run("golden check --only backward --golden " + g + " --candidate " +
+          (dir / "c.safetensors").string());
+  EXPECT_EQ(r.code, 0) << "the forward-only error is outside --only backward\n" << r.out;
+
+  // A candidate with none of the tensors checks nothing: that is not a pass.
+  st::File empty;
+  const std::vector<double> one = {1};
+  empty.add<double>("unrelated", {1}, one.data(), 1);
+  st::write_file_atomic((dir / "e.safetensors").string(), st::serialize(empty), true);
+  r = run("golden check --golden " + g + " --candidate " + (dir / "e.safetensors").string());
+  EXPECT_EQ(r.code, 1);
+  EXPECT_NE(r.out.find("nothing was checked"), std::string::npos) << r.out;
+
+  // Bad input: exit 2 with the file named.
+  const std::string truncated = (dir / "t.safetensors").string();
+  std::ofstream(truncated, std::ios::binary) << slurp(g).substr(0, 1000);
+  r = run("golden check --golden " + g + " --candidate " + truncated);
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.out.find(truncated), std::string::npos) << r.out;
+  r = run("golden check --golden /nonexistent --candidate " + g);
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.out.find("/nonexistent"), std::string::npos) << r.out;
+  r = run("golden check --golden " + g + " --candidate " + (dir / "e.safetensors").string() +
+          " --only sideways");
+  EXPECT_EQ(r.code, 2);
+  r = run("golden check --golden " + (dir / "e.safetensors").string() + " --candidate " + g);
+  EXPECT_EQ(r.code, 2) << "a golden without teo-golden/1 metadata is bad input";
+  EXPECT_NE(r.out.find("not a teo golden"), std::string::npos) << r.out;
+}
+
+TEST(GoldenCli, DirectoriesAreMatchedByFileNameAndMissingFilesAreNotChecked) {
+  const fs::path dir = fresh_dir("teo_golden_cli_dirs");
+  fs::copy_file(kCorpus / "one_layer_f64.safetensors", dir / "one_layer_f64.safetensors");
+  Result r = run("golden check --golden " + kCorpus.string() + " --candidate " + dir.string());
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("no candidate file"), std::string::npos);
+  r = run("golden check --require-all --golden " + kCorpus.string() + " --candidate " +
+          dir.string());
+  EXPECT_EQ(r.code, 1) << r.out;
+  r = run("golden check --golden " + kCorpus.string() + " --candidate " +
+          (dir / "one_layer_f64.safetensors").string());
+  EXPECT_EQ(r.code, 2) << "a directory golden needs a directory candidate";
+}
+
+}  // namespace

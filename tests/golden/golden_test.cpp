@@ -1,0 +1,531 @@
+// The golden corpus and the checker: the corpus is reproduced bit for bit, covers what it
+// promises and follows the naming contract; the checker's verdicts follow its documented rules;
+// an independent naive backend passes; and every mutant fails at the stage where its bug lives.
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <map>
+#include <set>
+#include <sstream>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "golden/naive_backend.hpp"
+#include "teo/backend.hpp"
+#include "teo/golden.hpp"
+#include "teo/sha256.hpp"
+
+namespace {
+
+namespace fs = std::filesystem;
+namespace st = teo::safetensors;
+namespace golden = teo::golden;
+using nlohmann::json;
+
+const fs::path kCorpus = fs::path(TEO_SOURCE_DIR) / "golden";
+
+std::string slurp(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), {}};
+}
+
+const std::vector<golden::CorpusEntry>& corpus() {
+  static const auto entries = golden::read_corpus_cases((kCorpus / "cases.json").string());
+  return entries;
+}
+
+const st::File& committed(const std::string& name) {
+  static std::map<std::string, st::File> cache;
+  auto it = cache.find(name);
+  if (it == cache.end()) {
+    it = cache.emplace(name, st::read((kCorpus / (name + ".safetensors")).string())).first;
+  }
+  return it->second;
+}
+
+// ---- the corpus ----------------------------------------------------------------------------
+
+TEST(GoldenCorpus, ManifestMatchesTheCommittedFiles) {
+  const json m = json::parse(slurp(kCorpus / "manifest.json"));
+  ASSERT_EQ(m["files"].size(), corpus().size());
+  std::uint64_t total = 0;
+  for (std::size_t i = 0; i < corpus().size(); ++i) {
+    const auto& f = m["files"][i];
+    EXPECT_EQ(f["file"], corpus()[i].name + ".safetensors");
+    const std::string bytes = slurp(kCorpus / f["file"].get<std::string>());
+    EXPECT_EQ(f["sha256"], teo::sha256_hex(bytes)) << f["file"];
+    EXPECT_EQ(f["bytes"], bytes.size()) << f["file"];
+    EXPECT_FALSE(f["description"].get<std::string>().empty());
+    total += bytes.size();
+  }
+  EXPECT_GE(corpus().size(), 40u);
+  EXPECT_LE(total, 25u * 1000 * 1000) << "the corpus stays under 25 MB";
+  EXPECT_EQ(m["total_bytes"], total);
+}
+
+TEST(GoldenCorpus, RegeneratesBitForBitOnTheReferenceBackendWithOneAndTwoThreads) {
+  for (int threads : {1, 2}) {
+    teo::ScopedSettings keep;
+    teo::set_backend(teo::Backend::reference);
+    teo::set_num_threads(threads);
+    for (const auto& e : corpus()) {
+      const std::string bytes = st::serialize(golden::make(e.spec));
+      EXPECT_TRUE(bytes == slurp(kCorpus / (e.name + ".safetensors")))
+          << e.name << " differs from the committed file with " << threads << " thread(s)";
+    }
+  }
+}
+
+// The simd backend (every ISA this CPU runs) and the blas backend: each gives the same bytes on
+// 1 and 2 threads (simd: on every ISA too), and what it gives passes the check against the
+// committed corpus.
+TEST(GoldenCorpus, EveryBackendAndIsaIsDeterministicAndPassesTheCheck) {
+  struct Setting {
+    teo::Backend backend;
+    teo::Isa isa;
+  };
+  std::vector<Setting> settings;
+  for (teo::Isa isa : teo::supported_isas()) settings.push_back({teo::Backend::simd, isa});
+  settings.push_back({teo::Backend::blas, teo::best_isa()});
+  for (const auto& e : corpus()) {
+    std::string simd_bytes;
+    for (const auto& s : settings) {
+      std::string first;
+      for (int threads : {1, 2}) {
+        teo::ScopedSettings keep;
+        teo::set_backend(s.backend);
+        teo::set_isa(s.isa);
+        teo::set_num_threads(threads);
+        const std::string bytes = st::serialize(golden::make(e.spec));
+        const std::string where = e.name + " on " + teo::to_string(s.backend) + "/" +
+                                  teo::to_string(s.isa) + " with " + std::to_string(threads) +
+                                  " thread(s)";
+        if (threads == 1) {
+          first = bytes;
+          const auto rep = golden::check(committed(e.name), st::parse(bytes, where), {});
+          EXPECT_EQ(rep.failed, 0) << where << ": first divergence " << rep.first_divergence;
+          EXPECT_EQ(rep.not_checked, 0) << where;
+        } else {
+          EXPECT_TRUE(bytes == first) << where << " differs from 1 thread";
+        }
+        if (s.backend == teo::Backend::simd) {
+          if (simd_bytes.empty()) simd_bytes = bytes;
+          EXPECT_TRUE(bytes == simd_bytes) << where << " differs from the first ISA";
+        }
+      }
+    }
+  }
+}
+
+TEST(GoldenCorpus, CoversEveryFeatureTheIssueLists) {
+  std::set<std::string> seen;
+  for (const auto& e : corpus()) {
+    const auto& c = e.spec.config;
+    seen.insert(e.spec.dtype);
+    seen.insert(c.norm_first ? "pre" : "post");
+    seen.insert(teo::to_string(c.activation));
+    seen.insert(std::string("pool:") + teo::to_string(c.pooling));
+    seen.insert(std::string("pe:") + teo::to_string(c.positional));
+    if (c.embed_scale) seen.insert("embed_scale");
+    if (c.causal) seen.insert("causal");
+    if (c.label_smoothing > 0) seen.insert("label_smoothing");
+    if (c.dropout > 0) seen.insert("dropout");
+    const auto lens = e.spec.case_json()["lengths"].get<std::vector<std::int64_t>>();
+    std::set<std::int64_t> distinct(lens.begin(), lens.end());
+    for (auto l : lens) {
+      if (l == 0) seen.insert("len0");
+      if (l == 1) seen.insert("len1");
+      if (l == e.spec.seq_len) seen.insert("lenfull");
+    }
+    if (distinct.size() > 1) seen.insert("mixed");
+    if (e.spec.seq_len == 1) seen.insert("seq1");
+    if (e.spec.seq_len == 113) seen.insert("seq113");
+    if ((c.d_model & (c.d_model - 1)) != 0) seen.insert("d_model_not_pow2");
+    if (c.num_heads == 1) seen.insert("one_head");
+    if (c.d_head() % 2 == 1) seen.insert("odd_d_head");
+    seen.insert("layers" + std::to_string(c.num_layers));
+  }
+  for (const char* want : {"float32",
+                           "float64",
+                           "pre",
+                           "post",
+                           "relu",
+                           "gelu",
+                           "gelu_tanh",
+                           "pool:mean",
+                           "pool:cls",
+                           "pool:max",
+                           "pe:sinusoidal",
+                           "pe:learned",
+                           "embed_scale",
+                           "causal",
+                           "label_smoothing",
+                           "dropout",
+                           "len0",
+                           "len1",
+                           "lenfull",
+                           "mixed",
+                           "seq1",
+                           "seq113",
+                           "d_model_not_pow2",
+                           "one_head",
+                           "odd_d_head",
+                           "layers1",
+                           "layers2",
+                           "layers3"}) {
+    EXPECT_TRUE(seen.count(want)) << "no case covers " << want;
+  }
+}
+
+// The naming contract of docs/golden-format.md, checked on a dropout case with 2 layers.
+TEST(GoldenCorpus, FilesFollowTheNamingContract) {
+  const st::File& f = committed("dropout_post_f32");
+  const auto& e = *std::find_if(corpus().begin(), corpus().end(),
+                                [](const auto& x) { return x.name == "dropout_post_f32"; });
+  const auto& c = e.spec.config;
+  const std::int64_t B = e.spec.batch, S = e.spec.seq_len, D = c.d_model, H = c.num_heads,
+                     Dh = c.d_head(), F = c.d_ff, C = c.num_classes;
+  EXPECT_EQ(*f.meta("format"), "teo-golden/1");
+  EXPECT_EQ(teo::EncoderConfig::from_json_text(*f.meta("config")), c);
+  EXPECT_EQ(json::parse(*f.meta("case")), e.spec.case_json());
+  EXPECT_EQ(*f.meta("teo_version"), TEO_VERSION);
+  using D_ = st::DType;
+  const std::vector<std::tuple<std::string, D_, std::vector<std::int64_t>>> want = {
+      {"input.tokens", D_::I64, {B, S}},
+      {"input.lengths", D_::I64, {B}},
+      {"input.labels", D_::I64, {B}},
+      {"param.embedding.weight", D_::F32, {c.vocab_size, D}},
+      {"param.layers.1.ffn.fc1.weight", D_::F32, {F, D}},
+      {"param.head.bias", D_::F32, {C}},
+      {"dropout.input", D_::U8, {B, S, D}},
+      {"dropout.layers.1.attn", D_::U8, {B, H, S, S}},
+      {"dropout.layers.0.residual1", D_::U8, {B, S, D}},
+      {"dropout.layers.0.ffn", D_::U8, {B, S, F}},
+      {"dropout.layers.1.residual2", D_::U8, {B, S, D}},
+      {"act.embedding", D_::F32, {B, S, D}},
+      {"act.positional", D_::F32, {S, D}},
+      {"act.input", D_::F32, {B, S, D}},
+      {"act.layers.0.q", D_::F32, {B, H, S, Dh}},
+      {"act.layers.0.scores", D_::F32, {B, H, S, S}},
+      {"act.layers.0.probs", D_::F32, {B, H, S, S}},
+      {"act.layers.1.context", D_::F32, {B, S, D}},
+      {"act.layers.1.ffn_hidden", D_::F32, {B, S, F}},
+      {"act.layers.1.output", D_::F32, {B, S, D}},
+      {"act.pooled", D_::F32, {B, D}},
+      {"act.logits", D_::F32, {B, C}},
+      {"act.loss", D_::F32, {}},
+      {"grad.act.logits", D_::F32, {B, C}},
+      {"grad.act.pooled", D_::F32, {B, D}},
+      {"grad.act.layers.0.output", D_::F32, {B, S, D}},
+      {"grad.act.input", D_::F32, {B, S, D}},
+      {"grad.layers.0.attn.q.weight", D_::F32, {D, D}},
+      {"grad.embedding.weight", D_::F32, {c.vocab_size, D}},
+      {"ref64.act.layers.0.probs", D_::F64, {B, H, S, S}},
+      {"ref64.grad.embedding.weight", D_::F64, {c.vocab_size, D}},
+  };
+  for (const auto& [name, dtype, shape] : want) {
+    const auto* t = f.find(name);
+    ASSERT_NE(t, nullptr) << name;
+    EXPECT_EQ(t->dtype, dtype) << name;
+    EXPECT_EQ(t->shape, shape) << name;
+  }
+  // Every act./grad. tensor has its ref64 twin, and nothing else is there.
+  for (const auto& t : f.tensors) {
+    const bool known = t.name.starts_with("input.") || t.name.starts_with("param.") ||
+                       t.name.starts_with("dropout.") || t.name.starts_with("act.") ||
+                       t.name.starts_with("grad.") || t.name.starts_with("ref64.");
+    EXPECT_TRUE(known) << t.name;
+    if (t.name.starts_with("act.") || t.name.starts_with("grad.")) {
+      EXPECT_NE(f.find("ref64." + t.name), nullptr) << t.name;
+    }
+    EXPECT_EQ(t.name.find("ffn_pre"), std::string::npos) << "not part of the contract";
+  }
+  // Masked scores are stored as -inf: batch 2 has length 2, so key 5 is masked for every query.
+  const auto scores = f.find("act.layers.0.scores")->values<float>();
+  const auto lengths = f.find("input.lengths")->values<std::int64_t>();
+  ASSERT_EQ(lengths[2], 2);
+  EXPECT_EQ(scores[static_cast<std::size_t>(((2 * H + 0) * S + 0) * S + 5)],
+            -std::numeric_limits<float>::infinity());
+  // A float64 golden has no ref64 tensors and no masks without dropout.
+  const st::File& g64 = committed("post_gelu_mean_f64");
+  for (const auto& t : g64.tensors) {
+    EXPECT_FALSE(t.name.starts_with("ref64.")) << t.name;
+    EXPECT_FALSE(t.name.starts_with("dropout.")) << t.name;
+  }
+}
+
+// ---- the checker ---------------------------------------------------------------------------
+
+// A copy of the golden's act./grad. tensors: the candidate a perfect backend would write.
+st::File candidate_of(const st::File& g) {
+  st::File c;
+  for (const auto& t : g.tensors) {
+    if (t.name.starts_with("act.") || t.name.starts_with("grad.")) c.tensors.push_back(t);
+  }
+  return c;
+}
+
+st::Tensor* tensor(st::File& f, const std::string& name) {
+  for (auto& t : f.tensors) {
+    if (t.name == name) return &t;
+  }
+  return nullptr;
+}
+
+template <class T>
+void set_value(st::Tensor& t, std::size_t i, T v) {
+  std::memcpy(t.bytes.data() + i * sizeof(T), &v, sizeof(T));
+}
+
+template <class T>
+T get_value(const st::Tensor& t, std::size_t i) {
+  T v;
+  std::memcpy(&v, t.bytes.data() + i * sizeof(T), sizeof(T));
+  return v;
+}
+
+const golden::TensorResult& result(const golden::CaseReport& r, const std::string& name) {
+  for (const auto& t : r.tensors) {
+    if (t.name == name) return t;
+  }
+  throw std::runtime_error("no result for " + name);
+}
+
+TEST(GoldenCheck, TheGoldenPassesAgainstItselfInPipelineOrder) {
+  for (const char* name : {"post_gelu_mean_f64", "dropout_post_f32"}) {
+    const auto rep = golden::check(committed(name), candidate_of(committed(name)), {});
+    EXPECT_EQ(rep.failed, 0);
+    EXPECT_EQ(rep.not_checked, 0);
+    EXPECT_TRUE(rep.first_divergence.empty());
+    ASSERT_FALSE(rep.tensors.empty());
+    EXPECT_EQ(rep.tensors.front().name, "act.embedding");
+    // forward first (embedding ... loss), then backward from the logits to the embedding
+    std::size_t loss = 0, glogits = 0, gemb = 0;
+    for (std::size_t i = 0; i < rep.tensors.size(); ++i) {
+      if (rep.tensors[i].name == "act.loss") loss = i;
+      if (rep.tensors[i].name == "grad.act.logits") glogits = i;
+      if (rep.tensors[i].name == "grad.embedding.weight") gemb = i;
+    }
+    EXPECT_EQ(glogits, loss + 1);
+    EXPECT_EQ(gemb, rep.tensors.size() - 1);
+  }
+}
+
+TEST(GoldenCheck, Float64ToleranceIsRtolTimesMaxPlusAtol) {
+  const st::File& g = committed("post_gelu_mean_f64");
+  const std::string name = "act.layers.0.attn_out";
+  const auto* gt = g.find(name);
+  const auto v = gt->values<double>();
+  double mx = 0;
+  for (double x : v) mx = std::max(mx, std::abs(x));
+  golden::CheckOptions opts;
+  const double bound = opts.rtol * mx + opts.atol;
+  for (double factor : {0.5, 1.5}) {
+    st::File c = candidate_of(g);
+    set_value<double>(*tensor(c, name), 3, v[3] + factor * bound);
+    const auto rep = golden::check(g, c, opts);
+    const auto& r = result(rep, name);
+    EXPECT_NEAR(r.bound, bound, 1e-6 * bound);
+    EXPECT_NEAR(r.ratio, factor, 1e-3);
+    if (factor < 1) {
+      EXPECT_EQ(r.status, golden::Status::pass);
+      EXPECT_EQ(rep.failed, 0);
+    } else {
+      EXPECT_EQ(r.status, golden::Status::fail);
+      EXPECT_EQ(rep.first_divergence, "layers.0.attn_out");
+      EXPECT_EQ(rep.failed, 1) << "only the perturbed tensor fails";
+      EXPECT_NE(r.message.find("[0,0,3]"), std::string::npos) << r.message;
+    }
+  }
+}
+
+TEST(GoldenCheck, Float32BoundFollowsTeosOwnErrorAgainstRef64) {
+  const st::File& g = committed("post_gelu_mean_f32");
+  const std::string name = "act.layers.1.ffn_out";
+  const auto gv = g.find(name)->values<float>();
+  const auto ref = g.find("ref64." + name)->values<double>();
+  double teo_err = 0, mx = 0;
+  for (std::size_t i = 0; i < gv.size(); ++i) {
+    teo_err = std::max(teo_err, std::abs(double(gv[i]) - ref[i]));
+    mx = std::max(mx, std::abs(ref[i]));
+  }
+  ASSERT_GT(teo_err, 0) << "float32 rounding is measurable";
+  golden::CheckOptions opts;
+  const double bound = opts.k * teo_err + opts.floor_eps * FLT_EPSILON * mx;
+  const auto rep = golden::check(g, candidate_of(g), opts);
+  EXPECT_NEAR(result(rep, name).bound, bound, 1e-9 * bound);
+  // An error of twice the bound fails; a candidate equal to ref64 rounded passes.
+  st::File c = candidate_of(g);
+  set_value<float>(*tensor(c, name), 0, static_cast<float>(ref[0] + 2 * bound));
+  EXPECT_EQ(result(golden::check(g, c, opts), name).status, golden::Status::fail);
+  st::File r = candidate_of(g);
+  for (std::size_t i = 0; i < ref.size(); ++i) {
+    set_value<float>(*tensor(r, name), i, static_cast<float>(ref[i]));
+  }
+  EXPECT_EQ(result(golden::check(g, r, opts), name).status, golden::Status::pass);
+}
+
+TEST(GoldenCheck, MissingTensorsAreNotCheckedAndExtraOnesAreIgnored) {
+  const st::File& g = committed("pre_gelu_mean_f64");
+  st::File c = candidate_of(g);
+  c.tensors.erase(c.tensors.begin() + 2);
+  const std::vector<double> extra = {1, 2};
+  c.add<double>("act.something_else", {2}, extra.data(), 2);
+  const auto rep = golden::check(g, c, {});
+  EXPECT_EQ(rep.failed, 0);
+  EXPECT_EQ(rep.not_checked, 1);
+  EXPECT_EQ(rep.passed + 1, static_cast<int>(rep.tensors.size()));
+  EXPECT_EQ(rep.tensors[2].status, golden::Status::not_checked);
+  // A candidate with no tensors checks nothing and passes nothing.
+  const auto none = golden::check(g, st::File{}, {});
+  EXPECT_EQ(none.passed, 0);
+  EXPECT_EQ(none.not_checked, static_cast<int>(none.tensors.size()));
+}
+
+TEST(GoldenCheck, DtypeAndShapeMismatchesFail) {
+  const st::File& g = committed("post_gelu_mean_f64");
+  st::File c = candidate_of(g);
+  auto* t = tensor(c, "act.pooled");
+  t->shape = {t->shape[1], t->shape[0]};
+  auto rep = golden::check(g, c, {});
+  EXPECT_EQ(result(rep, "act.pooled").status, golden::Status::fail);
+  EXPECT_NE(result(rep, "act.pooled").message.find("shape mismatch"), std::string::npos);
+  EXPECT_EQ(rep.first_divergence, "pooled");
+  st::File d = candidate_of(g);
+  auto* l = tensor(d, "act.loss");
+  const float f = static_cast<float>(get_value<double>(*l, 0));
+  l->dtype = st::DType::F32;
+  l->bytes.resize(4);
+  set_value<float>(*l, 0, f);
+  rep = golden::check(g, d, {});
+  EXPECT_NE(result(rep, "act.loss").message.find("dtype mismatch"), std::string::npos);
+}
+
+TEST(GoldenCheck, NonFiniteValuesMustMatchExactly) {
+  const st::File& g = committed("post_gelu_mean_f64");
+  const std::string name = "act.layers.0.scores";
+  const auto v = g.find(name)->values<double>();
+  std::size_t masked = 0, finite = 0;
+  while (std::isfinite(v[masked])) ++masked;
+  while (!std::isfinite(v[finite])) ++finite;
+  const double inf = std::numeric_limits<double>::infinity();
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  struct Edit {
+    std::size_t at;
+    double value;
+    bool passes;
+  };
+  for (const Edit& e :
+       {Edit{masked, -inf, true}, Edit{masked, inf, false}, Edit{masked, -1e300, false},
+        Edit{masked, nan, false}, Edit{finite, nan, false}, Edit{finite, inf, false}}) {
+    st::File c = candidate_of(g);
+    set_value<double>(*tensor(c, name), e.at, e.value);
+    const auto rep = golden::check(g, c, {});
+    const auto& r = result(rep, name);
+    EXPECT_EQ(r.status == golden::Status::pass, e.passes) << e.at << " := " << e.value;
+    if (!e.passes) {
+      EXPECT_NE(r.message.find("NaN/Inf mismatch"), std::string::npos) << r.message;
+    }
+  }
+}
+
+TEST(GoldenCheck, OnlyForwardOrBackward) {
+  const st::File& g = committed("post_gelu_mean_f64");
+  golden::CheckOptions fwd, bwd;
+  fwd.only = golden::Only::forward;
+  bwd.only = golden::Only::backward;
+  for (const auto& t : golden::check(g, candidate_of(g), fwd).tensors) {
+    EXPECT_TRUE(t.name.starts_with("act.")) << t.name;
+  }
+  for (const auto& t : golden::check(g, candidate_of(g), bwd).tensors) {
+    EXPECT_TRUE(t.name.starts_with("grad.")) << t.name;
+  }
+}
+
+TEST(GoldenCheck, RejectsAGoldenThatIsNotOne) {
+  st::File notgolden = candidate_of(committed("post_gelu_mean_f64"));
+  EXPECT_THROW(golden::check(notgolden, notgolden, {}), teo::FormatError);
+  st::File noref = committed("post_gelu_mean_f32");
+  noref.tensors.erase(
+      std::remove_if(noref.tensors.begin(), noref.tensors.end(),
+                     [](const st::Tensor& t) { return t.name == "ref64.act.layers.0.probs"; }),
+      noref.tensors.end());
+  EXPECT_THROW(golden::check(noref, candidate_of(noref), {}), teo::FormatError);
+}
+
+TEST(GoldenCheck, ReportsParseAndCountTheSameThings) {
+  const st::File& g = committed("post_gelu_mean_f64");
+  st::File c = candidate_of(g);
+  set_value<double>(*tensor(c, "act.logits"), 0, 1e3);
+  c.tensors.erase(c.tensors.begin());
+  golden::CaseReport rep = golden::check(g, c, {});
+  rep.name = "post_gelu_mean_f64.safetensors";
+  const json j = json::parse(golden::json_report({rep}));
+  EXPECT_EQ(j["failed"], rep.failed);
+  EXPECT_EQ(j["not_checked"], 1);
+  EXPECT_EQ(j["cases"][0]["first_divergence"], "logits");
+  const std::string xml = golden::junit_xml({rep});
+  EXPECT_NE(xml.find("failures=\"" + std::to_string(rep.failed) + "\""), std::string::npos);
+  EXPECT_NE(xml.find("<skipped"), std::string::npos);
+  EXPECT_NE(xml.find("name=\"act.logits\"><failure"), std::string::npos);
+  std::ostringstream text;
+  golden::print_text({rep}, text);
+  EXPECT_NE(text.str().find("first divergence: logits"), std::string::npos);
+}
+
+// ---- an independent backend and the mutants ------------------------------------------------
+
+TEST(GoldenNaiveBackend, AgreesWithEveryCaseForward) {
+  golden::CheckOptions fwd;
+  fwd.only = golden::Only::forward;
+  for (const auto& e : corpus()) {
+    const st::File& g = committed(e.name);
+    const auto rep = golden::check(g, teo::testing::naive_forward(g), fwd);
+    EXPECT_EQ(rep.failed, 0) << e.name << ": first divergence " << rep.first_divergence;
+    EXPECT_EQ(rep.not_checked, 0) << e.name;
+  }
+}
+
+TEST(GoldenMutants, EachFailsAtTheStageWhereItsBugLives) {
+  using M = teo::testing::Mutation;
+  struct Mutant {
+    M mutation;
+    const char* case_name;  // without the _f64 / _f32 suffix
+    const char* stage;
+  };
+  const std::vector<Mutant> mutants = {
+      {M::no_score_scale, "post_gelu_mean", "layers.0.scores"},
+      {M::layer_norm_unbiased, "post_gelu_mean", "layers.0.norm1"},
+      {M::layer_norm_unbiased, "pre_gelu_mean", "layers.0.norm1"},
+      {M::layer_norm_eps_outside, "large_eps", "layers.0.norm1"},
+      {M::pe_sin_cos_swapped, "post_gelu_mean", "positional"},
+      {M::pe_frequency_off_by_one, "post_gelu_mean", "positional"},
+      {M::mask_ignores_padding, "post_gelu_mean", "layers.0.scores"},
+      {M::softmax_wrong_axis, "post_gelu_mean", "layers.0.probs"},
+      {M::tanh_gelu_for_exact, "post_gelu_mean", "layers.0.ffn_hidden"},
+      {M::transposed_weight, "post_gelu_mean", "layers.0.q"},
+      {M::dropout_scale_missing, "dropout_post", "input"},
+      {M::label_smoothing_ignored, "label_smoothing", "loss"},
+      {M::mean_pool_includes_padding, "post_gelu_mean", "pooled"},
+  };
+  for (const auto& m : mutants) {
+    for (const char* suffix : {"_f64", "_f32"}) {
+      const std::string name = std::string(m.case_name) + suffix;
+      const st::File& g = committed(name);
+      const auto rep = golden::check(g, teo::testing::naive_forward(g, m.mutation), {});
+      EXPECT_GT(rep.failed, 0) << teo::testing::mutation_name(m.mutation) << " on " << name;
+      EXPECT_EQ(rep.first_divergence, m.stage)
+          << teo::testing::mutation_name(m.mutation) << " on " << name;
+    }
+  }
+}
+
+}  // namespace

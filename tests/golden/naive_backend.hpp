@@ -1,0 +1,35 @@
+// A second, independent forward pass written from docs/semantics.md with plain double loops: it
+// reads a golden file's inputs, parameters and dropout masks and writes a candidate with every
+// act.* tensor. It shares no code with the model, so it is both a worked example of reading a
+// golden in C++ and, with a Mutation, the source of the deliberately broken candidates that prove
+// `teo golden check` finds a bug at the stage where it lives.
+#pragma once
+
+#include <string>
+
+#include "teo/safetensors.hpp"
+
+namespace teo::testing {
+
+enum class Mutation {
+  none,
+  no_score_scale,              // scores not divided by sqrt(d_head)
+  layer_norm_unbiased,         // LayerNorm variance divided by D - 1
+  layer_norm_eps_outside,      // (x - m) / (sqrt(var) + eps)
+  pe_sin_cos_swapped,          // cos on even columns, sin on odd
+  pe_frequency_off_by_one,     // 10000^((2i + 2) / D)
+  mask_ignores_padding,        // keys beyond the length stay visible
+  softmax_wrong_axis,          // normalised over queries instead of keys
+  tanh_gelu_for_exact,         // the tanh approximation where exact GELU is configured
+  transposed_weight,           // q = x Wq instead of x Wq^T
+  dropout_scale_missing,       // kept values not multiplied by 1 / (1 - p)
+  label_smoothing_ignored,     // plain cross-entropy
+  mean_pool_includes_padding,  // the mean over all S positions
+};
+
+const char* mutation_name(Mutation m);
+
+// The candidate for `golden` (act.* tensors only, in the golden's dtype).
+safetensors::File naive_forward(const safetensors::File& golden, Mutation m = Mutation::none);
+
+}  // namespace teo::testing

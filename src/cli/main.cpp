@@ -1,16 +1,21 @@
 // The `teo` command.
+#include <algorithm>
 #include <cstdio>
+#include <fstream>
 #include <iostream>
+#include <map>
 #include <new>
 #include <optional>
 #include <string>
 
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 
 #include "teo/backend.hpp"
 #include "teo/cli/bench.hpp"
 #include "teo/cli/golden.hpp"
 #include "teo/cli/shapes.hpp"
+#include "teo/cli/train.hpp"
 #include "teo/errors.hpp"
 
 int main(int argc, char** argv) {
@@ -88,7 +93,35 @@ int main(int argc, char** argv) {
       ->add_option("--floor-eps", check_opts.tolerances.floor_eps,
                    "float32: floor in units of FLT_EPSILON * max|ref64| (8)")
       ->check(CLI::NonNegativeNumber);
-  for (CLI::App* sub : {shapes, bench, gen, check}) {
+  CLI::App* train = app.add_subcommand(
+      "train", "Train the encoder to tell which language a word is (the CPU training demo)");
+  std::string train_config;
+  std::map<std::string, std::string> train_flags;
+  std::vector<std::pair<const teo::cli::TrainKey*, CLI::Option*>> train_flag_options;
+  teo::cli::TrainOptions train_opts = teo::cli::TrainOptions::defaults();
+  train->add_option("--config", train_config, "JSON file with any of the keys below")
+      ->check(CLI::ExistingFile);
+  for (const auto& k : teo::cli::train_keys()) {
+    std::string flag = std::string("--") + k.key;
+    std::replace(flag.begin(), flag.end(), '_', '-');
+    train_flag_options.emplace_back(
+        &k, train->add_option(flag, train_flags[k.key], std::string(k.help) + " [" + k.type + "]"));
+  }
+  train->add_option("--out", train_opts.out_dir, "output directory (default train-out)");
+  train->add_option("--resume", train_opts.resume, "continue from this checkpoint")
+      ->check(CLI::ExistingFile);
+  train->add_option("--trace", train_opts.trace,
+                    "write every step's batches, loss, lr and gradient norm to this file");
+  bool no_progress = false, no_plot = false;
+  train->add_flag("--no-progress", no_progress, "plain lines even on a terminal");
+  train->add_flag("--no-plot", no_plot, "do not draw curves.png");
+  std::string predict_ckpt;
+  std::vector<std::string> predict_words;
+  CLI::App* predict =
+      app.add_subcommand("predict", "Print each word's language probabilities from a checkpoint");
+  predict->add_option("--checkpoint", predict_ckpt, "a teo train checkpoint")->required();
+  predict->add_option("words", predict_words, "words to classify")->required();
+  for (CLI::App* sub : {shapes, bench, gen, check, train, predict}) {
     sub->add_option("--backend", backend_flag, "reference | simd | blas");
     sub->add_option("--isa", isa_flag, "avx512 | avx2 | neon | scalar");
     sub->add_option("--threads", threads_flag, "thread count");
@@ -109,6 +142,31 @@ int main(int argc, char** argv) {
     if (*shapes) return teo::cli::run_shapes(shapes_opts, std::cout);
     if (*bench) return teo::cli::run_bench(bench_opts, std::cout);
     if (*gen) return teo::cli::run_golden_generate(gen_opts, std::cout);
+    if (*train) {
+      if (backend_flag.empty() && !std::getenv("TEO_BACKEND")) {
+        teo::set_backend(teo::Backend::simd);  // training runs the fast path by default
+      }
+      nlohmann::json given = nlohmann::json::object();
+      if (!train_config.empty()) {
+        std::ifstream in(train_config);
+        try {
+          given = nlohmann::json::parse(in);
+        } catch (const nlohmann::json::exception& e) {
+          throw teo::ConfigError(train_config + ": not valid JSON: " + e.what());
+        }
+        if (!given.is_object()) throw teo::ConfigError(train_config + ": not a JSON object");
+      }
+      for (const auto& [key, option] : train_flag_options) {
+        if (option->count())
+          given[key->key] = teo::cli::parse_flag_value(*key, train_flags[key->key]);
+      }
+      train_opts.apply_json(given);
+      train_opts.given = given;
+      train_opts.progress = !no_progress;
+      train_opts.plot = !no_plot;
+      return teo::cli::run_train(train_opts, std::cout);
+    }
+    if (*predict) return teo::cli::run_predict(predict_ckpt, predict_words, std::cout);
     if (*check) return teo::cli::run_golden_check(check_opts, std::cout);
   } catch (const teo::Error& e) {
     std::cerr << "teo: error: " << e.what() << "\n";

@@ -8,6 +8,7 @@ packages=(
   nlohmann-json3-dev libcli11-dev
   libgtest-dev librapidcheck-dev libbenchmark-dev
   g++-aarch64-linux-gnu qemu-user
+  wamerican wngerman wfrench wspanish witalian gnuplot-nox
 )
 if [ "${1:-}" = "--test" ]; then packages+=(python3-torch python3-numpy); fi
 missing=()

@@ -164,7 +164,7 @@ Vocab Vocab::build(const std::vector<Example>& train) {
 
 nlohmann::json Vocab::to_json() const {
   std::vector<std::uint32_t> cps(chars_.begin(), chars_.end());
-  return nlohmann::json{{"specials", {"[PAD]", "[CLS]", "[UNK]"}}, {"code_points", cps}};
+  return nlohmann::json{{"specials", {"[PAD]", "[CLS]", "[UNK]", "[SEP]"}}, {"code_points", cps}};
 }
 
 Vocab Vocab::from_json(const nlohmann::json& j) {
@@ -183,15 +183,16 @@ Vocab Vocab::from_json(const nlohmann::json& j) {
 std::int64_t Vocab::id(char32_t c) const {
   const auto it = std::lower_bound(chars_.begin(), chars_.end(), c);
   if (it == chars_.end() || *it != c) return unk;
-  return 3 + (it - chars_.begin());
+  return num_special + (it - chars_.begin());
 }
 
 std::vector<std::int64_t> Vocab::encode(const std::u32string& word, index_t max_len) const {
   std::vector<std::int64_t> ids = {cls};
   for (char32_t c : word) {
-    if (static_cast<index_t>(ids.size()) >= max_len) break;
+    if (static_cast<index_t>(ids.size()) + 1 >= max_len) break;
     ids.push_back(id(c));
   }
+  ids.push_back(sep);
   return ids;
 }
 

@@ -49,16 +49,19 @@ Dataset load_words(const DataOptions& opts);
 std::u32string utf8_decode(const std::string& s, bool* ok = nullptr);
 std::string utf8_encode(const std::u32string& s);
 
-// Token ids: 0 [PAD], 1 [CLS], 2 [UNK], then the training set's code points in increasing order.
+// Token ids: 0 [PAD], 1 [CLS], 2 [UNK], 3 [SEP], then the training set's code points in increasing
+// order.
 class Vocab {
  public:
-  static constexpr std::int64_t pad = 0, cls = 1, unk = 2;
+  static constexpr std::int64_t pad = 0, cls = 1, unk = 2, sep = 3;
+  static constexpr std::int64_t num_special = 4;
   static Vocab build(const std::vector<Example>& train);
   static Vocab from_json(const nlohmann::json& j);
   nlohmann::json to_json() const;
-  index_t size() const { return 3 + static_cast<index_t>(chars_.size()); }
+  index_t size() const { return num_special + static_cast<index_t>(chars_.size()); }
   std::int64_t id(char32_t c) const;
-  // [CLS] followed by the word's ids, truncated to max_len tokens.
+  // [CLS], the word's ids, [SEP]: at most max_len tokens (a longer word loses its tail, never the
+  // markers). [SEP] marks where the word ends, which is where most of its language shows.
   std::vector<std::int64_t> encode(const std::u32string& word, index_t max_len) const;
 
  private:

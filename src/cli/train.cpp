@@ -216,7 +216,7 @@ void TrainOptions::validate() const {
   need(optim.clip_norm >= 0, "clip_norm must be >= 0");
   need(data.per_language >= 10 && data.per_language <= 10'000'000,
        "per_language must be in [10, 10000000]");
-  need(model.max_len >= 2, "max_len must be at least 2 ([CLS] and one character)");
+  need(model.max_len >= 3, "max_len must be at least 3 ([CLS], one character, [SEP])");
   model.validate();
 }
 
@@ -442,6 +442,35 @@ std::vector<std::size_t> epoch_order(std::size_t n, std::uint64_t seed, index_t 
   return order;
 }
 
+// The micro-batches of one epoch: the shuffled words are cut into windows of 50 batches, each
+// window is sorted by word length and sliced into batches (so that a batch pads little), and the
+// batches are shuffled again. Everything follows from (seed, epoch).
+std::vector<std::vector<std::size_t>> epoch_batches(const std::vector<train::Example>& set,
+                                                    index_t batch_size, std::uint64_t seed,
+                                                    index_t epoch) {
+  const auto order = epoch_order(set.size(), seed, epoch);
+  const std::size_t bs = static_cast<std::size_t>(batch_size);
+  const std::size_t window = 50 * bs;
+  std::vector<std::vector<std::size_t>> batches;
+  for (std::size_t w = 0; w < order.size(); w += window) {
+    std::vector<std::size_t> chunk(
+        order.begin() + static_cast<std::ptrdiff_t>(w),
+        order.begin() + static_cast<std::ptrdiff_t>(std::min(order.size(), w + window)));
+    std::stable_sort(chunk.begin(), chunk.end(), [&](std::size_t a, std::size_t b) {
+      return set[a].word.size() < set[b].word.size();
+    });
+    for (std::size_t i = 0; i < chunk.size(); i += bs) {
+      batches.emplace_back(
+          chunk.begin() + static_cast<std::ptrdiff_t>(i),
+          chunk.begin() + static_cast<std::ptrdiff_t>(std::min(chunk.size(), i + bs)));
+    }
+  }
+  const auto perm = epoch_order(batches.size(), seed ^ 0x9e3779b97f4a7c15ULL, epoch);
+  std::vector<std::vector<std::size_t>> out(batches.size());
+  for (std::size_t i = 0; i < perm.size(); ++i) out[i] = std::move(batches[perm[i]]);
+  return out;
+}
+
 template <class Real>
 void axpy_params(Params<Real>& acc, const Params<Real>& g, Real scale) {
   std::vector<const Tensor<Real>*> src;
@@ -563,7 +592,7 @@ int train_typed(TrainOptions o, std::ostream& out) {
   bool stop = pos.step >= total_steps;
 
   while (!stop && pos.epoch < o.epochs) {
-    const auto order = epoch_order(data.train.size(), o.seed, pos.epoch);
+    const auto batches = epoch_batches(data.train, o.batch_size, o.seed, pos.epoch);
     while (!stop && pos.micro < micro_per_epoch) {
       const index_t n_micro = std::min(o.accum_steps, micro_per_epoch - pos.micro);
       grads.visit([](const std::string&, Tensor<Real>& t) { t.zero(); });
@@ -571,9 +600,7 @@ int train_typed(TrainOptions o, std::ostream& out) {
       for (index_t m = 0; m < n_micro; ++m) {
         const index_t mb = pos.micro + m;
         std::vector<const train::Example*> ex;
-        for (index_t i = mb * o.batch_size; i < std::min(n_train, (mb + 1) * o.batch_size); ++i) {
-          ex.push_back(&data.train[order[static_cast<std::size_t>(i)]]);
-        }
+        for (std::size_t i : batches[static_cast<std::size_t>(mb)]) ex.push_back(&data.train[i]);
         const Batch b = train::make_batch(vocab, ex, o.model.max_len);
         const std::uint64_t dseed =
             rng::bits(o.seed, dropout_stream, static_cast<std::uint64_t>(pos.micro_total + m));

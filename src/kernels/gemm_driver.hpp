@@ -17,30 +17,40 @@ namespace teo::detail {
 template <class Real>
 using Buffer = std::vector<Real, AlignedAllocator<Real>>;
 
-// op(A)(i, p) and op(B)(p, j) for row-major storage.
-template <class Real>
-inline Real at_a(Trans ta, const Real* a, index_t lda, index_t i, index_t p) {
-  return ta == Trans::no ? a[i * lda + p] : a[p * lda + i];
-}
-template <class Real>
-inline Real at_b(Trans tb, const Real* b, index_t ldb, index_t p, index_t j) {
-  return tb == Trans::no ? b[p * ldb + j] : b[j * ldb + p];
-}
-
 // Packs op(A)[i0 : i0 + mc, p0 : p0 + kc] into MR-row slivers, k-major, zero-padded, each value
 // multiplied by alpha (skipped when alpha is 1, so that value is exact).
 template <class Real>
 void pack_a(Real* dst, Trans ta, const Real* a, index_t lda, index_t i0, index_t mc, index_t p0,
             index_t kc, int mr, Real alpha) {
+  const bool scale = alpha != Real(1);
   for (index_t ir = 0; ir < mc; ir += mr) {
     const index_t mb = std::min<index_t>(mr, mc - ir);
     Real* d = dst + (ir / mr) * kc * mr;
-    for (index_t p = 0; p < kc; ++p) {
+    if (ta == Trans::no) {
+      // Row i of op(A) is contiguous: walk it and scatter with stride mr.
       for (index_t i = 0; i < mb; ++i) {
-        const Real v = at_a(ta, a, lda, i0 + ir + i, p0 + p);
-        d[p * mr + i] = alpha == Real(1) ? v : alpha * v;
+        const Real* src = a + (i0 + ir + i) * lda + p0;
+        if (scale) {
+          for (index_t p = 0; p < kc; ++p) d[p * mr + i] = alpha * src[p];
+        } else {
+          for (index_t p = 0; p < kc; ++p) d[p * mr + i] = src[p];
+        }
       }
-      for (index_t i = mb; i < mr; ++i) d[p * mr + i] = Real(0);
+    } else {
+      // Column p of op(A) is contiguous: copy mb values per p.
+      for (index_t p = 0; p < kc; ++p) {
+        const Real* src = a + (p0 + p) * lda + i0 + ir;
+        Real* dp = d + p * mr;
+        if (scale) {
+          for (index_t i = 0; i < mb; ++i) dp[i] = alpha * src[i];
+        } else {
+          for (index_t i = 0; i < mb; ++i) dp[i] = src[i];
+        }
+      }
+    }
+    if (mb < mr) {
+      for (index_t p = 0; p < kc; ++p)
+        for (index_t i = mb; i < mr; ++i) d[p * mr + i] = Real(0);
     }
   }
 }
@@ -49,9 +59,20 @@ void pack_a(Real* dst, Trans ta, const Real* a, index_t lda, index_t i0, index_t
 template <class Real>
 void pack_b_sliver(Real* d, Trans tb, const Real* b, index_t ldb, index_t p0, index_t kc,
                    index_t j0, index_t nb, int nr) {
-  for (index_t p = 0; p < kc; ++p) {
-    for (index_t j = 0; j < nb; ++j) d[p * nr + j] = at_b(tb, b, ldb, p0 + p, j0 + j);
-    for (index_t j = nb; j < nr; ++j) d[p * nr + j] = Real(0);
+  if (tb == Trans::no) {
+    for (index_t p = 0; p < kc; ++p) {
+      const Real* src = b + (p0 + p) * ldb + j0;
+      Real* dp = d + p * nr;
+      for (index_t j = 0; j < nb; ++j) dp[j] = src[j];
+      for (index_t j = nb; j < nr; ++j) dp[j] = Real(0);
+    }
+  } else {
+    for (index_t j = 0; j < nb; ++j) {
+      const Real* src = b + (j0 + j) * ldb + p0;
+      for (index_t p = 0; p < kc; ++p) d[p * nr + j] = src[p];
+    }
+    for (index_t p = 0; p < kc; ++p)
+      for (index_t j = nb; j < nr; ++j) d[p * nr + j] = Real(0);
   }
 }
 

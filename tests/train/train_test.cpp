@@ -1,6 +1,7 @@
 // Training pieces: the word-list dataset, the vocabulary, the naive Bayes yardstick, the schedule,
 // clipping and AdamW against their formulas, and bit-exact resume of `teo train`.
 #include <cmath>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -107,16 +108,16 @@ TEST(TrainData, AMissingListNamesThePackageToInstall) {
 TEST(TrainData, VocabularyEncodesWithClsPadAndUnk) {
   std::vector<tr::Example> train = {{U"ab", 0}, {U"b\u00e9", 1}};
   const tr::Vocab v = tr::Vocab::build(train);
-  EXPECT_EQ(v.size(), 3 + 3);
-  EXPECT_EQ(v.encode(U"ba\u00e9z", 32), (std::vector<std::int64_t>{1, 4, 3, 5, 2}));
-  EXPECT_EQ(v.encode(U"abab", 3), (std::vector<std::int64_t>{1, 3, 4})) << "cut to max_len";
+  EXPECT_EQ(v.size(), 4 + 3);
+  EXPECT_EQ(v.encode(U"ba\u00e9z", 32), (std::vector<std::int64_t>{1, 5, 4, 6, 2, 3}));
+  EXPECT_EQ(v.encode(U"abab", 4), (std::vector<std::int64_t>{1, 4, 5, 3})) << "cut to max_len";
   const tr::Vocab w = tr::Vocab::from_json(v.to_json());
   EXPECT_EQ(w.encode(U"ba\u00e9z", 32), v.encode(U"ba\u00e9z", 32));
   const tr::Example e1{U"a", 2}, e2{U"abb", 4};
   const teo::Batch b = tr::make_batch(v, {&e1, &e2}, 32);
-  EXPECT_EQ(b.seq_len, 4) << "padded to the longest word plus [CLS]";
-  EXPECT_EQ(b.tokens, (std::vector<std::int64_t>{1, 3, 0, 0, 1, 3, 4, 4}));
-  EXPECT_EQ(b.lengths, (std::vector<std::int64_t>{2, 4}));
+  EXPECT_EQ(b.seq_len, 5) << "padded to the longest word plus [CLS] and [SEP]";
+  EXPECT_EQ(b.tokens, (std::vector<std::int64_t>{1, 4, 3, 0, 0, 1, 4, 5, 5, 3}));
+  EXPECT_EQ(b.lengths, (std::vector<std::int64_t>{3, 5}));
   EXPECT_EQ(b.labels, (std::vector<std::int64_t>{2, 4}));
 }
 
@@ -261,6 +262,60 @@ TEST(TrainRun, BadSettingsAreNamed) {
   EXPECT_THROW(teo::cli::parse_flag_value({"epochs", "int", ""}, "3x"), teo::ConfigError);
   EXPECT_EQ(teo::cli::parse_flag_value({"lr", "real", ""}, "0.5"), 0.5);
   EXPECT_EQ(teo::cli::parse_flag_value({"norm_first", "bool", ""}, "false"), false);
+}
+
+struct CliRun {
+  int code;
+  std::string out;
+};
+
+CliRun run_teo(const std::string& args) {
+  const std::string cmd = std::string(TEO_TEO_BINARY) + " " + args + " 2>&1";
+  FILE* pipe = popen(cmd.c_str(), "r");
+  std::string out;
+  char buf[4096];
+  while (pipe && std::fgets(buf, sizeof buf, pipe)) out += buf;
+  const int status = pipe ? pclose(pipe) : -1;
+  return {WEXITSTATUS(status), out};
+}
+
+TEST(TrainCli, TrainsPredictsAndNamesBadInput) {
+  const fs::path lists = fake_lists("teo_train_cli");
+  const fs::path out = fs::path(::testing::TempDir()) / "teo_train_cli_out";
+  fs::remove_all(out);
+  CliRun r = run_teo("train --data-dir " + lists.string() + " --out " + out.string() +
+                  " --d-model 8 --num-heads 2 --d-ff 16 --num-layers 1 --per-language 40"
+                  " --epochs 2 --batch-size 16 --lr 0.02 --warmup-steps 2 --no-plot");
+  ASSERT_EQ(r.code, 0) << r.out;
+  for (const char* part :
+       {"validation loss", "test accuracy", "naive Bayes", "confusion matrix", "tok/s", "ETA"}) {
+    EXPECT_NE(r.out.find(part), std::string::npos) << part << "\n" << r.out;
+  }
+  r = run_teo("predict --checkpoint " + (out / "checkpoint.safetensors").string() +
+              " abcing abczione");
+  ASSERT_EQ(r.code, 0) << r.out;
+  std::istringstream lines(r.out);
+  std::string line;
+  int n = 0;
+  while (std::getline(lines, line)) {
+    ++n;
+    double total = 0;
+    for (const char* code : {" en ", " de ", " fr ", " es ", " it "}) {
+      const auto at = line.find(code);
+      ASSERT_NE(at, std::string::npos) << line;
+      total += std::stod(line.substr(at + 4));
+    }
+    EXPECT_NEAR(total, 1.0, 0.01) << line;
+  }
+  EXPECT_EQ(n, 2);
+  r = run_teo("train --data-dir /nonexistent --out " + out.string() + " --no-plot");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.out.find("apt-get install wamerican"), std::string::npos) << r.out;
+  r = run_teo("train --epochs 3x");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.out.find("--epochs takes an integer"), std::string::npos) << r.out;
+  r = run_teo("predict --checkpoint " + (lists / "french").string() + " mot");
+  EXPECT_EQ(r.code, 2) << "a file that is not a checkpoint";
 }
 
 }  // namespace

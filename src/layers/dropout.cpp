@@ -1,5 +1,7 @@
 #include "teo/layers/dropout.hpp"
 
+#include <cmath>
+
 #include "kernels/parallel.hpp"
 #include "teo/rng.hpp"
 
@@ -7,10 +9,14 @@ namespace teo {
 
 void dropout_mask(std::uint8_t* mask, index_t n, std::uint64_t seed, std::string_view site,
                   double p) {
-  const std::uint64_t stream = rng::stream_id(site);
+  // uniform01(seed, stream, i) >= p, computed in integers: uniform01 is u * 2^-53 with u the top
+  // 53 bits of bits(seed, stream, i) = mix64(key + i), and u * 2^-53 >= p exactly when
+  // u >= ceil(p * 2^53) (both scalings by 2^53 are exact). The key is computed once.
+  const std::uint64_t key = rng::mix64(seed ^ rng::mix64(rng::stream_id(site)));
+  const auto threshold = static_cast<std::uint64_t>(std::ceil(p * 0x1.0p53));
   detail::for_blocks(n, 8192, [&](index_t i0, index_t i1) {
     for (index_t i = i0; i < i1; ++i)
-      mask[i] = rng::uniform01(seed, stream, static_cast<std::uint64_t>(i)) >= p ? 1 : 0;
+      mask[i] = (rng::mix64(key + static_cast<std::uint64_t>(i)) >> 11) >= threshold ? 1 : 0;
   });
 }
 

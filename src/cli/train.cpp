@@ -117,13 +117,16 @@ TrainOptions TrainOptions::defaults() {
   TrainOptions o;
   o.model.max_len = 32;
   o.model.d_model = 64;
-  o.model.num_heads = 4;
+  o.model.num_heads = 8;
   o.model.d_ff = 256;
   o.model.num_layers = 2;
   o.model.norm_first = true;
-  o.model.activation = Activation::gelu;
+  o.model.activation = Activation::relu;
   o.model.pooling = Pooling::mean;
-  o.model.dropout = 0.1;
+  o.model.dropout = 0.05;
+  o.epochs = 12;
+  o.optim.lr = 4e-3;
+  o.optim.warmup_steps = 300;
   o.model.label_smoothing = 0.1;
   return o;
 }

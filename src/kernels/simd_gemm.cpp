@@ -12,6 +12,8 @@ namespace {
 // Below this many multiply-adds a GEMM runs on the calling thread: forking costs more than it
 // saves. Inside a parallel region (an attention head) every GEMM runs on its task's thread.
 constexpr index_t kSerialWork = index_t{1} << 18;
+// At or below this many multiply-adds a GEMM skips packing altogether.
+constexpr index_t kSmallWork = index_t{1} << 16;
 
 }  // namespace
 
@@ -24,6 +26,26 @@ void simd_gemm(const simd::GemmKernel<Real>& kern, Trans ta, Trans tb, index_t m
   // call each task packs A into its worker's own buffer, which nothing else touches until the task
   // returns (the task makes no TBB call).
   thread_local Buffer<Real> serial_a, serial_b;
+  if (m > 0 && n > 0 && k > 0 && alpha != Real(0) && m * n * k <= kSmallWork) {
+    // Small products (attention's per-head GEMMs): no packing, no blocking, the same chains.
+    thread_local Buffer<Real> bt, tail;
+    const Real* bb = b;
+    index_t ldbb = ldb;
+    if (tb == Trans::yes) {
+      bt.resize(static_cast<std::size_t>(k * n));
+      for (index_t j = 0; j < n; ++j)
+        for (index_t p = 0; p < k; ++p) bt[static_cast<std::size_t>(p * n + j)] = b[j * ldb + p];
+      bb = bt.data();
+      ldbb = n;
+    }
+    tail.resize(static_cast<std::size_t>(k * 64));
+    const simd::Start start = beta == Real(0)   ? simd::Start::zero
+                              : beta == Real(1) ? simd::Start::c
+                                                : simd::Start::beta_c;
+    kern.small(ta == Trans::yes, m, n, k, alpha, a, lda, bb, ldbb, c, ldc, start, beta,
+               tail.data());
+    return;
+  }
   static tbb::enumerable_thread_specific<Buffer<Real>> worker_a;
   const bool serial = m * n * k <= kSerialWork || num_threads() == 1 || in_parallel_region();
   if (serial) {

@@ -31,8 +31,8 @@ struct TrainOptions {
   bool progress = true;
   bool plot = true;
 
-  // The demo's defaults: d_model 64, 4 heads, d_ff 256, 2 pre-norm layers, gelu, mean pooling,
-  // dropout 0.1, label smoothing 0.1, max_len 32.
+  // The demo's defaults: d_model 64, 8 heads, d_ff 256, 2 pre-norm layers, relu, mean pooling,
+  // dropout 0.05, label smoothing 0.1, max_len 32; 12 epochs, lr 4e-3 with 300 warmup steps.
   static TrainOptions defaults();
   // Applies every key of `j` (model keys as in EncoderConfig, except vocab_size and num_classes,
   // which the data decides; training keys as in to_json()). ConfigError on unknown keys, wrong

@@ -91,11 +91,80 @@ void macro_kernel(index_t mc, index_t nc, index_t kc, const Real* ap, const Real
   }
 }
 
+// C (m, n) = start(C) + op(A) B for products too small to repay packing. B is row-major (k, n)
+// with leading dimension ldb; op(A)(i, p) is a[i * lda + p], or a[p * lda + i] when ta, times
+// alpha (rounded once, as pack_a does). Each element of C is the same fused multiply-add chain in
+// increasing p as in macro_kernel, so the result is bit for bit the packed path's. Four rows at a
+// time keep four independent chains in flight; the last n % W columns go through a zero-padded
+// copy of B's tail columns, so no load leaves B or C.
+template <class Real, class Arch>
+void small_gemm(bool ta, index_t m, index_t n, index_t k, Real alpha, const Real* a, index_t lda,
+                const Real* b, index_t ldb, Real* c, index_t ldc, Start start, Real beta,
+                Real* tail) {
+  using V = Vec<Real, Arch>;
+  using B = typename V::B;
+  constexpr index_t W = static_cast<index_t>(V::size);
+  constexpr index_t R = 4;
+  const index_t nfull = n / W * W, nt = n - nfull;
+  if (nt > 0) {
+    for (index_t p = 0; p < k; ++p)
+      for (index_t j = 0; j < W; ++j) tail[p * W + j] = j < nt ? b[p * ldb + nfull + j] : Real(0);
+  }
+  const B vb = V::set1(beta);
+  alignas(64) Real ctile[R * W];
+  for (index_t i0 = 0; i0 < m; i0 += R) {
+    const index_t rows = std::min<index_t>(R, m - i0);
+    for (index_t j = 0; j < n; j += W) {
+      const bool edge = j == nfull;
+      const Real* bcol = edge ? tail : b + j;
+      const index_t bld = edge ? W : ldb;
+      B acc[R];
+#pragma GCC unroll 4
+      for (index_t r = 0; r < R; ++r) {
+        if (r >= rows || start == Start::zero) {
+          acc[r] = V::set1(Real(0));
+          continue;
+        }
+        if (edge) {
+          for (index_t x = 0; x < W; ++x)
+            ctile[r * W + x] = x < nt ? c[(i0 + r) * ldc + j + x] : Real(0);
+          acc[r] = V::load(ctile + r * W);
+        } else {
+          acc[r] = V::load(c + (i0 + r) * ldc + j);
+        }
+        if (start == Start::beta_c) acc[r] = V::mul(acc[r], vb);
+      }
+      for (index_t p = 0; p < k; ++p) {
+        const B bv = V::load(bcol + p * bld);
+#pragma GCC unroll 4
+        for (index_t r = 0; r < R; ++r) {
+          if (r < rows) {
+            const Real av = ta ? a[p * lda + i0 + r] : a[(i0 + r) * lda + p];
+            acc[r] = V::fma(V::set1(alpha == Real(1) ? av : alpha * av), bv, acc[r]);
+          }
+        }
+      }
+      for (index_t r = 0; r < rows; ++r) {
+        if (edge) {
+          V::store(ctile + r * W, acc[r]);
+          for (index_t x = 0; x < nt; ++x) c[(i0 + r) * ldc + j + x] = ctile[r * W + x];
+        } else {
+          V::store(c + (i0 + r) * ldc + j, acc[r]);
+        }
+      }
+    }
+  }
+}
+
 template <class Real, class Arch, int MR, int NV>
 constexpr GemmKernel<Real> make_gemm(index_t kc, index_t mc, index_t nc) {
-  return GemmKernel<Real>{MR, NV * static_cast<int>(Vec<Real, Arch>::size),
-                          kc, mc,
-                          nc, &macro_kernel<Real, Arch, MR, NV>};
+  return GemmKernel<Real>{MR,
+                          NV * static_cast<int>(Vec<Real, Arch>::size),
+                          kc,
+                          mc,
+                          nc,
+                          &macro_kernel<Real, Arch, MR, NV>,
+                          &small_gemm<Real, Arch>};
 }
 
 }  // namespace

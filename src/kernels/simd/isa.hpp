@@ -26,6 +26,11 @@ struct GemmKernel {
   // neither MR, NR nor the vector width.
   void (*macro)(index_t mc, index_t nc, index_t kc, const Real* ap, const Real* bp, Real* c,
                 index_t ldc, Start start, Real beta);
+  // The whole product without packing, for small ones (see small_gemm in gemm_kernel.hpp): the
+  // same chains, so the same bits. `tail` holds k * (vector width) values.
+  void (*small)(bool ta, index_t m, index_t n, index_t k, Real alpha, const Real* a, index_t lda,
+                const Real* b, index_t ldb, Real* c, index_t ldc, Start start, Real beta,
+                Real* tail);
 };
 
 // The non-GEMM stages' kernels (simd/vector_kernels.hpp), per row or per element range.

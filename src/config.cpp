@@ -1,5 +1,11 @@
 #include "teo/config.hpp"
 
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdlib>
+#include <optional>
+
 #include <cmath>
 #include <fstream>
 #include <limits>
@@ -40,6 +46,37 @@ namespace {
 // User space on x86-64 and AArch64 Linux is 47 or 48 bits: no allocation can be larger, so sizes
 // beyond it are rejected up front rather than left to fail (or abort) in the allocator.
 constexpr index_t kAddressSpaceBytes = index_t{1} << 47;
+
+std::optional<MemoryLimits>& limits_override() {
+  static std::optional<MemoryLimits> l;
+  return l;
+}
+
+index_t env_limit(const char* name, index_t fallback) {
+  const char* v = std::getenv(name);
+  if (!v || !*v) return fallback;
+  char* end = nullptr;
+  errno = 0;
+  const long long x = std::strtoll(v, &end, 10);
+  if (errno != 0 || *end != '\0' || x < 1) {
+    throw ConfigError(std::string(name) + " must be a positive integer, got \"" + v + "\"");
+  }
+  return static_cast<index_t>(x);
+}
+
+index_t physical_memory_bytes() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || page <= 0) return kAddressSpaceBytes;
+  return std::min<index_t>(kAddressSpaceBytes, static_cast<index_t>(pages) * page);
+}
+
+void check_tensor_elements(index_t n, const std::string& what, const MemoryLimits& l) {
+  if (n > l.max_tensor_elements) {
+    throw ShapeError(what + " would have " + std::to_string(n) +
+                     " elements, more than the limit of " + std::to_string(l.max_tensor_elements) +
+                     " (TEO_MAX_TENSOR_ELEMENTS)");
+  }
+}
 
 std::string fmt(double v) {
   std::ostringstream os;
@@ -134,8 +171,19 @@ void EncoderConfig::validate() const {
       checked_add(checked_add(checked_add(embed, pos, "embeddings"),
                               checked_add(layers, head, "layers + head"), "parameters"),
                   checked_mul(d, 2, "final_norm"), "parameters");
+  const MemoryLimits lim = memory_limits();
+  check_tensor_elements(embed, "embedding.weight", lim);
+  check_tensor_elements(pos, "pos_embedding.weight", lim);
+  check_tensor_elements(checked_mul(d_ff, d, "ffn weight"), "ffn.fc1.weight", lim);
+  check_tensor_elements(checked_mul(d, d, "attn weight"), "attn.q.weight", lim);
+  check_tensor_elements(checked_mul(num_classes, d, "head.weight"), "head.weight", lim);
   const index_t param_bytes =
       checked_mul(total, static_cast<index_t>(sizeof(double)), "parameter bytes");
+  if (param_bytes > lim.max_total_bytes) {
+    throw ShapeError("the parameters need " + std::to_string(param_bytes) +
+                     " bytes in float64, more than the limit of " +
+                     std::to_string(lim.max_total_bytes) + " bytes (TEO_MAX_BYTES)");
+  }
   if (param_bytes > kAddressSpaceBytes) {
     throw ShapeError("the parameters need " + std::to_string(param_bytes) +
                      " bytes in float64, more than a 47-bit address space (" +
@@ -216,7 +264,8 @@ EncoderConfig EncoderConfig::from_json_text(const std::string& text) {
   nlohmann::json j;
   try {
     j = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::parse_error& e) {
+  } catch (const nlohmann::json::exception& e) {
+    // parse_error, and out_of_range for a number beyond double's range
     throw ConfigError(std::string("config is not valid JSON: ") + e.what());
   }
   return from_json(j);
@@ -270,6 +319,12 @@ void validate_batch_shape(const EncoderConfig& cfg, const BatchShape& s, std::si
                                      s.seq_len, "batch x heads x seq_len x seq_len");
   checked_mul(scores, bytes, "attention scores bytes");
   checked_mul(checked_mul(s.batch, cfg.num_classes, "batch x num_classes"), bytes, "logits bytes");
+  const MemoryLimits lim = memory_limits();
+  check_tensor_elements(checked_mul(tokens, cfg.d_model, "act"),
+                        "a (batch, seq_len, d_model) activation", lim);
+  check_tensor_elements(checked_mul(tokens, cfg.d_ff, "act"), "a (batch, seq_len, d_ff) activation",
+                        lim);
+  check_tensor_elements(scores, "a (batch, heads, seq_len, seq_len) activation", lim);
   // Everything the forward keeps, all layers together: a loose upper bound of 16 (B,S,D)-sized,
   // 4 (B,S,F)-sized and 3 (B,H,S,S)-sized buffers per layer.
   const index_t per_layer = [&] {
@@ -288,6 +343,29 @@ void validate_batch_shape(const EncoderConfig& cfg, const BatchShape& s, std::si
                      std::to_string(s.seq_len) + " needs about " + std::to_string(act_bytes) +
                      " bytes of activations, more than a 47-bit address space can hold");
   }
+  if (act_bytes > lim.max_total_bytes) {
+    throw ShapeError("batch " + std::to_string(s.batch) + " x seq_len " +
+                     std::to_string(s.seq_len) + " needs up to " + std::to_string(act_bytes) +
+                     " bytes of activations, more than the limit of " +
+                     std::to_string(lim.max_total_bytes) + " bytes (TEO_MAX_BYTES)");
+  }
+}
+
+MemoryLimits memory_limits() {
+  if (limits_override()) return *limits_override();
+  MemoryLimits l;
+  l.max_tensor_elements = env_limit("TEO_MAX_TENSOR_ELEMENTS", l.max_tensor_elements);
+  l.max_total_bytes = env_limit("TEO_MAX_BYTES", physical_memory_bytes());
+  return l;
+}
+
+void set_memory_limits(const MemoryLimits& l) {
+  if (l.max_tensor_elements < 1 || l.max_total_bytes < 1) {
+    throw ConfigError("memory limits must be >= 1, got max_tensor_elements " +
+                      std::to_string(l.max_tensor_elements) + ", max_total_bytes " +
+                      std::to_string(l.max_total_bytes));
+  }
+  limits_override() = l;
 }
 
 }  // namespace teo

@@ -94,3 +94,47 @@ TEST(Config, BatchShapeValidation) {
 
 }  // namespace
 }  // namespace teo
+
+namespace {
+
+// Restores the memory limits in force when it was made.
+struct KeepLimits {
+  teo::MemoryLimits saved = teo::memory_limits();
+  ~KeepLimits() { teo::set_memory_limits(saved); }
+};
+
+TEST(MemoryLimits, OversizedRequestsGetANamedErrorBeforeAnyAllocation) {
+  KeepLimits keep;
+  const teo::MemoryLimits defaults = teo::memory_limits();
+  EXPECT_GE(defaults.max_total_bytes, 1);
+  EXPECT_EQ(defaults.max_tensor_elements, teo::index_t{1} << 32);
+  teo::EncoderConfig cfg;
+  teo::set_memory_limits({.max_tensor_elements = 1000, .max_total_bytes = 1 << 30});
+  cfg.vocab_size = 1000;  // embedding 1000 x 16 elements
+  try {
+    cfg.validate();
+    FAIL() << "no error";
+  } catch (const teo::ShapeError& e) {
+    EXPECT_NE(std::string(e.what()).find("TEO_MAX_TENSOR_ELEMENTS"), std::string::npos) << e.what();
+  }
+  cfg.vocab_size = 10;
+  EXPECT_NO_THROW(cfg.validate());
+  try {
+    teo::validate_batch_shape(cfg, {.batch = 100, .seq_len = 32}, sizeof(float));
+    FAIL() << "no error";
+  } catch (const teo::ShapeError& e) {
+    EXPECT_NE(std::string(e.what()).find("elements"), std::string::npos) << e.what();
+  }
+  teo::set_memory_limits({.max_tensor_elements = 1 << 30, .max_total_bytes = 100000});
+  try {
+    teo::validate_batch_shape(cfg, {.batch = 100, .seq_len = 32}, sizeof(float));
+    FAIL() << "no error";
+  } catch (const teo::ShapeError& e) {
+    EXPECT_NE(std::string(e.what()).find("TEO_MAX_BYTES"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(teo::Batch::random(cfg, 100, 32, 1), teo::ShapeError);
+  EXPECT_THROW(teo::set_memory_limits({.max_tensor_elements = 0, .max_total_bytes = 1}),
+               teo::ConfigError);
+}
+
+}  // namespace

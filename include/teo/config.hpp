@@ -61,4 +61,19 @@ struct BatchShape {
 };
 void validate_batch_shape(const EncoderConfig& cfg, const BatchShape& shape, std::size_t real_size);
 
+// Bounds that validation enforces before anything is allocated, so that an oversized request gets
+// a named ShapeError instead of being killed by the kernel for running out of memory.
+struct MemoryLimits {
+  // No single parameter or activation tensor may have more elements than this.
+  index_t max_tensor_elements = index_t{1} << 32;
+  // Neither the parameters (at 8 bytes each) nor everything one forward pass keeps (the bound in
+  // docs/semantics.md section 11) may need more bytes than this. Default: this machine's physical
+  // memory.
+  index_t max_total_bytes = 0;
+};
+// The limits in force: set_memory_limits(), else TEO_MAX_TENSOR_ELEMENTS and TEO_MAX_BYTES from
+// the environment, else the defaults. A malformed variable is a ConfigError naming it.
+MemoryLimits memory_limits();
+void set_memory_limits(const MemoryLimits& limits);  // ConfigError unless both are >= 1
+
 }  // namespace teo

@@ -1,0 +1,92 @@
+// Harness 3: shapes. The bytes become a config and a batch, including invalid and extreme sizes.
+// Either validation rejects them with a named teo::Error before anything is allocated, or forward
+// and backward run on every backend and agree with the reference backend.
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "fuzz_util.hpp"
+#include "teo/backend.hpp"
+#include "teo/model.hpp"
+
+namespace {
+
+// Runs forward and backward on one backend; returns loss, logits and every parameter gradient.
+std::vector<double> run(const teo::Params<double>& params, const teo::Batch& batch,
+                        teo::Backend backend, std::uint64_t seed) {
+  teo::ScopedSettings keep;
+  teo::set_backend(backend);
+  teo::Activations<double> acts, dacts;
+  teo::Params<double> grads;
+  teo::forward(params, batch, acts, {.train = true, .dropout_seed = seed});
+  teo::backward(params, batch, acts, grads, dacts);
+  std::vector<double> out(acts.logits.begin(), acts.logits.end());
+  out.push_back(acts.loss[0]);
+  grads.visit([&](const std::string&, const teo::Tensor<double>& t) {
+    out.insert(out.end(), t.begin(), t.end());
+  });
+  return out;
+}
+
+}  // namespace
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  teo::fuzz::Bytes in(data, size);
+  teo::EncoderConfig cfg;
+  cfg.vocab_size = in.pick(1, 40);
+  cfg.max_len = in.pick(1, 24);
+  cfg.num_heads = in.pick(1, 4);
+  // d_model a multiple of num_heads, sometimes plus 1 (indivisible), saturating on overflow.
+  std::int64_t d_model = 0;
+  if (__builtin_mul_overflow(cfg.num_heads, in.pick(1, 5), &d_model)) d_model = INT64_MAX - 1;
+  cfg.d_model = d_model + (in.byte() == 7 ? 1 : 0);
+  cfg.d_ff = in.pick(1, 24);
+  cfg.num_layers = in.pick(0, 3);
+  cfg.num_classes = in.pick(1, 6);
+  cfg.norm_first = in.flag();
+  cfg.causal = in.flag();
+  cfg.embed_scale = in.flag();
+  cfg.activation = static_cast<teo::Activation>(in.byte() % 3);
+  cfg.pooling = static_cast<teo::Pooling>(in.byte() % 3);
+  cfg.positional = static_cast<teo::Positional>(in.byte() % 2);
+  cfg.dropout = in.byte() < 200 ? 0.0 : in.real01() * 1.1;
+  cfg.label_smoothing = in.byte() < 200 ? 0.0 : in.real01() * 1.1;
+  cfg.layer_norm_eps = in.byte() == 0 ? -1.0 : 1e-5;
+  const std::int64_t B = in.pick(0, 4), S = in.pick(1, 24);
+  std::vector<std::int64_t> lengths;
+  if (in.flag() && B >= 0 && B <= 64) {
+    for (std::int64_t b = 0; b < B; ++b) lengths.push_back(in.pick(0, S));
+  }
+  const std::uint64_t seed = in.u64();
+  teo::Params<double> params;
+  teo::Batch batch;
+  try {
+    params = teo::Params<double>::init(cfg, seed);
+    batch = teo::Batch::random(cfg, B, S, seed, lengths);
+  } catch (const teo::Error&) {
+    return 0;  // rejected by name before anything was allocated
+  }
+  // Corrupt a token or label now and then: validation must name it.
+  if (in.byte() == 9 && !batch.tokens.empty()) batch.tokens[0] = cfg.vocab_size;
+  if (in.byte() == 9 && !batch.labels.empty()) batch.labels[0] = -1;
+  std::vector<double> ref;
+  try {
+    ref = run(params, batch, teo::Backend::reference, seed);
+  } catch (const teo::InputError&) {
+    return 0;
+  }
+  for (double v : ref) teo::fuzz::require(std::isfinite(v), "reference results are finite");
+  for (teo::Backend be : {teo::Backend::simd, teo::Backend::blas}) {
+    const auto got = run(params, batch, be, seed);
+    teo::fuzz::require(got.size() == ref.size(), "same number of results");
+    double scale = 1e-300, err = 0;
+    for (std::size_t i = 0; i < ref.size(); ++i) {
+      scale = std::max(scale, std::abs(ref[i]));
+      err = std::max(err, std::abs(got[i] - ref[i]));
+    }
+    teo::fuzz::require(err <= 1e-9 * scale,
+                       std::string(teo::to_string(be)) + " agrees with the reference");
+  }
+  return 0;
+}

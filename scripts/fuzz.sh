@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Builds the libFuzzer harnesses with clang (ASan + UBSan + libFuzzer) into build-fuzz/ and runs
+# each one from its seed corpus for SECONDS (default 60). New inputs go to build-fuzz/corpus/,
+# crashes to build-fuzz/crashes/<harness>/; any crash makes the script fail.
+# Usage: scripts/fuzz.sh [SECONDS] [HARNESS...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+seconds=${1:-60}
+shift || true
+harnesses=("$@")
+if ((${#harnesses[@]} == 0)); then harnesses=(safetensors config shape golden_check); fi
+cxx=$(command -v clang++ || command -v clang++-14)
+generator=()
+if command -v ninja >/dev/null; then generator=(-G Ninja); fi
+cmake -S . -B build-fuzz "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER="$cxx" \
+  -DTEO_FUZZ=ON -DTEO_BUILD_TESTS=OFF -DTEO_BUILD_BENCH=OFF -DTEO_WERROR=ON > build-fuzz.log
+cmake --build build-fuzz -j"$(nproc)" >> build-fuzz.log
+status=0
+for h in "${harnesses[@]}"; do
+  dict=fuzz/config.dict
+  if [ "$h" = safetensors ] || [ "$h" = golden_check ]; then dict=fuzz/safetensors.dict; fi
+  mkdir -p "build-fuzz/corpus/$h" "build-fuzz/crashes/$h"
+  # Each harness runs single-threaded; TEO_NUM_THREADS=1 keeps the model's own threads out of it.
+  if ! TEO_NUM_THREADS=1 "build-fuzz/fuzz/teo_fuzz_$h" -max_total_time="$seconds" -dict="$dict" \
+      -rss_limit_mb=4096 -max_len=65536 -print_final_stats=1 \
+      -artifact_prefix="build-fuzz/crashes/$h/" "build-fuzz/corpus/$h" "fuzz/corpus/$h" \
+      > "build-fuzz/$h.log" 2>&1; then
+    echo "fuzz: $h FAILED; see build-fuzz/$h.log and build-fuzz/crashes/$h/"
+    tail -n 30 "build-fuzz/$h.log"
+    status=1
+  fi
+  runs=$(grep -o 'stat::number_of_executed_units: *[0-9]*' "build-fuzz/$h.log" | grep -o '[0-9]*$' || echo 0)
+  rate=$(grep -o 'exec/s: [0-9]*' "build-fuzz/$h.log" | tail -n 1 | grep -o '[0-9]*$' || echo 0)
+  echo "fuzz: $h: ${seconds}s, $runs runs, ~$rate exec/s, crashes: $(ls "build-fuzz/crashes/$h" | wc -l)"
+done
+exit $status

@@ -32,6 +32,13 @@ std::vector<double> run(const teo::Params<double>& params, const teo::Batch& bat
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  // The fuzzer's memory budget: anything larger must be rejected by validation, by name.
+  static const bool limited = [] {
+    teo::set_memory_limits(
+        {.max_tensor_elements = teo::index_t{1} << 22, .max_total_bytes = 64 << 20});
+    return true;
+  }();
+  (void)limited;
   teo::fuzz::Bytes in(data, size);
   teo::EncoderConfig cfg;
   cfg.vocab_size = in.pick(1, 40);

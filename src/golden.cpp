@@ -303,9 +303,18 @@ std::vector<CorpusEntry> read_corpus_cases(const std::string& path) {
   return out;
 }
 
-void generate_corpus(const std::string& dir, std::ostream& log) {
+void generate_corpus(const std::string& dir, std::ostream& log, bool overwrite) {
   namespace fs = std::filesystem;
   const auto entries = read_corpus_cases((fs::path(dir) / "cases.json").string());
+  if (!overwrite) {
+    std::error_code ec;
+    for (const auto& e : entries) {
+      const fs::path f = fs::path(dir) / (e.name + ".safetensors");
+      if (fs::exists(f, ec)) {
+        throw FileError(f.string() + ": already exists (pass --force to regenerate the corpus)");
+      }
+    }
+  }
   nlohmann::ordered_json files = nlohmann::ordered_json::array();
   std::uint64_t total = 0;
   for (const auto& e : entries) {

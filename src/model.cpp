@@ -372,8 +372,11 @@ void layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P, LayerAc
     Tensor<Real> qkv({d.B, d.S, 3 * d.D});  // (B, S, 3D)
     linear_forward(qkv.data(), attn_in, wqkv.data(), bqkv.data(), d.N, d.D, 3 * d.D);
     Tensor<Real>* heads[3] = {&L.q, &L.k, &L.v};
-    for (int i = 0; i < 3; ++i)
-      split_heads(heads[i]->data(), qkv.data() + i * d.D, d.B, d.S, d.H, d.Dh, 3 * d.D);
+    // With B = 0 the buffers are empty (null): nothing to split, and no pointer arithmetic on null.
+    if (qkv.numel() > 0) {
+      for (int i = 0; i < 3; ++i)
+        split_heads(heads[i]->data(), qkv.data() + i * d.D, d.B, d.S, d.H, d.Dh, 3 * d.D);
+    }
   }
   {
     profile::Scope attention_scope("attention");
@@ -538,8 +541,10 @@ void layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P, const 
     stack_qkv(wqkv.data(), bqkv.data(), P, d.D);
     Tensor<Real> dqkv({d.B, d.S, 3 * d.D});  // (B, S, 3D)
     const Tensor<Real>* dheads[3] = {&dL.q, &dL.k, &dL.v};
-    for (int i = 0; i < 3; ++i)
-      merge_heads(dqkv.data() + i * d.D, dheads[i]->data(), d.B, d.S, d.H, d.Dh, 3 * d.D);
+    if (dqkv.numel() > 0) {
+      for (int i = 0; i < 3; ++i)
+        merge_heads(dqkv.data() + i * d.D, dheads[i]->data(), d.B, d.S, d.H, d.Dh, 3 * d.D);
+    }
     Tensor<Real> gw({3 * d.D, d.D}), gb({3 * d.D});
     linear_backward(dattn_in, gw.data(), gb.data(), dqkv.data(), attn_in, wqkv.data(), d.N, d.D,
                     3 * d.D);

@@ -48,7 +48,8 @@ std::vector<CorpusEntry> read_corpus_cases(const std::string& path);
 
 // Writes every case of <dir>/cases.json to <dir>/<name>.safetensors and <dir>/manifest.json
 // (each file's sha256, size and description), each through a temporary file and a rename.
-void generate_corpus(const std::string& dir, std::ostream& log);
+// Without `overwrite`, an existing case file is a FileError and nothing is written.
+void generate_corpus(const std::string& dir, std::ostream& log, bool overwrite);
 
 // ---- checking ----------------------------------------------------------------------------------
 

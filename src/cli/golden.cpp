@@ -14,7 +14,7 @@ int run_golden_generate(const GoldenGenerateOptions& opts, std::ostream& out) {
     throw ConfigError("golden generate needs either --config and --out, or --corpus");
   }
   if (!opts.corpus_dir.empty()) {
-    golden::generate_corpus(opts.corpus_dir, out);
+    golden::generate_corpus(opts.corpus_dir, out, opts.force);
     return 0;
   }
   if (opts.config_path.empty() || opts.out_path.empty()) {

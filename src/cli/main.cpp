@@ -76,7 +76,7 @@ int main(int argc, char** argv) {
   gen_config->needs(gen_out);
   gen_out->needs(gen_config);
   gen_corpus->excludes(gen_config)->excludes(gen_out);
-  gen->add_flag("--force", gen_opts.force, "overwrite an existing --out file");
+  gen->add_flag("--force", gen_opts.force, "overwrite an existing --out file or corpus");
   teo::cli::GoldenCheckOptions check_opts;
   CLI::App* check = golden->add_subcommand(
       "check", "Compare a candidate's tensors with a golden's and name the first divergence");

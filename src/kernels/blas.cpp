@@ -56,8 +56,9 @@ void blas_gemm(Trans ta, Trans tb, index_t m, index_t n, index_t k, Real alpha, 
   parallel_for_each(mb * nb, [&](index_t blk) {
     const index_t i0 = (blk / nb) * kBlock, j0 = (blk % nb) * kBlock;
     const index_t bm = std::min(kBlock, m - i0), bn = std::min(kBlock, n - j0);
-    const Real* ab = ta == Trans::no ? a + i0 * lda : a + i0;
-    const Real* bb = tb == Trans::no ? b + j0 : b + j0 * ldb;
+    // With k = 0, A and B may be empty (null): no offsets then (they would not be read anyway).
+    const Real* ab = k == 0 ? a : ta == Trans::no ? a + i0 * lda : a + i0;
+    const Real* bb = k == 0 ? b : tb == Trans::no ? b + j0 : b + j0 * ldb;
     call(ta, tb, bm, bn, k, alpha, ab, lda, bb, ldb, beta, c + i0 * ldc + j0, ldc);
   });
 }

@@ -100,6 +100,9 @@ TEST(GoldenCli, GenerateRejectsBadCasesWithExitCode2AndWritesNothing) {
   }
   EXPECT_EQ(run("golden generate --out x.safetensors").code, 2) << "--out needs --config";
   EXPECT_EQ(run("golden generate --corpus /nonexistent").code, 2);
+  const Result refused = run("golden generate --corpus " + kCorpus.string());
+  EXPECT_EQ(refused.code, 2) << "the corpus exists: regenerating it needs --force";
+  EXPECT_NE(refused.out.find("--force"), std::string::npos) << refused.out;
   EXPECT_EQ(run("golden generate --corpus " + kCorpus.string() + " --out x").code, 2);
 }
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the libFuzzer harnesses with clang (ASan + UBSan + libFuzzer) into build-fuzz/ and runs
 # each one from its seed corpus for SECONDS (default 60). New inputs go to build-fuzz/corpus/,
-# crashes to build-fuzz/crashes/<harness>/; any crash makes the script fail.
+# crashes to build-fuzz/crashes/<harness>/; any crash makes the script fail. The same sanitized
+# build also holds the unit tests (scripts/test.sh runs them there).
 # Usage: scripts/fuzz.sh [SECONDS] [HARNESS...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,8 +14,9 @@ cxx=$(command -v clang++ || command -v clang++-14)
 generator=()
 if command -v ninja >/dev/null; then generator=(-G Ninja); fi
 cmake -S . -B build-fuzz "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER="$cxx" \
-  -DTEO_FUZZ=ON -DTEO_BUILD_TESTS=OFF -DTEO_BUILD_BENCH=OFF -DTEO_WERROR=ON > build-fuzz.log
+  -DTEO_FUZZ=ON -DTEO_BUILD_TESTS=ON -DTEO_BUILD_BENCH=OFF -DTEO_WERROR=ON > build-fuzz.log
 cmake --build build-fuzz -j"$(nproc)" >> build-fuzz.log
+if [ "${FUZZ_BUILD_ONLY:-0}" = 1 ]; then exit 0; fi
 status=0
 for h in "${harnesses[@]}"; do
   dict=fuzz/config.dict

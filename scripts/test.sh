@@ -8,14 +8,11 @@ scripts/setup.sh --test
 scripts/build.sh
 ctest --test-dir build --output-on-failure -j"$(nproc)"
 
-# ASan + UBSan: the unit tests (gcc). The qemu NEON self-test and the PyTorch runs are left to
-# the normal build above: they test numerics, not memory safety, and are slow under ASan.
-generator=()
-if command -v ninja >/dev/null; then generator=(-G Ninja); fi
-cmake -S . -B build-asan "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DTEO_SANITIZE=ON \
-  -DTEO_BUILD_BENCH=OFF -DTEO_WERROR=ON > build-asan.log
-cmake --build build-asan -j"$(nproc)" >> build-asan.log
+# ASan + UBSan: one clang build (build-fuzz/) holds the unit tests and the libFuzzer harnesses.
+# The unit tests run there under both sanitizers, except the qemu NEON self-test and the PyTorch
+# comparisons, which test numerics rather than memory safety and are slow under ASan; then each
+# harness runs for FUZZ_SECONDS (default 60) from its seed corpus.
+FUZZ_BUILD_ONLY=1 scripts/fuzz.sh
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-  ctest --test-dir build-asan --output-on-failure -j"$(nproc)" -E "IsaSelftest.NeonUnderQemu|Interop\."
-
+  ctest --test-dir build-fuzz --output-on-failure -j"$(nproc)" -E "IsaSelftest.NeonUnderQemu|Interop\."
 scripts/fuzz.sh "${FUZZ_SECONDS:-60}"

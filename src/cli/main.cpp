@@ -136,7 +136,10 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e) == 0 ? 0 : 2;
+    if (e.get_exit_code() == 0) return app.exit(e);  // --help: the help text, exit 0
+    // A bad, missing or conflicting flag: one line, exit 2.
+    std::cerr << "teo: error: " << e.what() << " (see --help)\n";
+    return 2;
   }
   try {
     teo::init_from_environment();

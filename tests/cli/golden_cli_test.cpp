@@ -1,10 +1,12 @@
 // `teo golden generate` and `teo golden check` end to end: the real binary, files and exit codes.
+#include <algorithm>
 #include <array>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <vector>
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -171,6 +173,23 @@ TEST(GoldenCli, DirectoriesAreMatchedByFileNameAndMissingFilesAreNotChecked) {
   r = run("golden check --golden " + kCorpus.string() + " --candidate " +
           (dir / "one_layer_f64.safetensors").string());
   EXPECT_EQ(r.code, 2) << "a directory golden needs a directory candidate";
+}
+
+TEST(Cli, EveryBadInputIsOneLineAndExitCode2) {
+  const std::string g = (kCorpus / "post_gelu_mean_f64.safetensors").string();
+  for (const std::string& args : std::vector<std::string>{
+           "golden check --golden " + g,
+           "golden check --golden " + g + " --candidate " + g + " --only x", "nosuchcommand",
+           "shapes --batch -3", "bench --preset huge", "train --epochs", "predict",
+           "golden generate --config /nonexistent/case.json --out /tmp/x.safetensors",
+           "golden check --golden /nonexistent --candidate /nonexistent", "shapes --config " + g,
+           "--threads 0 shapes", "train --lr fast"}) {
+    const Result r = run(args);
+    EXPECT_EQ(r.code, 2) << args << "\n" << r.out;
+    EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '\n'), 1) << args << "\n" << r.out;
+    EXPECT_TRUE(r.out.starts_with("teo: error: ")) << args << "\n" << r.out;
+  }
+  EXPECT_EQ(run("--help").code, 0);
 }
 
 }  // namespace

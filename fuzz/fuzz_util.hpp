@@ -30,8 +30,11 @@ class Bytes {
     if (sel == 255) return static_cast<std::int64_t>(u64());  // anything at all
     if (sel == 254) return -1 - static_cast<std::int64_t>(byte());
     if (sel == 253) return std::int64_t{1} << (byte() % 63);
-    const std::uint64_t span = static_cast<std::uint64_t>(hi - lo) + 1;
-    return lo + static_cast<std::int64_t>(u64() % span);
+    if (hi <= lo) return lo;
+    // In unsigned arithmetic, so that any [lo, hi] works; span 0 means the whole 64-bit range.
+    const std::uint64_t span = static_cast<std::uint64_t>(hi) - static_cast<std::uint64_t>(lo) + 1;
+    const std::uint64_t r = span == 0 ? u64() : u64() % span;
+    return static_cast<std::int64_t>(static_cast<std::uint64_t>(lo) + r);
   }
   double real01() { return static_cast<double>(u64() >> 11) * 0x1.0p-53; }
   bool flag() { return byte() & 1; }

@@ -62,7 +62,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   cfg.layer_norm_eps = in.byte() == 0 ? -1.0 : 1e-5;
   const std::int64_t B = in.pick(0, 4), S = in.pick(1, 24);
   std::vector<std::int64_t> lengths;
-  if (in.flag() && B >= 0 && B <= 64) {
+  if (in.flag() && B >= 0 && B <= 64 && S >= 0 && S <= 64) {
     for (std::int64_t b = 0; b < B; ++b) lengths.push_back(in.pick(0, S));
   }
   const std::uint64_t seed = in.u64();

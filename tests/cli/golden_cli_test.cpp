@@ -9,7 +9,9 @@
 #include <vector>
 
 #include <gtest/gtest.h>
+
 #include <nlohmann/json.hpp>
+#include "cli/run_cli.hpp"
 
 #include "teo/safetensors.hpp"
 
@@ -18,21 +20,8 @@ namespace {
 namespace fs = std::filesystem;
 namespace st = teo::safetensors;
 
-struct Result {
-  int code;
-  std::string out;
-};
-
-Result run(const std::string& args) {
-  const std::string cmd = std::string(TEO_TEO_BINARY) + " " + args + " 2>&1";
-  FILE* pipe = popen(cmd.c_str(), "r");
-  EXPECT_NE(pipe, nullptr);
-  std::string out;
-  std::array<char, 4096> buf{};
-  while (std::fgets(buf.data(), buf.size(), pipe)) out += buf.data();
-  const int status = pclose(pipe);
-  return {WEXITSTATUS(status), out};
-}
+using teo::test::CliResult;
+using teo::test::run_cli;
 
 std::string slurp(const fs::path& p) {
   std::ifstream in(p, std::ios::binary);
@@ -60,15 +49,15 @@ TEST(GoldenCli, GenerateWritesTheCommittedBytesAndRefusesToOverwrite) {
   const std::string out = (dir / "g.safetensors").string();
   const std::string args =
       "golden generate --config " + (dir / "case.json").string() + " --out " + out;
-  Result r = run(args);
+  CliResult r = run_cli(args);
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_TRUE(slurp(out) == slurp(kCorpus / (name + ".safetensors")));
   std::ofstream(out, std::ios::trunc) << "keep me";
-  r = run(args);
+  r = run_cli(args);
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.out.find("already exists"), std::string::npos) << r.out;
   EXPECT_EQ(slurp(out), "keep me") << "a refused generate changes nothing";
-  r = run(args + " --force");
+  r = run_cli(args + " --force");
   EXPECT_EQ(r.code, 0) << r.out;
   EXPECT_TRUE(slurp(out) == slurp(kCorpus / (name + ".safetensors")));
 }
@@ -94,26 +83,26 @@ TEST(GoldenCli, GenerateRejectsBadCasesWithExitCode2AndWritesNothing) {
               "num_heads"},
       }) {
     std::ofstream(dir / "case.json", std::ios::trunc) << b.json;
-    const Result r = run("golden generate --config " + (dir / "case.json").string() + " --out " +
-                         (dir / "g.safetensors").string());
+    const CliResult r = run_cli("golden generate --config " + (dir / "case.json").string() +
+                                " --out " + (dir / "g.safetensors").string());
     EXPECT_EQ(r.code, 2) << b.json << "\n" << r.out;
     EXPECT_NE(r.out.find(b.message), std::string::npos) << b.json << "\n" << r.out;
     EXPECT_FALSE(fs::exists(dir / "g.safetensors")) << b.json;
   }
-  EXPECT_EQ(run("golden generate --out x.safetensors").code, 2) << "--out needs --config";
-  EXPECT_EQ(run("golden generate --corpus /nonexistent").code, 2);
-  const Result refused = run("golden generate --corpus " + kCorpus.string());
+  EXPECT_EQ(run_cli("golden generate --out x.safetensors").code, 2) << "--out needs --config";
+  EXPECT_EQ(run_cli("golden generate --corpus /nonexistent").code, 2);
+  const CliResult refused = run_cli("golden generate --corpus " + kCorpus.string());
   EXPECT_EQ(refused.code, 2) << "the corpus exists: regenerating it needs --force";
   EXPECT_NE(refused.out.find("--force"), std::string::npos) << refused.out;
-  EXPECT_EQ(run("golden generate --corpus " + kCorpus.string() + " --out x").code, 2);
+  EXPECT_EQ(run_cli("golden generate --corpus " + kCorpus.string() + " --out x").code, 2);
 }
 
 TEST(GoldenCli, CheckExitCodesAndReports) {
   const fs::path dir = fresh_dir("teo_golden_cli_check");
   const std::string g = (kCorpus / "post_gelu_mean_f64.safetensors").string();
   // A golden holds every act./grad. tensor itself, so it passes as its own candidate.
-  Result r = run("golden check --golden " + g + " --candidate " + g + " --junit " +
-                 (dir / "j.xml").string() + " --json " + (dir / "r.json").string());
+  CliResult r = run_cli("golden check --golden " + g + " --candidate " + g + " --junit " +
+                        (dir / "j.xml").string() + " --json " + (dir / "r.json").string());
   EXPECT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("0 failed, 0 not checked"), std::string::npos) << r.out;
   EXPECT_NE(slurp(dir / "j.xml").find("<testsuites"), std::string::npos);
@@ -128,11 +117,11 @@ TEST(GoldenCli, CheckExitCodesAndReports) {
     }
   }
   st::write_file_atomic((dir / "c.safetensors").string(), st::serialize(c), true);
-  r = run("golden check --golden " + g + " --candidate " + (dir / "c.safetensors").string());
+  r = run_cli("golden check --golden " + g + " --candidate " + (dir / "c.safetensors").string());
   EXPECT_EQ(r.code, 1) << r.out;
   EXPECT_NE(r.out.find("first divergence: logits"), std::string::npos) << r.out;
-  r = run("golden check --only backward --golden " + g + " --candidate " +
-          (dir / "c.safetensors").string());
+  r = run_cli("golden check --only backward --golden " + g + " --candidate " +
+              (dir / "c.safetensors").string());
   EXPECT_EQ(r.code, 0) << "the forward-only error is outside --only backward\n" << r.out;
 
   // A candidate with none of the tensors checks nothing: that is not a pass.
@@ -140,23 +129,23 @@ TEST(GoldenCli, CheckExitCodesAndReports) {
   const std::vector<double> one = {1};
   empty.add<double>("unrelated", {1}, one.data(), 1);
   st::write_file_atomic((dir / "e.safetensors").string(), st::serialize(empty), true);
-  r = run("golden check --golden " + g + " --candidate " + (dir / "e.safetensors").string());
+  r = run_cli("golden check --golden " + g + " --candidate " + (dir / "e.safetensors").string());
   EXPECT_EQ(r.code, 1);
   EXPECT_NE(r.out.find("nothing was checked"), std::string::npos) << r.out;
 
   // Bad input: exit 2 with the file named.
   const std::string truncated = (dir / "t.safetensors").string();
   std::ofstream(truncated, std::ios::binary) << slurp(g).substr(0, 1000);
-  r = run("golden check --golden " + g + " --candidate " + truncated);
+  r = run_cli("golden check --golden " + g + " --candidate " + truncated);
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.out.find(truncated), std::string::npos) << r.out;
-  r = run("golden check --golden /nonexistent --candidate " + g);
+  r = run_cli("golden check --golden /nonexistent --candidate " + g);
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.out.find("/nonexistent"), std::string::npos) << r.out;
-  r = run("golden check --golden " + g + " --candidate " + (dir / "e.safetensors").string() +
-          " --only sideways");
+  r = run_cli("golden check --golden " + g + " --candidate " + (dir / "e.safetensors").string() +
+              " --only sideways");
   EXPECT_EQ(r.code, 2);
-  r = run("golden check --golden " + (dir / "e.safetensors").string() + " --candidate " + g);
+  r = run_cli("golden check --golden " + (dir / "e.safetensors").string() + " --candidate " + g);
   EXPECT_EQ(r.code, 2) << "a golden without teo-golden/1 metadata is bad input";
   EXPECT_NE(r.out.find("not a teo golden"), std::string::npos) << r.out;
 }
@@ -164,14 +153,15 @@ TEST(GoldenCli, CheckExitCodesAndReports) {
 TEST(GoldenCli, DirectoriesAreMatchedByFileNameAndMissingFilesAreNotChecked) {
   const fs::path dir = fresh_dir("teo_golden_cli_dirs");
   fs::copy_file(kCorpus / "one_layer_f64.safetensors", dir / "one_layer_f64.safetensors");
-  Result r = run("golden check --golden " + kCorpus.string() + " --candidate " + dir.string());
+  CliResult r =
+      run_cli("golden check --golden " + kCorpus.string() + " --candidate " + dir.string());
   EXPECT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("no candidate file"), std::string::npos);
-  r = run("golden check --require-all --golden " + kCorpus.string() + " --candidate " +
-          dir.string());
+  r = run_cli("golden check --require-all --golden " + kCorpus.string() + " --candidate " +
+              dir.string());
   EXPECT_EQ(r.code, 1) << r.out;
-  r = run("golden check --golden " + kCorpus.string() + " --candidate " +
-          (dir / "one_layer_f64.safetensors").string());
+  r = run_cli("golden check --golden " + kCorpus.string() + " --candidate " +
+              (dir / "one_layer_f64.safetensors").string());
   EXPECT_EQ(r.code, 2) << "a directory golden needs a directory candidate";
 }
 
@@ -184,12 +174,12 @@ TEST(Cli, EveryBadInputIsOneLineAndExitCode2) {
            "golden generate --config /nonexistent/case.json --out /tmp/x.safetensors",
            "golden check --golden /nonexistent --candidate /nonexistent", "shapes --config " + g,
            "--threads 0 shapes", "train --lr fast"}) {
-    const Result r = run(args);
+    const CliResult r = run_cli(args);
     EXPECT_EQ(r.code, 2) << args << "\n" << r.out;
     EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '\n'), 1) << args << "\n" << r.out;
     EXPECT_TRUE(r.out.starts_with("teo: error: ")) << args << "\n" << r.out;
   }
-  EXPECT_EQ(run("--help").code, 0);
+  EXPECT_EQ(run_cli("--help").code, 0);
 }
 
 }  // namespace

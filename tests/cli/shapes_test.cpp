@@ -6,26 +6,15 @@
 
 #include <gtest/gtest.h>
 
+#include "cli/run_cli.hpp"
+
 namespace {
 
-struct Result {
-  int code;
-  std::string out;
-};
-
-Result run(const std::string& args) {
-  const std::string cmd = std::string(TEO_TEO_BINARY) + " " + args + " 2>&1";
-  FILE* pipe = popen(cmd.c_str(), "r");
-  EXPECT_NE(pipe, nullptr);
-  std::string out;
-  std::array<char, 4096> buf{};
-  while (std::fgets(buf.data(), buf.size(), pipe)) out += buf.data();
-  const int status = pclose(pipe);
-  return {WEXITSTATUS(status), out};
-}
+using teo::test::CliResult;
+using teo::test::run_cli;
 
 TEST(ShapesCli, PrintsEveryStageForwardAndBackward) {
-  const Result r = run("shapes");
+  const CliResult r = run_cli("shapes");
   ASSERT_EQ(r.code, 0) << r.out;
   for (const char* line : {"input.tokens", "act.embedding", "act.layers.1.scores",
                            "act.layers.1.ffn_hidden", "act.pooled", "act.logits", "act.loss",
@@ -41,7 +30,7 @@ TEST(ShapesCli, ReadsAConfigFile) {
   const std::string path = ::testing::TempDir() + "teo_shapes_cfg.json";
   std::ofstream(path)
       << R"({"d_model": 6, "num_heads": 3, "d_ff": 5, "num_layers": 1, "norm_first": true})";
-  const Result r = run("shapes --config " + path + " --batch 3 --seq-len 4 --dtype float32");
+  const CliResult r = run_cli("shapes --config " + path + " --batch 3 --seq-len 4 --dtype float32");
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("act.final_norm"), std::string::npos);
   EXPECT_NE(r.out.find("(B, H, S, Dh)   [3, 3, 4, 2]"), std::string::npos) << r.out;
@@ -50,7 +39,7 @@ TEST(ShapesCli, ReadsAConfigFile) {
 TEST(ShapesCli, DefaultSequenceLengthFitsASmallMaxLen) {
   const std::string path = ::testing::TempDir() + "teo_shapes_short.json";
   std::ofstream(path) << R"({"max_len": 3})";
-  const Result r = run("shapes --config " + path);
+  const CliResult r = run_cli("shapes --config " + path);
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("(S, D)          [3, 16]"), std::string::npos) << r.out;
 }
@@ -58,7 +47,7 @@ TEST(ShapesCli, DefaultSequenceLengthFitsASmallMaxLen) {
 TEST(ShapesCli, HugeConfigFailsCleanlyNotWithACrash) {
   const std::string path = ::testing::TempDir() + "teo_shapes_huge.json";
   std::ofstream(path) << R"({"vocab_size": 1000000000000000, "d_model": 16})";
-  const Result r = run("shapes --config " + path);
+  const CliResult r = run_cli("shapes --config " + path);
   EXPECT_EQ(r.code, 2) << r.out;
   EXPECT_NE(r.out.find("teo: error:"), std::string::npos) << r.out;
 }
@@ -66,19 +55,19 @@ TEST(ShapesCli, HugeConfigFailsCleanlyNotWithACrash) {
 TEST(ShapesCli, BadInputExitsTwoWithTheFieldNamed) {
   const std::string path = ::testing::TempDir() + "teo_shapes_bad.json";
   std::ofstream(path) << R"({"d_model": 10, "num_heads": 4})";
-  Result r = run("shapes --config " + path);
+  CliResult r = run_cli("shapes --config " + path);
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.out.find("d_model must be divisible by num_heads"), std::string::npos) << r.out;
   std::ofstream(path) << R"({"d_model": 8, "dropuot": 0.1})";
-  r = run("shapes --config " + path);
+  r = run_cli("shapes --config " + path);
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.out.find("dropuot"), std::string::npos) << r.out;
-  r = run("shapes --seq-len 33");  // default max_len is 32
+  r = run_cli("shapes --seq-len 33");  // default max_len is 32
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.out.find("max_len"), std::string::npos) << r.out;
-  r = run("shapes --dtype float16");
+  r = run_cli("shapes --dtype float16");
   EXPECT_EQ(r.code, 2);
-  r = run("frobnicate");
+  r = run_cli("frobnicate");
   EXPECT_EQ(r.code, 2);
 }
 

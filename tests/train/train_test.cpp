@@ -11,6 +11,8 @@
 
 #include <gtest/gtest.h>
 
+#include "cli/run_cli.hpp"
+
 #include "teo/cli/train.hpp"
 #include "teo/safetensors.hpp"
 #include "teo/train.hpp"
@@ -264,34 +266,22 @@ TEST(TrainRun, BadSettingsAreNamed) {
   EXPECT_EQ(teo::cli::parse_flag_value({"norm_first", "bool", ""}, "false"), false);
 }
 
-struct CliRun {
-  int code;
-  std::string out;
-};
-
-CliRun run_teo(const std::string& args) {
-  const std::string cmd = std::string(TEO_TEO_BINARY) + " " + args + " 2>&1";
-  FILE* pipe = popen(cmd.c_str(), "r");
-  std::string out;
-  char buf[4096];
-  while (pipe && std::fgets(buf, sizeof buf, pipe)) out += buf;
-  const int status = pipe ? pclose(pipe) : -1;
-  return {WEXITSTATUS(status), out};
-}
+using teo::test::CliResult;
+using teo::test::run_cli;
 
 TEST(TrainCli, TrainsPredictsAndNamesBadInput) {
   const fs::path lists = fake_lists("teo_train_cli");
   const fs::path out = fs::path(::testing::TempDir()) / "teo_train_cli_out";
   fs::remove_all(out);
-  CliRun r = run_teo("train --data-dir " + lists.string() + " --out " + out.string() +
-                  " --d-model 8 --num-heads 2 --d-ff 16 --num-layers 1 --per-language 40"
-                  " --epochs 2 --batch-size 16 --lr 0.02 --warmup-steps 2 --no-plot");
+  CliResult r = run_cli("train --data-dir " + lists.string() + " --out " + out.string() +
+                        " --d-model 8 --num-heads 2 --d-ff 16 --num-layers 1 --per-language 40"
+                        " --epochs 2 --batch-size 16 --lr 0.02 --warmup-steps 2 --no-plot");
   ASSERT_EQ(r.code, 0) << r.out;
   for (const char* part :
        {"validation loss", "test accuracy", "naive Bayes", "confusion matrix", "tok/s", "ETA"}) {
     EXPECT_NE(r.out.find(part), std::string::npos) << part << "\n" << r.out;
   }
-  r = run_teo("predict --checkpoint " + (out / "checkpoint.safetensors").string() +
+  r = run_cli("predict --checkpoint " + (out / "checkpoint.safetensors").string() +
               " abcing abczione");
   ASSERT_EQ(r.code, 0) << r.out;
   std::istringstream lines(r.out);
@@ -308,13 +298,13 @@ TEST(TrainCli, TrainsPredictsAndNamesBadInput) {
     EXPECT_NEAR(total, 1.0, 0.01) << line;
   }
   EXPECT_EQ(n, 2);
-  r = run_teo("train --data-dir /nonexistent --out " + out.string() + " --no-plot");
+  r = run_cli("train --data-dir /nonexistent --out " + out.string() + " --no-plot");
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.out.find("apt-get install wamerican"), std::string::npos) << r.out;
-  r = run_teo("train --epochs 3x");
+  r = run_cli("train --epochs 3x");
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.out.find("--epochs takes an integer"), std::string::npos) << r.out;
-  r = run_teo("predict --checkpoint " + (lists / "french").string() + " mot");
+  r = run_cli("predict --checkpoint " + (lists / "french").string() + " mot");
   EXPECT_EQ(r.code, 2) << "a file that is not a checkpoint";
 }
 

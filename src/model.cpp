@@ -261,16 +261,21 @@ void copy(Real* dst, const Real* src, index_t n) {
 
 template <class Real>
 void add(Real* dst, const Real* src, index_t n) {
-  detail::for_blocks(n, kElementGrain, [&](index_t i0, index_t i1) {
-    for (index_t i = i0; i < i1; ++i) dst[i] += src[i];
+  detail::for_blocks(n, kElementGrain, [=](index_t i0, index_t i1) {
+    Real* __restrict d = dst + i0;
+    const Real* __restrict x = src + i0;
+    for (index_t i = 0; i < i1 - i0; ++i) d[i] += x[i];
   });
 }
 
 // out = a + b, element-wise.
 template <class Real>
 void add3(Real* out, const Real* a, const Real* b, index_t n) {
-  detail::for_blocks(n, kElementGrain, [&](index_t i0, index_t i1) {
-    for (index_t i = i0; i < i1; ++i) out[i] = a[i] + b[i];
+  detail::for_blocks(n, kElementGrain, [=](index_t i0, index_t i1) {
+    Real* __restrict o = out + i0;
+    const Real* __restrict x = a + i0;
+    const Real* __restrict y = b + i0;
+    for (index_t i = 0; i < i1 - i0; ++i) o[i] = x[i] + y[i];
   });
 }
 
@@ -315,34 +320,39 @@ template <class Real>
 void allocate_layer(LayerActs<Real>& l, const Dims& d) {
   for (Tensor<Real>* t : {&l.norm1, &l.context, &l.attn_out, &l.residual1, &l.norm2, &l.ffn_out,
                           &l.residual2, &l.output})
-    *t = Tensor<Real>({d.B, d.S, d.D});
+    t->reset({d.B, d.S, d.D});
   for (Tensor<Real>* t : {&l.norm1_mean, &l.norm1_rstd, &l.norm2_mean, &l.norm2_rstd})
-    *t = Tensor<Real>({d.N});
-  for (Tensor<Real>* t : {&l.q, &l.k, &l.v}) *t = Tensor<Real>({d.B, d.H, d.S, d.Dh});
-  for (Tensor<Real>* t : {&l.scores, &l.probs}) *t = Tensor<Real>({d.B, d.H, d.S, d.S});
-  for (Tensor<Real>* t : {&l.ffn_pre, &l.ffn_hidden}) *t = Tensor<Real>({d.B, d.S, d.F});
+    t->reset({d.N});
+  for (Tensor<Real>* t : {&l.q, &l.k, &l.v}) t->reset({d.B, d.H, d.S, d.Dh});
+  for (Tensor<Real>* t : {&l.scores, &l.probs}) t->reset({d.B, d.H, d.S, d.S});
+  for (Tensor<Real>* t : {&l.ffn_pre, &l.ffn_hidden}) t->reset({d.B, d.S, d.F});
+  for (auto* m : {&l.masks.attn, &l.masks.residual1, &l.masks.ffn, &l.masks.residual2}) m->clear();
 }
 
-// Shapes every named activation of `acts` for this config and batch, all zero.
+// Shapes every named activation of `acts` for this config and batch, all zero, with empty masks.
+// The buffers of a previous pass are reused where they are large enough.
 template <class Real>
 void allocate(Activations<Real>& a, const EncoderConfig& cfg, const Dims& d) {
-  a = Activations<Real>{};
   a.norm_first = cfg.norm_first;
-  a.embedding = Tensor<Real>({d.B, d.S, d.D});
-  a.positional = Tensor<Real>({d.S, d.D});
-  a.input = Tensor<Real>({d.B, d.S, d.D});
+  a.embedding.reset({d.B, d.S, d.D});
+  a.positional.reset({d.S, d.D});
+  a.input.reset({d.B, d.S, d.D});
+  a.input_mask.clear();
   a.layers.resize(static_cast<std::size_t>(cfg.num_layers));
   for (auto& l : a.layers) allocate_layer(l, d);
   if (cfg.norm_first) {
-    a.final_norm = Tensor<Real>({d.B, d.S, d.D});
-    a.final_norm_mean = Tensor<Real>({d.N});
-    a.final_norm_rstd = Tensor<Real>({d.N});
+    a.final_norm.reset({d.B, d.S, d.D});
+    a.final_norm_mean.reset({d.N});
+    a.final_norm_rstd.reset({d.N});
+  } else {
+    a.final_norm = a.final_norm_mean = a.final_norm_rstd = Tensor<Real>();
   }
-  a.pooled = Tensor<Real>({d.B, d.D});
+  a.pooled.reset({d.B, d.D});
+  a.pool_argmax.clear();
   if (cfg.pooling == Pooling::max) a.pool_argmax.assign(static_cast<std::size_t>(d.B * d.D), -1);
-  a.logits = Tensor<Real>({d.B, d.C});
-  a.class_probs = Tensor<Real>({d.B, d.C});
-  a.loss = Tensor<Real>(Shape(std::vector<index_t>{}));
+  a.logits.reset({d.B, d.C});
+  a.class_probs.reset({d.B, d.C});
+  a.loss.reset(Shape(std::vector<index_t>{}));
 }
 
 template <class Real>

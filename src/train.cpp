@@ -333,11 +333,39 @@ void AdamW<Real>::update(Params<Real>& params, const Params<Real>& grads, const 
   }
 }
 
+double ema_decay(double decay, index_t step) {
+  const double n = static_cast<double>(step);
+  return std::min(decay, (1.0 + n) / (10.0 + n));
+}
+
+template <class Real>
+void ema_update(Params<Real>& avg, const Params<Real>& params, double decay) {
+  std::vector<const Tensor<Real>*> src;
+  params.visit([&](const std::string&, const Tensor<Real>& t) { src.push_back(&t); });
+  std::size_t count = 0;
+  avg.visit([&](const std::string&, const Tensor<Real>&) { ++count; });
+  if (count != src.size()) {
+    throw ShapeError("averaged weights: " + std::to_string(count) + " tensors, the parameters " +
+                     std::to_string(src.size()));
+  }
+  std::size_t k = 0;
+  const Real rate = static_cast<Real>(1.0 - decay);
+  avg.visit([&](const std::string& name, Tensor<Real>& a) {
+    const Tensor<Real>& p = *src[k++];
+    if (!(a.shape() == p.shape()))
+      throw ShapeError("averaged weights: " + name + " has shape " + a.shape().str() +
+                       ", the parameter " + p.shape().str());
+    for (index_t i = 0; i < a.numel(); ++i) a[i] += rate * (p[i] - a[i]);
+  });
+}
+
 template double global_norm(const Params<float>&);
 template double global_norm(const Params<double>&);
 template void clip_by_norm(Params<float>&, double, double);
 template void clip_by_norm(Params<double>&, double, double);
 template struct AdamW<float>;
 template struct AdamW<double>;
+template void ema_update(Params<float>&, const Params<float>&, double);
+template void ema_update(Params<double>&, const Params<double>&, double);
 
 }  // namespace teo::train

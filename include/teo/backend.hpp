@@ -4,6 +4,8 @@
 // and TEO_NUM_THREADS). Setting them from inside a teo task throws teo::ConfigError.
 #pragma once
 
+#include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -36,6 +38,13 @@ Isa isa();
 // 1 to 1024 threads, else teo::ConfigError. The default is the machine's hardware concurrency.
 void set_num_threads(int n);
 int num_threads();
+
+// Runs task(i) for every i in [0, n), one task per index, on the thread arena (serially on the
+// reference backend or with one thread). The kernels a task calls run on its own thread, so n
+// independent model passes (the shards of a training batch) keep both cores busy. Each task must
+// write only outputs it owns; then the result is the serial loop's, bit for bit, on any thread
+// count. An exception from a task is rethrown here.
+void parallel_tasks(std::int64_t n, const std::function<void(std::int64_t)>& task);
 
 // Reads TEO_BACKEND, TEO_ISA and TEO_NUM_THREADS when set; throws teo::ConfigError naming the
 // variable on a bad value.

@@ -83,6 +83,15 @@ class Tensor {
   }
   Tensor(std::initializer_list<index_t> dims) : Tensor(Shape(dims)) {}
 
+  // Gives the tensor a new shape, all zero, keeping its buffer when that is large enough: the
+  // activations of repeated passes over batches of varying length then reuse warm memory.
+  void reset(Shape shape) {
+    checked_mul(shape.numel(), static_cast<index_t>(sizeof(Real)), "tensor byte count");
+    shape_ = std::move(shape);
+    data_.assign(static_cast<std::size_t>(shape_.numel()), Real(0));
+  }
+  void reset(std::initializer_list<index_t> dims) { reset(Shape(dims)); }
+
   const Shape& shape() const { return shape_; }
   index_t numel() const { return shape_.numel(); }
   index_t dim(std::size_t i) const { return shape_[i]; }

@@ -123,4 +123,16 @@ struct AdamW {
   void update(Params<Real>& params, const Params<Real>& grads, const OptimOptions& o, double lr);
 };
 
+// ---- averaged weights --------------------------------------------------------------------------
+
+// An exponential moving average of the parameters, updated after every optimizer step and used
+// for evaluation: it averages out the step-to-step noise that a learning rate decaying only as
+// 1/sqrt(step) leaves in the last iterate. The decay at optimizer step n (1-based) is
+// min(decay, (1 + n) / (10 + n)), so the average forgets the initialisation quickly.
+double ema_decay(double decay, index_t step);
+
+// avg += (1 - decay) * (params - avg), element by element, in Real.
+template <class Real>
+void ema_update(Params<Real>& avg, const Params<Real>& params, double decay);
+
 }  // namespace teo::train

@@ -71,7 +71,13 @@ const std::vector<TrainKey>& train_keys() {
       {"max_steps", "int", "stop after this many optimizer steps (0: no limit)"},
       {"batch_size", "int", "words per micro-batch"},
       {"accum_steps", "int", "micro-batches accumulated per optimizer step"},
+      {"shards", "int",
+       "parts of each micro-batch computed in parallel and summed in a fixed order (the result "
+       "does not depend on --threads)"},
       {"eval_batch", "int", "words per evaluation batch"},
+      {"ema", "real",
+       "decay of the averaged weights used for evaluation, checkpoints' predictions and the "
+       "test (0: evaluate the last weights)"},
       {"lr", "real", "peak learning rate"},
       {"warmup_steps", "int", "linear warmup steps, then inverse-sqrt decay"},
       {"weight_decay", "real", "AdamW decoupled weight decay (matrices only)"},
@@ -147,8 +153,12 @@ void TrainOptions::apply_json(const json& j) {
       batch_size = get_int(v, key);
     } else if (key == "accum_steps") {
       accum_steps = get_int(v, key);
+    } else if (key == "shards") {
+      shards = get_int(v, key);
     } else if (key == "eval_batch") {
       eval_batch = get_int(v, key);
+    } else if (key == "ema") {
+      ema = get_real(v, key);
     } else if (key == "lr") {
       optim.lr = get_real(v, key);
     } else if (key == "warmup_steps") {
@@ -183,7 +193,9 @@ json TrainOptions::to_json() const {
               {"max_steps", max_steps},
               {"batch_size", batch_size},
               {"accum_steps", accum_steps},
+              {"shards", shards},
               {"eval_batch", eval_batch},
+              {"ema", ema},
               {"lr", optim.lr},
               {"warmup_steps", optim.warmup_steps},
               {"weight_decay", optim.weight_decay},
@@ -208,6 +220,8 @@ void TrainOptions::validate() const {
        "batch_size must be in [1, 65536], got " + std::to_string(batch_size));
   need(accum_steps >= 1 && accum_steps <= 1024,
        "accum_steps must be in [1, 1024], got " + std::to_string(accum_steps));
+  need(shards >= 1 && shards <= 256, "shards must be in [1, 256], got " + std::to_string(shards));
+  need(ema >= 0 && ema < 1, "ema must be in [0, 1), got " + std::to_string(ema));
   need(eval_batch >= 1 && eval_batch <= 65536,
        "eval_batch must be in [1, 65536], got " + std::to_string(eval_batch));
   need(optim.lr > 0 && optim.lr < 10, "lr must be in (0, 10)");
@@ -319,6 +333,18 @@ std::vector<Real> softmax_row(const Tensor<Real>& logits, index_t b, index_t C) 
   return p;
 }
 
+// The class with the largest logit in row i (the first one on ties).
+template <class Real>
+index_t predicted_class(const Tensor<Real>& logits, index_t i, index_t C) {
+  index_t best = 0;
+  for (index_t c = 1; c < C; ++c) {
+    if (logits[i * C + c] > logits[i * C + best]) best = c;
+  }
+  return best;
+}
+
+// Loss and accuracy over `set` in batches of eval_batch. The batches run in parallel, one pass
+// per task on its own thread; their results are summed in batch order.
 template <class Real>
 Eval evaluate(const Params<Real>& params, const train::Vocab& vocab,
               const std::vector<train::Example>& set, index_t eval_batch) {
@@ -327,24 +353,36 @@ Eval evaluate(const Params<Real>& params, const train::Vocab& vocab,
   e.confusion.assign(static_cast<std::size_t>(C),
                      std::vector<index_t>(static_cast<std::size_t>(C), 0));
   if (set.empty()) return e;
+  const std::size_t eb = static_cast<std::size_t>(eval_batch);
+  const std::size_t n_batches = (set.size() + eb - 1) / eb;
+  struct Result {
+    double loss_sum = 0;
+    std::vector<index_t> predicted;
+  };
+  std::vector<Result> results(n_batches);
+  const std::int64_t workers =
+      std::min<std::int64_t>(num_threads(), static_cast<std::int64_t>(n_batches));
+  parallel_tasks(workers, [&](std::int64_t w) {
+    Activations<Real> acts;
+    for (std::size_t k = static_cast<std::size_t>(w); k < n_batches;
+         k += static_cast<std::size_t>(workers)) {
+      std::vector<const train::Example*> ex;
+      for (std::size_t i = k * eb; i < std::min(set.size(), (k + 1) * eb); ++i)
+        ex.push_back(&set[i]);
+      const Batch b = train::make_batch(vocab, ex, params.config.max_len);
+      forward(params, b, acts, {.train = false, .dropout_seed = 0});
+      results[k].loss_sum = static_cast<double>(acts.loss[0]) * static_cast<double>(b.batch);
+      for (index_t i = 0; i < b.batch; ++i)
+        results[k].predicted.push_back(predicted_class(acts.logits, i, C));
+    }
+  });
   double loss_sum = 0;
   index_t correct = 0;
-  Activations<Real> acts;
-  for (std::size_t start = 0; start < set.size(); start += static_cast<std::size_t>(eval_batch)) {
-    std::vector<const train::Example*> ex;
-    for (std::size_t i = start;
-         i < std::min(set.size(), start + static_cast<std::size_t>(eval_batch)); ++i) {
-      ex.push_back(&set[i]);
-    }
-    const Batch b = train::make_batch(vocab, ex, params.config.max_len);
-    forward(params, b, acts, {.train = false, .dropout_seed = 0});
-    loss_sum += static_cast<double>(acts.loss[0]) * static_cast<double>(b.batch);
-    for (index_t i = 0; i < b.batch; ++i) {
-      index_t best = 0;
-      for (index_t c = 1; c < C; ++c) {
-        if (acts.logits[i * C + c] > acts.logits[i * C + best]) best = c;
-      }
-      const auto y = b.labels[static_cast<std::size_t>(i)];
+  for (std::size_t k = 0; k < n_batches; ++k) {
+    loss_sum += results[k].loss_sum;
+    for (std::size_t i = 0; i < results[k].predicted.size(); ++i) {
+      const auto y = set[k * eb + i].label;
+      const index_t best = results[k].predicted[i];
       correct += best == y;
       ++e.confusion[static_cast<std::size_t>(y)][static_cast<std::size_t>(best)];
     }
@@ -393,7 +431,7 @@ json languages_json() {
 template <class Real>
 void save_checkpoint(const std::string& path, const TrainOptions& o, const train::Vocab& vocab,
                      const Params<Real>& params, const train::AdamW<Real>& adam,
-                     const Position& pos) {
+                     const Params<Real>* ema, const Position& pos) {
   st::File f;
   f.metadata = {{"format", kCheckpointFormat},
                 {"config", params.config.to_json().dump()},
@@ -409,6 +447,7 @@ void save_checkpoint(const std::string& path, const TrainOptions& o, const train
   add_params(f, "param.", params);
   add_params(f, "adam.m.", adam.m);
   add_params(f, "adam.v.", adam.v);
+  if (ema) add_params(f, "ema.", *ema);
   st::write_file_atomic(path, st::serialize(f), true);
 }
 
@@ -474,6 +513,15 @@ std::vector<std::vector<std::size_t>> epoch_batches(const std::vector<train::Exa
   return out;
 }
 
+// One part of a micro-batch and everything its pass needs, kept across steps for reuse.
+template <class Real>
+struct Shard {
+  Batch batch;
+  Activations<Real> acts, dacts;
+  Params<Real> grads;
+  index_t correct = 0;
+};
+
 template <class Real>
 void axpy_params(Params<Real>& acc, const Params<Real>& g, Real scale) {
   std::vector<const Tensor<Real>*> src;
@@ -491,6 +539,7 @@ int train_typed(TrainOptions o, std::ostream& out) {
   const int C = static_cast<int>(train::languages().size());
   Params<Real> params;
   train::AdamW<Real> adam;
+  Params<Real> ema;  // the averaged weights, when o.ema > 0
   train::Vocab vocab;
   Position pos;
   st::File ck;
@@ -541,6 +590,10 @@ int train_typed(TrainOptions o, std::ostream& out) {
     load_params(ck, "param.", params, o.resume);
     load_params(ck, "adam.m.", adam.m, o.resume);
     load_params(ck, "adam.v.", adam.v, o.resume);
+    if (o.ema > 0) {
+      ema = Params<Real>::zeros(o.model);
+      load_params(ck, "ema.", ema, o.resume);
+    }
     adam.step = pos.step;
   } else {
     vocab = train::Vocab::build(data.train);
@@ -549,7 +602,9 @@ int train_typed(TrainOptions o, std::ostream& out) {
     o.validate();
     params = Params<Real>::init(o.model, o.seed);
     adam = train::AdamW<Real>::zeros(o.model);
+    if (o.ema > 0) ema = params;
   }
+  const bool use_ema = o.ema > 0;
   fs::create_directories(o.out_dir);
   Metrics metrics{(fs::path(o.out_dir) / "metrics.csv").string(), {}};
   if (!o.resume.empty()) metrics.load();
@@ -584,8 +639,8 @@ int train_typed(TrainOptions o, std::ostream& out) {
     add_params(trace, "init.", params);
   }
 
-  Params<Real> grads = Params<Real>::zeros(o.model), micro_grads;
-  Activations<Real> acts, dacts;
+  Params<Real> grads = Params<Real>::zeros(o.model);
+  std::vector<Shard<Real>> shards(static_cast<std::size_t>(o.shards));
   const auto dropout_stream = rng::stream_id("train.dropout");
   const auto t_start = Clock::now();
   const index_t start_step = pos.step;
@@ -601,27 +656,41 @@ int train_typed(TrainOptions o, std::ostream& out) {
       grads.visit([](const std::string&, Tensor<Real>& t) { t.zero(); });
       double step_loss = 0;
       for (index_t m = 0; m < n_micro; ++m) {
-        const index_t mb = pos.micro + m;
-        std::vector<const train::Example*> ex;
-        for (std::size_t i : batches[static_cast<std::size_t>(mb)]) ex.push_back(&data.train[i]);
-        const Batch b = train::make_batch(vocab, ex, o.model.max_len);
-        const std::uint64_t dseed =
-            rng::bits(o.seed, dropout_stream, static_cast<std::uint64_t>(pos.micro_total + m));
-        forward(params, b, acts, {.train = true, .dropout_seed = dseed});
-        backward(params, b, acts, micro_grads, dacts);
-        axpy_params(grads, micro_grads, static_cast<Real>(1.0 / static_cast<double>(n_micro)));
-        const double loss_m = static_cast<double>(acts.loss[0]);
-        step_loss += loss_m;
-        for (index_t i = 0; i < b.batch; ++i) {
-          index_t best = 0;
-          for (index_t c = 1; c < C; ++c) {
-            if (acts.logits[i * C + c] > acts.logits[i * C + best]) best = c;
+        const auto& members = batches[static_cast<std::size_t>(pos.micro + m)];
+        const index_t n = static_cast<index_t>(members.size());
+        const index_t n_shards = std::min(o.shards, n);
+        const auto micro_id = static_cast<std::uint64_t>(pos.micro_total + m);
+        parallel_tasks(n_shards, [&](std::int64_t s) {
+          Shard<Real>& sh = shards[static_cast<std::size_t>(s)];
+          std::vector<const train::Example*> ex;
+          for (index_t i = n * s / n_shards; i < n * (s + 1) / n_shards; ++i)
+            ex.push_back(&data.train[members[static_cast<std::size_t>(i)]]);
+          sh.batch = train::make_batch(vocab, ex, o.model.max_len);
+          const std::uint64_t dseed = rng::bits(
+              o.seed, dropout_stream,
+              micro_id * static_cast<std::uint64_t>(o.shards) + static_cast<std::uint64_t>(s));
+          forward(params, sh.batch, sh.acts, {.train = true, .dropout_seed = dseed});
+          backward(params, sh.batch, sh.acts, sh.grads, sh.dacts);
+          sh.correct = 0;
+          for (index_t i = 0; i < sh.batch.batch; ++i) {
+            sh.correct += predicted_class(sh.acts.logits, i, C) ==
+                          sh.batch.labels[static_cast<std::size_t>(i)];
           }
-          window_correct += best == b.labels[static_cast<std::size_t>(i)];
+        });
+        // Each part's loss and gradient are means over its words: weight them by its share.
+        for (index_t s = 0; s < n_shards; ++s) {
+          const Shard<Real>& sh = shards[static_cast<std::size_t>(s)];
+          const double share = static_cast<double>(sh.batch.batch) / static_cast<double>(n);
+          axpy_params(grads, sh.grads, static_cast<Real>(share / static_cast<double>(n_micro)));
+          step_loss += share * static_cast<double>(sh.acts.loss[0]);
+          window_correct += sh.correct;
+          window_words += sh.batch.batch;
+          for (auto len : sh.batch.lengths) window_tokens += static_cast<double>(len);
         }
-        window_words += b.batch;
-        for (auto len : b.lengths) window_tokens += static_cast<double>(len);
         if (!o.trace.empty()) {
+          std::vector<const train::Example*> ex;
+          for (std::size_t i : members) ex.push_back(&data.train[i]);
+          const Batch b = train::make_batch(vocab, ex, o.model.max_len);
           const std::string p =
               "step." + std::to_string(pos.step + 1) + "." + std::to_string(m) + ".";
           trace.add<std::int64_t>(p + "tokens", {b.batch, b.seq_len}, b.tokens.data(),
@@ -635,6 +704,7 @@ int train_typed(TrainOptions o, std::ostream& out) {
       train::clip_by_norm(grads, norm, o.optim.clip_norm);
       const double lr = train::learning_rate(o.optim, pos.step + 1);
       adam.update(params, grads, o.optim, lr);
+      if (use_ema) train::ema_update(ema, params, train::ema_decay(o.ema, pos.step + 1));
       pos.step += 1;
       pos.micro += n_micro;
       pos.micro_total += n_micro;
@@ -683,7 +753,7 @@ int train_typed(TrainOptions o, std::ostream& out) {
     }
     if (pos.micro >= micro_per_epoch) {
       if (tty) out << "\n";
-      const Eval v = evaluate(params, vocab, data.valid, o.eval_batch);
+      const Eval v = evaluate(use_ema ? ema : params, vocab, data.valid, o.eval_batch);
       metrics.add("valid", pos.epoch + 1, pos.step, v.loss, v.accuracy,
                   train::learning_rate(o.optim, pos.step), 0);
       pos.epoch += 1;
@@ -691,9 +761,9 @@ int train_typed(TrainOptions o, std::ostream& out) {
       const std::string saved_at =
           (fs::path(o.out_dir) / ("checkpoint-epoch" + std::to_string(pos.epoch) + ".safetensors"))
               .string();
-      save_checkpoint(saved_at, o, vocab, params, adam, pos);
+      save_checkpoint(saved_at, o, vocab, params, adam, use_ema ? &ema : nullptr, pos);
       save_checkpoint((fs::path(o.out_dir) / "checkpoint.safetensors").string(), o, vocab, params,
-                      adam, pos);
+                      adam, use_ema ? &ema : nullptr, pos);
       out << "epoch " << pos.epoch << ": validation loss " << std::fixed << std::setprecision(4)
           << v.loss << ", accuracy " << std::setprecision(4) << v.accuracy << "  (saved "
           << saved_at << ")\n";
@@ -703,7 +773,7 @@ int train_typed(TrainOptions o, std::ostream& out) {
   if (stop && pos.micro != 0) {
     if (tty) out << "\n";
     save_checkpoint((fs::path(o.out_dir) / "checkpoint.safetensors").string(), o, vocab, params,
-                    adam, pos);
+                    adam, use_ema ? &ema : nullptr, pos);
     out << "stopped at step " << pos.step << " (max_steps); saved "
         << (fs::path(o.out_dir) / "checkpoint.safetensors").string() << "\n";
   }
@@ -715,7 +785,7 @@ int train_typed(TrainOptions o, std::ostream& out) {
   }
 
   // The yardstick and the result.
-  const Eval test = evaluate(params, vocab, data.test, o.eval_batch);
+  const Eval test = evaluate(use_ema ? ema : params, vocab, data.test, o.eval_batch);
   train::NaiveBayes nb;
   nb.fit(data.train, C);
   index_t nb_correct = 0;
@@ -764,7 +834,10 @@ int predict_typed(const st::File& ck, const std::string& path,
   const auto cfg = EncoderConfig::from_json(meta_json(ck, "config", path));
   const auto vocab = train::Vocab::from_json(meta_json(ck, "vocab", path));
   auto params = Params<Real>::zeros(cfg);
-  load_params(ck, "param.", params, path);
+  // The averaged weights when training kept them (they are what the test accuracy measured).
+  const bool averaged = std::any_of(ck.tensors.begin(), ck.tensors.end(),
+                                    [](const auto& e) { return e.name.rfind("ema.", 0) == 0; });
+  load_params(ck, averaged ? "ema." : "param.", params, path);
   const auto& langs = train::languages();
   if (cfg.num_classes != static_cast<index_t>(langs.size())) {
     throw FormatError(path + ": the checkpoint has " + std::to_string(cfg.num_classes) +

@@ -172,6 +172,14 @@ void init_from_environment() {
   }
 }
 
+void parallel_tasks(std::int64_t n, const std::function<void(std::int64_t)>& task) {
+  if (backend() == Backend::reference) {
+    for (std::int64_t i = 0; i < n; ++i) task(i);
+    return;
+  }
+  detail::parallel_for_each(n, task);
+}
+
 ScopedSettings::ScopedSettings() : backend_(backend()), isa_(isa()), threads_(num_threads()) {}
 ScopedSettings::~ScopedSettings() {
   set_backend(backend_);

@@ -12,9 +12,12 @@ void linear_forward(Real* out, const Real* in, const Real* weight, const Real* b
   gemm<Real>(Trans::no, Trans::yes, rows, out_f, in_f, Real(1), in, in_f, weight, in_f, Real(0),
              out, out_f);
   if (bias) {
-    detail::for_blocks(rows, 64, [&](index_t r0, index_t r1) {
-      for (index_t r = r0; r < r1; ++r)
-        for (index_t o = 0; o < out_f; ++o) out[r * out_f + o] += bias[o];
+    detail::for_blocks(rows, 64, [=](index_t r0, index_t r1) {
+      const Real* __restrict bv = bias;
+      for (index_t r = r0; r < r1; ++r) {
+        Real* __restrict y = out + r * out_f;
+        for (index_t o = 0; o < out_f; ++o) y[o] += bv[o];
+      }
     });
   }
 }

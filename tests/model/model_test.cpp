@@ -56,6 +56,50 @@ TYPED_TEST(Model, EveryStageHasItsShape) {
   }
 }
 
+// forward and backward reuse the buffers of the activations, gradients and masks they are given.
+// Nothing of an earlier pass may show through: a pass after a larger batch with dropout, and an
+// evaluation pass after a training pass, give the bits of a pass on fresh objects.
+TYPED_TEST(Model, ReusedActivationsGiveTheBitsOfFreshOnes) {
+  using Real = TypeParam;
+  for (bool pre : {false, true}) {
+    for (Pooling pool : {Pooling::mean, Pooling::max}) {
+      EncoderConfig c = small_config();
+      c.norm_first = pre;
+      c.pooling = pool;
+      c.dropout = 0.25;
+      const auto p = Params<Real>::init(c, 4);
+      const Batch big = Batch::random(c, 5, 9, 6, {9, 9, 4, 1, 7});
+      const Batch small = Batch::random(c, 2, 4, 7, {4, 2});
+      Activations<Real> a, da;
+      Params<Real> g;
+      forward(p, big, a, {.train = true, .dropout_seed = 1});
+      backward(p, big, a, g, da);
+      for (bool train : {true, false}) {
+        const ForwardOptions fo{.train = train, .dropout_seed = 2};
+        forward(p, small, a, fo);
+        backward(p, small, a, g, da);
+        Activations<Real> fa, fda;
+        Params<Real> fg;
+        forward(p, small, fa, fo);
+        backward(p, small, fa, fg, fda);
+        EXPECT_TRUE(test::bitwise_equal(a, fa)) << "pre " << pre << " train " << train;
+        EXPECT_TRUE(test::bitwise_equal(da, fda)) << "pre " << pre << " train " << train;
+        EXPECT_EQ(test::named(a), test::named(fa));  // names the tensor when the bits differ
+        EXPECT_EQ(test::named(g), test::named(fg)) << "pre " << pre << " train " << train;
+        EXPECT_EQ(a.input_mask, fa.input_mask);
+        EXPECT_EQ(a.pool_argmax, fa.pool_argmax);
+        for (std::size_t i = 0; i < a.layers.size(); ++i) {
+          EXPECT_EQ(a.layers[i].masks.attn, fa.layers[i].masks.attn);
+          EXPECT_EQ(a.layers[i].masks.ffn, fa.layers[i].masks.ffn);
+          EXPECT_EQ(a.layers[i].masks.residual1, fa.layers[i].masks.residual1);
+          EXPECT_EQ(a.layers[i].masks.residual2, fa.layers[i].masks.residual2);
+        }
+        EXPECT_EQ(train, !a.input_mask.empty());
+      }
+    }
+  }
+}
+
 TYPED_TEST(Model, ParametersFollowTheConfig) {
   using Real = TypeParam;
   EncoderConfig c = small_config();

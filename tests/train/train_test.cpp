@@ -2,8 +2,10 @@
 // clipping and AdamW against their formulas, and bit-exact resume of `teo train`.
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <set>
 #include <sstream>
 #include <string>
@@ -13,6 +15,7 @@
 
 #include "cli/run_cli.hpp"
 
+#include "teo/backend.hpp"
 #include "teo/cli/train.hpp"
 #include "teo/safetensors.hpp"
 #include "teo/train.hpp"
@@ -22,6 +25,19 @@ namespace {
 namespace fs = std::filesystem;
 namespace tr = teo::train;
 using teo::cli::TrainOptions;
+
+double test_named_max_diff(const teo::Params<double>& a, const teo::Params<double>& b) {
+  std::vector<const teo::Tensor<double>*> tb;
+  b.visit([&](const std::string&, const teo::Tensor<double>& t) { tb.push_back(&t); });
+  double worst = 0;
+  std::size_t k = 0;
+  a.visit([&](const std::string&, const teo::Tensor<double>& t) {
+    for (teo::index_t i = 0; i < t.numel(); ++i)
+      worst = std::max(worst, std::abs(t[i] - (*tb[k])[i]));
+    ++k;
+  });
+  return worst;
+}
 
 // Five small word lists in a fresh directory: each language's words carry a telltale suffix, and
 // "shared" and "casa" appear in two lists.
@@ -195,6 +211,28 @@ TEST(TrainOptim, AdamWFollowsTorchsUpdateRule) {
   EXPECT_EQ(adam.step, 2);
 }
 
+TEST(TrainOptim, AveragedWeightsFollowTheirFormula) {
+  EXPECT_DOUBLE_EQ(tr::ema_decay(0.999, 1), 2.0 / 11.0);
+  EXPECT_DOUBLE_EQ(tr::ema_decay(0.999, 80), 0.9);
+  EXPECT_DOUBLE_EQ(tr::ema_decay(0.999, 1000000), 0.999);
+  EXPECT_DOUBLE_EQ(tr::ema_decay(0.1, 1), 0.1) << "the cap applies from the first step";
+  teo::EncoderConfig cfg;
+  cfg.num_layers = 1;
+  auto avg = teo::Params<double>::init(cfg, 1);
+  const auto a0 = avg;
+  const auto p = teo::Params<double>::init(cfg, 2);
+  tr::ema_update(avg, p, 0.75);
+  EXPECT_DOUBLE_EQ(
+      avg.layers[0].v_weight[5],
+      a0.layers[0].v_weight[5] + 0.25 * (p.layers[0].v_weight[5] - a0.layers[0].v_weight[5]));
+  EXPECT_DOUBLE_EQ(avg.head_bias[1], a0.head_bias[1] + 0.25 * (p.head_bias[1] - a0.head_bias[1]));
+  tr::ema_update(avg, p, 0.0);
+  EXPECT_LE(test_named_max_diff(avg, p), 1e-15) << "decay 0 copies the parameters (to rounding)";
+  cfg.num_layers = 2;
+  auto other = teo::Params<double>::init(cfg, 3);
+  EXPECT_THROW(tr::ema_update(avg, other, 0.5), teo::ShapeError);
+}
+
 TrainOptions tiny(const fs::path& lists, const fs::path& out) {
   TrainOptions o = TrainOptions::defaults();
   o.apply_json({{"d_model", 8},
@@ -217,7 +255,7 @@ TrainOptions tiny(const fs::path& lists, const fs::path& out) {
 std::string param_bytes(const std::string& checkpoint) {
   std::string s;
   for (const auto& t : teo::safetensors::read(checkpoint).tensors) {
-    if (t.name.starts_with("param.") || t.name.starts_with("adam.")) {
+    if (t.name.starts_with("param.") || t.name.starts_with("adam.") || t.name.starts_with("ema.")) {
       s += t.name;
       s.append(reinterpret_cast<const char*>(t.bytes.data()), t.bytes.size());
     }
@@ -254,12 +292,112 @@ TEST(TrainRun, ResumingAfterOneEpochGivesTheSameBitsAsTwoEpochsInOneRun) {
   EXPECT_THROW(teo::cli::run_train(changed, log), teo::ConfigError);
 }
 
+// The tensors of a checkpoint whose name starts with `prefix`, as doubles.
+std::map<std::string, std::vector<double>> tensors(const std::string& checkpoint,
+                                                   const std::string& prefix) {
+  std::map<std::string, std::vector<double>> m;
+  for (const auto& t : teo::safetensors::read(checkpoint).tensors) {
+    if (!t.name.starts_with(prefix)) continue;
+    auto& v = m[t.name];
+    if (t.dtype == teo::safetensors::DType::F64) {
+      v.resize(t.bytes.size() / sizeof(double));
+      std::memcpy(v.data(), t.bytes.data(), t.bytes.size());
+    } else {
+      std::vector<float> f(t.bytes.size() / sizeof(float));
+      std::memcpy(f.data(), t.bytes.data(), t.bytes.size());
+      v.assign(f.begin(), f.end());
+    }
+  }
+  return m;
+}
+
+// Shards split each micro-batch for parallel passes. Their order of summation is fixed, so the
+// thread count cannot change a bit; and in float64 they agree with the whole batch (shards 1) to
+// rounding, weighted by size even when the parts are unequal (16 words in 3 parts).
+TEST(TrainRun, ShardsGiveTheSameBitsOnAnyThreadCountAndAgreeWithTheWholeBatch) {
+  const fs::path lists = fake_lists("teo_train_shards");
+  const fs::path root = fs::path(::testing::TempDir()) / "teo_train_shards_out";
+  fs::remove_all(root);
+  teo::ScopedSettings keep;
+  teo::set_backend(teo::Backend::simd);
+  std::ostringstream log;
+  auto run = [&](const std::string& name, int threads, teo::index_t shards, bool f64) {
+    teo::set_num_threads(threads);
+    TrainOptions o = tiny(lists, root / name);
+    o.shards = shards;
+    o.epochs = 1;
+    o.model.dropout = f64 ? 0.0 : 0.1;
+    if (f64) o.dtype = "float64";
+    EXPECT_EQ(teo::cli::run_train(o, log), 0);
+    return (root / name / "checkpoint.safetensors").string();
+  };
+  const std::string one = run("t1", 1, 3, false);
+  const std::string two = run("t2", 2, 3, false);
+  const std::string seven = run("t7", 7, 3, false);
+  ASSERT_FALSE(param_bytes(one).empty());
+  EXPECT_TRUE(param_bytes(one) == param_bytes(two)) << "1 vs 2 threads";
+  EXPECT_TRUE(param_bytes(one) == param_bytes(seven)) << "1 vs 7 threads";
+  EXPECT_FALSE(param_bytes(one) == param_bytes(run("s1", 2, 1, false)))
+      << "the shards are different dropout draws, so the bits differ from shards 1";
+
+  const auto whole = tensors(run("w64", 2, 1, true), "param.");
+  const auto parts = tensors(run("p64", 2, 3, true), "param.");
+  ASSERT_EQ(whole.size(), parts.size());
+  for (const auto& [name, w] : whole) {
+    const auto& p = parts.at(name);
+    ASSERT_EQ(w.size(), p.size()) << name;
+    double scale = 0, diff = 0;
+    for (std::size_t i = 0; i < w.size(); ++i) {
+      scale = std::max(scale, std::abs(w[i]));
+      diff = std::max(diff, std::abs(w[i] - p[i]));
+    }
+    EXPECT_LE(diff, 1e-9 * std::max(scale, 1e-3)) << name;
+  }
+}
+
+// The averaged weights are kept in every checkpoint, and predict uses them; ema 0 keeps none.
+TEST(TrainRun, AveragedWeightsAreCheckpointedAndUsedForPrediction) {
+  const fs::path lists = fake_lists("teo_train_ema");
+  const fs::path root = fs::path(::testing::TempDir()) / "teo_train_ema_out";
+  fs::remove_all(root);
+  std::ostringstream log;
+  TrainOptions o = tiny(lists, root / "ema");
+  o.epochs = 1;
+  ASSERT_EQ(teo::cli::run_train(o, log), 0);
+  const std::string ck = (root / "ema" / "checkpoint.safetensors").string();
+  const auto avg = tensors(ck, "ema.");
+  const auto last = tensors(ck, "param.");
+  ASSERT_EQ(avg.size(), last.size());
+  EXPECT_NE(avg.at("ema.head.weight"), last.at("param.head.weight"));
+  o = tiny(lists, root / "none");
+  o.epochs = 1;
+  o.ema = 0;
+  ASSERT_EQ(teo::cli::run_train(o, log), 0);
+  EXPECT_TRUE(tensors((root / "none" / "checkpoint.safetensors").string(), "ema.").empty());
+  // predict on the checkpoint with averaged weights gives the averaged model's probabilities:
+  // they differ from those of a copy of the checkpoint without them.
+  std::ostringstream with, without;
+  ASSERT_EQ(teo::cli::run_predict(ck, {"abcing", "zzzione"}, with), 0);
+  auto file = teo::safetensors::read(ck);
+  std::erase_if(file.tensors, [](const auto& t) { return t.name.starts_with("ema."); });
+  const std::string stripped = (root / "stripped.safetensors").string();
+  teo::safetensors::write_file_atomic(stripped, teo::safetensors::serialize(file), true);
+  ASSERT_EQ(teo::cli::run_predict(stripped, {"abcing", "zzzione"}, without), 0);
+  EXPECT_NE(with.str(), without.str());
+}
+
 TEST(TrainRun, BadSettingsAreNamed) {
   TrainOptions o = TrainOptions::defaults();
   EXPECT_THROW(o.apply_json({{"vocab_size", 10}}), teo::ConfigError);
   EXPECT_THROW(o.apply_json({{"no_such_key", 1}}), teo::ConfigError);
   EXPECT_THROW(o.apply_json({{"lr", "fast"}}), teo::ConfigError);
   o.apply_json({{"batch_size", 0}});
+  EXPECT_THROW(o.validate(), teo::ConfigError);
+  o = TrainOptions::defaults();
+  o.apply_json({{"shards", 0}});
+  EXPECT_THROW(o.validate(), teo::ConfigError);
+  o = TrainOptions::defaults();
+  o.apply_json({{"ema", 1.0}});
   EXPECT_THROW(o.validate(), teo::ConfigError);
   EXPECT_THROW(teo::cli::parse_flag_value({"epochs", "int", ""}, "3x"), teo::ConfigError);
   EXPECT_EQ(teo::cli::parse_flag_value({"lr", "real", ""}, "0.5"), 0.5);

@@ -21,7 +21,14 @@ struct TrainOptions {
   index_t max_steps = 0;  // stop after this many optimizer steps (0: run every epoch)
   index_t batch_size = 64;
   index_t accum_steps = 1;
+  // Each micro-batch is cut into this many contiguous parts of near-equal size. Their passes run
+  // in parallel, and their gradients are summed in part order, weighted by part size, so the
+  // result depends on `shards` but never on the thread count.
+  index_t shards = 2;
   index_t eval_batch = 512;
+  // Decay of the exponential moving average of the weights (train::ema_update) that validation,
+  // the test and `teo predict` use; 0 evaluates the last weights instead.
+  double ema = 0.999;
   std::uint64_t seed = 0;
   std::string dtype = "float32";
   std::string out_dir = "train-out";

@@ -108,11 +108,17 @@ int main(int argc, char** argv) {
   teo::cli::TrainOptions train_opts = teo::cli::TrainOptions::defaults();
   train->add_option("--config", train_config, "JSON file with any of the keys below")
       ->check(CLI::ExistingFile);
+  // Every key's default, shown in --help.
+  nlohmann::json train_defaults = train_opts.model.to_json();
+  train_defaults.update(train_opts.to_json());
   for (const auto& k : teo::cli::train_keys()) {
     std::string flag = std::string("--") + k.key;
     std::replace(flag.begin(), flag.end(), '_', '-');
-    train_flag_options.emplace_back(
-        &k, train->add_option(flag, train_flags[k.key], std::string(k.help) + " [" + k.type + "]"));
+    std::string help = std::string(k.help) + " [" + k.type;
+    if (const auto it = train_defaults.find(k.key); it != train_defaults.end()) {
+      help += ", default " + (it->is_string() ? it->get<std::string>() : it->dump());
+    }
+    train_flag_options.emplace_back(&k, train->add_option(flag, train_flags[k.key], help + "]"));
   }
   train->add_option("--out", train_opts.out_dir, "output directory (default train-out)");
   train->add_option("--resume", train_opts.resume, "continue from this checkpoint")

@@ -439,6 +439,12 @@ TEST(TrainCli, TrainsPredictsAndNamesBadInput) {
   r = run_cli("train --data-dir /nonexistent --out " + out.string() + " --no-plot");
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.out.find("apt-get install wamerican"), std::string::npos) << r.out;
+  r = run_cli("train --help");
+  EXPECT_EQ(r.code, 0);
+  for (const char* part : {"--lr TEXT", "default 0.004", "--shards TEXT", "--ema TEXT",
+                           "--pooling TEXT", "default mean"}) {
+    EXPECT_NE(r.out.find(part), std::string::npos) << part << "\n" << r.out;
+  }
   r = run_cli("train --epochs 3x");
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.out.find("--epochs takes an integer"), std::string::npos) << r.out;

@@ -174,7 +174,10 @@ void TrainOptions::apply_json(const json& j) {
     } else if (key == "clip_norm") {
       optim.clip_norm = get_real(v, key);
     } else if (key == "seed") {
-      if (!v.is_number_unsigned()) throw ConfigError("seed must be a non-negative integer");
+      // A flag's value arrives as a signed integer, a JSON file's as unsigned.
+      const bool ok =
+          v.is_number_unsigned() || (v.is_number_integer() && v.get<std::int64_t>() >= 0);
+      if (!ok) throw ConfigError("seed must be a non-negative integer, got " + v.dump());
       seed = v.get<std::uint64_t>();
     } else if (key == "per_language") {
       data.per_language = get_int(v, key);

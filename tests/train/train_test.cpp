@@ -401,6 +401,14 @@ TEST(TrainRun, BadSettingsAreNamed) {
   EXPECT_THROW(o.validate(), teo::ConfigError);
   EXPECT_THROW(teo::cli::parse_flag_value({"epochs", "int", ""}, "3x"), teo::ConfigError);
   EXPECT_EQ(teo::cli::parse_flag_value({"lr", "real", ""}, "0.5"), 0.5);
+  // --seed arrives as a signed integer from the command line and unsigned from a JSON file.
+  o = TrainOptions::defaults();
+  o.apply_json({{"seed", teo::cli::parse_flag_value({"seed", "int", ""}, "5")}});
+  EXPECT_EQ(o.seed, 5u);
+  o.apply_json(nlohmann::json::parse(R"({"seed": 18446744073709551615})"));
+  EXPECT_EQ(o.seed, 18446744073709551615u);
+  EXPECT_THROW(o.apply_json({{"seed", -1}}), teo::ConfigError);
+  EXPECT_THROW(o.apply_json({{"seed", 1.5}}), teo::ConfigError);
   EXPECT_EQ(teo::cli::parse_flag_value({"norm_first", "bool", ""}, "false"), false);
 }
 

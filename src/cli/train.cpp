@@ -129,10 +129,12 @@ TrainOptions TrainOptions::defaults() {
   o.model.norm_first = true;
   o.model.activation = Activation::relu;
   o.model.pooling = Pooling::mean;
-  o.model.dropout = 0.05;
-  o.epochs = 12;
+  o.model.dropout = 0.0;  // see docs/training.md, "Why these defaults"
+  o.epochs = 6;
+  o.data.per_language = 40000;
   o.optim.lr = 4e-3;
   o.optim.warmup_steps = 300;
+  o.optim.weight_decay = 0.1;
   o.model.label_smoothing = 0.1;
   return o;
 }

@@ -244,7 +244,8 @@ TrainOptions tiny(const fs::path& lists, const fs::path& out) {
                 {"per_language", 40},
                 {"warmup_steps", 3},
                 {"lr", 0.01},
-                {"clip_norm", 0.5}});
+                {"clip_norm", 0.5},
+                {"dropout", 0.1}});  // so that resume must also continue the dropout draws
   o.data.dir = lists.string();
   o.out_dir = out.string();
   o.progress = false;

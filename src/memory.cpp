@@ -25,14 +25,15 @@ struct Cache {
     }
     return std::size_t{4} << 30;
   }();
-  ~Cache() {
-    for (auto& [size, p] : blocks) ::operator delete(p, kAlign);
-  }
 };
 
+// Never destroyed: buffers owned by other statics and by thread_locals of TBB's worker threads
+// (the GEMM packing panels) are freed during exit, in an order no translation unit controls, and
+// each of those frees goes through the cache. A destroyed cache would take them into a dead map
+// and corrupt the heap. Its blocks stay reachable until the process ends.
 Cache& cache() {
-  static Cache c;
-  return c;
+  static Cache* c = new Cache;
+  return *c;
 }
 
 }  // namespace
@@ -84,6 +85,8 @@ std::size_t cached_bytes() noexcept {
   return c.bytes;
 }
 
-std::size_t cached_memory_limit() noexcept { return cache().limit; }
+std::size_t cached_memory_limit() noexcept {
+  return cache().limit;
+}
 
 }  // namespace teo::memory

@@ -1,4 +1,6 @@
+#include <bit>
 #include <cstdlib>
+#include <limits>
 #include <map>
 #include <mutex>
 #include <new>
@@ -14,7 +16,7 @@ constexpr std::size_t kCachedFrom = std::size_t{1} << 20;
 
 struct Cache {
   std::mutex mu;
-  std::multimap<std::size_t, void*> blocks;  // size -> free block of exactly that size
+  std::multimap<std::size_t, void*> blocks;  // size class -> free block of that size
   std::size_t bytes = 0;
   std::size_t limit = [] {
     // TEO_CACHE_MB overrides the default of 4 GiB; 0 disables the cache.
@@ -36,10 +38,21 @@ Cache& cache() {
   return *c;
 }
 
+// The size a large block really has: `bytes` rounded up to the next of 4 classes per power of two
+// (2^k, 1.25, 1.5 and 1.75 times 2^k), so that activations of batches of similar shape share
+// blocks instead of each exact size keeping its own. At most 25% of a block is unused.
+std::size_t size_class(std::size_t bytes) {
+  const std::size_t top = std::size_t{1} << (std::bit_width(bytes) - 1);  // largest 2^k <= bytes
+  const std::size_t step = top / 4;
+  if (bytes > std::numeric_limits<std::size_t>::max() - step) throw std::bad_alloc();
+  return (bytes + step - 1) / step * step;
+}
+
 }  // namespace
 
 void* allocate(std::size_t bytes) {
   if (bytes >= kCachedFrom) {
+    bytes = size_class(bytes);
     Cache& c = cache();
     std::lock_guard<std::mutex> lock(c.mu);
     auto it = c.blocks.find(bytes);
@@ -56,6 +69,7 @@ void* allocate(std::size_t bytes) {
 void deallocate(void* p, std::size_t bytes) noexcept {
   if (!p) return;
   if (bytes >= kCachedFrom) {
+    bytes = size_class(bytes);  // the size allocate() gave it
     Cache& c = cache();
     std::lock_guard<std::mutex> lock(c.mu);
     if (c.bytes + bytes <= c.limit) {

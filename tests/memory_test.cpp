@@ -1,6 +1,8 @@
 // The large-buffer cache behind Tensor: reuse of same-size blocks, alignment, release, and that
 // reused memory is re-initialised by Tensor (a cached block never leaks old values).
 #include <cstdint>
+#include <limits>
+#include <new>
 
 #include "support.hpp"
 #include "teo/tensor.hpp"
@@ -18,11 +20,18 @@ TEST(Memory, LargeBlocksAreReusedAlignedAndReleased) {
   void* q = memory::allocate(bytes);  // the same size comes back from the cache
   EXPECT_EQ(q, p);
   EXPECT_EQ(memory::cached_bytes(), 0u);
-  void* r = memory::allocate(bytes + 64);  // another size does not
+  void* r = memory::allocate(bytes + 64);  // another size class does not
   EXPECT_NE(r, q);
   memory::deallocate(q, bytes);
   memory::deallocate(r, bytes + 64);
-  EXPECT_EQ(memory::cached_bytes(), 2 * bytes + 64);
+  // Sizes are rounded up to 4 classes per power of two: 3 MiB + 64 bytes takes a 3.5 MiB block,
+  // and any size up to 3.5 MiB reuses it.
+  EXPECT_EQ(memory::cached_bytes(), 2 * bytes + (std::size_t{1} << 19));
+  void* s = memory::allocate(bytes + (std::size_t{1} << 19));
+  EXPECT_EQ(s, r);
+  memory::deallocate(s, bytes + 1000);
+  EXPECT_EQ(memory::cached_bytes(), 2 * bytes + (std::size_t{1} << 19));
+  EXPECT_THROW(memory::allocate(std::numeric_limits<std::size_t>::max() - 10), std::bad_alloc);
   memory::release_cached_memory();
   EXPECT_EQ(memory::cached_bytes(), 0u);
   void* small = memory::allocate(100);  // small blocks bypass the cache

@@ -44,7 +44,8 @@ class Shape {
   index_t numel_ = 0;
 };
 
-// Large buffers (1 MiB and up) come from a process-wide cache of freed blocks of the same size,
+// Large buffers (1 MiB and up) come from a process-wide cache of freed blocks of the same size
+// class (4 classes per power of two, so a block is at most 25% larger than asked for),
 // so that the activations of repeated forward/backward passes reuse memory whose pages are
 // already mapped instead of faulting in fresh pages every time. The cache holds at most
 // cached_memory_limit() bytes; release_cached_memory() returns everything to the system.

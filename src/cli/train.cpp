@@ -394,6 +394,9 @@ Eval evaluate(const Params<Real>& params, const train::Vocab& vocab,
   }
   e.loss = loss_sum / static_cast<double>(set.size());
   e.accuracy = static_cast<double>(correct) / static_cast<double>(set.size());
+  // The evaluation batches' activations are much larger than the training shards' (which keep
+  // theirs): give their blocks back rather than hold them until the next evaluation.
+  memory::release_cached_memory();
   return e;
 }
 

@@ -340,21 +340,8 @@ double ema_decay(double decay, index_t step) {
 
 template <class Real>
 void ema_update(Params<Real>& avg, const Params<Real>& params, double decay) {
-  std::vector<const Tensor<Real>*> src;
-  params.visit([&](const std::string&, const Tensor<Real>& t) { src.push_back(&t); });
-  std::size_t count = 0;
-  avg.visit([&](const std::string&, const Tensor<Real>&) { ++count; });
-  if (count != src.size()) {
-    throw ShapeError("averaged weights: " + std::to_string(count) + " tensors, the parameters " +
-                     std::to_string(src.size()));
-  }
-  std::size_t k = 0;
   const Real rate = static_cast<Real>(1.0 - decay);
-  avg.visit([&](const std::string& name, Tensor<Real>& a) {
-    const Tensor<Real>& p = *src[k++];
-    if (!(a.shape() == p.shape()))
-      throw ShapeError("averaged weights: " + name + " has shape " + a.shape().str() +
-                       ", the parameter " + p.shape().str());
+  for_each_pair(avg, params, "averaged weights", [&](Tensor<Real>& a, const Tensor<Real>& p) {
     for (index_t i = 0; i < a.numel(); ++i) a[i] += rate * (p[i] - a[i]);
   });
 }

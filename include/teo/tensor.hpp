@@ -78,10 +78,7 @@ template <class Real>
 class Tensor {
  public:
   Tensor() = default;
-  explicit Tensor(Shape shape) : shape_(std::move(shape)) {
-    checked_mul(shape_.numel(), static_cast<index_t>(sizeof(Real)), "tensor byte count");
-    data_.assign(static_cast<std::size_t>(shape_.numel()), Real(0));
-  }
+  explicit Tensor(Shape shape) { reset(std::move(shape)); }
   Tensor(std::initializer_list<index_t> dims) : Tensor(Shape(dims)) {}
 
   // Gives the tensor a new shape, all zero, keeping its buffer when that is large enough: the

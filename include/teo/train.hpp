@@ -123,6 +123,27 @@ struct AdamW {
   void update(Params<Real>& params, const Params<Real>& grads, const OptimOptions& o, double lr);
 };
 
+// Calls f(a_tensor, b_tensor) for every parameter of `a` and the same-named one of `b`, in
+// canonical order; ShapeError naming `what` when the two do not have the same tensors and shapes.
+template <class Real, class F>
+void for_each_pair(Params<Real>& a, const Params<Real>& b, const std::string& what, F&& f) {
+  std::vector<const Tensor<Real>*> bs;
+  b.visit([&](const std::string&, const Tensor<Real>& t) { bs.push_back(&t); });
+  std::vector<std::pair<std::string, Tensor<Real>*>> as;
+  a.visit([&](const std::string& name, Tensor<Real>& t) { as.emplace_back(name, &t); });
+  if (as.size() != bs.size()) {
+    throw ShapeError(what + ": " + std::to_string(as.size()) + " tensors against " +
+                     std::to_string(bs.size()));
+  }
+  for (std::size_t k = 0; k < as.size(); ++k) {
+    if (!(as[k].second->shape() == bs[k]->shape())) {
+      throw ShapeError(what + ": " + as[k].first + " has shape " + as[k].second->shape().str() +
+                       " against " + bs[k]->shape().str());
+    }
+  }
+  for (std::size_t k = 0; k < as.size(); ++k) f(*as[k].second, *bs[k]);
+}
+
 // ---- averaged weights --------------------------------------------------------------------------
 
 // An exponential moving average of the parameters, updated after every optimizer step and used

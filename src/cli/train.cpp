@@ -394,9 +394,6 @@ Eval evaluate(const Params<Real>& params, const train::Vocab& vocab,
   }
   e.loss = loss_sum / static_cast<double>(set.size());
   e.accuracy = static_cast<double>(correct) / static_cast<double>(set.size());
-  // The evaluation batches' activations are much larger than the training shards' (which keep
-  // theirs): give their blocks back rather than hold them until the next evaluation.
-  memory::release_cached_memory();
   return e;
 }
 
@@ -532,13 +529,10 @@ struct Shard {
 
 template <class Real>
 void axpy_params(Params<Real>& acc, const Params<Real>& g, Real scale) {
-  std::vector<const Tensor<Real>*> src;
-  g.visit([&](const std::string&, const Tensor<Real>& t) { src.push_back(&t); });
-  std::size_t k = 0;
-  acc.visit([&](const std::string&, Tensor<Real>& t) {
-    const Tensor<Real>& s = *src[k++];
-    for (index_t i = 0; i < t.numel(); ++i) t[i] += s[i] * scale;
-  });
+  train::for_each_pair(acc, g, "gradient accumulation",
+                       [&](Tensor<Real>& t, const Tensor<Real>& s) {
+                         for (index_t i = 0; i < t.numel(); ++i) t[i] += s[i] * scale;
+                       });
 }
 
 template <class Real>
@@ -612,7 +606,9 @@ int train_typed(TrainOptions o, std::ostream& out) {
     adam = train::AdamW<Real>::zeros(o.model);
     if (o.ema > 0) ema = params;
   }
-  const bool use_ema = o.ema > 0;
+  // What validation, the test and predict use, and what checkpoints keep beside the parameters.
+  const Params<Real>& evaluated = o.ema > 0 ? ema : params;
+  const Params<Real>* kept_ema = o.ema > 0 ? &ema : nullptr;
   fs::create_directories(o.out_dir);
   Metrics metrics{(fs::path(o.out_dir) / "metrics.csv").string(), {}};
   if (!o.resume.empty()) metrics.load();
@@ -712,7 +708,7 @@ int train_typed(TrainOptions o, std::ostream& out) {
       train::clip_by_norm(grads, norm, o.optim.clip_norm);
       const double lr = train::learning_rate(o.optim, pos.step + 1);
       adam.update(params, grads, o.optim, lr);
-      if (use_ema) train::ema_update(ema, params, train::ema_decay(o.ema, pos.step + 1));
+      if (kept_ema) train::ema_update(ema, params, train::ema_decay(o.ema, pos.step + 1));
       pos.step += 1;
       pos.micro += n_micro;
       pos.micro_total += n_micro;
@@ -761,7 +757,7 @@ int train_typed(TrainOptions o, std::ostream& out) {
     }
     if (pos.micro >= micro_per_epoch) {
       if (tty) out << "\n";
-      const Eval v = evaluate(use_ema ? ema : params, vocab, data.valid, o.eval_batch);
+      const Eval v = evaluate(evaluated, vocab, data.valid, o.eval_batch);
       metrics.add("valid", pos.epoch + 1, pos.step, v.loss, v.accuracy,
                   train::learning_rate(o.optim, pos.step), 0);
       pos.epoch += 1;
@@ -769,9 +765,9 @@ int train_typed(TrainOptions o, std::ostream& out) {
       const std::string saved_at =
           (fs::path(o.out_dir) / ("checkpoint-epoch" + std::to_string(pos.epoch) + ".safetensors"))
               .string();
-      save_checkpoint(saved_at, o, vocab, params, adam, use_ema ? &ema : nullptr, pos);
+      save_checkpoint(saved_at, o, vocab, params, adam, kept_ema, pos);
       save_checkpoint((fs::path(o.out_dir) / "checkpoint.safetensors").string(), o, vocab, params,
-                      adam, use_ema ? &ema : nullptr, pos);
+                      adam, kept_ema, pos);
       out << "epoch " << pos.epoch << ": validation loss " << std::fixed << std::setprecision(4)
           << v.loss << ", accuracy " << std::setprecision(4) << v.accuracy << "  (saved "
           << saved_at << ")\n";
@@ -781,7 +777,7 @@ int train_typed(TrainOptions o, std::ostream& out) {
   if (stop && pos.micro != 0) {
     if (tty) out << "\n";
     save_checkpoint((fs::path(o.out_dir) / "checkpoint.safetensors").string(), o, vocab, params,
-                    adam, use_ema ? &ema : nullptr, pos);
+                    adam, kept_ema, pos);
     out << "stopped at step " << pos.step << " (max_steps); saved "
         << (fs::path(o.out_dir) / "checkpoint.safetensors").string() << "\n";
   }
@@ -793,7 +789,7 @@ int train_typed(TrainOptions o, std::ostream& out) {
   }
 
   // The yardstick and the result.
-  const Eval test = evaluate(use_ema ? ema : params, vocab, data.test, o.eval_batch);
+  const Eval test = evaluate(evaluated, vocab, data.test, o.eval_batch);
   train::NaiveBayes nb;
   nb.fit(data.train, C);
   index_t nb_correct = 0;
@@ -866,10 +862,8 @@ int predict_typed(const st::File& ck, const std::string& path,
   forward(params, b, acts, {.train = false, .dropout_seed = 0});
   for (std::size_t i = 0; i < words.size(); ++i) {
     const auto p = softmax_row(acts.logits, static_cast<index_t>(i), cfg.num_classes);
-    std::size_t best = 0;
-    for (std::size_t c = 1; c < p.size(); ++c) {
-      if (p[c] > p[best]) best = c;
-    }
+    const auto best = static_cast<std::size_t>(
+        predicted_class(acts.logits, static_cast<index_t>(i), cfg.num_classes));
     out << words[i] << ": " << langs[best].name << "  ";
     for (std::size_t c = 0; c < p.size(); ++c) {
       out << " " << langs[c].code << " " << std::fixed << std::setprecision(3)

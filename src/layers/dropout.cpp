@@ -27,25 +27,26 @@ Real dropout_scale(double p) {
   return static_cast<Real>(1.0 / (1.0 - p));
 }
 
-// The unsigned integer of Real's width, for selecting by bit masks.
+// m != 0 ? kept : dropped, as a bit-mask select rather than a branch. With trapping math the
+// compiler may not turn a branch into a blend, but it vectorises this; and it gives exactly the
+// branch's bits (a dropped element is +0 even when the input is Inf or NaN).
 template <class Real>
-using Bits = std::conditional_t<sizeof(Real) == 4, std::uint32_t, std::uint64_t>;
+inline Real select_kept(std::uint8_t m, Real kept, Real dropped) {
+  using Bits = std::conditional_t<sizeof(Real) == 4, std::uint32_t, std::uint64_t>;
+  const Bits keep = Bits{0} - Bits{m != 0};  // all ones or all zeros
+  return std::bit_cast<Real>((std::bit_cast<Bits>(kept) & keep) |
+                             (std::bit_cast<Bits>(dropped) & ~keep));
+}
 
-// The element loops select with bit masks instead of branches, and take their pointers as
-// __restrict locals: that is what lets the compiler vectorise them (with trapping math it may not
-// turn a branch into a blend, and a store through a pointer captured by reference could alias the
-// capture). `keep` is all ones for a kept element (mask byte != 0) and 0 for a dropped one, so
-// every element gets exactly the plain loop's bits: in * scale, or +0 (even when in is Inf or NaN).
+// The element loops take their pointers as __restrict locals, so that a store cannot alias a
+// pointer captured by reference (which would force a reload per element and block vectorising).
 template <class Real>
 void dropout_forward(Real* out, const Real* in, const std::uint8_t* mask, index_t n, Real scale) {
   detail::for_blocks(n, 8192, [=](index_t i0, index_t i1) {
     Real* __restrict o = out + i0;
     const Real* __restrict x = in + i0;
     const std::uint8_t* __restrict m = mask + i0;
-    for (index_t i = 0; i < i1 - i0; ++i) {
-      const Bits<Real> keep = Bits<Real>{0} - Bits<Real>{m[i] != 0};
-      o[i] = std::bit_cast<Real>(std::bit_cast<Bits<Real>>(x[i] * scale) & keep);
-    }
+    for (index_t i = 0; i < i1 - i0; ++i) o[i] = select_kept(m[i], x[i] * scale, Real(0));
   });
 }
 
@@ -57,11 +58,7 @@ void dropout_backward(Real* din, const Real* dout, const std::uint8_t* mask, ind
     Real* __restrict d = din + i0;
     const Real* __restrict g = dout + i0;
     const std::uint8_t* __restrict m = mask + i0;
-    for (index_t i = 0; i < i1 - i0; ++i) {
-      const Bits<Real> keep = Bits<Real>{0} - Bits<Real>{m[i] != 0};
-      const Bits<Real> sum = std::bit_cast<Bits<Real>>(d[i] + g[i] * scale);
-      d[i] = std::bit_cast<Real>((sum & keep) | (std::bit_cast<Bits<Real>>(d[i]) & ~keep));
-    }
+    for (index_t i = 0; i < i1 - i0; ++i) d[i] = select_kept(m[i], d[i] + g[i] * scale, d[i]);
   });
 }
 

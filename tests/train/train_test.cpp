@@ -2,7 +2,6 @@
 // clipping and AdamW against their formulas, and bit-exact resume of `teo train`.
 #include <cmath>
 #include <cstdio>
-#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -299,14 +298,11 @@ std::map<std::string, std::vector<double>> tensors(const std::string& checkpoint
   std::map<std::string, std::vector<double>> m;
   for (const auto& t : teo::safetensors::read(checkpoint).tensors) {
     if (!t.name.starts_with(prefix)) continue;
-    auto& v = m[t.name];
     if (t.dtype == teo::safetensors::DType::F64) {
-      v.resize(t.bytes.size() / sizeof(double));
-      std::memcpy(v.data(), t.bytes.data(), t.bytes.size());
+      m[t.name] = t.values<double>();
     } else {
-      std::vector<float> f(t.bytes.size() / sizeof(float));
-      std::memcpy(f.data(), t.bytes.data(), t.bytes.size());
-      v.assign(f.begin(), f.end());
+      const auto f = t.values<float>();
+      m[t.name].assign(f.begin(), f.end());
     }
   }
   return m;

@@ -34,7 +34,7 @@ void BM_Gemm(benchmark::State& state, teo::Backend backend, teo::Trans ta, teo::
 }
 
 void shapes(benchmark::internal::Benchmark* b) {
-  for (long threads : {2}) {
+  for (long threads : {1, 2}) {
     b->Args({1024, 768, 768, threads});
     b->Args({1024, 3072, 768, threads});
     b->Args({1024, 768, 3072, threads});

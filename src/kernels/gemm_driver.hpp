@@ -20,60 +20,28 @@ using Buffer = std::vector<Real, AlignedAllocator<Real>>;
 // Packs op(A)[i0 : i0 + mc, p0 : p0 + kc] into MR-row slivers, k-major, zero-padded, each value
 // multiplied by alpha (skipped when alpha is 1, so that value is exact).
 template <class Real>
-void pack_a(Real* dst, Trans ta, const Real* a, index_t lda, index_t i0, index_t mc, index_t p0,
-            index_t kc, int mr, Real alpha) {
-  const bool scale = alpha != Real(1);
+void pack_a(const simd::GemmKernel<Real>& kern, Real* dst, Trans ta, const Real* a, index_t lda,
+            index_t i0, index_t mc, index_t p0, index_t kc, Real alpha) {
+  const int mr = kern.mr;
   for (index_t ir = 0; ir < mc; ir += mr) {
     const index_t mb = std::min<index_t>(mr, mc - ir);
     Real* d = dst + (ir / mr) * kc * mr;
-    if (ta == Trans::no) {
-      // Row i of op(A) is contiguous: walk it and scatter with stride mr.
-      for (index_t i = 0; i < mb; ++i) {
-        const Real* src = a + (i0 + ir + i) * lda + p0;
-        if (scale) {
-          for (index_t p = 0; p < kc; ++p) d[p * mr + i] = alpha * src[p];
-        } else {
-          for (index_t p = 0; p < kc; ++p) d[p * mr + i] = src[p];
-        }
-      }
-    } else {
-      // Column p of op(A) is contiguous: copy mb values per p.
-      for (index_t p = 0; p < kc; ++p) {
-        const Real* src = a + (p0 + p) * lda + i0 + ir;
-        Real* dp = d + p * mr;
-        if (scale) {
-          for (index_t i = 0; i < mb; ++i) dp[i] = alpha * src[i];
-        } else {
-          for (index_t i = 0; i < mb; ++i) dp[i] = src[i];
-        }
-      }
-    }
-    if (mb < mr) {
-      for (index_t p = 0; p < kc; ++p)
-        for (index_t i = mb; i < mr; ++i) d[p * mr + i] = Real(0);
-    }
+    // Row i of op(A) is contiguous when A is not transposed: the sliver is its transpose.
+    if (ta == Trans::no)
+      kern.pack(true, d, mr, a + (i0 + ir) * lda + p0, lda, mb, kc, alpha);
+    else
+      kern.pack(false, d, mr, a + p0 * lda + i0 + ir, lda, mb, kc, alpha);
   }
 }
 
 // Packs one NR-column sliver of op(B)[p0 : p0 + kc, j0 : j0 + nb], k-major, zero-padded.
 template <class Real>
-void pack_b_sliver(Real* d, Trans tb, const Real* b, index_t ldb, index_t p0, index_t kc,
-                   index_t j0, index_t nb, int nr) {
-  if (tb == Trans::no) {
-    for (index_t p = 0; p < kc; ++p) {
-      const Real* src = b + (p0 + p) * ldb + j0;
-      Real* dp = d + p * nr;
-      for (index_t j = 0; j < nb; ++j) dp[j] = src[j];
-      for (index_t j = nb; j < nr; ++j) dp[j] = Real(0);
-    }
-  } else {
-    for (index_t j = 0; j < nb; ++j) {
-      const Real* src = b + (j0 + j) * ldb + p0;
-      for (index_t p = 0; p < kc; ++p) d[p * nr + j] = src[p];
-    }
-    for (index_t p = 0; p < kc; ++p)
-      for (index_t j = nb; j < nr; ++j) d[p * nr + j] = Real(0);
-  }
+void pack_b_sliver(const simd::GemmKernel<Real>& kern, Real* d, Trans tb, const Real* b,
+                   index_t ldb, index_t p0, index_t kc, index_t j0, index_t nb) {
+  if (tb == Trans::no)
+    kern.pack(false, d, kern.nr, b + p0 * ldb + j0, ldb, nb, kc, Real(1));
+  else
+    kern.pack(true, d, kern.nr, b + j0 * ldb + p0, ldb, nb, kc, Real(1));
 }
 
 // C = alpha op(A) op(B) + beta C (see teo/kernels.hpp for the rounding). for_each(n, f) runs f(i)
@@ -118,8 +86,8 @@ void gemm_blocked(const simd::GemmKernel<Real>& kern, Trans ta, Trans tb, index_
     for_each(kblocks * slivers, [&](index_t t) {
       const index_t pb = t / slivers, s = t % slivers;
       const index_t pc = pb * kern.kc, kc = std::min<index_t>(kern.kc, k - pc);
-      pack_b_sliver(panel + pc * slivers * nr + s * kc * nr, tb, b, ldb, pc, kc, jc + s * nr,
-                    std::min<index_t>(nr, nc - s * nr), nr);
+      pack_b_sliver(kern, panel + pc * slivers * nr + s * kc * nr, tb, b, ldb, pc, kc, jc + s * nr,
+                    std::min<index_t>(nr, nc - s * nr));
     });
     for_each(ic_blocks, [&](index_t ib) {
       const index_t ic = ib * mc;
@@ -134,7 +102,7 @@ void gemm_blocked(const simd::GemmKernel<Real>& kern, Trans ta, Trans tb, index_
                                   : beta == Real(1) ? simd::Start::c
                                                     : simd::Start::beta_c;
         ap.resize(static_cast<std::size_t>((mb + mr - 1) / mr * mr * kc));
-        pack_a(ap.data(), ta, a, lda, ic, mb, pc, kc, mr, alpha);
+        pack_a(kern, ap.data(), ta, a, lda, ic, mb, pc, kc, alpha);
         kern.macro(mb, nc, kc, ap.data(), panel + pc * slivers * nr, c + ic * ldc + jc, ldc, start,
                    beta);
       }

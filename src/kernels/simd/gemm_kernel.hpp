@@ -2,6 +2,12 @@
 // translation units, inside an anonymous namespace there.
 #pragma once
 
+#include <algorithm>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
 #include "isa.hpp"
 #include "vec.hpp"
 
@@ -156,6 +162,118 @@ void small_gemm(bool ta, index_t m, index_t n, index_t k, Real alpha, const Real
   }
 }
 
+#if defined(__AVX2__)
+// In-register transposes of one W x W block: on return r[q] holds column q of the rows passed in.
+inline void transpose_block(__m256 r[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);  // r_i0 r_(i+1)0 r_i1 r_(i+1)1 | same for 4, 5
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int h = 0; h < 8; h += 4) {
+    u[h + 0] = _mm256_shuffle_ps(t[h], t[h + 2], _MM_SHUFFLE(1, 0, 1, 0));      // columns 0 | 4
+    u[h + 1] = _mm256_shuffle_ps(t[h], t[h + 2], _MM_SHUFFLE(3, 2, 3, 2));      // columns 1 | 5
+    u[h + 2] = _mm256_shuffle_ps(t[h + 1], t[h + 3], _MM_SHUFFLE(1, 0, 1, 0));  // columns 2 | 6
+    u[h + 3] = _mm256_shuffle_ps(t[h + 1], t[h + 3], _MM_SHUFFLE(3, 2, 3, 2));  // columns 3 | 7
+  }
+  for (int q = 0; q < 4; ++q) {
+    r[q] = _mm256_permute2f128_ps(u[q], u[q + 4], 0x20);
+    r[q + 4] = _mm256_permute2f128_ps(u[q], u[q + 4], 0x31);
+  }
+}
+inline void transpose_block(__m256d r[4]) {
+  const __m256d t0 = _mm256_unpacklo_pd(r[0], r[1]), t1 = _mm256_unpackhi_pd(r[0], r[1]);
+  const __m256d t2 = _mm256_unpacklo_pd(r[2], r[3]), t3 = _mm256_unpackhi_pd(r[2], r[3]);
+  r[0] = _mm256_permute2f128_pd(t0, t2, 0x20);
+  r[1] = _mm256_permute2f128_pd(t1, t3, 0x20);
+  r[2] = _mm256_permute2f128_pd(t0, t2, 0x31);
+  r[3] = _mm256_permute2f128_pd(t1, t3, 0x31);
+}
+template <class Real>
+struct Avx2Block;
+template <>
+struct Avx2Block<float> {
+  using R = __m256;
+  static constexpr int W = 8;
+  static R load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, R v) { _mm256_storeu_ps(p, v); }
+  static R zero() { return _mm256_setzero_ps(); }
+  static R mul(R a, float s) { return _mm256_mul_ps(a, _mm256_set1_ps(s)); }
+};
+template <>
+struct Avx2Block<double> {
+  using R = __m256d;
+  static constexpr int W = 4;
+  static R load(const double* p) { return _mm256_loadu_pd(p); }
+  static void store(double* p, R v) { _mm256_storeu_pd(p, v); }
+  static R zero() { return _mm256_setzero_pd(); }
+  static R mul(R a, double s) { return _mm256_mul_pd(a, _mm256_set1_pd(s)); }
+};
+#endif
+
+// Packing, a pure copy (times alpha, rounded once per value, when alpha is not 1), so it changes
+// no result however it is done. Writes d[p * width + i] for p < kc and i < width: op(S)(i, p) for
+// i < rows (rows <= width) and zero above, where op(S)(i, p) is src[i * ld + p] when transposed
+// (rows of S become columns of the sliver) and src[p * ld + i] otherwise.
+template <class Real, class Arch>
+void pack_sliver(bool transposed, Real* __restrict d, index_t width, const Real* __restrict src,
+                 index_t ld, index_t rows, index_t kc, Real alpha) {
+  const bool scale = alpha != Real(1);
+  if (!transposed) {
+    using V = Vec<Real, Arch>;
+    constexpr index_t W = static_cast<index_t>(V::size);
+    const typename V::B va = V::set1(alpha);
+    for (index_t p = 0; p < kc; ++p) {
+      const Real* s = src + p * ld;
+      Real* dp = d + p * width;
+      index_t i = 0;
+      for (; i + W <= rows; i += W) {
+        const typename V::B v = V::load(s + i);
+        V::store(dp + i, scale ? V::mul(v, va) : v);
+      }
+      for (; i < rows; ++i) dp[i] = scale ? alpha * s[i] : s[i];
+      for (; i < width; ++i) dp[i] = Real(0);
+    }
+    return;
+  }
+  index_t p0 = 0;
+#if defined(__AVX2__)
+  // Blocks of W rows by W values of k, transposed in registers; rows past `rows` read as zeros.
+  using X = Avx2Block<Real>;
+  constexpr int W = X::W;
+  for (; p0 + W <= kc; p0 += W) {
+    for (index_t i0 = 0; i0 < width; i0 += W) {
+      const index_t rb = std::min<index_t>(W, width - i0);
+      typename X::R r[W];
+      for (int i = 0; i < W; ++i) {
+        r[i] = i0 + i < rows ? X::load(src + (i0 + i) * ld + p0) : X::zero();
+        if (scale) r[i] = X::mul(r[i], alpha);
+      }
+      transpose_block(r);
+      if (rb == W) {
+        for (int q = 0; q < W; ++q) X::store(d + (p0 + q) * width + i0, r[q]);
+      } else {
+        alignas(32) Real col[W];
+        for (int q = 0; q < W; ++q) {
+          X::store(col, r[q]);
+          for (index_t i = 0; i < rb; ++i) d[(p0 + q) * width + i0 + i] = col[i];
+        }
+      }
+    }
+  }
+#endif
+  // The remaining k values (all of them without AVX2), in blocks of 8 so that each source row is
+  // read a cache line at a time.
+  for (; p0 < kc; p0 += 8) {
+    const index_t pb = std::min<index_t>(8, kc - p0);
+    for (index_t i = 0; i < width; ++i) {
+      const Real* s = src + i * ld + p0;
+      for (index_t q = 0; q < pb; ++q)
+        d[(p0 + q) * width + i] = i >= rows ? Real(0) : scale ? alpha * s[q] : s[q];
+    }
+  }
+}
+
 template <class Real, class Arch, int MR, int NV>
 constexpr GemmKernel<Real> make_gemm(index_t kc, index_t mc, index_t nc) {
   return GemmKernel<Real>{MR,
@@ -164,7 +282,8 @@ constexpr GemmKernel<Real> make_gemm(index_t kc, index_t mc, index_t nc) {
                           mc,
                           nc,
                           &macro_kernel<Real, Arch, MR, NV>,
-                          &small_gemm<Real, Arch>};
+                          &small_gemm<Real, Arch>,
+                          &pack_sliver<Real, Arch>};
 }
 
 }  // namespace

@@ -18,26 +18,21 @@ template <class Real>
 using Buffer = std::vector<Real, AlignedAllocator<Real>>;
 
 // Packs op(A)[i0 : i0 + mc, p0 : p0 + kc] into MR-row slivers, k-major, zero-padded, each value
-// multiplied by alpha (skipped when alpha is 1, so that value is exact).
+// multiplied by alpha (skipped when alpha is 1, so that value is exact). Row i of op(A) is
+// contiguous when A is not transposed: the slivers are then its transpose.
 template <class Real>
 void pack_a(const simd::GemmKernel<Real>& kern, Real* dst, Trans ta, const Real* a, index_t lda,
             index_t i0, index_t mc, index_t p0, index_t kc, Real alpha) {
-  const int mr = kern.mr;
-  for (index_t ir = 0; ir < mc; ir += mr) {
-    const index_t mb = std::min<index_t>(mr, mc - ir);
-    Real* d = dst + (ir / mr) * kc * mr;
-    // Row i of op(A) is contiguous when A is not transposed: the sliver is its transpose.
-    if (ta == Trans::no)
-      kern.pack(true, d, mr, a + (i0 + ir) * lda + p0, lda, mb, kc, alpha);
-    else
-      kern.pack(false, d, mr, a + p0 * lda + i0 + ir, lda, mb, kc, alpha);
-  }
+  if (ta == Trans::no)
+    kern.pack(true, dst, kern.mr, a + i0 * lda + p0, lda, mc, kc, alpha);
+  else
+    kern.pack(false, dst, kern.mr, a + p0 * lda + i0, lda, mc, kc, alpha);
 }
 
-// Packs one NR-column sliver of op(B)[p0 : p0 + kc, j0 : j0 + nb], k-major, zero-padded.
+// Packs the NR-column slivers of op(B)[p0 : p0 + kc, j0 : j0 + nb], k-major, zero-padded.
 template <class Real>
-void pack_b_sliver(const simd::GemmKernel<Real>& kern, Real* d, Trans tb, const Real* b,
-                   index_t ldb, index_t p0, index_t kc, index_t j0, index_t nb) {
+void pack_b(const simd::GemmKernel<Real>& kern, Real* d, Trans tb, const Real* b, index_t ldb,
+            index_t p0, index_t kc, index_t j0, index_t nb) {
   if (tb == Trans::no)
     kern.pack(false, d, kern.nr, b + p0 * ldb + j0, ldb, nb, kc, Real(1));
   else
@@ -83,11 +78,15 @@ void gemm_blocked(const simd::GemmKernel<Real>& kern, Trans ta, Trans tb, index_
     // Panel layout: k block pb holds `slivers` slivers of kc x NR, at offset pc * slivers * NR.
     bpack.resize(static_cast<std::size_t>(slivers * nr * k));
     Real* panel = bpack.data();
-    for_each(kblocks * slivers, [&](index_t t) {
-      const index_t pb = t / slivers, s = t % slivers;
+    // Packing tasks of up to kGroup slivers each, so that a row of B is read a few cache lines
+    // at a time.
+    constexpr index_t kGroup = 4;
+    const index_t groups = (slivers + kGroup - 1) / kGroup;
+    for_each(kblocks * groups, [&](index_t t) {
+      const index_t pb = t / groups, s0 = (t % groups) * kGroup;
       const index_t pc = pb * kern.kc, kc = std::min<index_t>(kern.kc, k - pc);
-      pack_b_sliver(kern, panel + pc * slivers * nr + s * kc * nr, tb, b, ldb, pc, kc, jc + s * nr,
-                    std::min<index_t>(nr, nc - s * nr));
+      pack_b(kern, panel + pc * slivers * nr + s0 * kc * nr, tb, b, ldb, pc, kc, jc + s0 * nr,
+             std::min<index_t>(kGroup * nr, nc - s0 * nr));
     });
     for_each(ic_blocks, [&](index_t ib) {
       const index_t ic = ib * mc;

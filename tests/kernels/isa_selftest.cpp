@@ -258,29 +258,32 @@ void test_small_gemm(const Isa& isa) {
 }
 
 // Every ISA's packing routine writes exactly what the plain loop of its contract writes, including
-// the zero padding and the alpha scaling, for both layouts and for widths and depths that leave
-// partial in-register blocks (the padding beyond width * kc is left untouched).
+// the zero padding and the alpha scaling, for both layouts, for one sliver and for several, and for
+// widths and depths that leave partial in-register blocks (nothing past the panel is touched).
 template <class Real>
 void test_pack(const Isa& isa) {
   std::uint64_t stream = 7000;
   int mismatches = 0;
   for (bool transposed : {false, true})
     for (index_t width : {1, 4, 6, 8, 12, 16, 32})
-      for (index_t rows : {index_t{1}, width / 2 + 1, width})
-        for (index_t kc : {1, 7, 8, 9, 64, 77})
+      for (index_t rows : {index_t{1}, width / 2 + 1, width, 3 * width - 1, 4 * width})
+        for (index_t kc : {1, 7, 8, 9, 17, 64, 77})
           for (Real alpha : {Real(1), static_cast<Real>(0.37)}) {
-            if (rows > width) continue;
-            const index_t ld = (transposed ? kc : width) + 3;
+            const index_t slivers = (rows + width - 1) / width;
+            const index_t ld = (transposed ? kc : rows) + 3;
             const auto src = random<Real>((transposed ? rows : kc) * ld, stream++, -1, 1);
-            std::vector<Real> want(static_cast<std::size_t>(width * kc + 5), Real(-7));
+            std::vector<Real> want(static_cast<std::size_t>(slivers * width * kc + 5), Real(-7));
             auto got = want;
-            for (index_t p = 0; p < kc; ++p)
-              for (index_t i = 0; i < width; ++i) {
-                const Real v = i >= rows    ? Real(0)
-                               : transposed ? src[static_cast<std::size_t>(i * ld + p)]
-                                            : src[static_cast<std::size_t>(p * ld + i)];
-                want[static_cast<std::size_t>(p * width + i)] = alpha == Real(1) ? v : alpha * v;
-              }
+            for (index_t s = 0; s < slivers; ++s)
+              for (index_t p = 0; p < kc; ++p)
+                for (index_t i = 0; i < width; ++i) {
+                  const index_t r = s * width + i;
+                  const Real v = r >= rows    ? Real(0)
+                                 : transposed ? src[static_cast<std::size_t>(r * ld + p)]
+                                              : src[static_cast<std::size_t>(p * ld + r)];
+                  want[static_cast<std::size_t>((s * kc + p) * width + i)] =
+                      alpha == Real(1) ? v : alpha * v;
+                }
             gemm_of<Real>(*isa.k).pack(transposed, got.data(), width, src.data(), ld, rows, kc,
                                        alpha);
             if (std::memcmp(got.data(), want.data(), got.size() * sizeof(Real)) != 0) ++mismatches;

@@ -212,9 +212,9 @@ struct Avx2Block<double> {
 #endif
 
 // Packing, a pure copy (times alpha, rounded once per value, when alpha is not 1), so it changes
-// no result however it is done. Writes d[p * width + i] for p < kc and i < width: op(S)(i, p) for
-// i < rows (rows <= width) and zero above, where op(S)(i, p) is src[i * ld + p] when transposed
-// (rows of S become columns of the sliver) and src[p * ld + i] otherwise.
+// no result however it is done. One sliver: writes d[p * width + i] for p < kc and i < width:
+// op(S)(i, p) for i < rows (rows <= width) and zero above, where op(S)(i, p) is src[i * ld + p]
+// when transposed (rows of S become columns of the sliver) and src[p * ld + i] otherwise.
 template <class Real, class Arch>
 void pack_sliver(bool transposed, Real* __restrict d, index_t width, const Real* __restrict src,
                  index_t ld, index_t rows, index_t kc, Real alpha) {
@@ -274,6 +274,29 @@ void pack_sliver(bool transposed, Real* __restrict d, index_t width, const Real*
   }
 }
 
+// A whole panel: ceil(rows / width) consecutive slivers, each kc x width, sliver s holding rows
+// [s * width, s * width + width) of op(S). Without transposition each row of S is then read once,
+// across all slivers, instead of once per sliver at a large stride.
+template <class Real, class Arch>
+void pack_panel(bool transposed, Real* d, index_t width, const Real* src, index_t ld, index_t rows,
+                index_t kc, Real alpha) {
+  const index_t slivers = (rows + width - 1) / width;
+  if (transposed) {
+    for (index_t s = 0; s < slivers; ++s)
+      pack_sliver<Real, Arch>(true, d + s * kc * width, width, src + s * width * ld, ld,
+                              std::min(width, rows - s * width), kc, alpha);
+    return;
+  }
+  constexpr index_t kRows = 16;  // k values per pass: the destination stays in L1 meanwhile
+  for (index_t p0 = 0; p0 < kc; p0 += kRows) {
+    const index_t pb = std::min(kRows, kc - p0);
+    for (index_t s = 0; s < slivers; ++s)
+      pack_sliver<Real, Arch>(false, d + s * kc * width + p0 * width, width,
+                              src + p0 * ld + s * width, ld, std::min(width, rows - s * width), pb,
+                              alpha);
+  }
+}
+
 template <class Real, class Arch, int MR, int NV>
 constexpr GemmKernel<Real> make_gemm(index_t kc, index_t mc, index_t nc) {
   return GemmKernel<Real>{MR,
@@ -283,7 +306,7 @@ constexpr GemmKernel<Real> make_gemm(index_t kc, index_t mc, index_t nc) {
                           nc,
                           &macro_kernel<Real, Arch, MR, NV>,
                           &small_gemm<Real, Arch>,
-                          &pack_sliver<Real, Arch>};
+                          &pack_panel<Real, Arch>};
 }
 
 }  // namespace

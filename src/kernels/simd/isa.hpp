@@ -31,9 +31,9 @@ struct GemmKernel {
   void (*small)(bool ta, index_t m, index_t n, index_t k, Real alpha, const Real* a, index_t lda,
                 const Real* b, index_t ldb, Real* c, index_t ldc, Start start, Real beta,
                 Real* tail);
-  // One packed sliver (see pack_sliver in gemm_kernel.hpp): d[p * width + i] = alpha * op(S)(i, p)
-  // for i < rows, zero for rows <= i < width; op(S)(i, p) = src[i * ld + p] when transposed,
-  // src[p * ld + i] otherwise.
+  // A packed panel of ceil(rows / width) slivers (see pack_panel in gemm_kernel.hpp): sliver s
+  // at d + s * kc * width holds d[p * width + i] = alpha * op(S)(s * width + i, p), zero past
+  // `rows`; op(S)(i, p) = src[i * ld + p] when transposed, src[p * ld + i] otherwise.
   void (*pack)(bool transposed, Real* d, index_t width, const Real* src, index_t ld, index_t rows,
                index_t kc, Real alpha);
 };

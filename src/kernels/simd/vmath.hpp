@@ -61,13 +61,14 @@ struct Math {
     B r = V::fma(-n, V::set1(C::ln2_hi), x);
     r = V::fma(-n, V::set1(C::ln2_lo), r);
     // Horner from the highest Taylor coefficient 1/k!.
-    constexpr auto coef = [] {
+    static constexpr auto coef = [] {
       std::array<Real, C::exp_degree + 1> c{};
       c[0] = 1;
       for (int k = 1; k <= C::exp_degree; ++k) c[k] = c[k - 1] / static_cast<Real>(k);
       return c;
     }();
     B p = V::set1(coef[C::exp_degree]);
+#pragma GCC unroll 64
     for (int k = C::exp_degree - 1; k >= 0; --k) p = V::fma(p, r, V::set1(coef[k]));
     // 2^n in two normal halves, so that subnormal results are rounded once, correctly.
     const B n1 = round(n * V::set1(Real(0.5)));
@@ -82,7 +83,7 @@ struct Math {
     const B z = V::select(x < V::set1(Real(0)), -x, x);
     // Series: erf(z) = 2/sqrt(pi) * sum_n (-1)^n z^(2n+1) / (n! (2n+1)), Horner in z^2.
     const B z2 = z * z;
-    constexpr auto coef = [] {
+    static constexpr auto coef = [] {
       std::array<Real, C::erf_terms> c{};
       double fact = 1;
       for (int n = 0; n < C::erf_terms; ++n) {
@@ -92,18 +93,33 @@ struct Math {
       return c;
     }();
     B s = V::set1(coef[C::erf_terms - 1]);
+#pragma GCC unroll 64
     for (int n = C::erf_terms - 2; n >= 0; --n) s = V::fma(s, z2, V::set1(coef[n]));
     const B series = z * s * V::set1(static_cast<Real>(1.1283791670955126));  // 2 / sqrt(pi)
     B r = series;
-    // Continued fraction: erfc(z) = exp(-z^2) / (sqrt(pi) t), t = z + (1/2)/(z + 1/(z + ...)).
-    // Skipped when no lane needs it: the selected values are the same either way.
+    // Continued fraction: erfc(z) = exp(-z^2) / (sqrt(pi) t), t = z + (1/2)/(z + 1/(z + ...)),
+    // the k-th partial numerator being k/2. Its last convergent P/Q comes from the forward
+    // recurrence P_k = z P_(k-1) + (k/2) P_(k-2) (Q alike): only positive terms, so no
+    // cancellation, and a single division instead of one per term. z is clamped to [1, erf_one]
+    // (beyond, the result is 1 anyway) so that P and Q stay finite. Skipped when no lane needs it:
+    // the selected values are the same either way.
     const auto far = z > V::set1(Real(2));
     if (V::any(far)) {
-      const B zc = V::select(z < V::set1(Real(1)), V::set1(Real(1)), z);  // keep t finite
-      B t = zc;
-      for (int k = C::erfc_terms; k >= 1; --k)
-        t = zc + V::div(V::set1(static_cast<Real>(0.5 * k)), t);
-      const B erfc = V::div(exp(-(zc * zc)), t * V::set1(static_cast<Real>(1.7724538509055160)));
+      const B zc = V::select(z < V::set1(Real(1)), V::set1(Real(1)),
+                             V::select(z > V::set1(C::erf_one), V::set1(C::erf_one), z));
+      B p_prev = V::set1(Real(1)), p = zc, q_prev = V::set1(Real(0)), q = V::set1(Real(1));
+#pragma GCC unroll 64
+      for (int k = 1; k <= C::erfc_terms; ++k) {
+        const B a = V::set1(static_cast<Real>(0.5 * k));
+        const B p_next = V::fma(zc, p, a * p_prev), q_next = V::fma(zc, q, a * q_prev);
+        p_prev = p;
+        p = p_next;
+        q_prev = q;
+        q = q_next;
+      }
+      // erfc = exp(-z^2) q / (sqrt(pi) p)
+      const B erfc =
+          V::div(exp(-(zc * zc)) * q, p * V::set1(static_cast<Real>(1.7724538509055160)));
       r = V::select(far, V::set1(Real(1)) - erfc, series);
     }
     r = V::select(z > V::set1(C::erf_one), V::set1(Real(1)), r);

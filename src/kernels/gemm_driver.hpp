@@ -24,9 +24,9 @@ template <class Real>
 void pack_a(const simd::GemmKernel<Real>& kern, Real* dst, Trans ta, const Real* a, index_t lda,
             index_t i0, index_t mc, index_t p0, index_t kc, Real alpha) {
   if (ta == Trans::no)
-    kern.pack(true, dst, kern.mr, a + i0 * lda + p0, lda, mc, kc, alpha);
+    kern.pack_a(true, dst, a + i0 * lda + p0, lda, mc, kc, alpha);
   else
-    kern.pack(false, dst, kern.mr, a + p0 * lda + i0, lda, mc, kc, alpha);
+    kern.pack_a(false, dst, a + p0 * lda + i0, lda, mc, kc, alpha);
 }
 
 // Packs the NR-column slivers of op(B)[p0 : p0 + kc, j0 : j0 + nb], k-major, zero-padded.
@@ -34,9 +34,9 @@ template <class Real>
 void pack_b(const simd::GemmKernel<Real>& kern, Real* d, Trans tb, const Real* b, index_t ldb,
             index_t p0, index_t kc, index_t j0, index_t nb) {
   if (tb == Trans::no)
-    kern.pack(false, d, kern.nr, b + p0 * ldb + j0, ldb, nb, kc, Real(1));
+    kern.pack_b(false, d, b + p0 * ldb + j0, ldb, nb, kc, Real(1));
   else
-    kern.pack(true, d, kern.nr, b + j0 * ldb + p0, ldb, nb, kc, Real(1));
+    kern.pack_b(true, d, b + j0 * ldb + p0, ldb, nb, kc, Real(1));
 }
 
 // C = alpha op(A) op(B) + beta C (see teo/kernels.hpp for the rounding). for_each(n, f) runs f(i)

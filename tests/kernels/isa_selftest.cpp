@@ -264,8 +264,9 @@ template <class Real>
 void test_pack(const Isa& isa) {
   std::uint64_t stream = 7000;
   int mismatches = 0;
+  const auto& kern = gemm_of<Real>(*isa.k);
   for (bool transposed : {false, true})
-    for (index_t width : {1, 4, 6, 8, 12, 16, 32})
+    for (index_t width : {index_t{kern.mr}, index_t{kern.nr}})
       for (index_t rows : {index_t{1}, width / 2 + 1, width, 3 * width - 1, 4 * width})
         for (index_t kc : {1, 7, 8, 9, 17, 64, 77})
           for (Real alpha : {Real(1), static_cast<Real>(0.37)}) {
@@ -284,8 +285,8 @@ void test_pack(const Isa& isa) {
                   want[static_cast<std::size_t>((s * kc + p) * width + i)] =
                       alpha == Real(1) ? v : alpha * v;
                 }
-            gemm_of<Real>(*isa.k).pack(transposed, got.data(), width, src.data(), ld, rows, kc,
-                                       alpha);
+            (width == kern.mr ? kern.pack_a : kern.pack_b)(transposed, got.data(), src.data(), ld,
+                                                           rows, kc, alpha);
             if (std::memcmp(got.data(), want.data(), got.size() * sizeof(Real)) != 0) ++mismatches;
           }
   check(mismatches == 0, std::string(isa.name) + " " + (sizeof(Real) == 4 ? "float" : "double") +

@@ -3,6 +3,8 @@
 #pragma once
 
 #include <algorithm>
+#include <cstring>
+#include <utility>
 
 #if defined(__AVX2__)
 #include <immintrin.h>
@@ -196,105 +198,144 @@ struct Avx2Block<float> {
   using R = __m256;
   static constexpr int W = 8;
   static R load(const float* p) { return _mm256_loadu_ps(p); }
-  static void store(float* p, R v) { _mm256_storeu_ps(p, v); }
   static R zero() { return _mm256_setzero_ps(); }
   static R mul(R a, float s) { return _mm256_mul_ps(a, _mm256_set1_ps(s)); }
+  // The first N lanes, in 4-, 2- and 1-lane pieces, so that nothing past p + N is written.
+  template <int N>
+  static void store(float* p, R v) {
+    if constexpr (N == 8) {
+      _mm256_storeu_ps(p, v);
+    } else {
+      __m128 part = _mm256_castps256_ps128(v);
+      if constexpr (N >= 4) {
+        _mm_storeu_ps(p, part);
+        part = _mm256_extractf128_ps(v, 1);
+      }
+      constexpr int rest = N % 4, at = N - rest;
+      if constexpr (rest >= 2) _mm_store_sd(reinterpret_cast<double*>(p + at), _mm_castps_pd(part));
+      if constexpr (rest == 1) _mm_store_ss(p + at, part);
+      if constexpr (rest == 3) _mm_store_ss(p + at + 2, _mm_movehl_ps(part, part));
+    }
+  }
 };
 template <>
 struct Avx2Block<double> {
   using R = __m256d;
   static constexpr int W = 4;
   static R load(const double* p) { return _mm256_loadu_pd(p); }
-  static void store(double* p, R v) { _mm256_storeu_pd(p, v); }
   static R zero() { return _mm256_setzero_pd(); }
   static R mul(R a, double s) { return _mm256_mul_pd(a, _mm256_set1_pd(s)); }
+  template <int N>
+  static void store(double* p, R v) {
+    if constexpr (N == 4) {
+      _mm256_storeu_pd(p, v);
+    } else {
+      __m128d part = _mm256_castpd256_pd128(v);
+      if constexpr (N >= 2) {
+        _mm_storeu_pd(p, part);
+        part = _mm256_extractf128_pd(v, 1);
+      }
+      if constexpr (N % 2 == 1) _mm_store_sd(p + N - 1, part);
+    }
+  }
 };
+
+// One full sliver (rows == WIDTH) transposed: blocks of W rows by W values of k, transposed in
+// registers. Returns the number of k values done (a multiple of W); the caller does the rest.
+template <class Real, int WIDTH, bool SCALE>
+index_t pack_transposed_avx2(Real* __restrict d, const Real* __restrict src, index_t ld, index_t kc,
+                             Real alpha) {
+  using X = Avx2Block<Real>;
+  constexpr int W = X::W;
+  index_t p0 = 0;
+  for (; p0 + W <= kc; p0 += W) {
+    [&]<int... B>(std::integer_sequence<int, B...>) {
+      // One step per block of W rows: i0 = B * W.
+      (
+          [&] {
+            constexpr int i0 = B * W, rb = WIDTH - i0 < W ? WIDTH - i0 : W;
+            typename X::R r[W];
+            for (int i = 0; i < W; ++i) {
+              r[i] = i < rb ? X::load(src + (i0 + i) * ld + p0) : X::zero();
+              if constexpr (SCALE) r[i] = X::mul(r[i], alpha);
+            }
+            transpose_block(r);
+            for (int q = 0; q < W; ++q) X::template store<rb>(d + (p0 + q) * WIDTH + i0, r[q]);
+          }(),
+          ...);
+    }
+    (std::make_integer_sequence<int, (WIDTH + W - 1) / W>{});
+  }
+  return p0;
+}
 #endif
 
 // Packing, a pure copy (times alpha, rounded once per value, when alpha is not 1), so it changes
-// no result however it is done. One sliver: writes d[p * width + i] for p < kc and i < width:
-// op(S)(i, p) for i < rows (rows <= width) and zero above, where op(S)(i, p) is src[i * ld + p]
+// no result however it is done. One sliver: writes d[p * WIDTH + i] for p < kc and i < WIDTH:
+// op(S)(i, p) for i < rows (rows <= WIDTH) and zero above, where op(S)(i, p) is src[i * ld + p]
 // when transposed (rows of S become columns of the sliver) and src[p * ld + i] otherwise.
-template <class Real, class Arch>
-void pack_sliver(bool transposed, Real* __restrict d, index_t width, const Real* __restrict src,
-                 index_t ld, index_t rows, index_t kc, Real alpha) {
-  const bool scale = alpha != Real(1);
+template <class Real, int WIDTH, bool SCALE>
+void pack_sliver(bool transposed, Real* __restrict d, const Real* __restrict src, index_t ld,
+                 index_t rows, index_t kc, Real alpha) {
+  const auto value = [alpha](Real v) { return SCALE ? alpha * v : v; };
   if (!transposed) {
-    using V = Vec<Real, Arch>;
-    constexpr index_t W = static_cast<index_t>(V::size);
-    const typename V::B va = V::set1(alpha);
     for (index_t p = 0; p < kc; ++p) {
-      const Real* s = src + p * ld;
-      Real* dp = d + p * width;
-      index_t i = 0;
-      for (; i + W <= rows; i += W) {
-        const typename V::B v = V::load(s + i);
-        V::store(dp + i, scale ? V::mul(v, va) : v);
+      const Real* sp = src + p * ld;
+      Real* dp = d + p * WIDTH;
+      if (!SCALE && rows == WIDTH) {
+        std::memcpy(dp, sp, sizeof(Real) * WIDTH);  // a fixed size: a few vector moves
+      } else {
+        for (index_t i = 0; i < WIDTH; ++i) dp[i] = i < rows ? value(sp[i]) : Real(0);
       }
-      for (; i < rows; ++i) dp[i] = scale ? alpha * s[i] : s[i];
-      for (; i < width; ++i) dp[i] = Real(0);
     }
     return;
   }
   index_t p0 = 0;
 #if defined(__AVX2__)
-  // Blocks of W rows by W values of k, transposed in registers; rows past `rows` read as zeros.
-  using X = Avx2Block<Real>;
-  constexpr int W = X::W;
-  for (; p0 + W <= kc; p0 += W) {
-    for (index_t i0 = 0; i0 < width; i0 += W) {
-      const index_t rb = std::min<index_t>(W, width - i0);
-      typename X::R r[W];
-      for (int i = 0; i < W; ++i) {
-        r[i] = i0 + i < rows ? X::load(src + (i0 + i) * ld + p0) : X::zero();
-        if (scale) r[i] = X::mul(r[i], alpha);
-      }
-      transpose_block(r);
-      if (rb == W) {
-        for (int q = 0; q < W; ++q) X::store(d + (p0 + q) * width + i0, r[q]);
-      } else {
-        alignas(32) Real col[W];
-        for (int q = 0; q < W; ++q) {
-          X::store(col, r[q]);
-          for (index_t i = 0; i < rb; ++i) d[(p0 + q) * width + i0 + i] = col[i];
-        }
-      }
-    }
-  }
+  if (rows == WIDTH) p0 = pack_transposed_avx2<Real, WIDTH, SCALE>(d, src, ld, kc, alpha);
 #endif
-  // The remaining k values (all of them without AVX2), in blocks of 8 so that each source row is
-  // read a cache line at a time.
+  // The remaining k values (all of them for an edge sliver or without AVX2), in blocks of 8 so
+  // that each source row is read a cache line at a time.
   for (; p0 < kc; p0 += 8) {
     const index_t pb = std::min<index_t>(8, kc - p0);
-    for (index_t i = 0; i < width; ++i) {
-      const Real* s = src + i * ld + p0;
-      for (index_t q = 0; q < pb; ++q)
-        d[(p0 + q) * width + i] = i >= rows ? Real(0) : scale ? alpha * s[q] : s[q];
+    for (index_t i = 0; i < WIDTH; ++i) {
+      const Real* sp = src + i * ld + p0;
+      for (index_t q = 0; q < pb; ++q) d[(p0 + q) * WIDTH + i] = i < rows ? value(sp[q]) : Real(0);
     }
   }
 }
 
-// A whole panel: ceil(rows / width) consecutive slivers, each kc x width, sliver s holding rows
-// [s * width, s * width + width) of op(S). Without transposition each row of S is then read once,
-// across all slivers, instead of once per sliver at a large stride.
-template <class Real, class Arch>
-void pack_panel(bool transposed, Real* d, index_t width, const Real* src, index_t ld, index_t rows,
-                index_t kc, Real alpha) {
-  const index_t slivers = (rows + width - 1) / width;
+// A whole panel of WIDTH-wide slivers (WIDTH is MR for A, NR for B): ceil(rows / WIDTH)
+// consecutive slivers, each kc x WIDTH, sliver s holding rows [s * WIDTH, s * WIDTH + WIDTH) of
+// op(S). Without transposition each row of S is read once, across all slivers, instead of once
+// per sliver at a large stride.
+template <class Real, int WIDTH, bool SCALE>
+void pack_panel_t(bool transposed, Real* d, const Real* src, index_t ld, index_t rows, index_t kc,
+                  Real alpha) {
+  const index_t slivers = (rows + WIDTH - 1) / WIDTH;
   if (transposed) {
     for (index_t s = 0; s < slivers; ++s)
-      pack_sliver<Real, Arch>(true, d + s * kc * width, width, src + s * width * ld, ld,
-                              std::min(width, rows - s * width), kc, alpha);
+      pack_sliver<Real, WIDTH, SCALE>(true, d + s * kc * WIDTH, src + s * WIDTH * ld, ld,
+                                      std::min<index_t>(WIDTH, rows - s * WIDTH), kc, alpha);
     return;
   }
   constexpr index_t kRows = 16;  // k values per pass: the destination stays in L1 meanwhile
   for (index_t p0 = 0; p0 < kc; p0 += kRows) {
     const index_t pb = std::min(kRows, kc - p0);
     for (index_t s = 0; s < slivers; ++s)
-      pack_sliver<Real, Arch>(false, d + s * kc * width + p0 * width, width,
-                              src + p0 * ld + s * width, ld, std::min(width, rows - s * width), pb,
-                              alpha);
+      pack_sliver<Real, WIDTH, SCALE>(false, d + s * kc * WIDTH + p0 * WIDTH,
+                                      src + p0 * ld + s * WIDTH, ld,
+                                      std::min<index_t>(WIDTH, rows - s * WIDTH), pb, alpha);
   }
+}
+
+template <class Real, int WIDTH>
+void pack_panel(bool transposed, Real* d, const Real* src, index_t ld, index_t rows, index_t kc,
+                Real alpha) {
+  if (alpha == Real(1))
+    pack_panel_t<Real, WIDTH, false>(transposed, d, src, ld, rows, kc, alpha);
+  else
+    pack_panel_t<Real, WIDTH, true>(transposed, d, src, ld, rows, kc, alpha);
 }
 
 template <class Real, class Arch, int MR, int NV>
@@ -306,7 +347,8 @@ constexpr GemmKernel<Real> make_gemm(index_t kc, index_t mc, index_t nc) {
                           nc,
                           &macro_kernel<Real, Arch, MR, NV>,
                           &small_gemm<Real, Arch>,
-                          &pack_panel<Real, Arch>};
+                          &pack_panel<Real, MR>,
+                          &pack_panel<Real, NV* static_cast<int>(Vec<Real, Arch>::size)>};
 }
 
 }  // namespace

@@ -31,11 +31,14 @@ struct GemmKernel {
   void (*small)(bool ta, index_t m, index_t n, index_t k, Real alpha, const Real* a, index_t lda,
                 const Real* b, index_t ldb, Real* c, index_t ldc, Start start, Real beta,
                 Real* tail);
-  // A packed panel of ceil(rows / width) slivers (see pack_panel in gemm_kernel.hpp): sliver s
-  // at d + s * kc * width holds d[p * width + i] = alpha * op(S)(s * width + i, p), zero past
-  // `rows`; op(S)(i, p) = src[i * ld + p] when transposed, src[p * ld + i] otherwise.
-  void (*pack)(bool transposed, Real* d, index_t width, const Real* src, index_t ld, index_t rows,
-               index_t kc, Real alpha);
+  // Packed panels of ceil(rows / width) slivers, width MR (pack_a) or NR (pack_b); see pack_panel
+  // in gemm_kernel.hpp. Sliver s at d + s * kc * width holds d[p * width + i] =
+  // alpha * op(S)(s * width + i, p), zero past `rows`; op(S)(i, p) = src[i * ld + p] when
+  // transposed, src[p * ld + i] otherwise.
+  void (*pack_a)(bool transposed, Real* d, const Real* src, index_t ld, index_t rows, index_t kc,
+                 Real alpha);
+  void (*pack_b)(bool transposed, Real* d, const Real* src, index_t ld, index_t rows, index_t kc,
+                 Real alpha);
 };
 
 // The non-GEMM stages' kernels (simd/vector_kernels.hpp), per row or per element range.

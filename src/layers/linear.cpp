@@ -35,8 +35,15 @@ void linear_backward(Real* din, Real* dweight, Real* dbias, const Real* dout, co
   gemm<Real>(Trans::yes, Trans::no, out_f, in_f, rows, Real(1), dout, out_f, in, in_f, Real(1),
              dweight, in_f);
   if (dbias) {
-    for (index_t r = 0; r < rows; ++r)
-      for (index_t o = 0; o < out_f; ++o) dbias[o] += dout[r * out_f + o];
+    // Each task owns a range of columns and sums its rows in increasing order: the serial loop's
+    // bits on any thread count.
+    detail::for_blocks(out_f, 64, [=](index_t o0, index_t o1) {
+      Real* __restrict db = dbias;
+      for (index_t r = 0; r < rows; ++r) {
+        const Real* __restrict g = dout + r * out_f;
+        for (index_t o = o0; o < o1; ++o) db[o] += g[o];
+      }
+    });
   }
 }
 

@@ -98,8 +98,23 @@ struct Kernels {
   static void softmax_forward_row(Real* prow, const Real* srow, index_t nv, index_t n) {
     for (index_t j = nv; j < n; ++j) prow[j] = Real(0);
     if (nv == 0) return;
+    // The maximum by the rule m = s > m ? s : m from m = srow[0]: every lane starts from srow[0]
+    // and the lanes combine by the same rule, which gives the serial loop's value in any order
+    // (a NaN in srow[0] stays; any later NaN is skipped), up to the sign of a zero maximum, which
+    // no result sees: s - (+0) and s - (-0) have the same exp.
+    using V = Vec<Real, Arch>;
+    constexpr index_t W = static_cast<index_t>(V::size);
+    typename V::B vm = V::set1(srow[0]);
+    const index_t full = nv - nv % W;
+    for (index_t j = 0; j < full; j += W) {
+      const typename V::B x = V::load(srow + j);
+      vm = V::select(x > vm, x, vm);
+    }
+    alignas(64) Real lanes[W];
+    V::store(lanes, vm);
     Real mx = srow[0];
-    for (index_t j = 1; j < nv; ++j) mx = srow[j] > mx ? srow[j] : mx;  // exact in any order
+    for (index_t l = 0; l < W; ++l) mx = lanes[l] > mx ? lanes[l] : mx;
+    for (index_t j = full; j < nv; ++j) mx = srow[j] > mx ? srow[j] : mx;
     for_each_vec<Real, Arch>(nv, [&]<class VV>(index_t j) {
       VV::store(prow + j, M<VV>::exp(VV::load(srow + j) - VV::set1(mx)));
     });

@@ -117,5 +117,82 @@ struct Vec<Real, scalar_arch> {
   }
 };
 
+// NB vectors of Arch processed in lockstep as one wider vector: every operation is the element-wise
+// one of Arch, so results are bit for bit Arch's. Long dependency chains (erf's series and
+// continued fraction) then interleave NB independent chains, which the core overlaps.
+template <class Arch, int NB>
+struct multi {};
+
+template <class Real, class Arch, int NB>
+struct Vec<Real, multi<Arch, NB>> {
+  using arch = multi<Arch, NB>;
+  using E = Vec<Real, Arch>;
+  static constexpr std::size_t size = E::size * NB;
+  struct M {
+    typename E::M v[NB];
+  };
+  struct B {
+    typename E::B v[NB];
+#define TEO_MULTI_BINARY(op, R)                                                     \
+  [[gnu::always_inline]] friend R operator op(const B& a, const B& b) {             \
+    R r;                                                                            \
+    _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i) r.v[i] = a.v[i] op b.v[i]; \
+    return r;                                                                       \
+  }
+    TEO_MULTI_BINARY(+, B)
+    TEO_MULTI_BINARY(-, B)
+    TEO_MULTI_BINARY(*, B)
+    TEO_MULTI_BINARY(>, M)
+    TEO_MULTI_BINARY(<, M)
+    TEO_MULTI_BINARY(==, M)
+#undef TEO_MULTI_BINARY
+    [[gnu::always_inline]] friend B operator-(const B& a) {
+      B r;
+      _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i) r.v[i] = -a.v[i];
+      return r;
+    }
+  };
+  template <class F>
+  [[gnu::always_inline]] static B each(F&& f) {
+    B r;
+    _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i) r.v[i] = f(i);
+    return r;
+  }
+  [[gnu::always_inline]] static B load(const Real* p) {
+    return each([&](int i) { return E::load(p + i * E::size); });
+  }
+  [[gnu::always_inline]] static void store(Real* p, const B& v) {
+    _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i) E::store(p + i * E::size, v.v[i]);
+  }
+  [[gnu::always_inline]] static B set1(Real x) {
+    return each([&](int) { return E::set1(x); });
+  }
+  [[gnu::always_inline]] static B fma(const B& a, const B& b, const B& c) {
+    return each([&](int i) { return E::fma(a.v[i], b.v[i], c.v[i]); });
+  }
+  [[gnu::always_inline]] static B mul(const B& a, const B& b) {
+    return each([&](int i) { return E::mul(a.v[i], b.v[i]); });
+  }
+  [[gnu::always_inline]] static B div(const B& a, const B& b) {
+    return each([&](int i) { return E::div(a.v[i], b.v[i]); });
+  }
+  [[gnu::always_inline]] static B select(const M& m, const B& a, const B& b) {
+    return each([&](int i) { return E::select(m.v[i], a.v[i], b.v[i]); });
+  }
+  [[gnu::always_inline]] static bool any(const M& m) {
+    bool r = false;
+    _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i) r = r || E::any(m.v[i]);
+    return r;
+  }
+  [[gnu::always_inline]] static M isnan(const B& a) {
+    M r;
+    _Pragma("GCC unroll 8") for (int i = 0; i < NB; ++i) r.v[i] = E::isnan(a.v[i]);
+    return r;
+  }
+  [[gnu::always_inline]] static B pow2n(const B& n) {
+    return each([&](int i) { return E::pow2n(n.v[i]); });
+  }
+};
+
 }  // namespace
 }  // namespace teo::simd

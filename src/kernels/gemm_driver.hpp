@@ -67,10 +67,14 @@ void gemm_blocked(const simd::GemmKernel<Real>& kern, Trans ta, Trans tb, index_
 
   // The B panel holds every k block of NC columns at once, so each task walks all of K for its
   // row block without waiting for the others: one barrier per NC panel instead of two per KC
-  // block. NC shrinks so that the panel stays within kPanelElements (a shared-L3-sized budget).
-  constexpr index_t kPanelElements = index_t{1} << 22;
-  const index_t nc_max = std::max<index_t>(
-      nr, std::min<index_t>(kern.nc, kPanelElements / std::max<index_t>(k, 1) / nr * nr));
+  // block. NC shrinks so that the panel stays within kPanelBytes (a share of L3), and the panels
+  // of one product are of equal width.
+  const index_t kPanelBytes = index_t{16} << 20;
+  const index_t nc_cap = std::max<index_t>(
+      nr, std::min<index_t>(kern.nc, kPanelBytes / static_cast<index_t>(sizeof(Real)) /
+                                         std::max<index_t>(k, 1) / nr * nr));
+  const index_t panels = (n + nc_cap - 1) / nc_cap;
+  const index_t nc_max = ((n + panels - 1) / panels + nr - 1) / nr * nr;
   const index_t kblocks = (k + kern.kc - 1) / kern.kc;
   for (index_t jc = 0; jc < n; jc += nc_max) {
     const index_t nc = std::min<index_t>(nc_max, n - jc);

@@ -39,6 +39,8 @@ std::vector<GemmCase> cases() {
   out.push_back({Trans::no, Trans::yes, 96, 130, 773, 1.0, 0.0});   // k across three KC blocks
   out.push_back({Trans::yes, Trans::no, 64, 48, 1000, 1.0, 1.0});   // weight-gradient shape
   out.push_back({Trans::no, Trans::no, 257, 200, 64, 0.125, 0.0});  // attention shape
+  // n above every NC: several B panels (of different widths on different ISAs)
+  out.push_back({Trans::yes, Trans::yes, 13, 3100, 40, 0.37, -0.5});
   return out;
 }
 

@@ -18,12 +18,12 @@ struct GemmCase {
 };
 
 // Sizes 1, N-1, N, N+1 and primes around every register-tile edge (MR in {4, 6, 8, 12}, NR in
-// {4, 16, 24, 32}), a k longer than every KC (so partial sums cross k blocks), and the encoder's
-// own shapes at a small batch.
+// {4, 6, 8, 12, 16, 24, 32}), a k longer than every KC (so partial sums cross k blocks), and the
+// encoder's own shapes at a small batch.
 std::vector<GemmCase> cases() {
   std::vector<GemmCase> out;
   const index_t ms[] = {1, 5, 11, 12, 13, 29};
-  const index_t ns[] = {1, 15, 16, 17, 31, 33, 47};
+  const index_t ns[] = {1, 7, 13, 15, 16, 17, 23, 25, 31, 33, 47};
   const index_t ks[] = {1, 7, 300};
   int i = 0;
   for (Trans ta : {Trans::no, Trans::yes})

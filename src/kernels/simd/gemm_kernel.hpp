@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 
 #if defined(__AVX2__)
@@ -248,6 +249,29 @@ index_t pack_transposed_avx2(Real* __restrict d, const Real* __restrict src, ind
   using X = Avx2Block<Real>;
   constexpr int W = X::W;
   index_t p0 = 0;
+  if constexpr (std::is_same_v<Real, float> && WIDTH == 4) {
+    // Four rows by 8 values of k: the sliver's 8 x 4 block is 32 contiguous floats, written as
+    // four full vectors from a 4-row transpose (no padding rows, no partial stores).
+    for (; p0 + 8 <= kc; p0 += 8) {
+      __m256 r[4];
+      for (int i = 0; i < 4; ++i) {
+        r[i] = X::load(src + i * ld + p0);
+        if constexpr (SCALE) r[i] = X::mul(r[i], alpha);
+      }
+      const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+      const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+      const __m256 c04 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(1, 0, 1, 0));  // k 0 | k 4
+      const __m256 c15 = _mm256_shuffle_ps(t0, t2, _MM_SHUFFLE(3, 2, 3, 2));  // k 1 | k 5
+      const __m256 c26 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(1, 0, 1, 0));  // k 2 | k 6
+      const __m256 c37 = _mm256_shuffle_ps(t1, t3, _MM_SHUFFLE(3, 2, 3, 2));  // k 3 | k 7
+      float* dp = d + p0 * 4;
+      _mm256_storeu_ps(dp, _mm256_permute2f128_ps(c04, c15, 0x20));
+      _mm256_storeu_ps(dp + 8, _mm256_permute2f128_ps(c26, c37, 0x20));
+      _mm256_storeu_ps(dp + 16, _mm256_permute2f128_ps(c04, c15, 0x31));
+      _mm256_storeu_ps(dp + 24, _mm256_permute2f128_ps(c26, c37, 0x31));
+    }
+    return p0;
+  }
   for (; p0 + W <= kc; p0 += W) {
     [&]<int... B>(std::integer_sequence<int, B...>) {
       // One step per block of W rows: i0 = B * W.
@@ -319,14 +343,23 @@ void pack_panel_t(bool transposed, Real* d, const Real* src, index_t ld, index_t
                                       std::min<index_t>(WIDTH, rows - s * WIDTH), kc, alpha);
     return;
   }
-  constexpr index_t kRows = 16;  // k values per pass: the destination stays in L1 meanwhile
-  for (index_t p0 = 0; p0 < kc; p0 += kRows) {
-    const index_t pb = std::min(kRows, kc - p0);
-    for (index_t s = 0; s < slivers; ++s)
-      pack_sliver<Real, WIDTH, SCALE>(false, d + s * kc * WIDTH + p0 * WIDTH,
-                                      src + p0 * ld + s * WIDTH, ld,
-                                      std::min<index_t>(WIDTH, rows - s * WIDTH), pb, alpha);
+  // Full slivers: each source row is copied across them in fixed-size pieces, one row at a time.
+  const index_t full = rows / WIDTH;
+  if (!SCALE) {
+    for (index_t p = 0; p < kc; ++p) {
+      const Real* __restrict sp = src + p * ld;
+      Real* __restrict dp = d + p * WIDTH;
+      for (index_t s = 0; s < full; ++s)
+        std::memcpy(dp + s * kc * WIDTH, sp + s * WIDTH, sizeof(Real) * WIDTH);
+    }
+  } else {
+    for (index_t s = 0; s < full; ++s)
+      pack_sliver<Real, WIDTH, SCALE>(false, d + s * kc * WIDTH, src + s * WIDTH, ld, WIDTH, kc,
+                                      alpha);
   }
+  if (full < slivers)
+    pack_sliver<Real, WIDTH, SCALE>(false, d + full * kc * WIDTH, src + full * WIDTH, ld,
+                                    rows - full * WIDTH, kc, alpha);
 }
 
 template <class Real, int WIDTH>

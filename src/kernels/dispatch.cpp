@@ -246,9 +246,11 @@ void gemm(Trans ta, Trans tb, index_t m, index_t n, index_t k, Real alpha, const
     case Backend::simd: {
       const auto& t = detail::isa_kernels();
       if constexpr (std::is_same_v<Real, float>) {
-        return detail::simd_gemm(t.sgemm, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+        return detail::simd_gemm(detail::pick_tile(t.sgemm, t.sgemm_alt, m, n), ta, tb, m, n, k,
+                                 alpha, a, lda, b, ldb, beta, c, ldc);
       } else {
-        return detail::simd_gemm(t.dgemm, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+        return detail::simd_gemm(detail::pick_tile(t.dgemm, t.dgemm_alt, m, n), ta, tb, m, n, k,
+                                 alpha, a, lda, b, ldb, beta, c, ldc);
       }
     }
   }

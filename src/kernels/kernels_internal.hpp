@@ -16,6 +16,17 @@ void simd_gemm(const simd::GemmKernel<Real>& kern, Trans ta, Trans tb, index_t m
                index_t k, Real alpha, const Real* a, index_t lda, const Real* b, index_t ldb,
                Real beta, Real* c, index_t ldc);
 
+// The register tile of the two an ISA offers that pads C (m, n) least; the first on a tie.
+template <class Real>
+const simd::GemmKernel<Real>& pick_tile(const simd::GemmKernel<Real>& first,
+                                        const simd::GemmKernel<Real>& second, index_t m,
+                                        index_t n) {
+  const auto padded = [&](const simd::GemmKernel<Real>& g) {
+    return (m + g.mr - 1) / g.mr * g.mr * ((n + g.nr - 1) / g.nr * g.nr);
+  };
+  return padded(second) < padded(first) ? second : first;
+}
+
 template <class Real>
 void blas_gemm(Trans ta, Trans tb, index_t m, index_t n, index_t k, Real alpha, const Real* a,
                index_t lda, const Real* b, index_t ldb, Real beta, Real* c, index_t ldc);

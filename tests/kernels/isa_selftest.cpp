@@ -264,34 +264,84 @@ template <class Real>
 void test_pack(const Isa& isa) {
   std::uint64_t stream = 7000;
   int mismatches = 0;
-  const auto& kern = gemm_of<Real>(*isa.k);
-  for (bool transposed : {false, true})
-    for (index_t width : {index_t{kern.mr}, index_t{kern.nr}})
-      for (index_t rows : {index_t{1}, width / 2 + 1, width, 3 * width - 1, 4 * width})
-        for (index_t kc : {1, 7, 8, 9, 17, 64, 77})
-          for (Real alpha : {Real(1), static_cast<Real>(0.37)}) {
-            const index_t slivers = (rows + width - 1) / width;
-            const index_t ld = (transposed ? kc : rows) + 3;
-            const auto src = random<Real>((transposed ? rows : kc) * ld, stream++, -1, 1);
-            std::vector<Real> want(static_cast<std::size_t>(slivers * width * kc + 5), Real(-7));
-            auto got = want;
-            for (index_t s = 0; s < slivers; ++s)
-              for (index_t p = 0; p < kc; ++p)
-                for (index_t i = 0; i < width; ++i) {
-                  const index_t r = s * width + i;
-                  const Real v = r >= rows    ? Real(0)
-                                 : transposed ? src[static_cast<std::size_t>(r * ld + p)]
-                                              : src[static_cast<std::size_t>(p * ld + r)];
-                  want[static_cast<std::size_t>((s * kc + p) * width + i)] =
-                      alpha == Real(1) ? v : alpha * v;
-                }
-            (width == kern.mr ? kern.pack_a : kern.pack_b)(transposed, got.data(), src.data(), ld,
-                                                           rows, kc, alpha);
-            if (std::memcmp(got.data(), want.data(), got.size() * sizeof(Real)) != 0) ++mismatches;
-          }
+  const GemmKernel<Real>* tiles[2];
+  if constexpr (sizeof(Real) == 4) {
+    tiles[0] = &isa.k->sgemm;
+    tiles[1] = &isa.k->sgemm_alt;
+  } else {
+    tiles[0] = &isa.k->dgemm;
+    tiles[1] = &isa.k->dgemm_alt;
+  }
+  for (const GemmKernel<Real>* tile : tiles)
+    for (bool transposed : {false, true})
+      for (index_t width : {index_t{tile->mr}, index_t{tile->nr}})
+        for (index_t rows : {index_t{1}, width / 2 + 1, width, 3 * width - 1, 4 * width})
+          for (index_t kc : {1, 7, 8, 9, 17, 64, 77})
+            for (Real alpha : {Real(1), static_cast<Real>(0.37)}) {
+              const index_t slivers = (rows + width - 1) / width;
+              const index_t ld = (transposed ? kc : rows) + 3;
+              const auto src = random<Real>((transposed ? rows : kc) * ld, stream++, -1, 1);
+              std::vector<Real> want(static_cast<std::size_t>(slivers * width * kc + 5), Real(-7));
+              auto got = want;
+              for (index_t s = 0; s < slivers; ++s)
+                for (index_t p = 0; p < kc; ++p)
+                  for (index_t i = 0; i < width; ++i) {
+                    const index_t r = s * width + i;
+                    const Real v = r >= rows    ? Real(0)
+                                   : transposed ? src[static_cast<std::size_t>(r * ld + p)]
+                                                : src[static_cast<std::size_t>(p * ld + r)];
+                    want[static_cast<std::size_t>((s * kc + p) * width + i)] =
+                        alpha == Real(1) ? v : alpha * v;
+                  }
+              (width == tile->mr ? tile->pack_a : tile->pack_b)(transposed, got.data(), src.data(),
+                                                                ld, rows, kc, alpha);
+              if (std::memcmp(got.data(), want.data(), got.size() * sizeof(Real)) != 0)
+                ++mismatches;
+            }
   check(mismatches == 0, std::string(isa.name) + " " + (sizeof(Real) == 4 ? "float" : "double") +
                              " packing equals the plain copy (" + std::to_string(mismatches) +
                              " mismatching cases)");
+}
+
+// The second register tile gives the first one's bits (simd_gemm picks between them by shape).
+template <class Real>
+void test_alt_tile(const Isa& isa) {
+  teo::detail::Buffer<Real> a_buf, b_buf;
+  auto serial = [](index_t count, auto&& f) {
+    for (index_t i = 0; i < count; ++i) f(i);
+  };
+  const GemmKernel<Real>* tiles[2];
+  if constexpr (sizeof(Real) == 4) {
+    tiles[0] = &isa.k->sgemm;
+    tiles[1] = &isa.k->sgemm_alt;
+  } else {
+    tiles[0] = &isa.k->dgemm;
+    tiles[1] = &isa.k->dgemm_alt;
+  }
+  std::uint64_t stream = 11000;
+  int mismatches = 0;
+  for (Trans ta : {Trans::no, Trans::yes})
+    for (Trans tb : {Trans::no, Trans::yes})
+      for (index_t m : {1, 5, 13, 64})
+        for (index_t n : {7, 32, 50, 64})
+          for (index_t kk : {3, 64, 300}) {
+            const auto a = random<Real>(m * kk, stream++, -1, 1);
+            const auto b = random<Real>(kk * n, stream++, -1, 1);
+            const auto c0 = random<Real>(m * n, stream++, -1, 1);
+            const Real alpha = static_cast<Real>(kk == 64 ? 0.125 : 1.0);
+            const Real beta = static_cast<Real>(m == 5 ? 0.5 : 0.0);
+            const index_t lda = ta == Trans::no ? kk : m, ldb = tb == Trans::no ? n : kk;
+            std::vector<Real> out[2] = {c0, c0};
+            for (int t = 0; t < 2; ++t)
+              teo::detail::gemm_blocked(*tiles[t], ta, tb, m, n, kk, alpha, a.data(), lda, b.data(),
+                                        ldb, beta, out[t].data(), n, 1, b_buf, serial,
+                                        [&]() -> teo::detail::Buffer<Real>& { return a_buf; });
+            if (std::memcmp(out[0].data(), out[1].data(), out[0].size() * sizeof(Real)) != 0)
+              ++mismatches;
+          }
+  check(mismatches == 0, std::string(isa.name) + " " + (sizeof(Real) == 4 ? "float" : "double") +
+                             " second register tile equals the first bit for bit (" +
+                             std::to_string(mismatches) + " mismatching shapes)");
 }
 
 int main() {
@@ -305,6 +355,8 @@ int main() {
     test_small_gemm<double>(i);
     test_pack<float>(i);
     test_pack<double>(i);
+    test_alt_tile<float>(i);
+    test_alt_tile<double>(i);
   }
   std::printf("%d passed, %d failed\n", passed, failed);
   return failed == 0 ? 0 : 1;

@@ -6,11 +6,14 @@ namespace teo::simd {
 
 // 16 ymm registers: 4 x 3 vectors = 12 accumulators + 3 B + 1 broadcast. Against BLIS's Haswell
 // shape (6 x 2), one more load and two fewer broadcasts per 12 fused multiply-adds; in alternating
-// runs on this project's Zen machine it came 4 to 10% closer to OpenBLAS (README, Performance).
+// runs on this project's Zen machine it came 4 to 10% closer to OpenBLAS (docs/kernels.md). The
+// 6 x 2 tile stays as the second one, for products whose width 24 (12) would pad (attention's).
 const IsaKernels& kernels_avx2() {
   static const IsaKernels k{"avx2",
                             make_gemm<float, xsimd::fma3<xsimd::avx2>, 4, 3>(256, 144, 3072),
                             make_gemm<double, xsimd::fma3<xsimd::avx2>, 4, 3>(256, 96, 3072),
+                            make_gemm<float, xsimd::fma3<xsimd::avx2>, 6, 2>(256, 144, 3072),
+                            make_gemm<double, xsimd::fma3<xsimd::avx2>, 6, 2>(256, 96, 3072),
                             Kernels<float, xsimd::fma3<xsimd::avx2>>::table(),
                             Kernels<double, xsimd::fma3<xsimd::avx2>>::table()};
   return k;

@@ -5,7 +5,10 @@
 namespace teo::simd {
 
 const IsaKernels& kernels_scalar() {
-  static const IsaKernels k{"scalar", make_gemm<float, scalar_arch, 4, 4>(256, 64, 1024),
+  static const IsaKernels k{"scalar",
+                            make_gemm<float, scalar_arch, 4, 4>(256, 64, 1024),
+                            make_gemm<double, scalar_arch, 4, 4>(256, 64, 1024),
+                            make_gemm<float, scalar_arch, 4, 4>(256, 64, 1024),
                             make_gemm<double, scalar_arch, 4, 4>(256, 64, 1024),
                             Kernels<float, scalar_arch>::table(),
                             Kernels<double, scalar_arch>::table()};

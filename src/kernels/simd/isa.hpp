@@ -64,8 +64,8 @@ struct IsaKernels {
   GemmKernel<float> sgemm;
   GemmKernel<double> dgemm;
   // A second register tile, for products the first pads badly (attention's 64- and 32-wide ones
-  // against a 24-wide tile): simd_gemm takes whichever pads C less. Both compute the same chains,
-  // so the choice never changes a bit. The first one where an ISA has a single tile.
+  // against a 24-wide tile): pick_tile takes it when it pads C 5% less. Both compute the same
+  // chains, so the choice never changes a bit. The first one where an ISA has a single tile.
   GemmKernel<float> sgemm_alt;
   GemmKernel<double> dgemm_alt;
   VectorKernels<float> svec;

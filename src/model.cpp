@@ -316,30 +316,46 @@ void stack_qkv(Real* w, Real* b, const LayerParams<Real>& P, index_t dm) {
   }
 }
 
+// Shapes one layer's activations. With `overwrite` (the forward pass, which writes every element
+// of them) the buffers are not zero-filled first; otherwise (the gradients, which accumulate) they
+// are all zero.
 template <class Real>
-void allocate_layer(LayerActs<Real>& l, const Dims& d) {
+void allocate_layer(LayerActs<Real>& l, const Dims& d, bool overwrite) {
+  const auto shape = [overwrite](Tensor<Real>* t, Shape s) {
+    if (overwrite)
+      t->reset_for_overwrite(std::move(s));
+    else
+      t->reset(std::move(s));
+  };
   for (Tensor<Real>* t : {&l.norm1, &l.context, &l.attn_out, &l.residual1, &l.norm2, &l.ffn_out,
                           &l.residual2, &l.output})
-    t->reset({d.B, d.S, d.D});
+    shape(t, {d.B, d.S, d.D});
   for (Tensor<Real>* t : {&l.norm1_mean, &l.norm1_rstd, &l.norm2_mean, &l.norm2_rstd})
-    t->reset({d.N});
-  for (Tensor<Real>* t : {&l.q, &l.k, &l.v}) t->reset({d.B, d.H, d.S, d.Dh});
-  for (Tensor<Real>* t : {&l.scores, &l.probs}) t->reset({d.B, d.H, d.S, d.S});
-  for (Tensor<Real>* t : {&l.ffn_pre, &l.ffn_hidden}) t->reset({d.B, d.S, d.F});
+    shape(t, {d.N});
+  for (Tensor<Real>* t : {&l.q, &l.k, &l.v}) shape(t, {d.B, d.H, d.S, d.Dh});
+  for (Tensor<Real>* t : {&l.scores, &l.probs}) shape(t, {d.B, d.H, d.S, d.S});
+  for (Tensor<Real>* t : {&l.ffn_pre, &l.ffn_hidden}) shape(t, {d.B, d.S, d.F});
   for (auto* m : {&l.masks.attn, &l.masks.residual1, &l.masks.ffn, &l.masks.residual2}) m->clear();
 }
 
-// Shapes every named activation of `acts` for this config and batch, all zero, with empty masks.
-// The buffers of a previous pass are reused where they are large enough.
+// Shapes every named activation of `acts` for this config and batch, with empty masks: all zero,
+// or, with `overwrite` (the forward pass), the large ones left as they are for the forward pass to
+// overwrite. The buffers of a previous pass are reused where they are large enough.
 template <class Real>
-void allocate(Activations<Real>& a, const EncoderConfig& cfg, const Dims& d) {
+void allocate(Activations<Real>& a, const EncoderConfig& cfg, const Dims& d, bool overwrite) {
   a.norm_first = cfg.norm_first;
-  a.embedding.reset({d.B, d.S, d.D});
-  a.positional.reset({d.S, d.D});
-  a.input.reset({d.B, d.S, d.D});
+  if (overwrite) {
+    a.embedding.reset_for_overwrite({d.B, d.S, d.D});
+    a.positional.reset_for_overwrite({d.S, d.D});
+    a.input.reset_for_overwrite({d.B, d.S, d.D});
+  } else {
+    a.embedding.reset({d.B, d.S, d.D});
+    a.positional.reset({d.S, d.D});
+    a.input.reset({d.B, d.S, d.D});
+  }
   a.input_mask.clear();
   a.layers.resize(static_cast<std::size_t>(cfg.num_layers));
-  for (auto& l : a.layers) allocate_layer(l, d);
+  for (auto& l : a.layers) allocate_layer(l, d, overwrite);
   if (cfg.norm_first) {
     a.final_norm.reset({d.B, d.S, d.D});
     a.final_norm_mean.reset({d.N});
@@ -363,8 +379,9 @@ void layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P, LayerAc
   const Real eps = static_cast<Real>(cfg.layer_norm_eps);
   const double p = cfg.dropout;
   // (B, S, D) scratch for a dropped residual branch; without dropout the branch is used as is.
-  Tensor<Real> tmp = drop ? Tensor<Real>({d.B, d.S, d.D}) : Tensor<Real>();
-  Tensor<Real> ctx({d.B, d.H, d.S, d.Dh});  // (B, H, S, Dh) scratch
+  // Scratch that is overwritten entirely before it is read.
+  Tensor<Real> tmp = drop ? Tensor<Real>::for_overwrite({d.B, d.S, d.D}) : Tensor<Real>();
+  auto ctx = Tensor<Real>::for_overwrite({d.B, d.H, d.S, d.Dh});  // (B, H, S, Dh)
 
   const Real* attn_in = x;
   if (cfg.norm_first) {
@@ -377,9 +394,10 @@ void layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P, LayerAc
   // output element is the same dot product as with three separate products.
   {
     profile::Scope stage("qkv_proj");
-    Tensor<Real> wqkv({3 * d.D, d.D}), bqkv({3 * d.D});
+    auto wqkv = Tensor<Real>::for_overwrite({3 * d.D, d.D});
+    auto bqkv = Tensor<Real>::for_overwrite({3 * d.D});
     stack_qkv(wqkv.data(), bqkv.data(), P, d.D);
-    Tensor<Real> qkv({d.B, d.S, 3 * d.D});  // (B, S, 3D)
+    auto qkv = Tensor<Real>::for_overwrite({d.B, d.S, 3 * d.D});  // (B, S, 3D)
     linear_forward(qkv.data(), attn_in, wqkv.data(), bqkv.data(), d.N, d.D, 3 * d.D);
     Tensor<Real>* heads[3] = {&L.q, &L.k, &L.v};
     // With B = 0 the buffers are empty (null): nothing to split, and no pointer arithmetic on null.
@@ -430,7 +448,7 @@ void layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P, LayerAc
   // ffn_out = fc2(dropout(act(fc1(ffn_in))))
   TEO_STAGE("ffn_fc1", linear_forward(L.ffn_pre.data(), ffn_in, P.fc1_weight.data(),
                                       P.fc1_bias.data(), d.N, d.D, d.F));
-  Tensor<Real> dropped_buf = drop ? Tensor<Real>({d.B, d.S, d.F}) : Tensor<Real>();
+  Tensor<Real> dropped_buf = drop ? Tensor<Real>::for_overwrite({d.B, d.S, d.F}) : Tensor<Real>();
   const Real* hidden_dropped = nullptr;  // dropout(ffn_hidden): the buffer, or ffn_hidden itself
   TEO_STAGE("activation", activation_forward(L.ffn_hidden.data(), L.ffn_pre.data(),
                                              L.ffn_pre.numel(), cfg.activation);
@@ -587,7 +605,7 @@ void forward(const Params<Real>& params, const Batch& batch, Activations<Real>& 
   validate_params(params);
   validate_batch(cfg, batch, sizeof(Real));
   const Dims d = dims_of(cfg, batch);
-  allocate(acts, cfg, d);
+  allocate(acts, cfg, d, /*overwrite=*/true);
 
   {
     profile::Scope stage("embedding");
@@ -662,7 +680,7 @@ void backward(const Params<Real>& params, const Batch& batch, const Activations<
   validate_activations(cfg, batch, acts);
   const Dims d = dims_of(cfg, batch);
   grads = Params<Real>::zeros(cfg);
-  allocate(dacts, cfg, d);
+  allocate(dacts, cfg, d, /*overwrite=*/false);
 
   // loss = cross_entropy(logits); logits = pooled * head^T + b
   {

@@ -8,6 +8,7 @@
 #include <limits>
 #include <new>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "teo/errors.hpp"
@@ -68,6 +69,17 @@ struct AlignedAllocator {
     return static_cast<T*>(memory::allocate(n * sizeof(T)));
   }
   void deallocate(T* p, std::size_t n) noexcept { memory::deallocate(p, n * sizeof(T)); }
+  // Elements a vector value-initialises (resize, the size constructor) are left uninitialised:
+  // Tensor zero-fills explicitly (reset), except where a caller overwrites every element
+  // (reset_for_overwrite), and the GEMM's packing buffers are always overwritten.
+  template <class U>
+  void construct(U* p) noexcept {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <class U, class... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
   template <class U>
   bool operator==(const AlignedAllocator<U>&) const {
     return true;
@@ -89,6 +101,23 @@ class Tensor {
     data_.assign(static_cast<std::size_t>(shape_.numel()), Real(0));
   }
   void reset(std::initializer_list<index_t> dims) { reset(Shape(dims)); }
+
+  // Gives the tensor a new shape for a caller that overwrites every element before anything reads
+  // it: no zero-fill (the values are whatever the buffer held). The forward pass's activations use
+  // it, which saves writing them twice.
+  void reset_for_overwrite(Shape shape) {
+    checked_mul(shape.numel(), static_cast<index_t>(sizeof(Real)), "tensor byte count");
+    shape_ = std::move(shape);
+    data_.resize(static_cast<std::size_t>(shape_.numel()));
+  }
+  void reset_for_overwrite(std::initializer_list<index_t> dims) {
+    reset_for_overwrite(Shape(dims));
+  }
+  static Tensor for_overwrite(Shape shape) {
+    Tensor t;
+    t.reset_for_overwrite(std::move(shape));
+    return t;
+  }
 
   const Shape& shape() const { return shape_; }
   index_t numel() const { return shape_.numel(); }

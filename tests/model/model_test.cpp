@@ -1,5 +1,6 @@
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "support.hpp"
 
@@ -59,6 +60,34 @@ TYPED_TEST(Model, EveryStageHasItsShape) {
 // forward and backward reuse the buffers of the activations, gradients and masks they are given.
 // Nothing of an earlier pass may show through: a pass after a larger batch with dropout, and an
 // evaluation pass after a training pass, give the bits of a pass on fresh objects.
+// The forward pass shapes its activations without zero-filling them (Tensor::reset_for_overwrite),
+// so it must write every element: with every buffer poisoned with NaN beforehand, it still gives
+// a fresh pass's bits, in both layouts, both poolings, with and without dropout, causal or not.
+TYPED_TEST(Model, ForwardOverwritesEveryActivation) {
+  using Real = TypeParam;
+  for (bool pre : {false, true}) {
+    for (bool causal : {false, true}) {
+      EncoderConfig c = small_config();
+      c.norm_first = pre;
+      c.causal = causal;
+      c.pooling = causal ? Pooling::max : Pooling::mean;
+      c.dropout = pre ? 0.25 : 0.0;
+      const auto p = Params<Real>::init(c, 5);
+      const Batch batch = Batch::random(c, 3, 7, 8, {7, 2, 5});
+      const ForwardOptions fo{.train = true, .dropout_seed = 3};
+      Activations<Real> a, fresh;
+      forward(p, batch, a, fo);
+      a.visit([](const std::string&, Tensor<Real>& t) {
+        t.fill(std::numeric_limits<Real>::quiet_NaN());
+      });
+      forward(p, batch, a, fo);
+      forward(p, batch, fresh, fo);
+      EXPECT_TRUE(test::bitwise_equal(a, fresh)) << "pre " << pre << " causal " << causal;
+      EXPECT_EQ(test::named(a), test::named(fresh));  // names the tensor when the bits differ
+    }
+  }
+}
+
 TYPED_TEST(Model, ReusedActivationsGiveTheBitsOfFreshOnes) {
   using Real = TypeParam;
   for (bool pre : {false, true}) {

@@ -505,7 +505,8 @@ void layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P, const 
   // dropout is the identity: fc2 reads ffn_hidden and writes its gradient straight into
   // dL.ffn_hidden (zero until now). With one, both go through a scratch buffer.
   const bool ffn_dropped = !L.masks.ffn.empty();
-  Tensor<Real> hidden_dropped = ffn_dropped ? Tensor<Real>({d.B, d.S, d.F}) : Tensor<Real>();
+  Tensor<Real> hidden_dropped =
+      ffn_dropped ? Tensor<Real>::for_overwrite({d.B, d.S, d.F}) : Tensor<Real>();
   Tensor<Real> dhidden_dropped = ffn_dropped ? Tensor<Real>({d.B, d.S, d.F}) : Tensor<Real>();
   {
     profile::Scope stage("bwd.ffn_fc2");
@@ -550,7 +551,7 @@ void layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P, const 
   TEO_STAGE("bwd.out_proj", linear_backward(dL.context.data(), G.o_weight.data(), G.o_bias.data(),
                                             dL.attn_out.data(), L.context.data(), P.o_weight.data(),
                                             d.N, d.D, d.D));
-  Tensor<Real> dctx({d.B, d.H, d.S, d.Dh});
+  auto dctx = Tensor<Real>::for_overwrite({d.B, d.H, d.S, d.Dh});  // split_heads writes it all
   TEO_STAGE(
       "bwd.attention", split_heads(dctx.data(), dL.context.data(), d.B, d.S, d.H, d.Dh);
       attention_backward(dL.q.data(), dL.k.data(), dL.v.data(), dL.probs.data(), dL.scores.data(),
@@ -565,9 +566,10 @@ void layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P, const 
     // One product against [Wq; Wk; Wv] as in the forward pass: d attn_in sums over all 3D outputs
     // in one dot product; the weight and bias gradients are the same sums as per projection.
     profile::Scope stage("bwd.qkv_proj");
-    Tensor<Real> wqkv({3 * d.D, d.D}), bqkv({3 * d.D});
+    auto wqkv = Tensor<Real>::for_overwrite({3 * d.D, d.D});
+    auto bqkv = Tensor<Real>::for_overwrite({3 * d.D});
     stack_qkv(wqkv.data(), bqkv.data(), P, d.D);
-    Tensor<Real> dqkv({d.B, d.S, 3 * d.D});  // (B, S, 3D)
+    auto dqkv = Tensor<Real>::for_overwrite({d.B, d.S, 3 * d.D});  // (B, S, 3D), merged whole
     const Tensor<Real>* dheads[3] = {&dL.q, &dL.k, &dL.v};
     if (dqkv.numel() > 0) {
       for (int i = 0; i < 3; ++i)

@@ -343,14 +343,20 @@ void pack_panel_t(bool transposed, Real* d, const Real* src, index_t ld, index_t
                                       std::min<index_t>(WIDTH, rows - s * WIDTH), kc, alpha);
     return;
   }
-  // Full slivers: each source row is copied across them in fixed-size pieces, one row at a time.
+  // Full slivers in fixed-size pieces, 16 source rows at a time: those rows stay in L1 while each
+  // sliver gets its 16 contiguous destination rows (one row across all slivers at once would write
+  // to addresses kc * WIDTH apart, a multiple of 4 KiB that maps them all to one L1 set).
   const index_t full = rows / WIDTH;
   if (!SCALE) {
-    for (index_t p = 0; p < kc; ++p) {
-      const Real* __restrict sp = src + p * ld;
-      Real* __restrict dp = d + p * WIDTH;
-      for (index_t s = 0; s < full; ++s)
-        std::memcpy(dp + s * kc * WIDTH, sp + s * WIDTH, sizeof(Real) * WIDTH);
+    constexpr index_t kRows = 16;
+    for (index_t p0 = 0; p0 < kc; p0 += kRows) {
+      const index_t p1 = std::min(kc, p0 + kRows);
+      for (index_t s = 0; s < full; ++s) {
+        Real* __restrict dp = d + s * kc * WIDTH;
+        const Real* __restrict sp = src + s * WIDTH;
+        for (index_t p = p0; p < p1; ++p)
+          std::memcpy(dp + p * WIDTH, sp + p * ld, sizeof(Real) * WIDTH);
+      }
     }
   } else {
     for (index_t s = 0; s < full; ++s)

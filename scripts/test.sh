@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The test job: install, build, and run the whole suite through ctest; then the same unit tests
-# under AddressSanitizer and UndefinedBehaviorSanitizer (build-asan/), and each libFuzzer harness
+# under AddressSanitizer and UndefinedBehaviorSanitizer (build-fuzz/), and each libFuzzer harness
 # for FUZZ_SECONDS (default 60) from its seed corpus (build-fuzz/). Any failure or crash fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."

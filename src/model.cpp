@@ -316,43 +316,39 @@ void stack_qkv(Real* w, Real* b, const LayerParams<Real>& P, index_t dm) {
   }
 }
 
-// Shapes one layer's activations. With `overwrite` (the forward pass, which writes every element
-// of them) the buffers are not zero-filled first; otherwise (the gradients, which accumulate) they
-// are all zero.
+// Gives t its shape: all zero, or, with `overwrite` (the forward pass, which writes every element
+// of its activations), without the zero-fill.
+template <class Real>
+void shape_as(Tensor<Real>& t, Shape shape, bool overwrite) {
+  if (overwrite)
+    t.reset_for_overwrite(std::move(shape));
+  else
+    t.reset(std::move(shape));
+}
+
 template <class Real>
 void allocate_layer(LayerActs<Real>& l, const Dims& d, bool overwrite) {
-  const auto shape = [overwrite](Tensor<Real>* t, Shape s) {
-    if (overwrite)
-      t->reset_for_overwrite(std::move(s));
-    else
-      t->reset(std::move(s));
-  };
   for (Tensor<Real>* t : {&l.norm1, &l.context, &l.attn_out, &l.residual1, &l.norm2, &l.ffn_out,
                           &l.residual2, &l.output})
-    shape(t, {d.B, d.S, d.D});
+    shape_as(*t, {d.B, d.S, d.D}, overwrite);
   for (Tensor<Real>* t : {&l.norm1_mean, &l.norm1_rstd, &l.norm2_mean, &l.norm2_rstd})
-    shape(t, {d.N});
-  for (Tensor<Real>* t : {&l.q, &l.k, &l.v}) shape(t, {d.B, d.H, d.S, d.Dh});
-  for (Tensor<Real>* t : {&l.scores, &l.probs}) shape(t, {d.B, d.H, d.S, d.S});
-  for (Tensor<Real>* t : {&l.ffn_pre, &l.ffn_hidden}) shape(t, {d.B, d.S, d.F});
+    shape_as(*t, {d.N}, overwrite);
+  for (Tensor<Real>* t : {&l.q, &l.k, &l.v}) shape_as(*t, {d.B, d.H, d.S, d.Dh}, overwrite);
+  for (Tensor<Real>* t : {&l.scores, &l.probs}) shape_as(*t, {d.B, d.H, d.S, d.S}, overwrite);
+  for (Tensor<Real>* t : {&l.ffn_pre, &l.ffn_hidden}) shape_as(*t, {d.B, d.S, d.F}, overwrite);
   for (auto* m : {&l.masks.attn, &l.masks.residual1, &l.masks.ffn, &l.masks.residual2}) m->clear();
 }
 
-// Shapes every named activation of `acts` for this config and batch, with empty masks: all zero,
-// or, with `overwrite` (the forward pass), the large ones left as they are for the forward pass to
-// overwrite. The buffers of a previous pass are reused where they are large enough.
+// Shapes every named activation of `acts` for this config and batch, with empty masks: all zero
+// (gradients, which accumulate), or, with `overwrite` (the forward pass), the large ones left as
+// they are for the forward pass to overwrite. The buffers of a previous pass are reused where they
+// are large enough.
 template <class Real>
 void allocate(Activations<Real>& a, const EncoderConfig& cfg, const Dims& d, bool overwrite) {
   a.norm_first = cfg.norm_first;
-  if (overwrite) {
-    a.embedding.reset_for_overwrite({d.B, d.S, d.D});
-    a.positional.reset_for_overwrite({d.S, d.D});
-    a.input.reset_for_overwrite({d.B, d.S, d.D});
-  } else {
-    a.embedding.reset({d.B, d.S, d.D});
-    a.positional.reset({d.S, d.D});
-    a.input.reset({d.B, d.S, d.D});
-  }
+  shape_as(a.embedding, {d.B, d.S, d.D}, overwrite);
+  shape_as(a.positional, {d.S, d.D}, overwrite);
+  shape_as(a.input, {d.B, d.S, d.D}, overwrite);
   a.input_mask.clear();
   a.layers.resize(static_cast<std::size_t>(cfg.num_layers));
   for (auto& l : a.layers) allocate_layer(l, d, overwrite);

@@ -96,18 +96,19 @@ class Tensor {
   // Gives the tensor a new shape, all zero, keeping its buffer when that is large enough: the
   // activations of repeated passes over batches of varying length then reuse warm memory.
   void reset(Shape shape) {
-    checked_mul(shape.numel(), static_cast<index_t>(sizeof(Real)), "tensor byte count");
-    shape_ = std::move(shape);
-    data_.assign(static_cast<std::size_t>(shape_.numel()), Real(0));
+    reset_for_overwrite(std::move(shape));
+    zero();
   }
   void reset(std::initializer_list<index_t> dims) { reset(Shape(dims)); }
 
   // Gives the tensor a new shape for a caller that overwrites every element before anything reads
   // it: no zero-fill (the values are whatever the buffer held). The forward pass's activations use
-  // it, which saves writing them twice.
+  // it, which saves writing them twice. Clearing first means a buffer that has to grow is not
+  // copied into its replacement.
   void reset_for_overwrite(Shape shape) {
     checked_mul(shape.numel(), static_cast<index_t>(sizeof(Real)), "tensor byte count");
     shape_ = std::move(shape);
+    data_.clear();
     data_.resize(static_cast<std::size_t>(shape_.numel()));
   }
   void reset_for_overwrite(std::initializer_list<index_t> dims) {
@@ -138,7 +139,10 @@ class Tensor {
   void fill(Real v) {
     for (auto& x : data_) x = v;
   }
-  void zero() { fill(Real(0)); }
+  // +0.0 is the all-zero bit pattern.
+  void zero() {
+    if (!data_.empty()) std::memset(data_.data(), 0, data_.size() * sizeof(Real));
+  }
 
  private:
   Shape shape_;

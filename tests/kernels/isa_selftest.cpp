@@ -5,6 +5,7 @@
 //   2. the scalar results hash to the values recorded on x86-64 below, so a run on AArch64 proves
 //      bitwise agreement with the x86 results.
 // Output ends with the line "N passed, N failed"; the exit status is 1 on any failure.
+#include <array>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -85,12 +86,34 @@ const GemmKernel<Real>& gemm_of(const IsaKernels& k) {
   else
     return k.dgemm;
 }
+// An ISA's two register tiles (the same one twice where it has only one).
+template <class Real>
+std::array<const GemmKernel<Real>*, 2> tiles_of(const IsaKernels& k) {
+  if constexpr (sizeof(Real) == 4)
+    return {&k.sgemm, &k.sgemm_alt};
+  else
+    return {&k.dgemm, &k.dgemm_alt};
+}
 template <class Real>
 const VectorKernels<Real>& vec_of(const IsaKernels& k) {
   if constexpr (sizeof(Real) == 4)
     return k.svec;
   else
     return k.dvec;
+}
+
+// The packed, blocked GEMM on one thread: C (m, n), ldc = n, with the given register tile.
+template <class Real>
+void packed_gemm(const GemmKernel<Real>& kern, Trans ta, Trans tb, index_t m, index_t n, index_t k,
+                 Real alpha, const Real* a, index_t lda, const Real* b, index_t ldb, Real beta,
+                 Real* c) {
+  thread_local teo::detail::Buffer<Real> a_buf, b_buf;
+  teo::detail::gemm_blocked(
+      kern, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, n, 1, b_buf,
+      [](index_t count, auto&& f) {
+        for (index_t i = 0; i < count; ++i) f(i);
+      },
+      [&]() -> teo::detail::Buffer<Real>& { return a_buf; });
 }
 
 // Every kernel's outputs on fixed inputs, concatenated, with every NaN replaced by the canonical
@@ -108,10 +131,6 @@ std::vector<Real> run_all(const IsaKernels& k) {
 template <class Real>
 std::vector<Real> run_all_raw(const IsaKernels& k) {
   std::vector<Real> out;
-  teo::detail::Buffer<Real> a_buf, b_buf;
-  auto serial = [](index_t count, auto&& f) {
-    for (index_t i = 0; i < count; ++i) f(i);
-  };
   std::uint64_t stream = 1;
   for (Trans ta : {Trans::no, Trans::yes})
     for (Trans tb : {Trans::no, Trans::yes})
@@ -123,10 +142,9 @@ std::vector<Real> run_all_raw(const IsaKernels& k) {
             auto c = random<Real>(m * n, stream++, -1, 1);
             const Real beta = static_cast<Real>((m + n) % 3 == 0 ? 0.0 : (m % 2 ? 1.0 : -0.5));
             const Real alpha = static_cast<Real>(n % 2 ? 1.0 : 0.37);
-            teo::detail::gemm_blocked(gemm_of<Real>(k), ta, tb, m, n, kk, alpha, a.data(),
-                                      ta == Trans::no ? kk : m, b.data(), tb == Trans::no ? n : kk,
-                                      beta, c.data(), n, 1, b_buf, serial,
-                                      [&]() -> teo::detail::Buffer<Real>& { return a_buf; });
+            packed_gemm(gemm_of<Real>(k), ta, tb, m, n, kk, alpha, a.data(),
+                        ta == Trans::no ? kk : m, b.data(), tb == Trans::no ? n : kk, beta,
+                        c.data());
             mark(out.size(), "gemm");
             out.insert(out.end(), c.begin(), c.end());
           }
@@ -211,10 +229,6 @@ void test_dtype(const char* dtype, std::uint64_t expected) {
 // on every ISA (simd_gemm picks it by size alone, so the two must agree).
 template <class Real>
 void test_small_gemm(const Isa& isa) {
-  teo::detail::Buffer<Real> a_buf, b_buf;
-  auto serial = [](index_t count, auto&& f) {
-    for (index_t i = 0; i < count; ++i) f(i);
-  };
   std::uint64_t stream = 9000;
   int mismatches = 0;
   for (Trans ta : {Trans::no, Trans::yes})
@@ -230,10 +244,8 @@ void test_small_gemm(const Isa& isa) {
               const Real alpha = static_cast<Real>(variant == 2 ? 0.37 : 1.0);
               const index_t lda = ta == Trans::no ? kk : m, ldb = tb == Trans::no ? n : kk;
               auto packed = c0;
-              teo::detail::gemm_blocked(gemm_of<Real>(*isa.k), ta, tb, m, n, kk, alpha, a.data(),
-                                        lda, b.data(), ldb, beta, packed.data(), n, 1, b_buf,
-                                        serial,
-                                        [&]() -> teo::detail::Buffer<Real>& { return a_buf; });
+              packed_gemm(gemm_of<Real>(*isa.k), ta, tb, m, n, kk, alpha, a.data(), lda, b.data(),
+                          ldb, beta, packed.data());
               std::vector<Real> brow(static_cast<std::size_t>(kk * n));
               for (index_t p = 0; p < kk; ++p)
                 for (index_t j = 0; j < n; ++j)
@@ -264,14 +276,7 @@ template <class Real>
 void test_pack(const Isa& isa) {
   std::uint64_t stream = 7000;
   int mismatches = 0;
-  const GemmKernel<Real>* tiles[2];
-  if constexpr (sizeof(Real) == 4) {
-    tiles[0] = &isa.k->sgemm;
-    tiles[1] = &isa.k->sgemm_alt;
-  } else {
-    tiles[0] = &isa.k->dgemm;
-    tiles[1] = &isa.k->dgemm_alt;
-  }
+  const auto tiles = tiles_of<Real>(*isa.k);
   for (const GemmKernel<Real>* tile : tiles)
     for (bool transposed : {false, true})
       for (index_t width : {index_t{tile->mr}, index_t{tile->nr}})
@@ -306,18 +311,7 @@ void test_pack(const Isa& isa) {
 // The second register tile gives the first one's bits (simd_gemm picks between them by shape).
 template <class Real>
 void test_alt_tile(const Isa& isa) {
-  teo::detail::Buffer<Real> a_buf, b_buf;
-  auto serial = [](index_t count, auto&& f) {
-    for (index_t i = 0; i < count; ++i) f(i);
-  };
-  const GemmKernel<Real>* tiles[2];
-  if constexpr (sizeof(Real) == 4) {
-    tiles[0] = &isa.k->sgemm;
-    tiles[1] = &isa.k->sgemm_alt;
-  } else {
-    tiles[0] = &isa.k->dgemm;
-    tiles[1] = &isa.k->dgemm_alt;
-  }
+  const auto tiles = tiles_of<Real>(*isa.k);
   std::uint64_t stream = 11000;
   int mismatches = 0;
   for (Trans ta : {Trans::no, Trans::yes})
@@ -333,9 +327,8 @@ void test_alt_tile(const Isa& isa) {
             const index_t lda = ta == Trans::no ? kk : m, ldb = tb == Trans::no ? n : kk;
             std::vector<Real> out[2] = {c0, c0};
             for (int t = 0; t < 2; ++t)
-              teo::detail::gemm_blocked(*tiles[t], ta, tb, m, n, kk, alpha, a.data(), lda, b.data(),
-                                        ldb, beta, out[t].data(), n, 1, b_buf, serial,
-                                        [&]() -> teo::detail::Buffer<Real>& { return a_buf; });
+              packed_gemm(*tiles[t], ta, tb, m, n, kk, alpha, a.data(), lda, b.data(), ldb, beta,
+                          out[t].data());
             if (std::memcmp(out[0].data(), out[1].data(), out[0].size() * sizeof(Real)) != 0)
               ++mismatches;
           }

@@ -294,26 +294,15 @@ index_t pack_transposed_avx2(Real* __restrict d, const Real* __restrict src, ind
 }
 #endif
 
-// Packing, a pure copy (times alpha, rounded once per value, when alpha is not 1), so it changes
-// no result however it is done. One sliver: writes d[p * WIDTH + i] for p < kc and i < WIDTH:
+// Packing is a pure copy (times alpha, rounded once per value, when alpha is not 1), so it
+// changes no result however it is done. A sliver is kc x WIDTH, k-major: d[p * WIDTH + i] =
 // op(S)(i, p) for i < rows (rows <= WIDTH) and zero above, where op(S)(i, p) is src[i * ld + p]
 // when transposed (rows of S become columns of the sliver) and src[p * ld + i] otherwise.
+
+// One transposed sliver.
 template <class Real, int WIDTH, bool SCALE>
-void pack_sliver(bool transposed, Real* __restrict d, const Real* __restrict src, index_t ld,
-                 index_t rows, index_t kc, Real alpha) {
-  const auto value = [alpha](Real v) { return SCALE ? alpha * v : v; };
-  if (!transposed) {
-    for (index_t p = 0; p < kc; ++p) {
-      const Real* sp = src + p * ld;
-      Real* dp = d + p * WIDTH;
-      if (!SCALE && rows == WIDTH) {
-        std::memcpy(dp, sp, sizeof(Real) * WIDTH);  // a fixed size: a few vector moves
-      } else {
-        for (index_t i = 0; i < WIDTH; ++i) dp[i] = i < rows ? value(sp[i]) : Real(0);
-      }
-    }
-    return;
-  }
+void pack_transposed_sliver(Real* __restrict d, const Real* __restrict src, index_t ld,
+                            index_t rows, index_t kc, Real alpha) {
   index_t p0 = 0;
 #if defined(__AVX2__)
   if (rows == WIDTH) p0 = pack_transposed_avx2<Real, WIDTH, SCALE>(d, src, ld, kc, alpha);
@@ -324,48 +313,46 @@ void pack_sliver(bool transposed, Real* __restrict d, const Real* __restrict src
     const index_t pb = std::min<index_t>(8, kc - p0);
     for (index_t i = 0; i < WIDTH; ++i) {
       const Real* sp = src + i * ld + p0;
-      for (index_t q = 0; q < pb; ++q) d[(p0 + q) * WIDTH + i] = i < rows ? value(sp[q]) : Real(0);
+      for (index_t q = 0; q < pb; ++q)
+        d[(p0 + q) * WIDTH + i] = i >= rows ? Real(0) : SCALE ? alpha * sp[q] : sp[q];
     }
   }
 }
 
 // A whole panel of WIDTH-wide slivers (WIDTH is MR for A, NR for B): ceil(rows / WIDTH)
-// consecutive slivers, each kc x WIDTH, sliver s holding rows [s * WIDTH, s * WIDTH + WIDTH) of
-// op(S). Without transposition each row of S is read once, across all slivers, instead of once
-// per sliver at a large stride.
+// consecutive slivers, sliver s holding rows [s * WIDTH, s * WIDTH + WIDTH) of op(S).
 template <class Real, int WIDTH, bool SCALE>
 void pack_panel_t(bool transposed, Real* d, const Real* src, index_t ld, index_t rows, index_t kc,
                   Real alpha) {
   const index_t slivers = (rows + WIDTH - 1) / WIDTH;
   if (transposed) {
     for (index_t s = 0; s < slivers; ++s)
-      pack_sliver<Real, WIDTH, SCALE>(true, d + s * kc * WIDTH, src + s * WIDTH * ld, ld,
-                                      std::min<index_t>(WIDTH, rows - s * WIDTH), kc, alpha);
+      pack_transposed_sliver<Real, WIDTH, SCALE>(d + s * kc * WIDTH, src + s * WIDTH * ld, ld,
+                                                 std::min<index_t>(WIDTH, rows - s * WIDTH), kc,
+                                                 alpha);
     return;
   }
-  // Full slivers in fixed-size pieces, 16 source rows at a time: those rows stay in L1 while each
-  // sliver gets its 16 contiguous destination rows (one row across all slivers at once would write
-  // to addresses kc * WIDTH apart, a multiple of 4 KiB that maps them all to one L1 set).
-  const index_t full = rows / WIDTH;
-  if (!SCALE) {
-    constexpr index_t kRows = 16;
-    for (index_t p0 = 0; p0 < kc; p0 += kRows) {
-      const index_t p1 = std::min(kc, p0 + kRows);
-      for (index_t s = 0; s < full; ++s) {
-        Real* __restrict dp = d + s * kc * WIDTH;
-        const Real* __restrict sp = src + s * WIDTH;
-        for (index_t p = p0; p < p1; ++p)
+  // Without transposition, 16 source rows at a time: those rows stay in L1 while each sliver gets
+  // its 16 contiguous destination rows (one row across all slivers at once would write to
+  // addresses kc * WIDTH apart, a multiple of 4 KiB that maps them all to one L1 set). A full,
+  // unscaled row piece is a fixed-size copy: a few vector moves.
+  constexpr index_t kRows = 16;
+  for (index_t p0 = 0; p0 < kc; p0 += kRows) {
+    const index_t p1 = std::min(kc, p0 + kRows);
+    for (index_t s = 0; s < slivers; ++s) {
+      Real* __restrict dp = d + s * kc * WIDTH;
+      const Real* __restrict sp = src + s * WIDTH;
+      const index_t n = std::min<index_t>(WIDTH, rows - s * WIDTH);
+      for (index_t p = p0; p < p1; ++p) {
+        if (!SCALE && n == WIDTH) {
           std::memcpy(dp + p * WIDTH, sp + p * ld, sizeof(Real) * WIDTH);
+        } else {
+          for (index_t i = 0; i < WIDTH; ++i)
+            dp[p * WIDTH + i] = i >= n ? Real(0) : SCALE ? alpha * sp[p * ld + i] : sp[p * ld + i];
+        }
       }
     }
-  } else {
-    for (index_t s = 0; s < full; ++s)
-      pack_sliver<Real, WIDTH, SCALE>(false, d + s * kc * WIDTH, src + s * WIDTH, ld, WIDTH, kc,
-                                      alpha);
   }
-  if (full < slivers)
-    pack_sliver<Real, WIDTH, SCALE>(false, d + full * kc * WIDTH, src + full * WIDTH, ld,
-                                    rows - full * WIDTH, kc, alpha);
 }
 
 template <class Real, int WIDTH>

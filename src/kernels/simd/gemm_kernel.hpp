@@ -343,14 +343,14 @@ void pack_panel_t(bool transposed, Real* d, const Real* src, index_t ld, index_t
       Real* __restrict dp = d + s * kc * WIDTH;
       const Real* __restrict sp = src + s * WIDTH;
       const index_t n = std::min<index_t>(WIDTH, rows - s * WIDTH);
-      for (index_t p = p0; p < p1; ++p) {
-        if (!SCALE && n == WIDTH) {
+      if (!SCALE && n == WIDTH) {
+        for (index_t p = p0; p < p1; ++p)
           std::memcpy(dp + p * WIDTH, sp + p * ld, sizeof(Real) * WIDTH);
-        } else {
-          for (index_t i = 0; i < WIDTH; ++i)
-            dp[p * WIDTH + i] = i >= n ? Real(0) : SCALE ? alpha * sp[p * ld + i] : sp[p * ld + i];
-        }
+        continue;
       }
+      for (index_t p = p0; p < p1; ++p)
+        for (index_t i = 0; i < WIDTH; ++i)
+          dp[p * WIDTH + i] = i >= n ? Real(0) : SCALE ? alpha * sp[p * ld + i] : sp[p * ld + i];
     }
   }
 }

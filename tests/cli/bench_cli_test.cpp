@@ -1,0 +1,49 @@
+// `teo bench` as a process: the JSON line carries the keys the kernels issue names, with the
+// preset's FLOP convention, and the table names every timed stage.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "cli/run_cli.hpp"
+
+namespace {
+
+using teo::test::run_cli;
+
+// The small preset: B 32, S 64, D 256, F 1024, 4 layers; forward = 8BSD^2 + 4BS^2D + 4BSDF per
+// layer, forward+backward = 3 x forward.
+double small_forward_flops() {
+  const double B = 32, S = 64, D = 256, F = 1024, layers = 4;
+  return layers * (8 * B * S * D * D + 4 * B * S * S * D + 4 * B * S * D * F);
+}
+
+TEST(Cli, BenchJsonHasEveryKeyAndTheFlopConvention) {
+  const auto r = run_cli(
+      "bench --preset small --dtype float32 --backend simd --threads 2 --repeats 1 --warmup 0 "
+      "--json");
+  ASSERT_EQ(r.code, 0) << r.out;
+  const auto j = nlohmann::json::parse(r.out);
+  for (const char* key :
+       {"preset", "dtype", "threads", "backend", "isa", "fwd_ms", "fwd_bwd_ms", "gflops_fwd_bwd"})
+    EXPECT_TRUE(j.contains(key)) << key << " missing from " << r.out;
+  EXPECT_EQ(j["preset"], "small");
+  EXPECT_EQ(j["dtype"], "float32");
+  EXPECT_EQ(j["threads"], 2);
+  EXPECT_EQ(j["backend"], "simd");
+  const double fwd = j["fwd_ms"], fwd_bwd = j["fwd_bwd_ms"], gflops = j["gflops_fwd_bwd"];
+  EXPECT_GT(fwd, 0.0);
+  EXPECT_GT(fwd_bwd, fwd);
+  EXPECT_NEAR(gflops, 3 * small_forward_flops() / (fwd_bwd * 1e6), 1e-9 * gflops);
+}
+
+TEST(Cli, BenchTableNamesEveryStageAndBothMedians) {
+  const auto r = run_cli("bench --preset small --dtype float64 --threads 1 --repeats 1 --warmup 0");
+  ASSERT_EQ(r.code, 0) << r.out;
+  for (const char* stage :
+       {"embedding", "qkv_proj", "attention", "out_proj", "layer_norm", "ffn_fc1", "activation",
+        "ffn_fc2", "bwd.ffn_fc1", "bwd.attention", "bwd.qkv_proj", "forward  ", "forward+backward"})
+    EXPECT_NE(r.out.find(stage), std::string::npos) << stage << " missing from\n" << r.out;
+}
+
+}  // namespace

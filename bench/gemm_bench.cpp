@@ -39,6 +39,12 @@ void shapes(benchmark::internal::Benchmark* b) {
     b->Args({1024, 3072, 768, threads});
     b->Args({1024, 768, 3072, threads});
   }
+  // The small preset's products (B * S = 2048, D = 256, F = 1024), 2 threads: the forward
+  // projections (k = 256), the second FFN product (k = 1024) and a weight gradient (k = 2048).
+  b->Args({2048, 768, 256, 2});
+  b->Args({2048, 1024, 256, 2});
+  b->Args({2048, 256, 1024, 2});
+  b->Args({1024, 256, 2048, 2});
   b->ArgNames({"m", "n", "k", "threads"})->UseRealTime()->Unit(benchmark::kMillisecond);
 }
 

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <vector>
 
 #include "simd/isa.hpp"
@@ -13,6 +14,18 @@
 #include "teo/tensor.hpp"
 
 namespace teo::detail {
+
+// For tuning only (bench/blocking_sweep.cpp and the GEMM tests): when positive, kc and mc replace
+// every table's KC and MC. Blocking changes which task computes a tile and how often C is
+// revisited, never a sum's order, so no result depends on them. Set them between GEMM calls, not
+// during one.
+struct BlockingOverride {
+  std::atomic<index_t> kc{0}, mc{0};
+};
+inline BlockingOverride& blocking_override() {
+  static BlockingOverride o;
+  return o;
+}
 
 template <class Real>
 using Buffer = std::vector<Real, AlignedAllocator<Real>>;
@@ -56,11 +69,15 @@ void gemm_blocked(const simd::GemmKernel<Real>& kern, Trans ta, Trans tb, index_
     return;
   }
   const int mr = kern.mr, nr = kern.nr;
+  const index_t kc_override = blocking_override().kc.load(std::memory_order_relaxed);
+  const index_t mc_override = blocking_override().mc.load(std::memory_order_relaxed);
+  const index_t kc_max = kc_override > 0 ? kc_override : kern.kc;
+  const index_t mc_max = mc_override > 0 ? mc_override : kern.mc;
   // The number of row blocks is a multiple of the thread count and the MR-row tiles are spread
   // evenly over them, so every thread gets the same work. MC changes only which task computes a
   // tile, never the order of any sum.
   const index_t tiles = (m + mr - 1) / mr;
-  const index_t max_tiles = std::max<index_t>(1, kern.mc / mr);
+  const index_t max_tiles = std::max<index_t>(1, mc_max / mr);
   const index_t want_blocks = threads * ((tiles + threads * max_tiles - 1) / (threads * max_tiles));
   const index_t mc = ((tiles + want_blocks - 1) / want_blocks) * mr;
   const index_t ic_blocks = (m + mc - 1) / mc;
@@ -75,7 +92,7 @@ void gemm_blocked(const simd::GemmKernel<Real>& kern, Trans ta, Trans tb, index_
                                          std::max<index_t>(k, 1) / nr * nr));
   const index_t panels = (n + nc_cap - 1) / nc_cap;
   const index_t nc_max = ((n + panels - 1) / panels + nr - 1) / nr * nr;
-  const index_t kblocks = (k + kern.kc - 1) / kern.kc;
+  const index_t kblocks = (k + kc_max - 1) / kc_max;
   for (index_t jc = 0; jc < n; jc += nc_max) {
     const index_t nc = std::min<index_t>(nc_max, n - jc);
     const index_t slivers = (nc + nr - 1) / nr;
@@ -88,7 +105,7 @@ void gemm_blocked(const simd::GemmKernel<Real>& kern, Trans ta, Trans tb, index_
     const index_t groups = (slivers + kGroup - 1) / kGroup;
     for_each(kblocks * groups, [&](index_t t) {
       const index_t pb = t / groups, s0 = (t % groups) * kGroup;
-      const index_t pc = pb * kern.kc, kc = std::min<index_t>(kern.kc, k - pc);
+      const index_t pc = pb * kc_max, kc = std::min<index_t>(kc_max, k - pc);
       pack_b(kern, panel + pc * slivers * nr + s0 * kc * nr, tb, b, ldb, pc, kc, jc + s0 * nr,
              std::min<index_t>(kGroup * nr, nc - s0 * nr));
     });
@@ -96,8 +113,8 @@ void gemm_blocked(const simd::GemmKernel<Real>& kern, Trans ta, Trans tb, index_
       const index_t ic = ib * mc;
       const index_t mb = std::min<index_t>(mc, m - ic);
       Buffer<Real>& ap = a_buffer();
-      for (index_t pc = 0; pc < k; pc += kern.kc) {
-        const index_t kc = std::min<index_t>(kern.kc, k - pc);
+      for (index_t pc = 0; pc < k; pc += kc_max) {
+        const index_t kc = std::min<index_t>(kc_max, k - pc);
         // The first k block starts from zero or beta * C; later ones continue the same chains
         // from the partial sums stored in C, so KC never changes a result.
         const simd::Start start = pc > 0            ? simd::Start::c

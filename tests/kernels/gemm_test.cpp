@@ -4,6 +4,7 @@
 #include <cstring>
 #include <limits>
 
+#include "kernels/gemm_driver.hpp"
 #include "support.hpp"
 #include "teo/backend.hpp"
 #include "teo/kernels.hpp"
@@ -130,6 +131,44 @@ TYPED_TEST(Gemm, SimdIsBitwiseIdenticalAcrossIsasAndThreadCounts) {
               << to_string(i) << " threads=" << t << " " << describe(g);
         }
       }
+    }
+  }
+}
+
+// KC and MC (the tuning knobs of bench/blocking_sweep.cpp) decide how often C is revisited and
+// which task computes a tile, never the order of a sum: any blocking gives the table's bits.
+TYPED_TEST(Gemm, BlockingNeverChangesABit) {
+  using Real = TypeParam;
+  struct Restore {
+    ~Restore() {
+      detail::blocking_override().kc = 0;
+      detail::blocking_override().mc = 0;
+    }
+  } restore_blocking;
+  set_backend(Backend::simd);
+  const GemmCase cs[] = {{Trans::no, Trans::yes, 100, 130, 773, 1.0, 0.0},
+                         {Trans::yes, Trans::no, 64, 48, 1000, 0.37, 1.0},
+                         {Trans::no, Trans::no, 257, 200, 64, 0.125, -0.5},
+                         {Trans::yes, Trans::yes, 45, 3100, 40, 1.0, 1.0}};
+  const std::pair<index_t, index_t> blockings[] = {{1, 1}, {7, 13}, {64, 24}, {5000, 5000}};
+  for (const GemmCase& g : cs) {
+    const auto o = make<Real>(g, 7);
+    for (Isa i : supported_isas()) {
+      set_isa(i);
+      set_num_threads(1);
+      const auto want = run(g, o);
+      for (const auto& [kc, mc] : blockings)
+        for (int t : {1, 2}) {
+          set_num_threads(t);
+          detail::blocking_override().kc = kc;
+          detail::blocking_override().mc = mc;
+          const auto c = run(g, o);
+          detail::blocking_override().kc = 0;
+          detail::blocking_override().mc = 0;
+          ASSERT_EQ(std::memcmp(c.data(), want.data(), c.size() * sizeof(Real)), 0)
+              << to_string(i) << " kc=" << kc << " mc=" << mc << " threads=" << t << " "
+              << describe(g);
+        }
     }
   }
 }

@@ -19,7 +19,7 @@ template <class Real>
 struct GemmKernel {
   int mr;              // rows of the register tile
   int nr;              // columns of the register tile (a multiple of the vector width)
-  index_t kc, mc, nc;  // cache blocking: KC for L1 (B sliver), MC for L2 (A block), NC for L3
+  index_t kc, mc, nc;  // cache blocking: KC for L1 (B sliver), MC for the A block, NC for L3
   // C (mc, nc) = start(C) + Ap * Bp over kc, one MR x NR tile at a time (jr outer, ir inner).
   // Ap: ceil(mc / MR) slivers, each kc x MR (k-major); Bp: ceil(nc / NR) slivers, each kc x NR.
   // Every C element is one fused multiply-add chain in increasing k, so the result depends on

@@ -377,7 +377,6 @@ void layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P, LayerAc
   // (B, S, D) scratch for a dropped residual branch; without dropout the branch is used as is.
   // Scratch that is overwritten entirely before it is read.
   Tensor<Real> tmp = drop ? Tensor<Real>::for_overwrite({d.B, d.S, d.D}) : Tensor<Real>();
-  auto ctx = Tensor<Real>::for_overwrite({d.B, d.H, d.S, d.Dh});  // (B, H, S, Dh)
 
   const Real* attn_in = x;
   if (cfg.norm_first) {
@@ -411,10 +410,11 @@ void layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P, LayerAc
     } else {
       L.masks.attn.clear();
     }
-    attention_forward(ctx.data(), L.scores.data(), L.probs.data(), L.q.data(), L.k.data(),
+    // context (B, S, D) is written with its heads merged, in place.
+    attention_forward(L.context.data(), L.scores.data(), L.probs.data(), L.q.data(), L.k.data(),
                       L.v.data(), batch.lengths.data(), drop_attn ? L.masks.attn.data() : nullptr,
-                      dropout_scale<Real>(p), d.B, d.H, d.S, d.Dh, cfg.causal);
-    merge_heads(L.context.data(), ctx.data(), d.B, d.S, d.H, d.Dh);
+                      dropout_scale<Real>(p), d.B, d.H, d.S, d.Dh, cfg.causal,
+                      /*merged_context=*/true);
   }
   TEO_STAGE("out_proj", linear_forward(L.attn_out.data(), L.context.data(), P.o_weight.data(),
                                        P.o_bias.data(), d.N, d.D, d.D));
@@ -547,13 +547,13 @@ void layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P, const 
   TEO_STAGE("bwd.out_proj", linear_backward(dL.context.data(), G.o_weight.data(), G.o_bias.data(),
                                             dL.attn_out.data(), L.context.data(), P.o_weight.data(),
                                             d.N, d.D, d.D));
-  auto dctx = Tensor<Real>::for_overwrite({d.B, d.H, d.S, d.Dh});  // split_heads writes it all
+  // dcontext is read in its merged (B, S, D) layout, head by head.
   TEO_STAGE(
-      "bwd.attention", split_heads(dctx.data(), dL.context.data(), d.B, d.S, d.H, d.Dh);
+      "bwd.attention",
       attention_backward(dL.q.data(), dL.k.data(), dL.v.data(), dL.probs.data(), dL.scores.data(),
-                         dctx.data(), L.q.data(), L.k.data(), L.v.data(), L.probs.data(),
+                         dL.context.data(), L.q.data(), L.k.data(), L.v.data(), L.probs.data(),
                          batch.lengths.data(), L.masks.attn.empty() ? nullptr : L.masks.attn.data(),
-                         scale, d.B, d.H, d.S, d.Dh));
+                         scale, d.B, d.H, d.S, d.Dh, /*merged_context=*/true));
   // q, k, v = split(attn_in * W^T + b); attn_in = LN1(x) (pre) or x (post)
   const Real* attn_in = cfg.norm_first ? L.norm1.data() : x;
   Real* dattn_in = dx;

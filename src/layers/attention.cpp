@@ -62,7 +62,7 @@ template <class Real>
 void attention_forward(Real* context, Real* scores, Real* probs, const Real* q, const Real* k,
                        const Real* v, const std::int64_t* lengths, const std::uint8_t* drop_mask,
                        Real drop_scale, index_t batch, index_t heads, index_t seq_len,
-                       index_t d_head, bool causal) {
+                       index_t d_head, bool causal, bool merged_context) {
   const Real alpha = static_cast<Real>(1.0 / std::sqrt(static_cast<double>(d_head)));
   const Real neg_inf = -std::numeric_limits<Real>::infinity();
   const index_t ss = seq_len * seq_len;
@@ -109,9 +109,12 @@ void attention_forward(Real* context, Real* scores, Real* probs, const Real* q, 
         for (index_t j = 0; j < ss; ++j) dropped[j] = m[j] ? pr[j] * drop_scale : Real(0);
         pv = dropped.data();
       }
-      // context (S, Dh) = dropout(probs) (S, S) * v (S, Dh)
+      // context (S, Dh) = dropout(probs) (S, S) * v (S, Dh); the strides change no value
+      Real* ch = merged_context
+                     ? context + (bh / heads) * seq_len * heads * d_head + (bh % heads) * d_head
+                     : context + bh * seq_len * d_head;
       gemm<Real>(Trans::no, Trans::no, seq_len, d_head, seq_len, Real(1), pv, seq_len, vh, d_head,
-                 Real(0), context + bh * seq_len * d_head, d_head);
+                 Real(0), ch, merged_context ? heads * d_head : d_head);
     }
   });
 }
@@ -121,7 +124,7 @@ void attention_backward(Real* dq, Real* dk, Real* dv, Real* dprobs, Real* dscore
                         const Real* dcontext, const Real* q, const Real* k, const Real* v,
                         const Real* probs, const std::int64_t* lengths,
                         const std::uint8_t* drop_mask, Real drop_scale, index_t batch,
-                        index_t heads, index_t seq_len, index_t d_head) {
+                        index_t heads, index_t seq_len, index_t d_head, bool merged_context) {
   const Real alpha = static_cast<Real>(1.0 / std::sqrt(static_cast<double>(d_head)));
   const index_t ss = seq_len * seq_len;
   // The simd and blas backends use the vector kernels for the softmax; the reference its loops.
@@ -132,6 +135,11 @@ void attention_backward(Real* dq, Real* dk, Real* dv, Real* dprobs, Real* dscore
     std::vector<Real> dropped(static_cast<std::size_t>(drop_mask ? ss : 0));  // (S, S)
     for (index_t bh = bh0; bh < bh1; ++bh) {
       const index_t off = bh * seq_len * d_head;
+      // this head's dcontext (S, Dh) and its row stride
+      const Real* dc = merged_context ? dcontext + (bh / heads) * seq_len * heads * d_head +
+                                            (bh % heads) * d_head
+                                      : dcontext + off;
+      const index_t ldc = merged_context ? heads * d_head : d_head;
       const Real* pr = probs + bh * ss;  // (S, S)
       Real* dp = dprobs + bh * ss;       // (S, S)
       Real* ds = dscores + bh * ss;      // (S, S)
@@ -143,11 +151,11 @@ void attention_backward(Real* dq, Real* dk, Real* dv, Real* dprobs, Real* dscore
       }
       // in the forward pass this was: context = pv * v, with pv = dropout(probs)
       // dv (S, Dh) += pv^T (S, S) * dcontext (S, Dh)
-      gemm<Real>(Trans::yes, Trans::no, seq_len, d_head, seq_len, Real(1), pv, seq_len,
-                 dcontext + off, d_head, Real(1), dv + off, d_head);
+      gemm<Real>(Trans::yes, Trans::no, seq_len, d_head, seq_len, Real(1), pv, seq_len, dc, ldc,
+                 Real(1), dv + off, d_head);
       // dpv (S, S) = dcontext (S, Dh) * v^T (Dh, S); then through the dropout
-      gemm<Real>(Trans::no, Trans::yes, seq_len, seq_len, d_head, Real(1), dcontext + off, d_head,
-                 v + off, d_head, Real(0), dp, seq_len);
+      gemm<Real>(Trans::no, Trans::yes, seq_len, seq_len, d_head, Real(1), dc, ldc, v + off, d_head,
+                 Real(0), dp, seq_len);
       if (drop_mask) {
         const std::uint8_t* m = drop_mask + bh * ss;
         for (index_t j = 0; j < ss; ++j) dp[j] = m[j] ? dp[j] * drop_scale : Real(0);
@@ -185,11 +193,11 @@ void attention_backward(Real* dq, Real* dk, Real* dv, Real* dprobs, Real* dscore
                                   index_t);                                                       \
   template void attention_forward<Real>(Real*, Real*, Real*, const Real*, const Real*,            \
                                         const Real*, const std::int64_t*, const std::uint8_t*,    \
-                                        Real, index_t, index_t, index_t, index_t, bool);          \
+                                        Real, index_t, index_t, index_t, index_t, bool, bool);    \
   template void attention_backward<Real>(Real*, Real*, Real*, Real*, Real*, const Real*,          \
                                          const Real*, const Real*, const Real*, const Real*,      \
                                          const std::int64_t*, const std::uint8_t*, Real, index_t, \
-                                         index_t, index_t, index_t);
+                                         index_t, index_t, index_t, bool);
 TEO_INSTANTIATE(float)
 TEO_INSTANTIATE(double)
 

@@ -122,6 +122,43 @@ TEST(Attention, BackwardMatchesFiniteDifferences) {
   }
 }
 
+// The merged layout is the same values in (B, S, H * Dh): forward writes exactly merge_heads of the
+// per-head context, and backward from a merged dcontext gives the same bits as from the split one.
+TYPED_TEST(Attention, MergedContextLayoutGivesTheSameBits) {
+  using Real = TypeParam;
+  const Case c;
+  const index_t n = c.b * c.h * c.s * c.dh, nss = c.b * c.h * c.s * c.s;
+  const auto q = test::uniform_vector<Real>(n, 1, "q"), k = test::uniform_vector<Real>(n, 2, "k"),
+             v = test::uniform_vector<Real>(n, 3, "v"), g = test::uniform_vector<Real>(n, 4, "g");
+  std::vector<std::uint8_t> mask(nss);
+  dropout_mask(mask.data(), nss, 9, "attn", 0.3);
+  const Real scale = dropout_scale<Real>(0.3);
+  for (bool causal : {false, true})
+    for (const std::uint8_t* m : {static_cast<const std::uint8_t*>(nullptr),
+                                  static_cast<const std::uint8_t*>(mask.data())}) {
+      const auto split = run_forward(c, q, k, v, causal, m, scale);
+      std::vector<Real> merged(n, Real(-7)), scores(nss), probs(nss), want(n);
+      attention_forward(merged.data(), scores.data(), probs.data(), q.data(), k.data(), v.data(),
+                        c.len.data(), m, scale, c.b, c.h, c.s, c.dh, causal, true);
+      merge_heads(want.data(), split.ctx.data(), c.b, c.s, c.h, c.dh);
+      EXPECT_EQ(merged, want);
+      EXPECT_EQ(probs, split.probs);
+
+      std::vector<Real> g_merged(n);
+      merge_heads(g_merged.data(), g.data(), c.b, c.s, c.h, c.dh);
+      std::vector<std::vector<Real>> grads[2];
+      for (int layout = 0; layout < 2; ++layout) {
+        std::vector<Real> dq(n, Real(0.5)), dk(n, Real(0.25)), dv(n, Real(-1)), dp(nss), ds(nss);
+        attention_backward(dq.data(), dk.data(), dv.data(), dp.data(), ds.data(),
+                           layout ? g_merged.data() : g.data(), q.data(), k.data(), v.data(),
+                           split.probs.data(), c.len.data(), m, scale, c.b, c.h, c.s, c.dh,
+                           layout == 1);
+        grads[layout] = {dq, dk, dv, dp, ds};
+      }
+      EXPECT_EQ(grads[0], grads[1]);
+    }
+}
+
 TYPED_TEST(Attention, SplitAndMergeHeadsAreInverse) {
   using Real = TypeParam;
   const index_t b = 2, s = 3, h = 4, dh = 5;

@@ -21,23 +21,27 @@ void merge_heads(Real* out, const Real* in, index_t batch, index_t seq_len, inde
 //   scores = q k^T / sqrt(Dh) on visible keys, -inf elsewhere;
 //   probs  = softmax over keys; a row with no visible key is all 0 (never NaN);
 //   context = dropout(probs) v.
-// context (B, H, S, Dh); scores, probs (B, H, S, S); q, k, v (B, H, S, Dh); lengths (B);
-// drop_mask (B, H, S, S) or null when no dropout.
+// context (B, H, S, Dh), or (B, S, H * Dh) with merged_context (heads merged, as the output
+// projection reads it: the same values, written in place of a separate merge_heads pass); scores,
+// probs (B, H, S, S); q, k, v (B, H, S, Dh); lengths (B); drop_mask (B, H, S, S) or null when no
+// dropout.
 template <class Real>
 void attention_forward(Real* context, Real* scores, Real* probs, const Real* q, const Real* k,
                        const Real* v, const std::int64_t* lengths, const std::uint8_t* drop_mask,
                        Real drop_scale, index_t batch, index_t heads, index_t seq_len,
-                       index_t d_head, bool causal);
+                       index_t d_head, bool causal, bool merged_context = false);
 
 // Accumulates dq, dk, dv (B, H, S, Dh). dprobs and dscores (B, H, S, S) are overwritten with the
 // gradients of the loss with respect to probs (before dropout) and scores. dscores is exactly 0 at
 // every masked position, so dq, dk, dv receive exactly 0 through masked entries; dprobs there is
 // the formal derivative dcontext . v (times the dropout factor), which the softmax then discards.
+// dcontext is (B, H, S, Dh), or (B, S, H * Dh) with merged_context.
 template <class Real>
 void attention_backward(Real* dq, Real* dk, Real* dv, Real* dprobs, Real* dscores,
                         const Real* dcontext, const Real* q, const Real* k, const Real* v,
                         const Real* probs, const std::int64_t* lengths,
                         const std::uint8_t* drop_mask, Real drop_scale, index_t batch,
-                        index_t heads, index_t seq_len, index_t d_head);
+                        index_t heads, index_t seq_len, index_t d_head,
+                        bool merged_context = false);
 
 }  // namespace teo

@@ -8,8 +8,9 @@
 // threads keep spinning for a while after a call returns and slow whatever runs next, which would
 // otherwise always penalise the first blocking. Per blocking it prints the median GFLOP/s and the
 // median of its per-round ratios to OpenBLAS, which cancels the machine's drift between rounds.
-// KC,MC = 0,0 is the ISA table's own blocking. No blocking changes a result
-// (Gemm.BlockingNeverChangesABit), only the time.
+// Each blocking is a copy of the tile teo::gemm would use, with KC and MC replaced (0 keeps the
+// table's value, so 0,0 is the table's own blocking), run through the simd backend's GEMM. No
+// blocking changes a result (Gemm.BlockingNeverChangesABit), only the time.
 #include <cblas.h>
 
 #include <algorithm>
@@ -21,7 +22,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "kernels/gemm_driver.hpp"
+#include "kernels/kernels_internal.hpp"
 #include "teo/backend.hpp"
 #include "teo/kernels.hpp"
 #include "teo/rng.hpp"
@@ -42,7 +43,8 @@ struct Blocking {
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
+  const std::size_t h = v.size() / 2;
+  return v.size() % 2 ? v[h] : (v[h - 1] + v[h]) / 2;
 }
 
 template <class Real>
@@ -55,18 +57,18 @@ class Sweep {
       b_[i] = static_cast<Real>(teo::rng::uniform01(1, 2, i) - 0.5);
   }
 
-  // GFLOP/s of 3 calls.
-  double time(bool openblas) {
+  // GFLOP/s of 3 calls, of teo's GEMM with kern or, when kern is null, of OpenBLAS.
+  double time(const teo::simd::GemmKernel<Real>* kern) {
     const auto t0 = std::chrono::steady_clock::now();
-    for (int r = 0; r < 3; ++r) call(openblas);
+    for (int r = 0; r < 3; ++r) call(kern);
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     return 3 * 2.0 * static_cast<double>(s_.m * s_.n * s_.k) / s / 1e9;
   }
-  void call(bool openblas) {
+  void call(const teo::simd::GemmKernel<Real>* kern) {
     const index_t lda = s_.ta == Trans::no ? s_.k : s_.m, ldb = s_.tb == Trans::no ? s_.n : s_.k;
-    if (!openblas) {
-      teo::gemm<Real>(s_.ta, s_.tb, s_.m, s_.n, s_.k, Real(1), a_.data(), lda, b_.data(), ldb,
-                      Real(0), c_.data(), s_.n);
+    if (kern) {
+      teo::detail::simd_gemm(*kern, s_.ta, s_.tb, s_.m, s_.n, s_.k, Real(1), a_.data(), lda,
+                             b_.data(), ldb, Real(0), c_.data(), s_.n);
       return;
     }
     const auto ta = s_.ta == Trans::no ? CblasNoTrans : CblasTrans;
@@ -92,20 +94,21 @@ void sweep(const Shape& s, const std::vector<Blocking>& blockings, int rounds) {
   const std::size_t nb = blockings.size();
   std::vector<double> blas;
   std::vector<std::vector<double>> rate(nb), ratio(nb);
-  auto& ov = teo::detail::blocking_override();
+  const auto& tile = teo::detail::gemm_tile<Real>(teo::detail::isa_kernels(), s.m, s.n);
+  std::vector<teo::simd::GemmKernel<Real>> kerns(nb, tile);
+  for (std::size_t i = 0; i < nb; ++i) {
+    if (blockings[i].kc > 0) kerns[i].kc = blockings[i].kc;
+    if (blockings[i].mc > 0) kerns[i].mc = blockings[i].mc;
+  }
   for (int r = 0; r < rounds; ++r) {
-    const double b = w.time(true);
+    const double b = w.time(nullptr);
     blas.push_back(b);
-    w.call(false);
+    w.call(&tile);
     for (std::size_t j = 0; j < nb; ++j) {
       const std::size_t i = (j + static_cast<std::size_t>(r)) % nb;
-      ov.kc = blockings[i].kc;
-      ov.mc = blockings[i].mc;
-      rate[i].push_back(w.time(false));
+      rate[i].push_back(w.time(&kerns[i]));
       ratio[i].push_back(rate[i].back() / b);
     }
-    ov.kc = 0;
-    ov.mc = 0;
   }
   std::printf("%s%s %5ld x %5ld x %5ld  OpenBLAS %6.1f", s.ta == Trans::no ? "N" : "T",
               s.tb == Trans::no ? "N" : "T", static_cast<long>(s.m), static_cast<long>(s.n),

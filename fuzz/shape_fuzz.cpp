@@ -3,6 +3,7 @@
 // and backward run on every backend and agree with the reference backend.
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -12,11 +13,13 @@
 
 namespace {
 
-// Runs forward and backward on one backend; returns loss, logits and every parameter gradient.
+// Runs forward and backward on one backend (on `threads` threads, 0: the current count); returns
+// loss, logits and every parameter gradient.
 std::vector<double> run(const teo::Params<double>& params, const teo::Batch& batch,
-                        teo::Backend backend, std::uint64_t seed) {
+                        teo::Backend backend, std::uint64_t seed, int threads = 0) {
   teo::ScopedSettings keep;
   teo::set_backend(backend);
+  if (threads > 0) teo::set_num_threads(threads);
   teo::Activations<double> acts, dacts;
   teo::Params<double> grads;
   teo::forward(params, batch, acts, {.train = true, .dropout_seed = seed});
@@ -99,6 +102,13 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     if (cfg.num_layers <= 2) {
       teo::fuzz::require(err <= 1e-9 * scale,
                          std::string(teo::to_string(be)) + " agrees with the reference");
+    } else if (be == teo::Backend::simd) {
+      // What holds at any depth: the same bits on one thread as on the current count.
+      const auto serial = run(params, batch, be, seed, 1);
+      teo::fuzz::require(
+          serial.size() == got.size() &&
+              std::memcmp(serial.data(), got.data(), got.size() * sizeof(double)) == 0,
+          "deep model: simd gives the same bits on 1 thread");
     }
   }
   return 0;

@@ -353,9 +353,9 @@ void allocate(Activations<Real>& a, const EncoderConfig& cfg, const Dims& d, boo
   a.layers.resize(static_cast<std::size_t>(cfg.num_layers));
   for (auto& l : a.layers) allocate_layer(l, d, overwrite);
   if (cfg.norm_first) {
-    a.final_norm.reset({d.B, d.S, d.D});
-    a.final_norm_mean.reset({d.N});
-    a.final_norm_rstd.reset({d.N});
+    shape_as(a.final_norm, {d.B, d.S, d.D}, overwrite);
+    shape_as(a.final_norm_mean, {d.N}, overwrite);
+    shape_as(a.final_norm_rstd, {d.N}, overwrite);
   } else {
     a.final_norm = a.final_norm_mean = a.final_norm_rstd = Tensor<Real>();
   }

@@ -243,16 +243,9 @@ void gemm(Trans ta, Trans tb, index_t m, index_t n, index_t k, Real alpha, const
       return detail::reference_gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     case Backend::blas:
       return detail::blas_gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-    case Backend::simd: {
-      const auto& t = detail::isa_kernels();
-      if constexpr (std::is_same_v<Real, float>) {
-        return detail::simd_gemm(detail::pick_tile(t.sgemm, t.sgemm_alt, m, n), ta, tb, m, n, k,
-                                 alpha, a, lda, b, ldb, beta, c, ldc);
-      } else {
-        return detail::simd_gemm(detail::pick_tile(t.dgemm, t.dgemm_alt, m, n), ta, tb, m, n, k,
-                                 alpha, a, lda, b, ldb, beta, c, ldc);
-      }
-    }
+    case Backend::simd:
+      return detail::simd_gemm(detail::gemm_tile<Real>(detail::isa_kernels(), m, n), ta, tb, m, n,
+                               k, alpha, a, lda, b, ldb, beta, c, ldc);
   }
 }
 

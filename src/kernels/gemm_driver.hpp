@@ -6,7 +6,6 @@
 #pragma once
 
 #include <algorithm>
-#include <atomic>
 #include <vector>
 
 #include "simd/isa.hpp"
@@ -14,18 +13,6 @@
 #include "teo/tensor.hpp"
 
 namespace teo::detail {
-
-// For tuning only (bench/blocking_sweep.cpp and the GEMM tests): when positive, kc and mc replace
-// every table's KC and MC. Blocking changes which task computes a tile and how often C is
-// revisited, never a sum's order, so no result depends on them. Set them between GEMM calls, not
-// during one.
-struct BlockingOverride {
-  std::atomic<index_t> kc{0}, mc{0};
-};
-inline BlockingOverride& blocking_override() {
-  static BlockingOverride o;
-  return o;
-}
 
 template <class Real>
 using Buffer = std::vector<Real, AlignedAllocator<Real>>;
@@ -69,10 +56,7 @@ void gemm_blocked(const simd::GemmKernel<Real>& kern, Trans ta, Trans tb, index_
     return;
   }
   const int mr = kern.mr, nr = kern.nr;
-  const index_t kc_override = blocking_override().kc.load(std::memory_order_relaxed);
-  const index_t mc_override = blocking_override().mc.load(std::memory_order_relaxed);
-  const index_t kc_max = kc_override > 0 ? kc_override : kern.kc;
-  const index_t mc_max = mc_override > 0 ? mc_override : kern.mc;
+  const index_t kc_max = kern.kc, mc_max = kern.mc;
   // The number of row blocks is a multiple of the thread count and the MR-row tiles are spread
   // evenly over them, so every thread gets the same work. MC changes only which task computes a
   // tile, never the order of any sum.

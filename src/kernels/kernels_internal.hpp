@@ -1,6 +1,8 @@
 // Internal: the backends' GEMM entry points, behind teo::gemm().
 #pragma once
 
+#include <type_traits>
+
 #include "simd/isa.hpp"
 #include "teo/backend.hpp"
 #include "teo/kernels.hpp"
@@ -26,6 +28,16 @@ const simd::GemmKernel<Real>& pick_tile(const simd::GemmKernel<Real>& first,
     return (m + g.mr - 1) / g.mr * g.mr * ((n + g.nr - 1) / g.nr * g.nr);
   };
   return padded(second) * 20 < padded(first) * 19 ? second : first;
+}
+
+// The tile teo::gemm uses for C (m, n) from an ISA's table. A copy with other kc or mc computes the
+// same bits (blocking never reorders a sum), which the GEMM tests and bench/blocking_sweep.cpp use.
+template <class Real>
+const simd::GemmKernel<Real>& gemm_tile(const simd::IsaKernels& t, index_t m, index_t n) {
+  if constexpr (std::is_same_v<Real, float>)
+    return pick_tile(t.sgemm, t.sgemm_alt, m, n);
+  else
+    return pick_tile(t.dgemm, t.dgemm_alt, m, n);
 }
 
 template <class Real>

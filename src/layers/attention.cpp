@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "kernels/kernels_internal.hpp"
@@ -50,6 +51,15 @@ void merge_heads(Real* out, const Real* in, index_t batch, index_t seq_len, inde
 }
 
 namespace {
+
+// Head bh's (S, Dh) block of a context-shaped tensor, and its row stride: (B, H, S, Dh), or
+// (B, S, H * Dh) when merged.
+template <class P>
+std::pair<P, index_t> head_block(P base, index_t bh, index_t heads, index_t seq_len, index_t d_head,
+                                 bool merged) {
+  if (!merged) return {base + bh * seq_len * d_head, d_head};
+  return {base + (bh / heads) * seq_len * heads * d_head + (bh % heads) * d_head, heads * d_head};
+}
 
 // Number of keys visible from query i: keys [0, visible) are visible, the rest masked.
 index_t visible_keys(index_t i, index_t length, bool causal) {
@@ -110,11 +120,9 @@ void attention_forward(Real* context, Real* scores, Real* probs, const Real* q, 
         pv = dropped.data();
       }
       // context (S, Dh) = dropout(probs) (S, S) * v (S, Dh); the strides change no value
-      Real* ch = merged_context
-                     ? context + (bh / heads) * seq_len * heads * d_head + (bh % heads) * d_head
-                     : context + bh * seq_len * d_head;
+      const auto [ch, ldc] = head_block(context, bh, heads, seq_len, d_head, merged_context);
       gemm<Real>(Trans::no, Trans::no, seq_len, d_head, seq_len, Real(1), pv, seq_len, vh, d_head,
-                 Real(0), ch, merged_context ? heads * d_head : d_head);
+                 Real(0), ch, ldc);
     }
   });
 }
@@ -136,10 +144,7 @@ void attention_backward(Real* dq, Real* dk, Real* dv, Real* dprobs, Real* dscore
     for (index_t bh = bh0; bh < bh1; ++bh) {
       const index_t off = bh * seq_len * d_head;
       // this head's dcontext (S, Dh) and its row stride
-      const Real* dc = merged_context ? dcontext + (bh / heads) * seq_len * heads * d_head +
-                                            (bh % heads) * d_head
-                                      : dcontext + off;
-      const index_t ldc = merged_context ? heads * d_head : d_head;
+      const auto [dc, ldc] = head_block(dcontext, bh, heads, seq_len, d_head, merged_context);
       const Real* pr = probs + bh * ss;  // (S, S)
       Real* dp = dprobs + bh * ss;       // (S, S)
       Real* ds = dscores + bh * ss;      // (S, S)

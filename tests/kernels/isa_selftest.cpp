@@ -279,8 +279,9 @@ void test_pack(const Isa& isa) {
   const auto tiles = tiles_of<Real>(*isa.k);
   for (const GemmKernel<Real>* tile : tiles)
     for (bool transposed : {false, true})
-      for (index_t width : {index_t{tile->mr}, index_t{tile->nr}})
-        for (index_t rows : {index_t{1}, width / 2 + 1, width, 3 * width - 1, 4 * width})
+      for (bool is_a : {true, false})  // pack_a (MR-wide slivers), then pack_b (NR-wide)
+        for (const index_t width = is_a ? tile->mr : tile->nr;
+             index_t rows : {index_t{1}, width / 2 + 1, width, 3 * width - 1, 4 * width})
           for (index_t kc : {1, 7, 8, 9, 17, 64, 77})
             for (Real alpha : {Real(1), static_cast<Real>(0.37)}) {
               const index_t slivers = (rows + width - 1) / width;
@@ -298,8 +299,8 @@ void test_pack(const Isa& isa) {
                     want[static_cast<std::size_t>((s * kc + p) * width + i)] =
                         alpha == Real(1) ? v : alpha * v;
                   }
-              (width == tile->mr ? tile->pack_a : tile->pack_b)(transposed, got.data(), src.data(),
-                                                                ld, rows, kc, alpha);
+              (is_a ? tile->pack_a : tile->pack_b)(transposed, got.data(), src.data(), ld, rows, kc,
+                                                   alpha);
               if (std::memcmp(got.data(), want.data(), got.size() * sizeof(Real)) != 0)
                 ++mismatches;
             }

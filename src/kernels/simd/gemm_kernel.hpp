@@ -213,7 +213,7 @@ struct Avx2Block<float> {
         part = _mm256_extractf128_ps(v, 1);
       }
       constexpr int rest = N % 4, at = N - rest;
-      if constexpr (rest >= 2) _mm_store_sd(reinterpret_cast<double*>(p + at), _mm_castps_pd(part));
+      if constexpr (rest >= 2) _mm_storel_pi(reinterpret_cast<__m64*>(p + at), part);
       if constexpr (rest == 1) _mm_store_ss(p + at, part);
       if constexpr (rest == 3) _mm_store_ss(p + at + 2, _mm_movehl_ps(part, part));
     }
@@ -270,25 +270,25 @@ index_t pack_transposed_avx2(Real* __restrict d, const Real* __restrict src, ind
       _mm256_storeu_ps(dp + 16, _mm256_permute2f128_ps(c04, c15, 0x31));
       _mm256_storeu_ps(dp + 24, _mm256_permute2f128_ps(c26, c37, 0x31));
     }
-    return p0;
-  }
-  for (; p0 + W <= kc; p0 += W) {
-    [&]<int... B>(std::integer_sequence<int, B...>) {
-      // One step per block of W rows: i0 = B * W.
-      (
-          [&] {
-            constexpr int i0 = B * W, rb = WIDTH - i0 < W ? WIDTH - i0 : W;
-            typename X::R r[W];
-            for (int i = 0; i < W; ++i) {
-              r[i] = i < rb ? X::load(src + (i0 + i) * ld + p0) : X::zero();
-              if constexpr (SCALE) r[i] = X::mul(r[i], alpha);
-            }
-            transpose_block(r);
-            for (int q = 0; q < W; ++q) X::template store<rb>(d + (p0 + q) * WIDTH + i0, r[q]);
-          }(),
-          ...);
+  } else {
+    for (; p0 + W <= kc; p0 += W) {
+      [&]<int... B>(std::integer_sequence<int, B...>) {
+        // One step per block of W rows: i0 = B * W.
+        (
+            [&] {
+              constexpr int i0 = B * W, rb = WIDTH - i0 < W ? WIDTH - i0 : W;
+              typename X::R r[W];
+              for (int i = 0; i < W; ++i) {
+                r[i] = i < rb ? X::load(src + (i0 + i) * ld + p0) : X::zero();
+                if constexpr (SCALE) r[i] = X::mul(r[i], alpha);
+              }
+              transpose_block(r);
+              for (int q = 0; q < W; ++q) X::template store<rb>(d + (p0 + q) * WIDTH + i0, r[q]);
+            }(),
+            ...);
+      }
+      (std::make_integer_sequence<int, (WIDTH + W - 1) / W>{});
     }
-    (std::make_integer_sequence<int, (WIDTH + W - 1) / W>{});
   }
   return p0;
 }
@@ -312,9 +312,12 @@ void pack_transposed_sliver(Real* __restrict d, const Real* __restrict src, inde
   for (; p0 < kc; p0 += 8) {
     const index_t pb = std::min<index_t>(8, kc - p0);
     for (index_t i = 0; i < WIDTH; ++i) {
+      if (i >= rows) {
+        for (index_t q = 0; q < pb; ++q) d[(p0 + q) * WIDTH + i] = Real(0);
+        continue;
+      }
       const Real* sp = src + i * ld + p0;
-      for (index_t q = 0; q < pb; ++q)
-        d[(p0 + q) * WIDTH + i] = i >= rows ? Real(0) : SCALE ? alpha * sp[q] : sp[q];
+      for (index_t q = 0; q < pb; ++q) d[(p0 + q) * WIDTH + i] = SCALE ? alpha * sp[q] : sp[q];
     }
   }
 }

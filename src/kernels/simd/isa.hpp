@@ -72,6 +72,13 @@ struct IsaKernels {
   VectorKernels<double> dvec;
 };
 
+// The table of an ISA with one register tile per type: the second tile is the first.
+inline IsaKernels one_tile_isa(const char* name, const GemmKernel<float>& sgemm,
+                               const GemmKernel<double>& dgemm, const VectorKernels<float>& svec,
+                               const VectorKernels<double>& dvec) {
+  return IsaKernels{name, sgemm, dgemm, sgemm, dgemm, svec, dvec};
+}
+
 const IsaKernels& kernels_scalar();
 #if defined(__x86_64__) || defined(_M_X64)
 const IsaKernels& kernels_avx2();

@@ -45,6 +45,12 @@ void shapes(benchmark::internal::Benchmark* b) {
   b->Args({2048, 1024, 256, 2});
   b->Args({2048, 256, 1024, 2});
   b->Args({1024, 256, 2048, 2});
+  // Attention's per-head products, which run on one thread inside a parallel region: scores and
+  // context of the small preset (S = 64, Dh = 32) and of bert-base (S = 128, Dh = 64).
+  b->Args({64, 64, 32, 1});
+  b->Args({64, 32, 64, 1});
+  b->Args({128, 128, 64, 1});
+  b->Args({128, 64, 128, 1});
   b->ArgNames({"m", "n", "k", "threads"})->UseRealTime()->Unit(benchmark::kMillisecond);
 }
 

@@ -334,14 +334,18 @@ void allocate_layer(LayerActs<Real>& l, const Dims& d, bool overwrite) {
   for (Tensor<Real>* t : {&l.norm1_mean, &l.norm1_rstd, &l.norm2_mean, &l.norm2_rstd})
     shape_as(*t, {d.N}, overwrite);
   for (Tensor<Real>* t : {&l.q, &l.k, &l.v}) shape_as(*t, {d.B, d.H, d.S, d.Dh}, overwrite);
-  for (Tensor<Real>* t : {&l.scores, &l.probs}) shape_as(*t, {d.B, d.H, d.S, d.S}, overwrite);
-  for (Tensor<Real>* t : {&l.ffn_pre, &l.ffn_hidden}) shape_as(*t, {d.B, d.S, d.F}, overwrite);
+  // These four are written whole by one writer in the backward pass as well (attention_backward's
+  // dprobs and dscores; the FFN's dL.ffn_hidden and dL.ffn_pre, see layer_backward), so their
+  // gradients skip the zero-fill too: for the small preset that is half of every layer's bytes.
+  for (Tensor<Real>* t : {&l.scores, &l.probs}) shape_as(*t, {d.B, d.H, d.S, d.S}, true);
+  for (Tensor<Real>* t : {&l.ffn_pre, &l.ffn_hidden}) shape_as(*t, {d.B, d.S, d.F}, true);
   for (auto* m : {&l.masks.attn, &l.masks.residual1, &l.masks.ffn, &l.masks.residual2}) m->clear();
 }
 
-// Shapes every named activation of `acts` for this config and batch, with empty masks: all zero
-// (gradients, which accumulate), or, with `overwrite` (the forward pass), the large ones left as
-// they are for the forward pass to overwrite. The buffers of a previous pass are reused where they
+// Shapes every named activation of `acts` for this config and batch, with empty masks: zero
+// (gradients, which accumulate) but for the four that allocate_layer leaves to their single
+// writer, or, with `overwrite` (the forward pass), the large ones left as they are for the forward
+// pass to overwrite. The buffers of a previous pass are reused where they
 // are large enough.
 template <class Real>
 void allocate(Activations<Real>& a, const EncoderConfig& cfg, const Dims& d, bool overwrite) {
@@ -499,11 +503,14 @@ void layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P, const 
 
   // ffn_out = fc2(hidden_dropped); hidden_dropped = dropout(ffn_hidden). Without a mask the
   // dropout is the identity: fc2 reads ffn_hidden and writes its gradient straight into
-  // dL.ffn_hidden (zero until now). With one, both go through a scratch buffer.
+  // dL.ffn_hidden, overwriting it (allocate() leaves it unfilled: nothing else writes it). With
+  // one, both go through a scratch buffer and dL.ffn_hidden is zeroed for the dropout's gradient
+  // to accumulate into.
   const bool ffn_dropped = !L.masks.ffn.empty();
   Tensor<Real> hidden_dropped =
       ffn_dropped ? Tensor<Real>::for_overwrite({d.B, d.S, d.F}) : Tensor<Real>();
-  Tensor<Real> dhidden_dropped = ffn_dropped ? Tensor<Real>({d.B, d.S, d.F}) : Tensor<Real>();
+  Tensor<Real> dhidden_dropped =
+      ffn_dropped ? Tensor<Real>::for_overwrite({d.B, d.S, d.F}) : Tensor<Real>();
   {
     profile::Scope stage("bwd.ffn_fc2");
     if (ffn_dropped) {
@@ -513,13 +520,17 @@ void layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P, const 
     linear_backward(ffn_dropped ? dhidden_dropped.data() : dL.ffn_hidden.data(),
                     G.fc2_weight.data(), G.fc2_bias.data(), dL.ffn_out.data(),
                     ffn_dropped ? hidden_dropped.data() : L.ffn_hidden.data(), P.fc2_weight.data(),
-                    d.N, d.F, d.D);
+                    d.N, d.F, d.D, GradWrite::overwrite);
   }
-  TEO_STAGE("bwd.activation",
-            if (ffn_dropped) accumulate_dropout_grad(dL.ffn_hidden.data(), dhidden_dropped.data(),
-                                                     L.masks.ffn, dL.ffn_hidden.numel(), p);
-            activation_backward(dL.ffn_pre.data(), dL.ffn_hidden.data(), L.ffn_pre.data(),
-                                L.ffn_pre.numel(), cfg.activation));
+  // dL.ffn_pre is overwritten too: the activation is its only writer.
+  TEO_STAGE(
+      "bwd.activation",
+      if (ffn_dropped) {
+        dL.ffn_hidden.zero();
+        accumulate_dropout_grad(dL.ffn_hidden.data(), dhidden_dropped.data(), L.masks.ffn,
+                                dL.ffn_hidden.numel(), p);
+      } activation_backward(dL.ffn_pre.data(), dL.ffn_hidden.data(), L.ffn_pre.data(),
+                            L.ffn_pre.numel(), cfg.activation, GradWrite::overwrite));
   // ffn_pre = fc1(ffn_in); ffn_in = norm2 (pre) or norm1 (post)
   const Real* ffn_in = cfg.norm_first ? L.norm2.data() : L.norm1.data();
   Real* dffn_in = cfg.norm_first ? dL.norm2.data() : dL.norm1.data();

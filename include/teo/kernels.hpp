@@ -8,6 +8,12 @@ namespace teo {
 
 enum class Trans { no, yes };
 
+// How a backward function writes an input gradient: added to what the buffer holds, or written
+// whole without reading it (the buffer may hold anything, NaN included). Overwriting gives the
+// bits of accumulating into a zero-filled buffer, so a caller that skips the zero-fill changes no
+// result.
+enum class GradWrite { accumulate, overwrite };
+
 // C = alpha * op(A) * op(B) + beta * C, row-major, with op(A) (m, k), op(B) (k, n), C (m, n).
 // A is (m, k) with leading dimension lda when ta == no, and (k, m) when ta == yes; B likewise.
 // With beta == 0, C is never read (it may hold NaN). The backend (teo/backend.hpp) decides the

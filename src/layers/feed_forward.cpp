@@ -49,11 +49,15 @@ void activation_forward(Real* out, const Real* in, index_t n, Activation act) {
 }
 
 template <class Real>
-void activation_backward(Real* din, const Real* dout, const Real* in, index_t n, Activation act) {
+void activation_backward(Real* din, const Real* dout, const Real* in, index_t n, Activation act,
+                         GradWrite write) {
+  // Overwriting adds the term to +0 instead of to din[i]: the bits of accumulating into zeros.
+  const bool accumulate = write == GradWrite::accumulate;
   if (backend() != Backend::reference) {
     const auto& vk = detail::vector_kernels<Real>();
     detail::for_blocks(n, 4096, [&](index_t i0, index_t i1) {
-      vk.activation_backward(din + i0, dout + i0, in + i0, i1 - i0, static_cast<int>(act));
+      vk.activation_backward(din + i0, dout + i0, in + i0, i1 - i0, static_cast<int>(act),
+                             accumulate);
     });
     return;
   }
@@ -81,14 +85,15 @@ void activation_backward(Real* din, const Real* dout, const Real* in, index_t n,
           break;
         }
       }
-      din[i] += g * dout[i];
+      din[i] = (accumulate ? din[i] : Real(0)) + g * dout[i];
     }
   });
 }
 
-#define TEO_INSTANTIATE(Real)                                                      \
-  template void activation_forward<Real>(Real*, const Real*, index_t, Activation); \
-  template void activation_backward<Real>(Real*, const Real*, const Real*, index_t, Activation);
+#define TEO_INSTANTIATE(Real)                                                                   \
+  template void activation_forward<Real>(Real*, const Real*, index_t, Activation);              \
+  template void activation_backward<Real>(Real*, const Real*, const Real*, index_t, Activation, \
+                                          GradWrite);
 TEO_INSTANTIATE(float)
 TEO_INSTANTIATE(double)
 

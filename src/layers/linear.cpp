@@ -24,11 +24,13 @@ void linear_forward(Real* out, const Real* in, const Real* weight, const Real* b
 
 template <class Real>
 void linear_backward(Real* din, Real* dweight, Real* dbias, const Real* dout, const Real* in,
-                     const Real* weight, index_t rows, index_t in_f, index_t out_f) {
+                     const Real* weight, index_t rows, index_t in_f, index_t out_f,
+                     GradWrite din_write) {
   // in the forward pass this was: out = in * weight^T + bias
   if (din) {
-    // din (rows, in_f) += dout (rows, out_f) * weight (out_f, in_f)
-    gemm<Real>(Trans::no, Trans::no, rows, in_f, out_f, Real(1), dout, out_f, weight, in_f, Real(1),
+    // din (rows, in_f) += dout (rows, out_f) * weight (out_f, in_f); beta = 0 never reads din
+    const Real beta = din_write == GradWrite::overwrite ? Real(0) : Real(1);
+    gemm<Real>(Trans::no, Trans::no, rows, in_f, out_f, Real(1), dout, out_f, weight, in_f, beta,
                din, in_f);
   }
   // dweight (out_f, in_f) += dout^T (out_f, rows) * in (rows, in_f)
@@ -64,7 +66,7 @@ void linear_backward(Real* din, Real* dweight, Real* dbias, const Real* dout, co
   template void linear_forward<Real>(Real*, const Real*, const Real*, const Real*, index_t,       \
                                      index_t, index_t);                                           \
   template void linear_backward<Real>(Real*, Real*, Real*, const Real*, const Real*, const Real*, \
-                                      index_t, index_t, index_t);
+                                      index_t, index_t, index_t, GradWrite);
 TEO_INSTANTIATE(float)
 TEO_INSTANTIATE(double)
 

@@ -167,7 +167,7 @@ std::vector<Real> run_all_raw(const IsaKernels& k) {
       out.insert(out.end(), y.begin(), y.end());
       v.activation_forward(y.data(), x.data(), n, fn);
       out.insert(out.end(), y.begin(), y.end());
-      v.activation_backward(d.data(), g.data(), x.data(), n, fn);
+      v.activation_backward(d.data(), g.data(), x.data(), n, fn, true);
       out.insert(out.end(), d.begin(), d.end());
     }
     x = finite;
@@ -225,45 +225,54 @@ void test_dtype(const char* dtype, std::uint64_t expected) {
 
 }  // namespace
 
-// The unpacked small-GEMM path gives the packed path's bits for every transpose, alpha and beta,
-// on every ISA (simd_gemm picks it by size alone, so the two must agree).
+// The small-GEMM path (A and B read in place) gives the packed path's bits for every transpose,
+// alpha and beta, on every ISA and both register tiles (simd_gemm picks it by size alone, so the
+// two must agree), with leading dimensions wider than the operands, and writes nothing outside C.
 template <class Real>
 void test_small_gemm(const Isa& isa) {
   std::uint64_t stream = 9000;
   int mismatches = 0;
-  for (Trans ta : {Trans::no, Trans::yes})
-    for (Trans tb : {Trans::no, Trans::yes})
-      for (index_t m : {1, 3, 5, 14, 17})
-        for (index_t n : {1, 7, 8, 14, 16, 33})
-          for (index_t kk : {1, 4, 16, 50})
-            for (int variant = 0; variant < 3; ++variant) {
-              const auto a = random<Real>(m * kk, stream++, -1, 1);
-              const auto b = random<Real>(kk * n, stream++, -1, 1);
-              const auto c0 = random<Real>(m * n, stream++, -1, 1);
-              const Real beta = static_cast<Real>(variant == 0 ? 0.0 : variant == 1 ? 1.0 : -0.75);
-              const Real alpha = static_cast<Real>(variant == 2 ? 0.37 : 1.0);
-              const index_t lda = ta == Trans::no ? kk : m, ldb = tb == Trans::no ? n : kk;
-              auto packed = c0;
-              packed_gemm(gemm_of<Real>(*isa.k), ta, tb, m, n, kk, alpha, a.data(), lda, b.data(),
-                          ldb, beta, packed.data());
-              std::vector<Real> brow(static_cast<std::size_t>(kk * n));
-              for (index_t p = 0; p < kk; ++p)
-                for (index_t j = 0; j < n; ++j)
-                  brow[static_cast<std::size_t>(p * n + j)] =
-                      tb == Trans::no ? b[static_cast<std::size_t>(p * n + j)]
-                                      : b[static_cast<std::size_t>(j * kk + p)];
-              std::vector<Real> tail(static_cast<std::size_t>(kk * 64));
-              auto small = c0;
-              const teo::simd::Start start = variant == 0   ? teo::simd::Start::zero
-                                             : variant == 1 ? teo::simd::Start::c
-                                                            : teo::simd::Start::beta_c;
-              gemm_of<Real>(*isa.k).small(ta == Trans::yes, m, n, kk, alpha, a.data(), lda,
-                                          brow.data(), n, small.data(), n, start, beta,
-                                          tail.data());
-              if (std::memcmp(small.data(), packed.data(), small.size() * sizeof(Real)) != 0) {
-                ++mismatches;
+  for (const GemmKernel<Real>* tile : tiles_of<Real>(*isa.k))
+    for (Trans ta : {Trans::no, Trans::yes})
+      for (Trans tb : {Trans::no, Trans::yes})
+        for (index_t m : {1, 3, 5, 14, 17, 64})
+          for (index_t n : {1, 7, 8, 14, 16, 33, 64})
+            for (index_t kk : {1, 4, 16, 50})
+              for (int variant = 0; variant < 3; ++variant) {
+                const index_t lda = (ta == Trans::no ? kk : m) + 3;
+                const index_t ldb = (tb == Trans::no ? n : kk) + 2, ldc = n + 1;
+                const auto a = random<Real>((ta == Trans::no ? m : kk) * lda, stream++, -1, 1);
+                const auto b = random<Real>((tb == Trans::no ? kk : n) * ldb, stream++, -1, 1);
+                const auto c0 = random<Real>(m * ldc, stream++, -1, 1);
+                const Real beta = static_cast<Real>(variant == 0   ? 0.0
+                                                    : variant == 1 ? 1.0
+                                                                   : -0.75);
+                const Real alpha = static_cast<Real>(variant == 2 ? 0.37 : 1.0);
+                // The packed path on a dense copy of C.
+                std::vector<Real> packed(static_cast<std::size_t>(m * n));
+                for (index_t i = 0; i < m; ++i)
+                  for (index_t j = 0; j < n; ++j)
+                    packed[static_cast<std::size_t>(i * n + j)] =
+                        c0[static_cast<std::size_t>(i * ldc + j)];
+                packed_gemm(*tile, ta, tb, m, n, kk, alpha, a.data(), lda, b.data(), ldb, beta,
+                            packed.data());
+                std::vector<Real> scratch(static_cast<std::size_t>(
+                    kk * ((n + tile->nr - 1) / tile->nr * tile->nr + tile->mr)));
+                auto small = c0;
+                const teo::simd::Start start = variant == 0   ? teo::simd::Start::zero
+                                               : variant == 1 ? teo::simd::Start::c
+                                                              : teo::simd::Start::beta_c;
+                tile->small(ta == Trans::yes, tb == Trans::yes, m, n, kk, alpha, a.data(), lda,
+                            b.data(), ldb, small.data(), ldc, start, beta, scratch.data());
+                bool same = true;
+                for (index_t i = 0; i < m; ++i)
+                  for (index_t j = 0; j < ldc; ++j) {
+                    const std::size_t at = static_cast<std::size_t>(i * ldc + j);
+                    const Real want = j < n ? packed[static_cast<std::size_t>(i * n + j)] : c0[at];
+                    same = same && std::memcmp(&small[at], &want, sizeof(Real)) == 0;
+                  }
+                if (!same) ++mismatches;
               }
-            }
   check(mismatches == 0, std::string(isa.name) + " " + (sizeof(Real) == 4 ? "float" : "double") +
                              " small GEMM equals the packed GEMM bit for bit (" +
                              std::to_string(mismatches) + " mismatching shapes)");

@@ -150,9 +150,14 @@ TYPED_TEST(VectorKernels, EveryIsaMatchesScalarBitForBit) {
           s.activation_forward(b.data(), in->data(), n, fn);
           same(a, b, "activation_forward");
           std::vector<Real> da(g), db(g);
-          k.activation_backward(da.data(), g.data(), in->data(), n, fn);
-          s.activation_backward(db.data(), g.data(), in->data(), n, fn);
+          k.activation_backward(da.data(), g.data(), in->data(), n, fn, true);
+          s.activation_backward(db.data(), g.data(), in->data(), n, fn, true);
           same(da, db, "activation_backward");
+          // Overwriting never reads din and gives the bits of accumulating into zeros.
+          std::vector<Real> zeros(n, Real(0)), poisoned(n, Real(1e30));
+          k.activation_backward(zeros.data(), g.data(), in->data(), n, fn, true);
+          k.activation_backward(poisoned.data(), g.data(), in->data(), n, fn, false);
+          same(zeros, poisoned, "activation_backward overwriting");
         }
       }
       for (index_t nv : {index_t{0}, index_t{1}, n / 2, n}) {

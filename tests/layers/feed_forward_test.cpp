@@ -1,6 +1,9 @@
 #include <cmath>
+#include <cstring>
+#include <limits>
 
 #include "support.hpp"
+#include "teo/backend.hpp"
 #include "teo/layers/feed_forward.hpp"
 
 namespace teo {
@@ -51,6 +54,34 @@ TEST(Activations, BackwardMatchesFiniteDifferences) {
       return test::dot(y, r);
     };
     test::expect_gradient(to_string(a), x.data(), dx, loss);
+  }
+}
+
+// GradWrite::overwrite gives the bits of accumulating into zeros (+0 where the term is -0) on
+// every backend and activation, and never reads din (it starts as a value no result is near).
+TYPED_TEST(Activations, OverwriteGivesTheBitsOfAccumulatingIntoZeros) {
+  using Real = TypeParam;
+  const index_t n = 203;
+  auto x = test::uniform_vector<Real>(n, 1, "x", -4, 4);
+  auto g = test::uniform_vector<Real>(n, 2, "g");
+  x[0] = Real(0);
+  x[1] = Real(-0.0);
+  g[2] = Real(-0.0);  // a -0 term: +0 after the add
+  x[3] = Real(-1);    // relu'(-1) * g = 0 * -1 = -0: +0 after the add
+  g[3] = Real(-1);
+  ScopedSettings restore;
+  for (Backend be : {Backend::reference, Backend::simd}) {
+    set_backend(be);
+    for (Activation a : {Activation::relu, Activation::gelu, Activation::gelu_tanh}) {
+      std::vector<Real> acc(n, Real(0)), over(n, Real(1e30));
+      activation_backward(acc.data(), g.data(), x.data(), n, a);
+      activation_backward(over.data(), g.data(), x.data(), n, a, GradWrite::overwrite);
+      EXPECT_EQ(std::memcmp(acc.data(), over.data(), n * sizeof(Real)), 0)
+          << to_string(be) << " " << to_string(a);
+      if (a == Activation::relu) {
+        EXPECT_FALSE(std::signbit(over[3])) << "a -0 term adds to +0";
+      }
+    }
   }
 }
 

@@ -1,5 +1,9 @@
-#include "teo/layers/linear.hpp"
+#include <cstring>
+#include <limits>
+
 #include "support.hpp"
+#include "teo/backend.hpp"
+#include "teo/layers/linear.hpp"
 
 namespace teo {
 namespace {
@@ -56,6 +60,32 @@ TEST(Linear, BackwardAccumulates) {
   for (std::size_t i = 0; i < dx1.size(); ++i) EXPECT_EQ(dx2[i], 2 * dx1[i]);
   for (std::size_t i = 0; i < dw1.size(); ++i) EXPECT_EQ(dw2[i], 2 * dw1[i]);
   for (std::size_t i = 0; i < db1.size(); ++i) EXPECT_EQ(db2[i], 2 * db1[i]);
+}
+
+// Overwriting din (which the model does for gradients nothing else writes first, instead of
+// zero-filling them) gives the bits of accumulating into zeros, on every backend, and never reads
+// din: it starts as NaN.
+TYPED_TEST(Linear, OverwritingDinGivesTheBitsOfAccumulatingIntoZeros) {
+  using Real = TypeParam;
+  const index_t rows = 37, in = 29, out = 41;
+  const auto x = test::uniform_vector<Real>(rows * in, 1, "x");
+  const auto w = test::uniform_vector<Real>(out * in, 2, "w");
+  auto r = test::uniform_vector<Real>(rows * out, 4, "r");
+  for (index_t o = 0; o < out; ++o) r[o] = Real(-0.0);  // a row of din is a sum of -0 products
+  ScopedSettings restore;
+  for (Backend be : {Backend::reference, Backend::simd, Backend::blas}) {
+    set_backend(be);
+    std::vector<Real> dx0(x.size(), Real(0)), dw0(w.size(), Real(0)), db0(out, Real(0));
+    linear_backward(dx0.data(), dw0.data(), db0.data(), r.data(), x.data(), w.data(), rows, in,
+                    out);
+    std::vector<Real> dx1(x.size(), std::numeric_limits<Real>::quiet_NaN());
+    std::vector<Real> dw1(w.size(), Real(0)), db1(out, Real(0));
+    linear_backward(dx1.data(), dw1.data(), db1.data(), r.data(), x.data(), w.data(), rows, in, out,
+                    GradWrite::overwrite);
+    EXPECT_EQ(std::memcmp(dx0.data(), dx1.data(), dx0.size() * sizeof(Real)), 0) << to_string(be);
+    EXPECT_EQ(std::memcmp(dw0.data(), dw1.data(), dw0.size() * sizeof(Real)), 0) << to_string(be);
+    EXPECT_EQ(std::memcmp(db0.data(), db1.data(), db0.size() * sizeof(Real)), 0) << to_string(be);
+  }
 }
 
 }  // namespace

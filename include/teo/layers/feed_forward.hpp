@@ -2,6 +2,7 @@
 #pragma once
 
 #include "teo/config.hpp"
+#include "teo/kernels.hpp"
 
 namespace teo {
 
@@ -11,8 +12,10 @@ namespace teo {
 template <class Real>
 void activation_forward(Real* out, const Real* in, index_t n, Activation act);
 
-// Accumulates din[i] += act'(in[i]) * dout[i], with relu'(0) = 0.
+// Accumulates din[i] += act'(in[i]) * dout[i], with relu'(0) = 0; with write == overwrite,
+// din[i] = 0 + act'(in[i]) * dout[i] (din is never read).
 template <class Real>
-void activation_backward(Real* din, const Real* dout, const Real* in, index_t n, Activation act);
+void activation_backward(Real* din, const Real* dout, const Real* in, index_t n, Activation act,
+                         GradWrite write = GradWrite::accumulate);
 
 }  // namespace teo

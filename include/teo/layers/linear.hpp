@@ -2,6 +2,7 @@
 #pragma once
 
 #include "teo/errors.hpp"
+#include "teo/kernels.hpp"
 
 namespace teo {
 
@@ -10,10 +11,11 @@ template <class Real>
 void linear_forward(Real* out, const Real* in, const Real* weight, const Real* bias, index_t rows,
                     index_t in_f, index_t out_f);
 
-// Accumulates din += dout * weight, dweight += dout^T * in, dbias += column sums of dout.
-// din and dbias may be null.
+// Accumulates din += dout * weight, dweight += dout^T * in, dbias += column sums of dout; with
+// din_write == overwrite, din = dout * weight instead (never read). din and dbias may be null.
 template <class Real>
 void linear_backward(Real* din, Real* dweight, Real* dbias, const Real* dout, const Real* in,
-                     const Real* weight, index_t rows, index_t in_f, index_t out_f);
+                     const Real* weight, index_t rows, index_t in_f, index_t out_f,
+                     GradWrite din_write = GradWrite::accumulate);
 
 }  // namespace teo

@@ -17,16 +17,18 @@
 namespace teo::simd {
 namespace {
 
-// One MR x NR tile: acc = start(C); for p < kc: acc += a[p] (column of MR) x b[p] (row of NR);
-// C = acc. NV = NR / vector width vectors per row. The accumulators live in registers: MR * NV
-// of them, plus NV for the B row and one broadcast of A.
-template <class Real, class Arch, int MR, int NV>
-inline void micro_kernel(index_t kc, const Real* __restrict a, const Real* __restrict b,
-                         Real* __restrict c, index_t ldc, Start start, Real beta) {
+// One MR x NR tile: acc = start(C); for p < kc: acc += op(A)(i, p) x B(p, :); C = acc, where
+// op(A)(i, p) = a[i * ai + p * ap] (times alpha, rounded once as pack_a does, when SCALE) and row p
+// of B is b + p * ldb. NV = NR / vector width vectors per row. The accumulators live in
+// registers: MR * NV of them, plus NV for the B row and one broadcast of A. The packed kernel is
+// this one with ai = 1, ap = MR, ldb = NR; the small products' path reads A and B in place.
+template <class Real, class Arch, int MR, int NV, bool SCALE>
+inline void tile_kernel(index_t kc, Real alpha, const Real* __restrict a, index_t ai, index_t ap,
+                        const Real* __restrict b, index_t ldb, Real* __restrict c, index_t ldc,
+                        Start start, Real beta) {
   using V = Vec<Real, Arch>;
   using B = typename V::B;
   constexpr int W = static_cast<int>(V::size);
-  constexpr int NR = NV * W;
   // Every loop over i and v is fully unrolled so that the accumulators stay in registers.
   B acc[MR][NV];
   if (start == Start::zero) {
@@ -48,10 +50,11 @@ inline void micro_kernel(index_t kc, const Real* __restrict a, const Real* __res
   for (index_t p = 0; p < kc; ++p) {
     B bv[NV];
 #pragma GCC unroll 4
-    for (int v = 0; v < NV; ++v) bv[v] = V::load(b + p * NR + v * W);
+    for (int v = 0; v < NV; ++v) bv[v] = V::load(b + p * ldb + v * W);
 #pragma GCC unroll 16
     for (int i = 0; i < MR; ++i) {
-      const B av = V::set1(a[p * MR + i]);
+      const Real x = a[i * ai + p * ap];
+      const B av = V::set1(SCALE ? alpha * x : x);
 #pragma GCC unroll 4
       for (int v = 0; v < NV; ++v) acc[i][v] = V::fma(av, bv[v], acc[i][v]);
     }
@@ -60,6 +63,14 @@ inline void micro_kernel(index_t kc, const Real* __restrict a, const Real* __res
   for (int i = 0; i < MR; ++i)
 #pragma GCC unroll 4
     for (int v = 0; v < NV; ++v) V::store(c + i * ldc + v * W, acc[i][v]);
+}
+
+// The packed micro-kernel: A and B slivers, k-major.
+template <class Real, class Arch, int MR, int NV>
+inline void micro_kernel(index_t kc, const Real* __restrict a, const Real* __restrict b,
+                         Real* __restrict c, index_t ldc, Start start, Real beta) {
+  constexpr int NR = NV * static_cast<int>(Vec<Real, Arch>::size);
+  tile_kernel<Real, Arch, MR, NV, false>(kc, Real(1), a, 1, MR, b, NR, c, ldc, start, beta);
 }
 
 // The two inner loops (jr over NR columns, ir over MR rows) over packed panels. Edge tiles run in
@@ -100,67 +111,65 @@ void macro_kernel(index_t mc, index_t nc, index_t kc, const Real* ap, const Real
   }
 }
 
-// C (m, n) = start(C) + op(A) B for products too small to repay packing. B is row-major (k, n)
-// with leading dimension ldb; op(A)(i, p) is a[i * lda + p], or a[p * lda + i] when ta, times
-// alpha (rounded once, as pack_a does). Each element of C is the same fused multiply-add chain in
-// increasing p as in macro_kernel, so the result is bit for bit the packed path's. Four rows at a
-// time keep four independent chains in flight; the last n % W columns go through a zero-padded
-// copy of B's tail columns, so no load leaves B or C.
-template <class Real, class Arch>
-void small_gemm(bool ta, index_t m, index_t n, index_t k, Real alpha, const Real* a, index_t lda,
-                const Real* b, index_t ldb, Real* c, index_t ldc, Start start, Real beta,
-                Real* tail) {
-  using V = Vec<Real, Arch>;
-  using B = typename V::B;
-  constexpr index_t W = static_cast<index_t>(V::size);
-  constexpr index_t R = 4;
-  const index_t nfull = n / W * W, nt = n - nfull;
-  if (nt > 0) {
-    for (index_t p = 0; p < k; ++p)
-      for (index_t j = 0; j < W; ++j) tail[p * W + j] = j < nt ? b[p * ldb + nfull + j] : Real(0);
-  }
-  const B vb = V::set1(beta);
-  alignas(64) Real ctile[R * W];
-  for (index_t i0 = 0; i0 < m; i0 += R) {
-    const index_t rows = std::min<index_t>(R, m - i0);
-    for (index_t j = 0; j < n; j += W) {
-      const bool edge = j == nfull;
-      const Real* bcol = edge ? tail : b + j;
-      const index_t bld = edge ? W : ldb;
-      B acc[R];
-#pragma GCC unroll 4
-      for (index_t r = 0; r < R; ++r) {
-        if (r >= rows || start == Start::zero) {
-          acc[r] = V::set1(Real(0));
-          continue;
+template <class Real, int WIDTH>
+void pack_panel(bool transposed, Real* d, const Real* src, index_t ld, index_t rows, index_t kc,
+                Real alpha);
+
+// C (m, n) = start(C) + op(A) op(B) for products too small to repay the blocked driver (attention's
+// per-head ones), on the same MR x NR tiles and chains as macro_kernel, so with the same bits. A
+// is read in place, op(A)(i, p) = a[i * lda + p], or a[p * lda + i] when ta, times alpha (rounded
+// once, as pack_a does); so is B when it is not transposed. Only a transposed B, B's last partial
+// NR columns and A's last partial MR rows are packed into `scratch`, which holds
+// k * (round_up(n, NR) + MR) values; so no load leaves A or B, and edge tiles go through a local
+// tile as in macro_kernel.
+template <class Real, class Arch, int MR, int NV>
+void small_gemm(bool ta, bool tb, index_t m, index_t n, index_t k, Real alpha, const Real* a,
+                index_t lda, const Real* b, index_t ldb, Real* c, index_t ldc, Start start,
+                Real beta, Real* scratch) {
+  constexpr int NR = NV * static_cast<int>(Vec<Real, Arch>::size);
+  const index_t ai = ta ? 1 : lda, ap = ta ? lda : 1;  // op(A)(i, p) = a[i * ai + p * ap]
+  // Columns [0, nfull) of B are read in place; the rest are packed into NR-wide slivers.
+  const index_t nfull = tb ? 0 : n / NR * NR, mfull = m / MR * MR;
+  Real* bpack = scratch;
+  Real* apack = scratch + (n - nfull + NR - 1) / NR * NR * k;
+  if (nfull < n)
+    pack_panel<Real, NR>(tb, bpack, tb ? b + nfull * ldb : b + nfull, ldb, n - nfull, k, Real(1));
+  if (mfull < m)
+    pack_panel<Real, MR>(!ta, apack, ta ? a + mfull : a + mfull * lda, lda, m - mfull, k, alpha);
+  const bool scale = alpha != Real(1);
+  alignas(64) Real tile[MR * NR];
+  for (index_t j0 = 0; j0 < n; j0 += NR) {
+    const index_t nb = n - j0 < NR ? n - j0 : NR;
+    const bool b_in_place = j0 < nfull;
+    const Real* bs = b_in_place ? b + j0 : bpack + (j0 - nfull) / NR * k * NR;
+    const index_t bld = b_in_place ? ldb : NR;
+    for (index_t i0 = 0; i0 < m; i0 += MR) {
+      const index_t mb = m - i0 < MR ? m - i0 : MR;
+      Real* ct = c + i0 * ldc + j0;
+      Real* cc = ct;
+      index_t cld = ldc;
+      const bool edge = mb < MR || nb < NR;
+      if (edge) {
+        if (start != Start::zero) {
+          for (index_t i = 0; i < MR; ++i)
+            for (index_t j = 0; j < NR; ++j)
+              tile[i * NR + j] = i < mb && j < nb ? ct[i * ldc + j] : Real(0);
         }
-        if (edge) {
-          for (index_t x = 0; x < W; ++x)
-            ctile[r * W + x] = x < nt ? c[(i0 + r) * ldc + j + x] : Real(0);
-          acc[r] = V::load(ctile + r * W);
-        } else {
-          acc[r] = V::load(c + (i0 + r) * ldc + j);
-        }
-        if (start == Start::beta_c) acc[r] = V::mul(acc[r], vb);
+        cc = tile;
+        cld = NR;
       }
-      for (index_t p = 0; p < k; ++p) {
-        const B bv = V::load(bcol + p * bld);
-#pragma GCC unroll 4
-        for (index_t r = 0; r < R; ++r) {
-          if (r < rows) {
-            const Real av = ta ? a[p * lda + i0 + r] : a[(i0 + r) * lda + p];
-            acc[r] = V::fma(V::set1(alpha == Real(1) ? av : alpha * av), bv, acc[r]);
-          }
-        }
-      }
-      for (index_t r = 0; r < rows; ++r) {
-        if (edge) {
-          V::store(ctile + r * W, acc[r]);
-          for (index_t x = 0; x < nt; ++x) c[(i0 + r) * ldc + j + x] = ctile[r * W + x];
-        } else {
-          V::store(c + (i0 + r) * ldc + j, acc[r]);
-        }
-      }
+      if (mb < MR)
+        tile_kernel<Real, Arch, MR, NV, false>(k, alpha, apack, 1, MR, bs, bld, cc, cld, start,
+                                               beta);
+      else if (scale)
+        tile_kernel<Real, Arch, MR, NV, true>(k, alpha, a + i0 * ai, ai, ap, bs, bld, cc, cld,
+                                              start, beta);
+      else
+        tile_kernel<Real, Arch, MR, NV, false>(k, alpha, a + i0 * ai, ai, ap, bs, bld, cc, cld,
+                                               start, beta);
+      if (edge)
+        for (index_t i = 0; i < mb; ++i)
+          for (index_t j = 0; j < nb; ++j) ct[i * ldc + j] = tile[i * NR + j];
     }
   }
 }
@@ -375,7 +384,7 @@ constexpr GemmKernel<Real> make_gemm(index_t kc, index_t mc, index_t nc) {
                           mc,
                           nc,
                           &macro_kernel<Real, Arch, MR, NV>,
-                          &small_gemm<Real, Arch>,
+                          &small_gemm<Real, Arch, MR, NV>,
                           &pack_panel<Real, MR>,
                           &pack_panel<Real, NV* static_cast<int>(Vec<Real, Arch>::size)>};
 }

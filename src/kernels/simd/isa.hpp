@@ -26,11 +26,12 @@ struct GemmKernel {
   // neither MR, NR nor the vector width.
   void (*macro)(index_t mc, index_t nc, index_t kc, const Real* ap, const Real* bp, Real* c,
                 index_t ldc, Start start, Real beta);
-  // The whole product without packing, for small ones (see small_gemm in gemm_kernel.hpp): the
-  // same chains, so the same bits. `tail` holds k * (vector width) values.
-  void (*small)(bool ta, index_t m, index_t n, index_t k, Real alpha, const Real* a, index_t lda,
-                const Real* b, index_t ldb, Real* c, index_t ldc, Start start, Real beta,
-                Real* tail);
+  // The whole product on the same tiles without the blocked driver, for small products (see
+  // small_gemm in gemm_kernel.hpp): the same chains, so the same bits. `scratch` holds
+  // k * (round_up(n, nr) + mr) values.
+  void (*small)(bool ta, bool tb, index_t m, index_t n, index_t k, Real alpha, const Real* a,
+                index_t lda, const Real* b, index_t ldb, Real* c, index_t ldc, Start start,
+                Real beta, Real* scratch);
   // Packed panels of ceil(rows / width) slivers, width MR (pack_a) or NR (pack_b); see pack_panel
   // in gemm_kernel.hpp. Sliver s at d + s * kc * width holds d[p * width + i] =
   // alpha * op(S)(s * width + i, p), zero past `rows`; op(S)(i, p) = src[i * ld + p] when
@@ -45,7 +46,9 @@ struct GemmKernel {
 template <class Real>
 struct VectorKernels {
   void (*activation_forward)(Real* out, const Real* in, index_t n, int act);
-  void (*activation_backward)(Real* din, const Real* dout, const Real* in, index_t n, int act);
+  // din = (accumulate ? din : +0) + act'(in) * dout
+  void (*activation_backward)(Real* din, const Real* dout, const Real* in, index_t n, int act,
+                              bool accumulate);
   void (*softmax_forward_row)(Real* prow, const Real* srow, index_t visible, index_t n);
   void (*softmax_backward_row)(Real* dsrow, const Real* prow, const Real* dprow, index_t n);
   void (*layer_norm_forward_row)(Real* y, Real* mean, Real* rstd, const Real* x, const Real* w,

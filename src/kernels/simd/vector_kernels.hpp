@@ -83,8 +83,10 @@ struct Kernels {
     });
   }
 
-  // din += act'(in) * dout, with relu'(0) = 0.
-  static void activation_backward(Real* din, const Real* dout, const Real* in, index_t n, int act) {
+  // din += act'(in) * dout, with relu'(0) = 0; without `accumulate`, din = +0 + act'(in) * dout
+  // (din is not read).
+  static void activation_backward(Real* din, const Real* dout, const Real* in, index_t n, int act,
+                                  bool accumulate) {
     for_each_vec_wide<Real, Arch>(n, [&]<class VV>(index_t j) {
       using B = typename VV::B;
       const B x = VV::load(in + j);
@@ -104,7 +106,8 @@ struct Kernels {
         g = half * (one + t) + half * x * (one - t * t) * k0 *
                                    (one + VV::set1(static_cast<Real>(3 * 0.044715)) * x * x);
       }
-      VV::store(din + j, VV::load(din + j) + g * VV::load(dout + j));
+      const B base = accumulate ? VV::load(din + j) : VV::set1(Real(0));
+      VV::store(din + j, base + g * VV::load(dout + j));
     });
   }
 

@@ -328,15 +328,18 @@ void shape_as(Tensor<Real>& t, Shape shape, bool overwrite) {
 
 template <class Real>
 void allocate_layer(LayerActs<Real>& l, const Dims& d, bool overwrite) {
-  for (Tensor<Real>* t : {&l.norm1, &l.context, &l.attn_out, &l.residual1, &l.norm2, &l.ffn_out,
-                          &l.residual2, &l.output})
+  for (Tensor<Real>* t :
+       {&l.norm1, &l.attn_out, &l.residual1, &l.norm2, &l.ffn_out, &l.residual2, &l.output})
     shape_as(*t, {d.B, d.S, d.D}, overwrite);
   for (Tensor<Real>* t : {&l.norm1_mean, &l.norm1_rstd, &l.norm2_mean, &l.norm2_rstd})
     shape_as(*t, {d.N}, overwrite);
-  for (Tensor<Real>* t : {&l.q, &l.k, &l.v}) shape_as(*t, {d.B, d.H, d.S, d.Dh}, overwrite);
-  // These four are written whole by one writer in the backward pass as well (attention_backward's
-  // dprobs and dscores; the FFN's dL.ffn_hidden and dL.ffn_pre, see layer_backward), so their
-  // gradients skip the zero-fill too: for the small preset that is half of every layer's bytes.
+  // These are written whole by a single writer in the backward pass as well, so their gradients
+  // skip the zero-fill too (layer_backward overwrites them): dcontext by the output projection;
+  // dq, dk, dv, dprobs and dscores by attention_backward; dL.ffn_hidden by the second FFN product
+  // (or zeroed there under dropout) and dL.ffn_pre by the activation. For the small preset that
+  // is two thirds of every layer's bytes.
+  shape_as(l.context, {d.B, d.S, d.D}, true);
+  for (Tensor<Real>* t : {&l.q, &l.k, &l.v}) shape_as(*t, {d.B, d.H, d.S, d.Dh}, true);
   for (Tensor<Real>* t : {&l.scores, &l.probs}) shape_as(*t, {d.B, d.H, d.S, d.S}, true);
   for (Tensor<Real>* t : {&l.ffn_pre, &l.ffn_hidden}) shape_as(*t, {d.B, d.S, d.F}, true);
   for (auto* m : {&l.masks.attn, &l.masks.residual1, &l.masks.ffn, &l.masks.residual2}) m->clear();
@@ -397,12 +400,16 @@ void layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P, LayerAc
     auto bqkv = Tensor<Real>::for_overwrite({3 * d.D});
     stack_qkv(wqkv.data(), bqkv.data(), P, d.D);
     auto qkv = Tensor<Real>::for_overwrite({d.B, d.S, 3 * d.D});  // (B, S, 3D)
-    linear_forward(qkv.data(), attn_in, wqkv.data(), bqkv.data(), d.N, d.D, 3 * d.D);
+    // The bias is added while splitting (the same rounding as linear_forward's), which saves a
+    // pass over the (B, S, 3D) product.
+    linear_forward(qkv.data(), attn_in, wqkv.data(), static_cast<const Real*>(nullptr), d.N, d.D,
+                   3 * d.D);
     Tensor<Real>* heads[3] = {&L.q, &L.k, &L.v};
     // With B = 0 the buffers are empty (null): nothing to split, and no pointer arithmetic on null.
     if (qkv.numel() > 0) {
       for (int i = 0; i < 3; ++i)
-        split_heads(heads[i]->data(), qkv.data() + i * d.D, d.B, d.S, d.H, d.Dh, 3 * d.D);
+        split_heads(heads[i]->data(), qkv.data() + i * d.D, d.B, d.S, d.H, d.Dh, 3 * d.D,
+                    bqkv.data() + i * d.D);
     }
   }
   {
@@ -557,14 +564,14 @@ void layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P, const 
   // attn_out = context * Wo^T + bo
   TEO_STAGE("bwd.out_proj", linear_backward(dL.context.data(), G.o_weight.data(), G.o_bias.data(),
                                             dL.attn_out.data(), L.context.data(), P.o_weight.data(),
-                                            d.N, d.D, d.D));
+                                            d.N, d.D, d.D, GradWrite::overwrite));
   // dcontext is read in its merged (B, S, D) layout, head by head.
-  TEO_STAGE(
-      "bwd.attention",
-      attention_backward(dL.q.data(), dL.k.data(), dL.v.data(), dL.probs.data(), dL.scores.data(),
-                         dL.context.data(), L.q.data(), L.k.data(), L.v.data(), L.probs.data(),
-                         batch.lengths.data(), L.masks.attn.empty() ? nullptr : L.masks.attn.data(),
-                         scale, d.B, d.H, d.S, d.Dh, /*merged_context=*/true));
+  TEO_STAGE("bwd.attention",
+            attention_backward(dL.q.data(), dL.k.data(), dL.v.data(), dL.probs.data(),
+                               dL.scores.data(), dL.context.data(), L.q.data(), L.k.data(),
+                               L.v.data(), L.probs.data(), batch.lengths.data(),
+                               L.masks.attn.empty() ? nullptr : L.masks.attn.data(), scale, d.B,
+                               d.H, d.S, d.Dh, /*merged_context=*/true, GradWrite::overwrite));
   // q, k, v = split(attn_in * W^T + b); attn_in = LN1(x) (pre) or x (post)
   const Real* attn_in = cfg.norm_first ? L.norm1.data() : x;
   Real* dattn_in = dx;

@@ -14,10 +14,11 @@ namespace teo {
 
 namespace {
 
-// The one head transpose: (B, S, H * Dh) with row stride ld <-> (B, H, S, Dh).
+// The one head transpose: (B, S, H * Dh) with row stride ld <-> (B, H, S, Dh); splitting adds
+// bias (H * Dh) when it is not null.
 template <bool ToHeads, class Real>
 void transpose_heads(Real* out, const Real* in, index_t batch, index_t seq_len, index_t heads,
-                     index_t d_head, index_t row_stride) {
+                     index_t d_head, index_t row_stride, const Real* bias) {
   const index_t ld = row_stride ? row_stride : heads * d_head;
   detail::for_blocks(batch, 1, [&](index_t b0, index_t b1) {
     for (index_t b = b0; b < b1; ++b)
@@ -27,7 +28,7 @@ void transpose_heads(Real* out, const Real* in, index_t batch, index_t seq_len, 
           const index_t split = ((b * heads + h) * seq_len + s) * d_head;  // (B, H, S, Dh) side
           for (index_t c = 0; c < d_head; ++c) {
             if constexpr (ToHeads) {
-              out[split + c] = in[rows + c];
+              out[split + c] = bias ? in[rows + c] + bias[h * d_head + c] : in[rows + c];
             } else {
               out[rows + c] = in[split + c];
             }
@@ -40,14 +41,15 @@ void transpose_heads(Real* out, const Real* in, index_t batch, index_t seq_len, 
 
 template <class Real>
 void split_heads(Real* out, const Real* in, index_t batch, index_t seq_len, index_t heads,
-                 index_t d_head, index_t row_stride) {
-  transpose_heads<true>(out, in, batch, seq_len, heads, d_head, row_stride);
+                 index_t d_head, index_t row_stride, const Real* bias) {
+  transpose_heads<true>(out, in, batch, seq_len, heads, d_head, row_stride, bias);
 }
 
 template <class Real>
 void merge_heads(Real* out, const Real* in, index_t batch, index_t seq_len, index_t heads,
                  index_t d_head, index_t row_stride) {
-  transpose_heads<false>(out, in, batch, seq_len, heads, d_head, row_stride);
+  transpose_heads<false>(out, in, batch, seq_len, heads, d_head, row_stride,
+                         static_cast<const Real*>(nullptr));
 }
 
 namespace {
@@ -132,9 +134,12 @@ void attention_backward(Real* dq, Real* dk, Real* dv, Real* dprobs, Real* dscore
                         const Real* dcontext, const Real* q, const Real* k, const Real* v,
                         const Real* probs, const std::int64_t* lengths,
                         const std::uint8_t* drop_mask, Real drop_scale, index_t batch,
-                        index_t heads, index_t seq_len, index_t d_head, bool merged_context) {
+                        index_t heads, index_t seq_len, index_t d_head, bool merged_context,
+                        GradWrite qkv_write) {
   const Real alpha = static_cast<Real>(1.0 / std::sqrt(static_cast<double>(d_head)));
   const index_t ss = seq_len * seq_len;
+  // Each head's dq, dk and dv are written by one product each: beta = 0 overwrites them.
+  const Real beta = qkv_write == GradWrite::overwrite ? Real(0) : Real(1);
   // The simd and blas backends use the vector kernels for the softmax; the reference its loops.
   const simd::VectorKernels<Real>* vk =
       backend() == Backend::reference ? nullptr : &detail::vector_kernels<Real>();
@@ -157,7 +162,7 @@ void attention_backward(Real* dq, Real* dk, Real* dv, Real* dprobs, Real* dscore
       // in the forward pass this was: context = pv * v, with pv = dropout(probs)
       // dv (S, Dh) += pv^T (S, S) * dcontext (S, Dh)
       gemm<Real>(Trans::yes, Trans::no, seq_len, d_head, seq_len, Real(1), pv, seq_len, dc, ldc,
-                 Real(1), dv + off, d_head);
+                 beta, dv + off, d_head);
       // dpv (S, S) = dcontext (S, Dh) * v^T (Dh, S); then through the dropout
       gemm<Real>(Trans::no, Trans::yes, seq_len, seq_len, d_head, Real(1), dc, ldc, v + off, d_head,
                  Real(0), dp, seq_len);
@@ -183,26 +188,26 @@ void attention_backward(Real* dq, Real* dk, Real* dv, Real* dprobs, Real* dscore
       // in the forward pass this was: scores = alpha * q * k^T
       // dq (S, Dh) += alpha * dscores (S, S) * k (S, Dh)
       gemm<Real>(Trans::no, Trans::no, seq_len, d_head, seq_len, alpha, ds, seq_len, k + off,
-                 d_head, Real(1), dq + off, d_head);
+                 d_head, beta, dq + off, d_head);
       // dk (S, Dh) += alpha * dscores^T (S, S) * q (S, Dh)
       gemm<Real>(Trans::yes, Trans::no, seq_len, d_head, seq_len, alpha, ds, seq_len, q + off,
-                 d_head, Real(1), dk + off, d_head);
+                 d_head, beta, dk + off, d_head);
     }
   });
 }
 
-#define TEO_INSTANTIATE(Real)                                                                     \
-  template void split_heads<Real>(Real*, const Real*, index_t, index_t, index_t, index_t,         \
-                                  index_t);                                                       \
-  template void merge_heads<Real>(Real*, const Real*, index_t, index_t, index_t, index_t,         \
-                                  index_t);                                                       \
-  template void attention_forward<Real>(Real*, Real*, Real*, const Real*, const Real*,            \
-                                        const Real*, const std::int64_t*, const std::uint8_t*,    \
-                                        Real, index_t, index_t, index_t, index_t, bool, bool);    \
-  template void attention_backward<Real>(Real*, Real*, Real*, Real*, Real*, const Real*,          \
-                                         const Real*, const Real*, const Real*, const Real*,      \
-                                         const std::int64_t*, const std::uint8_t*, Real, index_t, \
-                                         index_t, index_t, index_t, bool);
+#define TEO_INSTANTIATE(Real)                                                                      \
+  template void split_heads<Real>(Real*, const Real*, index_t, index_t, index_t, index_t, index_t, \
+                                  const Real*);                                                    \
+  template void merge_heads<Real>(Real*, const Real*, index_t, index_t, index_t, index_t,          \
+                                  index_t);                                                        \
+  template void attention_forward<Real>(Real*, Real*, Real*, const Real*, const Real*,             \
+                                        const Real*, const std::int64_t*, const std::uint8_t*,     \
+                                        Real, index_t, index_t, index_t, index_t, bool, bool);     \
+  template void attention_backward<Real>(Real*, Real*, Real*, Real*, Real*, const Real*,           \
+                                         const Real*, const Real*, const Real*, const Real*,       \
+                                         const std::int64_t*, const std::uint8_t*, Real, index_t,  \
+                                         index_t, index_t, index_t, bool, GradWrite);
 TEO_INSTANTIATE(float)
 TEO_INSTANTIATE(double)
 

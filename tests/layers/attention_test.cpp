@@ -1,4 +1,5 @@
 #include <cmath>
+#include <cstring>
 
 #include "support.hpp"
 #include "teo/layers/attention.hpp"
@@ -169,6 +170,25 @@ TYPED_TEST(Attention, SplitAndMergeHeadsAreInverse) {
   EXPECT_EQ(back, x);
   // element (b=1, s=2, head 3, c=4) lands at [1, 3, 2, 4]
   EXPECT_EQ(split[((1 * h + 3) * s + 2) * dh + 4], x[((1 * s + 2) * h + 3) * dh + 4]);
+}
+
+// Splitting with a bias (what the model does for q, k, v, out of one (B, S, 3D) product with row
+// stride 3D) is the split of x + bias, element by element, rounded once: the bits of
+// linear_forward's bias add followed by a plain split.
+TYPED_TEST(Attention, SplitHeadsWithBiasIsTheSplitOfTheBiasedRows) {
+  using Real = TypeParam;
+  const index_t b = 2, s = 3, h = 4, dh = 5, d = h * dh, ld = 3 * d;
+  const auto x = test::uniform_vector<Real>(b * s * ld, 1, "x");
+  const auto bias = test::uniform_vector<Real>(ld, 2, "bias");
+  for (index_t part = 0; part < 3; ++part) {
+    std::vector<Real> biased(x.size()), want(static_cast<std::size_t>(b * s * d));
+    for (index_t r = 0; r < b * s; ++r)
+      for (index_t c = 0; c < ld; ++c) biased[r * ld + c] = x[r * ld + c] + bias[c];
+    split_heads(want.data(), biased.data() + part * d, b, s, h, dh, ld);
+    std::vector<Real> got(want.size());
+    split_heads(got.data(), x.data() + part * d, b, s, h, dh, ld, bias.data() + part * d);
+    EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size() * sizeof(Real)), 0) << part;
+  }
 }
 
 }  // namespace

@@ -4,15 +4,17 @@
 #include <cstdint>
 
 #include "teo/errors.hpp"
+#include "teo/kernels.hpp"
 
 namespace teo {
 
 // (B, S, H * Dh) -> (B, H, S, Dh) and back. out and in must not alias. row_stride is the distance
 // between consecutive (b, s) rows of the (B, S, H * Dh) side (0: H * Dh), so that q, k and v can
-// be read from, or written into, one (B, S, 3 D) buffer.
+// be read from, or written into, one (B, S, 3 D) buffer. Splitting adds bias (H * Dh) when it is
+// not null, as linear_forward would have (out = in + bias, rounded once), in the same pass.
 template <class Real>
 void split_heads(Real* out, const Real* in, index_t batch, index_t seq_len, index_t heads,
-                 index_t d_head, index_t row_stride = 0);
+                 index_t d_head, index_t row_stride = 0, const Real* bias = nullptr);
 template <class Real>
 void merge_heads(Real* out, const Real* in, index_t batch, index_t seq_len, index_t heads,
                  index_t d_head, index_t row_stride = 0);
@@ -35,13 +37,14 @@ void attention_forward(Real* context, Real* scores, Real* probs, const Real* q, 
 // gradients of the loss with respect to probs (before dropout) and scores. dscores is exactly 0 at
 // every masked position, so dq, dk, dv receive exactly 0 through masked entries; dprobs there is
 // the formal derivative dcontext . v (times the dropout factor), which the softmax then discards.
-// dcontext is (B, H, S, Dh), or (B, S, H * Dh) with merged_context.
+// dcontext is (B, H, S, Dh), or (B, S, H * Dh) with merged_context. With qkv_write == overwrite,
+// dq, dk and dv are written without being read (the bits of accumulating into zeros).
 template <class Real>
 void attention_backward(Real* dq, Real* dk, Real* dv, Real* dprobs, Real* dscores,
                         const Real* dcontext, const Real* q, const Real* k, const Real* v,
                         const Real* probs, const std::int64_t* lengths,
                         const std::uint8_t* drop_mask, Real drop_scale, index_t batch,
-                        index_t heads, index_t seq_len, index_t d_head,
-                        bool merged_context = false);
+                        index_t heads, index_t seq_len, index_t d_head, bool merged_context = false,
+                        GradWrite qkv_write = GradWrite::accumulate);
 
 }  // namespace teo

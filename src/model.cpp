@@ -2,6 +2,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <type_traits>
+#include <utility>
 
 #include "kernels/parallel.hpp"
 #include "teo/layers/attention.hpp"
@@ -316,53 +319,72 @@ void stack_qkv(Real* w, Real* b, const LayerParams<Real>& P, index_t dm) {
   }
 }
 
-// Gives t its shape: all zero, or, with `overwrite` (the forward pass, which writes every element
-// of its activations), without the zero-fill.
+// Tensors to be zero-filled together, split over the threads (zero_fill).
 template <class Real>
-void shape_as(Tensor<Real>& t, Shape shape, bool overwrite) {
-  if (overwrite)
-    t.reset_for_overwrite(std::move(shape));
-  else
-    t.reset(std::move(shape));
+using ZeroList = std::vector<Tensor<Real>*>;
+
+// Gives t its shape, keeping its buffer when that is large enough, without filling it; when
+// `zero` is not null (gradients, which accumulate), t is added to the tensors to zero-fill. The
+// forward pass passes null: it writes every element of its activations.
+template <class Real>
+void shape_as(Tensor<Real>& t, Shape shape, std::type_identity_t<ZeroList<Real>>* zero) {
+  t.reset_for_overwrite(std::move(shape));
+  if (zero) zero->push_back(&t);
+}
+
+// Zero-fills every tensor of the list, in pieces of 64 Ki values spread over the threads (it is
+// all memory traffic, and one thread does not saturate it).
+template <class Real>
+void zero_fill(const ZeroList<Real>& tensors) {
+  constexpr index_t kPiece = index_t{1} << 16;
+  std::vector<std::pair<Real*, index_t>> pieces;
+  for (Tensor<Real>* t : tensors)
+    for (index_t at = 0; at < t->numel(); at += kPiece)
+      pieces.emplace_back(t->data() + at, std::min(kPiece, t->numel() - at));
+  detail::for_blocks(static_cast<index_t>(pieces.size()), 1, [&](index_t i0, index_t i1) {
+    for (index_t i = i0; i < i1; ++i) {
+      const auto [p, n] = pieces[static_cast<std::size_t>(i)];
+      std::memset(p, 0, static_cast<std::size_t>(n) * sizeof(Real));
+    }
+  });
 }
 
 template <class Real>
-void allocate_layer(LayerActs<Real>& l, const Dims& d, bool overwrite) {
+void allocate_layer(LayerActs<Real>& l, const Dims& d, ZeroList<Real>* zero) {
   for (Tensor<Real>* t :
        {&l.norm1, &l.attn_out, &l.residual1, &l.norm2, &l.ffn_out, &l.residual2, &l.output})
-    shape_as(*t, {d.B, d.S, d.D}, overwrite);
+    shape_as(*t, {d.B, d.S, d.D}, zero);
   for (Tensor<Real>* t : {&l.norm1_mean, &l.norm1_rstd, &l.norm2_mean, &l.norm2_rstd})
-    shape_as(*t, {d.N}, overwrite);
+    shape_as(*t, {d.N}, zero);
   // These are written whole by a single writer in the backward pass as well, so their gradients
   // skip the zero-fill too (layer_backward overwrites them): dcontext by the output projection;
   // dq, dk, dv, dprobs and dscores by attention_backward; dL.ffn_hidden by the second FFN product
   // (or zeroed there under dropout) and dL.ffn_pre by the activation. For the small preset that
   // is two thirds of every layer's bytes.
-  shape_as(l.context, {d.B, d.S, d.D}, true);
-  for (Tensor<Real>* t : {&l.q, &l.k, &l.v}) shape_as(*t, {d.B, d.H, d.S, d.Dh}, true);
-  for (Tensor<Real>* t : {&l.scores, &l.probs}) shape_as(*t, {d.B, d.H, d.S, d.S}, true);
-  for (Tensor<Real>* t : {&l.ffn_pre, &l.ffn_hidden}) shape_as(*t, {d.B, d.S, d.F}, true);
+  shape_as(l.context, {d.B, d.S, d.D}, nullptr);
+  for (Tensor<Real>* t : {&l.q, &l.k, &l.v}) shape_as(*t, {d.B, d.H, d.S, d.Dh}, nullptr);
+  for (Tensor<Real>* t : {&l.scores, &l.probs}) shape_as(*t, {d.B, d.H, d.S, d.S}, nullptr);
+  for (Tensor<Real>* t : {&l.ffn_pre, &l.ffn_hidden}) shape_as(*t, {d.B, d.S, d.F}, nullptr);
   for (auto* m : {&l.masks.attn, &l.masks.residual1, &l.masks.ffn, &l.masks.residual2}) m->clear();
 }
 
-// Shapes every named activation of `acts` for this config and batch, with empty masks: zero
-// (gradients, which accumulate) but for the four that allocate_layer leaves to their single
-// writer, or, with `overwrite` (the forward pass), the large ones left as they are for the forward
-// pass to overwrite. The buffers of a previous pass are reused where they
-// are large enough.
+// Shapes every named activation of `acts` for this config and batch, with empty masks, reusing
+// the buffers of a previous pass where they are large enough. The forward pass (zero == null)
+// overwrites them all; for gradients, which accumulate, the large ones are added to `zero` for
+// zero_fill, but for those allocate_layer leaves to their single writer.
 template <class Real>
-void allocate(Activations<Real>& a, const EncoderConfig& cfg, const Dims& d, bool overwrite) {
+void allocate(Activations<Real>& a, const EncoderConfig& cfg, const Dims& d, ZeroList<Real>* zero) {
   a.norm_first = cfg.norm_first;
-  shape_as(a.embedding, {d.B, d.S, d.D}, overwrite);
-  shape_as(a.positional, {d.S, d.D}, overwrite);
-  shape_as(a.input, {d.B, d.S, d.D}, overwrite);
+  shape_as(a.embedding, {d.B, d.S, d.D}, zero);
+  shape_as(a.positional, {d.S, d.D}, zero);
+  shape_as(a.input, {d.B, d.S, d.D}, zero);
   a.input_mask.clear();
   a.layers.resize(static_cast<std::size_t>(cfg.num_layers));
-  for (auto& l : a.layers) allocate_layer(l, d, overwrite);
+  for (auto& l : a.layers) allocate_layer(l, d, zero);
   if (cfg.norm_first) {
-    shape_as(a.final_norm, {d.B, d.S, d.D}, overwrite);
-    shape_as(a.final_norm_mean, {d.N}, overwrite);
-    shape_as(a.final_norm_rstd, {d.N}, overwrite);
+    shape_as(a.final_norm, {d.B, d.S, d.D}, zero);
+    shape_as(a.final_norm_mean, {d.N}, zero);
+    shape_as(a.final_norm_rstd, {d.N}, zero);
   } else {
     a.final_norm = a.final_norm_mean = a.final_norm_rstd = Tensor<Real>();
   }
@@ -621,7 +643,7 @@ void forward(const Params<Real>& params, const Batch& batch, Activations<Real>& 
   validate_params(params);
   validate_batch(cfg, batch, sizeof(Real));
   const Dims d = dims_of(cfg, batch);
-  allocate(acts, cfg, d, /*overwrite=*/true);
+  allocate(acts, cfg, d, static_cast<ZeroList<Real>*>(nullptr));
 
   {
     profile::Scope stage("embedding");
@@ -695,8 +717,20 @@ void backward(const Params<Real>& params, const Batch& batch, const Activations<
   validate_batch(cfg, batch, sizeof(Real));
   validate_activations(cfg, batch, acts);
   const Dims d = dims_of(cfg, batch);
-  grads = Params<Real>::zeros(cfg);
-  allocate(dacts, cfg, d, /*overwrite=*/false);
+  {
+    // Every parameter gradient, and every activation gradient but those allocate_layer leaves to
+    // their single writer, starts at zero: Params::zeros, with the fill done by zero_fill.
+    profile::Scope stage("bwd.zero_fill");
+    ZeroList<Real> zero;
+    grads = Params<Real>();
+    grads.config = cfg;
+    grads.layers.resize(static_cast<std::size_t>(cfg.num_layers));
+    grads.visit([&](const std::string& name, Tensor<Real>& t) {
+      shape_as(t, param_shape(cfg, name), &zero);
+    });
+    allocate(dacts, cfg, d, &zero);
+    zero_fill(zero);
+  }
 
   // loss = cross_entropy(logits); logits = pooled * head^T + b
   {

@@ -17,6 +17,8 @@ constexpr index_t kSerialWork = index_t{1} << 18;
 // per-head products (64 x 64 x 32), which it ran 20 to 30% faster than the packed path in
 // teo_microbench (docs/kernels.md).
 constexpr index_t kSmallWork = index_t{1} << 18;
+// ... and when its scratch (a transposed B and the edges) holds at most this many values.
+constexpr index_t kSmallScratch = index_t{1} << 16;
 
 }  // namespace
 
@@ -29,7 +31,10 @@ void simd_gemm(const simd::GemmKernel<Real>& kern, Trans ta, Trans tb, index_t m
   // call each task packs A into its worker's own buffer, which nothing else touches until the task
   // returns (the task makes no TBB call).
   thread_local Buffer<Real> serial_a, serial_b;
-  if (m > 0 && n > 0 && k > 0 && alpha != Real(0) && m * n * k <= kSmallWork) {
+  // The scratch bound keeps long, thin products (m = n = 1, k = 2^18) off this path, whose scratch
+  // would hold k * (NR + MR) values for the rest of the thread's life.
+  if (m > 0 && n > 0 && k > 0 && alpha != Real(0) && m * n * k <= kSmallWork &&
+      k * ((n + kern.nr - 1) / kern.nr * kern.nr + kern.mr) <= kSmallScratch) {
     // Small products (attention's per-head GEMMs): no blocking, A and B read in place.
     thread_local Buffer<Real> scratch;
     scratch.resize(static_cast<std::size_t>(k * ((n + kern.nr - 1) / kern.nr * kern.nr + kern.mr)));

@@ -237,7 +237,7 @@ void test_small_gemm(const Isa& isa) {
       for (Trans tb : {Trans::no, Trans::yes})
         for (index_t m : {1, 3, 5, 14, 17, 64})
           for (index_t n : {1, 7, 8, 14, 16, 33, 64})
-            for (index_t kk : {1, 4, 16, 50})
+            for (index_t kk : {1, 4, 16, 50, 300})  // 300: several KC blocks on the packed path
               for (int variant = 0; variant < 3; ++variant) {
                 const index_t lda = (ta == Trans::no ? kk : m) + 3;
                 const index_t ldb = (tb == Trans::no ? n : kk) + 2, ldc = n + 1;

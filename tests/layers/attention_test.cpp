@@ -1,7 +1,9 @@
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "support.hpp"
+#include "teo/backend.hpp"
 #include "teo/layers/attention.hpp"
 #include "teo/layers/dropout.hpp"
 
@@ -158,6 +160,45 @@ TYPED_TEST(Attention, MergedContextLayoutGivesTheSameBits) {
       }
       EXPECT_EQ(grads[0], grads[1]);
     }
+}
+
+// GradWrite::overwrite writes dq, dk and dv without reading them (they start as NaN) and gives
+// the bits of accumulating into zeros, on every backend, with and without the causal mask and the
+// dropout mask, for a full, a partial and an empty sequence.
+TYPED_TEST(Attention, OverwritingDqDkDvGivesTheBitsOfAccumulatingIntoZeros) {
+  using Real = TypeParam;
+  const Case c;
+  const index_t n = c.b * c.h * c.s * c.dh, nss = c.b * c.h * c.s * c.s;
+  const auto q = test::uniform_vector<Real>(n, 1, "q"), k = test::uniform_vector<Real>(n, 2, "k"),
+             v = test::uniform_vector<Real>(n, 3, "v"), g = test::uniform_vector<Real>(n, 4, "g");
+  std::vector<std::uint8_t> mask(nss);
+  dropout_mask(mask.data(), nss, 9, "attn", 0.3);
+  const Real scale = dropout_scale<Real>(0.3);
+  ScopedSettings restore;
+  for (Backend be : {Backend::reference, Backend::simd, Backend::blas}) {
+    set_backend(be);
+    for (bool causal : {false, true})
+      for (const std::uint8_t* m : {static_cast<const std::uint8_t*>(nullptr),
+                                    static_cast<const std::uint8_t*>(mask.data())}) {
+        const auto fwd = run_forward(c, q, k, v, causal, m, scale);
+        std::vector<std::vector<Real>> grads[2];
+        for (GradWrite w : {GradWrite::accumulate, GradWrite::overwrite}) {
+          const Real start =
+              w == GradWrite::overwrite ? std::numeric_limits<Real>::quiet_NaN() : Real(0);
+          std::vector<Real> dq(n, start), dk(n, start), dv(n, start), dp(nss), ds(nss);
+          attention_backward(dq.data(), dk.data(), dv.data(), dp.data(), ds.data(), g.data(),
+                             q.data(), k.data(), v.data(), fwd.probs.data(), c.len.data(), m, scale,
+                             c.b, c.h, c.s, c.dh, false, w);
+          grads[w == GradWrite::overwrite] = {dq, dk, dv, dp, ds};
+        }
+        for (std::size_t t = 0; t < 5; ++t)
+          EXPECT_EQ(std::memcmp(grads[0][t].data(), grads[1][t].data(),
+                                grads[0][t].size() * sizeof(Real)),
+                    0)
+              << to_string(be) << " causal " << causal << " dropout " << (m != nullptr)
+              << " tensor " << t;
+      }
+  }
 }
 
 TYPED_TEST(Attention, SplitAndMergeHeadsAreInverse) {

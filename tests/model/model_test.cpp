@@ -105,7 +105,7 @@ TYPED_TEST(Model, BackwardOverwritesEveryGradientItDoesNotZero) {
           c.causal = causal;
           c.dropout = dropout;
           const auto p = Params<Real>::init(c, 5);
-          const Batch batch = Batch::random(c, 3, 7, 8, {7, 2, 5});
+          const Batch batch = Batch::random(c, 4, 7, 8, {7, 2, 0, 5});  // one empty sequence
           const ForwardOptions fo{.train = true, .dropout_seed = 3};
           Activations<Real> a, da, fresh_da;
           Params<Real> g, fresh_g;

@@ -17,6 +17,20 @@ namespace teo::detail {
 template <class Real>
 using Buffer = std::vector<Real, AlignedAllocator<Real>>;
 
+// How a product with this beta starts its accumulators (C is never read when beta is 0).
+template <class Real>
+simd::Start start_of(Real beta) {
+  return beta == Real(0)   ? simd::Start::zero
+         : beta == Real(1) ? simd::Start::c
+                           : simd::Start::beta_c;
+}
+
+// The scratch the small-product path (GemmKernel::small) needs for C (., n) over k.
+template <class Real>
+index_t small_scratch_size(const simd::GemmKernel<Real>& kern, index_t n, index_t k) {
+  return k * ((n + kern.nr - 1) / kern.nr * kern.nr + kern.mr);
+}
+
 // Packs op(A)[i0 : i0 + mc, p0 : p0 + kc] into MR-row slivers, k-major, zero-padded, each value
 // multiplied by alpha (skipped when alpha is 1, so that value is exact). Row i of op(A) is
 // contiguous when A is not transposed: the slivers are then its transpose.
@@ -101,10 +115,7 @@ void gemm_blocked(const simd::GemmKernel<Real>& kern, Trans ta, Trans tb, index_
         const index_t kc = std::min<index_t>(kc_max, k - pc);
         // The first k block starts from zero or beta * C; later ones continue the same chains
         // from the partial sums stored in C, so KC never changes a result.
-        const simd::Start start = pc > 0            ? simd::Start::c
-                                  : beta == Real(0) ? simd::Start::zero
-                                  : beta == Real(1) ? simd::Start::c
-                                                    : simd::Start::beta_c;
+        const simd::Start start = pc > 0 ? simd::Start::c : start_of(beta);
         ap.resize(static_cast<std::size_t>((mb + mr - 1) / mr * mr * kc));
         pack_a(kern, ap.data(), ta, a, lda, ic, mb, pc, kc, alpha);
         kern.macro(mb, nc, kc, ap.data(), panel + pc * slivers * nr, c + ic * ldc + jc, ldc, start,

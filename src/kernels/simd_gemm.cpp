@@ -33,16 +33,14 @@ void simd_gemm(const simd::GemmKernel<Real>& kern, Trans ta, Trans tb, index_t m
   thread_local Buffer<Real> serial_a, serial_b;
   // The scratch bound keeps long, thin products (m = n = 1, k = 2^18) off this path, whose scratch
   // would hold k * (NR + MR) values for the rest of the thread's life.
+  const index_t scratch_size = small_scratch_size(kern, n, k);
   if (m > 0 && n > 0 && k > 0 && alpha != Real(0) && m * n * k <= kSmallWork &&
-      k * ((n + kern.nr - 1) / kern.nr * kern.nr + kern.mr) <= kSmallScratch) {
+      scratch_size <= kSmallScratch) {
     // Small products (attention's per-head GEMMs): no blocking, A and B read in place.
     thread_local Buffer<Real> scratch;
-    scratch.resize(static_cast<std::size_t>(k * ((n + kern.nr - 1) / kern.nr * kern.nr + kern.mr)));
-    const simd::Start start = beta == Real(0)   ? simd::Start::zero
-                              : beta == Real(1) ? simd::Start::c
-                                                : simd::Start::beta_c;
-    kern.small(ta == Trans::yes, tb == Trans::yes, m, n, k, alpha, a, lda, b, ldb, c, ldc, start,
-               beta, scratch.data());
+    scratch.resize(static_cast<std::size_t>(scratch_size));
+    kern.small(ta == Trans::yes, tb == Trans::yes, m, n, k, alpha, a, lda, b, ldb, c, ldc,
+               start_of(beta), beta, scratch.data());
     return;
   }
   static tbb::enumerable_thread_specific<Buffer<Real>> worker_a;

@@ -51,16 +51,9 @@ void linear_backward(Real* din, Real* dweight, Real* dbias, const Real* dout, co
         const index_t nc = std::min(kCols, b1 - o0);
         alignas(64) Real acc[kCols];
         for (index_t c = 0; c < nc; ++c) acc[c] = dbias[o0 + c];
-        if (nc == kCols) {
-          for (index_t r = 0; r < rows; ++r) {
-            const Real* __restrict g = dout + r * out_f + o0;
-            for (index_t c = 0; c < kCols; ++c) acc[c] += g[c];
-          }
-        } else {
-          for (index_t r = 0; r < rows; ++r) {
-            const Real* __restrict g = dout + r * out_f + o0;
-            for (index_t c = 0; c < nc; ++c) acc[c] += g[c];
-          }
+        for (index_t r = 0; r < rows; ++r) {
+          const Real* __restrict g = dout + r * out_f + o0;
+          for (index_t c = 0; c < nc; ++c) acc[c] += g[c];
         }
         for (index_t c = 0; c < nc; ++c) dbias[o0 + c] = acc[c];
       }

@@ -256,12 +256,10 @@ void test_small_gemm(const Isa& isa) {
                         c0[static_cast<std::size_t>(i * ldc + j)];
                 packed_gemm(*tile, ta, tb, m, n, kk, alpha, a.data(), lda, b.data(), ldb, beta,
                             packed.data());
-                std::vector<Real> scratch(static_cast<std::size_t>(
-                    kk * ((n + tile->nr - 1) / tile->nr * tile->nr + tile->mr)));
+                std::vector<Real> scratch(
+                    static_cast<std::size_t>(teo::detail::small_scratch_size(*tile, n, kk)));
                 auto small = c0;
-                const teo::simd::Start start = variant == 0   ? teo::simd::Start::zero
-                                               : variant == 1 ? teo::simd::Start::c
-                                                              : teo::simd::Start::beta_c;
+                const teo::simd::Start start = teo::detail::start_of(beta);
                 tile->small(ta == Trans::yes, tb == Trans::yes, m, n, kk, alpha, a.data(), lda,
                             b.data(), ldb, small.data(), ldc, start, beta, scratch.data());
                 bool same = true;

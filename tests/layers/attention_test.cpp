@@ -33,6 +33,27 @@ Run<Real> run_forward(const Case& c, const std::vector<Real>& q, const std::vect
   return r;
 }
 
+// Random q, k, v and a dcontext g (B, H, S, Dh) for case c, and a 30% attention dropout mask with
+// its scale.
+template <class Real>
+struct Inputs {
+  explicit Inputs(const Case& c)
+      : n(c.b * c.h * c.s * c.dh),
+        nss(c.b * c.h * c.s * c.s),
+        q(test::uniform_vector<Real>(n, 1, "q")),
+        k(test::uniform_vector<Real>(n, 2, "k")),
+        v(test::uniform_vector<Real>(n, 3, "v")),
+        g(test::uniform_vector<Real>(n, 4, "g")),
+        mask(static_cast<std::size_t>(nss)),
+        scale(dropout_scale<Real>(0.3)) {
+    dropout_mask(mask.data(), nss, 9, "attn", 0.3);
+  }
+  index_t n, nss;
+  std::vector<Real> q, k, v, g;
+  std::vector<std::uint8_t> mask;
+  Real scale;
+};
+
 template <class Real>
 class Attention : public ::testing::Test {};
 TYPED_TEST_SUITE(Attention, test::Dtypes);
@@ -130,12 +151,11 @@ TEST(Attention, BackwardMatchesFiniteDifferences) {
 TYPED_TEST(Attention, MergedContextLayoutGivesTheSameBits) {
   using Real = TypeParam;
   const Case c;
-  const index_t n = c.b * c.h * c.s * c.dh, nss = c.b * c.h * c.s * c.s;
-  const auto q = test::uniform_vector<Real>(n, 1, "q"), k = test::uniform_vector<Real>(n, 2, "k"),
-             v = test::uniform_vector<Real>(n, 3, "v"), g = test::uniform_vector<Real>(n, 4, "g");
-  std::vector<std::uint8_t> mask(nss);
-  dropout_mask(mask.data(), nss, 9, "attn", 0.3);
-  const Real scale = dropout_scale<Real>(0.3);
+  const Inputs<Real> in(c);
+  const index_t n = in.n, nss = in.nss;
+  const auto &q = in.q, &k = in.k, &v = in.v, &g = in.g;
+  const auto& mask = in.mask;
+  const Real scale = in.scale;
   for (bool causal : {false, true})
     for (const std::uint8_t* m : {static_cast<const std::uint8_t*>(nullptr),
                                   static_cast<const std::uint8_t*>(mask.data())}) {
@@ -168,12 +188,11 @@ TYPED_TEST(Attention, MergedContextLayoutGivesTheSameBits) {
 TYPED_TEST(Attention, OverwritingDqDkDvGivesTheBitsOfAccumulatingIntoZeros) {
   using Real = TypeParam;
   const Case c;
-  const index_t n = c.b * c.h * c.s * c.dh, nss = c.b * c.h * c.s * c.s;
-  const auto q = test::uniform_vector<Real>(n, 1, "q"), k = test::uniform_vector<Real>(n, 2, "k"),
-             v = test::uniform_vector<Real>(n, 3, "v"), g = test::uniform_vector<Real>(n, 4, "g");
-  std::vector<std::uint8_t> mask(nss);
-  dropout_mask(mask.data(), nss, 9, "attn", 0.3);
-  const Real scale = dropout_scale<Real>(0.3);
+  const Inputs<Real> in(c);
+  const index_t n = in.n, nss = in.nss;
+  const auto &q = in.q, &k = in.k, &v = in.v, &g = in.g;
+  const auto& mask = in.mask;
+  const Real scale = in.scale;
   ScopedSettings restore;
   for (Backend be : {Backend::reference, Backend::simd, Backend::blas}) {
     set_backend(be);

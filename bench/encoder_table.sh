@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The README's whole-encoder table: for each preset and dtype, in one run and interleaved, OpenBLAS's
-# GEMM at 1024 x 3072 x 768 (the issue's "large-GEMM rate"), `teo bench` on the simd and blas
-# backends, and PyTorch's encoder (bench/pytorch_bench.py, 1 and 2 threads, the better one kept).
+# The whole-encoder table of docs/performance.md: for each preset and dtype, in one run and
+# interleaved, OpenBLAS's GEMM at 1024 x 3072 x 768 (the "large-GEMM rate" the ratios are taken
+# against), `teo bench` on the simd and blas backends, and PyTorch's encoder
+# (bench/pytorch_bench.py, 1 and 2 threads, the better one kept).
 # Every teo figure is forward+backward GFLOP/s on 2 threads; ratios are taken within one round.
 #
 # Usage: bench/encoder_table.sh [build-dir] [rounds]     (default: build, 2)

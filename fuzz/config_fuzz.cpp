@@ -7,9 +7,9 @@
 #include <nlohmann/json.hpp>
 
 #include "fuzz_util.hpp"
-#include "teo/cli/train.hpp"
 #include "teo/config.hpp"
 #include "teo/golden.hpp"
+#include "teo/train/options.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   const std::string text(reinterpret_cast<const char*>(data), size);
@@ -36,7 +36,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   } catch (const teo::Error&) {
   }
   try {
-    auto o = teo::cli::TrainOptions::defaults();
+    teo::train::TrainOptions o;
     o.apply_json(j);
     o.validate();
   } catch (const teo::Error&) {

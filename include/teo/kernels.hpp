@@ -1,5 +1,5 @@
-// The kernel entry points. Every matrix product in teo goes through gemm(); the kernels issue
-// replaces its body with cache-blocked SIMD and BLAS backends behind the same signature.
+// The kernel entry point. Every matrix product in teo goes through gemm(), which dispatches on the
+// backend (teo/backend.hpp): the reference loops, the cache-blocked SIMD kernels or OpenBLAS.
 #pragma once
 
 #include "teo/errors.hpp"

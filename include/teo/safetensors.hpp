@@ -100,8 +100,4 @@ File read(const std::string& path, const Limits& limits = {});
 // order, padded with spaces to a multiple of 8 bytes; the data follows in the same order.
 std::string serialize(const File& file);
 
-// Writes `bytes` to `path` through a temporary file in the same directory and a rename, so that a
-// reader never sees half a file. Without `overwrite`, an existing `path` is a FileError.
-void write_file_atomic(const std::string& path, std::string_view bytes, bool overwrite);
-
 }  // namespace teo::safetensors

@@ -1,4 +1,4 @@
-#include "teo/cli/bench.hpp"
+#include "cli/bench.hpp"
 
 #include <algorithm>
 #include <chrono>

@@ -1,9 +1,10 @@
-#include "teo/cli/golden.hpp"
+#include "cli/golden.hpp"
 
 #include <fstream>
 
 #include <nlohmann/json.hpp>
 
+#include "teo/files.hpp"
 #include "teo/safetensors.hpp"
 
 namespace teo::cli {
@@ -37,7 +38,7 @@ int run_golden_generate(const GoldenGenerateOptions& opts, std::ostream& out) {
     throw ShapeError(opts.config_path + ": " + e.what());
   }
   const std::string bytes = safetensors::serialize(golden::make(c));
-  safetensors::write_file_atomic(opts.out_path, bytes, opts.force);
+  write_file_atomic(opts.out_path, bytes, opts.force);
   out << "wrote " << opts.out_path << " (" << bytes.size() << " bytes)\n";
   return 0;
 }
@@ -55,10 +56,10 @@ int run_golden_check(const GoldenCheckOptions& opts, std::ostream& out) {
   const auto reports = golden::check_paths(opts.golden, opts.candidate, co);
   golden::print_text(reports, out);
   if (!opts.junit_path.empty()) {
-    safetensors::write_file_atomic(opts.junit_path, golden::junit_xml(reports), true);
+    write_file_atomic(opts.junit_path, golden::junit_xml(reports), true);
   }
   if (!opts.json_path.empty()) {
-    safetensors::write_file_atomic(opts.json_path, golden::json_report(reports), true);
+    write_file_atomic(opts.json_path, golden::json_report(reports), true);
   }
   int failed = 0, passed = 0, not_checked = 0;
   for (const auto& r : reports) {

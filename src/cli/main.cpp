@@ -13,11 +13,11 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include "cli/bench.hpp"
+#include "cli/golden.hpp"
+#include "cli/shapes.hpp"
+#include "cli/train.hpp"
 #include "teo/backend.hpp"
-#include "teo/cli/bench.hpp"
-#include "teo/cli/golden.hpp"
-#include "teo/cli/shapes.hpp"
-#include "teo/cli/train.hpp"
 #include "teo/errors.hpp"
 
 int main(int argc, char** argv) {
@@ -28,6 +28,7 @@ int main(int argc, char** argv) {
   mallopt(M_TRIM_THRESHOLD, 1 << 30);
   CLI::App app{"teo: a CPU reference implementation and test oracle for the Transformer encoder"};
   app.require_subcommand(1);
+  app.set_version_flag("--version", std::string("teo ") + TEO_VERSION);
   std::string backend_flag, isa_flag;
   std::optional<int> threads_flag;
   // Execution settings for every command; TEO_BACKEND, TEO_ISA and TEO_NUM_THREADS set the same
@@ -104,14 +105,14 @@ int main(int argc, char** argv) {
       "train", "Train the encoder to tell which language a word is (the CPU training demo)");
   std::string train_config;
   std::map<std::string, std::string> train_flags;
-  std::vector<std::pair<const teo::cli::TrainKey*, CLI::Option*>> train_flag_options;
-  teo::cli::TrainOptions train_opts = teo::cli::TrainOptions::defaults();
+  std::vector<std::pair<const teo::train::TrainKey*, CLI::Option*>> train_flag_options;
+  teo::train::TrainOptions train_opts;
   train->add_option("--config", train_config, "JSON file with any of the keys below")
       ->check(CLI::ExistingFile);
   // Every key's default, shown in --help.
   nlohmann::json train_defaults = train_opts.model.to_json();
   train_defaults.update(train_opts.to_json());
-  for (const auto& k : teo::cli::train_keys()) {
+  for (const auto& k : teo::train::train_keys()) {
     std::string flag = std::string("--") + k.key;
     std::replace(flag.begin(), flag.end(), '_', '-');
     std::string help = std::string(k.help) + " [" + k.type;
@@ -174,7 +175,7 @@ int main(int argc, char** argv) {
       }
       for (const auto& [key, option] : train_flag_options) {
         if (option->count())
-          given[key->key] = teo::cli::parse_flag_value(*key, train_flags[key->key]);
+          given[key->key] = teo::train::parse_flag_value(*key, train_flags[key->key]);
       }
       train_opts.apply_json(given);
       train_opts.given = given;

@@ -1,4 +1,4 @@
-#include "teo/cli/shapes.hpp"
+#include "cli/shapes.hpp"
 
 #include <algorithm>
 #include <iomanip>

@@ -1,5 +1,6 @@
-// `teo bench` as a process: the JSON line carries the keys the kernels issue names, with the
-// preset's FLOP convention, and the table names every timed stage.
+// `teo bench` as a process: the JSON line carries every documented key (preset, dtype, threads,
+// backend, isa, fwd_ms, fwd_bwd_ms, gflops_fwd_bwd) with the preset's FLOP convention, and the
+// table names every timed stage.
 #include <gtest/gtest.h>
 
 #include <nlohmann/json.hpp>

@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 #include "cli/run_cli.hpp"
 
+#include "teo/files.hpp"
 #include "teo/safetensors.hpp"
 
 namespace {
@@ -116,7 +117,7 @@ TEST(GoldenCli, CheckExitCodesAndReports) {
       std::memcpy(t.bytes.data(), &v, sizeof v);
     }
   }
-  st::write_file_atomic((dir / "c.safetensors").string(), st::serialize(c), true);
+  teo::write_file_atomic((dir / "c.safetensors").string(), st::serialize(c), true);
   r = run_cli("golden check --golden " + g + " --candidate " + (dir / "c.safetensors").string());
   EXPECT_EQ(r.code, 1) << r.out;
   EXPECT_NE(r.out.find("first divergence: logits"), std::string::npos) << r.out;
@@ -128,7 +129,7 @@ TEST(GoldenCli, CheckExitCodesAndReports) {
   st::File empty;
   const std::vector<double> one = {1};
   empty.add<double>("unrelated", {1}, one.data(), 1);
-  st::write_file_atomic((dir / "e.safetensors").string(), st::serialize(empty), true);
+  teo::write_file_atomic((dir / "e.safetensors").string(), st::serialize(empty), true);
   r = run_cli("golden check --golden " + g + " --candidate " + (dir / "e.safetensors").string());
   EXPECT_EQ(r.code, 1);
   EXPECT_NE(r.out.find("nothing was checked"), std::string::npos) << r.out;

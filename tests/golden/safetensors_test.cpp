@@ -8,6 +8,7 @@
 
 #include <gtest/gtest.h>
 
+#include "teo/files.hpp"
 #include "teo/safetensors.hpp"
 #include "teo/sha256.hpp"
 
@@ -178,7 +179,7 @@ TEST(SafeTensors, ReadNamesMissingAndNonRegularFiles) {
   st::Limits tiny;
   tiny.max_file_bytes = 16;
   const std::string path = ::testing::TempDir() + "teo_st_big.safetensors";
-  st::write_file_atomic(path, st::serialize(sample()), true);
+  teo::write_file_atomic(path, st::serialize(sample()), true);
   EXPECT_THROW(st::read(path, tiny), FormatError);
   EXPECT_EQ(st::read(path).tensors.size(), sample().tensors.size());
 }
@@ -189,16 +190,16 @@ TEST(SafeTensors, AtomicWriteRefusesToOverwriteAndLeavesNoTemporaryFiles) {
   fs::remove_all(dir);
   fs::create_directories(dir);
   const std::string path = (dir / "f.safetensors").string();
-  st::write_file_atomic(path, "first", false);
-  EXPECT_THROW(st::write_file_atomic(path, "second", false), FileError);
+  teo::write_file_atomic(path, "first", false);
+  EXPECT_THROW(teo::write_file_atomic(path, "second", false), FileError);
   std::ifstream in(path);
   std::string got((std::istreambuf_iterator<char>(in)), {});
   EXPECT_EQ(got, "first") << "a refused write changes nothing";
-  st::write_file_atomic(path, "third", true);
+  teo::write_file_atomic(path, "third", true);
   std::ifstream in2(path);
   EXPECT_EQ(std::string((std::istreambuf_iterator<char>(in2)), {}), "third");
-  EXPECT_THROW(st::write_file_atomic((dir / "no" / "f").string(), "x", true), FileError);
-  EXPECT_THROW(st::write_file_atomic(dir.string(), "x", true), FileError);
+  EXPECT_THROW(teo::write_file_atomic((dir / "no" / "f").string(), "x", true), FileError);
+  EXPECT_THROW(teo::write_file_atomic(dir.string(), "x", true), FileError);
   int entries = 0;
   for (const auto& e : fs::directory_iterator(dir)) {
     (void)e;

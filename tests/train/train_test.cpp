@@ -12,10 +12,10 @@
 
 #include <gtest/gtest.h>
 
-#include "cli/run_cli.hpp"
+#include "train/word_lists.hpp"
 
 #include "teo/backend.hpp"
-#include "teo/cli/train.hpp"
+#include "teo/files.hpp"
 #include "teo/safetensors.hpp"
 #include "teo/train.hpp"
 
@@ -23,7 +23,7 @@ namespace {
 
 namespace fs = std::filesystem;
 namespace tr = teo::train;
-using teo::cli::TrainOptions;
+using teo::train::TrainOptions;
 
 double test_named_max_diff(const teo::Params<double>& a, const teo::Params<double>& b) {
   std::vector<const teo::Tensor<double>*> tb;
@@ -36,26 +36,6 @@ double test_named_max_diff(const teo::Params<double>& a, const teo::Params<doubl
     ++k;
   });
   return worst;
-}
-
-// Five small word lists in a fresh directory: each language's words carry a telltale suffix, and
-// "shared" and "casa" appear in two lists.
-fs::path fake_lists(const std::string& name, int per_language = 60) {
-  const fs::path dir = fs::path(::testing::TempDir()) / name;
-  fs::remove_all(dir);
-  fs::create_directories(dir);
-  const char* suffix[] = {"ing", "ung", "eau", "ción", "zione"};
-  for (std::size_t l = 0; l < tr::languages().size(); ++l) {
-    std::ofstream out(dir / tr::languages()[l].file);
-    for (int i = 0; i < per_language; ++i) {
-      std::string stem;
-      for (int k = i; k > 0 || stem.empty(); k /= 7) stem.push_back(static_cast<char>('a' + k % 7));
-      out << stem << suffix[l] << "\n";
-    }
-    out << "shared\n";
-    if (l == 3 || l == 4) out << "casa\n";
-  }
-  return dir;
 }
 
 TEST(TrainData, Utf8RoundTripsAndRejectsMalformedBytes) {
@@ -74,7 +54,7 @@ TEST(TrainData, Utf8RoundTripsAndRejectsMalformedBytes) {
 }
 
 TEST(TrainData, DropsSharedWordsCapsAndSplitsStablyByHash) {
-  const fs::path dir = fake_lists("teo_train_lists");
+  const fs::path dir = teo::test::fake_lists("teo_train_lists");
   tr::DataOptions opts;
   opts.dir = dir.string();
   opts.per_language = 50;
@@ -107,7 +87,7 @@ TEST(TrainData, DropsSharedWordsCapsAndSplitsStablyByHash) {
 }
 
 TEST(TrainData, AMissingListNamesThePackageToInstall) {
-  const fs::path dir = fake_lists("teo_train_missing");
+  const fs::path dir = teo::test::fake_lists("teo_train_missing");
   fs::remove(dir / "italian");
   tr::DataOptions opts;
   opts.dir = dir.string();
@@ -140,7 +120,7 @@ TEST(TrainData, VocabularyEncodesWithClsPadAndUnk) {
 
 TEST(TrainBaseline, NaiveBayesLearnsTelltaleTrigrams) {
   tr::DataOptions opts;
-  opts.dir = fake_lists("teo_train_nb").string();
+  opts.dir = teo::test::fake_lists("teo_train_nb").string();
   const tr::Dataset d = tr::load_words(opts);
   tr::NaiveBayes nb;
   nb.fit(d.train, 5);
@@ -232,8 +212,8 @@ TEST(TrainOptim, AveragedWeightsFollowTheirFormula) {
   EXPECT_THROW(tr::ema_update(avg, other, 0.5), teo::ShapeError);
 }
 
-TrainOptions tiny(const fs::path& lists, const fs::path& out) {
-  TrainOptions o = TrainOptions::defaults();
+TrainOptions tiny(const fs::path& lists) {
+  TrainOptions o;
   o.apply_json({{"d_model", 8},
                 {"num_heads", 2},
                 {"d_ff", 16},
@@ -246,215 +226,195 @@ TrainOptions tiny(const fs::path& lists, const fs::path& out) {
                 {"clip_norm", 0.5},
                 {"dropout", 0.1}});  // so that resume must also continue the dropout draws
   o.data.dir = lists.string();
-  o.out_dir = out.string();
   o.progress = false;
   o.plot = false;
   return o;
 }
 
-std::string param_bytes(const std::string& checkpoint) {
-  std::string s;
-  for (const auto& t : teo::safetensors::read(checkpoint).tensors) {
-    if (t.name.starts_with("param.") || t.name.starts_with("adam.") || t.name.starts_with("ema.")) {
-      s += t.name;
-      s.append(reinterpret_cast<const char*>(t.bytes.data()), t.bytes.size());
-    }
+// The words, the vocabulary and the options completed by them, as `teo train` builds them.
+struct Demo {
+  tr::Dataset data;
+  tr::Vocab vocab;
+  TrainOptions options;
+  explicit Demo(TrainOptions o)
+      : data(tr::load_words(o.data)), vocab(tr::Vocab::build(data.train)) {
+    o.model.vocab_size = vocab.size();
+    o.model.num_classes = static_cast<teo::index_t>(tr::languages().size());
+    options = o;
   }
-  return s;
+  // The micro-batches of optimizer step `step` (0-based) of epoch 0, accum_steps of them.
+  std::vector<teo::Batch> step_batches(teo::index_t step) const {
+    const auto order = tr::epoch_batches(data.train, options.batch_size, options.seed, 0);
+    std::vector<teo::Batch> out;
+    for (teo::index_t m = 0; m < options.accum_steps; ++m) {
+      const auto k = static_cast<std::size_t>(step * options.accum_steps + m) % order.size();
+      std::vector<const tr::Example*> ex;
+      for (std::size_t i : order[k]) ex.push_back(&data.train[i]);
+      out.push_back(tr::make_batch(vocab, ex, options.model.max_len));
+    }
+    return out;
+  }
+  template <class Real>
+  void train(tr::Trainer<Real>& t, teo::index_t from, teo::index_t to) const {
+    for (teo::index_t s = from; s < to; ++s) t.step(step_batches(s));
+  }
+};
+
+template <class Real>
+std::string state_bytes(const tr::TrainState<Real>& s) {
+  std::string out;
+  auto add = [&](const teo::Params<Real>& p) {
+    p.visit([&](const std::string& name, const teo::Tensor<Real>& t) {
+      out += name;
+      out.append(reinterpret_cast<const char*>(t.data()),
+                 static_cast<std::size_t>(t.numel()) * sizeof(Real));
+    });
+  };
+  add(s.params);
+  add(s.adam.m);
+  add(s.adam.v);
+  add(s.ema);
+  return out;
 }
 
-TEST(TrainRun, ResumingAfterOneEpochGivesTheSameBitsAsTwoEpochsInOneRun) {
-  const fs::path lists = fake_lists("teo_train_resume");
-  const fs::path root = fs::path(::testing::TempDir()) / "teo_train_resume_out";
-  fs::remove_all(root);
-  std::ostringstream log;
-  TrainOptions both = tiny(lists, root / "both");
-  both.epochs = 2;
-  ASSERT_EQ(teo::cli::run_train(both, log), 0);
-  TrainOptions first = tiny(lists, root / "split");
-  first.epochs = 1;
-  ASSERT_EQ(teo::cli::run_train(first, log), 0);
-  TrainOptions second = tiny(lists, root / "split");
-  second.epochs = 2;
-  second.resume = (root / "split" / "checkpoint-epoch1.safetensors").string();
-  second.given = {{"epochs", 2}};
-  ASSERT_EQ(teo::cli::run_train(second, log), 0);
-  const std::string a = param_bytes((root / "both" / "checkpoint-epoch2.safetensors").string());
-  const std::string b = param_bytes((root / "split" / "checkpoint-epoch2.safetensors").string());
-  ASSERT_FALSE(a.empty());
-  EXPECT_TRUE(a == b) << "parameters and optimizer state differ after resume";
-  EXPECT_FALSE(a == param_bytes((root / "both" / "checkpoint-epoch1.safetensors").string()));
-  EXPECT_TRUE(fs::exists(root / "both" / "metrics.csv"));
-  EXPECT_TRUE(fs::exists(root / "both" / "summary.json"));
+// A checkpoint written after 3 steps and read back continues to the bits of 6 steps in one run:
+// parameters, AdamW moments and averaged weights, with dropout on.
+TEST(Trainer, ResumingFromACheckpointGivesTheSameBitsAsOneRun) {
+  const Demo run(tiny(teo::test::fake_lists("teo_trainer_resume")));
+  tr::Trainer<float> whole(run.options);
+  run.train(whole, 0, 6);
+  tr::Trainer<float> first(run.options);
+  run.train(first, 0, 3);
+  const std::string path = (fs::path(::testing::TempDir()) / "teo_trainer_resume.safetensors");
+  const tr::Position pos{0, 3 * run.options.accum_steps, first.steps(), first.micro_batches_run()};
+  tr::save_checkpoint(path, run.options, run.vocab, first.state(), pos);
+  const tr::Checkpoint ck = tr::read_checkpoint(path);
+  EXPECT_EQ(ck.position.step, 3);
+  EXPECT_EQ(ck.position.micro_total, 6);
+  EXPECT_EQ(ck.options.model, run.options.model);
+  tr::Trainer<float> second(tr::resume_options(ck, run.options), tr::load_state<float>(ck),
+                            ck.position.micro_total);
+  run.train(second, 3, 6);
+  EXPECT_EQ(second.steps(), 6);
+  EXPECT_TRUE(state_bytes(whole.state()) == state_bytes(second.state()));
+  EXPECT_FALSE(state_bytes(whole.state()) == state_bytes(first.state()));
   // A changed setting on resume is refused, not silently ignored.
-  TrainOptions changed = second;
+  TrainOptions changed = run.options;
   changed.given = {{"lr", 0.5}};
-  EXPECT_THROW(teo::cli::run_train(changed, log), teo::ConfigError);
-}
-
-// The tensors of a checkpoint whose name starts with `prefix`, as doubles.
-std::map<std::string, std::vector<double>> tensors(const std::string& checkpoint,
-                                                   const std::string& prefix) {
-  std::map<std::string, std::vector<double>> m;
-  for (const auto& t : teo::safetensors::read(checkpoint).tensors) {
-    if (!t.name.starts_with(prefix)) continue;
-    if (t.dtype == teo::safetensors::DType::F64) {
-      m[t.name] = t.values<double>();
-    } else {
-      const auto f = t.values<float>();
-      m[t.name].assign(f.begin(), f.end());
-    }
-  }
-  return m;
+  EXPECT_THROW(tr::resume_options(ck, changed), teo::ConfigError);
+  EXPECT_THROW(tr::load_state<double>(ck), teo::FormatError) << "a float32 checkpoint";
 }
 
 // Shards split each micro-batch for parallel passes. Their order of summation is fixed, so the
 // thread count cannot change a bit; and in float64 they agree with the whole batch (shards 1) to
 // rounding, weighted by size even when the parts are unequal (16 words in 3 parts).
-TEST(TrainRun, ShardsGiveTheSameBitsOnAnyThreadCountAndAgreeWithTheWholeBatch) {
-  const fs::path lists = fake_lists("teo_train_shards");
-  const fs::path root = fs::path(::testing::TempDir()) / "teo_train_shards_out";
-  fs::remove_all(root);
+TEST(Trainer, ShardsGiveTheSameBitsOnAnyThreadCountAndAgreeWithTheWholeBatch) {
+  const Demo run(tiny(teo::test::fake_lists("teo_trainer_shards")));
   teo::ScopedSettings keep;
   teo::set_backend(teo::Backend::simd);
-  std::ostringstream log;
-  auto run = [&](const std::string& name, int threads, teo::index_t shards, bool f64) {
+  auto train = [&](int threads, teo::index_t shards, auto zero) {
+    using Real = decltype(zero);
     teo::set_num_threads(threads);
-    TrainOptions o = tiny(lists, root / name);
+    TrainOptions o = run.options;
     o.shards = shards;
-    o.epochs = 1;
-    o.model.dropout = f64 ? 0.0 : 0.1;
-    if (f64) o.dtype = "float64";
-    EXPECT_EQ(teo::cli::run_train(o, log), 0);
-    return (root / name / "checkpoint.safetensors").string();
+    o.model.dropout = std::is_same_v<Real, double> ? 0.0 : 0.1;
+    tr::Trainer<Real> t(o);
+    run.train(t, 0, 8);
+    return t.state();
   };
-  const std::string one = run("t1", 1, 3, false);
-  const std::string two = run("t2", 2, 3, false);
-  const std::string seven = run("t7", 7, 3, false);
-  ASSERT_FALSE(param_bytes(one).empty());
-  EXPECT_TRUE(param_bytes(one) == param_bytes(two)) << "1 vs 2 threads";
-  EXPECT_TRUE(param_bytes(one) == param_bytes(seven)) << "1 vs 7 threads";
-  EXPECT_FALSE(param_bytes(one) == param_bytes(run("s1", 2, 1, false)))
+  const std::string one = state_bytes(train(1, 3, 0.0f));
+  EXPECT_TRUE(one == state_bytes(train(2, 3, 0.0f))) << "1 vs 2 threads";
+  EXPECT_TRUE(one == state_bytes(train(7, 3, 0.0f))) << "1 vs 7 threads";
+  EXPECT_FALSE(one == state_bytes(train(2, 1, 0.0f)))
       << "the shards are different dropout draws, so the bits differ from shards 1";
 
-  const auto whole = tensors(run("w64", 2, 1, true), "param.");
-  const auto parts = tensors(run("p64", 2, 3, true), "param.");
-  ASSERT_EQ(whole.size(), parts.size());
-  for (const auto& [name, w] : whole) {
-    const auto& p = parts.at(name);
-    ASSERT_EQ(w.size(), p.size()) << name;
+  const auto whole = train(2, 1, 0.0);
+  const auto parts = train(2, 3, 0.0);
+  std::vector<std::pair<std::string, const teo::Tensor<double>*>> w;
+  whole.params.visit(
+      [&](const std::string& n, const teo::Tensor<double>& t) { w.emplace_back(n, &t); });
+  std::size_t k = 0;
+  parts.params.visit([&](const std::string& n, const teo::Tensor<double>& p) {
+    const auto& ref = *w[k++].second;
     double scale = 0, diff = 0;
-    for (std::size_t i = 0; i < w.size(); ++i) {
-      scale = std::max(scale, std::abs(w[i]));
-      diff = std::max(diff, std::abs(w[i] - p[i]));
+    for (teo::index_t i = 0; i < p.numel(); ++i) {
+      scale = std::max(scale, std::abs(ref[i]));
+      diff = std::max(diff, std::abs(ref[i] - p[i]));
     }
-    EXPECT_LE(diff, 1e-9 * std::max(scale, 1e-3)) << name;
-  }
+    EXPECT_LE(diff, 1e-9 * std::max(scale, 1e-3)) << n;
+  });
+  EXPECT_EQ(k, w.size());
 }
 
-// The averaged weights are kept in every checkpoint, and predict uses them; ema 0 keeps none.
-TEST(TrainRun, AveragedWeightsAreCheckpointedAndUsedForPrediction) {
-  const fs::path lists = fake_lists("teo_train_ema");
-  const fs::path root = fs::path(::testing::TempDir()) / "teo_train_ema_out";
-  fs::remove_all(root);
-  std::ostringstream log;
-  TrainOptions o = tiny(lists, root / "ema");
-  o.epochs = 1;
-  ASSERT_EQ(teo::cli::run_train(o, log), 0);
-  const std::string ck = (root / "ema" / "checkpoint.safetensors").string();
-  const auto avg = tensors(ck, "ema.");
-  const auto last = tensors(ck, "param.");
-  ASSERT_EQ(avg.size(), last.size());
-  EXPECT_NE(avg.at("ema.head.weight"), last.at("param.head.weight"));
-  o = tiny(lists, root / "none");
-  o.epochs = 1;
-  o.ema = 0;
-  ASSERT_EQ(teo::cli::run_train(o, log), 0);
-  EXPECT_TRUE(tensors((root / "none" / "checkpoint.safetensors").string(), "ema.").empty());
-  // predict on the checkpoint with averaged weights gives the averaged model's probabilities:
-  // they differ from those of a copy of the checkpoint without them.
-  std::ostringstream with, without;
-  ASSERT_EQ(teo::cli::run_predict(ck, {"abcing", "zzzione"}, with), 0);
-  auto file = teo::safetensors::read(ck);
-  std::erase_if(file.tensors, [](const auto& t) { return t.name.starts_with("ema."); });
-  const std::string stripped = (root / "stripped.safetensors").string();
-  teo::safetensors::write_file_atomic(stripped, teo::safetensors::serialize(file), true);
-  ASSERT_EQ(teo::cli::run_predict(stripped, {"abcing", "zzzione"}, without), 0);
-  EXPECT_NE(with.str(), without.str());
+// The averaged weights are what evaluation and prediction use, and checkpoints keep them; ema 0
+// keeps none and evaluates the last weights.
+TEST(Trainer, AveragedWeightsAreEvaluatedCheckpointedAndUsedForPrediction) {
+  const Demo run(tiny(teo::test::fake_lists("teo_trainer_ema")));
+  tr::Trainer<float> t(run.options);
+  run.train(t, 0, 5);
+  EXPECT_EQ(&t.evaluated(), &t.state().ema);
+  EXPECT_NE(t.state().ema.head_weight[0], t.params().head_weight[0]);
+  const auto batches =
+      tr::batches_in_order(run.vocab, run.data.valid, 7, run.options.model.max_len);
+  const tr::Evaluation e = t.evaluate(batches);
+  teo::index_t counted = 0;
+  for (const auto& row : e.confusion)
+    for (teo::index_t n : row) counted += n;
+  EXPECT_EQ(counted, static_cast<teo::index_t>(run.data.valid.size()));
+  EXPECT_GT(e.loss, 0.0);
+  // predict gives the class probabilities of the evaluated weights, each row summing to 1.
+  const teo::Tensor<float> p = t.predict(batches[0]);
+  ASSERT_EQ(p.shape().dims(), (std::vector<std::int64_t>{batches[0].batch, std::int64_t{5}}));
+  for (teo::index_t i = 0; i < batches[0].batch; ++i) {
+    double sum = 0;
+    for (teo::index_t c = 0; c < 5; ++c) sum += p[i * 5 + c];
+    EXPECT_NEAR(sum, 1.0, 1e-5);
+  }
+  const std::string path = (fs::path(::testing::TempDir()) / "teo_trainer_ema.safetensors");
+  tr::save_checkpoint(path, run.options, run.vocab, t.state(), {0, 10, 5, 10});
+  const tr::Checkpoint ck = tr::read_checkpoint(path);
+  const auto from_file = tr::predict_from_checkpoint(ck, batches[0]);
+  ASSERT_EQ(from_file.size(), static_cast<std::size_t>(batches[0].batch));
+  for (teo::index_t c = 0; c < 5; ++c) EXPECT_EQ(from_file[0][c], static_cast<double>(p[c]));
+  // Without the averaged weights in the file, prediction falls back to the last weights.
+  auto file = teo::safetensors::read(path);
+  std::erase_if(file.tensors, [](const auto& x) { return x.name.starts_with("ema."); });
+  const std::string stripped = (fs::path(::testing::TempDir()) / "teo_trainer_noema.safetensors");
+  teo::write_file_atomic(stripped, teo::safetensors::serialize(file), true);
+  const auto last_weights = tr::predict_from_checkpoint(tr::read_checkpoint(stripped), batches[0]);
+  EXPECT_NE(last_weights[0], from_file[0]);
+  TrainOptions none = run.options;
+  none.ema = 0;
+  tr::Trainer<float> last(none);
+  run.train(last, 0, 2);
+  EXPECT_EQ(&last.evaluated(), &last.params());
+  EXPECT_EQ(last.state().ema.count(), 0);
 }
 
 TEST(TrainRun, BadSettingsAreNamed) {
-  TrainOptions o = TrainOptions::defaults();
+  TrainOptions o;
   EXPECT_THROW(o.apply_json({{"vocab_size", 10}}), teo::ConfigError);
   EXPECT_THROW(o.apply_json({{"no_such_key", 1}}), teo::ConfigError);
   EXPECT_THROW(o.apply_json({{"lr", "fast"}}), teo::ConfigError);
   o.apply_json({{"batch_size", 0}});
   EXPECT_THROW(o.validate(), teo::ConfigError);
-  o = TrainOptions::defaults();
+  o = TrainOptions{};
   o.apply_json({{"shards", 0}});
   EXPECT_THROW(o.validate(), teo::ConfigError);
-  o = TrainOptions::defaults();
+  o = TrainOptions{};
   o.apply_json({{"ema", 1.0}});
   EXPECT_THROW(o.validate(), teo::ConfigError);
-  EXPECT_THROW(teo::cli::parse_flag_value({"epochs", "int", ""}, "3x"), teo::ConfigError);
-  EXPECT_EQ(teo::cli::parse_flag_value({"lr", "real", ""}, "0.5"), 0.5);
+  EXPECT_THROW(tr::parse_flag_value({"epochs", "int", ""}, "3x"), teo::ConfigError);
+  EXPECT_EQ(tr::parse_flag_value({"lr", "real", ""}, "0.5"), 0.5);
   // --seed arrives as a signed integer from the command line and unsigned from a JSON file.
-  o = TrainOptions::defaults();
-  o.apply_json({{"seed", teo::cli::parse_flag_value({"seed", "int", ""}, "5")}});
+  o = TrainOptions{};
+  o.apply_json({{"seed", tr::parse_flag_value({"seed", "int", ""}, "5")}});
   EXPECT_EQ(o.seed, 5u);
   o.apply_json(nlohmann::json::parse(R"({"seed": 18446744073709551615})"));
   EXPECT_EQ(o.seed, 18446744073709551615u);
   EXPECT_THROW(o.apply_json({{"seed", -1}}), teo::ConfigError);
   EXPECT_THROW(o.apply_json({{"seed", 1.5}}), teo::ConfigError);
-  EXPECT_EQ(teo::cli::parse_flag_value({"norm_first", "bool", ""}, "false"), false);
-}
-
-using teo::test::CliResult;
-using teo::test::run_cli;
-
-TEST(TrainCli, TrainsPredictsAndNamesBadInput) {
-  const fs::path lists = fake_lists("teo_train_cli");
-  const fs::path out = fs::path(::testing::TempDir()) / "teo_train_cli_out";
-  fs::remove_all(out);
-  CliResult r = run_cli("train --data-dir " + lists.string() + " --out " + out.string() +
-                        " --d-model 8 --num-heads 2 --d-ff 16 --num-layers 1 --per-language 40"
-                        " --epochs 2 --batch-size 16 --lr 0.02 --warmup-steps 2 --no-plot");
-  ASSERT_EQ(r.code, 0) << r.out;
-  for (const char* part :
-       {"validation loss", "test accuracy", "naive Bayes", "confusion matrix", "tok/s", "ETA"}) {
-    EXPECT_NE(r.out.find(part), std::string::npos) << part << "\n" << r.out;
-  }
-  r = run_cli("predict --checkpoint " + (out / "checkpoint.safetensors").string() +
-              " abcing abczione");
-  ASSERT_EQ(r.code, 0) << r.out;
-  std::istringstream lines(r.out);
-  std::string line;
-  int n = 0;
-  while (std::getline(lines, line)) {
-    ++n;
-    double total = 0;
-    for (const char* code : {" en ", " de ", " fr ", " es ", " it "}) {
-      const auto at = line.find(code);
-      ASSERT_NE(at, std::string::npos) << line;
-      total += std::stod(line.substr(at + 4));
-    }
-    EXPECT_NEAR(total, 1.0, 0.01) << line;
-  }
-  EXPECT_EQ(n, 2);
-  r = run_cli("train --data-dir /nonexistent --out " + out.string() + " --no-plot");
-  EXPECT_EQ(r.code, 2);
-  EXPECT_NE(r.out.find("apt-get install wamerican"), std::string::npos) << r.out;
-  r = run_cli("train --help");
-  EXPECT_EQ(r.code, 0);
-  for (const char* part : {"--lr TEXT", "default 0.004", "--shards TEXT", "--ema TEXT",
-                           "--pooling TEXT", "default mean"}) {
-    EXPECT_NE(r.out.find(part), std::string::npos) << part << "\n" << r.out;
-  }
-  r = run_cli("train --epochs 3x");
-  EXPECT_EQ(r.code, 2);
-  EXPECT_NE(r.out.find("--epochs takes an integer"), std::string::npos) << r.out;
-  r = run_cli("predict --checkpoint " + (lists / "french").string() + " mot");
-  EXPECT_EQ(r.code, 2) << "a file that is not a checkpoint";
+  EXPECT_EQ(tr::parse_flag_value({"norm_first", "bool", ""}, "false"), false);
 }
 
 }  // namespace

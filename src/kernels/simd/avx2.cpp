@@ -9,9 +9,9 @@ namespace teo::simd {
 // runs on this project's Zen machine it came 4 to 10% closer to OpenBLAS (docs/kernels.md). The
 // 6 x 2 tile stays as the second one, for products whose width 24 (12) would pad (attention's).
 // MC is 512 rows, more than fits L2 (512 x 256 doubles is 1 MiB), so that each thread walks the
-// B panel in L3 fewer times: in teo_blocking_sweep against the earlier 96 rows it raised the double
-// GEMM from 0.89-1.04 to 0.99-1.14 of OpenBLAS on the bert-base shapes; float was within noise of
-// its earlier 144 (docs/kernels.md).
+// B panel in L3 fewer times: in teo_blocking_sweep on the bert-base shapes, the double GEMM reaches
+// 0.99-1.14 of OpenBLAS with MC 512 against 0.89-1.04 with MC 96; in float, MC 512 and MC 144 are
+// within noise of each other (docs/kernels.md).
 const IsaKernels& kernels_avx2() {
   static const IsaKernels k{"avx2",
                             make_gemm<float, xsimd::fma3<xsimd::avx2>, 4, 3>(256, 512, 3072),

@@ -1,0 +1,14 @@
+// Files as teo writes them: whole or not at all.
+#pragma once
+
+#include <string>
+#include <string_view>
+
+namespace teo {
+
+// Writes `bytes` to `path` through a temporary file in the same directory and a rename, so that a
+// reader never sees half a file. Without `overwrite`, an existing `path` is a FileError; so are a
+// missing directory and a failed write, which leave no temporary file behind.
+void write_file_atomic(const std::string& path, std::string_view bytes, bool overwrite);
+
+}  // namespace teo

@@ -1,0 +1,58 @@
+#include "teo/files.hpp"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+
+#include "teo/errors.hpp"
+
+namespace teo {
+
+void write_file_atomic(const std::string& path, std::string_view bytes, bool overwrite) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::path target(path);
+  if (fs::is_directory(target, ec)) throw FileError(path + ": is a directory");
+  if (!overwrite && fs::exists(target, ec)) {
+    throw FileError(path + ": already exists (pass --force to overwrite it)");
+  }
+  const fs::path dir = target.has_parent_path() ? target.parent_path() : fs::path(".");
+  if (!fs::is_directory(dir, ec)) throw FileError(path + ": the directory does not exist");
+  std::string tmp = (dir / ("." + target.filename().string() + ".tmp-XXXXXX")).string();
+  const int fd = ::mkstemp(tmp.data());
+  if (fd < 0) throw FileError(path + ": cannot create a temporary file: " + std::strerror(errno));
+  std::size_t done = 0;
+  while (done < bytes.size()) {
+    const ssize_t w = ::write(fd, bytes.data() + done, bytes.size() - done);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) {
+      const std::string why = std::strerror(errno);
+      ::close(fd);
+      ::unlink(tmp.c_str());
+      throw FileError(path + ": write failed: " + why);
+    }
+    done += static_cast<std::size_t>(w);
+  }
+  // The temporary file is private (0600); the result gets the usual permissions.
+  ::fchmod(fd, 0644);
+  if (::fsync(fd) != 0 || ::close(fd) != 0) {
+    const std::string why = std::strerror(errno);
+    ::unlink(tmp.c_str());
+    throw FileError(path + ": write failed: " + why);
+  }
+  if (!overwrite && fs::exists(target, ec)) {
+    ::unlink(tmp.c_str());
+    throw FileError(path + ": already exists (pass --force to overwrite it)");
+  }
+  if (::rename(tmp.c_str(), path.c_str()) != 0) {
+    const std::string why = std::strerror(errno);
+    ::unlink(tmp.c_str());
+    throw FileError(path + ": cannot rename the temporary file into place: " + why);
+  }
+}
+
+}  // namespace teo

@@ -1,0 +1,263 @@
+#include "teo/golden.hpp"
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <filesystem>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+namespace teo::golden {
+
+using nlohmann::json;
+using safetensors::DType;
+using safetensors::File;
+
+std::string stage_name(const std::string& n) {
+  if (n.starts_with("act.")) return n.substr(4);
+  return n;
+}
+
+namespace {
+
+std::vector<double> as_doubles(const safetensors::Tensor& t) {
+  if (t.dtype == DType::F64) return t.values<double>();
+  if (t.dtype == DType::F32) {
+    const auto v = t.values<float>();
+    return {v.begin(), v.end()};
+  }
+  throw FormatError("tensor " + t.name + " has dtype " + safetensors::dtype_name(t.dtype) +
+                    ", not a float type");
+}
+
+std::string index_str(std::int64_t flat, const std::vector<std::int64_t>& shape) {
+  std::vector<std::int64_t> idx(shape.size());
+  for (std::size_t d = shape.size(); d-- > 0;) {
+    idx[d] = shape[d] ? flat % shape[d] : 0;
+    flat = shape[d] ? flat / shape[d] : 0;
+  }
+  std::string s = "[";
+  for (std::size_t d = 0; d < idx.size(); ++d) s += (d ? "," : "") + std::to_string(idx[d]);
+  return s + "]";
+}
+
+std::string num(double v) {
+  std::ostringstream os;
+  os << std::setprecision(17) << v;
+  return os.str();
+}
+
+bool same_nonfinite(double g, double c) {
+  if (std::isnan(g)) return std::isnan(c);
+  return g == c;  // +-inf must match exactly
+}
+
+TensorResult check_tensor(const File& golden, const safetensors::Tensor& g,
+                          const safetensors::Tensor* c, bool f32, const CheckOptions& opts) {
+  TensorResult r;
+  r.name = g.name;
+  if (!c) {
+    r.status = Status::not_checked;
+    r.message = "not in the candidate";
+    return r;
+  }
+  if (c->dtype != g.dtype) {
+    r.status = Status::fail;
+    r.message = std::string("dtype mismatch: candidate ") + safetensors::dtype_name(c->dtype) +
+                ", golden " + safetensors::dtype_name(g.dtype);
+    return r;
+  }
+  if (c->shape != g.shape) {
+    r.status = Status::fail;
+    r.message = "shape mismatch: candidate " + c->shape_str() + ", golden " + g.shape_str();
+    return r;
+  }
+  const auto gv = as_doubles(g);
+  const auto cv = as_doubles(*c);
+  std::vector<double> ref = gv;
+  if (f32) {
+    const auto* rt = golden.find("ref64." + g.name);
+    if (!rt || rt->dtype != DType::F64 || rt->shape != g.shape) {
+      throw FormatError("the float32 golden has no float64 ref64." + g.name + " of shape " +
+                        g.shape_str());
+    }
+    ref = rt->values<double>();
+  }
+  // A bias gradient sums the same per-row output gradients as its weight's gradient (which
+  // weights them by inputs of order 1), so their rounding noise has the same scale. The key bias
+  // gradient is 0 in exact arithmetic (softmax ignores a per-row shift) and holds nothing but
+  // that noise, so its scale comes from the weight gradient.
+  double scale = 0;
+  if (g.name.starts_with("grad.") && g.name.ends_with(".bias")) {
+    const std::string w = g.name.substr(0, g.name.size() - 4) + "weight";
+    if (const auto* wt = golden.find(f32 ? "ref64." + w : w)) {
+      for (double x : as_doubles(*wt)) {
+        if (std::isfinite(x)) scale = std::max(scale, std::abs(x));
+      }
+    }
+  }
+  double max_ref = 0, teo_err = 0, max_abs = 0;
+  std::int64_t worst = -1, nonfinite_at = -1, nonfinite_count = 0;
+  for (std::size_t i = 0; i < gv.size(); ++i) {
+    if (!std::isfinite(gv[i]) || !std::isfinite(ref[i]) || !std::isfinite(cv[i])) {
+      if (!same_nonfinite(gv[i], cv[i]) || std::isfinite(gv[i]) != std::isfinite(cv[i])) {
+        if (nonfinite_at < 0) nonfinite_at = static_cast<std::int64_t>(i);
+        ++nonfinite_count;
+      }
+      continue;
+    }
+    max_ref = std::max(max_ref, std::abs(ref[i]));
+    teo_err = std::max(teo_err, std::abs(gv[i] - ref[i]));
+    const double e = std::abs(cv[i] - ref[i]);
+    if (e > max_abs || worst < 0) {
+      if (e > max_abs) max_abs = e;
+      worst = static_cast<std::int64_t>(i);
+    }
+  }
+  r.max_abs = max_abs;
+  r.max_rel = max_ref > 0 ? max_abs / max_ref : (max_abs > 0 ? INFINITY : 0);
+  scale = std::max(scale, max_ref);
+  r.bound =
+      f32 ? opts.k * teo_err + opts.floor_eps * FLT_EPSILON * scale : opts.rtol * scale + opts.atol;
+  r.ratio = r.bound > 0 ? max_abs / r.bound : (max_abs > 0 ? INFINITY : 0);
+  const bool ok = nonfinite_count == 0 && max_abs <= r.bound;
+  r.status = ok ? Status::pass : Status::fail;
+  if (nonfinite_count > 0) {
+    const auto i = static_cast<std::size_t>(nonfinite_at);
+    r.message = std::to_string(nonfinite_count) + " NaN/Inf mismatch(es), first at " +
+                index_str(nonfinite_at, g.shape) + ": candidate " + num(cv[i]) + ", golden " +
+                num(gv[i]);
+  } else if (!ok && worst >= 0) {
+    const auto i = static_cast<std::size_t>(worst);
+    r.message = "worst at " + index_str(worst, g.shape) + ": candidate " + num(cv[i]) +
+                ", reference " + num(ref[i]);
+  }
+  return r;
+}
+
+bool wanted(const std::string& name, Only only) {
+  const bool fwd = name.starts_with("act.");
+  const bool bwd = name.starts_with("grad.");
+  if (only == Only::forward) return fwd;
+  if (only == Only::backward) return bwd;
+  return fwd || bwd;
+}
+
+// Throws FormatError when `golden` is not a teo golden; returns whether it is a float32 case.
+bool golden_is_f32(const File& golden) {
+  const std::string* fmt = golden.meta("format");
+  if (!fmt || *fmt != kFormat) {
+    throw FormatError(std::string("not a teo golden file: __metadata__.format is ") +
+                      (fmt ? "\"" + *fmt + "\"" : "missing") + ", expected \"" + kFormat + "\"");
+  }
+  const std::string* cs = golden.meta("case");
+  if (!cs) throw FormatError("the golden has no __metadata__.case");
+  json cj;
+  try {
+    cj = json::parse(*cs);
+  } catch (const json::exception&) {
+    throw FormatError("the golden's __metadata__.case is not valid JSON");
+  }
+  if (!cj.is_object() || !cj.contains("dtype") || !cj["dtype"].is_string()) {
+    throw FormatError("the golden's __metadata__.case has no dtype");
+  }
+  const auto d = cj["dtype"].get<std::string>();
+  if (d != "float32" && d != "float64") throw FormatError("the golden's dtype is " + d);
+  return d == "float32";
+}
+
+CaseReport not_checked_report(const File& golden, const CheckOptions& opts,
+                              const std::string& why) {
+  golden_is_f32(golden);
+  CaseReport rep;
+  for (const auto& t : golden.tensors) {
+    if (!wanted(t.name, opts.only)) continue;
+    TensorResult r;
+    r.name = t.name;
+    r.message = why;
+    rep.tensors.push_back(r);
+    ++rep.not_checked;
+  }
+  return rep;
+}
+
+template <class Fn>
+auto with_path(const std::string& path, Fn&& fn) -> decltype(fn()) {
+  try {
+    return fn();
+  } catch (const FormatError& e) {
+    const std::string msg = e.what();
+    if (msg.starts_with(path)) throw;
+    throw FormatError(path + ": " + msg);
+  }
+}
+
+}  // namespace
+
+CaseReport check(const File& golden, const File& candidate, const CheckOptions& opts) {
+  const bool f32 = golden_is_f32(golden);
+  CaseReport rep;
+  for (const auto& g : golden.tensors) {
+    if (!wanted(g.name, opts.only)) continue;
+    rep.tensors.push_back(check_tensor(golden, g, candidate.find(g.name), f32, opts));
+    const auto& r = rep.tensors.back();
+    if (r.status == Status::pass) ++rep.passed;
+    if (r.status == Status::fail) {
+      ++rep.failed;
+      if (rep.first_divergence.empty()) rep.first_divergence = stage_name(r.name);
+    }
+    if (r.status == Status::not_checked) ++rep.not_checked;
+  }
+  return rep;
+}
+
+std::vector<CaseReport> check_paths(const std::string& golden, const std::string& candidate,
+                                    const CheckOptions& opts) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (!fs::exists(golden, ec)) throw FileError(golden + ": no such file or directory");
+  if (!fs::exists(candidate, ec)) throw FileError(candidate + ": no such file or directory");
+  std::vector<std::pair<std::string, std::string>> pairs;  // golden file, candidate file
+  if (fs::is_directory(golden, ec)) {
+    if (!fs::is_directory(candidate, ec)) {
+      throw FileError(candidate + ": is a file, but the golden " + golden +
+                      " is a directory; give a candidate directory");
+    }
+    std::vector<std::string> names;
+    for (const auto& e : fs::directory_iterator(golden, ec)) {
+      if (e.is_regular_file() && e.path().extension() == ".safetensors") {
+        names.push_back(e.path().filename().string());
+      }
+    }
+    if (ec) throw FileError(golden + ": cannot list the directory: " + ec.message());
+    std::sort(names.begin(), names.end());
+    if (names.empty()) throw FileError(golden + ": holds no .safetensors files");
+    for (const auto& n : names) {
+      pairs.emplace_back((fs::path(golden) / n).string(), (fs::path(candidate) / n).string());
+    }
+  } else {
+    std::string c = candidate;
+    if (fs::is_directory(candidate, ec))
+      c = (fs::path(candidate) / fs::path(golden).filename()).string();
+    pairs.emplace_back(golden, c);
+  }
+  std::vector<CaseReport> reports;
+  for (const auto& [gp, cp] : pairs) {
+    const File g = safetensors::read(gp);
+    CaseReport rep;
+    if (!fs::exists(cp, ec)) {
+      rep = with_path(gp, [&] { return not_checked_report(g, opts, "no candidate file"); });
+    } else {
+      const File c = safetensors::read(cp);
+      rep = with_path(gp, [&] { return check(g, c, opts); });
+    }
+    rep.name = fs::path(gp).filename().string();
+    rep.golden_path = gp;
+    rep.candidate_path = cp;
+    reports.push_back(std::move(rep));
+  }
+  return reports;
+}
+
+}  // namespace teo::golden

@@ -1,0 +1,189 @@
+#include "teo/golden.hpp"
+
+#include <iomanip>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+namespace teo::golden {
+
+using nlohmann::json;
+using safetensors::DType;
+using safetensors::File;
+
+namespace {
+
+const char* status_str(Status s) {
+  switch (s) {
+    case Status::pass:
+      return "pass";
+    case Status::fail:
+      return "FAIL";
+    case Status::not_checked:
+      return "not checked";
+  }
+  return "?";
+}
+
+std::string sci(double v) {
+  std::ostringstream os;
+  os << std::scientific << std::setprecision(2) << v;
+  return os.str();
+}
+
+std::string xml_escape(const std::string& s) {
+  std::string o;
+  for (char ch : s) {
+    switch (ch) {
+      case '&':
+        o += "&amp;";
+        break;
+      case '<':
+        o += "&lt;";
+        break;
+      case '>':
+        o += "&gt;";
+        break;
+      case '"':
+        o += "&quot;";
+        break;
+      case '\'':
+        o += "&apos;";
+        break;
+      default:
+        o += ch;
+    }
+  }
+  return o;
+}
+
+}  // namespace
+
+void print_text(const std::vector<CaseReport>& reports, std::ostream& out) {
+  int passed = 0, failed = 0, not_checked = 0, cases_failed = 0;
+  for (const auto& rep : reports) {
+    out << "case " << rep.name << "  (golden " << rep.golden_path << ", candidate "
+        << rep.candidate_path << ")\n";
+    const bool no_file = !rep.tensors.empty() &&
+                         rep.not_checked == static_cast<int>(rep.tensors.size()) &&
+                         rep.tensors.front().message == "no candidate file";
+    if (no_file) {
+      out << "  no candidate file: " << rep.not_checked << " tensors not checked\n\n";
+      not_checked += rep.not_checked;
+      continue;
+    }
+    out << "  " << std::left << std::setw(44) << "tensor" << std::right << std::setw(11)
+        << "max_abs" << std::setw(11) << "max_rel" << std::setw(11) << "err/bound"
+        << "  result\n";
+    for (const auto& t : rep.tensors) {
+      out << "  " << std::left << std::setw(44) << t.name << std::right;
+      if (t.status == Status::not_checked) {
+        out << std::setw(11) << "-" << std::setw(11) << "-" << std::setw(11) << "-";
+      } else {
+        out << std::setw(11) << sci(t.max_abs) << std::setw(11) << sci(t.max_rel) << std::setw(11)
+            << sci(t.ratio);
+      }
+      out << "  " << status_str(t.status);
+      if (!t.message.empty() && t.status != Status::pass) out << "  (" << t.message << ")";
+      out << "\n";
+    }
+    if (!rep.first_divergence.empty())
+      out << "  first divergence: " << rep.first_divergence << "\n";
+    out << "  summary: " << rep.passed << " passed, " << rep.failed << " failed, "
+        << rep.not_checked << " not checked\n\n";
+    passed += rep.passed;
+    failed += rep.failed;
+    not_checked += rep.not_checked;
+    cases_failed += rep.failed > 0;
+  }
+  out << "total: " << reports.size() << " case(s), " << cases_failed
+      << " failing; tensors: " << passed << " passed, " << failed << " failed, " << not_checked
+      << " not checked\n";
+}
+
+std::string junit_xml(const std::vector<CaseReport>& reports) {
+  std::ostringstream o;
+  int tests = 0, failures = 0, skipped = 0;
+  for (const auto& r : reports) {
+    tests += static_cast<int>(r.tensors.size());
+    failures += r.failed;
+    skipped += r.not_checked;
+  }
+  o << "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n";
+  o << "<testsuites name=\"teo golden check\" tests=\"" << tests << "\" failures=\"" << failures
+    << "\" skipped=\"" << skipped << "\">\n";
+  for (const auto& r : reports) {
+    o << "  <testsuite name=\"" << xml_escape(r.name) << "\" tests=\"" << r.tensors.size()
+      << "\" failures=\"" << r.failed << "\" skipped=\"" << r.not_checked << "\">\n";
+    if (!r.first_divergence.empty()) {
+      o << "    <properties><property name=\"first_divergence\" value=\""
+        << xml_escape(r.first_divergence) << "\"/></properties>\n";
+    }
+    for (const auto& t : r.tensors) {
+      o << "    <testcase classname=\"" << xml_escape(r.name) << "\" name=\"" << xml_escape(t.name)
+        << "\">";
+      const std::string detail = "max_abs=" + sci(t.max_abs) + " max_rel=" + sci(t.max_rel) +
+                                 " bound=" + sci(t.bound) + " err/bound=" + sci(t.ratio);
+      if (t.status == Status::fail) {
+        o << "<failure message=\"" << xml_escape(t.message.empty() ? detail : t.message) << "\">"
+          << xml_escape(detail) << "</failure>";
+      } else if (t.status == Status::not_checked) {
+        o << "<skipped message=\"" << xml_escape(t.message) << "\"/>";
+      }
+      o << "</testcase>\n";
+    }
+    o << "  </testsuite>\n";
+  }
+  o << "</testsuites>\n";
+  return o.str();
+}
+
+std::string json_report(const std::vector<CaseReport>& reports) {
+  nlohmann::ordered_json cases = nlohmann::ordered_json::array();
+  int passed = 0, failed = 0, not_checked = 0;
+  // Non-finite numbers are not JSON; an infinite ratio is written as null.
+  auto number = [](double v) {
+    return std::isfinite(v) ? nlohmann::ordered_json(v) : nlohmann::ordered_json(nullptr);
+  };
+  for (const auto& r : reports) {
+    nlohmann::ordered_json c;
+    c["name"] = r.name;
+    c["golden"] = r.golden_path;
+    c["candidate"] = r.candidate_path;
+    c["first_divergence"] = r.first_divergence.empty() ? nlohmann::ordered_json(nullptr)
+                                                       : nlohmann::ordered_json(r.first_divergence);
+    c["passed"] = r.passed;
+    c["failed"] = r.failed;
+    c["not_checked"] = r.not_checked;
+    auto ts = nlohmann::ordered_json::array();
+    for (const auto& t : r.tensors) {
+      nlohmann::ordered_json tj;
+      tj["name"] = t.name;
+      tj["status"] = t.status == Status::pass   ? "pass"
+                     : t.status == Status::fail ? "fail"
+                                                : "not_checked";
+      if (t.status != Status::not_checked) {
+        tj["max_abs"] = number(t.max_abs);
+        tj["max_rel"] = number(t.max_rel);
+        tj["bound"] = number(t.bound);
+        tj["ratio"] = number(t.ratio);
+      }
+      if (!t.message.empty()) tj["message"] = t.message;
+      ts.push_back(std::move(tj));
+    }
+    c["tensors"] = std::move(ts);
+    cases.push_back(std::move(c));
+    passed += r.passed;
+    failed += r.failed;
+    not_checked += r.not_checked;
+  }
+  nlohmann::ordered_json j;
+  j["format"] = "teo-golden-check/1";
+  j["passed"] = passed;
+  j["failed"] = failed;
+  j["not_checked"] = not_checked;
+  j["cases"] = std::move(cases);
+  return j.dump(2) + "\n";
+}
+
+}  // namespace teo::golden

@@ -3,7 +3,7 @@
 # suite needs (PyTorch, the second backend the golden corpus is checked against). Idempotent.
 set -euo pipefail
 packages=(
-  build-essential cmake ninja-build git
+  build-essential cmake ninja-build git pkg-config
   libxsimd-dev libtbb-dev libopenblas-dev
   nlohmann-json3-dev libcli11-dev
   libgtest-dev librapidcheck-dev libbenchmark-dev

@@ -10,9 +10,10 @@ ctest --test-dir build --output-on-failure -j"$(nproc)"
 
 # ASan + UBSan: one clang build (build-fuzz/) holds the unit tests and the libFuzzer harnesses.
 # The unit tests run there under both sanitizers, except the qemu NEON self-test and the PyTorch
-# comparisons, which test numerics rather than memory safety and are slow under ASan; then each
+# comparisons, which test numerics rather than memory safety and are slow under ASan, and the
+# package test, whose consumer is built without the sanitizers' runtime; then each
 # harness runs for FUZZ_SECONDS (default 60) from its seed corpus.
 FUZZ_BUILD_ONLY=1 scripts/fuzz.sh
 ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-  ctest --test-dir build-fuzz --output-on-failure -j"$(nproc)" -E "IsaSelftest.NeonUnderQemu|Interop\."
+  ctest --test-dir build-fuzz --output-on-failure -j"$(nproc)" -E "IsaSelftest.NeonUnderQemu|Interop\.|Package\."
 scripts/fuzz.sh "${FUZZ_SECONDS:-60}"

@@ -21,6 +21,8 @@
 
 namespace teo {
 
+using profile::Stage;
+
 // ---------------------------------------------------------------------------------------------
 // Batches
 
@@ -249,13 +251,6 @@ Dims dims_of(const EncoderConfig& c, const Batch& b) {
 
 constexpr index_t kElementGrain = 16384;
 
-// Times the enclosed statements as stage `name` when profiling is on (`teo bench`).
-#define TEO_STAGE(name, ...)         \
-  do {                               \
-    profile::Scope teo_scope_{name}; \
-    __VA_ARGS__;                     \
-  } while (0)
-
 template <class Real>
 void copy(Real* dst, const Real* src, index_t n) {
   detail::for_blocks(n, kElementGrain,
@@ -409,15 +404,17 @@ void layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P, LayerAc
 
   const Real* attn_in = x;
   if (cfg.norm_first) {
-    TEO_STAGE("layer_norm",
-              layer_norm_forward(L.norm1.data(), L.norm1_mean.data(), L.norm1_rstd.data(), x,
-                                 P.norm1_weight.data(), P.norm1_bias.data(), d.N, d.D, eps));
+    {
+      profile::Scope stage(Stage::layer_norm);
+      layer_norm_forward(L.norm1.data(), L.norm1_mean.data(), L.norm1_rstd.data(), x,
+                         P.norm1_weight.data(), P.norm1_bias.data(), d.N, d.D, eps);
+    }
     attn_in = L.norm1.data();
   }
   // q, k, v (B, H, S, Dh) = split(attn_in * W^T + b), as one GEMM against [Wq; Wk; Wv]. Each
   // output element is the same dot product as with three separate products.
   {
-    profile::Scope stage("qkv_proj");
+    profile::Scope stage(Stage::qkv_proj);
     auto wqkv = Tensor<Real>::for_overwrite({3 * d.D, d.D});
     auto bqkv = Tensor<Real>::for_overwrite({3 * d.D});
     stack_qkv(wqkv.data(), bqkv.data(), P, d.D);
@@ -435,7 +432,7 @@ void layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P, LayerAc
     }
   }
   {
-    profile::Scope attention_scope("attention");
+    profile::Scope attention_scope(Stage::attention);
     const bool drop_attn = drop;
     if (drop_attn) {
       L.masks.attn.assign(static_cast<std::size_t>(L.probs.numel()), 0);
@@ -449,17 +446,23 @@ void layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P, LayerAc
                       dropout_scale<Real>(p), d.B, d.H, d.S, d.Dh, cfg.causal,
                       /*merged_context=*/true);
   }
-  TEO_STAGE("out_proj", linear_forward(L.attn_out.data(), L.context.data(), P.o_weight.data(),
-                                       P.o_bias.data(), d.N, d.D, d.D));
+  {
+    profile::Scope stage(Stage::out_proj);
+    linear_forward(L.attn_out.data(), L.context.data(), P.o_weight.data(), P.o_bias.data(), d.N,
+                   d.D, d.D);
+  }
   // residual1 = x + dropout(attn_out)
-  TEO_STAGE("residual", add3(L.residual1.data(), x,
-                             apply_dropout(tmp.data(), L.attn_out.data(), L.masks.residual1, nd,
-                                           prefix + "residual1", p, drop, seed),
-                             nd));
+  {
+    profile::Scope stage(Stage::residual);
+    add3(L.residual1.data(), x,
+         apply_dropout(tmp.data(), L.attn_out.data(), L.masks.residual1, nd, prefix + "residual1",
+                       p, drop, seed),
+         nd);
+  }
 
   const Real* ffn_in;  // the FFN's input, and the second residual's base
   {
-    profile::Scope norm_scope("layer_norm");
+    profile::Scope norm_scope(Stage::layer_norm);
     if (cfg.norm_first) {
       layer_norm_forward(L.norm2.data(), L.norm2_mean.data(), L.norm2_rstd.data(),
                          L.residual1.data(), P.norm2_weight.data(), P.norm2_bias.data(), d.N, d.D,
@@ -475,30 +478,45 @@ void layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P, LayerAc
   const Real* base = cfg.norm_first ? L.residual1.data() : L.norm1.data();
 
   // ffn_out = fc2(dropout(act(fc1(ffn_in))))
-  TEO_STAGE("ffn_fc1", linear_forward(L.ffn_pre.data(), ffn_in, P.fc1_weight.data(),
-                                      P.fc1_bias.data(), d.N, d.D, d.F));
+  {
+    profile::Scope stage(Stage::ffn_fc1);
+    linear_forward(L.ffn_pre.data(), ffn_in, P.fc1_weight.data(), P.fc1_bias.data(), d.N, d.D, d.F);
+  }
   Tensor<Real> dropped_buf = drop ? Tensor<Real>::for_overwrite({d.B, d.S, d.F}) : Tensor<Real>();
   const Real* hidden_dropped = nullptr;  // dropout(ffn_hidden): the buffer, or ffn_hidden itself
-  TEO_STAGE("activation", activation_forward(L.ffn_hidden.data(), L.ffn_pre.data(),
-                                             L.ffn_pre.numel(), cfg.activation);
-            hidden_dropped = apply_dropout(dropped_buf.data(), L.ffn_hidden.data(), L.masks.ffn,
-                                           L.ffn_hidden.numel(), prefix + "ffn", p, drop, seed));
-  TEO_STAGE("ffn_fc2", linear_forward(L.ffn_out.data(), hidden_dropped, P.fc2_weight.data(),
-                                      P.fc2_bias.data(), d.N, d.F, d.D));
+  {
+    profile::Scope stage(Stage::activation);
+    activation_forward(L.ffn_hidden.data(), L.ffn_pre.data(), L.ffn_pre.numel(), cfg.activation);
+    hidden_dropped = apply_dropout(dropped_buf.data(), L.ffn_hidden.data(), L.masks.ffn,
+                                   L.ffn_hidden.numel(), prefix + "ffn", p, drop, seed);
+  }
+  {
+    profile::Scope stage(Stage::ffn_fc2);
+    linear_forward(L.ffn_out.data(), hidden_dropped, P.fc2_weight.data(), P.fc2_bias.data(), d.N,
+                   d.F, d.D);
+  }
   // residual2 = base + dropout(ffn_out)
-  TEO_STAGE("residual", add3(L.residual2.data(), base,
-                             apply_dropout(tmp.data(), L.ffn_out.data(), L.masks.residual2, nd,
-                                           prefix + "residual2", p, drop, seed),
-                             nd));
+  {
+    profile::Scope stage(Stage::residual);
+    add3(L.residual2.data(), base,
+         apply_dropout(tmp.data(), L.ffn_out.data(), L.masks.residual2, nd, prefix + "residual2", p,
+                       drop, seed),
+         nd);
+  }
 
   if (cfg.norm_first) {
-    TEO_STAGE("residual", copy(L.output.data(), L.residual2.data(), nd));
+    {
+      profile::Scope stage(Stage::residual);
+      copy(L.output.data(), L.residual2.data(), nd);
+    }
   } else {
-    TEO_STAGE("layer_norm",
-              layer_norm_forward(L.norm2.data(), L.norm2_mean.data(), L.norm2_rstd.data(),
-                                 L.residual2.data(), P.norm2_weight.data(), P.norm2_bias.data(),
-                                 d.N, d.D, eps);
-              copy(L.output.data(), L.norm2.data(), nd));
+    {
+      profile::Scope stage(Stage::layer_norm);
+      layer_norm_forward(L.norm2.data(), L.norm2_mean.data(), L.norm2_rstd.data(),
+                         L.residual2.data(), P.norm2_weight.data(), P.norm2_bias.data(), d.N, d.D,
+                         eps);
+      copy(L.output.data(), L.norm2.data(), nd);
+    }
   }
 }
 
@@ -514,7 +532,7 @@ void layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P, const 
 
   // in the forward pass this was: output = LN2(residual2) (post) or residual2 (pre)
   {
-    profile::Scope stage("bwd.layer_norm");
+    profile::Scope stage(Stage::bwd_layer_norm);
     if (cfg.norm_first) {
       copy(dL.residual2.data(), dL.output.data(), nd);
     } else {
@@ -526,9 +544,11 @@ void layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P, const 
   }
   // residual2 = base + dropout(ffn_out); base = residual1 (pre) or norm1 (post)
   Real* dbase = cfg.norm_first ? dL.residual1.data() : dL.norm1.data();
-  TEO_STAGE("bwd.residual", accumulate_dropout_grad(dL.ffn_out.data(), dL.residual2.data(),
-                                                    L.masks.residual2, nd, p);
-            add(dbase, dL.residual2.data(), nd));
+  {
+    profile::Scope stage(Stage::bwd_residual);
+    accumulate_dropout_grad(dL.ffn_out.data(), dL.residual2.data(), L.masks.residual2, nd, p);
+    add(dbase, dL.residual2.data(), nd);
+  }
 
   // ffn_out = fc2(hidden_dropped); hidden_dropped = dropout(ffn_hidden). Without a mask the
   // dropout is the identity: fc2 reads ffn_hidden and writes its gradient straight into
@@ -541,7 +561,7 @@ void layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P, const 
   Tensor<Real> dhidden_dropped =
       ffn_dropped ? Tensor<Real>::for_overwrite({d.B, d.S, d.F}) : Tensor<Real>();
   {
-    profile::Scope stage("bwd.ffn_fc2");
+    profile::Scope stage(Stage::bwd_ffn_fc2);
     if (ffn_dropped) {
       dropout_forward(hidden_dropped.data(), L.ffn_hidden.data(), L.masks.ffn.data(),
                       L.ffn_hidden.numel(), scale);
@@ -552,24 +572,28 @@ void layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P, const 
                     d.N, d.F, d.D, GradWrite::overwrite);
   }
   // dL.ffn_pre is overwritten too: the activation is its only writer.
-  TEO_STAGE(
-      "bwd.activation",
-      if (ffn_dropped) {
-        dL.ffn_hidden.zero();
-        accumulate_dropout_grad(dL.ffn_hidden.data(), dhidden_dropped.data(), L.masks.ffn,
-                                dL.ffn_hidden.numel(), p);
-      } activation_backward(dL.ffn_pre.data(), dL.ffn_hidden.data(), L.ffn_pre.data(),
-                            L.ffn_pre.numel(), cfg.activation, GradWrite::overwrite));
+  {
+    profile::Scope stage(Stage::bwd_activation);
+    if (ffn_dropped) {
+      dL.ffn_hidden.zero();
+      accumulate_dropout_grad(dL.ffn_hidden.data(), dhidden_dropped.data(), L.masks.ffn,
+                              dL.ffn_hidden.numel(), p);
+    }
+    activation_backward(dL.ffn_pre.data(), dL.ffn_hidden.data(), L.ffn_pre.data(),
+                        L.ffn_pre.numel(), cfg.activation, GradWrite::overwrite);
+  }
   // ffn_pre = fc1(ffn_in); ffn_in = norm2 (pre) or norm1 (post)
   const Real* ffn_in = cfg.norm_first ? L.norm2.data() : L.norm1.data();
   Real* dffn_in = cfg.norm_first ? dL.norm2.data() : dL.norm1.data();
-  TEO_STAGE("bwd.ffn_fc1",
-            linear_backward(dffn_in, G.fc1_weight.data(), G.fc1_bias.data(), dL.ffn_pre.data(),
-                            ffn_in, P.fc1_weight.data(), d.N, d.D, d.F));
+  {
+    profile::Scope stage(Stage::bwd_ffn_fc1);
+    linear_backward(dffn_in, G.fc1_weight.data(), G.fc1_bias.data(), dL.ffn_pre.data(), ffn_in,
+                    P.fc1_weight.data(), d.N, d.D, d.F);
+  }
 
   // the norm between the two residuals: LN2(residual1) (pre) or LN1(residual1) (post)
   {
-    profile::Scope stage("bwd.layer_norm");
+    profile::Scope stage(Stage::bwd_layer_norm);
     if (cfg.norm_first) {
       layer_norm_backward(dL.residual1.data(), G.norm2_weight.data(), G.norm2_bias.data(),
                           dL.norm2.data(), L.residual1.data(), P.norm2_weight.data(),
@@ -581,19 +605,25 @@ void layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P, const 
     }
   }
   // residual1 = x + dropout(attn_out)
-  TEO_STAGE("bwd.residual", add(dx, dL.residual1.data(), nd); accumulate_dropout_grad(
-                dL.attn_out.data(), dL.residual1.data(), L.masks.residual1, nd, p));
+  {
+    profile::Scope stage(Stage::bwd_residual);
+    add(dx, dL.residual1.data(), nd);
+    accumulate_dropout_grad(dL.attn_out.data(), dL.residual1.data(), L.masks.residual1, nd, p);
+  }
   // attn_out = context * Wo^T + bo
-  TEO_STAGE("bwd.out_proj", linear_backward(dL.context.data(), G.o_weight.data(), G.o_bias.data(),
-                                            dL.attn_out.data(), L.context.data(), P.o_weight.data(),
-                                            d.N, d.D, d.D, GradWrite::overwrite));
+  {
+    profile::Scope stage(Stage::bwd_out_proj);
+    linear_backward(dL.context.data(), G.o_weight.data(), G.o_bias.data(), dL.attn_out.data(),
+                    L.context.data(), P.o_weight.data(), d.N, d.D, d.D, GradWrite::overwrite);
+  }
   // dcontext is read in its merged (B, S, D) layout, head by head.
-  TEO_STAGE("bwd.attention",
-            attention_backward(dL.q.data(), dL.k.data(), dL.v.data(), dL.probs.data(),
-                               dL.scores.data(), dL.context.data(), L.q.data(), L.k.data(),
-                               L.v.data(), L.probs.data(), batch.lengths.data(),
-                               L.masks.attn.empty() ? nullptr : L.masks.attn.data(), scale, d.B,
-                               d.H, d.S, d.Dh, /*merged_context=*/true, GradWrite::overwrite));
+  {
+    profile::Scope stage(Stage::bwd_attention);
+    attention_backward(dL.q.data(), dL.k.data(), dL.v.data(), dL.probs.data(), dL.scores.data(),
+                       dL.context.data(), L.q.data(), L.k.data(), L.v.data(), L.probs.data(),
+                       batch.lengths.data(), L.masks.attn.empty() ? nullptr : L.masks.attn.data(),
+                       scale, d.B, d.H, d.S, d.Dh, /*merged_context=*/true, GradWrite::overwrite);
+  }
   // q, k, v = split(attn_in * W^T + b); attn_in = LN1(x) (pre) or x (post)
   const Real* attn_in = cfg.norm_first ? L.norm1.data() : x;
   Real* dattn_in = dx;
@@ -601,7 +631,7 @@ void layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P, const 
   {
     // One product against [Wq; Wk; Wv] as in the forward pass: d attn_in sums over all 3D outputs
     // in one dot product; the weight and bias gradients are the same sums as per projection.
-    profile::Scope stage("bwd.qkv_proj");
+    profile::Scope stage(Stage::bwd_qkv_proj);
     auto wqkv = Tensor<Real>::for_overwrite({3 * d.D, d.D});
     auto bqkv = Tensor<Real>::for_overwrite({3 * d.D});
     stack_qkv(wqkv.data(), bqkv.data(), P, d.D);
@@ -622,7 +652,7 @@ void layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P, const 
     }
   }
   if (cfg.norm_first) {
-    profile::Scope stage("bwd.layer_norm");
+    profile::Scope stage(Stage::bwd_layer_norm);
     layer_norm_backward(dx, G.norm1_weight.data(), G.norm1_bias.data(), dL.norm1.data(), x,
                         P.norm1_weight.data(), L.norm1_mean.data(), L.norm1_rstd.data(), d.N, d.D);
   }
@@ -646,7 +676,7 @@ void forward(const Params<Real>& params, const Batch& batch, Activations<Real>& 
   allocate(acts, cfg, d, static_cast<ZeroList<Real>*>(nullptr));
 
   {
-    profile::Scope stage("embedding");
+    profile::Scope stage(Stage::embedding);
     const Real scale =
         cfg.embed_scale ? static_cast<Real>(std::sqrt(static_cast<double>(d.D))) : Real(1);
     embedding_forward(acts.embedding.data(), batch.tokens.data(), params.embedding_weight.data(),
@@ -680,7 +710,7 @@ void run_encoder(const Params<Real>& params, const Batch& batch, Activations<Rea
                   "dropout.layers." + std::to_string(i) + ".", drop, opts.dropout_seed);
     x = acts.layers[i].output.data();
   }
-  profile::Scope stage("head");
+  profile::Scope stage(Stage::head);
   if (cfg.norm_first) {
     layer_norm_forward(acts.final_norm.data(), acts.final_norm_mean.data(),
                        acts.final_norm_rstd.data(), x, params.final_norm_weight.data(),
@@ -720,7 +750,7 @@ void backward(const Params<Real>& params, const Batch& batch, const Activations<
   {
     // Every parameter gradient, and every activation gradient but those allocate_layer leaves to
     // their single writer, starts at zero: Params::zeros, with the fill done by zero_fill.
-    profile::Scope stage("bwd.zero_fill");
+    profile::Scope stage(Stage::bwd_zero_fill);
     ZeroList<Real> zero;
     grads = Params<Real>();
     grads.config = cfg;
@@ -734,7 +764,7 @@ void backward(const Params<Real>& params, const Batch& batch, const Activations<
 
   // loss = cross_entropy(logits); logits = pooled * head^T + b
   {
-    profile::Scope stage("bwd.head");
+    profile::Scope stage(Stage::bwd_head);
     dacts.loss[0] = Real(1);
     cross_entropy_backward(dacts.logits.data(), acts.class_probs.data(), batch.labels.data(), d.B,
                            d.C, static_cast<Real>(cfg.label_smoothing), dacts.loss[0]);
@@ -761,7 +791,7 @@ void backward(const Params<Real>& params, const Batch& batch, const Activations<
                    batch, d);
   }
   // input = dropout(embedding + positional)
-  profile::Scope stage("bwd.embedding");
+  profile::Scope stage(Stage::bwd_embedding);
   // d(embedding + positional) is the gradient of the embedding itself (zero until now)
   accumulate_dropout_grad(dacts.embedding.data(), dacts.input.data(), acts.input_mask, d.N * d.D,
                           cfg.dropout);

@@ -1,13 +1,11 @@
 #include "teo/profile.hpp"
 
-#include <cstring>
-
 namespace teo::profile {
 
 namespace {
 bool g_enabled = false;
-std::vector<Stage>& table() {
-  static std::vector<Stage> t;
+std::vector<Timing>& table() {
+  static std::vector<Timing> t;
   return t;
 }
 }  // namespace
@@ -21,19 +19,19 @@ bool enabled() {
 void reset() {
   table().clear();
 }
-const std::vector<Stage>& stages() {
+const std::vector<Timing>& timings() {
   return table();
 }
 
-void add(const char* name, double seconds) {
-  for (Stage& s : table()) {
-    if (s.name == name) {
-      s.seconds += seconds;
-      ++s.calls;
+void add(Stage stage, double seconds) {
+  for (Timing& t : table()) {
+    if (t.stage == stage) {
+      t.seconds += seconds;
+      ++t.calls;
       return;
     }
   }
-  table().push_back({name, seconds, 1});
+  table().push_back({stage, seconds, 1});
 }
 
 }  // namespace teo::profile

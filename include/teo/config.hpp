@@ -10,7 +10,6 @@
 
 namespace teo {
 
-enum class Activation { relu, gelu, gelu_tanh };
 enum class Positional { sinusoidal, learned };
 enum class Pooling { mean, cls, max };
 

@@ -6,6 +6,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "teo/types.hpp"
+
 namespace teo {
 
 class Error : public std::runtime_error {
@@ -45,8 +47,6 @@ class FormatError : public Error {
  public:
   using Error::Error;
 };
-
-using index_t = std::int64_t;
 
 // a * b, or ShapeError naming `what` when the product leaves [0, INT64_MAX].
 inline index_t checked_mul(index_t a, index_t b, const std::string& what) {

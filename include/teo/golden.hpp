@@ -30,6 +30,9 @@ struct Case {
   // CASE.json: the config keys plus "case": {batch, seq_len, lengths?, dtype, seed}. Throws
   // ConfigError naming the bad key, ShapeError for sizes the config cannot take.
   static Case from_json(const nlohmann::json& j);
+  // CASE.json read from `path`: FileError when it cannot be read, and the errors of from_json
+  // with the path in front.
+  static Case from_file(const std::string& path);
   nlohmann::json case_json() const;  // the "case" object, lengths always spelled out
 };
 
@@ -106,5 +109,18 @@ std::string json_report(const std::vector<CaseReport>& reports);
 // The stage a tensor name belongs to, as printed in "first divergence": "layers.0.probs" for
 // "act.layers.0.probs", "grad.head.weight" for a gradient.
 std::string stage_name(const std::string& tensor_name);
+
+// The symbolic shape of a contract name, as a student writes it: "(B, H, S, S)" for
+// "act.layers.0.probs" or "grad.act.layers.0.probs", "(F, D)" for "layers.0.fc1.weight" or
+// "grad.layers.0.fc1.weight".
+std::string symbolic_shape(const std::string& tensor_name);
+
+// The verdict over a check's reports: exit 0 when every checked tensor passed and at least one
+// was checked (and, with require_all, none was left unchecked), else 1.
+struct Verdict {
+  int exit_code = 0;
+  std::string reason;  // why it fails when no tensor failed ("" otherwise: the report says)
+};
+Verdict verdict(const std::vector<CaseReport>& reports, bool require_all);
 
 }  // namespace teo::golden

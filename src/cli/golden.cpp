@@ -1,6 +1,4 @@
-#include "cli/golden.hpp"
-
-#include <fstream>
+#include "cli/commands.hpp"
 
 #include <nlohmann/json.hpp>
 
@@ -21,22 +19,7 @@ int run_golden_generate(const GoldenGenerateOptions& opts, std::ostream& out) {
   if (opts.config_path.empty() || opts.out_path.empty()) {
     throw ConfigError("golden generate needs both --config CASE.json and --out FILE");
   }
-  std::ifstream in(opts.config_path, std::ios::binary);
-  if (!in) throw FileError(opts.config_path + ": cannot open for reading");
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(in);
-  } catch (const nlohmann::json::exception& e) {
-    throw ConfigError(opts.config_path + ": not valid JSON: " + e.what());
-  }
-  golden::Case c;
-  try {
-    c = golden::Case::from_json(j);
-  } catch (const ConfigError& e) {
-    throw ConfigError(opts.config_path + ": " + e.what());
-  } catch (const ShapeError& e) {
-    throw ShapeError(opts.config_path + ": " + e.what());
-  }
+  const golden::Case c = golden::Case::from_file(opts.config_path);
   const std::string bytes = safetensors::serialize(golden::make(c));
   write_file_atomic(opts.out_path, bytes, opts.force);
   out << "wrote " << opts.out_path << " (" << bytes.size() << " bytes)\n";
@@ -61,22 +44,9 @@ int run_golden_check(const GoldenCheckOptions& opts, std::ostream& out) {
   if (!opts.json_path.empty()) {
     write_file_atomic(opts.json_path, golden::json_report(reports), true);
   }
-  int failed = 0, passed = 0, not_checked = 0;
-  for (const auto& r : reports) {
-    failed += r.failed;
-    passed += r.passed;
-    not_checked += r.not_checked;
-  }
-  if (failed > 0) return 1;
-  if (passed == 0) {
-    out << "nothing was checked: the candidate holds none of the golden's tensors\n";
-    return 1;
-  }
-  if (opts.require_all && not_checked > 0) {
-    out << not_checked << " tensor(s) not checked, and --require-all was given\n";
-    return 1;
-  }
-  return 0;
+  const golden::Verdict v = golden::verdict(reports, opts.require_all);
+  if (!v.reason.empty()) out << v.reason << "\n";
+  return v.exit_code;
 }
 
 }  // namespace teo::cli

@@ -13,10 +13,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
-#include "cli/bench.hpp"
-#include "cli/golden.hpp"
-#include "cli/shapes.hpp"
-#include "cli/train.hpp"
+#include "cli/commands.hpp"
 #include "teo/backend.hpp"
 #include "teo/errors.hpp"
 
@@ -163,16 +160,9 @@ int main(int argc, char** argv) {
       if (backend_flag.empty() && !std::getenv("TEO_BACKEND")) {
         teo::set_backend(teo::Backend::simd);  // training runs the fast path by default
       }
-      nlohmann::json given = nlohmann::json::object();
-      if (!train_config.empty()) {
-        std::ifstream in(train_config);
-        try {
-          given = nlohmann::json::parse(in);
-        } catch (const nlohmann::json::exception& e) {
-          throw teo::ConfigError(train_config + ": not valid JSON: " + e.what());
-        }
-        if (!given.is_object()) throw teo::ConfigError(train_config + ": not a JSON object");
-      }
+      nlohmann::json given = train_config.empty()
+                                 ? nlohmann::json::object()
+                                 : teo::train::TrainOptions::read_keys(train_config);
       for (const auto& [key, option] : train_flag_options) {
         if (option->count())
           given[key->key] = teo::train::parse_flag_value(*key, train_flags[key->key]);

@@ -1,4 +1,4 @@
-#include "cli/plot.hpp"
+#include "cli/commands.hpp"
 
 #include <fcntl.h>
 #include <spawn.h>

@@ -1,4 +1,4 @@
-#include "cli/shapes.hpp"
+#include "cli/commands.hpp"
 
 #include <algorithm>
 #include <iomanip>
@@ -12,30 +12,6 @@
 namespace teo::cli {
 
 namespace {
-
-// The symbolic shape of a named activation, as a student writes it.
-std::string symbolic_act(const std::string& name) {
-  if (name == "positional") return "(S, D)";
-  if (name == "pooled") return "(B, D)";
-  if (name == "logits") return "(B, C)";
-  if (name == "loss") return "()";
-  if (name.ends_with(".q") || name.ends_with(".k") || name.ends_with(".v")) return "(B, H, S, Dh)";
-  if (name.ends_with(".scores") || name.ends_with(".probs")) return "(B, H, S, S)";
-  if (name.ends_with(".ffn_pre") || name.ends_with(".ffn_hidden")) return "(B, S, F)";
-  return "(B, S, D)";
-}
-
-std::string symbolic_param(const std::string& name) {
-  if (name == "embedding.weight") return "(V, D)";
-  if (name == "pos_embedding.weight") return "(max_len, D)";
-  if (name == "head.weight") return "(C, D)";
-  if (name == "head.bias") return "(C)";
-  if (name.ends_with("fc1.weight")) return "(F, D)";
-  if (name.ends_with("fc1.bias")) return "(F)";
-  if (name.ends_with("fc2.weight")) return "(D, F)";
-  if (name.ends_with(".weight") && name.find("attn") != std::string::npos) return "(D, D)";
-  return "(D)";
-}
 
 template <class Real>
 int run(const EncoderConfig& cfg, const ShapesOptions& o, std::ostream& out) {
@@ -61,16 +37,16 @@ int run(const EncoderConfig& cfg, const ShapesOptions& o, std::ostream& out) {
   row("input.tokens", "(B, S)", Shape({o.batch, o.seq_len}));
   row("input.lengths", "(B)", Shape({o.batch}));
   acts.visit([&](const std::string& n, const Tensor<Real>& t) {
-    row("act." + n, symbolic_act(n), t.shape());
+    row("act." + n, golden::symbolic_shape("act." + n), t.shape());
   });
   out << "  loss = " << std::setprecision(17) << acts.loss[0] << "\n\nbackward\n";
   std::vector<std::pair<std::string, Shape>> rev;
   dacts.visit([&](const std::string& n, const Tensor<Real>& t) { rev.emplace_back(n, t.shape()); });
   for (auto it = rev.rbegin(); it != rev.rend(); ++it)
-    row("grad.act." + it->first, symbolic_act(it->first), it->second);
+    row("grad.act." + it->first, golden::symbolic_shape("act." + it->first), it->second);
   out << "\nparameter gradients\n";
   grads.visit([&](const std::string& n, const Tensor<Real>& t) {
-    row("grad." + n, symbolic_param(n), t.shape());
+    row("grad." + n, golden::symbolic_shape(n), t.shape());
   });
   return 0;
 }

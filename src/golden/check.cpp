@@ -212,6 +212,22 @@ CaseReport check(const File& golden, const File& candidate, const CheckOptions& 
   return rep;
 }
 
+Verdict verdict(const std::vector<CaseReport>& reports, bool require_all) {
+  int failed = 0, passed = 0, not_checked = 0;
+  for (const auto& r : reports) {
+    failed += r.failed;
+    passed += r.passed;
+    not_checked += r.not_checked;
+  }
+  if (failed > 0) return {1, ""};  // the report names them
+  if (passed == 0)
+    return {1, "nothing was checked: the candidate holds none of the golden's tensors"};
+  if (require_all && not_checked > 0) {
+    return {1, std::to_string(not_checked) + " tensor(s) not checked, and --require-all was given"};
+  }
+  return {};
+}
+
 std::vector<CaseReport> check_paths(const std::string& golden, const std::string& candidate,
                                     const CheckOptions& opts) {
   namespace fs = std::filesystem;

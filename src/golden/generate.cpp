@@ -188,6 +188,48 @@ json parse_json(const std::string& text, const std::string& path) {
 
 }  // namespace
 
+Case Case::from_file(const std::string& path) {
+  const json j = parse_json(read_text(path), path);
+  try {
+    return from_json(j);
+  } catch (const ConfigError& e) {
+    throw ConfigError(path + ": " + e.what());
+  } catch (const ShapeError& e) {
+    throw ShapeError(path + ": " + e.what());
+  }
+}
+
+std::string symbolic_shape(const std::string& tensor_name) {
+  std::string n = tensor_name;
+  for (const char* prefix : {"grad.act.", "act.", "grad.", "param."}) {
+    if (n.starts_with(prefix)) {
+      const bool act = std::string(prefix).find("act.") != std::string::npos;
+      n = n.substr(std::string(prefix).size());
+      if (act) {
+        if (n == "positional") return "(S, D)";
+        if (n == "pooled") return "(B, D)";
+        if (n == "logits" || n == "class_probs") return "(B, C)";
+        if (n == "loss") return "()";
+        if (n.ends_with(".q") || n.ends_with(".k") || n.ends_with(".v")) return "(B, H, S, Dh)";
+        if (n.ends_with(".scores") || n.ends_with(".probs")) return "(B, H, S, S)";
+        if (n.ends_with(".ffn_pre") || n.ends_with(".ffn_hidden")) return "(B, S, F)";
+        if (n.ends_with("_mean") || n.ends_with("_rstd")) return "(B*S)";
+        return "(B, S, D)";
+      }
+      break;
+    }
+  }
+  if (n == "embedding.weight") return "(V, D)";
+  if (n == "pos_embedding.weight") return "(max_len, D)";
+  if (n == "head.weight") return "(C, D)";
+  if (n == "head.bias") return "(C)";
+  if (n.ends_with("fc1.weight")) return "(F, D)";
+  if (n.ends_with("fc1.bias")) return "(F)";
+  if (n.ends_with("fc2.weight")) return "(D, F)";
+  if (n.ends_with(".weight") && n.find("attn") != std::string::npos) return "(D, D)";
+  return "(D)";
+}
+
 Case Case::from_json(const json& j) {
   if (!j.is_object()) throw ConfigError("a case file must be a JSON object");
   if (!j.contains("case")) throw ConfigError("the case file has no \"case\" object");

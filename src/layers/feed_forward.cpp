@@ -24,7 +24,7 @@ void activation_forward(Real* out, const Real* in, index_t n, Activation act) {
   if (backend() != Backend::reference) {
     const auto& vk = detail::vector_kernels<Real>();
     detail::for_blocks(n, 4096, [&](index_t i0, index_t i1) {
-      vk.activation_forward(out + i0, in + i0, i1 - i0, static_cast<int>(act));
+      vk.activation_forward(out + i0, in + i0, i1 - i0, act);
     });
     return;
   }
@@ -56,8 +56,7 @@ void activation_backward(Real* din, const Real* dout, const Real* in, index_t n,
   if (backend() != Backend::reference) {
     const auto& vk = detail::vector_kernels<Real>();
     detail::for_blocks(n, 4096, [&](index_t i0, index_t i1) {
-      vk.activation_backward(din + i0, dout + i0, in + i0, i1 - i0, static_cast<int>(act),
-                             accumulate);
+      vk.activation_backward(din + i0, dout + i0, in + i0, i1 - i0, act, accumulate);
     });
     return;
   }

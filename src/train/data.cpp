@@ -214,6 +214,20 @@ Batch make_batch(const Vocab& vocab, const std::vector<const Example*>& examples
   return b;
 }
 
+Batch encode_words(const Vocab& vocab, const std::vector<std::string>& words, index_t max_len) {
+  std::vector<Example> ex;
+  for (const auto& w : words) {
+    bool ok = true;
+    auto cps = utf8_decode(w, &ok);
+    if (!ok) throw InputError("word \"" + w + "\" is not valid UTF-8");
+    if (cps.empty()) throw InputError("an empty word cannot be classified");
+    ex.push_back({std::move(cps), 0});
+  }
+  std::vector<const Example*> ptrs;
+  for (const auto& e : ex) ptrs.push_back(&e);
+  return make_batch(vocab, ptrs, max_len);
+}
+
 namespace {
 
 // A permutation of [0, n) for one epoch, from the seed (Fisher-Yates over the counter generator).

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <fstream>
 
 namespace teo::train {
 
@@ -98,6 +99,19 @@ json parse_flag_value(const TrainKey& key, const std::string& text) {
                      : type == "real" ? "a number"
                                       : "true or false") +
                     ", got \"" + text + "\"");
+}
+
+json TrainOptions::read_keys(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) throw FileError(path + ": cannot open for reading");
+  json j;
+  try {
+    j = json::parse(in);
+  } catch (const json::exception& e) {
+    throw ConfigError(path + ": not valid JSON: " + e.what());
+  }
+  if (!j.is_object()) throw ConfigError(path + ": not a JSON object");
+  return j;
 }
 
 void TrainOptions::apply_json(const json& j) {

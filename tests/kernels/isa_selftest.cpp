@@ -163,11 +163,12 @@ std::vector<Real> run_all_raw(const IsaKernels& k) {
     for (index_t j = 0; j < n; j += 5) x[j] = specials[(j / 5) % 4];
     for (int fn = 0; fn < 3; ++fn) {
       mark(out.size(), "math/activation fn " + std::to_string(fn) + " n " + std::to_string(n));
-      v.math(y.data(), x.data(), n, fn);
+      v.math(y.data(), x.data(), n, static_cast<teo::MathFn>(fn));
       out.insert(out.end(), y.begin(), y.end());
-      v.activation_forward(y.data(), x.data(), n, fn);
+      v.activation_forward(y.data(), x.data(), n, static_cast<teo::Activation>(fn));
       out.insert(out.end(), y.begin(), y.end());
-      v.activation_backward(d.data(), g.data(), x.data(), n, fn, true);
+      v.activation_backward(d.data(), g.data(), x.data(), n, static_cast<teo::Activation>(fn),
+                            true);
       out.insert(out.end(), d.begin(), d.end());
     }
     x = finite;

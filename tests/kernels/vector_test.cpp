@@ -66,7 +66,7 @@ TYPED_TEST(VectorKernels, ElementaryFunctionsAreAccurate) {
     for (int fn = 0; fn < 3; ++fn) {
       const auto x = fn == 0 ? inputs<Real>(-big - 20, big + 1) : inputs<Real>(-7, 7);
       std::vector<Real> y(x.size());
-      k.math(y.data(), x.data(), static_cast<index_t>(x.size()), fn);
+      k.math(y.data(), x.data(), static_cast<index_t>(x.size()), static_cast<teo::MathFn>(fn));
       double worst = 0;
       for (std::size_t e = 0; e < x.size(); ++e) {
         const double xd = x[e];
@@ -101,9 +101,10 @@ TYPED_TEST(VectorKernels, NaNPropagatesInEveryLane) {
   for (Isa i : supported_isas()) {
     const auto& k = table<Real>(i);
     for (int fn = 0; fn < 3; ++fn) {
-      k.math(y.data(), x.data(), 64, fn);
+      k.math(y.data(), x.data(), 64, static_cast<teo::MathFn>(fn));
       for (Real v : y) EXPECT_TRUE(std::isnan(v)) << to_string(i) << " fn " << fn;
-      k.activation_forward(y.data(), x.data(), 64, fn);  // relu(NaN) = NaN, like PyTorch
+      k.activation_forward(y.data(), x.data(), 64,
+                           static_cast<teo::Activation>(fn));  // relu(NaN) = NaN, like PyTorch
       for (Real v : y) EXPECT_TRUE(std::isnan(v)) << to_string(i) << " activation " << fn;
     }
   }
@@ -143,20 +144,24 @@ TYPED_TEST(VectorKernels, EveryIsaMatchesScalarBitForBit) {
       for (const std::vector<Real>* in : {&x, static_cast<const std::vector<Real>*>(&xs)}) {
         for (int fn = 0; fn < 3; ++fn) {
           std::vector<Real> a(n), b(n);
-          k.math(a.data(), in->data(), n, fn);
-          s.math(b.data(), in->data(), n, fn);
+          k.math(a.data(), in->data(), n, static_cast<teo::MathFn>(fn));
+          s.math(b.data(), in->data(), n, static_cast<teo::MathFn>(fn));
           same(a, b, "math");
-          k.activation_forward(a.data(), in->data(), n, fn);
-          s.activation_forward(b.data(), in->data(), n, fn);
+          k.activation_forward(a.data(), in->data(), n, static_cast<teo::Activation>(fn));
+          s.activation_forward(b.data(), in->data(), n, static_cast<teo::Activation>(fn));
           same(a, b, "activation_forward");
           std::vector<Real> da(g), db(g);
-          k.activation_backward(da.data(), g.data(), in->data(), n, fn, true);
-          s.activation_backward(db.data(), g.data(), in->data(), n, fn, true);
+          k.activation_backward(da.data(), g.data(), in->data(), n,
+                                static_cast<teo::Activation>(fn), true);
+          s.activation_backward(db.data(), g.data(), in->data(), n,
+                                static_cast<teo::Activation>(fn), true);
           same(da, db, "activation_backward");
           // Overwriting never reads din and gives the bits of accumulating into zeros.
           std::vector<Real> zeros(n, Real(0)), poisoned(n, Real(1e30));
-          k.activation_backward(zeros.data(), g.data(), in->data(), n, fn, true);
-          k.activation_backward(poisoned.data(), g.data(), in->data(), n, fn, false);
+          k.activation_backward(zeros.data(), g.data(), in->data(), n,
+                                static_cast<teo::Activation>(fn), true);
+          k.activation_backward(poisoned.data(), g.data(), in->data(), n,
+                                static_cast<teo::Activation>(fn), false);
           same(zeros, poisoned, "activation_backward overwriting");
         }
       }

@@ -69,6 +69,10 @@ class Vocab {
 // Pads a list of examples to the longest one: tokens (B, S), lengths, labels.
 Batch make_batch(const Vocab& vocab, const std::vector<const Example*>& examples, index_t max_len);
 
+// Words given as UTF-8 text, as a batch to classify (labels 0). InputError naming a word that is
+// empty or not valid UTF-8.
+Batch encode_words(const Vocab& vocab, const std::vector<std::string>& words, index_t max_len);
+
 // The micro-batches of one epoch, as indices into `set`: the shuffled words are cut into windows
 // of 50 batches, each window is sorted by word length and sliced into batches of batch_size (so
 // that a batch pads little), and the batches are shuffled again. Everything follows from

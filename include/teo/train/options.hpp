@@ -52,6 +52,9 @@ struct TrainOptions {
   // which the data decides; training keys as in to_json()). ConfigError on unknown keys, wrong
   // types and out-of-range values.
   void apply_json(const nlohmann::json& j);
+  // The JSON object in `path`, as the keys the user gave: FileError when it cannot be read,
+  // ConfigError naming the path when it is not a JSON object. (apply_json applies it.)
+  static nlohmann::json read_keys(const std::string& path);
   nlohmann::json to_json() const;  // the training keys
   void validate() const;
 };

@@ -7,9 +7,9 @@
 
 #include <cstdint>
 
-namespace teo::simd {
+#include "teo/types.hpp"
 
-using index_t = std::int64_t;
+namespace teo::simd {
 
 // How the micro-kernel starts its accumulators: from zero (C is never read), from C, or from
 // beta * C.
@@ -45,10 +45,10 @@ struct GemmKernel {
 // The non-GEMM stages' kernels (simd/vector_kernels.hpp), per row or per element range.
 template <class Real>
 struct VectorKernels {
-  void (*activation_forward)(Real* out, const Real* in, index_t n, int act);
+  void (*activation_forward)(Real* out, const Real* in, index_t n, Activation act);
   // din = (accumulate ? din : +0) + act'(in) * dout
-  void (*activation_backward)(Real* din, const Real* dout, const Real* in, index_t n, int act,
-                              bool accumulate);
+  void (*activation_backward)(Real* din, const Real* dout, const Real* in, index_t n,
+                              Activation act, bool accumulate);
   void (*softmax_forward_row)(Real* prow, const Real* srow, index_t visible, index_t n);
   void (*softmax_backward_row)(Real* dsrow, const Real* prow, const Real* dprow, index_t n);
   void (*layer_norm_forward_row)(Real* y, Real* mean, Real* rstd, const Real* x, const Real* w,
@@ -58,8 +58,8 @@ struct VectorKernels {
   void (*layer_norm_param_grads)(Real* dw, Real* db, const Real* g, const Real* x, const Real* mean,
                                  const Real* rstd, index_t rows, index_t cols, index_t c0,
                                  index_t c1);
-  // The elementary functions themselves (fn: 0 exp, 1 erf, 2 tanh), for testing their accuracy.
-  void (*math)(Real* out, const Real* in, index_t n, int fn);
+  // The elementary functions themselves, for testing their accuracy.
+  void (*math)(Real* out, const Real* in, index_t n, MathFn fn);
 };
 
 struct IsaKernels {

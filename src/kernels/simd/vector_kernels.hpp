@@ -63,16 +63,16 @@ struct Kernels {
   template <class VV>
   using M = Math<Real, typename VV::arch>;
 
-  // out = act(in) element-wise (0 relu, 1 gelu, 2 gelu_tanh), in the reference's operation order.
-  static void activation_forward(Real* out, const Real* in, index_t n, int act) {
+  // out = act(in) element-wise, in the reference's operation order.
+  static void activation_forward(Real* out, const Real* in, index_t n, Activation act) {
     for_each_vec_wide<Real, Arch>(n, [&]<class VV>(index_t j) {
       using B = typename VV::B;
       const B x = VV::load(in + j);
       const B half = VV::set1(Real(0.5)), one = VV::set1(Real(1));
       B y;
-      if (act == 0) {
+      if (act == Activation::relu) {
         y = VV::select(VV::isnan(x), x, VV::select(x > VV::set1(Real(0)), x, VV::set1(Real(0))));
-      } else if (act == 1) {
+      } else if (act == Activation::gelu) {
         y = half * x * (one + M<VV>::erf(x * VV::set1(static_cast<Real>(0.70710678118654752440))));
       } else {
         const B inner = VV::set1(static_cast<Real>(0.79788456080286535588)) *
@@ -85,16 +85,16 @@ struct Kernels {
 
   // din += act'(in) * dout, with relu'(0) = 0; without `accumulate`, din = +0 + act'(in) * dout
   // (din is not read).
-  static void activation_backward(Real* din, const Real* dout, const Real* in, index_t n, int act,
-                                  bool accumulate) {
+  static void activation_backward(Real* din, const Real* dout, const Real* in, index_t n,
+                                  Activation act, bool accumulate) {
     for_each_vec_wide<Real, Arch>(n, [&]<class VV>(index_t j) {
       using B = typename VV::B;
       const B x = VV::load(in + j);
       const B half = VV::set1(Real(0.5)), one = VV::set1(Real(1));
       B g;
-      if (act == 0) {
+      if (act == Activation::relu) {
         g = VV::select(x > VV::set1(Real(0)), one, VV::set1(Real(0)));
-      } else if (act == 1) {
+      } else if (act == Activation::gelu) {
         const B cdf =
             half * (one + M<VV>::erf(x * VV::set1(static_cast<Real>(0.70710678118654752440))));
         const B pdf =
@@ -212,10 +212,12 @@ struct Kernels {
     }
   }
 
-  static void math(Real* out, const Real* in, index_t n, int fn) {
+  static void math(Real* out, const Real* in, index_t n, MathFn fn) {
     for_each_vec<Real, Arch>(n, [&]<class VV>(index_t j) {
       const auto x = VV::load(in + j);
-      VV::store(out + j, fn == 0 ? M<VV>::exp(x) : fn == 1 ? M<VV>::erf(x) : M<VV>::tanh(x));
+      VV::store(out + j, fn == MathFn::exp   ? M<VV>::exp(x)
+                         : fn == MathFn::erf ? M<VV>::erf(x)
+                                             : M<VV>::tanh(x));
     });
   }
 

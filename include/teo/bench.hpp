@@ -1,0 +1,45 @@
+// Timing the encoder: the benchmark presets, the FLOP convention, and a measurement of forward
+// and forward+backward with the per-stage times of teo/profile.hpp. `teo bench` prints it.
+#pragma once
+
+#include <map>
+#include <string>
+#include <vector>
+
+#include "teo/config.hpp"
+#include "teo/profile.hpp"
+
+namespace teo::bench {
+
+struct Preset {
+  EncoderConfig config;
+  index_t batch = 0, seq_len = 0;
+};
+
+// "bert-base" (2 layers of BERT-base, B 8, S 128) or "small" (4 layers of width 256, B 32, S 64);
+// ConfigError naming any other name.
+Preset preset(const std::string& name);
+
+// Forward FLOPs of the whole stack by the project's convention: per layer
+// 8 B S D^2 + 4 B S^2 D + 4 B S D F; forward+backward is 3x that.
+double forward_flops(const EncoderConfig& cfg, index_t batch, index_t seq_len);
+
+// The GEMM FLOPs of each timed stage that has them, per run (backward stages do twice as many as
+// their forward ones).
+std::map<profile::Stage, double> stage_flops(const EncoderConfig& cfg, index_t batch,
+                                             index_t seq_len);
+
+struct Result {
+  std::vector<double> fwd_ms, fwd_bwd_ms;  // one per timed run
+  std::vector<profile::Timing> stages;     // summed over the timed runs
+  double flops = 0;                        // forward_flops of the preset
+};
+
+// `warmup` untimed runs, then `repeats` timed runs of forward and backward on the current
+// backend, ISA and thread count. ConfigError when repeats < 1 or warmup < 0.
+template <class Real>
+Result measure(const Preset& p, int repeats, int warmup);
+
+double median(std::vector<double> v);
+
+}  // namespace teo::bench

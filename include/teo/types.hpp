@@ -1,0 +1,17 @@
+// The vocabulary every part of teo shares: the index type and the enums that name a choice. It
+// declares no function, so the per-ISA kernel translation units include it too.
+#pragma once
+
+#include <cstdint>
+
+namespace teo {
+
+using index_t = std::int64_t;  // sizes, indices and strides
+
+// The feed-forward activation: relu, exact gelu (erf), or gelu with the tanh approximation.
+enum class Activation { relu, gelu, gelu_tanh };
+
+// The elementary functions the vector kernels implement, as the accuracy tests call them.
+enum class MathFn { exp, erf, tanh };
+
+}  // namespace teo

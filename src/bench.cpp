@@ -1,0 +1,104 @@
+#include "teo/bench.hpp"
+
+#include <algorithm>
+#include <chrono>
+
+#include "teo/model.hpp"
+
+namespace teo::bench {
+
+Preset preset(const std::string& name) {
+  Preset p;
+  EncoderConfig& c = p.config;
+  c.activation = Activation::gelu;
+  c.norm_first = false;
+  c.num_classes = 2;
+  c.vocab_size = 30522;
+  if (name == "bert-base") {
+    c.d_model = 768;
+    c.num_heads = 12;
+    c.d_ff = 3072;
+    c.num_layers = 2;
+    p.batch = 8;
+    p.seq_len = 128;
+  } else if (name == "small") {
+    c.d_model = 256;
+    c.num_heads = 8;
+    c.d_ff = 1024;
+    c.num_layers = 4;
+    p.batch = 32;
+    p.seq_len = 64;
+  } else {
+    throw ConfigError("preset must be bert-base or small, got \"" + name + "\"");
+  }
+  c.max_len = p.seq_len;
+  c.validate();
+  return p;
+}
+
+double forward_flops(const EncoderConfig& c, index_t batch, index_t seq_len) {
+  const double B = static_cast<double>(batch), S = static_cast<double>(seq_len);
+  const double D = static_cast<double>(c.d_model), F = static_cast<double>(c.d_ff);
+  return static_cast<double>(c.num_layers) *
+         (8 * B * S * D * D + 4 * B * S * S * D + 4 * B * S * D * F);
+}
+
+std::map<profile::Stage, double> stage_flops(const EncoderConfig& c, index_t batch,
+                                             index_t seq_len) {
+  using profile::Stage;
+  const double L = static_cast<double>(c.num_layers), N = static_cast<double>(batch * seq_len);
+  const double D = static_cast<double>(c.d_model), F = static_cast<double>(c.d_ff);
+  const double S = static_cast<double>(seq_len), B = static_cast<double>(batch);
+  const double qkv = L * 6 * N * D * D, out = L * 2 * N * D * D, att = L * 4 * B * S * S * D;
+  const double fc1 = L * 2 * N * D * F, fc2 = L * 2 * N * F * D;
+  return {{Stage::qkv_proj, qkv},         {Stage::out_proj, out},
+          {Stage::attention, att},        {Stage::ffn_fc1, fc1},
+          {Stage::ffn_fc2, fc2},          {Stage::bwd_qkv_proj, 2 * qkv},
+          {Stage::bwd_out_proj, 2 * out}, {Stage::bwd_attention, 2 * att},
+          {Stage::bwd_ffn_fc1, 2 * fc1},  {Stage::bwd_ffn_fc2, 2 * fc2}};
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+template <class Real>
+Result measure(const Preset& p, int repeats, int warmup) {
+  if (repeats < 1) throw ConfigError("repeats must be >= 1, got " + std::to_string(repeats));
+  if (warmup < 0) throw ConfigError("warmup must be >= 0, got " + std::to_string(warmup));
+  const Batch data = Batch::random(p.config, p.batch, p.seq_len, 1);
+  const auto params = Params<Real>::init(p.config, 0);
+  Activations<Real> acts, dacts;
+  Params<Real> grads;
+  Result r;
+  using clock = std::chrono::steady_clock;
+  const auto ms = [](clock::duration d) {
+    return std::chrono::duration<double, std::milli>(d).count();
+  };
+  for (int rep = 0; rep < warmup + repeats; ++rep) {
+    const bool timed = rep >= warmup;
+    if (rep == warmup) profile::reset();
+    profile::set_enabled(timed);
+    const auto t0 = clock::now();
+    forward(params, data, acts);
+    const auto t1 = clock::now();
+    backward(params, data, acts, grads, dacts);
+    const auto t2 = clock::now();
+    profile::set_enabled(false);
+    if (timed) {
+      r.fwd_ms.push_back(ms(t1 - t0));
+      r.fwd_bwd_ms.push_back(ms(t2 - t0));
+    }
+  }
+  r.stages = profile::timings();
+  r.flops = forward_flops(p.config, p.batch, p.seq_len);
+  return r;
+}
+
+template Result measure<float>(const Preset&, int, int);
+template Result measure<double>(const Preset&, int, int);
+
+}  // namespace teo::bench

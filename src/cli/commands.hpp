@@ -1,0 +1,62 @@
+// The `teo` command's subcommands. Each returns the process exit code: 0 success, 1 a failed
+// check; a teo::Error propagates, and main() prints it and exits 2.
+#pragma once
+
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "teo/golden.hpp"
+#include "teo/train/options.hpp"
+
+namespace teo::cli {
+
+// `teo shapes`: every stage's shape, forward then backward.
+struct ShapesOptions {
+  std::string config_path;  // empty: the built-in default EncoderConfig
+  index_t batch = 2;
+  index_t seq_len = 0;  // 0: min(8, max_len)
+  std::string dtype = "float64";
+};
+int run_shapes(const ShapesOptions& opts, std::ostream& out);
+
+// `teo bench`: forward and forward+backward on a preset, per stage, with GFLOP/s.
+struct BenchOptions {
+  std::string preset = "small";  // "bert-base" or "small"
+  std::string dtype = "float32";
+  int repeats = 5;
+  int warmup = 1;
+  bool json = false;
+};
+int run_bench(const BenchOptions& opts, std::ostream& out);
+
+// `teo golden generate` and `teo golden check`.
+struct GoldenGenerateOptions {
+  std::string config_path;  // one case: CASE.json ...
+  std::string out_path;     // ... written here
+  std::string corpus_dir;   // or: regenerate <dir>/cases.json into <dir>
+  bool force = false;       // overwrite an existing --out file
+};
+int run_golden_generate(const GoldenGenerateOptions& opts, std::ostream& out);
+
+struct GoldenCheckOptions {
+  std::string golden, candidate;
+  std::string only = "all";  // all | forward | backward
+  std::string junit_path, json_path;
+  bool require_all = false;  // a tensor that is not checked counts as a failure
+  golden::CheckOptions tolerances;
+};
+int run_golden_check(const GoldenCheckOptions& opts, std::ostream& out);
+
+// `teo train` (or resume opts.resume) with progress lines, metrics.csv, checkpoints,
+// summary.json and curves.png in opts.out_dir; `teo predict` prints each word's language and
+// class probabilities from a checkpoint's evaluated weights.
+int run_train(const train::TrainOptions& opts, std::ostream& out);
+int run_predict(const std::string& checkpoint, const std::vector<std::string>& words,
+                std::ostream& out);
+
+// curves.png from metrics.csv with gnuplot, run without a shell; false when gnuplot is missing or
+// fails, and then no partial png is left behind.
+bool plot_curves(const std::string& csv, const std::string& png);
+
+}  // namespace teo::cli

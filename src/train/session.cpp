@@ -1,0 +1,140 @@
+#include "teo/train/session.hpp"
+
+#include <chrono>
+#include <filesystem>
+
+#include <nlohmann/json.hpp>
+
+#include "teo/files.hpp"
+
+namespace teo::train {
+
+namespace {
+
+double now_seconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+Dataset load_data(const TrainOptions& o) {
+  return load_words(o.data);
+}
+
+// The options completed by the data: vocab_size and num_classes.
+TrainOptions with_data(TrainOptions o, const Vocab& vocab) {
+  o.model.vocab_size = vocab.size();
+  o.model.num_classes = static_cast<index_t>(languages().size());
+  return o;
+}
+
+template <class Real>
+Trainer<Real> make_trainer(const TrainOptions& o, const Checkpoint* ck) {
+  if (!ck) return Trainer<Real>(o);
+  return Trainer<Real>(o, load_state<Real>(*ck), ck->position.micro_total);
+}
+
+}  // namespace
+
+template <class Real>
+Session<Real>::Session(const TrainOptions& options, const Checkpoint* ck)
+    : data_(load_data(options)),
+      vocab_(ck ? ck->vocab : Vocab::build(data_.train)),
+      trainer_(make_trainer<Real>(with_data(options, vocab_), ck)),
+      pos_(ck ? ck->position : Position{}),
+      metrics_((std::filesystem::path(options.out_dir) / "metrics.csv").string()) {
+  options_ = trainer_.options();
+  start_ = now_seconds();
+  std::filesystem::create_directories(options_.out_dir);
+  if (ck) metrics_.load();
+  if (!options_.trace.empty()) trace_.emplace(options_, trainer_.params());
+  const TrainOptions& o = options_;
+  micro_per_epoch_ = (static_cast<index_t>(data_.train.size()) + o.batch_size - 1) / o.batch_size;
+  steps_per_epoch_ = (micro_per_epoch_ + o.accum_steps - 1) / o.accum_steps;
+  total_steps_ = steps_per_epoch_ * o.epochs;
+  if (o.max_steps > 0) total_steps_ = std::min(total_steps_, o.max_steps);
+  first_step_ = pos_.step;
+  valid_ = batches_in_order(vocab_, data_.valid, o.eval_batch, o.model.max_len);
+}
+
+template <class Real>
+bool Session<Real>::done() const {
+  const index_t max_steps = options_.max_steps;
+  return pos_.epoch >= options_.epochs || pos_.step >= total_steps_ ||
+         (max_steps > 0 && pos_.step >= max_steps);
+}
+
+template <class Real>
+bool Session<Real>::epoch_done() const {
+  return pos_.micro >= micro_per_epoch_;
+}
+
+template <class Real>
+StepStats Session<Real>::step() {
+  const TrainOptions& o = options_;
+  if (order_epoch_ != pos_.epoch) {
+    order_ = epoch_batches(data_.train, o.batch_size, o.seed, pos_.epoch);
+    order_epoch_ = pos_.epoch;
+  }
+  const index_t n_micro = std::min(o.accum_steps, micro_per_epoch_ - pos_.micro);
+  std::vector<Batch> micro;
+  for (index_t m = 0; m < n_micro; ++m) {
+    std::vector<const Example*> ex;
+    for (std::size_t i : order_[static_cast<std::size_t>(pos_.micro + m)])
+      ex.push_back(&data_.train[i]);
+    micro.push_back(make_batch(vocab_, ex, o.model.max_len));
+  }
+  if (trace_) trace_->add_batches(pos_.step + 1, micro);
+  const StepStats s = trainer_.step(micro);
+  pos_ = {pos_.epoch, pos_.micro + n_micro, trainer_.steps(), trainer_.micro_batches_run()};
+  if (trace_) trace_->add_stats(pos_.step, s);
+  return s;
+}
+
+template <class Real>
+std::string Session<Real>::path_in_out_dir(const std::string& file) const {
+  return (std::filesystem::path(options_.out_dir) / file).string();
+}
+
+template <class Real>
+std::pair<Evaluation, std::string> Session<Real>::end_epoch() {
+  const Evaluation v = trainer_.evaluate(valid_);
+  metrics_.add("valid", pos_.epoch + 1, pos_.step, v.loss, v.accuracy,
+               learning_rate(options_.optim, pos_.step), 0);
+  pos_.epoch += 1;
+  pos_.micro = 0;
+  const std::string saved_at =
+      path_in_out_dir("checkpoint-epoch" + std::to_string(pos_.epoch) + ".safetensors");
+  save_checkpoint(saved_at, options_, vocab_, trainer_.state(), pos_);
+  save_latest();
+  return {v, saved_at};
+}
+
+template <class Real>
+std::string Session<Real>::save_latest() {
+  const std::string latest = path_in_out_dir("checkpoint.safetensors");
+  save_checkpoint(latest, options_, vocab_, trainer_.state(), pos_);
+  return latest;
+}
+
+template <class Real>
+Summary Session<Real>::finish() {
+  const TrainOptions& o = options_;
+  if (trace_) trace_->write(o.trace, trainer_.params(), pos_.step - first_step_);
+  Summary s;
+  s.test = trainer_.evaluate(batches_in_order(vocab_, data_.test, o.eval_batch, o.model.max_len));
+  NaiveBayes nb;
+  nb.fit(data_.train, static_cast<int>(languages().size()));
+  s.naive_bayes_accuracy = nb.accuracy(data_.test);
+  s.seconds = now_seconds() - start_;
+  const nlohmann::json summary = {
+      {"test_accuracy", s.test.accuracy}, {"naive_bayes_test_accuracy", s.naive_bayes_accuracy},
+      {"test_loss", s.test.loss},         {"steps", pos_.step},
+      {"epochs_completed", pos_.epoch},   {"seconds", s.seconds},
+      {"confusion", s.test.confusion},    {"languages", languages_json()}};
+  write_file_atomic(path_in_out_dir("summary.json"), summary.dump(2) + "\n", true);
+  return s;
+}
+
+template class Session<float>;
+template class Session<double>;
+
+}  // namespace teo::train

@@ -10,8 +10,11 @@ packages=(
   g++-aarch64-linux-gnu qemu-user
   wamerican wngerman wfrench wspanish witalian gnuplot-nox
 )
-# Tests: PyTorch (the second backend), clang with libFuzzer for the fuzz harnesses.
-if [ "${1:-}" = "--test" ]; then packages+=(python3-torch python3-numpy clang libclang-rt-14-dev); fi
+# Tests: PyTorch (the second backend), clang with libFuzzer for the fuzz harnesses, and
+# clang-format and clang-tidy for scripts/lint.sh.
+if [ "${1:-}" = "--test" ]; then
+  packages+=(python3-torch python3-numpy clang libclang-rt-14-dev clang-format clang-tidy)
+fi
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
-# The test job: install, build, and run the whole suite through ctest; then the same unit tests
+# The test job: install, build, check formatting and clang-tidy (scripts/lint.sh), and run the
+# whole suite through ctest; then the same unit tests
 # under AddressSanitizer and UndefinedBehaviorSanitizer (build-fuzz/), and each libFuzzer harness
 # for FUZZ_SECONDS (default 60) from its seed corpus (build-fuzz/). Any failure or crash fails.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh --test
 scripts/build.sh
+scripts/lint.sh build
 ctest --test-dir build --output-on-failure -j"$(nproc)"
 
 # ASan + UBSan: one clang build (build-fuzz/) holds the unit tests and the libFuzzer harnesses.

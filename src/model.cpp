@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "kernels/parallel.hpp"
+#include "model_internal.hpp"
 #include "teo/layers/attention.hpp"
 #include "teo/layers/cross_entropy.hpp"
 #include "teo/layers/dropout.hpp"
@@ -22,218 +23,6 @@
 namespace teo {
 
 using profile::Stage;
-
-// ---------------------------------------------------------------------------------------------
-// Batches
-
-namespace {
-
-// One length per sequence, each in [0, seq_len].
-void validate_lengths(const std::vector<std::int64_t>& lengths, index_t batch, index_t seq_len) {
-  if (lengths.size() != static_cast<std::size_t>(batch)) {
-    throw ShapeError("lengths has " + std::to_string(lengths.size()) +
-                     " elements, expected batch = " + std::to_string(batch));
-  }
-  for (std::size_t i = 0; i < lengths.size(); ++i) {
-    if (lengths[i] < 0 || lengths[i] > seq_len) {
-      throw ShapeError("lengths[" + std::to_string(i) + "] = " + std::to_string(lengths[i]) +
-                       " is outside [0, seq_len = " + std::to_string(seq_len) + "]");
-    }
-  }
-}
-
-}  // namespace
-
-Batch Batch::random(const EncoderConfig& cfg, index_t batch, index_t seq_len, std::uint64_t seed,
-                    std::vector<std::int64_t> lengths) {
-  cfg.validate();
-  validate_batch_shape(cfg, {batch, seq_len}, sizeof(double));
-  if (!lengths.empty()) validate_lengths(lengths, batch, seq_len);
-  Batch b;
-  b.batch = batch;
-  b.seq_len = seq_len;
-  b.lengths = lengths.empty() ? std::vector<std::int64_t>(static_cast<std::size_t>(batch), seq_len)
-                              : std::move(lengths);
-  b.tokens.resize(static_cast<std::size_t>(batch * seq_len));
-  b.labels.resize(static_cast<std::size_t>(batch));
-  const auto tok_stream = rng::stream_id("input.tokens");
-  const auto lab_stream = rng::stream_id("input.labels");
-  for (std::size_t i = 0; i < b.tokens.size(); ++i)
-    b.tokens[i] = static_cast<std::int64_t>(rng::bits(seed, tok_stream, i) %
-                                            static_cast<std::uint64_t>(cfg.vocab_size));
-  for (std::size_t i = 0; i < b.labels.size(); ++i)
-    b.labels[i] = static_cast<std::int64_t>(rng::bits(seed, lab_stream, i) %
-                                            static_cast<std::uint64_t>(cfg.num_classes));
-  validate_batch(cfg, b, sizeof(double));
-  return b;
-}
-
-void validate_batch(const EncoderConfig& cfg, const Batch& b, std::size_t real_size) {
-  validate_batch_shape(cfg, {b.batch, b.seq_len}, real_size);
-  const auto n = static_cast<std::size_t>(b.batch * b.seq_len);
-  if (b.tokens.size() != n) {
-    throw ShapeError("tokens has " + std::to_string(b.tokens.size()) +
-                     " elements, expected batch x seq_len = " + std::to_string(n));
-  }
-  if (b.labels.size() != static_cast<std::size_t>(b.batch)) {
-    throw ShapeError("labels has " + std::to_string(b.labels.size()) +
-                     " elements, expected batch = " + std::to_string(b.batch));
-  }
-  validate_lengths(b.lengths, b.batch, b.seq_len);
-  for (std::size_t i = 0; i < n; ++i) {
-    if (b.tokens[i] < 0 || b.tokens[i] >= cfg.vocab_size) {
-      throw InputError("tokens[" + std::to_string(i / b.seq_len) + "][" +
-                       std::to_string(i % b.seq_len) + "] = " + std::to_string(b.tokens[i]) +
-                       " is outside [0, vocab_size = " + std::to_string(cfg.vocab_size) + ")");
-    }
-  }
-  for (std::size_t i = 0; i < b.labels.size(); ++i) {
-    if (b.labels[i] < 0 || b.labels[i] >= cfg.num_classes) {
-      throw InputError("labels[" + std::to_string(i) + "] = " + std::to_string(b.labels[i]) +
-                       " is outside [0, num_classes = " + std::to_string(cfg.num_classes) + ")");
-    }
-  }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Parameters
-
-namespace {
-
-// The shape of parameter `name` under config c: the one place parameter shapes are defined.
-Shape param_shape(const EncoderConfig& c, const std::string& name) {
-  const index_t d = c.d_model, f = c.d_ff;
-  if (name == "embedding.weight") return Shape({c.vocab_size, d});
-  if (name == "pos_embedding.weight") return Shape({c.max_len, d});
-  if (name == "head.weight") return Shape({c.num_classes, d});
-  if (name == "head.bias") return Shape({c.num_classes});
-  if (name.ends_with("fc1.weight")) return Shape({f, d});
-  if (name.ends_with("fc1.bias")) return Shape({f});
-  if (name.ends_with("fc2.weight")) return Shape({d, f});
-  if (name.ends_with(".weight") && name.find(".attn.") != std::string::npos) return Shape({d, d});
-  return Shape({d});  // attention biases, LayerNorm weights and biases, fc2.bias
-}
-
-}  // namespace
-
-template <class Real>
-Params<Real> Params<Real>::zeros(const EncoderConfig& cfg) {
-  cfg.validate();
-  Params p;
-  p.config = cfg;
-  p.layers.resize(static_cast<std::size_t>(cfg.num_layers));
-  p.visit(
-      [&](const std::string& name, Tensor<Real>& t) { t = Tensor<Real>(param_shape(cfg, name)); });
-  return p;
-}
-
-template <class Real>
-Params<Real> Params<Real>::init(const EncoderConfig& cfg, std::uint64_t seed) {
-  Params p = zeros(cfg);
-  p.visit([&](const std::string& name, Tensor<Real>& t) {
-    const bool is_norm = name.find("norm") != std::string::npos;
-    if (is_norm) {
-      t.fill(name.ends_with(".weight") ? Real(1) : Real(0));
-      return;
-    }
-    double bound;
-    if (name == "embedding.weight" || name == "pos_embedding.weight") {
-      bound = std::sqrt(3.0);  // variance 1, like PyTorch's N(0, 1) embedding
-    } else {
-      // Linear: PyTorch's default bound 1 / sqrt(in_features) for weight and bias alike.
-      const index_t in_features = name.ends_with(".weight")               ? t.dim(1)
-                                  : name.find("fc2") != std::string::npos ? cfg.d_ff
-                                                                          : cfg.d_model;
-      bound = 1.0 / std::sqrt(static_cast<double>(in_features));
-    }
-    const std::uint64_t stream = rng::stream_id(name);
-    for (index_t i = 0; i < t.numel(); ++i) {
-      const double u = rng::uniform01(seed, stream, static_cast<std::uint64_t>(i));
-      t[i] = static_cast<Real>((2.0 * u - 1.0) * bound);
-    }
-  });
-  return p;
-}
-
-// ---------------------------------------------------------------------------------------------
-// Validation of what callers hand back to us
-
-namespace {
-
-void expect_shape(const std::string& what, const Shape& got, const Shape& want) {
-  if (!(got == want)) {
-    throw ShapeError(what + " has shape " + got.str() + ", expected " + want.str());
-  }
-}
-
-template <class T>
-void expect_size(const std::string& what, const std::vector<T>& v, index_t want, bool optional) {
-  if (optional && v.empty()) return;
-  if (static_cast<index_t>(v.size()) != want) {
-    throw ShapeError(what + " has " + std::to_string(v.size()) + " elements, expected " +
-                     std::to_string(want));
-  }
-}
-
-}  // namespace
-
-template <class Real>
-void validate_params(const Params<Real>& p) {
-  const EncoderConfig& c = p.config;
-  c.validate();
-  if (p.layers.size() != static_cast<std::size_t>(c.num_layers)) {
-    throw ShapeError("params has " + std::to_string(p.layers.size()) +
-                     " layers, config.num_layers is " + std::to_string(c.num_layers));
-  }
-  p.visit([&](const std::string& name, const Tensor<Real>& t) {
-    expect_shape("parameter " + name, t.shape(), param_shape(c, name));
-  });
-}
-
-template <class Real>
-void validate_activations(const EncoderConfig& c, const Batch& b, const Activations<Real>& a) {
-  const index_t B = b.batch, S = b.seq_len, D = c.d_model, H = c.num_heads, N = B * S;
-  if (a.norm_first != c.norm_first || a.layers.size() != static_cast<std::size_t>(c.num_layers)) {
-    throw ShapeError("activations were produced for a different config (norm_first or num_layers)");
-  }
-  a.visit([&](const std::string& name, const Tensor<Real>& t) {
-    Shape want;
-    if (name == "positional")
-      want = Shape({S, D});
-    else if (name == "pooled")
-      want = Shape({B, D});
-    else if (name == "logits")
-      want = Shape({B, c.num_classes});
-    else if (name == "loss")
-      want = Shape(std::vector<index_t>{});
-    else if (name.ends_with(".q") || name.ends_with(".k") || name.ends_with(".v"))
-      want = Shape({B, H, S, c.d_head()});
-    else if (name.ends_with(".scores") || name.ends_with(".probs"))
-      want = Shape({B, H, S, S});
-    else if (name.ends_with(".ffn_pre") || name.ends_with(".ffn_hidden"))
-      want = Shape({B, S, c.d_ff});
-    else
-      want = Shape({B, S, D});
-    expect_shape("activation " + name, t.shape(), want);
-  });
-  for (std::size_t i = 0; i < a.layers.size(); ++i) {
-    const auto& l = a.layers[i];
-    const std::string p = "layers." + std::to_string(i) + ".";
-    for (const auto* t : {&l.norm1_mean, &l.norm1_rstd, &l.norm2_mean, &l.norm2_rstd})
-      expect_shape("statistic " + p + "norm mean/rstd", t->shape(), Shape({N}));
-    expect_size("mask " + p + "attn", l.masks.attn, B * H * S * S, true);
-    expect_size("mask " + p + "residual1", l.masks.residual1, N * D, true);
-    expect_size("mask " + p + "ffn", l.masks.ffn, N * c.d_ff, true);
-    expect_size("mask " + p + "residual2", l.masks.residual2, N * D, true);
-  }
-  expect_size("mask input", a.input_mask, N * D, true);
-  if (c.norm_first) {
-    expect_shape("statistic final_norm mean", a.final_norm_mean.shape(), Shape({N}));
-    expect_shape("statistic final_norm rstd", a.final_norm_rstd.shape(), Shape({N}));
-  }
-  expect_shape("class_probs", a.class_probs.shape(), Shape({B, c.num_classes}));
-  if (c.pooling == Pooling::max) expect_size("pool_argmax", a.pool_argmax, B * D, false);
-}
 
 // ---------------------------------------------------------------------------------------------
 // Forward and backward
@@ -756,7 +545,7 @@ void backward(const Params<Real>& params, const Batch& batch, const Activations<
     grads.config = cfg;
     grads.layers.resize(static_cast<std::size_t>(cfg.num_layers));
     grads.visit([&](const std::string& name, Tensor<Real>& t) {
-      shape_as(t, param_shape(cfg, name), &zero);
+      shape_as(t, detail::param_shape(cfg, name), &zero);
     });
     allocate(dacts, cfg, d, &zero);
     zero_fill(zero);
@@ -806,16 +595,12 @@ void backward(const Params<Real>& params, const Batch& batch, const Activations<
 }
 
 #define TEO_INSTANTIATE(Real)                                                                \
-  template struct Params<Real>;                                                              \
   template void forward<Real>(const Params<Real>&, const Batch&, Activations<Real>&,         \
                               const ForwardOptions&);                                        \
   template void encoder_forward<Real>(const Params<Real>&, const Batch&, Activations<Real>&, \
                                       const ForwardOptions&);                                \
   template void backward<Real>(const Params<Real>&, const Batch&, const Activations<Real>&,  \
-                               Params<Real>&, Activations<Real>&);                           \
-  template void validate_params<Real>(const Params<Real>&);                                  \
-  template void validate_activations<Real>(const EncoderConfig&, const Batch&,               \
-                                           const Activations<Real>&);
+                               Params<Real>&, Activations<Real>&);
 TEO_INSTANTIATE(float)
 TEO_INSTANTIATE(double)
 

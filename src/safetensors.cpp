@@ -85,7 +85,6 @@ std::size_t dtype_size(DType d) {
     case DType::F32:
       return 4;
     case DType::F64:
-      return 8;
     case DType::I64:
       return 8;
     case DType::U8:

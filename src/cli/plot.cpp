@@ -30,6 +30,7 @@ std::string quoted(const std::string& s) {
 // Runs `argv` without a shell, its output discarded; true when it exits 0.
 bool run_quietly(std::vector<std::string> args) {
   std::vector<char*> argv;
+  argv.reserve(args.size() + 1);
   for (auto& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
   posix_spawn_file_actions_t actions;

@@ -224,6 +224,7 @@ Batch encode_words(const Vocab& vocab, const std::vector<std::string>& words, in
     ex.push_back({std::move(cps), 0});
   }
   std::vector<const Example*> ptrs;
+  ptrs.reserve(ex.size());
   for (const auto& e : ex) ptrs.push_back(&e);
   return make_batch(vocab, ptrs, max_len);
 }

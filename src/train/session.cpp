@@ -110,7 +110,7 @@ std::pair<Evaluation, std::string> Session<Real>::end_epoch() {
 
 template <class Real>
 std::string Session<Real>::save_latest() {
-  const std::string latest = path_in_out_dir("checkpoint.safetensors");
+  std::string latest = path_in_out_dir("checkpoint.safetensors");
   save_checkpoint(latest, options_, vocab_, trainer_.state(), pos_);
   return latest;
 }

@@ -13,7 +13,7 @@ packages=(
 # Tests: PyTorch (the second backend), clang with libFuzzer for the fuzz harnesses, and
 # clang-format and clang-tidy for scripts/lint.sh.
 if [ "${1:-}" = "--test" ]; then
-  packages+=(python3-torch python3-numpy clang libclang-rt-14-dev clang-format clang-tidy)
+  packages+=(python3-torch python3-numpy clang libclang-rt-14-dev clang-format clang-tidy zip unzip)
 fi
 missing=()
 for p in "${packages[@]}"; do

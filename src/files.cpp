@@ -55,4 +55,21 @@ void write_file_atomic(const std::string& path, std::string_view bytes, bool ove
   }
 }
 
+void ensure_writable_dir(const std::string& dir) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::path d = dir.empty() ? fs::path(".") : fs::path(dir);
+  if (!fs::is_directory(d, ec)) {
+    if (fs::exists(d, ec)) throw FileError(dir + ": exists and is not a directory");
+    if (!fs::create_directories(d, ec) && ec) {
+      throw FileError(dir + ": cannot create the directory: " + ec.message());
+    }
+  }
+  std::string probe = (d / ".teo-write-test-XXXXXX").string();
+  const int fd = ::mkstemp(probe.data());
+  if (fd < 0) throw FileError(dir + ": cannot write in the directory: " + std::strerror(errno));
+  ::close(fd);
+  ::unlink(probe.c_str());
+}
+
 }  // namespace teo

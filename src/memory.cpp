@@ -14,18 +14,30 @@ namespace {
 constexpr std::align_val_t kAlign{64};
 constexpr std::size_t kCachedFrom = std::size_t{1} << 20;
 
+// TEO_CACHE_MB: a whole number of MiB, at most 2^24 (16 TiB), so that the shift to bytes cannot
+// overflow. Returns false for anything else.
+bool parse_cache_mb(const char* v, std::size_t* bytes) {
+  if (!v || !*v) return false;
+  std::size_t mb = 0;
+  for (const char* p = v; *p; ++p) {
+    if (*p < '0' || *p > '9') return false;
+    mb = mb * 10 + static_cast<std::size_t>(*p - '0');
+    if (mb > (std::size_t{1} << 24)) return false;
+  }
+  *bytes = mb << 20;
+  return true;
+}
+
 struct Cache {
   std::mutex mu;
   std::multimap<std::size_t, void*> blocks;  // size class -> free block of that size
   std::size_t bytes = 0;
   std::size_t limit = [] {
-    // TEO_CACHE_MB overrides the default of 4 GiB; 0 disables the cache.
-    if (const char* v = std::getenv("TEO_CACHE_MB"); v && *v) {
-      char* end = nullptr;
-      const unsigned long long mb = std::strtoull(v, &end, 10);
-      if (*end == '\0') return static_cast<std::size_t>(mb) << 20;
-    }
-    return std::size_t{4} << 30;
+    // TEO_CACHE_MB overrides the default of 4 GiB; 0 disables the cache. A bad value keeps the
+    // default here, and check_environment() (called by init_from_environment) names it.
+    std::size_t limit_bytes = std::size_t{4} << 30;
+    parse_cache_mb(std::getenv("TEO_CACHE_MB"), &limit_bytes);
+    return limit_bytes;
   }();
 };
 
@@ -49,6 +61,15 @@ std::size_t size_class(std::size_t bytes) {
 }
 
 }  // namespace
+
+void check_environment() {
+  const char* v = std::getenv("TEO_CACHE_MB");
+  std::size_t bytes = 0;
+  if (v && *v && !parse_cache_mb(v, &bytes)) {
+    throw ConfigError(std::string("TEO_CACHE_MB must be a whole number of MiB in [0, 16777216], ") +
+                      "got \"" + v + "\"");
+  }
+}
 
 void* allocate(std::size_t bytes) {
   if (bytes >= kCachedFrom) {

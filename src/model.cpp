@@ -314,7 +314,7 @@ void layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P, LayerAc
 template <class Real>
 void layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P, const LayerActs<Real>& L,
                     LayerParams<Real>& G, LayerActs<Real>& dL, Real* dx, const Real* x,
-                    const Batch& batch, const Dims& d) {
+                    const Dims& d) {
   const index_t nd = d.N * d.D;
   const double p = cfg.dropout;
   const Real scale = dropout_scale<Real>(p);
@@ -410,8 +410,8 @@ void layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P, const 
     profile::Scope stage(Stage::bwd_attention);
     attention_backward(dL.q.data(), dL.k.data(), dL.v.data(), dL.probs.data(), dL.scores.data(),
                        dL.context.data(), L.q.data(), L.k.data(), L.v.data(), L.probs.data(),
-                       batch.lengths.data(), L.masks.attn.empty() ? nullptr : L.masks.attn.data(),
-                       scale, d.B, d.H, d.S, d.Dh, /*merged_context=*/true, GradWrite::overwrite);
+                       L.masks.attn.empty() ? nullptr : L.masks.attn.data(), scale, d.B, d.H, d.S,
+                       d.Dh, /*merged_context=*/true, GradWrite::overwrite);
   }
   // q, k, v = split(attn_in * W^T + b); attn_in = LN1(x) (pre) or x (post)
   const Real* attn_in = cfg.norm_first ? L.norm1.data() : x;
@@ -577,7 +577,7 @@ void backward(const Params<Real>& params, const Batch& batch, const Activations<
     Real* dx = i > 0 ? dacts.layers[i - 1].output.data() : dacts.input.data();
     const Real* x = i > 0 ? acts.layers[i - 1].output.data() : acts.input.data();
     layer_backward(cfg, params.layers[i], acts.layers[i], grads.layers[i], dacts.layers[i], dx, x,
-                   batch, d);
+                   d);
   }
   // input = dropout(embedding + positional)
   profile::Scope stage(Stage::bwd_embedding);

@@ -219,7 +219,25 @@ void validate_activations(const EncoderConfig& c, const Batch& b, const Activati
     expect_shape("statistic final_norm rstd", a.final_norm_rstd.shape(), Shape({N}));
   }
   expect_shape("class_probs", a.class_probs.shape(), Shape({B, c.num_classes}));
-  if (c.pooling == Pooling::max) expect_size("pool_argmax", a.pool_argmax, B * D, false);
+  if (c.pooling == Pooling::max) {
+    expect_size("pool_argmax", a.pool_argmax, B * D, false);
+    // The only activation that indexes memory: backward adds into position argmax of each real
+    // sequence, so every entry must be a real position of this batch (rows of length 0 are not
+    // read). Activations from another batch with the same B and S fail here, not out of bounds.
+    for (index_t bi = 0; bi < B; ++bi) {
+      const std::int64_t len = b.lengths[static_cast<std::size_t>(bi)];
+      if (len == 0) continue;
+      for (index_t ci = 0; ci < D; ++ci) {
+        const std::int64_t at = a.pool_argmax[static_cast<std::size_t>(bi * D + ci)];
+        if (at < 0 || at >= len) {
+          throw ShapeError("pool_argmax[" + std::to_string(bi) + ", " + std::to_string(ci) +
+                           "] is " + std::to_string(at) + ", outside sequence " +
+                           std::to_string(bi) + "'s length " + std::to_string(len) +
+                           ": the activations are not from this batch's forward pass");
+        }
+      }
+    }
+  }
 }
 
 #define TEO_INSTANTIATE(Real)                                                  \

@@ -1,10 +1,13 @@
 // The large-buffer cache behind Tensor: reuse of same-size blocks, alignment, release, and that
 // reused memory is re-initialised by Tensor (a cached block never leaks old values).
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
 #include <new>
+#include <string>
 
 #include "support.hpp"
+#include "teo/backend.hpp"
 #include "teo/tensor.hpp"
 
 namespace teo {
@@ -50,6 +53,31 @@ TEST(Memory, TensorsOnReusedBlocksStartAtZero) {
   Tensor<double> u({n});  // very likely the same block
   for (index_t i = 0; i < n; i += 4097) ASSERT_EQ(u[i], 0.0);
   EXPECT_EQ(u[n - 1], 0.0);
+}
+
+// TEO_CACHE_MB is a whole number of MiB; anything else (junk, a sign, a value whose shift to bytes
+// would overflow) is a ConfigError naming the variable, raised by init_from_environment.
+TEST(Memory, CacheSizeVariableRejectsJunkByName) {
+  const char* old = std::getenv("TEO_CACHE_MB");
+  const std::string saved = old ? old : "";
+  for (const char* bad : {"12x", "-1", "1e3", " 5", "18446744073709551615", "16777217"}) {
+    ::setenv("TEO_CACHE_MB", bad, 1);
+    try {
+      memory::check_environment();
+      ADD_FAILURE() << "TEO_CACHE_MB=" << bad << " was accepted";
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("TEO_CACHE_MB"), std::string::npos) << e.what();
+    }
+    EXPECT_THROW(init_from_environment(), ConfigError) << bad;
+  }
+  for (const char* good : {"0", "512", "16777216"}) {
+    ::setenv("TEO_CACHE_MB", good, 1);
+    EXPECT_NO_THROW(memory::check_environment()) << good;
+  }
+  if (old)
+    ::setenv("TEO_CACHE_MB", saved.c_str(), 1);
+  else
+    ::unsetenv("TEO_CACHE_MB");
 }
 
 }  // namespace

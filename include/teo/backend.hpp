@@ -46,8 +46,8 @@ int num_threads();
 // count. An exception from a task is rethrown here.
 void parallel_tasks(std::int64_t n, const std::function<void(std::int64_t)>& task);
 
-// Reads TEO_BACKEND, TEO_ISA and TEO_NUM_THREADS when set; throws teo::ConfigError naming the
-// variable on a bad value.
+// Reads TEO_BACKEND, TEO_ISA and TEO_NUM_THREADS when set, and checks TEO_CACHE_MB; throws
+// teo::ConfigError naming the variable on a bad value.
 void init_from_environment();
 
 // Restores the previous settings on destruction (for tests and scoped runs).

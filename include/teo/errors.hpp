@@ -35,6 +35,12 @@ class InputError : public Error {
   using Error::Error;
 };
 
+// Training produced a loss that is not finite (`teo train` exits 3 on it, not 2).
+class TrainingDiverged : public Error {
+ public:
+  using Error::Error;
+};
+
 // A file or directory cannot be opened, read, created or renamed; the message names the path.
 class FileError : public Error {
  public:

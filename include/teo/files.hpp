@@ -11,4 +11,9 @@ namespace teo {
 // missing directory and a failed write, which leave no temporary file behind.
 void write_file_atomic(const std::string& path, std::string_view bytes, bool overwrite);
 
+// Creates directory `dir` (and its parents) when missing and proves it writable by creating and
+// removing a temporary file in it; FileError naming `dir` otherwise. For checking where a long
+// computation will write before it starts.
+void ensure_writable_dir(const std::string& dir);
+
 }  // namespace teo

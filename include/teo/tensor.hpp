@@ -56,6 +56,9 @@ void deallocate(void* p, std::size_t bytes) noexcept;
 void release_cached_memory() noexcept;
 std::size_t cached_bytes() noexcept;
 std::size_t cached_memory_limit() noexcept;
+// ConfigError naming TEO_CACHE_MB when it is set to anything but a whole number of MiB in
+// [0, 2^24]; the cache itself then keeps its default of 4 GiB.
+void check_environment();
 }  // namespace memory
 
 template <class T>

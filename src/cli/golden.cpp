@@ -1,5 +1,7 @@
 #include "cli/commands.hpp"
 
+#include <iostream>
+
 #include <nlohmann/json.hpp>
 
 #include "teo/files.hpp"
@@ -38,11 +40,15 @@ int run_golden_check(const GoldenCheckOptions& opts, std::ostream& out) {
     throw ConfigError("--only must be forward or backward, got \"" + opts.only + "\"");
   const auto reports = golden::check_paths(opts.golden, opts.candidate, co);
   golden::print_text(reports, out);
-  if (!opts.junit_path.empty()) {
-    write_file_atomic(opts.junit_path, golden::junit_xml(reports), true);
-  }
-  if (!opts.json_path.empty()) {
-    write_file_atomic(opts.json_path, golden::json_report(reports), true);
+  // A report that cannot be written is an error on stderr, but the verdict stands: the exit code
+  // says whether the candidate passed (docs/golden-format.md).
+  for (const auto& [path, text] : {std::pair{opts.junit_path, golden::junit_xml(reports)},
+                                   std::pair{opts.json_path, golden::json_report(reports)}}) {
+    try {
+      if (!path.empty()) write_file_atomic(path, text, true);
+    } catch (const FileError& e) {
+      std::cerr << "teo: error: report not written: " << e.what() << "\n";
+    }
   }
   const golden::Verdict v = golden::verdict(reports, opts.require_all);
   if (!v.reason.empty()) out << v.reason << "\n";

@@ -145,7 +145,9 @@ int main(int argc, char** argv) {
     std::cerr << "teo: error: " << e.what() << " (see --help)\n";
     return 2;
   }
-  try {
+  // The exit status: 0 success, 1 a failed check, 2 bad input (or a failed write), 3 training
+  // diverged, 130 training interrupted (it saved a checkpoint to resume from).
+  const auto run = [&]() -> int {
     teo::init_from_environment();
     if (*bench && backend_flag.empty() && !std::getenv("TEO_BACKEND")) {
       teo::set_backend(teo::Backend::simd);  // benchmarks measure the fast path by default
@@ -175,6 +177,19 @@ int main(int argc, char** argv) {
     }
     if (*predict) return teo::cli::run_predict(predict_ckpt, predict_words, std::cout);
     if (*check) return teo::cli::run_golden_check(check_opts, std::cout);
+    return 0;
+  };
+  try {
+    const int rc = run();
+    // A full disk or a closed pipe must not end in success.
+    if (!std::cout.flush()) {
+      std::cerr << "teo: error: cannot write to standard output\n";
+      return rc == 0 ? 2 : rc;
+    }
+    return rc;
+  } catch (const teo::TrainingDiverged& e) {
+    std::cerr << "teo: error: " << e.what() << "\n";
+    return 3;
   } catch (const teo::Error& e) {
     std::cerr << "teo: error: " << e.what() << "\n";
     return 2;
@@ -185,5 +200,4 @@ int main(int argc, char** argv) {
     std::cerr << "teo: error: " << e.what() << "\n";
     return 2;
   }
-  return 0;
 }

@@ -2,11 +2,14 @@
 
 #include <unistd.h>
 
+#include <signal.h>
+
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
 #include <iomanip>
 #include <numeric>
+#include <optional>
 #include <sstream>
 
 #include "teo/backend.hpp"
@@ -35,6 +38,35 @@ std::string duration(double s) {
     os << t << "s";
   return os.str();
 }
+
+// SIGINT or SIGTERM asks the loop to stop after the step in progress; a second one ends the
+// process at once.
+volatile sig_atomic_t g_stop = 0;
+extern "C" void on_stop_signal(int sig) {
+  if (g_stop) {
+    ::signal(sig, SIG_DFL);
+    ::raise(sig);
+  }
+  g_stop = sig;
+}
+
+// Installs on_stop_signal for the lifetime of the loop, then restores what was there.
+struct StopSignals {
+  struct sigaction old_int {
+  }, old_term{};
+  StopSignals() {
+    struct sigaction sa {};
+    sa.sa_handler = on_stop_signal;
+    sigemptyset(&sa.sa_mask);
+    g_stop = 0;
+    sigaction(SIGINT, &sa, &old_int);
+    sigaction(SIGTERM, &sa, &old_term);
+  }
+  ~StopSignals() {
+    sigaction(SIGINT, &old_int, nullptr);
+    sigaction(SIGTERM, &old_term, nullptr);
+  }
+};
 
 // Running sums between two progress lines.
 struct Window {
@@ -66,7 +98,15 @@ int train_typed(const TrainOptions& opts, const Checkpoint* ck, std::ostream& ou
   const index_t total = session.total_steps();
   const auto t_start = Clock::now();
   Window w;
+  std::optional<StopSignals> signals(std::in_place);
   while (!session.done()) {
+    if (g_stop) {
+      // Interrupted: the step in progress finished; keep it, atomically, and say how to go on.
+      const std::string saved = session.save_latest();
+      out << (tty ? "\n" : "") << "interrupted at step " << session.position().step << "; saved "
+          << saved << " (continue with --resume " << saved << ")\n";
+      return 130;
+    }
     const StepStats s = session.step();
     const Position& pos = session.position();
     w.loss += s.loss;
@@ -107,6 +147,7 @@ int train_typed(const TrainOptions& opts, const Checkpoint* ck, std::ostream& ou
       out.unsetf(std::ios::floatfield);
     }
   }
+  signals.reset();
   const std::string latest = (fs::path(o.out_dir) / "checkpoint.safetensors").string();
   if (session.position().micro != 0) {
     if (tty) out << "\n";

@@ -346,6 +346,11 @@ void generate_corpus(const std::string& dir, std::ostream& log, bool overwrite) 
   const auto entries = read_corpus_cases((fs::path(dir) / "cases.json").string());
   if (!overwrite) {
     std::error_code ec;
+    const fs::path manifest = fs::path(dir) / "manifest.json";
+    if (fs::exists(manifest, ec)) {
+      throw FileError(manifest.string() +
+                      ": already exists (pass --force to regenerate the corpus)");
+    }
     for (const auto& e : entries) {
       const fs::path f = fs::path(dir) / (e.name + ".safetensors");
       if (fs::exists(f, ec)) {

@@ -10,6 +10,7 @@
 #include "kernels_internal.hpp"
 #include "parallel.hpp"
 #include "teo/errors.hpp"
+#include "teo/tensor.hpp"
 
 namespace teo {
 
@@ -158,6 +159,7 @@ int num_threads() {
 }
 
 void init_from_environment() {
+  memory::check_environment();
   if (const char* v = std::getenv("TEO_BACKEND"); v && *v)
     set_backend(parse_backend(v, "TEO_BACKEND"));
   if (const char* v = std::getenv("TEO_ISA"); v && *v) set_isa(parse_isa(v, "TEO_ISA"));

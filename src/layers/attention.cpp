@@ -132,10 +132,9 @@ void attention_forward(Real* context, Real* scores, Real* probs, const Real* q, 
 template <class Real>
 void attention_backward(Real* dq, Real* dk, Real* dv, Real* dprobs, Real* dscores,
                         const Real* dcontext, const Real* q, const Real* k, const Real* v,
-                        const Real* probs, const std::int64_t* lengths,
-                        const std::uint8_t* drop_mask, Real drop_scale, index_t batch,
-                        index_t heads, index_t seq_len, index_t d_head, bool merged_context,
-                        GradWrite qkv_write) {
+                        const Real* probs, const std::uint8_t* drop_mask, Real drop_scale,
+                        index_t batch, index_t heads, index_t seq_len, index_t d_head,
+                        bool merged_context, GradWrite qkv_write) {
   const Real alpha = static_cast<Real>(1.0 / std::sqrt(static_cast<double>(d_head)));
   const index_t ss = seq_len * seq_len;
   // Each head's dq, dk and dv are written by one product each: beta = 0 overwrites them.
@@ -143,7 +142,6 @@ void attention_backward(Real* dq, Real* dk, Real* dv, Real* dprobs, Real* dscore
   // The simd and blas backends use the vector kernels for the softmax; the reference its loops.
   const simd::VectorKernels<Real>* vk =
       backend() == Backend::reference ? nullptr : &detail::vector_kernels<Real>();
-  (void)lengths;  // the mask is carried by probs: masked entries are exactly 0
   detail::for_blocks(batch * heads, 1, [&](index_t bh0, index_t bh1) {
     std::vector<Real> dropped(static_cast<std::size_t>(drop_mask ? ss : 0));  // (S, S)
     for (index_t bh = bh0; bh < bh1; ++bh) {
@@ -206,8 +204,8 @@ void attention_backward(Real* dq, Real* dk, Real* dv, Real* dprobs, Real* dscore
                                         Real, index_t, index_t, index_t, index_t, bool, bool);     \
   template void attention_backward<Real>(Real*, Real*, Real*, Real*, Real*, const Real*,           \
                                          const Real*, const Real*, const Real*, const Real*,       \
-                                         const std::int64_t*, const std::uint8_t*, Real, index_t,  \
-                                         index_t, index_t, index_t, bool, GradWrite);
+                                         const std::uint8_t*, Real, index_t, index_t, index_t,     \
+                                         index_t, bool, GradWrite);
 TEO_INSTANTIATE(float)
 TEO_INSTANTIATE(double)
 

@@ -1,5 +1,7 @@
 #include "teo/layers/pooling.hpp"
 
+#include <cmath>
+
 namespace teo {
 
 template <class Real>
@@ -28,7 +30,10 @@ void pooling_forward(Real* out, std::int64_t* argmax, const Real* in, const std:
         for (index_t c = 0; c < d; ++c) {
           index_t best = 0;
           for (index_t s = 1; s < len; ++s)
-            if (x[s * d + c] > x[best * d + c]) best = s;  // strict: ties keep the first
+            // Strict, so ties keep the first; the first NaN wins, as torch.max propagates NaN.
+            if (x[s * d + c] > x[best * d + c] ||
+                (std::isnan(x[s * d + c]) && !std::isnan(x[best * d + c])))
+              best = s;
           o[c] = x[best * d + c];
           argmax[b * d + c] = best;
         }

@@ -82,18 +82,41 @@ Checkpoint read_checkpoint(const std::string& path) {
   return ck;
 }
 
+namespace {
+
+// Every setting of `o` as one JSON object: the model keys and the training keys.
+json all_keys(const TrainOptions& o) {
+  json j = o.model.to_json();
+  j.update(o.to_json());
+  return j;
+}
+
+bool how_long(const std::string& key) {
+  return key == "epochs" || key == "max_steps" || key == "eval_batch";
+}
+
+}  // namespace
+
 TrainOptions resume_options(const Checkpoint& ck, const TrainOptions& requested) {
+  const json saved = all_keys(ck.options);
   for (const auto& [key, v] : requested.given.items()) {
-    (void)v;
-    if (key != "epochs" && key != "max_steps" && key != "eval_batch") {
+    if (how_long(key)) continue;
+    // A key given with the checkpoint's own value (the same --config file again) changes nothing.
+    TrainOptions probe = ck.options;
+    probe.apply_json(json{{key, v}});
+    const json now = all_keys(probe);
+    if (!saved.contains(key) || now.at(key) != saved.at(key)) {
       throw ConfigError("--resume continues with the checkpoint's settings; " + key +
-                        " cannot be changed (only epochs, max_steps and eval_batch can)");
+                        " cannot be changed from " +
+                        (saved.contains(key) ? saved.at(key).dump() : "its value") + " to " +
+                        v.dump() + " (only epochs, max_steps and eval_batch can)");
     }
   }
   TrainOptions o = ck.options;
-  o.epochs = requested.epochs;
-  o.max_steps = requested.max_steps;
-  o.eval_batch = requested.eval_batch;
+  // How long to go on: the checkpoint's plan unless a flag or the config file says otherwise.
+  if (requested.given.contains("epochs")) o.epochs = requested.epochs;
+  if (requested.given.contains("max_steps")) o.max_steps = requested.max_steps;
+  if (requested.given.contains("eval_batch")) o.eval_batch = requested.eval_batch;
   o.out_dir = requested.out_dir;
   o.resume = requested.resume;
   o.trace = requested.trace;

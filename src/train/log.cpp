@@ -1,5 +1,6 @@
 #include "teo/train/log.hpp"
 
+#include <cstdlib>
 #include <fstream>
 #include <iomanip>
 #include <sstream>
@@ -8,12 +9,21 @@
 
 namespace teo::train {
 
-void MetricsLog::load() {
+void MetricsLog::load(index_t up_to_step) {
   std::ifstream in(path_);
   std::string line;
   rows_.clear();
   while (std::getline(in, line)) {
-    if (!line.empty() && !line.starts_with("split,")) rows_.push_back(line);
+    if (line.empty() || line.starts_with("split,")) continue;
+    // split,epoch,step,...: a row whose step does not parse is not ours, and is dropped too.
+    std::istringstream fields(line);
+    std::string split, epoch, step;
+    std::getline(fields, split, ',');
+    std::getline(fields, epoch, ',');
+    std::getline(fields, step, ',');
+    char* end = nullptr;
+    const long long s = std::strtoll(step.c_str(), &end, 10);
+    if (!step.empty() && *end == '\0' && s <= up_to_step) rows_.push_back(line);
   }
 }
 

@@ -15,7 +15,16 @@ double now_seconds() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
+// Every place the run will write is checked before the data is read, so that a bad path fails
+// in a second, not after the training.
 Dataset load_data(const TrainOptions& o) {
+  ensure_writable_dir(o.out_dir);
+  if (!o.trace.empty()) {
+    const std::filesystem::path trace(o.trace);
+    std::error_code ec;
+    if (std::filesystem::is_directory(trace, ec)) throw FileError(o.trace + ": is a directory");
+    ensure_writable_dir(trace.has_parent_path() ? trace.parent_path().string() : ".");
+  }
   return load_words(o.data);
 }
 
@@ -44,7 +53,7 @@ Session<Real>::Session(const TrainOptions& options, const Checkpoint* ck)
   options_ = trainer_.options();
   start_ = now_seconds();
   std::filesystem::create_directories(options_.out_dir);
-  if (ck) metrics_.load();
+  if (ck) metrics_.load(pos_.step);
   if (!options_.trace.empty()) trace_.emplace(options_, trainer_.params());
   const TrainOptions& o = options_;
   micro_per_epoch_ = (static_cast<index_t>(data_.train.size()) + o.batch_size - 1) / o.batch_size;

@@ -128,8 +128,8 @@ StepStats Trainer<Real>::step(const std::vector<Batch>& micro_batches) {
   if (o.ema > 0) ema_update(state_.ema, state_.params, ema_decay(o.ema, state_.adam.step));
   micro_total_ += n_micro;
   if (!std::isfinite(stats.loss)) {
-    throw Error("training diverged: the loss at step " + std::to_string(state_.adam.step) +
-                " is not finite (lower --lr)");
+    throw TrainingDiverged("training diverged: the loss at step " +
+                           std::to_string(state_.adam.step) + " is not finite (lower --lr)");
   }
   return stats;
 }

@@ -2,9 +2,11 @@
 #include <algorithm>
 #include <array>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <string>
 #include <vector>
 
@@ -149,6 +151,57 @@ TEST(GoldenCli, CheckExitCodesAndReports) {
   r = run_cli("golden check --golden " + (dir / "e.safetensors").string() + " --candidate " + g);
   EXPECT_EQ(r.code, 2) << "a golden without teo-golden/1 metadata is bad input";
   EXPECT_NE(r.out.find("not a teo golden"), std::string::npos) << r.out;
+}
+
+// A report that cannot be written is reported on stderr, and the verdict stands: a pass stays 0
+// and a failure stays 1 (docs/golden-format.md, "Exit status").
+TEST(GoldenCli, AReportThatCannotBeWrittenKeepsTheVerdict) {
+  const fs::path dir = fresh_dir("teo_golden_cli_report");
+  const std::string g = (kCorpus / "post_gelu_mean_f64.safetensors").string();
+  const std::string nowhere = (dir / "no" / "such" / "dir" / "r.xml").string();
+  CliResult r = run_cli("golden check --golden " + g + " --candidate " + g + " --junit " + nowhere);
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("report not written"), std::string::npos) << r.out;
+  st::File c = st::read(g);
+  for (auto& t : c.tensors) {
+    if (t.name == "act.logits") {
+      const double v = 7.0;
+      std::memcpy(t.bytes.data(), &v, sizeof v);
+    }
+  }
+  teo::write_file_atomic((dir / "c.safetensors").string(), st::serialize(c), true);
+  r = run_cli("golden check --golden " + g + " --candidate " + (dir / "c.safetensors").string() +
+              " --json " + nowhere);
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_NE(r.out.find("report not written"), std::string::npos) << r.out;
+}
+
+// Without --force, a corpus whose manifest.json exists is not regenerated, even when none of its
+// case files does, and nothing is written.
+TEST(GoldenCli, GenerateCorpusRefusesAnExistingManifest) {
+  const fs::path dir = fresh_dir("teo_golden_cli_manifest");
+  auto cases = nlohmann::json::parse(slurp(kCorpus / "cases.json"));
+  cases["cases"] = nlohmann::json::array({cases["cases"][0]});
+  std::ofstream(dir / "cases.json") << cases.dump();
+  std::ofstream(dir / "manifest.json") << "keep me";
+  CliResult r = run_cli("golden generate --corpus " + dir.string());
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("manifest.json: already exists"), std::string::npos) << r.out;
+  EXPECT_EQ(slurp(dir / "manifest.json"), "keep me");
+  EXPECT_EQ(std::distance(fs::directory_iterator(dir), fs::directory_iterator{}), 2);
+  r = run_cli("golden generate --corpus " + dir.string() + " --force");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(slurp(dir / "manifest.json"), "keep me");
+}
+
+// A write error on standard output (a full disk) is not a success.
+TEST(Cli, AWriteErrorOnStandardOutputIsNotSuccess) {
+  if (!fs::exists("/dev/full")) GTEST_SKIP() << "no /dev/full here";
+  const std::string cmd = std::string(TEO_TEO_BINARY) + " shapes > /dev/full 2>/dev/null";
+  const int status = std::system(cmd.c_str());
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 2);
+  EXPECT_EQ(run_cli("shapes").code, 0);
 }
 
 TEST(GoldenCli, DirectoriesAreMatchedByFileNameAndMissingFilesAreNotChecked) {

@@ -14,6 +14,18 @@ struct CliResult {
   std::string out;
 };
 
+// `s` as one word for /bin/sh, whatever it contains (quotes, spaces, $(...)).
+inline std::string shell_quote(const std::string& s) {
+  std::string out = "'";
+  for (char c : s) {
+    if (c == '\'')
+      out += "'\\''";
+    else
+      out += c;
+  }
+  return out + "'";
+}
+
 inline CliResult run_cli(const std::string& args) {
   const std::string cmd = std::string(TEO_TEO_BINARY) + " " + args + " 2>&1";
   FILE* pipe = popen(cmd.c_str(), "r");

@@ -1,13 +1,29 @@
 // `teo train` and `teo predict` as processes: output, files, resume and exit codes.
+#include <fcntl.h>
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+
+#include <chrono>
+#include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <limits>
 #include <sstream>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include <gtest/gtest.h>
 
 #include "cli/run_cli.hpp"
+#include "teo/files.hpp"
 #include "teo/safetensors.hpp"
+#include "teo/train/checkpoint.hpp"
 #include "train/word_lists.hpp"
+
+extern char** environ;
 
 namespace {
 
@@ -99,6 +115,190 @@ TEST(TrainCli, ResumingAfterOneEpochGivesTheSameBitsAsTwoEpochsInOneRun) {
                          (root / "split" / "checkpoint-epoch1.safetensors").string());
   EXPECT_EQ(r.code, 2) << "a changed setting on resume is refused";
   EXPECT_NE(r.out.find("lr cannot be changed"), std::string::npos) << r.out;
+}
+
+// The rows of metrics.csv without the throughput column (the only one that is timing).
+std::vector<std::string> metric_rows(const fs::path& csv) {
+  std::ifstream in(csv);
+  std::vector<std::string> rows;
+  for (std::string line; std::getline(in, line);) rows.push_back(line.substr(0, line.rfind(',')));
+  return rows;
+}
+
+// A resumed run keeps the checkpoint's plan (epochs, max_steps) unless a flag changes it, accepts
+// the same --config file again, and replaces the metrics rows the first run wrote after the
+// checkpoint instead of repeating them: the interrupted-and-resumed run ends with the bits and the
+// metrics.csv of the uninterrupted one.
+TEST(TrainCli, ResumeWithoutFlagsContinuesTheSavedPlanAndDropsLaterMetrics) {
+  const fs::path lists = fake_lists("teo_train_cli_plan");
+  const fs::path root = fs::path(::testing::TempDir()) / "teo_train_cli_plan_out";
+  fs::remove_all(root);
+  fs::create_directories(root);
+  const fs::path config = root / "run.json";
+  std::ofstream(config) << R"({"d_model": 8, "num_heads": 2, "d_ff": 16, "num_layers": 1,
+    "batch_size": 16, "accum_steps": 2, "per_language": 40, "warmup_steps": 3, "lr": 0.01,
+    "dropout": 0.1, "epochs": 3, "max_steps": 9})";
+  const std::string common =
+      " --config " + config.string() + " --data-dir " + lists.string() + " --no-plot --no-progress";
+  auto r = teo::test::run_cli("train --out " + (root / "whole").string() + common);
+  ASSERT_EQ(r.code, 0) << r.out;
+  ASSERT_NE(r.out.find("stopped at step 9"), std::string::npos) << r.out;
+  // The same run again, resumed from its first epoch in its own directory.
+  r = teo::test::run_cli("train --out " + (root / "again").string() + common);
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = teo::test::run_cli("train --out " + (root / "again").string() + " --resume " +
+                         (root / "again" / "checkpoint-epoch1.safetensors").string() + common);
+  ASSERT_EQ(r.code, 0) << "the same --config file is accepted on resume\n" << r.out;
+  EXPECT_NE(r.out.find("stopped at step 9"), std::string::npos) << r.out;
+  const std::string whole = param_bytes(root / "whole" / "checkpoint.safetensors");
+  ASSERT_FALSE(whole.empty());
+  EXPECT_TRUE(whole == param_bytes(root / "again" / "checkpoint.safetensors"));
+  const auto rows = metric_rows(root / "again" / "metrics.csv");
+  EXPECT_EQ(rows, metric_rows(root / "whole" / "metrics.csv"))
+      << "the resumed run's metrics.csv repeats or loses rows";
+  // Without --config or flags, the plan is the checkpoint's too.
+  r = teo::test::run_cli("train --no-plot --no-progress --out " + (root / "bare").string() +
+                         " --resume " +
+                         (root / "whole" / "checkpoint-epoch1.safetensors").string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("stopped at step 9"), std::string::npos) << r.out;
+  EXPECT_TRUE(whole == param_bytes(root / "bare" / "checkpoint.safetensors"));
+  // A flag still changes how long to go on.
+  r = teo::test::run_cli("train --no-plot --no-progress --max-steps 7 --out " +
+                         (root / "short").string() + " --resume " +
+                         (root / "whole" / "checkpoint-epoch1.safetensors").string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("stopped at step 7"), std::string::npos) << r.out;
+}
+
+// Every output path is checked before the data is read or a step is taken.
+TEST(TrainCli, BadOutputPathsFailBeforeTraining) {
+  const fs::path lists = fake_lists("teo_train_cli_paths");
+  const fs::path root = fs::path(::testing::TempDir()) / "teo_train_cli_paths_out";
+  fs::remove_all(root);
+  fs::create_directories(root);
+  std::ofstream(root / "a_file") << "x";
+  const std::string common = " --data-dir " + lists.string() + " --per-language 40 --no-plot";
+  // A trace whose directory cannot be made (a file stands in its path).
+  auto r = teo::test::run_cli("train --out " + (root / "ok").string() + " --trace " +
+                              (root / "a_file" / "dir" / "t.safetensors").string() + common);
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find((root / "a_file" / "dir").string()), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("data:"), std::string::npos) << "it read the data first\n" << r.out;
+  r = teo::test::run_cli("train --out " + (root / "a_file").string() + common);
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("not a directory"), std::string::npos) << r.out;
+  r = teo::test::run_cli("train --out " + (root / "ok").string() + " --trace " + root.string() +
+                         common);
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("is a directory"), std::string::npos) << r.out;
+}
+
+// gnuplot runs without a shell: an output directory named with quotes, spaces and $(...) gets its
+// curves.png, and nothing in the name is executed.
+TEST(TrainCli, PlotsIntoADirectoryNamedWithQuotesSpacesAndCommandSubstitution) {
+  const fs::path lists = fake_lists("teo_train_cli_plot");
+  const fs::path root = fs::path(::testing::TempDir()) / "teo_train_cli_plot_out";
+  fs::remove_all(root);
+  fs::create_directories(root);
+  const fs::path out = root / "it's a \"dir\" $(touch pwned) `touch pwned2`";
+  const auto r = teo::test::run_cli(
+      "train --epochs 1 --d-model 8 --num-heads 2 --d-ff 16 --num-layers 1 --per-language 40"
+      " --no-progress --data-dir " +
+      lists.string() + " --out " + teo::test::shell_quote(out.string()));
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(fs::exists(out / "curves.png")) << r.out;
+  EXPECT_FALSE(fs::exists(root / "pwned"));
+  EXPECT_FALSE(fs::exists(out / "pwned"));
+  EXPECT_FALSE(fs::exists("pwned"));
+  EXPECT_FALSE(fs::exists("pwned2"));
+  for (const auto& e : fs::directory_iterator(out)) {
+    EXPECT_EQ(e.path().filename().string().find(".tmp"), std::string::npos) << e.path();
+    EXPECT_NE(e.path().extension(), ".gp") << "the gnuplot script was left behind";
+  }
+}
+
+// A loss that is not finite exits 3 (not 2, which means bad input), and names the step.
+TEST(TrainCli, DivergenceExitsThree) {
+  const fs::path lists = fake_lists("teo_train_cli_nan");
+  const fs::path root = fs::path(::testing::TempDir()) / "teo_train_cli_nan_out";
+  fs::remove_all(root);
+  const std::string common = " --data-dir " + lists.string() +
+                             " --d-model 8 --num-heads 2 --d-ff 16 --num-layers 1"
+                             " --per-language 40 --no-plot --no-progress";
+  auto r = teo::test::run_cli("train --epochs 1 --out " + (root / "a").string() + common);
+  ASSERT_EQ(r.code, 0) << r.out;
+  // The same checkpoint with a NaN in the head's bias.
+  auto file = teo::safetensors::read((root / "a" / "checkpoint.safetensors").string());
+  for (auto& t : file.tensors) {
+    if (t.name == "param.head.bias") {
+      const float nan = std::numeric_limits<float>::quiet_NaN();
+      std::memcpy(t.bytes.data(), &nan, sizeof nan);
+    }
+  }
+  const fs::path bad = root / "nan.safetensors";
+  teo::write_file_atomic(bad.string(), teo::safetensors::serialize(file), true);
+  r = teo::test::run_cli("train --epochs 2 --no-plot --no-progress --out " + (root / "b").string() +
+                         " --resume " + bad.string());
+  EXPECT_EQ(r.code, 3) << r.out;
+  EXPECT_NE(r.out.find("training diverged"), std::string::npos) << r.out;
+}
+
+// SIGINT finishes the step in progress, writes checkpoint.safetensors atomically and exits 130,
+// with no temporary file left; resuming from it gives the bits of a run never interrupted.
+TEST(TrainCli, InterruptSavesACheckpointAndResumesBitExactly) {
+  const fs::path lists = fake_lists("teo_train_cli_sigint");
+  const fs::path root = fs::path(::testing::TempDir()) / "teo_train_cli_sigint_out";
+  fs::remove_all(root);
+  fs::create_directories(root);
+  const std::vector<std::string> common = {
+      "--data-dir", lists.string(), "--d-model",    "8",      "--num-heads",    "2",
+      "--d-ff",     "16",           "--num-layers", "1",      "--per-language", "40",
+      "--dropout",  "0.1",          "--epochs",     "100000", "--no-plot",      "--no-progress"};
+  std::vector<std::string> args = {TEO_TEO_BINARY, "train", "--out", (root / "cut").string()};
+  args.insert(args.end(), common.begin(), common.end());
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  const std::string log = (root / "cut.log").string();
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, 1, log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_adddup2(&actions, 1, 2);
+  pid_t pid = 0;
+  ASSERT_EQ(posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), environ), 0);
+  posix_spawn_file_actions_destroy(&actions);
+  // Wait for the first validation (a whole epoch done), then interrupt.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (!fs::exists(root / "cut" / "checkpoint-epoch1.safetensors") &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ASSERT_EQ(::kill(pid, SIGINT), 0);
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  std::ifstream in(log);
+  const std::string out((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  ASSERT_TRUE(WIFEXITED(status)) << out;
+  ASSERT_EQ(WEXITSTATUS(status), 130) << out;
+  EXPECT_NE(out.find("interrupted at step"), std::string::npos) << out;
+  for (const auto& e : fs::directory_iterator(root / "cut")) {
+    EXPECT_EQ(e.path().filename().string().find(".tmp"), std::string::npos) << e.path();
+  }
+  const auto ck = teo::train::read_checkpoint((root / "cut" / "checkpoint.safetensors").string());
+  const std::string stop_at = std::to_string(ck.position.step + 3);
+  std::string flags;
+  for (const auto& c : common) flags += " " + c;
+  auto r = teo::test::run_cli("train --max-steps " + stop_at + " --no-plot --no-progress --out " +
+                              (root / "cut").string() + " --resume " +
+                              (root / "cut" / "checkpoint.safetensors").string());
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = teo::test::run_cli("train --max-steps " + stop_at + " --out " + (root / "whole").string() +
+                         flags);
+  ASSERT_EQ(r.code, 0) << r.out;
+  const std::string whole = param_bytes(root / "whole" / "checkpoint.safetensors");
+  ASSERT_FALSE(whole.empty());
+  EXPECT_TRUE(whole == param_bytes(root / "cut" / "checkpoint.safetensors"));
 }
 
 }  // namespace

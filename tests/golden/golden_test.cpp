@@ -125,7 +125,7 @@ TEST(GoldenCorpus, EveryBackendAndIsaIsDeterministicAndPassesTheCheck) {
   }
 }
 
-TEST(GoldenCorpus, CoversEveryFeatureTheIssueLists) {
+TEST(GoldenCorpus, CoversEveryFeature) {
   std::set<std::string> seen;
   for (const auto& e : corpus()) {
     const auto& c = e.spec.config;
@@ -152,6 +152,7 @@ TEST(GoldenCorpus, CoversEveryFeatureTheIssueLists) {
     if (c.num_heads == 1) seen.insert("one_head");
     if (c.d_head() % 2 == 1) seen.insert("odd_d_head");
     seen.insert("layers" + std::to_string(c.num_layers));
+    if (e.spec.batch == 0) seen.insert("batch0");
   }
   for (const char* want : {"float32",
                            "float64",
@@ -178,6 +179,8 @@ TEST(GoldenCorpus, CoversEveryFeatureTheIssueLists) {
                            "d_model_not_pow2",
                            "one_head",
                            "odd_d_head",
+                           "batch0",
+                           "layers0",
                            "layers1",
                            "layers2",
                            "layers3"}) {

@@ -426,8 +426,15 @@ def required_grad_act_names(cfg):
 # Optional cross-check against torch.nn.TransformerEncoderLayer
 # ---------------------------------------------------------------------------
 
+class Mismatch(Exception):
+    """This backend's layer output disagrees with nn.TransformerEncoderLayer."""
+
+
 def cross_check(cfg, acts, extra, name):
-    """Compares each layer's output with nn.TransformerEncoderLayer (eval)."""
+    """Compares each layer's output with nn.TransformerEncoderLayer (eval).
+
+    Raises Mismatch when a layer differs by more than the bound, which makes
+    the run fail (exit 1)."""
     P, lengths, _ = extra
     if cfg["dropout"] != 0 or cfg["activation"] == "gelu_tanh" \
             or cfg["num_layers"] == 0:
@@ -476,8 +483,8 @@ def cross_check(cfg, acts, extra, name):
         scale = max(1.0, float(ours.abs().max()) if ours.numel() else 1.0)
         err = float(diff.max()) if diff.numel() else 0.0
         if not err <= tol * scale:
-            print("warning: %s: layer %d differs from "
-                  "nn.TransformerEncoderLayer by %.3g" % (name, i, err))
+            raise Mismatch("%s: layer %d differs from nn.TransformerEncoderLayer "
+                           "by %.3g (bound %.3g)" % (name, i, err, tol * scale))
 
 
 # ---------------------------------------------------------------------------
@@ -576,6 +583,9 @@ def main(argv=None):
                 else:
                     process(path, args.out, not args.no_cross_check)
                     done += 1
+            except Mismatch as e:
+                print("mismatch: %s" % e)
+                failed.append(name)
             except Unsupported as e:
                 print("unsupported: %s: %s" % (name, e))
                 unsupported.append((name, str(e)))

@@ -105,8 +105,7 @@ TYPED_TEST(Attention, FullyMaskedRowsGiveExactZeroAndNoNaN) {
   std::vector<Real> dq(n, Real(0)), dk(n, Real(0)), dv(n, Real(0));
   std::vector<Real> dp(r.probs.size()), ds(r.probs.size());
   attention_backward(dq.data(), dk.data(), dv.data(), dp.data(), ds.data(), g.data(), q.data(),
-                     k.data(), v.data(), r.probs.data(), c.len.data(), nullptr, Real(1), c.b, c.h,
-                     c.s, c.dh);
+                     k.data(), v.data(), r.probs.data(), nullptr, Real(1), c.b, c.h, c.s, c.dh);
   for (const auto* t : {&dq, &dk, &dv, &ds})
     for (Real x : *t) EXPECT_EQ(x, Real(0));
 }
@@ -127,8 +126,7 @@ TEST(Attention, BackwardMatchesFiniteDifferences) {
       const auto r = run_forward(c, q, k, v, causal, m, scale);
       std::vector<double> dq(n, 0.0), dk(n, 0.0), dv(n, 0.0), dp(nss), ds(nss);
       attention_backward(dq.data(), dk.data(), dv.data(), dp.data(), ds.data(), rc.data(), q.data(),
-                         k.data(), v.data(), r.probs.data(), c.len.data(), m, scale, c.b, c.h, c.s,
-                         c.dh);
+                         k.data(), v.data(), r.probs.data(), m, scale, c.b, c.h, c.s, c.dh);
       auto loss = [&] { return test::dot(run_forward(c, q, k, v, causal, m, scale).ctx, rc); };
       const std::string what =
           std::string(causal ? "causal" : "padding") + (drop ? "+dropout" : "");
@@ -174,8 +172,7 @@ TYPED_TEST(Attention, MergedContextLayoutGivesTheSameBits) {
         std::vector<Real> dq(n, Real(0.5)), dk(n, Real(0.25)), dv(n, Real(-1)), dp(nss), ds(nss);
         attention_backward(dq.data(), dk.data(), dv.data(), dp.data(), ds.data(),
                            layout ? g_merged.data() : g.data(), q.data(), k.data(), v.data(),
-                           split.probs.data(), c.len.data(), m, scale, c.b, c.h, c.s, c.dh,
-                           layout == 1);
+                           split.probs.data(), m, scale, c.b, c.h, c.s, c.dh, layout == 1);
         grads[layout] = {dq, dk, dv, dp, ds};
       }
       EXPECT_EQ(grads[0], grads[1]);
@@ -206,8 +203,8 @@ TYPED_TEST(Attention, OverwritingDqDkDvGivesTheBitsOfAccumulatingIntoZeros) {
               w == GradWrite::overwrite ? std::numeric_limits<Real>::quiet_NaN() : Real(0);
           std::vector<Real> dq(n, start), dk(n, start), dv(n, start), dp(nss), ds(nss);
           attention_backward(dq.data(), dk.data(), dv.data(), dp.data(), ds.data(), g.data(),
-                             q.data(), k.data(), v.data(), fwd.probs.data(), c.len.data(), m, scale,
-                             c.b, c.h, c.s, c.dh, false, w);
+                             q.data(), k.data(), v.data(), fwd.probs.data(), m, scale, c.b, c.h,
+                             c.s, c.dh, false, w);
           grads[w == GradWrite::overwrite] = {dq, dk, dv, dp, ds};
         }
         for (std::size_t t = 0; t < 5; ++t)

@@ -1,5 +1,8 @@
-#include "teo/layers/pooling.hpp"
+#include <cmath>
+#include <limits>
+
 #include "support.hpp"
+#include "teo/layers/pooling.hpp"
 
 namespace teo {
 namespace {
@@ -43,6 +46,28 @@ TEST(Pooling, MaxTiesSendGradientToFirstMaximum) {
   std::vector<double> dx(4, 0.0), g = {3.0};
   pooling_backward(dx.data(), g.data(), arg.data(), len.data(), 1, 4, 1, Pooling::max);
   EXPECT_EQ(dx, (std::vector<double>{0, 3, 0, 0}));
+}
+
+// torch.max propagates NaN: the first NaN of a column is its maximum, wherever it is.
+TEST(Pooling, MaxPropagatesNaNAsTorchMaxDoes) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  // (B=1, S=4, D=3): column 0 has a NaN at s = 2, column 1 at s = 0 and 3, column 2 none.
+  const std::vector<double> x = {1, nan, 0, 5, 2, 9, nan, 3, 1, 2, nan, 4};
+  const std::vector<std::int64_t> len = {4};
+  std::vector<double> out(3);
+  std::vector<std::int64_t> arg(3);
+  pooling_forward(out.data(), arg.data(), x.data(), len.data(), 1, 4, 3, Pooling::max);
+  EXPECT_TRUE(std::isnan(out[0]));
+  EXPECT_EQ(arg[0], 2);
+  EXPECT_TRUE(std::isnan(out[1]));
+  EXPECT_EQ(arg[1], 0) << "the first NaN";
+  EXPECT_EQ(out[2], 9);
+  EXPECT_EQ(arg[2], 1);
+  // A NaN past the sequence's length is padding, and is not read.
+  const std::vector<std::int64_t> short_len = {2};
+  pooling_forward(out.data(), arg.data(), x.data(), short_len.data(), 1, 4, 3, Pooling::max);
+  EXPECT_EQ(out[0], 5);
+  EXPECT_EQ(arg[0], 1);
 }
 
 TEST(Pooling, BackwardMatchesFiniteDifferences) {

@@ -354,6 +354,32 @@ TYPED_TEST(Model, ParamsOrActivationsThatDisagreeWithTheConfigAreRejected) {
   expect_error_naming<ShapeError>([&] { encoder_forward(p, longer, a); }, "activation");
 }
 
+// A forward pass over a batch with an empty sequence stores argmax -1 for it; a backward pass with
+// those activations and a batch of the same B and S whose sequences are all full would add into
+// position -1. It is rejected by name, and writes no gradient (under ASan, no write out of bounds).
+TYPED_TEST(Model, BackwardRejectsPoolArgmaxFromAnotherBatch) {
+  using Real = TypeParam;
+  EncoderConfig c = small_config();
+  c.pooling = Pooling::max;
+  const auto p = Params<Real>::init(c, 3);
+  const Batch with_empty = Batch::random(c, 2, 4, 4, {4, 0});
+  const Batch full = Batch::random(c, 2, 4, 4, {4, 4});
+  Activations<Real> a;
+  forward(p, with_empty, a);
+  ASSERT_EQ(a.pool_argmax[static_cast<std::size_t>(c.d_model)], -1);
+  Params<Real> g = Params<Real>::zeros(c);
+  Activations<Real> da;
+  g.head_bias[0] = Real(7);
+  expect_error_naming<ShapeError>([&] { backward(p, full, a, g, da); }, "pool_argmax[1, 0]");
+  EXPECT_EQ(g.head_bias[0], Real(7)) << "a rejected backward changed a gradient";
+  // An argmax past the sequence's length is rejected the same way.
+  forward(p, full, a);
+  a.pool_argmax[0] = 4;
+  expect_error_naming<ShapeError>([&] { backward(p, full, a, g, da); }, "pool_argmax[0, 0]");
+  a.pool_argmax[0] = 3;
+  EXPECT_NO_THROW(backward(p, full, a, g, da));
+}
+
 TYPED_TEST(Model, ForwardIsDeterministicAndDropoutFollowsTheSeed) {
   using Real = TypeParam;
   EncoderConfig c = small_config();

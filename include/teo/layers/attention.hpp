@@ -37,14 +37,14 @@ void attention_forward(Real* context, Real* scores, Real* probs, const Real* q, 
 // gradients of the loss with respect to probs (before dropout) and scores. dscores is exactly 0 at
 // every masked position, so dq, dk, dv receive exactly 0 through masked entries; dprobs there is
 // the formal derivative dcontext . v (times the dropout factor), which the softmax then discards.
+// The mask needs no lengths here: it is carried by probs, whose masked entries are exactly 0.
 // dcontext is (B, H, S, Dh), or (B, S, H * Dh) with merged_context. With qkv_write == overwrite,
 // dq, dk and dv are written without being read (the bits of accumulating into zeros).
 template <class Real>
 void attention_backward(Real* dq, Real* dk, Real* dv, Real* dprobs, Real* dscores,
                         const Real* dcontext, const Real* q, const Real* k, const Real* v,
-                        const Real* probs, const std::int64_t* lengths,
-                        const std::uint8_t* drop_mask, Real drop_scale, index_t batch,
-                        index_t heads, index_t seq_len, index_t d_head, bool merged_context = false,
-                        GradWrite qkv_write = GradWrite::accumulate);
+                        const Real* probs, const std::uint8_t* drop_mask, Real drop_scale,
+                        index_t batch, index_t heads, index_t seq_len, index_t d_head,
+                        bool merged_context = false, GradWrite qkv_write = GradWrite::accumulate);
 
 }  // namespace teo

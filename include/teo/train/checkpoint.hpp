@@ -42,9 +42,10 @@ struct Checkpoint {
 // a teo checkpoint or its metadata is malformed.
 Checkpoint read_checkpoint(const std::string& path);
 
-// The options of a resumed run: the checkpoint's, except how long to go on (epochs, max_steps,
-// eval_batch) and where to write (out_dir, trace, progress, plot), which come from `requested`.
-// ConfigError when `requested.given` names any other key.
+// The options of a resumed run: the checkpoint's, with where to write (out_dir, trace, progress,
+// plot) from `requested`. Of the keys in `requested.given`, epochs, max_steps and eval_batch
+// override the checkpoint's; any other key must have the checkpoint's value (ConfigError naming
+// the key and both values otherwise), so the same --config file may be given again.
 TrainOptions resume_options(const Checkpoint& ck, const TrainOptions& requested);
 
 // The saved state, in the checkpoint's dtype (FormatError when a tensor is missing or does not

@@ -16,8 +16,10 @@ namespace teo::train {
 class MetricsLog {
  public:
   explicit MetricsLog(std::string path) : path_(std::move(path)) {}
-  // Keeps the rows of an existing file (a resumed run appends to them).
-  void load();
+  // Keeps the rows of an existing file up to and including optimizer step `up_to_step`: a run
+  // resumed from a checkpoint at that step appends to them, and the rows an interrupted run wrote
+  // after it are dropped, so no step appears twice.
+  void load(index_t up_to_step);
   void add(const std::string& split, index_t epoch, index_t step, double loss, double accuracy,
            double lr, double tokens_per_s);
   const std::string& path() const { return path_; }

@@ -32,7 +32,9 @@ template <class Real>
 class Session {
  public:
   // A new run, or one that continues `ck` (whose options must be resume_options(ck, ...)).
-  // Creates options.out_dir. The errors of load_words, Trainer and the checkpoint functions.
+  // Creates options.out_dir and checks that it and the trace's directory are writable before it
+  // reads the data (FileError naming the path). The errors of load_words, Trainer and the
+  // checkpoint functions.
   Session(const TrainOptions& options, const Checkpoint* ck);
 
   bool done() const;        // every epoch finished, or max_steps reached

@@ -45,7 +45,7 @@ class Trainer {
   // options.optim.clip_norm, and AdamW updates the parameters (and the averaged weights). Dropout
   // draws follow from (seed, micro-batch counter, part), so the bits depend on neither the thread
   // count nor how the run was interrupted and resumed. InputError on an empty list or batch;
-  // teo::Error when the loss is not finite.
+  // TrainingDiverged when the loss is not finite.
   StepStats step(const std::vector<Batch>& micro_batches);
 
   // Loss, accuracy and confusion matrix of the evaluated weights (the averaged ones when the run

@@ -1,0 +1,41 @@
+// teo/train/options.hpp: every setting is named when it is bad, and flags parse by type.
+#include <filesystem>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "teo/train/options.hpp"
+
+namespace {
+
+namespace fs = std::filesystem;
+namespace tr = teo::train;
+using teo::train::TrainOptions;
+
+TEST(TrainOptions, BadSettingsAreNamed) {
+  TrainOptions o;
+  EXPECT_THROW(o.apply_json({{"vocab_size", 10}}), teo::ConfigError);
+  EXPECT_THROW(o.apply_json({{"no_such_key", 1}}), teo::ConfigError);
+  EXPECT_THROW(o.apply_json({{"lr", "fast"}}), teo::ConfigError);
+  o.apply_json({{"batch_size", 0}});
+  EXPECT_THROW(o.validate(), teo::ConfigError);
+  o = TrainOptions{};
+  o.apply_json({{"shards", 0}});
+  EXPECT_THROW(o.validate(), teo::ConfigError);
+  o = TrainOptions{};
+  o.apply_json({{"ema", 1.0}});
+  EXPECT_THROW(o.validate(), teo::ConfigError);
+  EXPECT_THROW(tr::parse_flag_value({"epochs", "int", ""}, "3x"), teo::ConfigError);
+  EXPECT_EQ(tr::parse_flag_value({"lr", "real", ""}, "0.5"), 0.5);
+  // --seed arrives as a signed integer from the command line and unsigned from a JSON file.
+  o = TrainOptions{};
+  o.apply_json({{"seed", tr::parse_flag_value({"seed", "int", ""}, "5")}});
+  EXPECT_EQ(o.seed, 5u);
+  o.apply_json(nlohmann::json::parse(R"({"seed": 18446744073709551615})"));
+  EXPECT_EQ(o.seed, 18446744073709551615u);
+  EXPECT_THROW(o.apply_json({{"seed", -1}}), teo::ConfigError);
+  EXPECT_THROW(o.apply_json({{"seed", 1.5}}), teo::ConfigError);
+  EXPECT_EQ(tr::parse_flag_value({"norm_first", "bool", ""}, "false"), false);
+}
+
+}  // namespace

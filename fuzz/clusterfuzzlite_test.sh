@@ -31,11 +31,12 @@ for h in safetensors config shape golden_check; do
   corpus="$dir/corpus/$h"
   mkdir -p "$corpus"
   unzip -q -o "$OUT/${f}_seed_corpus.zip" -d "$corpus"
+  seeds=$(ls "$corpus" | wc -l)
   # The runner's environment: nothing but $OUT (the harness finds its libraries and golden there).
   if (cd "$OUT" && TEO_NUM_THREADS=1 "./$f" -max_total_time="$seconds" -dict="$f.dict" \
         -rss_limit_mb=4096 "$corpus") > "$dir/$h.log" 2>&1; then
     runs=$(grep -o 'stat::number_of_executed_units: *[0-9]*\|Done [0-9]* runs' "$dir/$h.log" | tail -n 1)
-    echo "ok: $f ran ${seconds}s from $(ls "$corpus" | wc -l) seeds ($runs)"
+    echo "ok: $f ran ${seconds}s from $seeds seeds ($runs)"
   else
     echo "FAIL: $f"; tail -n 20 "$dir/$h.log"; status=1
   fi

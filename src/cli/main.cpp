@@ -1,9 +1,6 @@
 // The `teo` command.
 #include <malloc.h>
 
-#include <algorithm>
-#include <cstdio>
-#include <fstream>
 #include <iostream>
 #include <map>
 #include <new>
@@ -106,17 +103,10 @@ int main(int argc, char** argv) {
   teo::train::TrainOptions train_opts;
   train->add_option("--config", train_config, "JSON file with any of the keys below")
       ->check(CLI::ExistingFile);
-  // Every key's default, shown in --help.
-  nlohmann::json train_defaults = train_opts.model.to_json();
-  train_defaults.update(train_opts.to_json());
   for (const auto& k : teo::train::train_keys()) {
-    std::string flag = std::string("--") + k.key;
-    std::replace(flag.begin(), flag.end(), '_', '-');
-    std::string help = std::string(k.help) + " [" + k.type;
-    if (const auto it = train_defaults.find(k.key); it != train_defaults.end()) {
-      help += ", default " + (it->is_string() ? it->get<std::string>() : it->dump());
-    }
-    train_flag_options.emplace_back(&k, train->add_option(flag, train_flags[k.key], help + "]"));
+    train_flag_options.emplace_back(&k,
+                                    train->add_option(teo::train::flag_name(k), train_flags[k.key],
+                                                      teo::train::help_text(k, train_opts)));
   }
   train->add_option("--out", train_opts.out_dir, "output directory (default train-out)");
   train->add_option("--resume", train_opts.resume, "continue from this checkpoint")

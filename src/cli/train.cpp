@@ -2,8 +2,6 @@
 
 #include <unistd.h>
 
-#include <signal.h>
-
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
@@ -39,42 +37,6 @@ std::string duration(double s) {
   return os.str();
 }
 
-// SIGINT or SIGTERM asks the loop to stop after the step in progress; a second one ends the
-// process at once.
-volatile sig_atomic_t g_stop = 0;
-extern "C" void on_stop_signal(int sig) {
-  if (g_stop) {
-    ::signal(sig, SIG_DFL);
-    ::raise(sig);
-  }
-  g_stop = sig;
-}
-
-// Installs on_stop_signal for the lifetime of the loop, then restores what was there.
-struct StopSignals {
-  struct sigaction old_int {
-  }, old_term{};
-  StopSignals() {
-    struct sigaction sa {};
-    sa.sa_handler = on_stop_signal;
-    sigemptyset(&sa.sa_mask);
-    g_stop = 0;
-    sigaction(SIGINT, &sa, &old_int);
-    sigaction(SIGTERM, &sa, &old_term);
-  }
-  ~StopSignals() {
-    sigaction(SIGINT, &old_int, nullptr);
-    sigaction(SIGTERM, &old_term, nullptr);
-  }
-};
-
-// Running sums between two progress lines.
-struct Window {
-  double loss = 0, tokens = 0;
-  index_t correct = 0, words = 0, steps = 0;
-  Clock::time_point start = Clock::now();
-};
-
 template <class Real>
 int train_typed(const TrainOptions& opts, const Checkpoint* ck, std::ostream& out) {
   const bool tty = opts.progress && ::isatty(STDOUT_FILENO);
@@ -94,40 +56,25 @@ int train_typed(const TrainOptions& opts, const Checkpoint* ck, std::ostream& ou
       << " parameters, " << o.dtype << ", backend " << to_string(backend()) << ", " << num_threads()
       << " thread(s)\n";
 
-  const index_t log_every = std::max<index_t>(1, session.steps_per_epoch() / 20);
   const index_t total = session.total_steps();
   const auto t_start = Clock::now();
-  Window w;
   std::optional<StopSignals> signals(std::in_place);
   while (!session.done()) {
-    if (g_stop) {
+    if (StopSignals::requested()) {
       // Interrupted: the step in progress finished; keep it, atomically, and say how to go on.
       const std::string saved = session.save_latest();
       out << (tty ? "\n" : "") << "interrupted at step " << session.position().step << "; saved "
           << saved << " (continue with --resume " << saved << ")\n";
       return 130;
     }
-    const StepStats s = session.step();
-    const Position& pos = session.position();
-    w.loss += s.loss;
-    w.tokens += static_cast<double>(s.tokens);
-    w.correct += s.correct;
-    w.words += s.words;
-    ++w.steps;
-    if (pos.step % log_every == 0 || session.epoch_done() || session.done()) {
-      const double tps = w.tokens / std::max(seconds_since(w.start), 1e-9);
-      const double loss = w.loss / static_cast<double>(w.steps);
-      const double acc =
-          static_cast<double>(w.correct) / static_cast<double>(std::max<index_t>(w.words, 1));
-      session.metrics().add("train", pos.epoch + 1, pos.step, loss, acc, s.lr, tps);
-      const double eta = seconds_since(t_start) /
-                         static_cast<double>(pos.step - session.first_step()) *
-                         static_cast<double>(total - pos.step);
+    const Progress p = session.step().progress;
+    if (p.logged) {
+      const Position& pos = session.position();
       std::ostringstream line;
       line << "epoch " << pos.epoch + 1 << "/" << o.epochs << "  step " << pos.step << "/" << total
-           << "  loss " << std::fixed << std::setprecision(4) << loss << "  acc "
-           << std::setprecision(3) << acc << "  " << std::setprecision(0) << tps << " tok/s  ETA "
-           << duration(eta);
+           << "  loss " << std::fixed << std::setprecision(4) << p.loss << "  acc "
+           << std::setprecision(3) << p.accuracy << "  " << std::setprecision(0) << p.tokens_per_s
+           << " tok/s  ETA " << duration(p.eta_seconds);
       if (tty) {
         const index_t width = 24, filled = width * pos.step / std::max<index_t>(total, 1);
         out << "\r[" << std::string(static_cast<std::size_t>(filled), '#')
@@ -136,7 +83,6 @@ int train_typed(const TrainOptions& opts, const Checkpoint* ck, std::ostream& ou
       } else {
         out << line.str() << "\n";
       }
-      w = Window{};
     }
     if (session.epoch_done()) {
       if (tty) out << "\n";

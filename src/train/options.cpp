@@ -74,9 +74,24 @@ const std::vector<TrainKey>& train_keys() {
   return keys;
 }
 
-json parse_flag_value(const TrainKey& key, const std::string& text) {
+std::string flag_name(const TrainKey& key) {
   std::string flag = std::string("--") + key.key;
   std::replace(flag.begin(), flag.end(), '_', '-');
+  return flag;
+}
+
+std::string help_text(const TrainKey& key, const TrainOptions& defaults) {
+  json all = defaults.model.to_json();
+  all.update(defaults.to_json());
+  std::string help = std::string(key.help) + " [" + key.type;
+  if (const auto it = all.find(key.key); it != all.end()) {
+    help += ", default " + (it->is_string() ? it->get<std::string>() : it->dump());
+  }
+  return help + "]";
+}
+
+json parse_flag_value(const TrainKey& key, const std::string& text) {
+  const std::string flag = flag_name(key);
   const std::string type = key.type;
   try {
     std::size_t used = 0;

@@ -1,5 +1,7 @@
 #include "teo/train/session.hpp"
 
+#include <signal.h>
+
 #include <chrono>
 #include <filesystem>
 
@@ -51,7 +53,7 @@ Session<Real>::Session(const TrainOptions& options, const Checkpoint* ck)
       pos_(ck ? ck->position : Position{}),
       metrics_((std::filesystem::path(options.out_dir) / "metrics.csv").string()) {
   options_ = trainer_.options();
-  start_ = now_seconds();
+  start_ = window_start_ = now_seconds();
   std::filesystem::create_directories(options_.out_dir);
   if (ck) metrics_.load(pos_.step);
   if (!options_.trace.empty()) trace_.emplace(options_, trainer_.params());
@@ -77,7 +79,7 @@ bool Session<Real>::epoch_done() const {
 }
 
 template <class Real>
-StepStats Session<Real>::step() {
+StepReport Session<Real>::step() {
   const TrainOptions& o = options_;
   if (order_epoch_ != pos_.epoch) {
     order_ = epoch_batches(data_.train, o.batch_size, o.seed, pos_.epoch);
@@ -95,7 +97,29 @@ StepStats Session<Real>::step() {
   const StepStats s = trainer_.step(micro);
   pos_ = {pos_.epoch, pos_.micro + n_micro, trainer_.steps(), trainer_.micro_batches_run()};
   if (trace_) trace_->add_stats(pos_.step, s);
-  return s;
+  window_loss_ += s.loss;
+  window_tokens_ += s.tokens;
+  window_correct_ += s.correct;
+  window_words_ += s.words;
+  ++window_steps_;
+  StepReport r{s, {}};
+  const index_t log_every = std::max<index_t>(1, steps_per_epoch_ / 20);
+  if (pos_.step % log_every == 0 || epoch_done() || done()) {
+    const double now = now_seconds();
+    Progress& p = r.progress;
+    p.logged = true;
+    p.loss = window_loss_ / static_cast<double>(window_steps_);
+    p.accuracy = static_cast<double>(window_correct_) /
+                 static_cast<double>(std::max<index_t>(window_words_, 1));
+    p.tokens_per_s = static_cast<double>(window_tokens_) / std::max(now - window_start_, 1e-9);
+    p.eta_seconds = (now - start_) / static_cast<double>(pos_.step - first_step_) *
+                    static_cast<double>(total_steps_ - pos_.step);
+    metrics_.add("train", pos_.epoch + 1, pos_.step, p.loss, p.accuracy, s.lr, p.tokens_per_s);
+    window_loss_ = 0;
+    window_tokens_ = window_correct_ = window_words_ = window_steps_ = 0;
+    window_start_ = now;
+  }
+  return r;
 }
 
 template <class Real>
@@ -141,6 +165,43 @@ Summary Session<Real>::finish() {
       {"confusion", s.test.confusion},    {"languages", languages_json()}};
   write_file_atomic(path_in_out_dir("summary.json"), summary.dump(2) + "\n", true);
   return s;
+}
+
+namespace {
+
+volatile sig_atomic_t g_stop = 0;
+
+extern "C" void on_stop_signal(int sig) {
+  if (g_stop) {
+    ::signal(sig, SIG_DFL);
+    ::raise(sig);
+  }
+  g_stop = sig;
+}
+
+}  // namespace
+
+struct StopSignals::Saved {
+  struct sigaction sigint {};
+  struct sigaction sigterm {};
+};
+
+StopSignals::StopSignals() : saved_(std::make_unique<Saved>()) {
+  struct sigaction sa {};
+  sa.sa_handler = on_stop_signal;
+  sigemptyset(&sa.sa_mask);
+  g_stop = 0;
+  sigaction(SIGINT, &sa, &saved_->sigint);
+  sigaction(SIGTERM, &sa, &saved_->sigterm);
+}
+
+StopSignals::~StopSignals() {
+  sigaction(SIGINT, &saved_->sigint, nullptr);
+  sigaction(SIGTERM, &saved_->sigterm, nullptr);
+}
+
+bool StopSignals::requested() {
+  return g_stop != 0;
 }
 
 template class Session<float>;

@@ -67,6 +67,10 @@ struct TrainKey {
   const char* help;
 };
 const std::vector<TrainKey>& train_keys();
+// The key's flag, "--max-steps" for max_steps.
+std::string flag_name(const TrainKey& key);
+// Its help with its type and its default in `defaults`: "peak learning rate [real, default 0.004]".
+std::string help_text(const TrainKey& key, const TrainOptions& defaults = {});
 // A flag's text as the JSON value of its key's type; ConfigError naming the flag otherwise.
 nlohmann::json parse_flag_value(const TrainKey& key, const std::string& text);
 

@@ -11,6 +11,7 @@
 //   s.finish();                               // the test, the yardstick, summary.json
 #pragma once
 
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -21,6 +22,19 @@
 #include "teo/train/trainer.hpp"
 
 namespace teo::train {
+
+// The running figures since the previous metrics.csv row. A row is written every
+// max(1, steps_per_epoch / 20) steps, at the end of each epoch and at the last step.
+struct Progress {
+  bool logged = false;  // this step wrote a row; the fields are that row's
+  double loss = 0, accuracy = 0, tokens_per_s = 0;
+  double eta_seconds = 0;  // at the session's pace so far
+};
+
+struct StepReport {
+  StepStats stats;
+  Progress progress;
+};
 
 struct Summary {
   Evaluation test;
@@ -40,8 +54,8 @@ class Session {
   bool done() const;        // every epoch finished, or max_steps reached
   bool epoch_done() const;  // the epoch in progress has used all its micro-batches
   // One optimizer step on the next micro-batches (at most accum_steps, fewer at an epoch's end),
-  // with the trace recorded when options.trace is set.
-  StepStats step();
+  // with the trace recorded when options.trace is set and the metrics row when one is due.
+  StepReport step();
   // Validates the finished epoch, logs it, moves to the next and writes checkpoint-epochN and
   // checkpoint.safetensors; returns the validation and the epoch checkpoint's path.
   std::pair<Evaluation, std::string> end_epoch();
@@ -74,6 +88,25 @@ class Session {
   index_t order_epoch_ = -1;
   index_t micro_per_epoch_ = 0, steps_per_epoch_ = 0, total_steps_ = 0, first_step_ = 0;
   double start_ = 0;
+  // The window since the previous metrics row.
+  double window_loss_ = 0, window_start_ = 0;
+  index_t window_tokens_ = 0, window_correct_ = 0, window_words_ = 0, window_steps_ = 0;
+};
+
+// While one lives, SIGINT and SIGTERM only set requested(), which a training loop checks between
+// steps to keep a checkpoint and stop (`teo train` then exits 130); a second signal ends the
+// process as the default action would. The previous handlers come back when it is destroyed.
+class StopSignals {
+ public:
+  StopSignals();
+  ~StopSignals();
+  StopSignals(const StopSignals&) = delete;
+  StopSignals& operator=(const StopSignals&) = delete;
+  static bool requested();
+
+ private:
+  struct Saved;
+  std::unique_ptr<Saved> saved_;
 };
 
 extern template class Session<float>;

@@ -7,8 +7,14 @@
 # (found through their RUNPATH $ORIGIN/lib, so that the runner image needs none installed).
 # Runs as is outside a container too: tests/fuzz/clusterfuzzlite_build.sh does that in ctest.
 here="$(cd "$(dirname "$0")" && pwd)"
-root="${TEO_ROOT:-$(cd "$here/.." && pwd)}"
-: "${SRC:=$root/..}" "${WORK:?WORK must be set}" "${OUT:?OUT must be set}"
+if [ -n "${TEO_ROOT:-}" ]; then
+  root="$TEO_ROOT"
+elif [ -f "$here/../CMakeLists.txt" ] && [ -d "$here/../fuzz" ]; then
+  root="$(cd "$here/.." && pwd)"  # run from the repository's .clusterfuzzlite/
+else
+  root="$SRC/teo"  # the engines' container: the Dockerfile copies the repository there
+fi
+: "${WORK:?WORK must be set}" "${OUT:?OUT must be set}"
 harnesses=(safetensors config shape golden_check)
 generator=()
 if command -v ninja >/dev/null; then generator=(-G Ninja); fi

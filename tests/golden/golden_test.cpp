@@ -7,6 +7,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <limits>
 #include <map>
 #include <set>
@@ -494,6 +495,86 @@ TEST(GoldenNaiveBackend, AgreesWithEveryCaseForward) {
     const auto rep = golden::check(g, teo::testing::naive_forward(g), fwd);
     EXPECT_EQ(rep.failed, 0) << e.name << ": first divergence " << rep.first_divergence;
     EXPECT_EQ(rep.not_checked, 0) << e.name;
+  }
+}
+
+// The naive backward (plain double loops, no code shared with src/) against every case's grad.*
+// and grad.act.* tensors: a second independent check of the corpus's gradients besides PyTorch.
+TEST(GoldenNaiveBackend, IndependentBackwardPassesEveryCase) {
+  struct Worst {
+    double ratio = 0, rel = 0;
+    std::string where;
+    int tensors = 0, cases = 0;
+  };
+  std::map<std::string, Worst> worst;  // per dtype
+  int grad_tensors = 0;
+  for (const auto& e : corpus()) {
+    const st::File& g = committed(e.name);
+    const auto rep = golden::check(g, teo::testing::naive_candidate(g), {});
+    EXPECT_EQ(rep.failed, 0) << e.name << ": first divergence " << rep.first_divergence;
+    EXPECT_EQ(rep.not_checked, 0) << e.name;
+    int grads = 0;
+    for (const auto& t : rep.tensors) {
+      if (!t.name.starts_with("grad.")) continue;
+      ++grads;
+      EXPECT_EQ(t.status, golden::Status::pass) << e.name << " " << t.name << ": " << t.message;
+      Worst& w = worst[e.spec.dtype];
+      ++w.tensors;
+      if (t.ratio > w.ratio) {
+        w.ratio = t.ratio;
+        w.rel = t.max_rel;
+        w.where = e.name + " " + t.name;
+      }
+    }
+    // Every parameter's gradient and grad.act.{logits, pooled, layers.*.output, input}.
+    EXPECT_GE(grads, 7) << e.name;
+    ++worst[e.spec.dtype].cases;
+    grad_tensors += grads;
+  }
+  EXPECT_GT(grad_tensors, 1000);
+  for (const auto& [dtype, w] : worst) {
+    std::cout << "[ measured ] naive double backward, " << dtype
+              << " cases: worst gradient err/bound " << w.ratio << " (max_rel " << w.rel << ", "
+              << w.where << "); " << w.tensors << " gradient tensors over " << w.cases
+              << " cases\n";
+  }
+}
+
+// Backward-only bugs: the forward still passes, and the first failing tensor is the first
+// gradient, in the golden's order, that the wrong formula feeds.
+TEST(GoldenMutants, BackwardMutantsFailAtTheGradientWhereTheirBugLives) {
+  using M = teo::testing::Mutation;
+  struct Mutant {
+    M mutation;
+    const char* case_name;  // without the _f64 / _f32 suffix
+    const char* stage;
+  };
+  const std::vector<Mutant> mutants = {
+      // Pre-norm: the first LayerNorm backward is the final norm's; its weight and bias gradients
+      // do not use the missing term, its input gradient grad.act.layers.1.output does.
+      {M::layer_norm_backward_no_mean, "pre_gelu_mean", "grad.act.layers.1.output"},
+      // Post-norm: layer 1's LN2 (after its own weight and bias gradients); its input gradient
+      // g_residual2 is first read by fc2's weight gradient.
+      {M::layer_norm_backward_no_mean, "post_gelu_mean", "grad.layers.1.ffn.fc2.weight"},
+      // The softmax backward feeds q and k; in the golden's order (o, v, k, q) k.weight is first.
+      {M::softmax_backward_no_row_sum, "post_gelu_mean", "grad.layers.1.attn.k.weight"},
+      {M::softmax_backward_no_row_sum, "causal_pre", "grad.layers.1.attn.k.weight"},
+  };
+  for (const auto& m : mutants) {
+    for (const char* suffix : {"_f64", "_f32"}) {
+      const std::string name = std::string(m.case_name) + suffix;
+      const std::string what = std::string(teo::testing::mutation_name(m.mutation)) + " on " + name;
+      const st::File& g = committed(name);
+      const auto rep = golden::check(g, teo::testing::naive_candidate(g, m.mutation), {});
+      EXPECT_GT(rep.failed, 0) << what;
+      EXPECT_EQ(rep.not_checked, 0) << what;
+      EXPECT_EQ(rep.first_divergence, m.stage) << what;
+      for (const auto& t : rep.tensors) {
+        if (t.name.starts_with("act.")) {
+          EXPECT_EQ(t.status, golden::Status::pass) << what << " " << t.name;
+        }
+      }
+    }
   }
 }
 

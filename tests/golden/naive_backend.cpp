@@ -1,7 +1,10 @@
 #include "golden/naive_backend.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <map>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -15,6 +18,12 @@ namespace {
 using safetensors::DType;
 using safetensors::File;
 using Vec = std::vector<double>;
+using Mask = std::vector<std::uint8_t>;
+using Shape = std::vector<std::int64_t>;
+
+std::size_t ix(std::int64_t i) {
+  return static_cast<std::size_t>(i);
+}
 
 Vec doubles(const File& f, const std::string& name) {
   const auto* t = f.find(name);
@@ -31,46 +40,73 @@ std::vector<std::int64_t> ints(const File& f, const std::string& name) {
 }
 
 // The dropout mask of a site as 0/1, or all ones when the golden has none.
-std::vector<std::uint8_t> mask(const File& f, const std::string& name, std::size_t n) {
+Mask mask(const File& f, const std::string& name, std::size_t n) {
   const auto* t = f.find(name);
-  if (!t) return std::vector<std::uint8_t>(n, 1);
-  return t->values<std::uint8_t>();
+  if (!t) return Mask(n, 1);
+  auto m = t->values<std::uint8_t>();
+  if (m.size() != n) throw FormatError(name + " has the wrong number of elements");
+  return m;
 }
 
 struct Out {
   File file;
   bool f32;
-  void put(const std::string& name, std::vector<std::int64_t> shape, const Vec& v) {
+  void put(const std::string& name, Shape shape, const Vec& v) {
     if (f32) {
       std::vector<float> x(v.begin(), v.end());
-      file.add<float>("act." + name, std::move(shape), x.data(), x.size());
+      file.add<float>(name, std::move(shape), x.data(), x.size());
     } else {
-      file.add<double>("act." + name, std::move(shape), v.data(), v.size());
+      file.add<double>(name, std::move(shape), v.data(), v.size());
     }
+  }
+  void act(const std::string& name, Shape shape, const Vec& v) {
+    put("act." + name, std::move(shape), v);
   }
 };
 
 // y (rows x out) = x (rows x in) W^T + b, W (out x in); transposed: W read as (in x out).
 Vec linear(const Vec& x, std::int64_t rows, std::int64_t in, const Vec& w, const Vec& b,
            std::int64_t out, bool transposed = false) {
-  Vec y(static_cast<std::size_t>(rows * out));
+  Vec y(ix(rows * out));
   for (std::int64_t r = 0; r < rows; ++r) {
     for (std::int64_t o = 0; o < out; ++o) {
-      double acc = b[static_cast<std::size_t>(o)];
+      double acc = b[ix(o)];
       for (std::int64_t i = 0; i < in; ++i) {
-        const double wv = transposed ? w[static_cast<std::size_t>(i * out + o)]
-                                     : w[static_cast<std::size_t>(o * in + i)];
-        acc += x[static_cast<std::size_t>(r * in + i)] * wv;
+        const double wv = transposed ? w[ix(i * out + o)] : w[ix(o * in + i)];
+        acc += x[ix(r * in + i)] * wv;
       }
-      y[static_cast<std::size_t>(r * out + o)] = acc;
+      y[ix(r * out + o)] = acc;
     }
   }
   return y;
 }
 
-Vec layer_norm(const Vec& x, std::int64_t rows, std::int64_t d, const Vec& w, const Vec& b,
-               double eps, Mutation m) {
-  Vec y(x.size());
+// Backward of y = x W^T + b (x rows x in, W out x in, y rows x out), accumulating:
+//   gx[r,i] += sum_o gy[r,o] * W[o,i]
+//   gW[o,i] += sum_r gy[r,o] * x[r,i]
+//   gb[o]   += sum_r gy[r,o]
+void linear_backward(const Vec& gy, const Vec& x, const Vec& w, std::int64_t rows, std::int64_t in,
+                     std::int64_t out, Vec& gx, Vec& gw, Vec& gb) {
+  for (std::int64_t r = 0; r < rows; ++r) {
+    for (std::int64_t o = 0; o < out; ++o) {
+      const double g = gy[ix(r * out + o)];
+      gb[ix(o)] += g;
+      for (std::int64_t i = 0; i < in; ++i) {
+        gx[ix(r * in + i)] += g * w[ix(o * in + i)];
+        gw[ix(o * in + i)] += g * x[ix(r * in + i)];
+      }
+    }
+  }
+}
+
+// A LayerNorm's output and the per-row statistics its backward needs.
+struct Norm {
+  Vec y, mean, rstd;  // y (rows x d); mean, rstd (rows); rstd = 1 / the forward's denominator
+};
+
+Norm layer_norm(const Vec& x, std::int64_t rows, std::int64_t d, const Vec& w, const Vec& b,
+                double eps, Mutation m) {
+  Norm n{Vec(x.size()), Vec(ix(rows)), Vec(ix(rows))};
   for (std::int64_t r = 0; r < rows; ++r) {
     const double* row = x.data() + r * d;
     double mean = 0;
@@ -82,20 +118,603 @@ Vec layer_norm(const Vec& x, std::int64_t rows, std::int64_t d, const Vec& w, co
     const double denom =
         m == Mutation::layer_norm_eps_outside ? std::sqrt(var) + eps : std::sqrt(var + eps);
     for (std::int64_t c = 0; c < d; ++c) {
-      y[static_cast<std::size_t>(r * d + c)] =
-          (row[c] - mean) / denom * w[static_cast<std::size_t>(c)] + b[static_cast<std::size_t>(c)];
+      n.y[ix(r * d + c)] = (row[c] - mean) / denom * w[ix(c)] + b[ix(c)];
+    }
+    n.mean[ix(r)] = mean;
+    n.rstd[ix(r)] = 1.0 / denom;
+  }
+  return n;
+}
+
+// Backward of y_c = n_c * w_c + b_c, n_c = (x_c - mean) * rstd, mean = (1/d) sum_c x_c,
+// rstd = (var + eps)^(-1/2), var = (1/d) sum_c (x_c - mean)^2, from the saved mean and rstd:
+//   gw_c += g_c * n_c;   gb_c += g_c
+//   dn_c  = g_c * w_c                                            (d y_c / d n_c = w_c)
+//   gx_c += rstd * (dn_c - (1/d) sum_c' dn_c' - n_c * (1/d) sum_c' dn_c' * n_c')
+// The first mean is d mean / d x (every x_c' moves the mean), the second d rstd / d x.
+void layer_norm_backward(const Vec& g, const Vec& x, const Norm& n, std::int64_t rows,
+                         std::int64_t d, const Vec& w, Vec& gx, Vec& gw, Vec& gb, Mutation m) {
+  Vec xn(ix(d)), dn(ix(d));
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const double mean = n.mean[ix(r)], rstd = n.rstd[ix(r)];
+    double sum_dn = 0, sum_dn_n = 0;
+    for (std::int64_t c = 0; c < d; ++c) {
+      const double gc = g[ix(r * d + c)];
+      xn[ix(c)] = (x[ix(r * d + c)] - mean) * rstd;
+      dn[ix(c)] = gc * w[ix(c)];
+      gw[ix(c)] += gc * xn[ix(c)];
+      gb[ix(c)] += gc;
+      sum_dn += dn[ix(c)];
+      sum_dn_n += dn[ix(c)] * xn[ix(c)];
+    }
+    const double mean_dn =
+        m == Mutation::layer_norm_backward_no_mean ? 0.0 : sum_dn / static_cast<double>(d);
+    const double mean_dn_n = sum_dn_n / static_cast<double>(d);
+    for (std::int64_t c = 0; c < d; ++c) {
+      gx[ix(r * d + c)] += rstd * (dn[ix(c)] - mean_dn - xn[ix(c)] * mean_dn_n);
     }
   }
-  return y;
 }
+
+bool tanh_form(Activation a, Mutation m) {
+  return a == Activation::gelu_tanh ||
+         (a == Activation::gelu && m == Mutation::tanh_gelu_for_exact);
+}
+
+const double kSqrt2OverPi = std::sqrt(2.0 / M_PI);
 
 double activation(double x, Activation a, Mutation m) {
   if (a == Activation::relu) return x > 0 ? x : 0;
-  if (a == Activation::gelu && m != Mutation::tanh_gelu_for_exact) {
-    return 0.5 * x * (1 + std::erf(x / std::sqrt(2.0)));
-  }
-  const double u = std::sqrt(2.0 / M_PI) * (x + 0.044715 * x * x * x);
+  if (!tanh_form(a, m)) return 0.5 * x * (1 + std::erf(x / std::sqrt(2.0)));
+  const double u = kSqrt2OverPi * (x + 0.044715 * x * x * x);
   return 0.5 * x * (1 + std::tanh(u));
+}
+
+// d activation(x) / dx.
+double activation_grad(double x, Activation a, Mutation m) {
+  // relu: y = x > 0 ? x : 0
+  if (a == Activation::relu) return x > 0 ? 1 : 0;
+  if (!tanh_form(a, m)) {
+    // y = x Phi(x), Phi(x) = (1 + erf(x / sqrt 2)) / 2:  y' = Phi(x) + x phi(x),
+    // phi(x) = exp(-x^2 / 2) / sqrt(2 pi)
+    return 0.5 * (1 + std::erf(x / std::sqrt(2.0))) +
+           x * std::exp(-0.5 * x * x) / std::sqrt(2.0 * M_PI);
+  }
+  // y = x (1 + tanh(u)) / 2, u = sqrt(2/pi) (x + 0.044715 x^3):
+  // y' = (1 + t) / 2 + x (1 - t^2) u' / 2, u' = sqrt(2/pi) (1 + 3 * 0.044715 x^2)
+  const double t = std::tanh(kSqrt2OverPi * (x + 0.044715 * x * x * x));
+  return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * kSqrt2OverPi * (1 + 3 * 0.044715 * x * x);
+}
+
+// Everything one layer's backward reads, saved by its forward. For post-norm, norm1 =
+// LN1(residual1) and norm2 = LN2(residual2); for pre-norm, norm1 = LN1(x) and norm2 =
+// LN2(residual1).
+struct LayerSaved {
+  Vec x;               // the layer's input (B, S, D)
+  Norm norm1, norm2;   // outputs and statistics of LN1 and LN2
+  Vec attn_in;         // x (post) or norm1 (pre)
+  Vec q, k, v;         // (B, H, S, Dh)
+  Vec probs;           // (B, H, S, S), before dropout
+  Mask attn_mask;      // dropout.layers.{i}.attn
+  Vec context;         // (B, S, D), heads merged
+  Mask r1_mask;        // dropout.layers.{i}.residual1
+  Vec residual1;       // x + drop_r1(attn_out)
+  Vec ffn_in;          // norm1 (post) or norm2 (pre)
+  Vec ffn_pre;         // ffn_in W1^T + b1 (B, S, F)
+  Mask ffn_mask;       // dropout.layers.{i}.ffn
+  Vec dropped_hidden;  // drop_ffn(act(ffn_pre))
+  Mask r2_mask;        // dropout.layers.{i}.residual2
+  Vec residual2;       // base + drop_r2(ffn_out)
+};
+
+File run(const File& golden, Mutation mut, bool with_backward) {
+  const std::string* cfg_text = golden.meta("config");
+  const std::string* case_text = golden.meta("case");
+  if (!cfg_text || !case_text) throw FormatError("golden has no config or case metadata");
+  const EncoderConfig cfg = EncoderConfig::from_json_text(*cfg_text);
+  const auto cj = nlohmann::json::parse(*case_text);
+  const std::int64_t B = cj.at("batch"), S = cj.at("seq_len");
+  const std::int64_t D = cfg.d_model, H = cfg.num_heads, Dh = D / H, F = cfg.d_ff;
+  const std::int64_t C = cfg.num_classes, L = cfg.num_layers, N = B * S;
+  const bool pre = cfg.norm_first;
+  const auto tokens = ints(golden, "input.tokens");
+  const auto lengths = ints(golden, "input.lengths");
+  const auto labels = ints(golden, "input.labels");
+  const double p = cfg.dropout;
+  const double keep_scale = p > 0 && mut != Mutation::dropout_scale_missing ? 1.0 / (1.0 - p) : 1.0;
+  // out = mask ? in * scale : 0
+  auto apply = [&](const Vec& x, const Mask& mk) {
+    Vec y(x.size());
+    for (std::size_t i = 0; i < x.size(); ++i) y[i] = mk[i] ? x[i] * keep_scale : 0.0;
+    return y;
+  };
+  auto param = [&](const std::string& n) { return doubles(golden, "param." + n); };
+  auto at = [](Vec& v, std::int64_t i) -> double& { return v[ix(i)]; };
+
+  Out out{File{}, cj.at("dtype") == "float32"};
+  out.file.metadata.emplace_back("format", "teo-candidate/1");
+  out.file.metadata.emplace_back("backend", std::string("naive-double/") + mutation_name(mut));
+
+  // ---- forward ----------------------------------------------------------------------------
+
+  // Embedding and positions.
+  const Vec emb_w = param("embedding.weight");
+  const double escale = cfg.embed_scale ? std::sqrt(static_cast<double>(D)) : 1.0;
+  Vec embedding(ix(N * D));
+  for (std::int64_t t = 0; t < N; ++t) {
+    for (std::int64_t c = 0; c < D; ++c) {
+      at(embedding, t * D + c) = emb_w[ix(tokens[ix(t)] * D + c)] * escale;
+    }
+  }
+  Vec positional(ix(S * D));
+  if (cfg.positional == Positional::learned) {
+    const Vec pw = param("pos_embedding.weight");
+    for (std::int64_t i = 0; i < S * D; ++i) at(positional, i) = pw[ix(i)];
+  } else {
+    for (std::int64_t s = 0; s < S; ++s) {
+      for (std::int64_t c = 0; c < D; ++c) {
+        const std::int64_t two_i = c - c % 2 + (mut == Mutation::pe_frequency_off_by_one ? 2 : 0);
+        const double angle = static_cast<double>(s) /
+                             std::pow(10000.0, static_cast<double>(two_i) / static_cast<double>(D));
+        const bool use_sin = (c % 2 == 0) != (mut == Mutation::pe_sin_cos_swapped);
+        at(positional, s * D + c) = use_sin ? std::sin(angle) : std::cos(angle);
+      }
+    }
+  }
+  Vec sum(embedding.size());
+  for (std::int64_t t = 0; t < N; ++t) {
+    for (std::int64_t c = 0; c < D; ++c) {
+      at(sum, t * D + c) = at(embedding, t * D + c) + at(positional, (t % S) * D + c);
+    }
+  }
+  const Mask input_mask = mask(golden, "dropout.input", sum.size());
+  const Vec input = apply(sum, input_mask);
+  out.act("embedding", {B, S, D}, embedding);
+  out.act("positional", {S, D}, positional);
+  out.act("input", {B, S, D}, input);
+
+  const double alpha =
+      mut == Mutation::no_score_scale ? 1.0 : 1.0 / std::sqrt(static_cast<double>(Dh));
+  const double inf = std::numeric_limits<double>::infinity();
+  // (B, S, H*Dh) -> (B, H, S, Dh) and back.
+  auto heads = [&](const Vec& y) {
+    Vec o(y.size());
+    for (std::int64_t b = 0; b < B; ++b)
+      for (std::int64_t h = 0; h < H; ++h)
+        for (std::int64_t s = 0; s < S; ++s)
+          for (std::int64_t c = 0; c < Dh; ++c)
+            o[ix(((b * H + h) * S + s) * Dh + c)] = y[ix((b * S + s) * D + h * Dh + c)];
+    return o;
+  };
+  auto merge = [&](const Vec& y) {
+    Vec o(y.size());
+    for (std::int64_t b = 0; b < B; ++b)
+      for (std::int64_t h = 0; h < H; ++h)
+        for (std::int64_t s = 0; s < S; ++s)
+          for (std::int64_t c = 0; c < Dh; ++c)
+            o[ix((b * S + s) * D + h * Dh + c)] = y[ix(((b * H + h) * S + s) * Dh + c)];
+    return o;
+  };
+  std::vector<LayerSaved> saved(ix(L));
+  Vec x = input;
+  for (std::int64_t l = 0; l < L; ++l) {
+    const std::string pl = "layers." + std::to_string(l) + ".";
+    auto lp = [&](const std::string& n) { return param(pl + n); };
+    LayerSaved& sv = saved[ix(l)];
+    sv.x = x;
+    sv.attn_in = x;
+    if (pre) {
+      sv.norm1 = layer_norm(x, N, D, lp("norm1.weight"), lp("norm1.bias"), cfg.layer_norm_eps, mut);
+      sv.attn_in = sv.norm1.y;
+      out.act(pl + "norm1", {B, S, D}, sv.attn_in);
+    }
+    const bool tq = mut == Mutation::transposed_weight;
+    sv.q = heads(linear(sv.attn_in, N, D, lp("attn.q.weight"), lp("attn.q.bias"), D, tq));
+    sv.k = heads(linear(sv.attn_in, N, D, lp("attn.k.weight"), lp("attn.k.bias"), D));
+    sv.v = heads(linear(sv.attn_in, N, D, lp("attn.v.weight"), lp("attn.v.bias"), D));
+    const Vec &q = sv.q, &k = sv.k, &v = sv.v;
+    Vec scores(ix(B * H * S * S));
+    sv.probs.assign(scores.size(), 0.0);
+    sv.context.assign(ix(N * D), 0.0);
+    sv.attn_mask = mask(golden, "dropout." + pl + "attn", scores.size());
+    for (std::int64_t b = 0; b < B; ++b) {
+      const std::int64_t len = mut == Mutation::mask_ignores_padding ? S : lengths[ix(b)];
+      auto visible = [&](std::int64_t i) { return cfg.causal ? std::min(len, i + 1) : len; };
+      for (std::int64_t h = 0; h < H; ++h) {
+        const std::int64_t base = (b * H + h) * S;
+        auto sc = [&](std::int64_t i, std::int64_t j) -> double& {
+          return at(scores, (base + i) * S + j);
+        };
+        auto pr = [&](std::int64_t i, std::int64_t j) -> double& {
+          return at(sv.probs, (base + i) * S + j);
+        };
+        for (std::int64_t i = 0; i < S; ++i) {
+          for (std::int64_t j = 0; j < S; ++j) {
+            if (j >= visible(i)) {
+              sc(i, j) = -inf;
+              continue;
+            }
+            double dot = 0;
+            for (std::int64_t c = 0; c < Dh; ++c) {
+              dot += q[ix((base + i) * Dh + c)] * k[ix((base + j) * Dh + c)];
+            }
+            sc(i, j) = dot * alpha;
+          }
+        }
+        // Softmax over the visible keys of each query (or, mutated, over the queries that see
+        // each key); a row or column with nothing visible is 0.
+        const bool by_col = mut == Mutation::softmax_wrong_axis;
+        for (std::int64_t a = 0; a < S; ++a) {
+          double mx = -inf;
+          for (std::int64_t z = 0; z < S; ++z) {
+            const double s = by_col ? sc(z, a) : sc(a, z);
+            mx = std::max(mx, s);
+          }
+          double total = 0;
+          for (std::int64_t z = 0; z < S; ++z) {
+            const double s = by_col ? sc(z, a) : sc(a, z);
+            if (s != -inf) total += std::exp(s - mx);
+          }
+          for (std::int64_t z = 0; z < S; ++z) {
+            const double s = by_col ? sc(z, a) : sc(a, z);
+            (by_col ? pr(z, a) : pr(a, z)) = s == -inf ? 0.0 : std::exp(s - mx) / total;
+          }
+        }
+        for (std::int64_t i = 0; i < S; ++i) {
+          for (std::int64_t c = 0; c < Dh; ++c) {
+            double acc = 0;
+            for (std::int64_t j = 0; j < S; ++j) {
+              const std::size_t pij = ix((base + i) * S + j);
+              const double pv = sv.attn_mask[pij] ? sv.probs[pij] * keep_scale : 0.0;
+              acc += pv * v[ix((base + j) * Dh + c)];
+            }
+            at(sv.context, (b * S + i) * D + h * Dh + c) = acc;
+          }
+        }
+      }
+    }
+    const Vec attn_out = linear(sv.context, N, D, lp("attn.o.weight"), lp("attn.o.bias"), D);
+    sv.r1_mask = mask(golden, "dropout." + pl + "residual1", attn_out.size());
+    const Vec r1d = apply(attn_out, sv.r1_mask);
+    sv.residual1.resize(x.size());
+    for (std::size_t i = 0; i < x.size(); ++i) sv.residual1[i] = x[i] + r1d[i];
+    out.act(pl + "q", {B, H, S, Dh}, q);
+    out.act(pl + "k", {B, H, S, Dh}, k);
+    out.act(pl + "v", {B, H, S, Dh}, v);
+    out.act(pl + "scores", {B, H, S, S}, scores);
+    out.act(pl + "probs", {B, H, S, S}, sv.probs);
+    out.act(pl + "context", {B, S, D}, sv.context);
+    out.act(pl + "attn_out", {B, S, D}, attn_out);
+    out.act(pl + "residual1", {B, S, D}, sv.residual1);
+    if (pre) {
+      sv.norm2 = layer_norm(sv.residual1, N, D, lp("norm2.weight"), lp("norm2.bias"),
+                            cfg.layer_norm_eps, mut);
+      sv.ffn_in = sv.norm2.y;
+      out.act(pl + "norm2", {B, S, D}, sv.ffn_in);
+    } else {
+      sv.norm1 = layer_norm(sv.residual1, N, D, lp("norm1.weight"), lp("norm1.bias"),
+                            cfg.layer_norm_eps, mut);
+      sv.ffn_in = sv.norm1.y;
+      out.act(pl + "norm1", {B, S, D}, sv.ffn_in);
+    }
+    sv.ffn_pre = linear(sv.ffn_in, N, D, lp("ffn.fc1.weight"), lp("ffn.fc1.bias"), F);
+    Vec hidden(sv.ffn_pre.size());
+    for (std::size_t i = 0; i < hidden.size(); ++i) {
+      hidden[i] = activation(sv.ffn_pre[i], cfg.activation, mut);
+    }
+    sv.ffn_mask = mask(golden, "dropout." + pl + "ffn", hidden.size());
+    sv.dropped_hidden = apply(hidden, sv.ffn_mask);
+    const Vec ffn_out =
+        linear(sv.dropped_hidden, N, F, lp("ffn.fc2.weight"), lp("ffn.fc2.bias"), D);
+    sv.r2_mask = mask(golden, "dropout." + pl + "residual2", ffn_out.size());
+    const Vec r2d = apply(ffn_out, sv.r2_mask);
+    const Vec& res_base = pre ? sv.residual1 : sv.ffn_in;
+    sv.residual2.resize(x.size());
+    for (std::size_t i = 0; i < x.size(); ++i) sv.residual2[i] = res_base[i] + r2d[i];
+    out.act(pl + "ffn_hidden", {B, S, F}, hidden);
+    out.act(pl + "ffn_out", {B, S, D}, ffn_out);
+    if (pre) {
+      x = sv.residual2;
+    } else {
+      sv.norm2 = layer_norm(sv.residual2, N, D, lp("norm2.weight"), lp("norm2.bias"),
+                            cfg.layer_norm_eps, mut);
+      x = sv.norm2.y;
+      out.act(pl + "norm2", {B, S, D}, x);
+    }
+    out.act(pl + "output", {B, S, D}, x);
+  }
+  const Vec last = x;  // layers.{L-1}.output, or input when L = 0
+  Norm final_norm;
+  if (pre) {
+    final_norm = layer_norm(last, N, D, param("final_norm.weight"), param("final_norm.bias"),
+                            cfg.layer_norm_eps, mut);
+    x = final_norm.y;
+    out.act("final_norm", {B, S, D}, x);
+  }
+  const Vec& top = x;
+
+  // Pooling over the real tokens; for max, the first maximum (or the first NaN) of each column.
+  Vec pooled(ix(B * D), 0.0);
+  std::vector<std::int64_t> argmax(ix(B * D), -1);
+  for (std::int64_t b = 0; b < B; ++b) {
+    const std::int64_t len = lengths[ix(b)];
+    if (len == 0) continue;
+    for (std::int64_t c = 0; c < D; ++c) {
+      auto tp = [&](std::int64_t s) { return top[ix((b * S + s) * D + c)]; };
+      double r = 0;
+      if (cfg.pooling == Pooling::cls) {
+        r = tp(0);
+      } else if (cfg.pooling == Pooling::max) {
+        std::int64_t best = 0;
+        for (std::int64_t s = 1; s < len; ++s) {
+          if (tp(s) > tp(best) || (std::isnan(tp(s)) && !std::isnan(tp(best)))) best = s;
+        }
+        argmax[ix(b * D + c)] = best;
+        r = tp(best);
+      } else {
+        const std::int64_t n = mut == Mutation::mean_pool_includes_padding ? S : len;
+        for (std::int64_t s = 0; s < n; ++s) r += tp(s);
+        r /= static_cast<double>(n);
+      }
+      at(pooled, b * D + c) = r;
+    }
+  }
+  const Vec head_w = param("head.weight");
+  const Vec logits = linear(pooled, B, D, head_w, param("head.bias"), C);
+  const double eps = mut == Mutation::label_smoothing_ignored ? 0.0 : cfg.label_smoothing;
+  Vec class_probs(ix(B * C));
+  double loss = 0;
+  for (std::int64_t b = 0; b < B; ++b) {
+    const double* z = logits.data() + b * C;
+    double mx = z[0];
+    for (std::int64_t c = 1; c < C; ++c) mx = std::max(mx, z[c]);
+    double total = 0;
+    for (std::int64_t c = 0; c < C; ++c) total += std::exp(z[c] - mx);
+    const double lse = mx + std::log(total);
+    double sum_logp = 0;
+    for (std::int64_t c = 0; c < C; ++c) {
+      sum_logp += z[c] - lse;
+      at(class_probs, b * C + c) = std::exp(z[c] - lse);
+    }
+    const double logp_y = z[labels[ix(b)]] - lse;
+    loss += -(1 - eps) * logp_y - eps / static_cast<double>(C) * sum_logp;
+  }
+  if (B > 0) loss /= static_cast<double>(B);
+  out.act("pooled", {B, D}, pooled);
+  out.act("logits", {B, C}, logits);
+  out.act("loss", {}, Vec{loss});
+  if (!with_backward) return out.file;
+
+  // ---- backward ---------------------------------------------------------------------------
+  // d loss / d X for every X, walking back through the saved forward values. Each step quotes
+  // the forward expression it differentiates. Parameter gradients accumulate in `grads`.
+
+  std::map<std::string, Vec> grads;                    // parameter name -> gradient
+  std::vector<std::pair<std::string, Vec>> act_grads;  // activation name -> gradient
+  std::map<std::string, Shape> act_shapes;
+  auto grad = [&](const std::string& name) -> Vec& {
+    auto it = grads.find(name);
+    if (it == grads.end())
+      it = grads.emplace(name, Vec(doubles(golden, "param." + name).size(), 0.0)).first;
+    return it->second;
+  };
+  auto keep = [&](const std::string& name, Shape shape, const Vec& g) {
+    act_grads.emplace_back(name, g);
+    act_shapes[name] = std::move(shape);
+  };
+  // Backward of out = mask ? in * scale : 0:  gin = mask ? gout * scale : 0
+  auto unapply = [&](const Vec& g, const Mask& mk) { return apply(g, mk); };
+
+  // loss = (1/B) sum_b loss_b,  loss_b = -(1 - eps) logp[y] - (eps/C) sum_c logp[c],
+  // logp = z - logsumexp(z):  d loss_b / d z_c = class_probs[c] - ((c == y ? 1 - eps : 0) + eps/C)
+  Vec g_logits(ix(B * C), 0.0);
+  for (std::int64_t b = 0; b < B; ++b) {
+    for (std::int64_t c = 0; c < C; ++c) {
+      const double target = (c == labels[ix(b)] ? 1 - eps : 0.0) + eps / static_cast<double>(C);
+      at(g_logits, b * C + c) = (at(class_probs, b * C + c) - target) / static_cast<double>(B);
+    }
+  }
+  keep("logits", {B, C}, g_logits);
+
+  // logits = pooled Wh^T + bh
+  Vec g_pooled(ix(B * D), 0.0);
+  linear_backward(g_logits, pooled, head_w, B, D, C, g_pooled, grad("head.weight"),
+                  grad("head.bias"));
+  keep("pooled", {B, D}, g_pooled);
+
+  // pooled[b,c] = mean_{s < len} top[b,s,c] | top[b,0,c] | top[b,argmax[b,c],c]; 0 if len == 0
+  Vec g_top(ix(N * D), 0.0);
+  for (std::int64_t b = 0; b < B; ++b) {
+    const std::int64_t len = lengths[ix(b)];
+    if (len == 0) continue;  // pooled = 0: no dependence on top
+    for (std::int64_t c = 0; c < D; ++c) {
+      const double g = at(g_pooled, b * D + c);
+      if (cfg.pooling == Pooling::cls) {
+        at(g_top, (b * S) * D + c) += g;
+      } else if (cfg.pooling == Pooling::max) {
+        at(g_top, (b * S + argmax[ix(b * D + c)]) * D + c) += g;
+      } else {
+        const std::int64_t n = mut == Mutation::mean_pool_includes_padding ? S : len;
+        for (std::int64_t s = 0; s < n; ++s)
+          at(g_top, (b * S + s) * D + c) += g / static_cast<double>(n);
+      }
+    }
+  }
+
+  // top = final_norm = LN(last) (pre-norm); top = last (post-norm)
+  Vec g_x;
+  if (pre) {
+    g_x.assign(ix(N * D), 0.0);
+    layer_norm_backward(g_top, last, final_norm, N, D, param("final_norm.weight"), g_x,
+                        grad("final_norm.weight"), grad("final_norm.bias"), mut);
+  } else {
+    g_x = g_top;
+  }
+
+  for (std::int64_t l = L - 1; l >= 0; --l) {
+    const std::string pl = "layers." + std::to_string(l) + ".";
+    auto lp = [&](const std::string& n) { return param(pl + n); };
+    auto lg = [&](const std::string& n) -> Vec& { return grad(pl + n); };
+    const LayerSaved& sv = saved[ix(l)];
+    keep(pl + "output", {B, S, D}, g_x);
+    const Vec& g_output = g_x;
+
+    // post: output = norm2 = LN2(residual2);  pre: output = residual2
+    Vec g_residual2;
+    if (pre) {
+      g_residual2 = g_output;
+    } else {
+      g_residual2.assign(ix(N * D), 0.0);
+      layer_norm_backward(g_output, sv.residual2, sv.norm2, N, D, lp("norm2.weight"), g_residual2,
+                          lg("norm2.weight"), lg("norm2.bias"), mut);
+    }
+    // residual2 = base + drop_r2(ffn_out), base = norm1 (post) or residual1 (pre)
+    const Vec g_ffn_out = unapply(g_residual2, sv.r2_mask);
+    const Vec& g_base = g_residual2;
+    // ffn_out = dropped_hidden W2^T + b2
+    Vec g_dropped(ix(N * F), 0.0);
+    linear_backward(g_ffn_out, sv.dropped_hidden, lp("ffn.fc2.weight"), N, F, D, g_dropped,
+                    lg("ffn.fc2.weight"), lg("ffn.fc2.bias"));
+    // dropped_hidden = drop_ffn(ffn_hidden)
+    const Vec g_hidden = unapply(g_dropped, sv.ffn_mask);
+    // ffn_hidden = act(ffn_pre)
+    Vec g_pre(g_hidden.size());
+    for (std::size_t i = 0; i < g_pre.size(); ++i) {
+      g_pre[i] = activation_grad(sv.ffn_pre[i], cfg.activation, mut) * g_hidden[i];
+    }
+    // ffn_pre = ffn_in W1^T + b1, ffn_in = norm1 (post) or norm2 (pre)
+    Vec g_ffn_in(ix(N * D), 0.0);
+    linear_backward(g_pre, sv.ffn_in, lp("ffn.fc1.weight"), N, D, F, g_ffn_in, lg("ffn.fc1.weight"),
+                    lg("ffn.fc1.bias"));
+    Vec g_residual1;
+    if (pre) {
+      // residual2 = residual1 + ...: the base term;  ffn_in = norm2 = LN2(residual1)
+      g_residual1 = g_base;
+      layer_norm_backward(g_ffn_in, sv.residual1, sv.norm2, N, D, lp("norm2.weight"), g_residual1,
+                          lg("norm2.weight"), lg("norm2.bias"), mut);
+    } else {
+      // norm1 feeds both the FFN (ffn_in) and residual2 (base); norm1 = LN1(residual1)
+      Vec g_norm1(g_ffn_in.size());
+      for (std::size_t i = 0; i < g_norm1.size(); ++i) g_norm1[i] = g_base[i] + g_ffn_in[i];
+      g_residual1.assign(ix(N * D), 0.0);
+      layer_norm_backward(g_norm1, sv.residual1, sv.norm1, N, D, lp("norm1.weight"), g_residual1,
+                          lg("norm1.weight"), lg("norm1.bias"), mut);
+    }
+    // residual1 = x + drop_r1(attn_out)
+    Vec g_in = g_residual1;
+    const Vec g_attn_out = unapply(g_residual1, sv.r1_mask);
+    // attn_out = context Wo^T + bo
+    Vec g_context(ix(N * D), 0.0);
+    linear_backward(g_attn_out, sv.context, lp("attn.o.weight"), N, D, D, g_context,
+                    lg("attn.o.weight"), lg("attn.o.bias"));
+
+    // Attention, per (b, h), in the (B, H, S, Dh) layout.
+    const Vec gctx = heads(g_context);
+    Vec gq(sv.q.size(), 0.0), gk(sv.k.size(), 0.0), gv(sv.v.size(), 0.0);
+    Vec gprobs(ix(S)), gscores(ix(S));
+    for (std::int64_t bh = 0; bh < B * H; ++bh) {
+      const std::int64_t base = bh * S;
+      for (std::int64_t i = 0; i < S; ++i) {
+        const double* pr = sv.probs.data() + (base + i) * S;
+        const std::uint8_t* am = sv.attn_mask.data() + (base + i) * S;
+        const double* gc = gctx.data() + (base + i) * Dh;
+        // context[i,c] = sum_j pv[i,j] v[j,c], pv[i,j] = mask ? probs[i,j] * scale : 0
+        //   gv[j,c] += pv[i,j] gctx[i,c];  gpv[i,j] = sum_c gctx[i,c] v[j,c]
+        //   gprobs[i,j] = mask ? gpv[i,j] * scale : 0
+        for (std::int64_t j = 0; j < S; ++j) {
+          const double pv = am[j] ? pr[j] * keep_scale : 0.0;
+          double gpv = 0;
+          for (std::int64_t c = 0; c < Dh; ++c) {
+            at(gv, (base + j) * Dh + c) += pv * gc[c];
+            gpv += gc[c] * sv.v[ix((base + j) * Dh + c)];
+          }
+          gprobs[ix(j)] = am[j] ? gpv * keep_scale : 0.0;
+        }
+        // probs[i,j] = exp(scores[i,j]) / sum_j' exp(scores[i,j']) over the visible keys:
+        //   gscores[i,j] = probs[i,j] (gprobs[i,j] - sum_j' probs[i,j'] gprobs[i,j'])
+        // A masked key (scores = -inf, probs = 0) gets 0, and so does a row with no visible key.
+        double row_dot = 0;
+        for (std::int64_t j = 0; j < S; ++j) row_dot += pr[j] * gprobs[ix(j)];
+        if (mut == Mutation::softmax_backward_no_row_sum) row_dot = 0;
+        for (std::int64_t j = 0; j < S; ++j) gscores[ix(j)] = pr[j] * (gprobs[ix(j)] - row_dot);
+        // scores[i,j] = alpha sum_c q[i,c] k[j,c]  (visible j; masked scores are a constant)
+        //   gq[i,c] += alpha sum_j gscores[i,j] k[j,c];  gk[j,c] += alpha gscores[i,j] q[i,c]
+        for (std::int64_t j = 0; j < S; ++j) {
+          const double gs = gscores[ix(j)];
+          if (gs == 0) continue;
+          for (std::int64_t c = 0; c < Dh; ++c) {
+            at(gq, (base + i) * Dh + c) += alpha * gs * sv.k[ix((base + j) * Dh + c)];
+            at(gk, (base + j) * Dh + c) += alpha * gs * sv.q[ix((base + i) * Dh + c)];
+          }
+        }
+      }
+    }
+    // q | k | v = heads(attn_in W^T + b), attn_in = x (post) or norm1 (pre)
+    Vec g_attn_in(ix(N * D), 0.0);
+    linear_backward(merge(gq), sv.attn_in, lp("attn.q.weight"), N, D, D, g_attn_in,
+                    lg("attn.q.weight"), lg("attn.q.bias"));
+    linear_backward(merge(gk), sv.attn_in, lp("attn.k.weight"), N, D, D, g_attn_in,
+                    lg("attn.k.weight"), lg("attn.k.bias"));
+    linear_backward(merge(gv), sv.attn_in, lp("attn.v.weight"), N, D, D, g_attn_in,
+                    lg("attn.v.weight"), lg("attn.v.bias"));
+    if (pre) {
+      // attn_in = norm1 = LN1(x)
+      layer_norm_backward(g_attn_in, sv.x, sv.norm1, N, D, lp("norm1.weight"), g_in,
+                          lg("norm1.weight"), lg("norm1.bias"), mut);
+    } else {
+      // attn_in = x
+      for (std::size_t i = 0; i < g_in.size(); ++i) g_in[i] += g_attn_in[i];
+    }
+    g_x = std::move(g_in);
+  }
+  keep("input", {B, S, D}, g_x);
+
+  // input = drop_in(sum)
+  const Vec g_sum = unapply(g_x, input_mask);
+  // sum[b,s,:] = embedding[b,s,:] + positional[s,:];  embedding[t] = embedding.weight[tokens[t]] *
+  // escale;  positional = pos_embedding.weight[0:S] (learned; sinusoidal has no parameter)
+  Vec& g_emb_w = grad("embedding.weight");
+  for (std::int64_t t = 0; t < N; ++t) {
+    for (std::int64_t c = 0; c < D; ++c) {
+      g_emb_w[ix(tokens[ix(t)] * D + c)] += g_sum[ix(t * D + c)] * escale;
+    }
+  }
+  if (cfg.positional == Positional::learned) {
+    Vec& g_pos_w = grad("pos_embedding.weight");
+    for (std::int64_t t = 0; t < N; ++t) {
+      for (std::int64_t c = 0; c < D; ++c) g_pos_w[ix((t % S) * D + c)] += g_sum[ix(t * D + c)];
+    }
+  }
+  // Every parameter has a gradient, 0 where the loss does not reach it (e.g. batch 0).
+  for (const auto& t : golden.tensors) {
+    if (t.name.starts_with("param.")) grad(t.name.substr(6));
+  }
+
+  // Write the gradients in the golden's order, then anything the golden does not name.
+  std::map<std::string, bool> written;
+  for (const auto& t : golden.tensors) {
+    if (!t.name.starts_with("grad.")) continue;
+    if (t.name.starts_with("grad.act.")) {
+      const std::string n = t.name.substr(9);
+      for (const auto& [name, g] : act_grads) {
+        if (name == n) {
+          out.put(t.name, act_shapes.at(name), g);
+          written[t.name] = true;
+        }
+      }
+    } else if (auto it = grads.find(t.name.substr(5)); it != grads.end()) {
+      out.put(t.name, golden.find("param." + it->first)->shape, it->second);
+      written[t.name] = true;
+    }
+  }
+  for (const auto& [name, g] : act_grads) {
+    if (!written.count("grad.act." + name)) out.put("grad.act." + name, act_shapes.at(name), g);
+  }
+  for (const auto& [name, g] : grads) {
+    if (!written.count("grad." + name))
+      out.put("grad." + name, golden.find("param." + name)->shape, g);
+  }
+  return out.file;
 }
 
 }  // namespace
@@ -128,250 +747,20 @@ const char* mutation_name(Mutation m) {
       return "label_smoothing_ignored";
     case Mutation::mean_pool_includes_padding:
       return "mean_pool_includes_padding";
+    case Mutation::layer_norm_backward_no_mean:
+      return "layer_norm_backward_no_mean";
+    case Mutation::softmax_backward_no_row_sum:
+      return "softmax_backward_no_row_sum";
   }
   return "?";
 }
 
-File naive_forward(const File& golden, Mutation mut) {
-  const std::string* cfg_text = golden.meta("config");
-  const std::string* case_text = golden.meta("case");
-  if (!cfg_text || !case_text) throw FormatError("golden has no config or case metadata");
-  const EncoderConfig cfg = EncoderConfig::from_json_text(*cfg_text);
-  const auto cj = nlohmann::json::parse(*case_text);
-  const std::int64_t B = cj.at("batch"), S = cj.at("seq_len");
-  const std::int64_t D = cfg.d_model, H = cfg.num_heads, Dh = D / H, F = cfg.d_ff;
-  const std::int64_t C = cfg.num_classes;
-  const auto tokens = ints(golden, "input.tokens");
-  const auto lengths = ints(golden, "input.lengths");
-  const auto labels = ints(golden, "input.labels");
-  const double p = cfg.dropout;
-  const double keep_scale = p > 0 && mut != Mutation::dropout_scale_missing ? 1.0 / (1.0 - p) : 1.0;
-  auto dropped = [&](const Vec& x, const std::string& site) {
-    const auto mk = mask(golden, site, x.size());
-    Vec y(x.size());
-    for (std::size_t i = 0; i < x.size(); ++i) y[i] = mk[i] ? x[i] * keep_scale : 0.0;
-    return y;
-  };
-  auto param = [&](const std::string& n) { return doubles(golden, "param." + n); };
-  auto at = [](Vec& v, std::int64_t i) -> double& { return v[static_cast<std::size_t>(i)]; };
+File naive_forward(const File& golden, Mutation m) {
+  return run(golden, m, false);
+}
 
-  Out out{File{}, cj.at("dtype") == "float32"};
-  out.file.metadata.emplace_back("format", "teo-candidate/1");
-  out.file.metadata.emplace_back("backend", std::string("naive-double/") + mutation_name(mut));
-
-  // Embedding and positions.
-  const Vec emb_w = param("embedding.weight");
-  const double escale = cfg.embed_scale ? std::sqrt(static_cast<double>(D)) : 1.0;
-  Vec embedding(static_cast<std::size_t>(B * S * D));
-  for (std::int64_t t = 0; t < B * S; ++t) {
-    for (std::int64_t c = 0; c < D; ++c) {
-      at(embedding, t * D + c) =
-          emb_w[static_cast<std::size_t>(tokens[static_cast<std::size_t>(t)] * D + c)] * escale;
-    }
-  }
-  Vec positional(static_cast<std::size_t>(S * D));
-  if (cfg.positional == Positional::learned) {
-    const Vec pw = param("pos_embedding.weight");
-    for (std::int64_t i = 0; i < S * D; ++i) at(positional, i) = pw[static_cast<std::size_t>(i)];
-  } else {
-    for (std::int64_t s = 0; s < S; ++s) {
-      for (std::int64_t c = 0; c < D; ++c) {
-        const std::int64_t two_i = c - c % 2 + (mut == Mutation::pe_frequency_off_by_one ? 2 : 0);
-        const double angle = static_cast<double>(s) /
-                             std::pow(10000.0, static_cast<double>(two_i) / static_cast<double>(D));
-        const bool use_sin = (c % 2 == 0) != (mut == Mutation::pe_sin_cos_swapped);
-        at(positional, s * D + c) = use_sin ? std::sin(angle) : std::cos(angle);
-      }
-    }
-  }
-  Vec sum(embedding.size());
-  for (std::int64_t t = 0; t < B * S; ++t) {
-    for (std::int64_t c = 0; c < D; ++c) {
-      at(sum, t * D + c) = at(embedding, t * D + c) + at(positional, (t % S) * D + c);
-    }
-  }
-  const Vec input = dropped(sum, "dropout.input");
-  out.put("embedding", {B, S, D}, embedding);
-  out.put("positional", {S, D}, positional);
-  out.put("input", {B, S, D}, input);
-
-  const double alpha =
-      mut == Mutation::no_score_scale ? 1.0 : 1.0 / std::sqrt(static_cast<double>(Dh));
-  const double inf = std::numeric_limits<double>::infinity();
-  Vec x = input;
-  for (std::int64_t l = 0; l < cfg.num_layers; ++l) {
-    const std::string pl = "layers." + std::to_string(l) + ".";
-    auto lp = [&](const std::string& n) { return param(pl + n); };
-    const std::int64_t N = B * S;
-    Vec attn_in = x;
-    if (cfg.norm_first) {
-      attn_in = layer_norm(x, N, D, lp("norm1.weight"), lp("norm1.bias"), cfg.layer_norm_eps, mut);
-      out.put(pl + "norm1", {B, S, D}, attn_in);
-    }
-    const bool tq = mut == Mutation::transposed_weight;
-    const Vec qf = linear(attn_in, N, D, lp("attn.q.weight"), lp("attn.q.bias"), D, tq);
-    const Vec kf = linear(attn_in, N, D, lp("attn.k.weight"), lp("attn.k.bias"), D);
-    const Vec vf = linear(attn_in, N, D, lp("attn.v.weight"), lp("attn.v.bias"), D);
-    // Per head: (B, H, S, Dh).
-    auto heads = [&](const Vec& y) {
-      Vec o(y.size());
-      for (std::int64_t b = 0; b < B; ++b)
-        for (std::int64_t h = 0; h < H; ++h)
-          for (std::int64_t s = 0; s < S; ++s)
-            for (std::int64_t c = 0; c < Dh; ++c)
-              o[static_cast<std::size_t>(((b * H + h) * S + s) * Dh + c)] =
-                  y[static_cast<std::size_t>((b * S + s) * D + h * Dh + c)];
-      return o;
-    };
-    const Vec q = heads(qf), k = heads(kf), v = heads(vf);
-    Vec scores(static_cast<std::size_t>(B * H * S * S)), probs(scores.size());
-    Vec context(static_cast<std::size_t>(B * S * D));
-    const auto amask = mask(golden, "dropout." + pl + "attn", scores.size());
-    for (std::int64_t b = 0; b < B; ++b) {
-      const std::int64_t len =
-          mut == Mutation::mask_ignores_padding ? S : lengths[static_cast<std::size_t>(b)];
-      auto visible = [&](std::int64_t i) { return cfg.causal ? std::min(len, i + 1) : len; };
-      for (std::int64_t h = 0; h < H; ++h) {
-        const std::int64_t base = (b * H + h) * S;
-        auto sc = [&](std::int64_t i, std::int64_t j) -> double& {
-          return at(scores, (base + i) * S + j);
-        };
-        auto pr = [&](std::int64_t i, std::int64_t j) -> double& {
-          return at(probs, (base + i) * S + j);
-        };
-        for (std::int64_t i = 0; i < S; ++i) {
-          for (std::int64_t j = 0; j < S; ++j) {
-            if (j >= visible(i)) {
-              sc(i, j) = -inf;
-              continue;
-            }
-            double dot = 0;
-            for (std::int64_t c = 0; c < Dh; ++c) {
-              dot += q[static_cast<std::size_t>((base + i) * Dh + c)] *
-                     k[static_cast<std::size_t>((base + j) * Dh + c)];
-            }
-            sc(i, j) = dot * alpha;
-          }
-        }
-        // Softmax over the visible keys of each query (or, mutated, over the queries that see
-        // each key); a row or column with nothing visible is 0.
-        const bool by_col = mut == Mutation::softmax_wrong_axis;
-        for (std::int64_t a = 0; a < S; ++a) {
-          double mx = -inf;
-          for (std::int64_t z = 0; z < S; ++z) {
-            const double s = by_col ? sc(z, a) : sc(a, z);
-            mx = std::max(mx, s);
-          }
-          double total = 0;
-          for (std::int64_t z = 0; z < S; ++z) {
-            const double s = by_col ? sc(z, a) : sc(a, z);
-            if (s != -inf) total += std::exp(s - mx);
-          }
-          for (std::int64_t z = 0; z < S; ++z) {
-            const double s = by_col ? sc(z, a) : sc(a, z);
-            (by_col ? pr(z, a) : pr(a, z)) = s == -inf ? 0.0 : std::exp(s - mx) / total;
-          }
-        }
-        for (std::int64_t i = 0; i < S; ++i) {
-          for (std::int64_t c = 0; c < Dh; ++c) {
-            double acc = 0;
-            for (std::int64_t j = 0; j < S; ++j) {
-              const std::size_t pij = static_cast<std::size_t>((base + i) * S + j);
-              const double pv = amask[pij] ? probs[pij] * keep_scale : 0.0;
-              acc += pv * v[static_cast<std::size_t>((base + j) * Dh + c)];
-            }
-            at(context, (b * S + i) * D + h * Dh + c) = acc;
-          }
-        }
-      }
-    }
-    const Vec attn_out = linear(context, N, D, lp("attn.o.weight"), lp("attn.o.bias"), D);
-    const Vec r1d = dropped(attn_out, "dropout." + pl + "residual1");
-    Vec residual1(x.size());
-    for (std::size_t i = 0; i < x.size(); ++i) residual1[i] = x[i] + r1d[i];
-    out.put(pl + "q", {B, H, S, Dh}, q);
-    out.put(pl + "k", {B, H, S, Dh}, k);
-    out.put(pl + "v", {B, H, S, Dh}, v);
-    out.put(pl + "scores", {B, H, S, S}, scores);
-    out.put(pl + "probs", {B, H, S, S}, probs);
-    out.put(pl + "context", {B, S, D}, context);
-    out.put(pl + "attn_out", {B, S, D}, attn_out);
-    out.put(pl + "residual1", {B, S, D}, residual1);
-    Vec ffn_in;
-    if (cfg.norm_first) {
-      ffn_in = layer_norm(residual1, N, D, lp("norm2.weight"), lp("norm2.bias"), cfg.layer_norm_eps,
-                          mut);
-      out.put(pl + "norm2", {B, S, D}, ffn_in);
-    } else {
-      ffn_in = layer_norm(residual1, N, D, lp("norm1.weight"), lp("norm1.bias"), cfg.layer_norm_eps,
-                          mut);
-      out.put(pl + "norm1", {B, S, D}, ffn_in);
-    }
-    Vec hidden = linear(ffn_in, N, D, lp("ffn.fc1.weight"), lp("ffn.fc1.bias"), F);
-    for (auto& h : hidden) h = activation(h, cfg.activation, mut);
-    const Vec ffn_out = linear(dropped(hidden, "dropout." + pl + "ffn"), N, F, lp("ffn.fc2.weight"),
-                               lp("ffn.fc2.bias"), D);
-    const Vec r2d = dropped(ffn_out, "dropout." + pl + "residual2");
-    const Vec& res_base = cfg.norm_first ? residual1 : ffn_in;
-    Vec residual2(x.size());
-    for (std::size_t i = 0; i < x.size(); ++i) residual2[i] = res_base[i] + r2d[i];
-    out.put(pl + "ffn_hidden", {B, S, F}, hidden);
-    out.put(pl + "ffn_out", {B, S, D}, ffn_out);
-    if (cfg.norm_first) {
-      x = residual2;
-    } else {
-      x = layer_norm(residual2, N, D, lp("norm2.weight"), lp("norm2.bias"), cfg.layer_norm_eps,
-                     mut);
-      out.put(pl + "norm2", {B, S, D}, x);
-    }
-    out.put(pl + "output", {B, S, D}, x);
-  }
-  if (cfg.norm_first) {
-    x = layer_norm(x, B * S, D, param("final_norm.weight"), param("final_norm.bias"),
-                   cfg.layer_norm_eps, mut);
-    out.put("final_norm", {B, S, D}, x);
-  }
-
-  Vec pooled(static_cast<std::size_t>(B * D), 0.0);
-  for (std::int64_t b = 0; b < B; ++b) {
-    const std::int64_t len = lengths[static_cast<std::size_t>(b)];
-    if (len == 0) continue;
-    for (std::int64_t c = 0; c < D; ++c) {
-      auto top = [&](std::int64_t s) { return at(x, (b * S + s) * D + c); };
-      double r = 0;
-      if (cfg.pooling == Pooling::cls) {
-        r = top(0);
-      } else if (cfg.pooling == Pooling::max) {
-        r = top(0);
-        for (std::int64_t s = 1; s < len; ++s) r = std::max(r, top(s));
-      } else {
-        const std::int64_t n = mut == Mutation::mean_pool_includes_padding ? S : len;
-        for (std::int64_t s = 0; s < n; ++s) r += top(s);
-        r /= static_cast<double>(n);
-      }
-      at(pooled, b * D + c) = r;
-    }
-  }
-  const Vec logits = linear(pooled, B, D, param("head.weight"), param("head.bias"), C);
-  const double eps = mut == Mutation::label_smoothing_ignored ? 0.0 : cfg.label_smoothing;
-  double loss = 0;
-  for (std::int64_t b = 0; b < B; ++b) {
-    const double* z = logits.data() + b * C;
-    double mx = z[0];
-    for (std::int64_t c = 1; c < C; ++c) mx = std::max(mx, z[c]);
-    double total = 0;
-    for (std::int64_t c = 0; c < C; ++c) total += std::exp(z[c] - mx);
-    const double lse = mx + std::log(total);
-    double sum_logp = 0;
-    for (std::int64_t c = 0; c < C; ++c) sum_logp += z[c] - lse;
-    const double logp_y = z[labels[static_cast<std::size_t>(b)]] - lse;
-    loss += -(1 - eps) * logp_y - eps / static_cast<double>(C) * sum_logp;
-  }
-  if (B > 0) loss /= static_cast<double>(B);
-  out.put("pooled", {B, D}, pooled);
-  out.put("logits", {B, C}, logits);
-  out.put("loss", {}, Vec{loss});
-  return out.file;
+File naive_candidate(const File& golden, Mutation m) {
+  return run(golden, m, true);
 }
 
 }  // namespace teo::testing

@@ -1,8 +1,9 @@
-// A second, independent forward pass written from docs/semantics.md with plain double loops: it
-// reads a golden file's inputs, parameters and dropout masks and writes a candidate with every
-// act.* tensor. It shares no code with the model, so it is both a worked example of reading a
-// golden in C++ and, with a Mutation, the source of the deliberately broken candidates that prove
-// `teo golden check` finds a bug at the stage where it lives.
+// A second, independent forward and backward pass written from docs/semantics.md with plain double
+// loops: it reads a golden file's inputs, parameters and dropout masks and writes a candidate with
+// every act.* tensor and, for naive_candidate, every grad.* and grad.act.* tensor the golden holds.
+// It shares no code with the model, so it is both a worked example of reading a golden in C++ and,
+// with a Mutation, the source of the deliberately broken candidates that prove `teo golden check`
+// finds a bug at the stage where it lives.
 #pragma once
 
 #include <string>
@@ -13,6 +14,7 @@ namespace teo::testing {
 
 enum class Mutation {
   none,
+  // forward
   no_score_scale,              // scores not divided by sqrt(d_head)
   layer_norm_unbiased,         // LayerNorm variance divided by D - 1
   layer_norm_eps_outside,      // (x - m) / (sqrt(var) + eps)
@@ -25,11 +27,20 @@ enum class Mutation {
   dropout_scale_missing,       // kept values not multiplied by 1 / (1 - p)
   label_smoothing_ignored,     // plain cross-entropy
   mean_pool_includes_padding,  // the mean over all S positions
+  // backward (the forward is untouched)
+  layer_norm_backward_no_mean,  // gx = (dn - n * mean(dn * n)) * rstd: no "- mean(dn)" term
+  softmax_backward_no_row_sum,  // gscores = probs * gprobs: no "- sum_j probs * gprobs" term
 };
 
 const char* mutation_name(Mutation m);
 
 // The candidate for `golden` (act.* tensors only, in the golden's dtype).
 safetensors::File naive_forward(const safetensors::File& golden, Mutation m = Mutation::none);
+
+// The candidate for `golden` with the act.* tensors of naive_forward and, from an independent
+// backward pass of the mean loss, every grad.<param> and grad.act.* tensor the golden holds (in
+// the golden's dtype). Forward mutations change the forward only; the backward then differentiates
+// the documented formulas at the (mutated) saved values.
+safetensors::File naive_candidate(const safetensors::File& golden, Mutation m = Mutation::none);
 
 }  // namespace teo::testing

@@ -7,6 +7,10 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
 
 #include "teo/errors.hpp"
 
@@ -52,6 +56,20 @@ void write_file_atomic(const std::string& path, std::string_view bytes, bool ove
     const std::string why = std::strerror(errno);
     ::unlink(tmp.c_str());
     throw FileError(path + ": cannot rename the temporary file into place: " + why);
+  }
+}
+
+nlohmann::json read_json_file(const std::string& path) {
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(path, ec)) throw FileError(path + ": no such file");
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw FileError(path + ": cannot open for reading");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  try {
+    return nlohmann::json::parse(ss.str());
+  } catch (const nlohmann::json::exception& e) {
+    throw ConfigError(path + ": not valid JSON: " + e.what());
   }
 }
 

@@ -168,28 +168,10 @@ File make_typed(const Case& c) {
   return f;
 }
 
-std::string read_text(const std::string& path) {
-  std::error_code ec;
-  if (!std::filesystem::is_regular_file(path, ec)) throw FileError(path + ": no such file");
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw FileError(path + ": cannot open for reading");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-json parse_json(const std::string& text, const std::string& path) {
-  try {
-    return json::parse(text);
-  } catch (const json::exception& e) {
-    throw ConfigError(path + ": not valid JSON: " + e.what());
-  }
-}
-
 }  // namespace
 
 Case Case::from_file(const std::string& path) {
-  const json j = parse_json(read_text(path), path);
+  const json j = read_json_file(path);
   try {
     return from_json(j);
   } catch (const ConfigError& e) {
@@ -303,7 +285,7 @@ File make(const Case& c) {
 }
 
 std::vector<CorpusEntry> read_corpus_cases(const std::string& path) {
-  const json j = parse_json(read_text(path), path);
+  const json j = read_json_file(path);
   if (!j.is_object() || !j.contains("cases") || !j["cases"].is_array()) {
     throw ConfigError(path + ": needs an object with a \"cases\" array");
   }

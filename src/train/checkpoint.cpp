@@ -84,13 +84,6 @@ Checkpoint read_checkpoint(const std::string& path) {
 
 namespace {
 
-// Every setting of `o` as one JSON object: the model keys and the training keys.
-json all_keys(const TrainOptions& o) {
-  json j = o.model.to_json();
-  j.update(o.to_json());
-  return j;
-}
-
 bool how_long(const std::string& key) {
   return key == "epochs" || key == "max_steps" || key == "eval_batch";
 }
@@ -98,13 +91,13 @@ bool how_long(const std::string& key) {
 }  // namespace
 
 TrainOptions resume_options(const Checkpoint& ck, const TrainOptions& requested) {
-  const json saved = all_keys(ck.options);
+  const json saved = ck.options.all_keys();
   for (const auto& [key, v] : requested.given.items()) {
     if (how_long(key)) continue;
     // A key given with the checkpoint's own value (the same --config file again) changes nothing.
     TrainOptions probe = ck.options;
     probe.apply_json(json{{key, v}});
-    const json now = all_keys(probe);
+    const json now = probe.all_keys();
     if (!saved.contains(key) || now.at(key) != saved.at(key)) {
       throw ConfigError("--resume continues with the checkpoint's settings; " + key +
                         " cannot be changed from " +

@@ -65,10 +65,9 @@ void Trace::add_stats(index_t step, const StepStats& s) {
 
 template <class Real>
 void Trace::write(const std::string& path, const Params<Real>& final, index_t steps) {
-  safetensors::File f = file_;
-  add_params(f, "final.", final);
-  f.metadata.emplace_back("steps", std::to_string(steps));
-  write_file_atomic(path, safetensors::serialize(f), true);
+  add_params(file_, "final.", final);
+  file_.metadata.emplace_back("steps", std::to_string(steps));
+  write_file_atomic(path, safetensors::serialize(file_), true);
 }
 
 template Trace::Trace(const TrainOptions&, const Params<float>&);

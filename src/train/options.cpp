@@ -2,7 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <fstream>
+
+#include "teo/files.hpp"
 
 namespace teo::train {
 
@@ -81,8 +82,7 @@ std::string flag_name(const TrainKey& key) {
 }
 
 std::string help_text(const TrainKey& key, const TrainOptions& defaults) {
-  json all = defaults.model.to_json();
-  all.update(defaults.to_json());
+  const json all = defaults.all_keys();
   std::string help = std::string(key.help) + " [" + key.type;
   if (const auto it = all.find(key.key); it != all.end()) {
     help += ", default " + (it->is_string() ? it->get<std::string>() : it->dump());
@@ -116,15 +116,14 @@ json parse_flag_value(const TrainKey& key, const std::string& text) {
                     ", got \"" + text + "\"");
 }
 
+json TrainOptions::all_keys() const {
+  json j = model.to_json();
+  j.update(to_json());
+  return j;
+}
+
 json TrainOptions::read_keys(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) throw FileError(path + ": cannot open for reading");
-  json j;
-  try {
-    j = json::parse(in);
-  } catch (const json::exception& e) {
-    throw ConfigError(path + ": not valid JSON: " + e.what());
-  }
+  json j = read_json_file(path);
   if (!j.is_object()) throw ConfigError(path + ": not a JSON object");
   return j;
 }

@@ -68,9 +68,7 @@ Session<Real>::Session(const TrainOptions& options, const Checkpoint* ck)
 
 template <class Real>
 bool Session<Real>::done() const {
-  const index_t max_steps = options_.max_steps;
-  return pos_.epoch >= options_.epochs || pos_.step >= total_steps_ ||
-         (max_steps > 0 && pos_.step >= max_steps);
+  return pos_.epoch >= options_.epochs || pos_.step >= total_steps_;
 }
 
 template <class Real>

@@ -180,13 +180,23 @@ Evaluation Trainer<Real>::evaluate(const std::vector<Batch>& batches) const {
   return e;
 }
 
+namespace {
+
+// The class probabilities (B, C) of `weights` on `batch` in eval mode; its labels are not used.
 template <class Real>
-Tensor<Real> Trainer<Real>::predict(const Batch& batch) const {
+Tensor<Real> class_probabilities(const Params<Real>& weights, const Batch& batch) {
   Batch b = batch;
   b.labels.assign(static_cast<std::size_t>(b.batch), 0);
   Activations<Real> acts;
-  forward(evaluated(), b, acts, {.train = false, .dropout_seed = 0});
+  forward(weights, b, acts, {.train = false, .dropout_seed = 0});
   return std::move(acts.class_probs);
+}
+
+}  // namespace
+
+template <class Real>
+Tensor<Real> Trainer<Real>::predict(const Batch& batch) const {
+  return class_probabilities(evaluated(), batch);
 }
 
 std::vector<std::vector<double>> predict_from_checkpoint(const Checkpoint& ck, const Batch& batch) {
@@ -194,18 +204,13 @@ std::vector<std::vector<double>> predict_from_checkpoint(const Checkpoint& ck, c
     using Real = decltype(zero);
     const bool averaged = std::any_of(ck.file.tensors.begin(), ck.file.tensors.end(),
                                       [](const auto& t) { return t.name.rfind("ema.", 0) == 0; });
-    const Params<Real> weights =
-        load_params<Real>(ck.file, averaged ? "ema." : "param.", ck.options.model, ck.path);
-    Batch b = batch;
-    b.labels.assign(static_cast<std::size_t>(b.batch), 0);
-    Activations<Real> acts;
-    forward(weights, b, acts, {.train = false, .dropout_seed = 0});
+    const Tensor<Real> probs = class_probabilities(
+        load_params<Real>(ck.file, averaged ? "ema." : "param.", ck.options.model, ck.path), batch);
     const index_t C = ck.options.model.num_classes;
-    std::vector<std::vector<double>> p(static_cast<std::size_t>(b.batch));
-    for (index_t i = 0; i < b.batch; ++i) {
-      for (index_t c = 0; c < C; ++c) {
-        p[static_cast<std::size_t>(i)].push_back(static_cast<double>(acts.class_probs[i * C + c]));
-      }
+    std::vector<std::vector<double>> p(static_cast<std::size_t>(batch.batch));
+    for (index_t i = 0; i < batch.batch; ++i) {
+      for (index_t c = 0; c < C; ++c)
+        p[static_cast<std::size_t>(i)].push_back(static_cast<double>(probs[i * C + c]));
     }
     return p;
   };

@@ -100,6 +100,18 @@ TEST(GoldenCli, GenerateRejectsBadCasesWithExitCode2AndWritesNothing) {
   EXPECT_EQ(run_cli("golden generate --corpus " + kCorpus.string() + " --out x").code, 2);
 }
 
+// The golden `g` as a candidate with one wrong logit (7.0), written to `out`.
+void write_wrong_logit_candidate(const std::string& g, const fs::path& out) {
+  st::File c = st::read(g);
+  for (auto& t : c.tensors) {
+    if (t.name == "act.logits") {
+      const double v = 7.0;
+      std::memcpy(t.bytes.data(), &v, sizeof v);
+    }
+  }
+  teo::write_file_atomic(out.string(), st::serialize(c), true);
+}
+
 TEST(GoldenCli, CheckExitCodesAndReports) {
   const fs::path dir = fresh_dir("teo_golden_cli_check");
   const std::string g = (kCorpus / "post_gelu_mean_f64.safetensors").string();
@@ -112,14 +124,7 @@ TEST(GoldenCli, CheckExitCodesAndReports) {
   EXPECT_EQ(nlohmann::json::parse(slurp(dir / "r.json"))["failed"], 0);
 
   // One wrong logit: exit 1, and the first divergence is named.
-  st::File c = st::read(g);
-  for (auto& t : c.tensors) {
-    if (t.name == "act.logits") {
-      const double v = 7.0;
-      std::memcpy(t.bytes.data(), &v, sizeof v);
-    }
-  }
-  teo::write_file_atomic((dir / "c.safetensors").string(), st::serialize(c), true);
+  write_wrong_logit_candidate(g, dir / "c.safetensors");
   r = run_cli("golden check --golden " + g + " --candidate " + (dir / "c.safetensors").string());
   EXPECT_EQ(r.code, 1) << r.out;
   EXPECT_NE(r.out.find("first divergence: logits"), std::string::npos) << r.out;
@@ -162,14 +167,7 @@ TEST(GoldenCli, AReportThatCannotBeWrittenKeepsTheVerdict) {
   CliResult r = run_cli("golden check --golden " + g + " --candidate " + g + " --junit " + nowhere);
   EXPECT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("report not written"), std::string::npos) << r.out;
-  st::File c = st::read(g);
-  for (auto& t : c.tensors) {
-    if (t.name == "act.logits") {
-      const double v = 7.0;
-      std::memcpy(t.bytes.data(), &v, sizeof v);
-    }
-  }
-  teo::write_file_atomic((dir / "c.safetensors").string(), st::serialize(c), true);
+  write_wrong_logit_candidate(g, dir / "c.safetensors");
   r = run_cli("golden check --golden " + g + " --candidate " + (dir / "c.safetensors").string() +
               " --json " + nowhere);
   EXPECT_EQ(r.code, 1) << r.out;

@@ -33,12 +33,17 @@ using teo::test::fake_lists;
 using teo::test::CliResult;
 using teo::test::run_cli;
 
+// The flags of a model small enough to train in a fraction of a second on the fake word lists.
+std::string tiny_model(const fs::path& lists) {
+  return " --data-dir " + lists.string() +
+         " --d-model 8 --num-heads 2 --d-ff 16 --num-layers 1 --per-language 40";
+}
+
 TEST(TrainCli, TrainsPredictsAndNamesBadInput) {
   const fs::path lists = fake_lists("teo_train_cli");
   const fs::path out = fs::path(::testing::TempDir()) / "teo_train_cli_out";
   fs::remove_all(out);
-  CliResult r = run_cli("train --data-dir " + lists.string() + " --out " + out.string() +
-                        " --d-model 8 --num-heads 2 --d-ff 16 --num-layers 1 --per-language 40"
+  CliResult r = run_cli("train --out " + out.string() + tiny_model(lists) +
                         " --epochs 2 --batch-size 16 --lr 0.02 --warmup-steps 2 --no-plot");
   ASSERT_EQ(r.code, 0) << r.out;
   for (const char* part :
@@ -94,9 +99,8 @@ TEST(TrainCli, ResumingAfterOneEpochGivesTheSameBitsAsTwoEpochsInOneRun) {
   const fs::path lists = fake_lists("teo_train_cli_resume");
   const fs::path root = fs::path(::testing::TempDir()) / "teo_train_cli_resume_out";
   fs::remove_all(root);
-  const std::string common = " --data-dir " + lists.string() +
-                             " --d-model 8 --num-heads 2 --d-ff 16 --num-layers 1"
-                             " --batch-size 16 --accum-steps 2 --per-language 40 --warmup-steps 3"
+  const std::string common = tiny_model(lists) +
+                             " --batch-size 16 --accum-steps 2 --warmup-steps 3"
                              " --lr 0.01 --clip-norm 0.5 --dropout 0.1 --no-plot --no-progress";
   auto r = teo::test::run_cli("train --epochs 2 --out " + (root / "both").string() + common);
   ASSERT_EQ(r.code, 0) << r.out;
@@ -202,10 +206,8 @@ TEST(TrainCli, PlotsIntoADirectoryNamedWithQuotesSpacesAndCommandSubstitution) {
   fs::remove_all(root);
   fs::create_directories(root);
   const fs::path out = root / "it's a \"dir\" $(touch pwned) `touch pwned2`";
-  const auto r = teo::test::run_cli(
-      "train --epochs 1 --d-model 8 --num-heads 2 --d-ff 16 --num-layers 1 --per-language 40"
-      " --no-progress --data-dir " +
-      lists.string() + " --out " + teo::test::shell_quote(out.string()));
+  const auto r = teo::test::run_cli("train --epochs 1 --no-progress" + tiny_model(lists) +
+                                    " --out " + teo::test::shell_quote(out.string()));
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_TRUE(fs::exists(out / "curves.png")) << r.out;
   EXPECT_FALSE(fs::exists(root / "pwned"));
@@ -223,9 +225,7 @@ TEST(TrainCli, DivergenceExitsThree) {
   const fs::path lists = fake_lists("teo_train_cli_nan");
   const fs::path root = fs::path(::testing::TempDir()) / "teo_train_cli_nan_out";
   fs::remove_all(root);
-  const std::string common = " --data-dir " + lists.string() +
-                             " --d-model 8 --num-heads 2 --d-ff 16 --num-layers 1"
-                             " --per-language 40 --no-plot --no-progress";
+  const std::string common = tiny_model(lists) + " --no-plot --no-progress";
   auto r = teo::test::run_cli("train --epochs 1 --out " + (root / "a").string() + common);
   ASSERT_EQ(r.code, 0) << r.out;
   // The same checkpoint with a NaN in the head's bias.

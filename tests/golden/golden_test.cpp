@@ -540,15 +540,37 @@ TEST(GoldenNaiveBackend, IndependentBackwardPassesEveryCase) {
   }
 }
 
+// A mutation, the case it is checked on (without the _f64 / _f32 suffix) and the first stage that
+// must fail.
+struct Mutant {
+  teo::testing::Mutation mutation;
+  const char* case_name;
+  const char* stage;
+};
+
+// Checks the mutant's candidate (the forward only, or forward and backward) on both dtypes of its
+// case: it must fail, first at its stage. Returns the reports for further checks.
+std::vector<golden::CaseReport> expect_mutant_fails_at_its_stage(const Mutant& m, bool backward) {
+  std::vector<golden::CaseReport> reports;
+  for (const char* suffix : {"_f64", "_f32"}) {
+    const std::string name = std::string(m.case_name) + suffix;
+    const std::string what = std::string(teo::testing::mutation_name(m.mutation)) + " on " + name;
+    const st::File& g = committed(name);
+    const auto candidate = backward ? teo::testing::naive_candidate(g, m.mutation)
+                                    : teo::testing::naive_forward(g, m.mutation);
+    auto rep = golden::check(g, candidate, {});
+    EXPECT_GT(rep.failed, 0) << what;
+    EXPECT_EQ(rep.first_divergence, m.stage) << what;
+    rep.name = what;
+    reports.push_back(std::move(rep));
+  }
+  return reports;
+}
+
 // Backward-only bugs: the forward still passes, and the first failing tensor is the first
 // gradient, in the golden's order, that the wrong formula feeds.
 TEST(GoldenMutants, BackwardMutantsFailAtTheGradientWhereTheirBugLives) {
   using M = teo::testing::Mutation;
-  struct Mutant {
-    M mutation;
-    const char* case_name;  // without the _f64 / _f32 suffix
-    const char* stage;
-  };
   const std::vector<Mutant> mutants = {
       // Pre-norm: the first LayerNorm backward is the final norm's; its weight and bias gradients
       // do not use the missing term, its input gradient grad.act.layers.1.output does.
@@ -561,17 +583,11 @@ TEST(GoldenMutants, BackwardMutantsFailAtTheGradientWhereTheirBugLives) {
       {M::softmax_backward_no_row_sum, "causal_pre", "grad.layers.1.attn.k.weight"},
   };
   for (const auto& m : mutants) {
-    for (const char* suffix : {"_f64", "_f32"}) {
-      const std::string name = std::string(m.case_name) + suffix;
-      const std::string what = std::string(teo::testing::mutation_name(m.mutation)) + " on " + name;
-      const st::File& g = committed(name);
-      const auto rep = golden::check(g, teo::testing::naive_candidate(g, m.mutation), {});
-      EXPECT_GT(rep.failed, 0) << what;
-      EXPECT_EQ(rep.not_checked, 0) << what;
-      EXPECT_EQ(rep.first_divergence, m.stage) << what;
+    for (const auto& rep : expect_mutant_fails_at_its_stage(m, /*backward=*/true)) {
+      EXPECT_EQ(rep.not_checked, 0) << rep.name;
       for (const auto& t : rep.tensors) {
         if (t.name.starts_with("act.")) {
-          EXPECT_EQ(t.status, golden::Status::pass) << what << " " << t.name;
+          EXPECT_EQ(t.status, golden::Status::pass) << rep.name << " " << t.name;
         }
       }
     }
@@ -580,11 +596,6 @@ TEST(GoldenMutants, BackwardMutantsFailAtTheGradientWhereTheirBugLives) {
 
 TEST(GoldenMutants, EachFailsAtTheStageWhereItsBugLives) {
   using M = teo::testing::Mutation;
-  struct Mutant {
-    M mutation;
-    const char* case_name;  // without the _f64 / _f32 suffix
-    const char* stage;
-  };
   const std::vector<Mutant> mutants = {
       {M::no_score_scale, "post_gelu_mean", "layers.0.scores"},
       {M::layer_norm_unbiased, "post_gelu_mean", "layers.0.norm1"},
@@ -600,16 +611,7 @@ TEST(GoldenMutants, EachFailsAtTheStageWhereItsBugLives) {
       {M::label_smoothing_ignored, "label_smoothing", "loss"},
       {M::mean_pool_includes_padding, "post_gelu_mean", "pooled"},
   };
-  for (const auto& m : mutants) {
-    for (const char* suffix : {"_f64", "_f32"}) {
-      const std::string name = std::string(m.case_name) + suffix;
-      const st::File& g = committed(name);
-      const auto rep = golden::check(g, teo::testing::naive_forward(g, m.mutation), {});
-      EXPECT_GT(rep.failed, 0) << teo::testing::mutation_name(m.mutation) << " on " << name;
-      EXPECT_EQ(rep.first_divergence, m.stage)
-          << teo::testing::mutation_name(m.mutation) << " on " << name;
-    }
-  }
+  for (const auto& m : mutants) expect_mutant_fails_at_its_stage(m, /*backward=*/false);
 }
 
 }  // namespace

@@ -38,6 +38,7 @@ class Trace {
   Trace(const TrainOptions& o, const Params<Real>& init);
   void add_batches(index_t step, const std::vector<Batch>& micro_batches);
   void add_stats(index_t step, const StepStats& stats);
+  // Adds final.* and writes the file; once, at the end of the run.
   template <class Real>
   void write(const std::string& path, const Params<Real>& final, index_t steps);
 

@@ -55,7 +55,8 @@ struct TrainOptions {
   // The JSON object in `path`, as the keys the user gave: FileError when it cannot be read,
   // ConfigError naming the path when it is not a JSON object. (apply_json applies it.)
   static nlohmann::json read_keys(const std::string& path);
-  nlohmann::json to_json() const;  // the training keys
+  nlohmann::json to_json() const;   // the training keys
+  nlohmann::json all_keys() const;  // the model keys and the training keys, as one object
   void validate() const;
 };
 

@@ -208,4 +208,16 @@ bool bitwise_equal(const Activations<Real>& a, const Activations<Real>& b) {
   return true;
 }
 
+// fn() must throw E whose message contains `needle`.
+template <class E, class F>
+void expect_throw(F&& fn, const std::string& needle) {
+  try {
+    fn();
+    ADD_FAILURE() << "no exception; expected one naming \"" << needle << "\"";
+  } catch (const E& e) {
+    EXPECT_NE(std::string(e.what()).find(needle), std::string::npos)
+        << "message \"" << e.what() << "\" does not name \"" << needle << "\"";
+  }
+}
+
 }  // namespace teo::test

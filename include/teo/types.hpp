@@ -14,4 +14,8 @@ enum class Activation { relu, gelu, gelu_tanh };
 // The elementary functions the vector kernels implement, as the accuracy tests call them.
 enum class MathFn { exp, erf, tanh };
 
+// The number format a computation stores its tensors in (teo/precision.hpp): float64, float32,
+// float32 with tf32 matrix products, bfloat16 or IEEE half.
+enum class Precision { fp64, fp32, tf32, bf16, fp16 };
+
 }  // namespace teo

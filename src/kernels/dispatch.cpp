@@ -4,6 +4,8 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <type_traits>
+#include <vector>
 
 #include <tbb/global_control.h>
 
@@ -205,6 +207,16 @@ void set_in_parallel_region(bool v) {
   tl_in_parallel_region = v;
 }
 
+namespace {
+thread_local Precision tl_emulation = Precision::fp32;
+}
+Precision emulation() {
+  return tl_emulation;
+}
+void set_emulation(Precision p) {
+  tl_emulation = p;
+}
+
 const simd::IsaKernels& isa_kernels(Isa i) {
   switch (i) {
 #if defined(__x86_64__) || defined(_M_X64)
@@ -237,9 +249,35 @@ const simd::VectorKernels<double>& vector_kernels<double>() {
 
 }  // namespace detail
 
+namespace {
+
+// The (rows, cols) matrix at src with leading dimension ld, copied densely into dst and rounded to
+// p: an emulated product's operand.
+void rounded_operand(std::vector<float>& dst, const float* src, index_t rows, index_t cols,
+                     index_t ld, Precision p) {
+  dst.resize(static_cast<std::size_t>(rows * cols));
+  const auto& round = detail::isa_kernels().rounding.round;
+  for (index_t r = 0; r < rows; ++r) round(dst.data() + r * cols, src + r * ld, cols, p);
+}
+
+}  // namespace
+
 template <class Real>
 void gemm(Trans ta, Trans tb, index_t m, index_t n, index_t k, Real alpha, const Real* a,
           index_t lda, const Real* b, index_t ldb, Real beta, Real* c, index_t ldc) {
+  if constexpr (std::is_same_v<Real, float>) {
+    // Under emulation, the product reads its operands rounded to the format (for tf32, to tf32's
+    // 10 mantissa bits) and accumulates in float, as the hardware does.
+    if (const Precision p = detail::emulation(); p != Precision::fp32 && m > 0 && n > 0 && k > 0) {
+      std::vector<float> ar, br;
+      const bool at = ta == Trans::yes, bt = tb == Trans::yes;
+      rounded_operand(ar, a, at ? k : m, at ? m : k, lda, p);
+      rounded_operand(br, b, bt ? n : k, bt ? k : n, ldb, p);
+      const detail::EmulationScope plain(Precision::fp32);
+      return gemm<float>(ta, tb, m, n, k, alpha, ar.data(), at ? m : k, br.data(), bt ? k : n, beta,
+                         c, ldc);
+    }
+  }
   switch (backend()) {
     case Backend::reference:
       return detail::reference_gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);

@@ -12,6 +12,7 @@
 #include <tbb/task_arena.h>
 
 #include "teo/backend.hpp"
+#include "teo/types.hpp"
 
 namespace teo::detail {
 
@@ -22,6 +23,23 @@ tbb::task_arena& arena();
 bool in_parallel_region();
 void set_in_parallel_region(bool v);
 
+// The reduced precision a float computation on this thread emulates (docs/semantics.md, "Reduced
+// precision"): fp32 for none. gemm() rounds its float operands to it, and the attention kernels
+// round the score and probability rows they store. Tasks of parallel_for_each inherit the
+// caller's. Set it with EmulationScope.
+Precision emulation();
+void set_emulation(Precision p);
+class EmulationScope {
+ public:
+  explicit EmulationScope(Precision p) : outer_(emulation()) { set_emulation(p); }
+  ~EmulationScope() { set_emulation(outer_); }
+  EmulationScope(const EmulationScope&) = delete;
+  EmulationScope& operator=(const EmulationScope&) = delete;
+
+ private:
+  Precision outer_;
+};
+
 // Runs body(i) for i in [0, n) in the arena with a static partitioner.
 template <class F>
 void parallel_for_each(std::int64_t n, F&& body) {
@@ -30,6 +48,7 @@ void parallel_for_each(std::int64_t n, F&& body) {
     for (std::int64_t i = 0; i < n; ++i) body(i);
     return;
   }
+  const Precision emulated = emulation();
   arena().execute([&] {
     tbb::parallel_for(
         tbb::blocked_range<std::int64_t>(0, n, 1),
@@ -38,9 +57,16 @@ void parallel_for_each(std::int64_t n, F&& body) {
           // believing it is still inside a parallel region.
           struct Guard {
             bool outer = in_parallel_region();
-            Guard() { set_in_parallel_region(true); }
-            ~Guard() { set_in_parallel_region(outer); }
-          } guard;
+            Precision outer_emulation = emulation();
+            explicit Guard(Precision p) {
+              set_in_parallel_region(true);
+              set_emulation(p);
+            }
+            ~Guard() {
+              set_in_parallel_region(outer);
+              set_emulation(outer_emulation);
+            }
+          } guard(emulated);
           for (std::int64_t i = r.begin(); i != r.end(); ++i) body(i);
         },
         tbb::static_partitioner());

@@ -9,6 +9,8 @@ The candidates are then compared by `teo golden check`.
 
 Usage:
   /usr/bin/python3 tests/interop/torch_backend.py --golden PATH --out DIR
+      [--dtype float64|float32|bfloat16|float16 | --tf32]
+      [--mutant NAME] [--transformer-layer] [--no-cross-check]
   /usr/bin/python3 tests/interop/torch_backend.py --golden PATH \
       --list-unsupported
 
@@ -17,15 +19,33 @@ follows docs/semantics.md; where teo deliberately differs from PyTorch
 (section 12: fully masked attention rows, pooling over zero tokens, the
 empty batch) this script follows teo. Exit status: 0 on success, 1 if a
 case failed unexpectedly, 2 on bad input.
+
+By default each case runs in its golden's dtype. The options make
+candidates for `teo golden check --precision bf16|fp16|tf32`:
+  --dtype D            the parameters (float32/float64 values in the golden)
+                       are converted with torch's .to(D), everything runs in
+                       D, and every act.* and grad.* tensor is written in D
+                       (safetensors F64, F32, BF16 or F16);
+  --tf32               float32, with every GEMM operand rounded to tf32
+                       first (10 explicit mantissa bits), as tensor cores do;
+  --mutant NAME        a deliberate one-line bug (see MUTANTS), so that a
+                       test can check that the checker finds it;
+  --transformer-layer  act.layers.{i}.output comes from a chain of
+                       nn.TransformerEncoderLayer modules instead (forward
+                       only; everything else is from the functional graph).
+A case the chosen options cannot express (a mutant that does not apply, a
+float16 kernel torch lacks on the CPU) is reported as unsupported.
 """
 
 import argparse
+import dataclasses
 import json
 import math
 import os
 import struct
 import sys
 import time
+from typing import Optional
 
 import numpy as np
 import torch
@@ -50,7 +70,8 @@ ST_DTYPES = {
     "I8": np.dtype("i1"), "U8": np.dtype("u1"), "BOOL": np.dtype("?"),
 }
 ST_NAMES = {np.dtype("<f8"): "F64", np.dtype("<f4"): "F32",
-            np.dtype("<i8"): "I64", np.dtype("u1"): "U8"}
+            np.dtype("<f2"): "F16", np.dtype("<i8"): "I64",
+            np.dtype("u1"): "U8"}
 
 
 def st_read(path):
@@ -91,14 +112,20 @@ def st_read(path):
     return tensors, meta
 
 
-def st_write(path, tensors, meta):
-    """Writes name -> numpy array (F64/F32/I64/U8) with string metadata."""
+def st_write(path, tensors, meta, st_dtypes=None):
+    """Writes name -> numpy array (F64/F32/F16/I64/U8) with string metadata.
+
+    st_dtypes optionally maps a name to the safetensors dtype to declare
+    when the numpy dtype cannot say it: bfloat16 values are passed as their
+    uint16 bit patterns and declared "BF16".
+    """
+    st_dtypes = st_dtypes or {}
     header = {"__metadata__": {str(k): str(v) for k, v in meta.items()}}
     chunks, offset = [], 0
     for name, arr in tensors.items():
         dt = arr.dtype.newbyteorder("<")
         raw = np.ascontiguousarray(arr, dtype=dt).tobytes()
-        header[name] = {"dtype": ST_NAMES[dt],
+        header[name] = {"dtype": st_dtypes.get(name) or ST_NAMES[dt],
                         "shape": list(arr.shape),
                         "data_offsets": [offset, offset + len(raw)]}
         chunks.append(raw)
@@ -178,17 +205,204 @@ def param_names(cfg):
     return names
 
 
+def case_inputs(tensors):
+    """tokens (B, S), lengths (B) and labels (B) as int64 tensors."""
+    tokens = torch.from_numpy(tensors["input.tokens"].astype(np.int64))
+    lengths = torch.from_numpy(tensors["input.lengths"].astype(np.int64))
+    labels = torch.from_numpy(tensors["input.labels"].astype(np.int64))
+    if tokens.dim() != 2 or lengths.shape != (tokens.shape[0],) \
+            or labels.shape != (tokens.shape[0],):
+        raise BadInput("inconsistent input shapes")
+    return tokens, lengths, labels
+
+
+# ---------------------------------------------------------------------------
+# How a case is run: dtype, tf32 GEMMs, deliberate bugs
+# ---------------------------------------------------------------------------
+
+RUN_DTYPES = dict(TORCH_DTYPES, bfloat16=torch.bfloat16,
+                  float16=torch.float16)
+
+# Deliberate bugs, each a one-line deviation from docs/semantics.md (look
+# for `variant.mutant` below). The first five move some stage far beyond
+# bfloat16's rounding noise; the last two stay below it and document what a
+# low-precision check cannot see.
+MUTANTS = {
+    "scores_1_over_dh": "attention scores scaled by 1/Dh, not 1/sqrt(Dh)",
+    "heads_interleaved": "q, k, v split into heads as (B, S, Dh, H), "
+                         "not (B, S, H, Dh)",
+    "causal_off_by_one": "the causal mask lets query i see key i+1",
+    "pe_base_1000": "sinusoidal positions with base 1000, not 10000",
+    "mean_pool_padding": "mean pooling averages all S positions, padding "
+                         "included",
+    "ln_eps_1e-6": "every LayerNorm uses eps 1e-6, not the config's",
+    "gelu_tanh_grad": "exact GELU forward, but the tanh approximation's "
+                      "derivative backward",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """How to run a case. The default is the golden's own arithmetic."""
+
+    dtype: Optional[str] = None  # a RUN_DTYPES key; None: the golden's
+    tf32: bool = False  # float32 with GEMM operands rounded to tf32
+    mutant: Optional[str] = None  # a MUTANTS key
+    transformer_layer: bool = False  # layer outputs from nn modules
+
+    def torch_dtype(self, case):
+        return RUN_DTYPES["float32" if self.tf32
+                          else self.dtype or case["dtype"]]
+
+    def linear(self, x, weight, bias):
+        """y = x W^T + b, as F.linear; with tf32 the product's operands
+        are rounded and the bias is added to the float32 product."""
+        if not self.tf32:
+            return F.linear(x, weight, bias)
+        return tf32_gemm(F.linear, x, weight) + bias
+
+    def matmul(self, a, b):
+        if not self.tf32:
+            return torch.matmul(a, b)
+        return tf32_gemm(torch.matmul, a, b)
+
+
+AS_GOLDEN = Variant()
+
+
+def variant_problem(variant, cfg, tensors):
+    """Why this case cannot be run as `variant`, or None when it can.
+
+    A mutant must be able to change the case: e.g. scaling by 1/Dh instead
+    of 1/sqrt(Dh) changes nothing when Dh = 1.
+    """
+    _, lengths, _ = case_inputs(tensors)
+    lengths = lengths.tolist()
+    S = tensors["input.tokens"].shape[1]
+    L, D, H = cfg["num_layers"], cfg["d_model"], cfg["num_heads"]
+    Dh = D // H
+    if variant.mutant is not None:
+        # mutant -> (whether it changes this case, what it needs)
+        needs = {
+            "scores_1_over_dh": (
+                L > 0 and Dh > 1 and max(lengths, default=0) > 0,
+                "a layer, d_head > 1 and a real token"),
+            "heads_interleaved": (
+                L > 0 and H > 1 and Dh > 1 and len(lengths) > 0,
+                "a layer, 2 or more heads of d_head > 1 and a batch"),
+            "causal_off_by_one": (
+                cfg["causal"] and L > 0 and max(lengths, default=0) > 1,
+                "the causal mask, a layer and a sequence of 2+ tokens"),
+            # Columns 0 and 1 and position 0 are the same for any base.
+            "pe_base_1000": (
+                cfg["positional"] == "sinusoidal" and S > 1 and D > 2,
+                "sinusoidal positions, seq_len > 1 and d_model > 2"),
+            "mean_pool_padding": (
+                cfg["pooling"] == "mean" and min(lengths, default=S) < S,
+                "mean pooling and a sequence with padding"),
+            "ln_eps_1e-6": (
+                cfg["layer_norm_eps"] != 1e-6 and len(lengths) > 0
+                and (L > 0 or cfg["norm_first"]),
+                "a LayerNorm whose eps is not 1e-6, and a batch"),
+            "gelu_tanh_grad": (
+                cfg["activation"] == "gelu" and L > 0 and len(lengths) > 0,
+                "exact GELU, a layer and a batch"),
+        }
+        applies, needed = needs[variant.mutant]
+        if not applies:
+            return "mutant %s needs %s" % (variant.mutant, needed)
+    if variant.transformer_layer:
+        if cfg["dropout"] != 0:
+            return ("nn.TransformerEncoderLayer cannot replay teo's dropout "
+                    "masks")
+        if L == 0:
+            return "no layer for nn.TransformerEncoderLayer"
+        if 0 in lengths:
+            return ("nn.TransformerEncoderLayer gives NaN for a length-0 "
+                    "sequence")
+    return None
+
+
+def round_to_tf32(x):
+    """float32 values rounded to tf32 (8 exponent and 10 explicit mantissa
+    bits, stored as float32), to nearest with ties to even.
+
+    Works on the bit pattern: of the 23 mantissa bits the low 13 go. Adding
+    0x0FFF plus the lowest kept bit, then clearing the 13 bits, rounds the
+    magnitude to nearest with ties to the even neighbour, in both signs (the
+    sign bit sits above and is untouched). A carry out of the mantissa bumps
+    the exponent, as rounding should (the largest floats become inf, which
+    stays inf). NaN is kept as it is: the add could turn its payload into
+    inf.
+    """
+    bits = x.view(torch.int32)
+    kept_lsb = (bits >> 13) & 1
+    rounded = ((bits + 0x0FFF + kept_lsb) & ~0x1FFF).view(torch.float32)
+    return torch.where(torch.isnan(x), x, rounded)
+
+
+class _Tf32Operand(torch.autograd.Function):
+    """A GEMM operand as tf32 hardware reads it: rounded. The rounding is
+    not part of the model, so the gradient passes through unchanged."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return round_to_tf32(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _Tf32OutputGrad(torch.autograd.Function):
+    """The identity forward; backward rounds the GEMM output's gradient dY
+    to tf32, since dY is an operand of both backward GEMMs (dA = dY B^T,
+    dB = A^T dY, whose other operands were rounded in the forward)."""
+
+    @staticmethod
+    def forward(ctx, y):
+        return y.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return round_to_tf32(grad)
+
+
+def tf32_gemm(gemm, a, b):
+    """gemm(a, b) (torch.matmul or F.linear) with tf32 operands, in the
+    forward and in both backward products; accumulation stays float32."""
+    product = gemm(_Tf32Operand.apply(a), _Tf32Operand.apply(b))
+    return _Tf32OutputGrad.apply(product)
+
+
+class _GeluTanhGrad(torch.autograd.Function):
+    """Mutant gelu_tanh_grad: exact GELU forward, but the backward uses the
+    derivative of the tanh approximation (docs/semantics.md 8.7)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return F.gelu(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return torch.ops.aten.gelu_backward(grad, x, approximate="tanh")
+
+
 # ---------------------------------------------------------------------------
 # The model
 # ---------------------------------------------------------------------------
 
-def sinusoidal_table(seq_len, d_model, dtype):
-    """teo's table: angle and sin/cos in double, each entry rounded once."""
+def sinusoidal_table(seq_len, d_model, dtype, base=10000.0):
+    """teo's table: angle and sin/cos in double, each entry rounded once.
+
+    (A base other than 10000 is mutant pe_base_1000.)"""
     table = np.empty((seq_len, d_model), dtype=np.float64)
     for pos in range(seq_len):
         for c in range(d_model):
             two_i = c - c % 2
-            angle = float(pos) / math.pow(10000.0, float(two_i) / d_model)
+            angle = float(pos) / math.pow(base, float(two_i) / d_model)
             table[pos, c] = math.sin(angle) if c % 2 == 0 else math.cos(angle)
     return torch.from_numpy(table).to(dtype)
 
@@ -220,13 +434,13 @@ def activation_fn(name):
     return lambda x: F.gelu(x, approximate="tanh")
 
 
-def attention(q, k, v, visible, alpha, drop, site):
+def attention(q, k, v, visible, alpha, drop, site, variant=AS_GOLDEN):
     """Scaled dot-product attention with teo's treatment of empty rows.
 
     visible: bool (B, 1 or H, S, S), True where key j is visible to query i.
     Returns scores (-inf where masked), probs (before dropout), context.
     """
-    raw = torch.matmul(q, k.transpose(-1, -2)) * alpha
+    raw = variant.matmul(q, k.transpose(-1, -2)) * alpha
     scores = raw.masked_fill(~visible, float("-inf"))
     # A row with no visible key: PyTorch's softmax would give NaN. teo
     # defines its probs (and every gradient through it) as exactly 0, so the
@@ -235,7 +449,7 @@ def attention(q, k, v, visible, alpha, drop, site):
     safe = scores.masked_fill(~has_key, 0.0)
     probs = torch.where(has_key, torch.softmax(safe, dim=-1),
                         torch.zeros_like(safe))
-    context = torch.matmul(drop(site, probs), v)
+    context = variant.matmul(drop(site, probs), v)
     return scores, probs, context
 
 
@@ -244,28 +458,32 @@ def layer_norm(x, prefix, P, eps):
                         P[prefix + ".bias"], eps)
 
 
-def encoder_layer(x, i, cfg, P, visible, drop, acts):
+def encoder_layer(x, i, cfg, P, visible, drop, acts, variant=AS_GOLDEN):
     B, S, D = x.shape
     H = cfg["num_heads"]
     Dh = D // H
     p = "layers.%d." % i
     eps = cfg["layer_norm_eps"]
-    alpha = torch.tensor(1.0 / math.sqrt(Dh), dtype=torch.float64).to(x.dtype)
+    root = Dh if variant.mutant == "scores_1_over_dh" else math.sqrt(Dh)
+    alpha = torch.tensor(1.0 / root, dtype=torch.float64).to(x.dtype)
+    linear = variant.linear
 
     def heads(y):
+        if variant.mutant == "heads_interleaved":
+            return y.reshape(B, S, Dh, H).permute(0, 3, 1, 2)
         return y.reshape(B, S, H, Dh).transpose(1, 2)
 
     if cfg["norm_first"]:
         attn_in = acts[p + "norm1"] = layer_norm(x, p + "norm1", P, eps)
     else:
         attn_in = x
-    q = heads(F.linear(attn_in, P[p + "attn.q.weight"], P[p + "attn.q.bias"]))
-    k = heads(F.linear(attn_in, P[p + "attn.k.weight"], P[p + "attn.k.bias"]))
-    v = heads(F.linear(attn_in, P[p + "attn.v.weight"], P[p + "attn.v.bias"]))
+    q = heads(linear(attn_in, P[p + "attn.q.weight"], P[p + "attn.q.bias"]))
+    k = heads(linear(attn_in, P[p + "attn.k.weight"], P[p + "attn.k.bias"]))
+    v = heads(linear(attn_in, P[p + "attn.v.weight"], P[p + "attn.v.bias"]))
     scores, probs, ctx = attention(q, k, v, visible, alpha, drop,
-                                   "dropout." + p + "attn")
+                                   "dropout." + p + "attn", variant)
     context = ctx.transpose(1, 2).reshape(B, S, D)
-    attn_out = F.linear(context, P[p + "attn.o.weight"], P[p + "attn.o.bias"])
+    attn_out = linear(context, P[p + "attn.o.weight"], P[p + "attn.o.bias"])
     residual1 = x + drop("dropout." + p + "residual1", attn_out)
     acts.update({p + "q": q, p + "k": k, p + "v": v, p + "scores": scores,
                  p + "probs": probs, p + "context": context,
@@ -277,10 +495,13 @@ def encoder_layer(x, i, cfg, P, visible, drop, acts):
     else:
         ffn_in = acts[p + "norm1"] = layer_norm(residual1, p + "norm1", P, eps)
         base = ffn_in
-    ffn_pre = F.linear(ffn_in, P[p + "ffn.fc1.weight"], P[p + "ffn.fc1.bias"])
-    ffn_hidden = activation_fn(cfg["activation"])(ffn_pre)
-    ffn_out = F.linear(drop("dropout." + p + "ffn", ffn_hidden),
-                       P[p + "ffn.fc2.weight"], P[p + "ffn.fc2.bias"])
+    ffn_pre = linear(ffn_in, P[p + "ffn.fc1.weight"], P[p + "ffn.fc1.bias"])
+    if variant.mutant == "gelu_tanh_grad":
+        ffn_hidden = _GeluTanhGrad.apply(ffn_pre)
+    else:
+        ffn_hidden = activation_fn(cfg["activation"])(ffn_pre)
+    ffn_out = linear(drop("dropout." + p + "ffn", ffn_hidden),
+                     P[p + "ffn.fc2.weight"], P[p + "ffn.fc2.bias"])
     residual2 = base + drop("dropout." + p + "residual2", ffn_out)
     if cfg["norm_first"]:
         output = residual2
@@ -326,21 +547,25 @@ def loss_fn(logits, labels, smoothing):
     return F.cross_entropy(logits, labels, label_smoothing=smoothing)
 
 
-def run_case(cfg, case, tensors):
+def run_case(cfg, case, tensors, variant=AS_GOLDEN):
     """Forward + backward.
 
     Returns (acts, grads of acts, grads of params, extras for the
-    cross-check), each a name -> tensor dict in the case dtype.
+    cross-check), each a name -> tensor dict in the run's dtype: the case
+    dtype unless `variant` says otherwise. The parameters are read in the
+    case dtype and converted with torch's .to(), which rounds to nearest
+    even (from float64 to bfloat16 or float16 it goes through float32).
     """
-    dtype = TORCH_DTYPES[case["dtype"]]
-    tokens = torch.from_numpy(tensors["input.tokens"].astype(np.int64))
-    lengths = torch.from_numpy(tensors["input.lengths"].astype(np.int64))
-    labels = torch.from_numpy(tensors["input.labels"].astype(np.int64))
-    if tokens.dim() != 2 or lengths.shape != (tokens.shape[0],) \
-            or labels.shape != (tokens.shape[0],):
-        raise BadInput("inconsistent input shapes")
+    golden_dtype = TORCH_DTYPES[case["dtype"]]
+    dtype = variant.torch_dtype(case)
+    tokens, lengths, labels = case_inputs(tensors)
+    problem = variant_problem(variant, cfg, tensors)
+    if problem:
+        raise Unsupported(problem)
+    if variant.mutant == "ln_eps_1e-6":
+        cfg = dict(cfg, layer_norm_eps=1e-6)
     B, S = tokens.shape
-    D, H = cfg["d_model"], cfg["num_heads"]
+    D = cfg["d_model"]
 
     P = {}
     for name in param_names(cfg):
@@ -348,9 +573,10 @@ def run_case(cfg, case, tensors):
         if key not in tensors:
             raise BadInput("missing tensor %s" % key)
         t = torch.from_numpy(tensors[key].copy())
-        if t.dtype != dtype:
-            raise BadInput("%s is %s, expected %s" % (key, t.dtype, dtype))
-        P[name] = t.requires_grad_(True)
+        if t.dtype != golden_dtype:
+            raise BadInput("%s is %s, expected %s"
+                           % (key, t.dtype, golden_dtype))
+        P[name] = t.to(dtype).requires_grad_(True)
     extra = sorted(k for k in tensors if k.startswith("param.")
                    and k[len("param."):] not in P)
     if extra:
@@ -367,7 +593,8 @@ def run_case(cfg, case, tensors):
     if cfg["positional"] == "learned":
         positional = P["pos_embedding.weight"][:S]
     else:
-        positional = sinusoidal_table(S, D, dtype).requires_grad_(True)
+        base = 1000.0 if variant.mutant == "pe_base_1000" else 10000.0
+        positional = sinusoidal_table(S, D, dtype, base).requires_grad_(True)
     x = drop("dropout.input", embedding + positional)
     acts.update({"embedding": embedding, "positional": positional,
                  "input": x})
@@ -377,17 +604,22 @@ def run_case(cfg, case, tensors):
     visible = j[None, None, :] < lengths[:, None, None]           # (B, 1, S)
     visible = visible.expand(B, S, S)
     if cfg["causal"]:
-        visible = visible & (j[None, :, None] >= j[None, None, :])
+        reach = 1 if variant.mutant == "causal_off_by_one" else 0
+        visible = visible & (j[None, :, None] + reach >= j[None, None, :])
     visible = visible[:, None, :, :]  # (B, 1, S, S)
 
     for i in range(cfg["num_layers"]):
-        x = encoder_layer(x, i, cfg, P, visible, drop, acts)
+        x = encoder_layer(x, i, cfg, P, visible, drop, acts, variant)
     if cfg["norm_first"]:
-        x = acts["final_norm"] = layer_norm(x, "final_norm", P,
-                                           cfg["layer_norm_eps"])
-    pooled = acts["pooled"] = pool(x, lengths, cfg["pooling"])
-    logits = acts["logits"] = F.linear(pooled, P["head.weight"],
-                                       P["head.bias"])
+        x = acts["final_norm"] = layer_norm(
+            x, "final_norm", P, cfg["layer_norm_eps"])
+    if variant.mutant == "mean_pool_padding":
+        pooled = pool(x, torch.full_like(lengths, S), cfg["pooling"])
+    else:
+        pooled = pool(x, lengths, cfg["pooling"])
+    acts["pooled"] = pooled
+    logits = acts["logits"] = variant.linear(pooled, P["head.weight"],
+                                             P["head.bias"])
     loss = acts["loss"] = loss_fn(logits, labels, cfg["label_smoothing"])
 
     for t in acts.values():
@@ -427,7 +659,49 @@ def required_grad_act_names(cfg):
 # ---------------------------------------------------------------------------
 
 class Mismatch(Exception):
-    """This backend's layer output disagrees with nn.TransformerEncoderLayer."""
+    """A layer output disagrees with nn.TransformerEncoderLayer's."""
+
+
+def torch_layer(cfg, P, i, dtype):
+    """An nn.TransformerEncoderLayer (eval mode) holding layer i's
+    parameters, moved as docs/semantics.md section 12 says (q, k and v are
+    packed into in_proj)."""
+    activation = cfg["activation"]
+    if activation == "gelu_tanh":  # PyTorch takes only relu/gelu by name
+        activation = activation_fn(activation)
+    layer = torch.nn.TransformerEncoderLayer(
+        cfg["d_model"], cfg["num_heads"], cfg["d_ff"], 0.0, activation,
+        cfg["layer_norm_eps"], batch_first=True, norm_first=cfg["norm_first"],
+        dtype=dtype)
+    layer.eval()
+    p = "layers.%d." % i
+    layer.load_state_dict({
+        "self_attn.in_proj_weight": torch.cat(
+            [P[p + "attn.%s.weight" % c] for c in "qkv"]),
+        "self_attn.in_proj_bias": torch.cat(
+            [P[p + "attn.%s.bias" % c] for c in "qkv"]),
+        "self_attn.out_proj.weight": P[p + "attn.o.weight"],
+        "self_attn.out_proj.bias": P[p + "attn.o.bias"],
+        "linear1.weight": P[p + "ffn.fc1.weight"],
+        "linear1.bias": P[p + "ffn.fc1.bias"],
+        "linear2.weight": P[p + "ffn.fc2.weight"],
+        "linear2.bias": P[p + "ffn.fc2.bias"],
+        "norm1.weight": P[p + "norm1.weight"],
+        "norm1.bias": P[p + "norm1.bias"],
+        "norm2.weight": P[p + "norm2.weight"],
+        "norm2.bias": P[p + "norm2.bias"],
+    })
+    return layer
+
+
+def torch_masks(cfg, lengths, S):
+    """PyTorch's src_key_padding_mask (True = padding) and src_mask (True =
+    hidden; None unless causal)."""
+    pad = torch.arange(S)[None, :] >= lengths[:, None]
+    causal = None
+    if cfg["causal"]:
+        causal = torch.ones(S, S, dtype=torch.bool).triu(diagonal=1)
+    return pad, causal
 
 
 def cross_check(cfg, acts, extra, name):
@@ -440,65 +714,84 @@ def cross_check(cfg, acts, extra, name):
             or cfg["num_layers"] == 0:
         return
     dtype = acts["input"].dtype
-    D, S = cfg["d_model"], acts["input"].shape[1]
-    layer = torch.nn.TransformerEncoderLayer(
-        D, cfg["num_heads"], cfg["d_ff"], 0.0, cfg["activation"],
-        cfg["layer_norm_eps"], batch_first=True, norm_first=cfg["norm_first"],
-        dtype=dtype)
-    layer.eval()
-    pad = torch.arange(S)[None, :] >= lengths[:, None]
-    causal = None
-    if cfg["causal"]:
-        causal = torch.ones(S, S, dtype=torch.bool).triu(diagonal=1)
+    pad, causal = torch_masks(cfg, lengths, acts["input"].shape[1])
     real = (~pad)[:, :, None]
     tol = 1e-4 if dtype == torch.float32 else 1e-10
     # Grad mode stays on (the layer's parameters require grad), which keeps
     # PyTorch on its math path rather than the nested-tensor fast path.
     for i in range(cfg["num_layers"]):
-        p = "layers.%d." % i
-        sd = {
-            "self_attn.in_proj_weight": torch.cat(
-                [P[p + "attn.%s.weight" % c] for c in "qkv"]),
-            "self_attn.in_proj_bias": torch.cat(
-                [P[p + "attn.%s.bias" % c] for c in "qkv"]),
-            "self_attn.out_proj.weight": P[p + "attn.o.weight"],
-            "self_attn.out_proj.bias": P[p + "attn.o.bias"],
-            "linear1.weight": P[p + "ffn.fc1.weight"],
-            "linear1.bias": P[p + "ffn.fc1.bias"],
-            "linear2.weight": P[p + "ffn.fc2.weight"],
-            "linear2.bias": P[p + "ffn.fc2.bias"],
-            "norm1.weight": P[p + "norm1.weight"],
-            "norm1.bias": P[p + "norm1.bias"],
-            "norm2.weight": P[p + "norm2.weight"],
-            "norm2.bias": P[p + "norm2.bias"],
-        }
-        layer.load_state_dict(sd)
+        layer = torch_layer(cfg, P, i, dtype)
         x = acts["input"] if i == 0 else acts["layers.%d.output" % (i - 1)]
         # Length-0 sequences give NaN in PyTorch; they are left out below.
         ref = layer(x.detach(), src_mask=causal,
                     src_key_padding_mask=pad).detach()
-        ours = acts[p + "output"].detach()
+        ours = acts["layers.%d.output" % i].detach()
         keep = real & (lengths > 0)[:, None, None]
         diff = torch.where(keep, (ref - ours).abs(), torch.zeros_like(ref))
         scale = max(1.0, float(ours.abs().max()) if ours.numel() else 1.0)
         err = float(diff.max()) if diff.numel() else 0.0
         if not err <= tol * scale:
-            raise Mismatch("%s: layer %d differs from nn.TransformerEncoderLayer "
-                           "by %.3g (bound %.3g)" % (name, i, err, tol * scale))
+            raise Mismatch("%s: layer %d differs from "
+                           "nn.TransformerEncoderLayer by %.3g (bound %.3g)"
+                           % (name, i, err, tol * scale))
+
+
+def transformer_layer_outputs(cfg, acts, extra):
+    """act.layers.{i}.output from a chain of nn.TransformerEncoderLayer
+    modules fed with act.input, in the run's dtype (forward only: the other
+    tensors, gradients included, stay the functional graph's).
+    variant_problem has ruled out dropout and length-0 sequences."""
+    P, lengths, _ = extra
+    x = acts["input"].detach()
+    pad, causal = torch_masks(cfg, lengths, x.shape[1])
+    outputs = {}
+    for i in range(cfg["num_layers"]):
+        layer = torch_layer(cfg, P, i, x.dtype)
+        # Grad mode on, as in cross_check: PyTorch's math path.
+        x = layer(x, src_mask=causal, src_key_padding_mask=pad).detach()
+        outputs["layers.%d.output" % i] = x
+    return outputs
 
 
 # ---------------------------------------------------------------------------
 # Driver
 # ---------------------------------------------------------------------------
 
-def to_numpy(t, np_dtype):
-    return t.detach().contiguous().numpy().astype(np_dtype, copy=False)
+def to_numpy(t):
+    """The tensor's values as a numpy array. numpy has no bfloat16, so a
+    bfloat16 tensor comes back as its raw 16-bit patterns (uint16), which
+    st_write must be told to declare "BF16"."""
+    t = t.detach().contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
 
 
-def process(path, out_dir, check):
+def process(path, out_dir, check, variant=AS_GOLDEN):
+    """Runs one golden case as `variant` and writes its candidate.
+
+    check: compare the layer outputs with nn.TransformerEncoderLayer, when
+    the arithmetic is float32/float64 and there is no mutant (which would
+    rightly fail the comparison).
+    """
+    name = os.path.basename(path)
     cfg, case, tensors, _ = load_case(path)
-    acts, act_grads, param_grads, extra = run_case(cfg, case, tensors)
-    np_dtype = np.float32 if case["dtype"] == "float32" else np.float64
+    try:
+        acts, act_grads, param_grads, extra = run_case(cfg, case, tensors,
+                                                       variant)
+    except RuntimeError as e:
+        # torch 1.13 has no CPU float16 kernel for most of this model
+        # (addmm, bmm, layer_norm, softmax, gelu, relu, log_softmax).
+        if "not implemented for 'Half'" not in str(e):
+            raise
+        raise Unsupported("torch %s has no CPU float16 kernel: %s"
+                          % (torch.__version__, e))
+    dtype = acts["input"].dtype
+    if check and dtype in (torch.float32, torch.float64) \
+            and not variant.tf32 and variant.mutant is None:
+        cross_check(cfg, acts, extra, name)
+    if variant.transformer_layer:
+        acts.update(transformer_layer_outputs(cfg, acts, extra))
 
     # What the golden holds decides the extra names; the brief's list is
     # always written.
@@ -509,36 +802,34 @@ def process(path, out_dir, check):
     gact_names = required_grad_act_names(cfg)
     gact_names += sorted(golden_gacts - set(gact_names))
 
+    # Every tensor is written in the run's dtype (the golden's by default).
     out, missing = {}, []
     for n in act_names:
         if n in acts:
-            out["act." + n] = to_numpy(acts[n], np_dtype)
+            out["act." + n] = to_numpy(acts[n])
         else:
             missing.append("act." + n)
     for n in param_names(cfg):
-        out["grad." + n] = to_numpy(param_grads[n], np_dtype)
+        out["grad." + n] = to_numpy(param_grads[n])
     for n in gact_names:
         if n in act_grads:
-            out["grad.act." + n] = to_numpy(act_grads[n], np_dtype)
+            out["grad.act." + n] = to_numpy(act_grads[n])
         else:
             missing.append("grad.act." + n)
-    for name, arr in out.items():
-        ref = tensors.get(name)
+    for n, arr in out.items():
+        ref = tensors.get(n)
         if ref is not None and tuple(ref.shape) != tuple(arr.shape):
             print("warning: %s: %s has shape %s, the golden %s"
-                  % (os.path.basename(path), name, list(arr.shape),
-                     list(ref.shape)))
-        if ref is not None and ref.dtype != arr.dtype:
-            out[name] = arr.astype(ref.dtype)
-    for name in missing:
-        print("warning: %s: cannot produce %s"
-              % (os.path.basename(path), name))
+                  % (name, n, list(arr.shape), list(ref.shape)))
+    for n in missing:
+        print("warning: %s: cannot produce %s" % (name, n))
 
-    if check:
-        cross_check(cfg, acts, extra, os.path.basename(path))
     meta = {"format": "teo-candidate/1",
             "backend": "pytorch %s" % torch.__version__}
-    st_write(os.path.join(out_dir, os.path.basename(path)), out, meta)
+    if variant != AS_GOLDEN:
+        meta["variant"] = json.dumps(dataclasses.asdict(variant))
+    st_dtypes = {n: "BF16" for n in out} if dtype == torch.bfloat16 else None
+    st_write(os.path.join(out_dir, name), out, meta, st_dtypes)
 
 
 def golden_files(path):
@@ -564,7 +855,27 @@ def main(argv=None):
                          "without --out, only list them")
     ap.add_argument("--no-cross-check", action="store_true",
                     help="skip the nn.TransformerEncoderLayer cross-check")
+    ap.add_argument("--dtype", choices=sorted(RUN_DTYPES),
+                    help="convert the parameters to this dtype, compute in "
+                         "it and write every tensor in it (default: the "
+                         "golden's dtype)")
+    ap.add_argument("--tf32", action="store_true",
+                    help="compute in float32 with every GEMM operand "
+                         "rounded to tf32, forward and backward")
+    ap.add_argument("--mutant", choices=sorted(MUTANTS),
+                    help="add one deliberate bug: " + "; ".join(
+                        "%s: %s" % item for item in sorted(MUTANTS.items())))
+    ap.add_argument("--transformer-layer", action="store_true",
+                    help="write act.layers.{i}.output from a chain of "
+                         "nn.TransformerEncoderLayer modules")
     args = ap.parse_args(argv)
+    if args.tf32 and args.dtype not in (None, "float32"):
+        ap.error("--tf32 computes in float32, not %s" % args.dtype)
+    if args.transformer_layer and (args.tf32 or args.mutant):
+        ap.error("--transformer-layer takes neither --tf32 nor --mutant "
+                 "(nn.TransformerEncoderLayer has no way to apply them)")
+    variant = Variant(args.dtype, args.tf32, args.mutant,
+                      args.transformer_layer)
     torch.set_num_threads(1)
 
     try:
@@ -579,9 +890,13 @@ def main(argv=None):
             name = os.path.basename(path)
             try:
                 if args.out is None:
-                    load_case(path)
+                    cfg, _, tensors, _ = load_case(path)
+                    problem = variant_problem(variant, cfg, tensors)
+                    if problem:
+                        raise Unsupported(problem)
                 else:
-                    process(path, args.out, not args.no_cross_check)
+                    process(path, args.out, not args.no_cross_check,
+                            variant)
                     done += 1
             except Mismatch as e:
                 print("mismatch: %s" % e)

@@ -1,5 +1,6 @@
 // AVX-512 (Zen 4, Skylake-SP and later), compiled with -mavx512f -mavx512dq -mavx512vl -mfma.
 #include "gemm_kernel.hpp"
+#include "round_kernels.hpp"
 #include "vector_kernels.hpp"
 
 namespace teo::simd {
@@ -12,7 +13,8 @@ const IsaKernels& kernels_avx512() {
   static const IsaKernels k = one_tile_isa(
       "avx512", make_gemm<float, xsimd::avx512f, 12, 2>(384, 144, 3072),
       make_gemm<double, xsimd::avx512f, 12, 2>(256, 144, 3072),
-      Kernels<float, xsimd::avx512f>::table(), Kernels<double, xsimd::avx512f>::table());
+      Kernels<float, xsimd::avx512f>::table(), Kernels<double, xsimd::avx512f>::table(),
+                   Rounding<xsimd::avx512f>::table());
   return k;
 }
 

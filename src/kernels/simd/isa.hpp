@@ -62,6 +62,16 @@ struct VectorKernels {
   void (*math)(Real* out, const Real* in, index_t n, MathFn fn);
 };
 
+// Rounding float32 to the reduced formats (simd/round_kernels.hpp), bitwise the same on every ISA.
+struct RoundKernels {
+  // out = in rounded to p (bf16, fp16 or tf32) to nearest even, as floats; out may be in. Returns
+  // whether a finite value became infinite.
+  bool (*round)(float* out, const float* in, index_t n, Precision p);
+  // The bf16 or fp16 bits of in, rounded to nearest even; and back (exact).
+  void (*narrow)(std::uint16_t* out, const float* in, index_t n, Precision p);
+  void (*widen)(float* out, const std::uint16_t* in, index_t n, Precision p);
+};
+
 struct IsaKernels {
   const char* name;
   GemmKernel<float> sgemm;
@@ -73,13 +83,14 @@ struct IsaKernels {
   GemmKernel<double> dgemm_alt;
   VectorKernels<float> svec;
   VectorKernels<double> dvec;
+  RoundKernels rounding;
 };
 
 // The table of an ISA with one register tile per type: the second tile is the first.
 inline IsaKernels one_tile_isa(const char* name, const GemmKernel<float>& sgemm,
                                const GemmKernel<double>& dgemm, const VectorKernels<float>& svec,
-                               const VectorKernels<double>& dvec) {
-  return IsaKernels{name, sgemm, dgemm, sgemm, dgemm, svec, dvec};
+                               const VectorKernels<double>& dvec, const RoundKernels& rounding) {
+  return IsaKernels{name, sgemm, dgemm, sgemm, dgemm, svec, dvec, rounding};
 }
 
 const IsaKernels& kernels_scalar();

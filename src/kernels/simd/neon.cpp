@@ -1,5 +1,6 @@
 // NEON on AArch64 (Advanced SIMD is mandatory there; no extra flags).
 #include "gemm_kernel.hpp"
+#include "round_kernels.hpp"
 #include "vector_kernels.hpp"
 
 namespace teo::simd {
@@ -9,7 +10,8 @@ const IsaKernels& kernels_neon() {
   static const IsaKernels k =
       one_tile_isa("neon", make_gemm<float, xsimd::neon64, 8, 3>(256, 128, 3072),
                    make_gemm<double, xsimd::neon64, 8, 3>(256, 128, 3072),
-                   Kernels<float, xsimd::neon64>::table(), Kernels<double, xsimd::neon64>::table());
+                   Kernels<float, xsimd::neon64>::table(), Kernels<double, xsimd::neon64>::table(),
+                   Rounding<xsimd::neon64>::table());
   return k;
 }
 

@@ -1,5 +1,6 @@
 // The portable fallback: one lane, std::fma, the same blocking logic as the vector ISAs.
 #include "gemm_kernel.hpp"
+#include "round_kernels.hpp"
 #include "vector_kernels.hpp"
 
 namespace teo::simd {
@@ -8,7 +9,8 @@ const IsaKernels& kernels_scalar() {
   static const IsaKernels k =
       one_tile_isa("scalar", make_gemm<float, scalar_arch, 4, 4>(256, 64, 1024),
                    make_gemm<double, scalar_arch, 4, 4>(256, 64, 1024),
-                   Kernels<float, scalar_arch>::table(), Kernels<double, scalar_arch>::table());
+                   Kernels<float, scalar_arch>::table(), Kernels<double, scalar_arch>::table(),
+                   Rounding<scalar_arch>::table());
   return k;
 }
 

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <optional>
+#include <string_view>
 #include <type_traits>
 #include <utility>
 
@@ -18,6 +20,7 @@
 #include "teo/layers/pooling.hpp"
 #include "teo/layers/positional.hpp"
 #include "teo/profile.hpp"
+#include "teo/precision.hpp"
 #include "teo/rng.hpp"
 
 namespace teo {
@@ -39,6 +42,56 @@ Dims dims_of(const EncoderConfig& c, const Batch& b) {
 }
 
 constexpr index_t kElementGrain = 16384;
+
+// The emulated precision of a pass (docs/semantics.md, "Reduced precision"): checks that it suits
+// Real, sets it for gemm() and the attention kernels for the pass's duration, and rounds named
+// tensors to the storage format (bf16, fp16) where they are produced. With no reduced precision
+// every call is a no-op.
+template <class Real>
+class Emulation {
+ public:
+  Emulation(std::optional<Precision> p, const char* kind)
+      : p_(p.value_or(std::is_same_v<Real, float> ? Precision::fp32 : Precision::fp64)),
+        kind_(kind),
+        scope_(std::is_same_v<Real, float> ? p_ : Precision::fp32) {
+    const bool ok = std::is_same_v<Real, float> ? p_ != Precision::fp64 : p_ == Precision::fp64;
+    if (!ok) {
+      throw ConfigError(std::string("precision ") + to_string(p_) + " cannot run in " +
+                        (std::is_same_v<Real, float> ? "float" : "double") +
+                        " (a float pass emulates fp32, tf32, bf16 or fp16; a double pass is fp64)");
+    }
+  }
+  // True when named tensors are rounded: bf16 and fp16.
+  bool stores_reduced() const { return p_ == Precision::bf16 || p_ == Precision::fp16; }
+
+  // Rounds data (n values), named prefix + name, to the storage format.
+  void operator()(Real* data, index_t n, std::string_view prefix, const char* name) const {
+    if constexpr (std::is_same_v<Real, float>) {
+      if (stores_reduced() && round_to(p_, data, n)) {
+        throw RangeError(std::string(kind_) + std::string(prefix) + name + ": a finite value " +
+                         "overflowed " + to_string(p_) + " (its largest finite value is 65504)");
+      }
+    }
+  }
+  void operator()(Tensor<Real>& t, std::string_view prefix, const char* name) const {
+    (*this)(t.data(), t.numel(), prefix, name);
+  }
+  // Runs fn (an attention kernel, which rounds its score and probability rows itself), naming the
+  // layer in an overflow it reports.
+  template <class F>
+  void named(std::string_view prefix, F&& fn) const {
+    try {
+      fn();
+    } catch (const RangeError& e) {
+      throw RangeError(std::string(kind_) + std::string(prefix) + e.what());
+    }
+  }
+
+ private:
+  Precision p_;
+  const char* kind_;  // "" for activations, "the gradient of " for gradients
+  detail::EmulationScope scope_;
+};
 
 template <class Real>
 void copy(Real* dst, const Real* src, index_t n) {
@@ -183,8 +236,10 @@ void allocate(Activations<Real>& a, const EncoderConfig& cfg, const Dims& d, Zer
 template <class Real>
 void layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P, LayerActs<Real>& L,
                    const Real* x, const Batch& batch, const Dims& d, const std::string& prefix,
-                   bool drop, std::uint64_t seed) {
+                   bool drop, std::uint64_t seed, const Emulation<Real>& store) {
   const index_t nd = d.N * d.D;
+  const std::string_view name = std::string_view(prefix).substr(8);  // "layers.{i}."
+
   const Real eps = static_cast<Real>(cfg.layer_norm_eps);
   const double p = cfg.dropout;
   // (B, S, D) scratch for a dropped residual branch; without dropout the branch is used as is.
@@ -197,6 +252,7 @@ void layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P, LayerAc
       profile::Scope stage(Stage::layer_norm);
       layer_norm_forward(L.norm1.data(), L.norm1_mean.data(), L.norm1_rstd.data(), x,
                          P.norm1_weight.data(), P.norm1_bias.data(), d.N, d.D, eps);
+      store(L.norm1, name, "norm1");
     }
     attn_in = L.norm1.data();
   }
@@ -219,6 +275,9 @@ void layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P, LayerAc
         split_heads(heads[i]->data(), qkv.data() + i * d.D, d.B, d.S, d.H, d.Dh, 3 * d.D,
                     bqkv.data() + i * d.D);
     }
+    store(L.q, name, "q");
+    store(L.k, name, "k");
+    store(L.v, name, "v");
   }
   {
     profile::Scope attention_scope(Stage::attention);
@@ -230,15 +289,20 @@ void layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P, LayerAc
       L.masks.attn.clear();
     }
     // context (B, S, D) is written with its heads merged, in place.
-    attention_forward(L.context.data(), L.scores.data(), L.probs.data(), L.q.data(), L.k.data(),
-                      L.v.data(), batch.lengths.data(), drop_attn ? L.masks.attn.data() : nullptr,
-                      dropout_scale<Real>(p), d.B, d.H, d.S, d.Dh, cfg.causal,
-                      /*merged_context=*/true);
+    store.named(name, [&] {
+      attention_forward(L.context.data(), L.scores.data(), L.probs.data(), L.q.data(), L.k.data(),
+                        L.v.data(), batch.lengths.data(),
+                        drop_attn ? L.masks.attn.data() : nullptr, dropout_scale<Real>(p), d.B,
+                        d.H, d.S, d.Dh, cfg.causal,
+                        /*merged_context=*/true);
+    });
+    store(L.context, name, "context");
   }
   {
     profile::Scope stage(Stage::out_proj);
     linear_forward(L.attn_out.data(), L.context.data(), P.o_weight.data(), P.o_bias.data(), d.N,
                    d.D, d.D);
+    store(L.attn_out, name, "attn_out");
   }
   // residual1 = x + dropout(attn_out)
   {
@@ -247,6 +311,7 @@ void layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P, LayerAc
          apply_dropout(tmp.data(), L.attn_out.data(), L.masks.residual1, nd, prefix + "residual1",
                        p, drop, seed),
          nd);
+    store(L.residual1, name, "residual1");
   }
 
   const Real* ffn_in;  // the FFN's input, and the second residual's base
@@ -256,11 +321,13 @@ void layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P, LayerAc
       layer_norm_forward(L.norm2.data(), L.norm2_mean.data(), L.norm2_rstd.data(),
                          L.residual1.data(), P.norm2_weight.data(), P.norm2_bias.data(), d.N, d.D,
                          eps);
+      store(L.norm2, name, "norm2");
       ffn_in = L.norm2.data();
     } else {
       layer_norm_forward(L.norm1.data(), L.norm1_mean.data(), L.norm1_rstd.data(),
                          L.residual1.data(), P.norm1_weight.data(), P.norm1_bias.data(), d.N, d.D,
                          eps);
+      store(L.norm1, name, "norm1");
       ffn_in = L.norm1.data();
     }
   }
@@ -270,12 +337,14 @@ void layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P, LayerAc
   {
     profile::Scope stage(Stage::ffn_fc1);
     linear_forward(L.ffn_pre.data(), ffn_in, P.fc1_weight.data(), P.fc1_bias.data(), d.N, d.D, d.F);
+    store(L.ffn_pre, name, "ffn_pre");
   }
   Tensor<Real> dropped_buf = drop ? Tensor<Real>::for_overwrite({d.B, d.S, d.F}) : Tensor<Real>();
   const Real* hidden_dropped = nullptr;  // dropout(ffn_hidden): the buffer, or ffn_hidden itself
   {
     profile::Scope stage(Stage::activation);
     activation_forward(L.ffn_hidden.data(), L.ffn_pre.data(), L.ffn_pre.numel(), cfg.activation);
+    store(L.ffn_hidden, name, "ffn_hidden");
     hidden_dropped = apply_dropout(dropped_buf.data(), L.ffn_hidden.data(), L.masks.ffn,
                                    L.ffn_hidden.numel(), prefix + "ffn", p, drop, seed);
   }
@@ -283,6 +352,7 @@ void layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P, LayerAc
     profile::Scope stage(Stage::ffn_fc2);
     linear_forward(L.ffn_out.data(), hidden_dropped, P.fc2_weight.data(), P.fc2_bias.data(), d.N,
                    d.F, d.D);
+    store(L.ffn_out, name, "ffn_out");
   }
   // residual2 = base + dropout(ffn_out)
   {
@@ -291,6 +361,7 @@ void layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P, LayerAc
          apply_dropout(tmp.data(), L.ffn_out.data(), L.masks.residual2, nd, prefix + "residual2", p,
                        drop, seed),
          nd);
+    store(L.residual2, name, "residual2");
   }
 
   if (cfg.norm_first) {
@@ -304,6 +375,7 @@ void layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P, LayerAc
       layer_norm_forward(L.norm2.data(), L.norm2_mean.data(), L.norm2_rstd.data(),
                          L.residual2.data(), P.norm2_weight.data(), P.norm2_bias.data(), d.N, d.D,
                          eps);
+      store(L.norm2, name, "norm2");
       copy(L.output.data(), L.norm2.data(), nd);
     }
   }
@@ -314,7 +386,7 @@ void layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P, LayerAc
 template <class Real>
 void layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P, const LayerActs<Real>& L,
                     LayerParams<Real>& G, LayerActs<Real>& dL, Real* dx, const Real* x,
-                    const Dims& d) {
+                    const Dims& d, std::string_view name, const Emulation<Real>& store) {
   const index_t nd = d.N * d.D;
   const double p = cfg.dropout;
   const Real scale = dropout_scale<Real>(p);
@@ -329,6 +401,7 @@ void layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P, const 
       layer_norm_backward(dL.residual2.data(), G.norm2_weight.data(), G.norm2_bias.data(),
                           dL.norm2.data(), L.residual2.data(), P.norm2_weight.data(),
                           L.norm2_mean.data(), L.norm2_rstd.data(), d.N, d.D);
+      store(dL.residual2, name, "residual2");
     }
   }
   // residual2 = base + dropout(ffn_out); base = residual1 (pre) or norm1 (post)
@@ -336,6 +409,7 @@ void layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P, const 
   {
     profile::Scope stage(Stage::bwd_residual);
     accumulate_dropout_grad(dL.ffn_out.data(), dL.residual2.data(), L.masks.residual2, nd, p);
+    store(dL.ffn_out, name, "ffn_out");
     add(dbase, dL.residual2.data(), nd);
   }
 
@@ -368,8 +442,10 @@ void layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P, const 
       accumulate_dropout_grad(dL.ffn_hidden.data(), dhidden_dropped.data(), L.masks.ffn,
                               dL.ffn_hidden.numel(), p);
     }
+    store(dL.ffn_hidden, name, "ffn_hidden");
     activation_backward(dL.ffn_pre.data(), dL.ffn_hidden.data(), L.ffn_pre.data(),
                         L.ffn_pre.numel(), cfg.activation, GradWrite::overwrite);
+    store(dL.ffn_pre, name, "ffn_pre");
   }
   // ffn_pre = fc1(ffn_in); ffn_in = norm2 (pre) or norm1 (post)
   const Real* ffn_in = cfg.norm_first ? L.norm2.data() : L.norm1.data();
@@ -378,6 +454,7 @@ void layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P, const 
     profile::Scope stage(Stage::bwd_ffn_fc1);
     linear_backward(dffn_in, G.fc1_weight.data(), G.fc1_bias.data(), dL.ffn_pre.data(), ffn_in,
                     P.fc1_weight.data(), d.N, d.D, d.F);
+    store(dffn_in, nd, name, cfg.norm_first ? "norm2" : "norm1");
   }
 
   // the norm between the two residuals: LN2(residual1) (pre) or LN1(residual1) (post)
@@ -392,26 +469,34 @@ void layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P, const 
                           dL.norm1.data(), L.residual1.data(), P.norm1_weight.data(),
                           L.norm1_mean.data(), L.norm1_rstd.data(), d.N, d.D);
     }
+    store(dL.residual1, name, "residual1");
   }
   // residual1 = x + dropout(attn_out)
   {
     profile::Scope stage(Stage::bwd_residual);
     add(dx, dL.residual1.data(), nd);
     accumulate_dropout_grad(dL.attn_out.data(), dL.residual1.data(), L.masks.residual1, nd, p);
+    store(dL.attn_out, name, "attn_out");
   }
   // attn_out = context * Wo^T + bo
   {
     profile::Scope stage(Stage::bwd_out_proj);
     linear_backward(dL.context.data(), G.o_weight.data(), G.o_bias.data(), dL.attn_out.data(),
                     L.context.data(), P.o_weight.data(), d.N, d.D, d.D, GradWrite::overwrite);
+    store(dL.context, name, "context");
   }
   // dcontext is read in its merged (B, S, D) layout, head by head.
   {
     profile::Scope stage(Stage::bwd_attention);
-    attention_backward(dL.q.data(), dL.k.data(), dL.v.data(), dL.probs.data(), dL.scores.data(),
-                       dL.context.data(), L.q.data(), L.k.data(), L.v.data(), L.probs.data(),
-                       L.masks.attn.empty() ? nullptr : L.masks.attn.data(), scale, d.B, d.H, d.S,
-                       d.Dh, /*merged_context=*/true, GradWrite::overwrite);
+    store.named(name, [&] {
+      attention_backward(dL.q.data(), dL.k.data(), dL.v.data(), dL.probs.data(), dL.scores.data(),
+                         dL.context.data(), L.q.data(), L.k.data(), L.v.data(), L.probs.data(),
+                         L.masks.attn.empty() ? nullptr : L.masks.attn.data(), scale, d.B, d.H,
+                         d.S, d.Dh, /*merged_context=*/true, GradWrite::overwrite);
+    });
+    store(dL.q, name, "q");
+    store(dL.k, name, "k");
+    store(dL.v, name, "v");
   }
   // q, k, v = split(attn_in * W^T + b); attn_in = LN1(x) (pre) or x (post)
   const Real* attn_in = cfg.norm_first ? L.norm1.data() : x;
@@ -442,6 +527,7 @@ void layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P, const 
   }
   if (cfg.norm_first) {
     profile::Scope stage(Stage::bwd_layer_norm);
+    store(dL.norm1, name, "norm1");
     layer_norm_backward(dx, G.norm1_weight.data(), G.norm1_bias.data(), dL.norm1.data(), x,
                         P.norm1_weight.data(), L.norm1_mean.data(), L.norm1_rstd.data(), d.N, d.D);
   }
@@ -452,7 +538,7 @@ void layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P, const 
 namespace {
 template <class Real>
 void run_encoder(const Params<Real>& params, const Batch& batch, Activations<Real>& acts,
-                 const ForwardOptions& opts);
+                 const ForwardOptions& opts, const Emulation<Real>& store);
 }  // namespace
 
 template <class Real>
@@ -462,6 +548,7 @@ void forward(const Params<Real>& params, const Batch& batch, Activations<Real>& 
   validate_params(params);
   validate_batch(cfg, batch, sizeof(Real));
   const Dims d = dims_of(cfg, batch);
+  const Emulation<Real> store(opts.precision, "");
   allocate(acts, cfg, d, static_cast<ZeroList<Real>*>(nullptr));
 
   {
@@ -470,18 +557,21 @@ void forward(const Params<Real>& params, const Batch& batch, Activations<Real>& 
         cfg.embed_scale ? static_cast<Real>(std::sqrt(static_cast<double>(d.D))) : Real(1);
     embedding_forward(acts.embedding.data(), batch.tokens.data(), params.embedding_weight.data(),
                       d.N, d.D, scale);
+    store(acts.embedding, "", "embedding");
     if (cfg.positional == Positional::sinusoidal) {
       sinusoidal_table(acts.positional.data(), d.S, d.D);
     } else {
       copy(acts.positional.data(), params.pos_embedding_weight.data(), d.S * d.D);
     }
+    store(acts.positional, "", "positional");
     // input = dropout(embedding + positional), the dropout applied in place
     add_positional_forward(acts.input.data(), acts.embedding.data(), acts.positional.data(), d.B,
                            d.S, d.D);
     apply_dropout(acts.input.data(), acts.input.data(), acts.input_mask, d.N * d.D, "dropout.input",
                   cfg.dropout, opts.train && cfg.dropout > 0.0, opts.dropout_seed);
+    store(acts.input, "", "input");
   }
-  run_encoder(params, batch, acts, opts);
+  run_encoder(params, batch, acts, opts, store);
 }
 
 namespace {
@@ -489,14 +579,14 @@ namespace {
 // The stack, pooling, head and loss from acts.input; the caller has validated everything.
 template <class Real>
 void run_encoder(const Params<Real>& params, const Batch& batch, Activations<Real>& acts,
-                 const ForwardOptions& opts) {
+                 const ForwardOptions& opts, const Emulation<Real>& store) {
   const EncoderConfig& cfg = params.config;
   const Dims d = dims_of(cfg, batch);
   const bool drop = opts.train && cfg.dropout > 0.0;
   const Real* x = acts.input.data();
   for (std::size_t i = 0; i < acts.layers.size(); ++i) {
     layer_forward(cfg, params.layers[i], acts.layers[i], x, batch, d,
-                  "dropout.layers." + std::to_string(i) + ".", drop, opts.dropout_seed);
+                  "dropout.layers." + std::to_string(i) + ".", drop, opts.dropout_seed, store);
     x = acts.layers[i].output.data();
   }
   profile::Scope stage(Stage::head);
@@ -505,16 +595,20 @@ void run_encoder(const Params<Real>& params, const Batch& batch, Activations<Rea
                        acts.final_norm_rstd.data(), x, params.final_norm_weight.data(),
                        params.final_norm_bias.data(), d.N, d.D,
                        static_cast<Real>(cfg.layer_norm_eps));
+    store(acts.final_norm, "", "final_norm");
     x = acts.final_norm.data();
   }
   if (cfg.pooling == Pooling::max) acts.pool_argmax.assign(static_cast<std::size_t>(d.B * d.D), -1);
   pooling_forward(acts.pooled.data(), acts.pool_argmax.data(), x, batch.lengths.data(), d.B, d.S,
                   d.D, cfg.pooling);
+  store(acts.pooled, "", "pooled");
   linear_forward(acts.logits.data(), acts.pooled.data(), params.head_weight.data(),
                  params.head_bias.data(), d.B, d.D, d.C);
+  store(acts.logits, "", "logits");
   acts.loss[0] =
       cross_entropy_forward(acts.class_probs.data(), acts.logits.data(), batch.labels.data(), d.B,
                             d.C, static_cast<Real>(cfg.label_smoothing));
+  store(acts.loss, "", "loss");
 }
 
 }  // namespace
@@ -525,17 +619,18 @@ void encoder_forward(const Params<Real>& params, const Batch& batch, Activations
   validate_params(params);
   validate_batch(params.config, batch, sizeof(Real));
   validate_activations(params.config, batch, acts);
-  run_encoder(params, batch, acts, opts);
+  run_encoder(params, batch, acts, opts, Emulation<Real>(opts.precision, ""));
 }
 
 template <class Real>
 void backward(const Params<Real>& params, const Batch& batch, const Activations<Real>& acts,
-              Params<Real>& grads, Activations<Real>& dacts) {
+              Params<Real>& grads, Activations<Real>& dacts, const BackwardOptions& opts) {
   const EncoderConfig& cfg = params.config;
   validate_params(params);
   validate_batch(cfg, batch, sizeof(Real));
   validate_activations(cfg, batch, acts);
   const Dims d = dims_of(cfg, batch);
+  const Emulation<Real> store(opts.precision, "the gradient of ");
   {
     // Every parameter gradient, and every activation gradient but those allocate_layer leaves to
     // their single writer, starts at zero: Params::zeros, with the fill done by zero_fill.
@@ -557,9 +652,11 @@ void backward(const Params<Real>& params, const Batch& batch, const Activations<
     dacts.loss[0] = Real(1);
     cross_entropy_backward(dacts.logits.data(), acts.class_probs.data(), batch.labels.data(), d.B,
                            d.C, static_cast<Real>(cfg.label_smoothing), dacts.loss[0]);
+    store(dacts.logits, "", "logits");
     linear_backward(dacts.pooled.data(), grads.head_weight.data(), grads.head_bias.data(),
                     dacts.logits.data(), acts.pooled.data(), params.head_weight.data(), d.B, d.D,
                     d.C);
+    store(dacts.pooled, "", "pooled");
     // pooled = pool(top); top = final_norm(last) (pre) or last
     Tensor<Real>& dlast = cfg.num_layers > 0 ? dacts.layers.back().output : dacts.input;
     const Real* last = cfg.num_layers > 0 ? acts.layers.back().output.data() : acts.input.data();
@@ -567,24 +664,34 @@ void backward(const Params<Real>& params, const Batch& batch, const Activations<
     pooling_backward(dtop, dacts.pooled.data(), acts.pool_argmax.data(), batch.lengths.data(), d.B,
                      d.S, d.D, cfg.pooling);
     if (cfg.norm_first) {
+      store(dacts.final_norm, "", "final_norm");
       layer_norm_backward(dlast.data(), grads.final_norm_weight.data(),
                           grads.final_norm_bias.data(), dacts.final_norm.data(), last,
                           params.final_norm_weight.data(), acts.final_norm_mean.data(),
                           acts.final_norm_rstd.data(), d.N, d.D);
     }
+    const std::string last_name =
+        cfg.num_layers > 0 ? "layers." + std::to_string(cfg.num_layers - 1) + ".output" : "input";
+    store(dlast, "", last_name.c_str());
   }
   for (std::size_t i = acts.layers.size(); i-- > 0;) {
     Real* dx = i > 0 ? dacts.layers[i - 1].output.data() : dacts.input.data();
     const Real* x = i > 0 ? acts.layers[i - 1].output.data() : acts.input.data();
+    const std::string name = "layers." + std::to_string(i) + ".";
     layer_backward(cfg, params.layers[i], acts.layers[i], grads.layers[i], dacts.layers[i], dx, x,
-                   d);
+                   d, name, store);
+    // dx is complete: the gradient of the layer's input
+    store(dx, d.N * d.D, "",
+          i > 0 ? ("layers." + std::to_string(i - 1) + ".output").c_str() : "input");
   }
   // input = dropout(embedding + positional)
   profile::Scope stage(Stage::bwd_embedding);
   // d(embedding + positional) is the gradient of the embedding itself (zero until now)
   accumulate_dropout_grad(dacts.embedding.data(), dacts.input.data(), acts.input_mask, d.N * d.D,
                           cfg.dropout);
+  store(dacts.embedding, "", "embedding");
   add_positional_backward(dacts.positional.data(), dacts.embedding.data(), d.B, d.S, d.D);
+  store(dacts.positional, "", "positional");
   if (cfg.positional == Positional::learned) {
     add(grads.pos_embedding_weight.data(), dacts.positional.data(), d.S * d.D);
   }
@@ -592,6 +699,9 @@ void backward(const Params<Real>& params, const Batch& batch, const Activations<
       cfg.embed_scale ? static_cast<Real>(std::sqrt(static_cast<double>(d.D))) : Real(1);
   embedding_backward(grads.embedding_weight.data(), dacts.embedding.data(), batch.tokens.data(),
                      d.N, d.D, scale);
+  if (store.stores_reduced()) {
+    grads.visit([&](const std::string& name, Tensor<Real>& g) { store(g, "", name.c_str()); });
+  }
 }
 
 #define TEO_INSTANTIATE(Real)                                                                \
@@ -600,7 +710,7 @@ void backward(const Params<Real>& params, const Batch& batch, const Activations<
   template void encoder_forward<Real>(const Params<Real>&, const Batch&, Activations<Real>&, \
                                       const ForwardOptions&);                                \
   template void backward<Real>(const Params<Real>&, const Batch&, const Activations<Real>&,  \
-                               Params<Real>&, Activations<Real>&);
+                               Params<Real>&, Activations<Real>&, const BackwardOptions&);
 TEO_INSTANTIATE(float)
 TEO_INSTANTIATE(double)
 

@@ -5,6 +5,7 @@
 
 #include "model_internal.hpp"
 #include "teo/model.hpp"
+#include "teo/precision.hpp"
 #include "teo/rng.hpp"
 
 namespace teo {
@@ -248,5 +249,15 @@ void validate_activations(const EncoderConfig& c, const Batch& b, const Activati
 TEO_INSTANTIATE(float)
 TEO_INSTANTIATE(double)
 #undef TEO_INSTANTIATE
+
+void round_params(Params<float>& params, Precision p) {
+  if (p != Precision::bf16 && p != Precision::fp16) return;
+  params.visit([&](const std::string& name, Tensor<float>& t) {
+    if (round_to(p, t.data(), t.numel())) {
+      throw RangeError("parameter " + name + ": a finite value overflowed " + to_string(p) +
+                       " (its largest finite value is 65504)");
+    }
+  });
+}
 
 }  // namespace teo

@@ -41,6 +41,13 @@ class TrainingDiverged : public Error {
   using Error::Error;
 };
 
+// A value left the range of the precision being emulated: an fp16 run produced a finite value
+// beyond 65504 (docs/semantics.md, "Reduced precision"); the message names the tensor.
+class RangeError : public Error {
+ public:
+  using Error::Error;
+};
+
 // A file or directory cannot be opened, read, created or renamed; the message names the path.
 class FileError : public Error {
  public:

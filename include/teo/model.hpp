@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -208,7 +209,23 @@ struct ForwardOptions {
   // otherwise every dropout site is the identity and no mask is kept.
   bool train = true;
   std::uint64_t dropout_seed = 0;
+  // The precision to emulate (docs/semantics.md, "Reduced precision"): unset runs in Real. A float
+  // pass takes fp32, tf32, bf16 or fp16; a double pass only fp64 (else ConfigError). Under bf16
+  // and fp16 every named activation is rounded to the format where it is produced, and an fp16
+  // overflow throws RangeError naming the tensor; the parameters are used as given (see
+  // round_params).
+  std::optional<Precision> precision = std::nullopt;
 };
+
+struct BackwardOptions {
+  // As ForwardOptions::precision; under bf16 and fp16 every named gradient, of activations and
+  // parameters, is rounded where it is complete.
+  std::optional<Precision> precision = std::nullopt;
+};
+
+// Rounds every parameter to p's storage format (bf16 or fp16; other precisions change nothing),
+// as a backend that stores its weights in that format holds them.
+void round_params(Params<float>& params, Precision p);
 
 // Validates, allocates and runs the whole forward pass into acts.
 template <class Real>
@@ -225,6 +242,6 @@ void encoder_forward(const Params<Real>& params, const Batch& batch, Activations
 // named activation (dacts, overwritten), from a forward() on the same params and batch.
 template <class Real>
 void backward(const Params<Real>& params, const Batch& batch, const Activations<Real>& acts,
-              Params<Real>& grads, Activations<Real>& dacts);
+              Params<Real>& grads, Activations<Real>& dacts, const BackwardOptions& opts = {});
 
 }  // namespace teo

@@ -3,12 +3,15 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "kernels/kernels_internal.hpp"
 #include "kernels/parallel.hpp"
 #include "teo/kernels.hpp"
+#include "teo/precision.hpp"
 
 namespace teo {
 
@@ -63,6 +66,21 @@ std::pair<P, index_t> head_block(P base, index_t bh, index_t heads, index_t seq_
   return {base + (bh / heads) * seq_len * heads * d_head + (bh % heads) * d_head, heads * d_head};
 }
 
+// Under bf16 or fp16 emulation (docs/semantics.md, "Reduced precision"), rounds the n stored
+// values at p to the format, as a backend that keeps scores and probabilities in it does; RangeError
+// naming `what` on an fp16 overflow. A no-op otherwise, and for double.
+template <class Real>
+void store_rows(Real* p, index_t n, const char* what) {
+  if constexpr (std::is_same_v<Real, float>) {
+    const Precision e = detail::emulation();
+    if ((e == Precision::bf16 || e == Precision::fp16) &&
+        detail::isa_kernels().rounding.round(p, p, n, e)) {
+      throw RangeError(std::string(what) + ": a finite value overflowed " + to_string(e) +
+                       " (its largest finite value is 65504)");
+    }
+  }
+}
+
 // Number of keys visible from query i: keys [0, visible) are visible, the rest masked.
 index_t visible_keys(index_t i, index_t length, bool causal) {
   return causal ? std::min(length, i + 1) : length;
@@ -99,6 +117,7 @@ void attention_forward(Real* context, Real* scores, Real* probs, const Real* q, 
         Real* prow = pr + i * seq_len;
         const index_t nv = visible_keys(i, len, causal);
         for (index_t j = nv; j < seq_len; ++j) srow[j] = neg_inf;
+        store_rows(srow, seq_len, "scores");
         if (vk) {
           vk->softmax_forward_row(prow, srow, nv, seq_len);
           continue;
@@ -115,6 +134,7 @@ void attention_forward(Real* context, Real* scores, Real* probs, const Real* q, 
         const Real inv = Real(1) / sum;
         for (index_t j = 0; j < nv; ++j) prow[j] *= inv;
       }
+      store_rows(pr, ss, "probs");
       const Real* pv = pr;
       if (drop_mask) {
         const std::uint8_t* m = drop_mask + bh * ss;
@@ -168,6 +188,7 @@ void attention_backward(Real* dq, Real* dk, Real* dv, Real* dprobs, Real* dscore
         const std::uint8_t* m = drop_mask + bh * ss;
         for (index_t j = 0; j < ss; ++j) dp[j] = m[j] ? dp[j] * drop_scale : Real(0);
       }
+      store_rows(dp, ss, "probs");
       // in the forward pass this was: probs = softmax(scores)
       // dscores = probs * (dprobs - sum_j probs * dprobs); 0 wherever probs is 0 (masked).
       for (index_t i = 0; i < seq_len; ++i) {
@@ -183,6 +204,7 @@ void attention_backward(Real* dq, Real* dk, Real* dv, Real* dprobs, Real* dscore
         for (index_t j = 0; j < seq_len; ++j)
           dsrow[j] = prow[j] == Real(0) ? Real(0) : prow[j] * (dprow[j] - dot);
       }
+      store_rows(ds, ss, "scores");
       // in the forward pass this was: scores = alpha * q * k^T
       // dq (S, Dh) += alpha * dscores (S, S) * k (S, Dh)
       gemm<Real>(Trans::no, Trans::no, seq_len, d_head, seq_len, alpha, ds, seq_len, k + off,

@@ -47,7 +47,8 @@ import torch_backend as tb  # noqa: E402
 # Mutant -> the stage `teo golden check` must name as the first divergence
 # (the tensor name without "act."). Every tensor before it in the golden's
 # order is computed exactly as without the bug (--self-test checks this bit
-# for bit), so the checker can only stop at or after this stage.
+# for bit), and at this stage the bug's error is far beyond bf16's own
+# (80 to 350 times on the corpus, or a finite score where -inf belongs).
 MUTANT_STAGES = {
     # q, k and v are untouched; the scale multiplies their product.
     "scores_1_over_dh": "layers.0.scores",
@@ -63,13 +64,12 @@ MUTANT_STAGES = {
     "mean_pool_padding": "pooled",
 }
 
-# Mutants whose effect is expected to stay below bfloat16's noise, with the
-# stage they first change (bit for bit).
-SUB_NOISE = {
-    "ln_eps_1e-6": "layers.0.norm1 (pre-norm) or layers.0.norm1 after "
-                   "residual1 (post-norm)",
-    "gelu_tanh_grad": "grad.layers.{L-1}.ffn.fc1.weight",
-}
+# Mutants whose effect is expected to stay below bfloat16's noise.
+# ln_eps_1e-6 would first change the first LayerNorm (layers.0.norm1), but
+# torch 1.13's bfloat16 LayerNorm on the CPU does not change a single bit
+# for any eps below about 1e-4 (next to a variance near 1). gelu_tanh_grad
+# first changes grad.layers.{L-1}.ffn.fc1.weight, by about bf16's own error.
+SUB_NOISE = ("ln_eps_1e-6", "gelu_tanh_grad")
 
 PRECISION_NAMES = {"bfloat16": "bf16", "float16": "fp16", "tf32": "tf32"}
 
@@ -187,6 +187,22 @@ def normwise_error(case, name, values):
     return err / scale if scale > 0 else (0.0 if err == 0 else math.inf)
 
 
+def max_pool_flips(case, cand):
+    """How many (sequence, column) pairs max pooling takes from another
+    position in the candidate than in the reference. Past such a flip the
+    gradients differ by O(1), which no rounding bound covers."""
+    cfg, layers = case.cfg, case.cfg["num_layers"]
+    if cfg["pooling"] != "max":
+        return 0
+    if cfg["norm_first"]:
+        top = "act.final_norm"
+    else:
+        top = "act.layers.%d.output" % (layers - 1) if layers else "act.input"
+    mine, ref = cand[top][2], case.reference(top)
+    return sum(int((mine[b, :n].argmax(0) != ref[b, :n].argmax(0)).sum())
+               for b, n in enumerate(case.lengths) if n > 0)
+
+
 def first_difference(names, a, b):
     """The first name whose values differ bit for bit between two decoded
     candidates (NaN equal to NaN), or None."""
@@ -209,6 +225,7 @@ def stage(name):
 def run_check(teo, case, candidate, precision, report_path):
     """Runs `teo golden check`; returns (exit code, case report or None,
     first stderr line)."""
+    os.makedirs(os.path.dirname(report_path), exist_ok=True)
     if os.path.exists(report_path):
         os.remove(report_path)
     argv = [teo, "golden", "check", "--golden", case.path,
@@ -292,9 +309,9 @@ def check_all_bf16(teo, cases, work, table):
             os.path.join(work, "reports", "bf16", case.name + ".json"))
         if code != 0 or report is None:
             failed.append(case.name)
+            first = report["first_divergence"] if report else "(no report)"
             print("FAIL  bf16 %s: exit %d, first divergence %s %s"
-                  % (case.name, code, report and report["first_divergence"],
-                     message))
+                  % (case.name, code, first, message))
             continue
         case_worst = worst_ratio(report)
         if case_worst[1] is not None:
@@ -328,7 +345,7 @@ def check_mutant(teo, cases, work, table, mutant, expected):
                   False if expected else None)
         return
     first = report["first_divergence"]
-    result = "exit %d, first divergence %s" % (code, first)
+    result = "exit %d, first divergence %s" % (code, first or "none")
     detail = ratio_text(worst_ratio(report))
     if expected:
         detail = "expected exit 1 at %s" % expected
@@ -348,23 +365,22 @@ def check_precision(teo, cases, work, table, label, variant, wanted,
     if case is None:
         table.add(label, "-", "no golden case fits", "", False)
         return
-    key = "tf32" if variant.tf32 else variant.dtype
-    precision = PRECISION_NAMES[key]
+    precision = PRECISION_NAMES["tf32" if variant.tf32 else variant.dtype]
+    subdir = precision + ("-nn-layer" if variant.transformer_layer else "")
     try:
-        cand = write_candidate(case, os.path.join(work, label.split()[0]),
-                               variant)
+        cand = write_candidate(case, os.path.join(work, subdir), variant)
     except tb.Unsupported as e:
         table.add(label, case.name, "skipped", str(e), None)
         return
     code, report, message = run_check(
         teo, case, cand, precision,
-        os.path.join(work, "reports", label.split()[0], case.name + ".json"))
+        os.path.join(work, "reports", subdir, case.name + ".json"))
     if report is None:
         table.add(label, case.name, "exit %d, no report" % code, message,
                   False if required else None)
         return
     table.add(label, case.name, "exit %d, first divergence %s"
-              % (code, report["first_divergence"]),
+              % (code, report["first_divergence"] or "none"),
               ratio_text(worst_ratio(report)),
               code == 0 if required else None)
 
@@ -399,12 +415,16 @@ def run_test(teo, golden_dir, work):
 # --self-test: the PyTorch side alone
 # ---------------------------------------------------------------------------
 
-# Normwise error bounds for the self-test, from measurements on the corpus
-# (the printed figures show the margins): bfloat16 keeps 8 significant bits
-# (unit roundoff 2^-9 = 2.0e-3) and tf32 11 (2^-12 = 2.4e-4); backward
-# gathers more rounding than forward.
-CLOSE_ENOUGH = {("bfloat16", "act."): 2e-2, ("bfloat16", "grad."): 6e-2,
-                ("tf32", "act."): 3e-3, ("tf32", "grad."): 1e-2}
+# Normwise error bounds for the self-test, set from measurements on the
+# corpus with some margin (the self-test prints the figures). bfloat16 keeps
+# 8 significant bits (unit roundoff u = 2^-8 = 3.9e-3), tf32 11 (u = 2^-11
+# = 4.9e-4). Forward errors reach a few u (probs after large scores);
+# backward ones are larger: torch's CPU kernels accumulate some sums over
+# rows in bfloat16, where a running sum stops growing once the terms fall
+# below half its ulp (LayerNorm's bias gradient over the 183 rows of
+# seq_len_113 is 15% off).
+CLOSE_ENOUGH = {("bfloat16", "act."): 3e-2, ("bfloat16", "grad."): 2e-1,
+                ("tf32", "act."): 5e-3, ("tf32", "grad."): 1e-2}
 
 
 class Problems:
@@ -476,8 +496,7 @@ def self_test_closeness(cases, work, problems):
                                     transformer_layer=True))]
     for key, variant in runs:
         label = key + (" nn-layer" if variant.transformer_layer else "")
-        worst = {"act.": (0.0, ""), "grad.": (0.0, "")}
-        errors = {"act.": [], "grad.": []}
+        errors = {"act.": [], "grad.": []}  # (error, "case tensor")
         skipped = 0
         for case in cases:
             try:
@@ -490,21 +509,28 @@ def self_test_closeness(cases, work, problems):
             if variant.transformer_layer:
                 names = [n for n in names if n.startswith("act.layers.")
                          and n.endswith(".output")]
+            flips = max_pool_flips(case, cand)
+            if flips:
+                names = [n for n in names if n.startswith("act.")]
+                print("%-17s %s: max pooling picks another position in %d "
+                      "column(s); its gradients are left out"
+                      % (label, case.name, flips))
             for name in names:
                 kind = "act." if name.startswith("act.") else "grad."
-                err = normwise_error(case, name, cand[name][2])
-                errors[kind].append(err)
-                worst[kind] = max(worst[kind], (err, case.name + " " + name))
+                errors[kind].append((normwise_error(case, name,
+                                                    cand[name][2]),
+                                     case.name + " " + name))
         for kind in ("act.", "grad."):
             if not errors[kind]:
                 continue
+            ranked = sorted(errors[kind], reverse=True)
             bound = CLOSE_ENOUGH[(key, kind)]
-            print("%-17s %-5s %4d tensors (%d cases skipped): median %.2e, "
-                  "worst %.2e (%s); bound %.0e"
-                  % (label, kind[:-1], len(errors[kind]), skipped,
-                     float(np.median(errors[kind])), worst[kind][0],
-                     worst[kind][1], bound))
-            problems.require(worst[kind][0] <= bound,
+            print("%-17s %-4s %4d tensors (%d cases skipped): median %.2e, "
+                  "bound %.0e, worst %s"
+                  % (label, kind[:-1], len(ranked), skipped,
+                     float(np.median([e for e, _ in ranked])), bound,
+                     ", ".join("%.2e %s" % r for r in ranked[:3])))
+            problems.require(ranked[0][0] <= bound,
                              "%s %s close to the golden" % (label, kind))
 
 
@@ -533,11 +559,13 @@ def self_test_mutants(cases, work, problems):
             moved = normwise_error(case, name, buggy[name][2])
             snr[name] = moved / base if base > 0 else (
                 1.0 if moved == 0 else math.inf)
-        top = max(names, key=lambda n: snr[n])
-        print("%-18s on %-18s first changes %-32s (x%.3g bf16's error "
-              "there; worst x%.3g at %s)"
-              % (mutant, case.name, first, snr.get(first, 0.0),
-                 snr[top], top))
+        if first is None:
+            print("%-18s on %-18s changes no bit" % (mutant, case.name))
+        else:
+            top = max(names, key=lambda n: snr[n])
+            print("%-18s on %-18s first changes %-31s (x%.3g bf16's error "
+                  "there; at most x%.3g, at %s)"
+                  % (mutant, case.name, first, snr[first], snr[top], top))
         if mutant in MUTANT_STAGES:
             problems.require(first is not None and stage(first) ==
                              MUTANT_STAGES[mutant],

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -13,6 +14,8 @@
 #include <set>
 
 #include <nlohmann/json.hpp>
+
+#include "teo/precision.hpp"
 
 namespace teo::safetensors {
 
@@ -24,18 +27,27 @@ using nlohmann::json;
   throw FormatError(source + ": not a valid safetensors file: " + what);
 }
 
+constexpr DType kDTypes[] = {DType::F32,  DType::F64,     DType::I64,    DType::U8,
+                             DType::BF16, DType::F16,     DType::F8_E4M3, DType::F8_E5M2};
+
 bool parse_dtype(const std::string& s, DType& d) {
-  if (s == "F32")
-    d = DType::F32;
-  else if (s == "F64")
-    d = DType::F64;
-  else if (s == "I64")
-    d = DType::I64;
-  else if (s == "U8")
-    d = DType::U8;
-  else
-    return false;
-  return true;
+  for (DType t : kDTypes) {
+    if (s == dtype_name(t)) {
+      d = t;
+      return true;
+    }
+  }
+  return false;
+}
+
+// The value of an OCP float8 E4M3 ("fn") byte: bias 7, subnormals, no infinities, NaN at
+// S.1111.111.
+double e4m3_value(unsigned char b) {
+  const double sign = (b & 0x80) ? -1.0 : 1.0;
+  const int e = (b >> 3) & 0xF, m = b & 0x7;
+  if (e == 15 && m == 7) return std::numeric_limits<double>::quiet_NaN();
+  if (e == 0) return sign * std::ldexp(m, -9);
+  return sign * std::ldexp(8 + m, e - 10);
 }
 
 std::uint64_t read_u64_le(const unsigned char* p) {
@@ -76,6 +88,14 @@ const char* dtype_name(DType d) {
       return "I64";
     case DType::U8:
       return "U8";
+    case DType::BF16:
+      return "BF16";
+    case DType::F16:
+      return "F16";
+    case DType::F8_E4M3:
+      return "F8_E4M3";
+    case DType::F8_E5M2:
+      return "F8_E5M2";
   }
   return "?";
 }
@@ -87,10 +107,57 @@ std::size_t dtype_size(DType d) {
     case DType::F64:
     case DType::I64:
       return 8;
+    case DType::BF16:
+    case DType::F16:
+      return 2;
     case DType::U8:
+    case DType::F8_E4M3:
+    case DType::F8_E5M2:
       return 1;
   }
   return 1;
+}
+
+bool is_float(DType d) {
+  return d != DType::I64 && d != DType::U8;
+}
+
+std::vector<double> Tensor::float_values() const {
+  const auto n = static_cast<std::size_t>(numel());
+  std::vector<double> out(n);
+  switch (dtype) {
+    case DType::F64:
+      return values<double>();
+    case DType::F32: {
+      const auto v = values<float>();
+      return {v.begin(), v.end()};
+    }
+    case DType::BF16:
+    case DType::F16: {
+      std::vector<std::uint16_t> h(n);
+      for (std::size_t i = 0; i < n; ++i)
+        h[i] = static_cast<std::uint16_t>(bytes[2 * i] | bytes[2 * i + 1] << 8);
+      std::vector<float> f(n);
+      from_bits(dtype == DType::BF16 ? Precision::bf16 : Precision::fp16, f.data(), h.data(),
+                static_cast<index_t>(n));
+      return {f.begin(), f.end()};
+    }
+    case DType::F8_E5M2: {
+      // E5M2 is the top byte of an fp16
+      std::vector<std::uint16_t> h(n);
+      for (std::size_t i = 0; i < n; ++i) h[i] = static_cast<std::uint16_t>(bytes[i] << 8);
+      std::vector<float> f(n);
+      from_bits(Precision::fp16, f.data(), h.data(), static_cast<index_t>(n));
+      return {f.begin(), f.end()};
+    }
+    case DType::F8_E4M3:
+      for (std::size_t i = 0; i < n; ++i) out[i] = e4m3_value(bytes[i]);
+      return out;
+    case DType::I64:
+    case DType::U8:
+      break;
+  }
+  throw FormatError("tensor " + name + " has dtype " + dtype_name(dtype) + ", not a float type");
 }
 
 std::int64_t Tensor::numel() const {
@@ -210,7 +277,7 @@ File parse(std::string_view bytes, const std::string& source, const Limits& limi
     if (!v["dtype"].is_string()) fail(source, what + " has a dtype that is not a string");
     if (!parse_dtype(v["dtype"].get<std::string>(), e.dtype)) {
       fail(source, what + " has the unsupported dtype '" + v["dtype"].get<std::string>() +
-                       "' (teo reads F32, F64, I64 and U8)");
+                       "' (teo reads F32, F64, BF16, F16, F8_E4M3, F8_E5M2, I64 and U8)");
     }
     const json& shape = v["shape"];
     if (!shape.is_array()) fail(source, what + " has a shape that is not an array");

@@ -48,6 +48,13 @@ class RangeError : public Error {
   using Error::Error;
 };
 
+// A golden case whose float32 (or emulated reduced-precision) error is not at rounding level, so
+// that no error bound derived from it means anything; the message names the stage and the cause.
+class IllConditioned : public Error {
+ public:
+  using Error::Error;
+};
+
 // A file or directory cannot be opened, read, created or renamed; the message names the path.
 class FileError : public Error {
  public:

@@ -5,6 +5,8 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
+#include <optional>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -12,6 +14,7 @@
 #include <nlohmann/json_fwd.hpp>
 
 #include "teo/config.hpp"
+#include "teo/precision.hpp"
 #include "teo/safetensors.hpp"
 
 namespace teo::golden {
@@ -26,6 +29,10 @@ struct Case {
   std::vector<std::int64_t> lengths;  // empty: every sequence is full
   std::string dtype = "float64";      // "float32" or "float64"
   std::uint64_t seed = 0;
+  // A precision case (float32 only): tf32, bf16 or fp16. Its parameters are rounded to the format
+  // (bf16, fp16) before the run, so that a backend holding them in the format holds them exactly,
+  // and generation refuses the case when that precision's budget would be vacuous on it.
+  std::optional<Precision> precision;
 
   // CASE.json: the config keys plus "case": {batch, seq_len, lengths?, dtype, seed}. Throws
   // ConfigError naming the bad key, ShapeError for sizes the config cannot take.
@@ -38,7 +45,21 @@ struct Case {
 
 // Runs the case (forward in train mode, so dropout applies when the config has it, with
 // dropout_seed = seed; then backward) on the current backend and returns the golden file.
-safetensors::File make(const Case& c);
+// A float32 case whose float32 error against float64 is not at rounding level (section
+// "Ill-conditioned cases" of docs/golden-format.md) throws IllConditioned naming the stage and the
+// cause, unless allow_ill_conditioned, which writes it with __metadata__.ill_conditioned set.
+safetensors::File make(const Case& c, bool allow_ill_conditioned = false);
+
+// The case a golden file was made from (its __metadata__ config and case); FormatError when they
+// are missing or malformed.
+Case case_of(const safetensors::File& golden);
+
+// The golden's case run again in float, emulating precision p (docs/semantics.md, "Reduced
+// precision"), from the golden's config, parameters (rounded to p's storage format) and inputs:
+// every act.* and grad.* tensor of the contract, as doubles. The dropout masks are regenerated
+// from the case's seed and must equal the golden's (FormatError otherwise); an fp16 overflow is a
+// RangeError naming the tensor.
+std::map<std::string, std::vector<double>> emulate(const safetensors::File& golden, Precision p);
 
 // One entry of golden/cases.json.
 struct CorpusEntry {
@@ -68,9 +89,18 @@ struct CheckOptions {
   double k = 4.0;
   double floor_eps = 8.0;
   Only only = Only::all;
+  // The precision the candidate computed in (docs/golden-format.md, "Low-precision backends").
+  // Unset: implied by the candidate's BF16 or F16 tensors, else the golden's own dtype. Under
+  // tf32, bf16 or fp16 (or fp32 against a float64 golden) a tensor passes when
+  //   err(candidate) <= budget_k * err(emulated) + budget_floor * u * scale,
+  // err(x) = max |x - truth|, truth the float64 value, emulated = emulate(golden, precision),
+  // u = unit_roundoff(precision), scale as for float32.
+  std::optional<Precision> precision;
+  double budget_k = 4.0;
+  double budget_floor = 1.0;
 };
 
-enum class Status { pass, fail, not_checked };
+enum class Status { pass, fail, not_checked, vacuous };
 
 struct TensorResult {
   std::string name;  // "act.layers.0.probs", "grad.head.weight", ...
@@ -79,6 +109,10 @@ struct TensorResult {
   double max_rel = 0;   // max_abs / max |ref|  (0 when ref is all zero and so is the error)
   double bound = 0;     // the allowed max_abs
   double ratio = 0;     // max_abs / bound: the error in units of the allowed bound
+  // Under a reduced precision: the emulated run's error relative to scale. A budget is vacuous
+  // (status vacuous, never a pass) when that is above 10%, or when the tensor lies behind a
+  // max-pooling argmax that the budget does not resolve.
+  double emulated_err = 0;
   std::string message;  // why it failed or was not checked; where the worst error is
 };
 
@@ -87,12 +121,16 @@ struct CaseReport {
   std::string golden_path, candidate_path;
   std::vector<TensorResult> tensors;  // pipeline order: forward, then backward
   std::string first_divergence;       // "" when nothing failed
-  int passed = 0, failed = 0, not_checked = 0;
+  std::string precision;              // what the candidate was judged as: fp64, fp32, bf16, ...
+  bool budget = false;                // judged against the emulated run's error
+  int passed = 0, failed = 0, not_checked = 0, vacuous = 0;
 };
 
 // Compares one candidate with one golden. The golden must be a teo golden (FormatError naming the
-// problem otherwise). Missing candidate tensors are not_checked; extra ones are ignored; a dtype
-// or shape mismatch fails that tensor.
+// problem otherwise). Missing candidate tensors are not_checked; extra ones are ignored; a shape
+// mismatch fails that tensor, and so does a dtype other than the golden's unless a reduced
+// precision is judged (then any float dtype is read). A precision the candidate's dtypes
+// contradict is a ConfigError.
 CaseReport check(const safetensors::File& golden, const safetensors::File& candidate,
                  const CheckOptions& opts);
 
@@ -116,7 +154,7 @@ std::string stage_name(const std::string& tensor_name);
 std::string symbolic_shape(const std::string& tensor_name);
 
 // The verdict over a check's reports: exit 0 when every checked tensor passed and at least one
-// was checked (and, with require_all, none was left unchecked), else 1.
+// was checked (and, with require_all, none was left unchecked or judged vacuous), else 1.
 struct Verdict {
   int exit_code = 0;
   std::string reason;  // why it fails when no tensor failed ("" otherwise: the report says)

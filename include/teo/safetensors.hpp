@@ -1,6 +1,7 @@
 // A small, strict reader and writer of the public safetensors format: an 8-byte little-endian
-// header length N, N bytes of JSON header, then the tensors' bytes back to back. Only the dtypes
-// teo's golden files use are supported: F32, F64, I64 and U8.
+// header length N, N bytes of JSON header, then the tensors' bytes back to back. teo writes F32,
+// F64, I64 and U8; it also reads the reduced float formats a low-precision candidate may store:
+// BF16, F16, F8_E4M3 (OCP "fn": no infinities) and F8_E5M2.
 #pragma once
 
 #include <cstddef>
@@ -16,10 +17,11 @@
 
 namespace teo::safetensors {
 
-enum class DType { F32, F64, I64, U8 };
+enum class DType { F32, F64, I64, U8, BF16, F16, F8_E4M3, F8_E5M2 };
 
 const char* dtype_name(DType d);
 std::size_t dtype_size(DType d);
+bool is_float(DType d);
 
 template <class T>
 constexpr DType dtype_of() {
@@ -50,6 +52,9 @@ struct Tensor {
 
   std::int64_t numel() const;
   std::string shape_str() const;
+
+  // The elements of a float tensor (any float dtype) as doubles, exactly; FormatError otherwise.
+  std::vector<double> float_values() const;
 
   // The elements as T; FormatError when T is not this tensor's dtype.
   template <class T>

@@ -36,6 +36,7 @@ struct GoldenGenerateOptions {
   std::string out_path;     // ... written here
   std::string corpus_dir;   // or: regenerate <dir>/cases.json into <dir>
   bool force = false;       // overwrite an existing --out file
+  bool allow_ill_conditioned = false;  // write an ill-conditioned float32 case, marked as such
 };
 int run_golden_generate(const GoldenGenerateOptions& opts, std::ostream& out);
 
@@ -44,6 +45,7 @@ struct GoldenCheckOptions {
   std::string only = "all";  // all | forward | backward
   std::string junit_path, json_path;
   bool require_all = false;  // a tensor that is not checked counts as a failure
+  std::string precision;     // "" (implied) | fp64 | fp32 | tf32 | bf16 | fp16
   golden::CheckOptions tolerances;
 };
 int run_golden_check(const GoldenCheckOptions& opts, std::ostream& out);

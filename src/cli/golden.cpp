@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include "teo/files.hpp"
+#include "teo/precision.hpp"
 #include "teo/safetensors.hpp"
 
 namespace teo::cli {
@@ -22,7 +23,7 @@ int run_golden_generate(const GoldenGenerateOptions& opts, std::ostream& out) {
     throw ConfigError("golden generate needs both --config CASE.json and --out FILE");
   }
   const golden::Case c = golden::Case::from_file(opts.config_path);
-  const std::string bytes = safetensors::serialize(golden::make(c));
+  const std::string bytes = safetensors::serialize(golden::make(c, opts.allow_ill_conditioned));
   write_file_atomic(opts.out_path, bytes, opts.force);
   out << "wrote " << opts.out_path << " (" << bytes.size() << " bytes)\n";
   return 0;
@@ -38,6 +39,7 @@ int run_golden_check(const GoldenCheckOptions& opts, std::ostream& out) {
     co.only = golden::Only::all;
   else
     throw ConfigError("--only must be forward or backward, got \"" + opts.only + "\"");
+  if (!opts.precision.empty()) co.precision = parse_precision(opts.precision, "--precision");
   const auto reports = golden::check_paths(opts.golden, opts.candidate, co);
   golden::print_text(reports, out);
   // A report that cannot be written is an error on stderr, but the verdict stands: the exit code

@@ -72,6 +72,9 @@ int main(int argc, char** argv) {
   gen_out->needs(gen_config);
   gen_corpus->excludes(gen_config)->excludes(gen_out);
   gen->add_flag("--force", gen_opts.force, "overwrite an existing --out file or corpus");
+  gen->add_flag("--allow-ill-conditioned", gen_opts.allow_ill_conditioned,
+                "write a float32 case whose own error is not at rounding level, marked in its "
+                "metadata (refused otherwise)");
   teo::cli::GoldenCheckOptions check_opts;
   CLI::App* check = golden->add_subcommand(
       "check", "Compare a candidate's tensors with a golden's and name the first divergence");
@@ -94,6 +97,17 @@ int main(int argc, char** argv) {
   check
       ->add_option("--floor-eps", check_opts.tolerances.floor_eps,
                    "float32: floor in units of FLT_EPSILON * max|ref64| (8)")
+      ->check(CLI::NonNegativeNumber);
+  check->add_option("--precision", check_opts.precision,
+                    "what the candidate computed in: fp64, fp32, tf32, bf16 or fp16 (default: "
+                    "implied by BF16/F16 tensors, else the golden's dtype)");
+  check
+      ->add_option("--budget-k", check_opts.tolerances.budget_k,
+                   "tf32/bf16/fp16: multiple of the emulated run's error (4)")
+      ->check(CLI::NonNegativeNumber);
+  check
+      ->add_option("--budget-floor", check_opts.tolerances.budget_floor,
+                   "tf32/bf16/fp16: floor in units of the format's u * scale (1)")
       ->check(CLI::NonNegativeNumber);
   CLI::App* train = app.add_subcommand(
       "train", "Train the encoder to tell which language a word is (the CPU training demo)");

@@ -8,6 +8,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "golden_internal.hpp"
+
 namespace teo::golden {
 
 using nlohmann::json;
@@ -20,16 +22,6 @@ std::string stage_name(const std::string& n) {
 }
 
 namespace {
-
-std::vector<double> as_doubles(const safetensors::Tensor& t) {
-  if (t.dtype == DType::F64) return t.values<double>();
-  if (t.dtype == DType::F32) {
-    const auto v = t.values<float>();
-    return {v.begin(), v.end()};
-  }
-  throw FormatError("tensor " + t.name + " has dtype " + safetensors::dtype_name(t.dtype) +
-                    ", not a float type");
-}
 
 std::string index_str(std::int64_t flat, const std::vector<std::int64_t>& shape) {
   std::vector<std::int64_t> idx(shape.size());
@@ -73,30 +65,10 @@ TensorResult check_tensor(const File& golden, const safetensors::Tensor& g,
     r.message = "shape mismatch: candidate " + c->shape_str() + ", golden " + g.shape_str();
     return r;
   }
-  const auto gv = as_doubles(g);
-  const auto cv = as_doubles(*c);
-  std::vector<double> ref = gv;
-  if (f32) {
-    const auto* rt = golden.find("ref64." + g.name);
-    if (!rt || rt->dtype != DType::F64 || rt->shape != g.shape) {
-      throw FormatError("the float32 golden has no float64 ref64." + g.name + " of shape " +
-                        g.shape_str());
-    }
-    ref = rt->values<double>();
-  }
-  // A bias gradient sums the same per-row output gradients as its weight's gradient (which
-  // weights them by inputs of order 1), so their rounding noise has the same scale. The key bias
-  // gradient is 0 in exact arithmetic (softmax ignores a per-row shift) and holds nothing but
-  // that noise, so its scale comes from the weight gradient.
-  double scale = 0;
-  if (g.name.starts_with("grad.") && g.name.ends_with(".bias")) {
-    const std::string w = g.name.substr(0, g.name.size() - 4) + "weight";
-    if (const auto* wt = golden.find(f32 ? "ref64." + w : w)) {
-      for (double x : as_doubles(*wt)) {
-        if (std::isfinite(x)) scale = std::max(scale, std::abs(x));
-      }
-    }
-  }
+  const auto gv = g.float_values();
+  const auto cv = c->float_values();
+  const std::vector<double> ref = f32 ? detail::truth_of(golden, g, true) : gv;
+  const double scale = detail::scale_of(golden, g.name, ref, f32);
   double max_ref = 0, teo_err = 0, max_abs = 0;
   std::int64_t worst = -1, nonfinite_at = -1, nonfinite_count = 0;
   for (std::size_t i = 0; i < gv.size(); ++i) {
@@ -117,7 +89,6 @@ TensorResult check_tensor(const File& golden, const safetensors::Tensor& g,
   }
   r.max_abs = max_abs;
   r.max_rel = max_ref > 0 ? max_abs / max_ref : (max_abs > 0 ? INFINITY : 0);
-  scale = std::max(scale, max_ref);
   r.bound =
       f32 ? opts.k * teo_err + opts.floor_eps * FLT_EPSILON * scale : opts.rtol * scale + opts.atol;
   r.ratio = r.bound > 0 ? max_abs / r.bound : (max_abs > 0 ? INFINITY : 0);
@@ -132,6 +103,80 @@ TensorResult check_tensor(const File& golden, const safetensors::Tensor& g,
     const auto i = static_cast<std::size_t>(worst);
     r.message = "worst at " + index_str(worst, g.shape) + ": candidate " + num(cv[i]) +
                 ", reference " + num(ref[i]);
+  }
+  return r;
+}
+
+// One tensor under a reduced precision p: err(candidate) <= k * err(emulated) + floor * u * scale
+// against the float64 truth; vacuous when the emulated error exceeds kVacuous of the scale or
+// `behind_tie` (the tensor depends on a max-pooling argmax the budget does not resolve) is set.
+TensorResult judge_budget(const File& golden, const safetensors::Tensor& g,
+                          const safetensors::Tensor* c, bool f32, const std::vector<double>& emu,
+                          Precision p, const CheckOptions& opts, const std::string& behind_tie) {
+  TensorResult r;
+  r.name = g.name;
+  if (!c) {
+    r.status = Status::not_checked;
+    r.message = "not in the candidate";
+    return r;
+  }
+  if (!safetensors::is_float(c->dtype)) {
+    r.status = Status::fail;
+    r.message = std::string("dtype ") + safetensors::dtype_name(c->dtype) + " is not a float type";
+    return r;
+  }
+  if (c->shape != g.shape) {
+    r.status = Status::fail;
+    r.message = "shape mismatch: candidate " + c->shape_str() + ", golden " + g.shape_str();
+    return r;
+  }
+  const auto truth = detail::truth_of(golden, g, f32);
+  const auto cv = c->float_values();
+  const double scale = detail::scale_of(golden, g.name, truth, f32);
+  double max_abs = 0;
+  std::int64_t worst = -1, nonfinite_at = -1, nonfinite_count = 0;
+  for (std::size_t i = 0; i < truth.size(); ++i) {
+    if (!std::isfinite(truth[i]) || !std::isfinite(cv[i])) {
+      if (!same_nonfinite(truth[i], cv[i])) {
+        if (nonfinite_at < 0) nonfinite_at = static_cast<std::int64_t>(i);
+        ++nonfinite_count;
+      }
+      continue;
+    }
+    const double e = std::abs(cv[i] - truth[i]);
+    if (e > max_abs || worst < 0) {
+      max_abs = std::max(max_abs, e);
+      worst = static_cast<std::int64_t>(i);
+    }
+  }
+  const double emu_err = detail::max_abs_diff(emu, truth);
+  r.max_abs = max_abs;
+  r.max_rel = scale > 0 ? max_abs / scale : (max_abs > 0 ? INFINITY : 0);
+  r.emulated_err = scale > 0 ? emu_err / scale : 0;
+  r.bound = opts.budget_k * emu_err + opts.budget_floor * unit_roundoff(p) * scale;
+  r.ratio = r.bound > 0 ? max_abs / r.bound : (max_abs > 0 ? INFINITY : 0);
+  if (nonfinite_count > 0) {
+    const auto i = static_cast<std::size_t>(nonfinite_at);
+    r.status = Status::fail;
+    r.message = std::to_string(nonfinite_count) + " NaN/Inf mismatch(es), first at " +
+                index_str(nonfinite_at, g.shape) + ": candidate " + num(cv[i]) + ", truth " +
+                num(truth[i]);
+    return r;
+  }
+  if (emu_err > detail::kVacuous * scale || !behind_tie.empty()) {
+    r.status = Status::vacuous;
+    r.message = !behind_tie.empty()
+                    ? "budget vacuous: behind the max-pooling argmax of " + behind_tie +
+                          ", which the " + to_string(p) + " budget does not resolve"
+                    : "budget vacuous: the emulated " + std::string(to_string(p)) +
+                          " error is " + num(r.emulated_err) + " of the scale";
+    return r;
+  }
+  r.status = max_abs <= r.bound ? Status::pass : Status::fail;
+  if (r.status == Status::fail && worst >= 0) {
+    const auto i = static_cast<std::size_t>(worst);
+    r.message = "worst at " + index_str(worst, g.shape) + ": candidate " + num(cv[i]) +
+                ", truth " + num(truth[i]) + ", emulated " + num(emu[i]);
   }
   return r;
 }
@@ -195,12 +240,76 @@ auto with_path(const std::string& path, Fn&& fn) -> decltype(fn()) {
 
 }  // namespace
 
+namespace {
+
+// The precision a candidate is judged in: the flag, else what its BF16 or F16 tensors imply, else
+// the golden's dtype. A flag the dtypes contradict, or both BF16 and F16, is a ConfigError.
+Precision judged_precision(const File& golden, const File& candidate, bool f32,
+                           const CheckOptions& opts) {
+  std::optional<Precision> implied;
+  std::string implied_by;
+  for (const auto& t : candidate.tensors) {
+    if (!golden.find(t.name) || !(t.name.starts_with("act.") || t.name.starts_with("grad."))) {
+      continue;
+    }
+    std::optional<Precision> p;
+    if (t.dtype == DType::BF16) p = Precision::bf16;
+    if (t.dtype == DType::F16) p = Precision::fp16;
+    if (!p) continue;
+    if (implied && *implied != *p) {
+      throw ConfigError("the candidate stores " + implied_by + " and " + t.name + " (" +
+                        safetensors::dtype_name(t.dtype) +
+                        "): one candidate is judged in one precision");
+    }
+    if (!implied) implied_by = t.name + " (" + safetensors::dtype_name(t.dtype) + ")";
+    implied = p;
+  }
+  if (opts.precision && implied && *opts.precision != *implied) {
+    throw ConfigError(std::string("--precision ") + to_string(*opts.precision) +
+                      " conflicts with the candidate's " + implied_by + ", which implies " +
+                      to_string(*implied));
+  }
+  if (opts.precision) return *opts.precision;
+  if (implied) return *implied;
+  return f32 ? Precision::fp32 : Precision::fp64;
+}
+
+}  // namespace
+
 CaseReport check(const File& golden, const File& candidate, const CheckOptions& opts) {
   const bool f32 = golden_is_f32(golden);
+  const Precision p = judged_precision(golden, candidate, f32, opts);
+  // fp64, and fp32 against a float32 golden, are the plain checks; everything else is judged
+  // against the emulated run's error.
+  const bool budget = p != Precision::fp64 && !(p == Precision::fp32 && f32);
+  std::map<std::string, std::vector<double>> emu;
+  std::string tie;
+  if (budget) {
+    emu = emulate(golden, p);
+    const EncoderConfig cfg = case_of(golden).config;
+    const std::string top = detail::pooled_input_name(cfg);
+    if (const auto* t = golden.find(top); t && cfg.pooling == Pooling::max) {
+      const auto truth = detail::truth_of(golden, *t, f32);
+      const double scale = detail::scale_of(golden, top, truth, f32);
+      const double tol = opts.budget_k * detail::max_abs_diff(emu.at(top), truth) +
+                         opts.budget_floor * unit_roundoff(p) * scale;
+      tie = detail::ambiguous_pooling(golden, cfg, truth, tol);
+    }
+  }
   CaseReport rep;
+  rep.precision = to_string(p);
+  rep.budget = budget;
   for (const auto& g : golden.tensors) {
     if (!wanted(g.name, opts.only)) continue;
-    rep.tensors.push_back(check_tensor(golden, g, candidate.find(g.name), f32, opts));
+    const auto* c = candidate.find(g.name);
+    if (budget) {
+      const auto e = emu.find(g.name);
+      if (e == emu.end()) throw FormatError("the golden's " + g.name + " is not in the contract");
+      rep.tensors.push_back(judge_budget(golden, g, c, f32, e->second, p, opts,
+                                         detail::behind_pooling_argmax(g.name) ? tie : ""));
+    } else {
+      rep.tensors.push_back(check_tensor(golden, g, c, f32, opts));
+    }
     const auto& r = rep.tensors.back();
     if (r.status == Status::pass) ++rep.passed;
     if (r.status == Status::fail) {
@@ -208,22 +317,32 @@ CaseReport check(const File& golden, const File& candidate, const CheckOptions& 
       if (rep.first_divergence.empty()) rep.first_divergence = stage_name(r.name);
     }
     if (r.status == Status::not_checked) ++rep.not_checked;
+    if (r.status == Status::vacuous) ++rep.vacuous;
   }
   return rep;
 }
 
 Verdict verdict(const std::vector<CaseReport>& reports, bool require_all) {
-  int failed = 0, passed = 0, not_checked = 0;
+  int failed = 0, passed = 0, not_checked = 0, vacuous = 0;
   for (const auto& r : reports) {
     failed += r.failed;
     passed += r.passed;
     not_checked += r.not_checked;
+    vacuous += r.vacuous;
   }
   if (failed > 0) return {1, ""};  // the report names them
   if (passed == 0)
     return {1, "nothing was checked: the candidate holds none of the golden's tensors"};
   if (require_all && not_checked > 0) {
     return {1, std::to_string(not_checked) + " tensor(s) not checked, and --require-all was given"};
+  }
+  if (require_all && vacuous > 0) {
+    return {1, std::to_string(vacuous) +
+                   " tensor(s) with a vacuous budget (not judged), and --require-all was given"};
+  }
+  if (vacuous > 0) {
+    return {0, "warning: " + std::to_string(vacuous) +
+                   " tensor(s) with a vacuous budget were not judged"};
   }
   return {};
 }

@@ -1,11 +1,15 @@
 #include "teo/golden.hpp"
 
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
 
+#include "golden_internal.hpp"
 #include "teo/files.hpp"
 #include "teo/model.hpp"
 #include "teo/sha256.hpp"
@@ -105,20 +109,91 @@ struct Run {
 };
 
 template <class Real>
-Run<Real> run_case(const Params<Real>& params, const Batch& batch, std::uint64_t seed) {
+Run<Real> run_case(const Params<Real>& params, const Batch& batch, std::uint64_t seed,
+                   std::optional<Precision> precision = std::nullopt) {
   Run<Real> r;
-  ForwardOptions opts;
-  opts.train = true;
-  opts.dropout_seed = seed;
-  forward(params, batch, r.acts, opts);
-  backward(params, batch, r.acts, r.grads, r.dacts);
+  forward(params, batch, r.acts,
+          {.train = true, .dropout_seed = seed, .precision = precision});
+  backward(params, batch, r.acts, r.grads, r.dacts, {.precision = precision});
   return r;
 }
 
+// The dropout masks of a run, by their golden names.
 template <class Real>
-File make_typed(const Case& c) {
+std::vector<std::pair<std::string, const std::vector<std::uint8_t>*>> run_masks(
+    const EncoderConfig& cfg, const Activations<Real>& acts) {
+  std::vector<std::pair<std::string, const std::vector<std::uint8_t>*>> out;
+  if (cfg.dropout <= 0) return out;
+  out.emplace_back("dropout.input", &acts.input_mask);
+  for (index_t i = 0; i < cfg.num_layers; ++i) {
+    const auto& m = acts.layers[static_cast<std::size_t>(i)].masks;
+    const std::string p = "dropout.layers." + std::to_string(i) + ".";
+    out.emplace_back(p + "attn", &m.attn);
+    out.emplace_back(p + "residual1", &m.residual1);
+    out.emplace_back(p + "ffn", &m.ffn);
+    out.emplace_back(p + "residual2", &m.residual2);
+  }
+  return out;
+}
+
+// Refuses (IllConditioned) a float32 golden whose own error against ref64 is beyond
+// kIllConditioned * FLT_EPSILON * sqrt(L) of some tensor's scale; with `allow`, returns the
+// refusal's message instead ("" when the case is well conditioned).
+std::string float32_conditioning(const File& f, const Case& c, bool allow) {
   const EncoderConfig& cfg = c.config;
-  const auto params = Params<Real>::init(cfg, c.seed);
+  const index_t L = std::max({cfg.d_model, cfg.d_ff, c.seq_len, c.batch * c.seq_len});
+  const double limit = detail::kIllConditioned * FLT_EPSILON * std::sqrt(static_cast<double>(L));
+  for (const auto& t : f.tensors) {
+    if (!t.name.starts_with("act.") && !t.name.starts_with("grad.")) continue;
+    const auto truth = detail::truth_of(f, t, true);
+    const double scale = detail::scale_of(f, t.name, truth, true);
+    const double err = detail::max_abs_diff(t.float_values(), truth);
+    if (err <= limit * scale) continue;
+    std::ostringstream msg;
+    msg << "the float32 case is ill-conditioned at " << stage_name(t.name) << ": its error against "
+        << "float64 is " << err / scale << " of the tensor's scale, above " << limit
+        << " (16 FLT_EPSILON sqrt(" << L << ")); cause: " << detail::ill_conditioning_cause(f, cfg);
+    if (!allow) throw IllConditioned(msg.str() + " (--allow-ill-conditioned writes it anyway)");
+    return msg.str();
+  }
+  return "";
+}
+
+// Refuses (IllConditioned) a precision case on which that precision's budget would be vacuous:
+// an emulated error above kVacuous of a tensor's scale, or a max-pooling argmax the budget
+// (with the checker's default k and floor) does not resolve.
+void precision_conditioning(const File& f, const Case& c, Precision p) {
+  const auto emu = emulate(f, p);
+  const CheckOptions defaults;
+  const std::string top = detail::pooled_input_name(c.config);
+  for (const auto& t : f.tensors) {
+    if (!t.name.starts_with("act.") && !t.name.starts_with("grad.")) continue;
+    const auto truth = detail::truth_of(f, t, true);
+    const double scale = detail::scale_of(f, t.name, truth, true);
+    const double err = detail::max_abs_diff(emu.at(t.name), truth);
+    if (err > detail::kVacuous * scale) {
+      throw IllConditioned("the " + std::string(to_string(p)) + " budget is vacuous at " +
+                           stage_name(t.name) + ": the emulated error is " +
+                           std::to_string(err / scale) + " of the tensor's scale");
+    }
+    if (t.name == top) {
+      const double tol = defaults.budget_k * err + defaults.budget_floor * unit_roundoff(p) * scale;
+      const std::string where = detail::ambiguous_pooling(f, c.config, truth, tol);
+      if (!where.empty()) {
+        throw IllConditioned("the " + std::string(to_string(p)) +
+                             " budget does not resolve the max-pooling argmax of " + where);
+      }
+    }
+  }
+}
+
+template <class Real>
+File make_typed(const Case& c, bool allow_ill_conditioned) {
+  const EncoderConfig& cfg = c.config;
+  auto params = Params<Real>::init(cfg, c.seed);
+  if constexpr (std::is_same_v<Real, float>) {
+    if (c.precision) round_params(params, *c.precision);
+  }
   const Batch batch = Batch::random(cfg, c.batch, c.seq_len, c.seed, c.lengths);
   const auto run = run_case(params, batch, c.seed);
 
@@ -127,6 +202,7 @@ File make_typed(const Case& c) {
   f.metadata.emplace_back("config", cfg.to_json().dump());
   f.metadata.emplace_back("case", c.case_json().dump());
   f.metadata.emplace_back("teo_version", TEO_VERSION);
+  if (c.precision) f.metadata.emplace_back("precision", to_string(*c.precision));
 
   const index_t B = c.batch, S = c.seq_len, D = cfg.d_model, H = cfg.num_heads, F = cfg.d_ff;
   f.add<std::int64_t>("input.tokens", {B, S}, batch.tokens.data(), batch.tokens.size());
@@ -134,16 +210,12 @@ File make_typed(const Case& c) {
   f.add<std::int64_t>("input.labels", {B}, batch.labels.data(), batch.labels.size());
   params.visit(
       [&](const std::string& n, const Tensor<Real>& t) { add_tensor(f, "param." + n, t); });
-  if (cfg.dropout > 0) {
-    add_mask(f, "dropout.input", {B, S, D}, run.acts.input_mask);
-    for (index_t i = 0; i < cfg.num_layers; ++i) {
-      const auto& m = run.acts.layers[static_cast<std::size_t>(i)].masks;
-      const std::string p = "dropout.layers." + std::to_string(i) + ".";
-      add_mask(f, p + "attn", {B, H, S, S}, m.attn);
-      add_mask(f, p + "residual1", {B, S, D}, m.residual1);
-      add_mask(f, p + "ffn", {B, S, F}, m.ffn);
-      add_mask(f, p + "residual2", {B, S, D}, m.residual2);
-    }
+  for (const auto& [n, m] : run_masks(cfg, run.acts)) {
+    const auto shape = n == "dropout.input"    ? std::vector<std::int64_t>{B, S, D}
+                       : n.ends_with(".attn") ? std::vector<std::int64_t>{B, H, S, S}
+                       : n.ends_with(".ffn")  ? std::vector<std::int64_t>{B, S, F}
+                                              : std::vector<std::int64_t>{B, S, D};
+    add_mask(f, n, shape, *m);
   }
   for (const auto& [n, t] : contract_acts(run.acts)) add_tensor(f, n, *t);
   for (const auto& [n, t] : contract_grads(cfg, run.grads, run.dacts)) add_tensor(f, n, *t);
@@ -164,6 +236,9 @@ File make_typed(const Case& c) {
     for (const auto& [n, t] : contract_grads(cfg, r64.grads, r64.dacts)) {
       add_tensor(f, "ref64." + n, *t);
     }
+    const std::string why = float32_conditioning(f, c, allow_ill_conditioned);
+    if (!why.empty()) f.metadata.emplace_back("ill_conditioned", why);
+    if (c.precision && why.empty()) precision_conditioning(f, c, *c.precision);
   }
   return f;
 }
@@ -239,6 +314,9 @@ Case Case::from_json(const json& j) {
       }
       c.dtype = v.get<std::string>();
       have_dtype = true;
+    } else if (key == "precision") {
+      if (!v.is_string()) throw ConfigError("case.precision must be a string, got " + v.dump());
+      c.precision = parse_precision(v.get<std::string>(), "case.precision");
     } else if (key == "seed") {
       if (!v.is_number_unsigned()) {
         throw ConfigError("case.seed must be a non-negative integer, got " + v.dump());
@@ -251,6 +329,10 @@ Case Case::from_json(const json& j) {
   }
   if (!have_batch || !have_seq || !have_dtype || !have_seed) {
     throw ConfigError("case needs batch, seq_len, dtype and seed");
+  }
+  if (c.precision && (c.dtype != "float32" || *c.precision == Precision::fp32 ||
+                      *c.precision == Precision::fp64)) {
+    throw ConfigError("case.precision must be tf32, bf16 or fp16, in a float32 case");
   }
   const std::size_t real = c.dtype == "float32" ? sizeof(float) : sizeof(double);
   validate_batch_shape(c.config, {c.batch, c.seq_len}, real);
@@ -277,11 +359,69 @@ json Case::case_json() const {
   j["lengths"] = lens;
   j["dtype"] = dtype;
   j["seed"] = seed;
+  if (precision) j["precision"] = to_string(*precision);
   return j;
 }
 
-File make(const Case& c) {
-  return c.dtype == "float32" ? make_typed<float>(c) : make_typed<double>(c);
+File make(const Case& c, bool allow_ill_conditioned) {
+  return c.dtype == "float32" ? make_typed<float>(c, allow_ill_conditioned)
+                              : make_typed<double>(c, allow_ill_conditioned);
+}
+
+Case case_of(const File& golden) {
+  const std::string* cfg = golden.meta("config");
+  const std::string* cs = golden.meta("case");
+  if (!cfg || !cs) throw FormatError("the golden has no __metadata__.config and case");
+  try {
+    json j = json::parse(*cfg);
+    j["case"] = json::parse(*cs);
+    return Case::from_json(j);
+  } catch (const json::exception&) {
+    throw FormatError("the golden's __metadata__.config or case is not valid JSON");
+  } catch (const ConfigError& e) {
+    throw FormatError(std::string("the golden's __metadata__ holds a bad case: ") + e.what());
+  } catch (const ShapeError& e) {
+    throw FormatError(std::string("the golden's __metadata__ holds a bad case: ") + e.what());
+  }
+}
+
+std::map<std::string, std::vector<double>> emulate(const File& golden, Precision p) {
+  const Case c = case_of(golden);
+  const EncoderConfig& cfg = c.config;
+  auto params = Params<float>::zeros(cfg);
+  params.visit([&](const std::string& n, Tensor<float>& t) {
+    const auto* g = golden.find("param." + n);
+    if (!g || g->shape != dims_of(t.shape()) || !safetensors::is_float(g->dtype)) {
+      throw FormatError("the golden has no float param." + n + " of shape " +
+                        t.shape().str());
+    }
+    const auto v = g->float_values();
+    for (index_t i = 0; i < t.numel(); ++i) t[i] = static_cast<float>(v[static_cast<std::size_t>(i)]);
+  });
+  round_params(params, p);
+  Batch batch;
+  batch.batch = c.batch;
+  batch.seq_len = c.seq_len;
+  for (auto [name, dst] : {std::pair{"input.tokens", &batch.tokens},
+                           std::pair{"input.lengths", &batch.lengths},
+                           std::pair{"input.labels", &batch.labels}}) {
+    const auto* t = golden.find(name);
+    if (!t || t->dtype != DType::I64) throw FormatError(std::string("the golden has no I64 ") + name);
+    *dst = t->values<std::int64_t>();
+  }
+  const auto run = run_case(params, batch, c.seed, p);
+  for (const auto& [n, m] : run_masks(cfg, run.acts)) {
+    const auto* t = golden.find(n);
+    if (!t || t->dtype != DType::U8 || t->values<std::uint8_t>() != *m) {
+      throw FormatError("the golden's " + n + " is not the mask its seed " +
+                        std::to_string(c.seed) + " gives: the emulated run cannot reproduce it");
+    }
+  }
+  std::map<std::string, std::vector<double>> out;
+  for (const auto& [n, t] : contract_acts(run.acts)) out[n] = {t->begin(), t->end()};
+  for (const auto& [n, t] : contract_grads(cfg, run.grads, run.dacts))
+    out[n] = {t->begin(), t->end()};
+  return out;
 }
 
 std::vector<CorpusEntry> read_corpus_cases(const std::string& path) {

@@ -21,6 +21,8 @@ const char* status_str(Status s) {
       return "FAIL";
     case Status::not_checked:
       return "not checked";
+    case Status::vacuous:
+      return "VACUOUS (not judged)";
   }
   return "?";
 }
@@ -64,6 +66,10 @@ void print_text(const std::vector<CaseReport>& reports, std::ostream& out) {
   for (const auto& rep : reports) {
     out << "case " << rep.name << "  (golden " << rep.golden_path << ", candidate "
         << rep.candidate_path << ")\n";
+    if (rep.budget) {
+      out << "  judged as " << rep.precision << ": err/bound = max|candidate - truth| / (k * "
+          << "max|emulated - truth| + floor); emulated = the emulated run's error / scale\n";
+    }
     const bool no_file = !rep.tensors.empty() &&
                          rep.not_checked == static_cast<int>(rep.tensors.size()) &&
                          rep.tensors.front().message == "no candidate file";
@@ -73,8 +79,9 @@ void print_text(const std::vector<CaseReport>& reports, std::ostream& out) {
       continue;
     }
     out << "  " << std::left << std::setw(44) << "tensor" << std::right << std::setw(11)
-        << "max_abs" << std::setw(11) << "max_rel" << std::setw(11) << "err/bound"
-        << "  result\n";
+        << "max_abs" << std::setw(11) << "max_rel" << std::setw(11) << "err/bound";
+    if (rep.budget) out << std::setw(11) << "emulated";
+    out << "  result\n";
     for (const auto& t : rep.tensors) {
       out << "  " << std::left << std::setw(44) << t.name << std::right;
       if (t.status == Status::not_checked) {
@@ -82,6 +89,7 @@ void print_text(const std::vector<CaseReport>& reports, std::ostream& out) {
       } else {
         out << std::setw(11) << sci(t.max_abs) << std::setw(11) << sci(t.max_rel) << std::setw(11)
             << sci(t.ratio);
+        if (rep.budget) out << std::setw(11) << sci(t.emulated_err);
       }
       out << "  " << status_str(t.status);
       if (!t.message.empty() && t.status != Status::pass) out << "  (" << t.message << ")";
@@ -90,7 +98,15 @@ void print_text(const std::vector<CaseReport>& reports, std::ostream& out) {
     if (!rep.first_divergence.empty())
       out << "  first divergence: " << rep.first_divergence << "\n";
     out << "  summary: " << rep.passed << " passed, " << rep.failed << " failed, "
-        << rep.not_checked << " not checked\n\n";
+        << rep.not_checked << " not checked";
+    if (rep.vacuous > 0) out << ", " << rep.vacuous << " vacuous (budget meaningless: not judged)";
+    if (rep.budget) {
+      double worst = 0;
+      for (const auto& t : rep.tensors)
+        if (t.status == Status::pass || t.status == Status::fail) worst = std::max(worst, t.ratio);
+      out << "; worst fraction of budget " << sci(worst);
+    }
+    out << "\n\n";
     passed += rep.passed;
     failed += rep.failed;
     not_checked += rep.not_checked;
@@ -107,14 +123,14 @@ std::string junit_xml(const std::vector<CaseReport>& reports) {
   for (const auto& r : reports) {
     tests += static_cast<int>(r.tensors.size());
     failures += r.failed;
-    skipped += r.not_checked;
+    skipped += r.not_checked + r.vacuous;
   }
   o << "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n";
   o << "<testsuites name=\"teo golden check\" tests=\"" << tests << "\" failures=\"" << failures
     << "\" skipped=\"" << skipped << "\">\n";
   for (const auto& r : reports) {
     o << "  <testsuite name=\"" << xml_escape(r.name) << "\" tests=\"" << r.tensors.size()
-      << "\" failures=\"" << r.failed << "\" skipped=\"" << r.not_checked << "\">\n";
+      << "\" failures=\"" << r.failed << "\" skipped=\"" << r.not_checked + r.vacuous << "\">\n";
     if (!r.first_divergence.empty()) {
       o << "    <properties><property name=\"first_divergence\" value=\""
         << xml_escape(r.first_divergence) << "\"/></properties>\n";
@@ -127,7 +143,7 @@ std::string junit_xml(const std::vector<CaseReport>& reports) {
       if (t.status == Status::fail) {
         o << "<failure message=\"" << xml_escape(t.message.empty() ? detail : t.message) << "\">"
           << xml_escape(detail) << "</failure>";
-      } else if (t.status == Status::not_checked) {
+      } else if (t.status == Status::not_checked || t.status == Status::vacuous) {
         o << "<skipped message=\"" << xml_escape(t.message) << "\"/>";
       }
       o << "</testcase>\n";
@@ -140,7 +156,7 @@ std::string junit_xml(const std::vector<CaseReport>& reports) {
 
 std::string json_report(const std::vector<CaseReport>& reports) {
   nlohmann::ordered_json cases = nlohmann::ordered_json::array();
-  int passed = 0, failed = 0, not_checked = 0;
+  int passed = 0, failed = 0, not_checked = 0, vacuous = 0;
   // Non-finite numbers are not JSON; an infinite ratio is written as null.
   auto number = [](double v) {
     return std::isfinite(v) ? nlohmann::ordered_json(v) : nlohmann::ordered_json(nullptr);
@@ -152,22 +168,27 @@ std::string json_report(const std::vector<CaseReport>& reports) {
     c["candidate"] = r.candidate_path;
     c["first_divergence"] = r.first_divergence.empty() ? nlohmann::ordered_json(nullptr)
                                                        : nlohmann::ordered_json(r.first_divergence);
+    c["precision"] = r.precision;
     c["passed"] = r.passed;
     c["failed"] = r.failed;
     c["not_checked"] = r.not_checked;
+    c["vacuous"] = r.vacuous;
     auto ts = nlohmann::ordered_json::array();
     for (const auto& t : r.tensors) {
       nlohmann::ordered_json tj;
       tj["name"] = t.name;
-      tj["status"] = t.status == Status::pass   ? "pass"
-                     : t.status == Status::fail ? "fail"
-                                                : "not_checked";
+      tj["status"] = t.status == Status::pass      ? "pass"
+                     : t.status == Status::fail    ? "fail"
+                     : t.status == Status::vacuous ? "vacuous"
+                                                   : "not_checked";
       if (t.status != Status::not_checked) {
         tj["max_abs"] = number(t.max_abs);
         tj["max_rel"] = number(t.max_rel);
         tj["bound"] = number(t.bound);
         tj["ratio"] = number(t.ratio);
+        if (r.budget) tj["emulated_err"] = number(t.emulated_err);
       }
+      if (r.budget) tj["vacuous"] = t.status == Status::vacuous;
       if (!t.message.empty()) tj["message"] = t.message;
       ts.push_back(std::move(tj));
     }
@@ -176,12 +197,14 @@ std::string json_report(const std::vector<CaseReport>& reports) {
     passed += r.passed;
     failed += r.failed;
     not_checked += r.not_checked;
+    vacuous += r.vacuous;
   }
   nlohmann::ordered_json j;
   j["format"] = "teo-golden-check/1";
   j["passed"] = passed;
   j["failed"] = failed;
   j["not_checked"] = not_checked;
+  j["vacuous"] = vacuous;
   j["cases"] = std::move(cases);
   return j.dump(2) + "\n";
 }

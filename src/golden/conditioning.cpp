@@ -1,0 +1,157 @@
+// The rules the generator and the checker share: the truth and scale of a tensor, and what makes
+// a case ill-conditioned (golden_internal.hpp).
+#include <algorithm>
+#include <cmath>
+#include <sstream>
+
+#include "golden_internal.hpp"
+
+namespace teo::golden::detail {
+
+using safetensors::DType;
+using safetensors::File;
+
+std::vector<double> truth_of(const File& golden, const safetensors::Tensor& g, bool f32) {
+  if (!f32) return g.float_values();
+  const auto* rt = golden.find("ref64." + g.name);
+  if (!rt || rt->dtype != DType::F64 || rt->shape != g.shape) {
+    throw FormatError("the float32 golden has no float64 ref64." + g.name + " of shape " +
+                      g.shape_str());
+  }
+  return rt->values<double>();
+}
+
+double scale_of(const File& golden, const std::string& name, const std::vector<double>& truth,
+                bool f32) {
+  // A bias gradient sums the same per-row output gradients as its weight's gradient (which
+  // weights them by inputs of order 1), so their rounding noise has the same scale. The key bias
+  // gradient is 0 in exact arithmetic (softmax ignores a per-row shift) and holds nothing but
+  // that noise, so its scale comes from the weight gradient.
+  double scale = 0;
+  if (name.starts_with("grad.") && name.ends_with(".bias")) {
+    const std::string w = name.substr(0, name.size() - 4) + "weight";
+    if (const auto* wt = golden.find(f32 ? "ref64." + w : w)) {
+      for (double x : wt->float_values())
+        if (std::isfinite(x)) scale = std::max(scale, std::abs(x));
+    }
+  }
+  for (double x : truth)
+    if (std::isfinite(x)) scale = std::max(scale, std::abs(x));
+  return scale;
+}
+
+double max_abs_diff(const std::vector<double>& x, const std::vector<double>& truth) {
+  double m = 0;
+  for (std::size_t i = 0; i < x.size() && i < truth.size(); ++i)
+    if (std::isfinite(x[i]) && std::isfinite(truth[i])) m = std::max(m, std::abs(x[i] - truth[i]));
+  return m;
+}
+
+std::string pooled_input_name(const EncoderConfig& cfg) {
+  if (cfg.norm_first) return "act.final_norm";
+  if (cfg.num_layers == 0) return "act.input";
+  return "act.layers." + std::to_string(cfg.num_layers - 1) + ".output";
+}
+
+bool behind_pooling_argmax(const std::string& name) {
+  if (!name.starts_with("grad.")) return false;
+  return name != "grad.act.loss" && name != "grad.act.logits" && name != "grad.act.pooled" &&
+         !name.starts_with("grad.head.");
+}
+
+namespace {
+
+std::string num(double v) {
+  std::ostringstream os;
+  os.precision(9);
+  os << v;
+  return os.str();
+}
+
+// (batch, seq_len, d_model) and the lengths of the golden's batch.
+struct BatchDims {
+  index_t B = 0, S = 0, D = 0;
+  std::vector<std::int64_t> lengths;
+};
+
+BatchDims batch_dims(const File& golden, const EncoderConfig& cfg) {
+  const auto* lt = golden.find("input.lengths");
+  const auto* tt = golden.find("input.tokens");
+  if (!lt || !tt || lt->dtype != DType::I64 || tt->shape.size() != 2) {
+    throw FormatError("the golden has no input.lengths and input.tokens of the contract's shapes");
+  }
+  return {tt->shape[0], tt->shape[1], cfg.d_model, lt->values<std::int64_t>()};
+}
+
+// argmax over the real positions of column (b, d) of a (B, S, D) tensor; -1 when there are none.
+index_t column_argmax(const std::vector<double>& v, const BatchDims& d, index_t b, index_t c) {
+  index_t best = -1;
+  for (index_t s = 0; s < d.lengths[static_cast<std::size_t>(b)]; ++s) {
+    const double x = v[static_cast<std::size_t>((b * d.S + s) * d.D + c)];
+    if (best < 0 || x > v[static_cast<std::size_t>((b * d.S + best) * d.D + c)]) best = s;
+  }
+  return best;
+}
+
+}  // namespace
+
+std::string ambiguous_pooling(const File& golden, const EncoderConfig& cfg,
+                              const std::vector<double>& top, double tolerance) {
+  if (cfg.pooling != Pooling::max) return "";
+  const BatchDims d = batch_dims(golden, cfg);
+  for (index_t b = 0; b < d.B; ++b) {
+    for (index_t c = 0; c < d.D; ++c) {
+      double first = -INFINITY, second = -INFINITY;
+      for (index_t s = 0; s < d.lengths[static_cast<std::size_t>(b)]; ++s) {
+        const double x = top[static_cast<std::size_t>((b * d.S + s) * d.D + c)];
+        if (x > first) {
+          second = first;
+          first = x;
+        } else if (x > second) {
+          second = x;
+        }
+      }
+      if (std::isfinite(second) && first - second <= 2 * tolerance) {
+        return "column (" + std::to_string(b) + ", " + std::to_string(c) + "): values " +
+               num(first) + " and " + num(second);
+      }
+    }
+  }
+  return "";
+}
+
+std::string ill_conditioning_cause(const File& golden, const EncoderConfig& cfg) {
+  const BatchDims d = batch_dims(golden, cfg);
+  if (cfg.pooling == Pooling::max) {
+    const std::string top = pooled_input_name(cfg);
+    const auto* g = golden.find(top);
+    const auto* r = golden.find("ref64." + top);
+    if (g && r) {
+      const auto gv = g->float_values(), rv = r->float_values();
+      for (index_t b = 0; b < d.B; ++b)
+        for (index_t c = 0; c < d.D; ++c)
+          if (column_argmax(gv, d, b, c) != column_argmax(rv, d, b, c)) {
+            return "a tie in max pooling: the float32 and float64 argmax of column (" +
+                   std::to_string(b) + ", " + std::to_string(c) + ") differ";
+          }
+    }
+  }
+  if (cfg.activation == Activation::relu) {
+    for (index_t i = 0; i < cfg.num_layers; ++i) {
+      const std::string h = "act.layers." + std::to_string(i) + ".ffn_hidden";
+      const auto* g = golden.find(h);
+      const auto* r = golden.find("ref64." + h);
+      if (!g || !r) continue;
+      const auto gv = g->float_values(), rv = r->float_values();
+      for (std::size_t k = 0; k < gv.size(); ++k)
+        if ((gv[k] > 0) != (rv[k] > 0)) {
+          return "a ReLU kink: layer " + std::to_string(i) +
+                 "'s FFN input changes sign between float32 and float64 at element " +
+                 std::to_string(k);
+        }
+    }
+  }
+  return "no pooling tie or ReLU kink found (cancellation)";
+}
+
+}  // namespace teo::golden::detail

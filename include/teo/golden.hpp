@@ -96,8 +96,8 @@ struct CheckOptions {
   // err(x) = max |x - truth|, truth the float64 value, emulated = emulate(golden, precision),
   // u = unit_roundoff(precision), scale as for float32.
   std::optional<Precision> precision;
-  double budget_k = 4.0;
-  double budget_floor = 1.0;
+  double budget_k = 8.0;
+  double budget_floor = 4.0;
 };
 
 enum class Status { pass, fail, not_checked, vacuous };
@@ -111,7 +111,8 @@ struct TensorResult {
   double ratio = 0;     // max_abs / bound: the error in units of the allowed bound
   // Under a reduced precision: the emulated run's error relative to scale. A budget is vacuous
   // (status vacuous, never a pass) when that is above 10%, or when the tensor lies behind a
-  // max-pooling argmax that the budget does not resolve.
+  // max-pooling argmax that is not resolved: two values of a column within twice the emulated
+  // error (plus the floor) of each other.
   double emulated_err = 0;
   std::string message;  // why it failed or was not checked; where the worst error is
 };

@@ -103,11 +103,11 @@ int main(int argc, char** argv) {
                     "implied by BF16/F16 tensors, else the golden's dtype)");
   check
       ->add_option("--budget-k", check_opts.tolerances.budget_k,
-                   "tf32/bf16/fp16: multiple of the emulated run's error (4)")
+                   "tf32/bf16/fp16: multiple of the emulated run's error (8)")
       ->check(CLI::NonNegativeNumber);
   check
       ->add_option("--budget-floor", check_opts.tolerances.budget_floor,
-                   "tf32/bf16/fp16: floor in units of the format's u * scale (1)")
+                   "tf32/bf16/fp16: floor in units of the format's u * scale (4)")
       ->check(CLI::NonNegativeNumber);
   CLI::App* train = app.add_subcommand(
       "train", "Train the encoder to tell which language a word is (the CPU training demo)");

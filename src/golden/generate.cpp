@@ -160,8 +160,8 @@ std::string float32_conditioning(const File& f, const Case& c, bool allow) {
 }
 
 // Refuses (IllConditioned) a precision case on which that precision's budget would be vacuous:
-// an emulated error above kVacuous of a tensor's scale, or a max-pooling argmax the budget
-// (with the checker's default k and floor) does not resolve.
+// an emulated error above kVacuous of a tensor's scale, or a max-pooling argmax whose two largest
+// values are within twice the emulated error (plus the checker's default floor).
 void precision_conditioning(const File& f, const Case& c, Precision p) {
   const auto emu = emulate(f, p);
   const CheckOptions defaults;
@@ -177,7 +177,7 @@ void precision_conditioning(const File& f, const Case& c, Precision p) {
                            std::to_string(err / scale) + " of the tensor's scale");
     }
     if (t.name == top) {
-      const double tol = defaults.budget_k * err + defaults.budget_floor * unit_roundoff(p) * scale;
+      const double tol = err + defaults.budget_floor * unit_roundoff(p) * scale;
       const std::string where = detail::ambiguous_pooling(f, c.config, truth, tol);
       if (!where.empty()) {
         throw IllConditioned("the " + std::string(to_string(p)) +

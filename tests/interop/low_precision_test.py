@@ -249,6 +249,8 @@ def worst_ratio(report):
     inf."""
     worst = (-math.inf, None)
     for t in report["tensors"]:
+        if t["status"] == "vacuous":
+            continue  # not judged: its ratio means nothing
         ratio = t.get("ratio")
         if ratio is None:
             if t["status"] != "fail":
@@ -307,6 +309,21 @@ def check_all_bf16(teo, cases, work, table):
         code, report, message = run_check(
             teo, case, cand, "bf16",
             os.path.join(work, "reports", "bf16", case.name + ".json"))
+        if (code == 1 and report is not None and report["failed"] == 0
+                and report["vacuous"] > 0):
+            # teo itself says bf16 cannot judge this case: its budget is
+            # vacuous (a max-pooling argmax within bf16's noise of a tie).
+            # The case is not bf16-capable; no tensor failed.
+            vacuous = next(t for t in report["tensors"]
+                           if t["status"] == "vacuous")
+            print("skip  bf16 %s: %d tensor(s) with a vacuous budget: %s"
+                  % (case.name, report["vacuous"], vacuous["message"]))
+            skipped.append(case.name)
+            case_worst = worst_ratio(report)
+            if case_worst[1] is not None:
+                worst = max(worst, (case_worst[0], "%s in %s"
+                                    % (case_worst[1], case.name)))
+            continue
         if code != 0 or report is None:
             failed.append(case.name)
             first = report["first_divergence"] if report else "(no report)"

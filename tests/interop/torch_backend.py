@@ -434,6 +434,16 @@ def activation_fn(name):
     return lambda x: F.gelu(x, approximate="tanh")
 
 
+def softmax(x):
+    """Softmax over the last dimension. In bfloat16 or float16 it runs in
+    float32 and rounds its output back, as autocast does: torch 1.13's CPU
+    bfloat16 softmax backward subtracts a bfloat16-rounded row sum, which
+    cancels (one_head_d7: 20% error in grad.layers.0.attn.q.weight)."""
+    if x.dtype in (torch.bfloat16, torch.float16):
+        return torch.softmax(x.float(), dim=-1).to(x.dtype)
+    return torch.softmax(x, dim=-1)
+
+
 def attention(q, k, v, visible, alpha, drop, site, variant=AS_GOLDEN):
     """Scaled dot-product attention with teo's treatment of empty rows.
 
@@ -447,15 +457,22 @@ def attention(q, k, v, visible, alpha, drop, site, variant=AS_GOLDEN):
     # softmax sees a harmless finite row that is then multiplied out.
     has_key = visible.any(dim=-1, keepdim=True)
     safe = scores.masked_fill(~has_key, 0.0)
-    probs = torch.where(has_key, torch.softmax(safe, dim=-1),
-                        torch.zeros_like(safe))
+    probs = torch.where(has_key, softmax(safe), torch.zeros_like(safe))
     context = variant.matmul(drop(site, probs), v)
     return scores, probs, context
 
 
 def layer_norm(x, prefix, P, eps):
-    return F.layer_norm(x, (x.shape[-1],), P[prefix + ".weight"],
-                        P[prefix + ".bias"], eps)
+    """LayerNorm over the last dimension. In bfloat16 or float16 it runs in
+    float32 and rounds its output back, as autocast does: torch 1.13's CPU
+    bfloat16 layer_norm accumulates its weight and bias gradients in
+    bfloat16, which loses up to 15% of grad.layers.0.norm2.bias over the 226
+    rows of seq_len_113 (teo's bf16 budget flags it)."""
+    w, b = P[prefix + ".weight"], P[prefix + ".bias"]
+    if x.dtype in (torch.bfloat16, torch.float16):
+        y = F.layer_norm(x.float(), (x.shape[-1],), w.float(), b.float(), eps)
+        return y.to(x.dtype)
+    return F.layer_norm(x, (x.shape[-1],), w, b, eps)
 
 
 def encoder_layer(x, i, cfg, P, visible, drop, acts, variant=AS_GOLDEN):
@@ -544,6 +561,10 @@ def loss_fn(logits, labels, smoothing):
     if logits.shape[0] == 0:
         # teo: the mean over an empty batch is 0 (PyTorch gives NaN).
         return logits.sum()
+    if logits.dtype in (torch.bfloat16, torch.float16):
+        # in float32, as autocast runs it; the loss is stored back rounded
+        return F.cross_entropy(logits.float(), labels,
+                               label_smoothing=smoothing).to(logits.dtype)
     return F.cross_entropy(logits, labels, label_smoothing=smoothing)
 
 

@@ -111,8 +111,8 @@ struct TensorResult {
   double ratio = 0;     // max_abs / bound: the error in units of the allowed bound
   // Under a reduced precision: the emulated run's error relative to scale. A budget is vacuous
   // (status vacuous, never a pass) when that is above 10%, or when the tensor lies behind a
-  // max-pooling argmax that is not resolved: two values of a column within twice the emulated
-  // error (plus the floor) of each other.
+  // max-pooling argmax that is not resolved: the two largest values of a column within twice the
+  // emulated run's errors at them of each other.
   double emulated_err = 0;
   std::string message;  // why it failed or was not checked; where the worst error is
 };

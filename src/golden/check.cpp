@@ -289,14 +289,7 @@ CaseReport check(const File& golden, const File& candidate, const CheckOptions& 
     const EncoderConfig cfg = case_of(golden).config;
     const std::string top = detail::pooled_input_name(cfg);
     if (const auto* t = golden.find(top); t && cfg.pooling == Pooling::max) {
-      const auto truth = detail::truth_of(golden, *t, f32);
-      const double scale = detail::scale_of(golden, top, truth, f32);
-      // The argmax is resolved when the two largest values of every column are further apart than
-      // twice the emulated run's own error (plus the floor): a run as careful as the emulated one
-      // cannot swap them.
-      const double tol = detail::max_abs_diff(emu.at(top), truth) +
-                         opts.budget_floor * unit_roundoff(p) * scale;
-      tie = detail::ambiguous_pooling(golden, cfg, truth, tol);
+      tie = detail::ambiguous_pooling(golden, cfg, detail::truth_of(golden, *t, f32), emu.at(top));
     }
   }
   CaseReport rep;

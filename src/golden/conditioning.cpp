@@ -96,22 +96,29 @@ index_t column_argmax(const std::vector<double>& v, const BatchDims& d, index_t 
 }  // namespace
 
 std::string ambiguous_pooling(const File& golden, const EncoderConfig& cfg,
-                              const std::vector<double>& top, double tolerance) {
+                              const std::vector<double>& top, const std::vector<double>& emulated) {
   if (cfg.pooling != Pooling::max) return "";
   const BatchDims d = batch_dims(golden, cfg);
   for (index_t b = 0; b < d.B; ++b) {
     for (index_t c = 0; c < d.D; ++c) {
       double first = -INFINITY, second = -INFINITY;
+      std::size_t at1 = 0, at2 = 0;
       for (index_t s = 0; s < d.lengths[static_cast<std::size_t>(b)]; ++s) {
-        const double x = top[static_cast<std::size_t>((b * d.S + s) * d.D + c)];
-        if (x > first) {
+        const auto i = static_cast<std::size_t>((b * d.S + s) * d.D + c);
+        if (top[i] > first) {
           second = first;
-          first = x;
-        } else if (x > second) {
-          second = x;
+          at2 = at1;
+          first = top[i];
+          at1 = i;
+        } else if (top[i] > second) {
+          second = top[i];
+          at2 = i;
         }
       }
-      if (std::isfinite(second) && first - second <= 2 * tolerance) {
+      if (!std::isfinite(second)) continue;
+      const double noise =
+          std::abs(emulated[at1] - top[at1]) + std::abs(emulated[at2] - top[at2]);
+      if (first - second <= 2 * noise) {
         return "column (" + std::to_string(b) + ", " + std::to_string(c) + "): values " +
                num(first) + " and " + num(second);
       }

@@ -160,11 +160,10 @@ std::string float32_conditioning(const File& f, const Case& c, bool allow) {
 }
 
 // Refuses (IllConditioned) a precision case on which that precision's budget would be vacuous:
-// an emulated error above kVacuous of a tensor's scale, or a max-pooling argmax whose two largest
-// values are within twice the emulated error (plus the checker's default floor).
+// an emulated error above kVacuous of a tensor's scale, or a max-pooling argmax that is not
+// resolved (detail::ambiguous_pooling).
 void precision_conditioning(const File& f, const Case& c, Precision p) {
   const auto emu = emulate(f, p);
-  const CheckOptions defaults;
   const std::string top = detail::pooled_input_name(c.config);
   for (const auto& t : f.tensors) {
     if (!t.name.starts_with("act.") && !t.name.starts_with("grad.")) continue;
@@ -177,8 +176,7 @@ void precision_conditioning(const File& f, const Case& c, Precision p) {
                            std::to_string(err / scale) + " of the tensor's scale");
     }
     if (t.name == top) {
-      const double tol = err + defaults.budget_floor * unit_roundoff(p) * scale;
-      const std::string where = detail::ambiguous_pooling(f, c.config, truth, tol);
+      const std::string where = detail::ambiguous_pooling(f, c.config, truth, emu.at(t.name));
       if (!where.empty()) {
         throw IllConditioned("the " + std::string(to_string(p)) +
                              " budget does not resolve the max-pooling argmax of " + where);

@@ -37,10 +37,12 @@ std::string pooled_input_name(const EncoderConfig& cfg);
 bool behind_pooling_argmax(const std::string& name);
 
 // Under max pooling: "" when in every (sequence, feature) column the two largest values of the
-// pooled activation's truth (over the real positions) are more than 2 * tolerance apart, else
-// the first column where they are not, as "column (b, d): values x and y".
+// pooled activation's truth (over the real positions) are further apart than twice the sum of
+// the emulated run's errors at those two positions (a run twice as noisy there could swap them),
+// else the first column where they are not, as "column (b, d): values x and y".
 std::string ambiguous_pooling(const safetensors::File& golden, const EncoderConfig& cfg,
-                              const std::vector<double>& top_truth, double tolerance);
+                              const std::vector<double>& top_truth,
+                              const std::vector<double>& top_emulated);
 
 // The cause of a float32 error that is not at rounding level, from the golden's float32 and
 // float64 activations: a max-pooling argmax that differs, a ReLU input whose sign differs, or

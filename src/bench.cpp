@@ -66,7 +66,7 @@ double median(std::vector<double> v) {
 }
 
 template <class Real>
-Result measure(const Preset& p, int repeats, int warmup) {
+Result measure(const Preset& p, int repeats, int warmup, std::optional<Precision> precision) {
   if (repeats < 1) throw ConfigError("repeats must be >= 1, got " + std::to_string(repeats));
   if (warmup < 0) throw ConfigError("warmup must be >= 0, got " + std::to_string(warmup));
   const Batch data = Batch::random(p.config, p.batch, p.seq_len, 1);
@@ -83,9 +83,9 @@ Result measure(const Preset& p, int repeats, int warmup) {
     if (rep == warmup) profile::reset();
     profile::set_enabled(timed);
     const auto t0 = clock::now();
-    forward(params, data, acts);
+    forward(params, data, acts, {.precision = precision});
     const auto t1 = clock::now();
-    backward(params, data, acts, grads, dacts);
+    backward(params, data, acts, grads, dacts, {.precision = precision});
     const auto t2 = clock::now();
     profile::set_enabled(false);
     if (timed) {
@@ -98,7 +98,7 @@ Result measure(const Preset& p, int repeats, int warmup) {
   return r;
 }
 
-template Result measure<float>(const Preset&, int, int);
-template Result measure<double>(const Preset&, int, int);
+template Result measure<float>(const Preset&, int, int, std::optional<Precision>);
+template Result measure<double>(const Preset&, int, int, std::optional<Precision>);
 
 }  // namespace teo::bench

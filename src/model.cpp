@@ -19,8 +19,8 @@
 #include "teo/layers/linear.hpp"
 #include "teo/layers/pooling.hpp"
 #include "teo/layers/positional.hpp"
-#include "teo/profile.hpp"
 #include "teo/precision.hpp"
+#include "teo/profile.hpp"
 #include "teo/rng.hpp"
 
 namespace teo {
@@ -291,9 +291,8 @@ void layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P, LayerAc
     // context (B, S, D) is written with its heads merged, in place.
     store.named(name, [&] {
       attention_forward(L.context.data(), L.scores.data(), L.probs.data(), L.q.data(), L.k.data(),
-                        L.v.data(), batch.lengths.data(),
-                        drop_attn ? L.masks.attn.data() : nullptr, dropout_scale<Real>(p), d.B,
-                        d.H, d.S, d.Dh, cfg.causal,
+                        L.v.data(), batch.lengths.data(), drop_attn ? L.masks.attn.data() : nullptr,
+                        dropout_scale<Real>(p), d.B, d.H, d.S, d.Dh, cfg.causal,
                         /*merged_context=*/true);
     });
     store(L.context, name, "context");
@@ -491,8 +490,8 @@ void layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P, const 
     store.named(name, [&] {
       attention_backward(dL.q.data(), dL.k.data(), dL.v.data(), dL.probs.data(), dL.scores.data(),
                          dL.context.data(), L.q.data(), L.k.data(), L.v.data(), L.probs.data(),
-                         L.masks.attn.empty() ? nullptr : L.masks.attn.data(), scale, d.B, d.H,
-                         d.S, d.Dh, /*merged_context=*/true, GradWrite::overwrite);
+                         L.masks.attn.empty() ? nullptr : L.masks.attn.data(), scale, d.B, d.H, d.S,
+                         d.Dh, /*merged_context=*/true, GradWrite::overwrite);
     });
     store(dL.q, name, "q");
     store(dL.k, name, "k");

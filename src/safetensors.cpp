@@ -27,8 +27,8 @@ using nlohmann::json;
   throw FormatError(source + ": not a valid safetensors file: " + what);
 }
 
-constexpr DType kDTypes[] = {DType::F32,  DType::F64,     DType::I64,    DType::U8,
-                             DType::BF16, DType::F16,     DType::F8_E4M3, DType::F8_E5M2};
+constexpr DType kDTypes[] = {DType::F32,  DType::F64, DType::I64,     DType::U8,
+                             DType::BF16, DType::F16, DType::F8_E4M3, DType::F8_E5M2};
 
 bool parse_dtype(const std::string& s, DType& d) {
   for (DType t : kDTypes) {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -36,9 +37,11 @@ struct Result {
 };
 
 // `warmup` untimed runs, then `repeats` timed runs of forward and backward on the current
-// backend, ISA and thread count. ConfigError when repeats < 1 or warmup < 0.
+// backend, ISA and thread count, emulating `precision` when it is set (ForwardOptions).
+// ConfigError when repeats < 1 or warmup < 0.
 template <class Real>
-Result measure(const Preset& p, int repeats, int warmup);
+Result measure(const Preset& p, int repeats, int warmup,
+               std::optional<Precision> precision = std::nullopt);
 
 double median(std::vector<double> v);
 

@@ -6,6 +6,7 @@
 #include "cli/commands.hpp"
 #include "teo/backend.hpp"
 #include "teo/bench.hpp"
+#include "teo/precision.hpp"
 
 namespace teo::cli {
 
@@ -51,6 +52,19 @@ int run_bench(const BenchOptions& o, std::ostream& out) {
       out << it->second / (ms * 1e6) << "\n";
     else
       out << "-\n";
+  }
+  if (!o.precision.empty()) {
+    // The emulated pass against the plain float32 pass above, timed in the same process.
+    const Precision prec = parse_precision(o.precision, "--precision");
+    if (o.dtype != "float32" || prec == Precision::fp32 || prec == Precision::fp64) {
+      throw ConfigError("--precision takes tf32, bf16 or fp16, with --dtype float32");
+    }
+    const bench::Result e = bench::measure<float>(p, o.repeats, o.warmup, prec);
+    const double efb = bench::median(e.fwd_bwd_ms);
+    out << std::fixed << std::setprecision(2) << "\n  " << o.precision
+        << " emulation: forward+backward median " << efb << " ms against " << fwd_bwd
+        << " ms in float32: +" << std::setprecision(1) << 100 * (efb / fwd_bwd - 1)
+        << "% for the rounding\n";
   }
   out << std::fixed << std::setprecision(2) << "\n  forward           median " << fwd
       << " ms  (min " << *std::min_element(r.fwd_ms.begin(), r.fwd_ms.end()) << ")  "

@@ -27,15 +27,16 @@ struct BenchOptions {
   int repeats = 5;
   int warmup = 1;
   bool json = false;
+  std::string precision;  // "": none; tf32, bf16 or fp16: also time the emulation (float32)
 };
 int run_bench(const BenchOptions& opts, std::ostream& out);
 
 // `teo golden generate` and `teo golden check`.
 struct GoldenGenerateOptions {
-  std::string config_path;  // one case: CASE.json ...
-  std::string out_path;     // ... written here
-  std::string corpus_dir;   // or: regenerate <dir>/cases.json into <dir>
-  bool force = false;       // overwrite an existing --out file
+  std::string config_path;             // one case: CASE.json ...
+  std::string out_path;                // ... written here
+  std::string corpus_dir;              // or: regenerate <dir>/cases.json into <dir>
+  bool force = false;                  // overwrite an existing --out file
   bool allow_ill_conditioned = false;  // write an ill-conditioned float32 case, marked as such
 };
 int run_golden_generate(const GoldenGenerateOptions& opts, std::ostream& out);

@@ -168,15 +168,15 @@ TensorResult judge_budget(const File& golden, const safetensors::Tensor& g,
     r.message = !behind_tie.empty()
                     ? "budget vacuous: behind the max-pooling argmax of " + behind_tie +
                           ", which the " + to_string(p) + " budget does not resolve"
-                    : "budget vacuous: the emulated " + std::string(to_string(p)) +
-                          " error is " + num(r.emulated_err) + " of the scale";
+                    : "budget vacuous: the emulated " + std::string(to_string(p)) + " error is " +
+                          num(r.emulated_err) + " of the scale";
     return r;
   }
   r.status = max_abs <= r.bound ? Status::pass : Status::fail;
   if (r.status == Status::fail && worst >= 0) {
     const auto i = static_cast<std::size_t>(worst);
-    r.message = "worst at " + index_str(worst, g.shape) + ": candidate " + num(cv[i]) +
-                ", truth " + num(truth[i]) + ", emulated " + num(emu[i]);
+    r.message = "worst at " + index_str(worst, g.shape) + ": candidate " + num(cv[i]) + ", truth " +
+                num(truth[i]) + ", emulated " + num(emu[i]);
   }
   return r;
 }

@@ -116,8 +116,7 @@ std::string ambiguous_pooling(const File& golden, const EncoderConfig& cfg,
         }
       }
       if (!std::isfinite(second)) continue;
-      const double noise =
-          std::abs(emulated[at1] - top[at1]) + std::abs(emulated[at2] - top[at2]);
+      const double noise = std::abs(emulated[at1] - top[at1]) + std::abs(emulated[at2] - top[at2]);
       if (first - second <= 2 * noise) {
         return "column (" + std::to_string(b) + ", " + std::to_string(c) + "): values " +
                num(first) + " and " + num(second);

@@ -112,8 +112,7 @@ template <class Real>
 Run<Real> run_case(const Params<Real>& params, const Batch& batch, std::uint64_t seed,
                    std::optional<Precision> precision = std::nullopt) {
   Run<Real> r;
-  forward(params, batch, r.acts,
-          {.train = true, .dropout_seed = seed, .precision = precision});
+  forward(params, batch, r.acts, {.train = true, .dropout_seed = seed, .precision = precision});
   backward(params, batch, r.acts, r.grads, r.dacts, {.precision = precision});
   return r;
 }
@@ -209,7 +208,7 @@ File make_typed(const Case& c, bool allow_ill_conditioned) {
   params.visit(
       [&](const std::string& n, const Tensor<Real>& t) { add_tensor(f, "param." + n, t); });
   for (const auto& [n, m] : run_masks(cfg, run.acts)) {
-    const auto shape = n == "dropout.input"    ? std::vector<std::int64_t>{B, S, D}
+    const auto shape = n == "dropout.input"   ? std::vector<std::int64_t>{B, S, D}
                        : n.ends_with(".attn") ? std::vector<std::int64_t>{B, H, S, S}
                        : n.ends_with(".ffn")  ? std::vector<std::int64_t>{B, S, F}
                                               : std::vector<std::int64_t>{B, S, D};
@@ -390,21 +389,22 @@ std::map<std::string, std::vector<double>> emulate(const File& golden, Precision
   params.visit([&](const std::string& n, Tensor<float>& t) {
     const auto* g = golden.find("param." + n);
     if (!g || g->shape != dims_of(t.shape()) || !safetensors::is_float(g->dtype)) {
-      throw FormatError("the golden has no float param." + n + " of shape " +
-                        t.shape().str());
+      throw FormatError("the golden has no float param." + n + " of shape " + t.shape().str());
     }
     const auto v = g->float_values();
-    for (index_t i = 0; i < t.numel(); ++i) t[i] = static_cast<float>(v[static_cast<std::size_t>(i)]);
+    for (index_t i = 0; i < t.numel(); ++i)
+      t[i] = static_cast<float>(v[static_cast<std::size_t>(i)]);
   });
   round_params(params, p);
   Batch batch;
   batch.batch = c.batch;
   batch.seq_len = c.seq_len;
-  for (auto [name, dst] : {std::pair{"input.tokens", &batch.tokens},
-                           std::pair{"input.lengths", &batch.lengths},
-                           std::pair{"input.labels", &batch.labels}}) {
+  for (auto [name, dst] :
+       {std::pair{"input.tokens", &batch.tokens}, std::pair{"input.lengths", &batch.lengths},
+        std::pair{"input.labels", &batch.labels}}) {
     const auto* t = golden.find(name);
-    if (!t || t->dtype != DType::I64) throw FormatError(std::string("the golden has no I64 ") + name);
+    if (!t || t->dtype != DType::I64)
+      throw FormatError(std::string("the golden has no I64 ") + name);
     *dst = t->values<std::int64_t>();
   }
   const auto run = run_case(params, batch, c.seed, p);

@@ -67,8 +67,8 @@ std::pair<P, index_t> head_block(P base, index_t bh, index_t heads, index_t seq_
 }
 
 // Under bf16 or fp16 emulation (docs/semantics.md, "Reduced precision"), rounds the n stored
-// values at p to the format, as a backend that keeps scores and probabilities in it does; RangeError
-// naming `what` on an fp16 overflow. A no-op otherwise, and for double.
+// values at p to the format, as a backend that keeps scores and probabilities in it does;
+// RangeError naming `what` on an fp16 overflow. A no-op otherwise, and for double.
 template <class Real>
 void store_rows(Real* p, index_t n, const char* what) {
   if constexpr (std::is_same_v<Real, float>) {

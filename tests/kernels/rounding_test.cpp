@@ -40,7 +40,7 @@ std::uint16_t ref_fp16(std::uint32_t u) {
   const std::uint32_t exp_field = (u >> 23) & 0xFFu;
   const std::uint32_t frac = u & 0x7FFFFFu;
   if (exp_field == 0xFFu) {
-    if (frac == 0) return sign | 0x7C00u;                                          // inf
+    if (frac == 0) return sign | 0x7C00u;                                         // inf
     return static_cast<std::uint16_t>(sign | 0x7E00u | ((frac >> 13) & 0x3FFu));  // quiet NaN
   }
   if (exp_field == 0 && frac == 0) return sign;
@@ -118,22 +118,22 @@ TEST(Rounding, EveryFloatRoundsAsTheIntegerReferenceOnEveryIsa) {
                             std::uint32_t w) {
       ++mismatches;
       if (printed++ < 10) {
-        ADD_FAILURE() << to_string(isa) << " " << what << " of 0x" << std::hex << in[i] << ": got 0x"
-                      << g << ", want 0x" << w;
+        ADD_FAILURE() << to_string(isa) << " " << what << " of 0x" << std::hex << in[i]
+                      << ": got 0x" << g << ", want 0x" << w;
       }
     };
     for (Isa isa : isas) {
       const auto& k = detail::isa_kernels(isa).rounding;
-      for (auto [p, want] : {std::pair{Precision::bf16, &bits_bf16},
-                             std::pair{Precision::fp16, &bits_fp16}}) {
+      for (auto [p, want] :
+           {std::pair{Precision::bf16, &bits_bf16}, std::pair{Precision::fp16, &bits_fp16}}) {
         k.narrow(got16.data(), x, kChunk, p);
         if (std::memcmp(got16.data(), want->data(), kChunk * sizeof(std::uint16_t)) == 0) continue;
         for (std::int64_t i = 0; i < kChunk; ++i)
           if (got16[i] != (*want)[i]) report(isa, to_string(p), i, got16[i], (*want)[i]);
       }
-      for (auto [p, want] : {std::pair{Precision::bf16, &want_bf16},
-                             std::pair{Precision::fp16, &want_fp16},
-                             std::pair{Precision::tf32, &want_tf32}}) {
+      for (auto [p, want] :
+           {std::pair{Precision::bf16, &want_bf16}, std::pair{Precision::fp16, &want_fp16},
+            std::pair{Precision::tf32, &want_tf32}}) {
         k.round(got.data(), x, kChunk, p);
         if (std::memcmp(got.data(), want->data(), kChunk * sizeof(float)) == 0) continue;
         for (std::int64_t i = 0; i < kChunk; ++i) {
@@ -214,16 +214,15 @@ TEST(Rounding, OverflowIsReportedOnlyForAFiniteValueThatBecomesInfinite) {
 }
 
 TEST(Rounding, NamesParseAndSixteenBitFormatsAreChecked) {
-  for (Precision p : {Precision::fp64, Precision::fp32, Precision::tf32, Precision::bf16,
-                      Precision::fp16})
+  for (Precision p :
+       {Precision::fp64, Precision::fp32, Precision::tf32, Precision::bf16, Precision::fp16})
     EXPECT_EQ(parse_precision(to_string(p), "--precision"), p);
   test::expect_throw<ConfigError>([] { parse_precision("bfloat16", "--precision"); },
                                   "--precision must be fp64, fp32, tf32, bf16 or fp16, got "
                                   "\"bfloat16\"");
   float x = 1;
   std::uint16_t h = 0;
-  test::expect_throw<ConfigError>([&] { to_bits(Precision::tf32, &h, &x, 1); },
-                                  "no 16-bit format");
+  test::expect_throw<ConfigError>([&] { to_bits(Precision::tf32, &h, &x, 1); }, "no 16-bit format");
   EXPECT_DOUBLE_EQ(unit_roundoff(Precision::bf16), 1.0 / 256);
 }
 

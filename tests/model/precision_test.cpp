@@ -163,8 +163,8 @@ TEST_F(Precisions, Fp16OverflowIsARangeErrorNamingTheTensor) {
   round_params(p, Precision::fp16);
   const Batch b = Batch::random(c, 2, 9, 6);
   Activations<float> acts;
-  test::expect_throw<RangeError>(
-      [&] { forward(p, b, acts, {.precision = Precision::fp16}); }, "layers.0.");
+  test::expect_throw<RangeError>([&] { forward(p, b, acts, {.precision = Precision::fp16}); },
+                                 "layers.0.");
   // bf16 has float's range: the same pass is finite
   forward(p, b, acts, {.precision = Precision::bf16});
   EXPECT_TRUE(std::isfinite(acts.loss[0]));

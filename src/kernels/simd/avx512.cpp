@@ -10,11 +10,11 @@ namespace teo::simd {
 // KC x NR of B (384 x 32 floats = 48 KiB) streams from L1/L2; MC x KC of A (144 x 384 floats =
 // 216 KiB) stays in the 1 MiB L2; NC bounds the B panel for the shared L3.
 const IsaKernels& kernels_avx512() {
-  static const IsaKernels k = one_tile_isa(
-      "avx512", make_gemm<float, xsimd::avx512f, 12, 2>(384, 144, 3072),
-      make_gemm<double, xsimd::avx512f, 12, 2>(256, 144, 3072),
-      Kernels<float, xsimd::avx512f>::table(), Kernels<double, xsimd::avx512f>::table(),
-                   Rounding<xsimd::avx512f>::table());
+  static const IsaKernels k =
+      one_tile_isa("avx512", make_gemm<float, xsimd::avx512f, 12, 2>(384, 144, 3072),
+                   make_gemm<double, xsimd::avx512f, 12, 2>(256, 144, 3072),
+                   Kernels<float, xsimd::avx512f>::table(),
+                   Kernels<double, xsimd::avx512f>::table(), Rounding<xsimd::avx512f>::table());
   return k;
 }
 

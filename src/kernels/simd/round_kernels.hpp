@@ -80,7 +80,7 @@ struct Rounding {
   static I to_fp16(const I& x) {
     const I a = x & L::set(kAbs);
     const auto nan = a > L::set(kInf);
-    const auto inf = a >= L::set(0x477FF000);    // 65520: half way from 65504 to 2^16, rounds up
+    const auto inf = a >= L::set(0x477FF000);     // 65520: half way from 65504 to 2^16, rounds up
     const auto normal = a >= L::set(0x38800000);  // 2^-14, fp16's smallest normal
     const I av = L::select(nan, L::set(0), a);
     // Normal: rebias the exponent (127 -> 15) and round away 13 mantissa bits.

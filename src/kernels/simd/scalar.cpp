@@ -6,11 +6,10 @@
 namespace teo::simd {
 
 const IsaKernels& kernels_scalar() {
-  static const IsaKernels k =
-      one_tile_isa("scalar", make_gemm<float, scalar_arch, 4, 4>(256, 64, 1024),
-                   make_gemm<double, scalar_arch, 4, 4>(256, 64, 1024),
-                   Kernels<float, scalar_arch>::table(), Kernels<double, scalar_arch>::table(),
-                   Rounding<scalar_arch>::table());
+  static const IsaKernels k = one_tile_isa(
+      "scalar", make_gemm<float, scalar_arch, 4, 4>(256, 64, 1024),
+      make_gemm<double, scalar_arch, 4, 4>(256, 64, 1024), Kernels<float, scalar_arch>::table(),
+      Kernels<double, scalar_arch>::table(), Rounding<scalar_arch>::table());
   return k;
 }
 

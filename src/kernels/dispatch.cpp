@@ -1,4 +1,5 @@
 // The execution settings and the only place that knows every ISA.
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <memory>
@@ -257,7 +258,12 @@ void rounded_operand(std::vector<float>& dst, const float* src, index_t rows, in
                      index_t ld, Precision p) {
   dst.resize(static_cast<std::size_t>(rows * cols));
   const auto& round = detail::isa_kernels().rounding.round;
-  for (index_t r = 0; r < rows; ++r) round(dst.data() + r * cols, src + r * ld, cols, p);
+  float* out = dst.data();
+  detail::for_blocks(rows, std::max<index_t>(1, 16384 / std::max<index_t>(1, cols)),
+                     [&](index_t r0, index_t r1) {
+                       for (index_t r = r0; r < r1; ++r)
+                         round(out + r * cols, src + r * ld, cols, p);
+                     });
 }
 
 }  // namespace

@@ -62,8 +62,8 @@ const TensorResult& result(const CaseReport& r, const std::string& name) {
 
 TEST(PrecisionCheck, TheEmulatedRunInItsOwnFormatPassesAndImpliesItsPrecision) {
   const File g = make(small_case(false, Pooling::mean, 5));
-  for (auto [p, dtype] : {std::pair{Precision::bf16, DType::BF16},
-                          std::pair{Precision::fp16, DType::F16}}) {
+  for (auto [p, dtype] :
+       {std::pair{Precision::bf16, DType::BF16}, std::pair{Precision::fp16, DType::F16}}) {
     const CaseReport r = check(g, emulated_candidate(g, p, dtype), CheckOptions{});
     EXPECT_EQ(r.precision, to_string(p));
     EXPECT_TRUE(r.budget);
@@ -95,7 +95,8 @@ TEST(PrecisionCheck, BudgetArithmeticIsKTimesTheEmulatedErrorPlusTheFloor) {
   o.precision = Precision::bf16;
   for (double f : {0.5, 2.0}) {
     const double bump = truth[0] + f * bound - emu.at(name)[0];
-    const CaseReport r = check(g, emulated_candidate(g, Precision::bf16, DType::F32, name, bump), o);
+    const CaseReport r =
+        check(g, emulated_candidate(g, Precision::bf16, DType::F32, name, bump), o);
     const auto& t = result(r, name);
     EXPECT_NEAR(t.bound, bound, 1e-12 * bound);
     EXPECT_NEAR(t.emulated_err, emu_err / scale, 1e-12);
@@ -140,7 +141,8 @@ TEST(PrecisionCheck, TensorsBehindAnUnresolvedMaxPoolingTieAreVacuousNeverPassed
   }
   c.precision.reset();  // the same case as a plain float32 golden
   const File g = make(c);
-  const CaseReport r = check(g, emulated_candidate(g, Precision::bf16, DType::BF16), CheckOptions{});
+  const CaseReport r =
+      check(g, emulated_candidate(g, Precision::bf16, DType::BF16), CheckOptions{});
   EXPECT_GT(r.vacuous, 0);
   EXPECT_EQ(r.failed, 0);
   EXPECT_EQ(result(r, "grad.act.layers.0.output").status, Status::vacuous);

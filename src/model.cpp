@@ -68,8 +68,8 @@ class Emulation {
   void operator()(Real* data, index_t n, std::string_view prefix, const char* name) const {
     if constexpr (std::is_same_v<Real, float>) {
       if (stores_reduced() && round_to(p_, data, n)) {
-        throw RangeError(std::string(kind_) + std::string(prefix) + name + ": a finite value " +
-                         "overflowed " + to_string(p_) + " (its largest finite value is 65504)");
+        throw RangeError(std::string(kind_) + std::string(prefix) + name + ": " +
+                         overflow_message(p_));
       }
     }
   }
@@ -346,6 +346,8 @@ void layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P, LayerAc
     store(L.ffn_hidden, name, "ffn_hidden");
     hidden_dropped = apply_dropout(dropped_buf.data(), L.ffn_hidden.data(), L.masks.ffn,
                                    L.ffn_hidden.numel(), prefix + "ffn", p, drop, seed);
+    // The product reads the dropped hidden in the format: rounded (and checked) here, by name.
+    if (drop) store(dropped_buf, name, "ffn_hidden after dropout");
   }
   {
     profile::Scope stage(Stage::ffn_fc2);

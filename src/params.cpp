@@ -254,8 +254,7 @@ void round_params(Params<float>& params, Precision p) {
   if (p != Precision::bf16 && p != Precision::fp16) return;
   params.visit([&](const std::string& name, Tensor<float>& t) {
     if (round_to(p, t.data(), t.numel())) {
-      throw RangeError("parameter " + name + ": a finite value overflowed " + to_string(p) +
-                       " (its largest finite value is 65504)");
+      throw RangeError("parameter " + name + ": " + overflow_message(p));
     }
   });
 }

@@ -63,6 +63,11 @@ double unit_roundoff(Precision p) {
   return 0;
 }
 
+std::string overflow_message(Precision p) {
+  return std::string("a finite value overflowed ") + to_string(p) +
+         " (its largest finite value is " + (p == Precision::fp16 ? "65504" : "about 3.4e38") + ")";
+}
+
 bool round_to(Precision p, float* data, index_t n) {
   if (p == Precision::fp32 || p == Precision::fp64) return false;
   const auto& round = detail::isa_kernels().rounding.round;

@@ -124,7 +124,6 @@ bool is_float(DType d) {
 
 std::vector<double> Tensor::float_values() const {
   const auto n = static_cast<std::size_t>(numel());
-  std::vector<double> out(n);
   switch (dtype) {
     case DType::F64:
       return values<double>();
@@ -150,9 +149,11 @@ std::vector<double> Tensor::float_values() const {
       from_bits(Precision::fp16, f.data(), h.data(), static_cast<index_t>(n));
       return {f.begin(), f.end()};
     }
-    case DType::F8_E4M3:
+    case DType::F8_E4M3: {
+      std::vector<double> out(n);
       for (std::size_t i = 0; i < n; ++i) out[i] = e4m3_value(bytes[i]);
       return out;
+    }
     case DType::I64:
     case DType::U8:
       break;

@@ -106,7 +106,7 @@ struct TensorResult {
   std::string name;  // "act.layers.0.probs", "grad.head.weight", ...
   Status status = Status::not_checked;
   double max_abs = 0;  // max |c - ref| over finite entries (ref = g, or ref64 for float32)
-  double max_rel = 0;  // max_abs / max |ref|  (0 when ref is all zero and so is the error)
+  double max_rel = 0;  // max_abs / max |ref| (reduced precision: / scale); 0 when both are 0
   double bound = 0;    // the allowed max_abs
   double ratio = 0;    // max_abs / bound: the error in units of the allowed bound
   // Under a reduced precision: the emulated run's error relative to scale. A budget is vacuous

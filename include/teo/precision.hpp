@@ -24,6 +24,10 @@ double unit_roundoff(Precision p);
 bool round_to(Precision p, float* data, index_t n);
 float round_to(Precision p, float x);
 
+// "a finite value overflowed fp16 (its largest finite value is 65504)", and for bf16 and tf32
+// (float's range): the message of a RangeError.
+std::string overflow_message(Precision p);
+
 // The bf16 or fp16 bit patterns of in (rounded as round_to does), and back; the widening is exact.
 // Any other precision is a ConfigError.
 void to_bits(Precision p, std::uint16_t* out, const float* in, index_t n);

@@ -293,7 +293,7 @@ CaseReport check(const File& golden, const File& candidate, const CheckOptions& 
     }
   }
   CaseReport rep;
-  rep.precision = to_string(p);
+  rep.precision = to_string(budget ? p : f32 ? Precision::fp32 : Precision::fp64);
   rep.budget = budget;
   for (const auto& g : golden.tensors) {
     if (!wanted(g.name, opts.only)) continue;
@@ -327,6 +327,7 @@ Verdict verdict(const std::vector<CaseReport>& reports, bool require_all) {
     vacuous += r.vacuous;
   }
   if (failed > 0) return {1, ""};  // the report names them
+  if (passed == 0 && vacuous > 0) return {1, "every judged tensor's budget is vacuous"};
   if (passed == 0)
     return {1, "nothing was checked: the candidate holds none of the golden's tensors"};
   if (require_all && not_checked > 0) {

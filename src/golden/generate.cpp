@@ -233,9 +233,16 @@ File make_typed(const Case& c, bool allow_ill_conditioned) {
     for (const auto& [n, t] : contract_grads(cfg, r64.grads, r64.dacts)) {
       add_tensor(f, "ref64." + n, *t);
     }
-    const std::string why = float32_conditioning(f, c, allow_ill_conditioned);
+    std::string why = float32_conditioning(f, c, allow_ill_conditioned);
+    if (c.precision && why.empty()) {
+      try {
+        precision_conditioning(f, c, *c.precision);
+      } catch (const IllConditioned& e) {
+        if (!allow_ill_conditioned) throw;
+        why = e.what();
+      }
+    }
     if (!why.empty()) f.metadata.emplace_back("ill_conditioned", why);
-    if (c.precision && why.empty()) precision_conditioning(f, c, *c.precision);
   }
   return f;
 }

@@ -25,7 +25,8 @@ std::vector<double> truth_of(const safetensors::File& golden, const safetensors:
 double scale_of(const safetensors::File& golden, const std::string& name,
                 const std::vector<double>& truth, bool f32);
 
-// max |x - truth| over the entries where both are finite.
+// max |x - truth| over the entries where the truth is finite; infinite when x is not finite at
+// one of them.
 double max_abs_diff(const std::vector<double>& x, const std::vector<double>& truth);
 
 // The name of the activation max pooling reads: act.final_norm (pre-norm), the last layer's

@@ -68,7 +68,8 @@ void print_text(const std::vector<CaseReport>& reports, std::ostream& out) {
         << rep.candidate_path << ")\n";
     if (rep.budget) {
       out << "  judged as " << rep.precision << ": err/bound = max|candidate - truth| / (k * "
-          << "max|emulated - truth| + floor); emulated = the emulated run's error / scale\n";
+          << "max|emulated - truth| + floor * u * scale); emulated = the emulated run's error / "
+          << "scale\n";
     }
     const bool no_file = !rep.tensors.empty() &&
                          rep.not_checked == static_cast<int>(rep.tensors.size()) &&

@@ -13,6 +13,7 @@
 #include "kernels_internal.hpp"
 #include "parallel.hpp"
 #include "teo/errors.hpp"
+#include "teo/precision.hpp"
 #include "teo/tensor.hpp"
 
 namespace teo {
@@ -259,11 +260,15 @@ void rounded_operand(std::vector<float>& dst, const float* src, index_t rows, in
   dst.resize(static_cast<std::size_t>(rows * cols));
   const auto& round = detail::isa_kernels().rounding.round;
   float* out = dst.data();
+  std::atomic<bool> over{false};
   detail::for_blocks(rows, std::max<index_t>(1, 16384 / std::max<index_t>(1, cols)),
                      [&](index_t r0, index_t r1) {
                        for (index_t r = r0; r < r1; ++r)
-                         round(out + r * cols, src + r * ld, cols, p);
+                         if (round(out + r * cols, src + r * ld, cols, p)) over = true;
                      });
+  // Every stored operand was rounded, and checked, by name where it was produced; this is the
+  // backstop for any other.
+  if (over) throw RangeError("a matrix product's operand: " + overflow_message(p));
 }
 
 }  // namespace
@@ -275,7 +280,23 @@ void gemm(Trans ta, Trans tb, index_t m, index_t n, index_t k, Real alpha, const
     // Under emulation, the product reads its operands rounded to the format (for tf32, to tf32's
     // 10 mantissa bits) and accumulates in float, as the hardware does.
     if (const Precision p = detail::emulation(); p != Precision::fp32 && m > 0 && n > 0 && k > 0) {
-      std::vector<float> ar, br;
+      // The rounded copies live in this thread's buffers, reused from product to product (the
+      // attention heads' small products would otherwise allocate twice each); a product that
+      // starts while they are in use on this thread gets buffers of its own.
+      struct Buffers {
+        std::vector<float> a, b;
+        bool busy = false;
+      };
+      thread_local Buffers mine;
+      Buffers own;
+      Buffers& buf = mine.busy ? own : mine;
+      struct Hold {
+        Buffers& b;
+        explicit Hold(Buffers& x) : b(x) { b.busy = true; }
+        ~Hold() { b.busy = false; }
+      } hold(buf);
+      std::vector<float>& ar = buf.a;
+      std::vector<float>& br = buf.b;
       const bool at = ta == Trans::yes, bt = tb == Trans::yes;
       rounded_operand(ar, a, at ? k : m, at ? m : k, lda, p);
       rounded_operand(br, b, bt ? n : k, bt ? k : n, ldb, p);

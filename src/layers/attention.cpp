@@ -75,8 +75,7 @@ void store_rows(Real* p, index_t n, const char* what) {
     const Precision e = detail::emulation();
     if ((e == Precision::bf16 || e == Precision::fp16) &&
         detail::isa_kernels().rounding.round(p, p, n, e)) {
-      throw RangeError(std::string(what) + ": a finite value overflowed " + to_string(e) +
-                       " (its largest finite value is 65504)");
+      throw RangeError(std::string(what) + ": " + overflow_message(e));
     }
   }
 }

@@ -1,18 +1,21 @@
 // Rounding float32 to bf16, fp16 and tf32: every ISA's kernel against an integer-arithmetic
 // reference written differently (decode, compare the remainder with half a quantum, re-encode),
-// exhaustively over all 2^32 float bit patterns; widening over all 2^16 patterns; and the public
-// functions' overflow flag, NaN handling and errors.
+// exhaustively over all 2^32 float bit patterns; against PyTorch's conversions on a committed
+// sample; widening over all 2^16 patterns; and the public functions' overflow flag, NaN handling
+// and errors.
 #include <atomic>
 #include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "kernels/kernels_internal.hpp"
 #include "support.hpp"
 #include "teo/precision.hpp"
+#include "teo/safetensors.hpp"
 
 namespace teo {
 namespace {
@@ -168,6 +171,39 @@ TEST(Rounding, EveryHalfPatternWidensExactlyOnEveryIsa) {
         const bool nan = std::isnan(out[i]);
         ASSERT_EQ(back[i], nan ? h[i] | quiet : h[i]) << to_string(p) << " 0x" << std::hex << h[i];
       }
+    }
+  }
+}
+
+// PyTorch's own conversions (tests/interop/rounding_sample.py, committed with its output): the
+// same bits on 16384 values, uniform and at the hard places; NaN against NaN counts as equal
+// (payloads of signalling NaNs are the hardware's business).
+TEST(Rounding, AgreesWithPyTorchOnTheCommittedSample) {
+  const auto f =
+      safetensors::read(std::string(TEO_SOURCE_DIR) + "/tests/interop/rounding_sample.safetensors");
+  const auto x = f.find("input")->values<float>();
+  for (auto [name, p] : {std::pair{"bf16", Precision::bf16}, std::pair{"fp16", Precision::fp16}}) {
+    const auto& t = *f.find(name);
+    ASSERT_EQ(t.bytes.size(), 2 * x.size());
+    for (Isa isa : supported_isas()) {
+      std::vector<std::uint16_t> got(x.size());
+      detail::isa_kernels(isa).rounding.narrow(got.data(), x.data(), static_cast<index_t>(x.size()),
+                                               p);
+      std::vector<float> gw(x.size()), tw(x.size());
+      std::vector<std::uint16_t> want(x.size());
+      std::memcpy(want.data(), t.bytes.data(), t.bytes.size());
+      from_bits(p, gw.data(), got.data(), static_cast<index_t>(x.size()));
+      from_bits(p, tw.data(), want.data(), static_cast<index_t>(x.size()));
+      int bad = 0;
+      for (std::size_t i = 0; i < x.size(); ++i) {
+        if (got[i] == want[i] || (std::isnan(gw[i]) && std::isnan(tw[i]))) continue;
+        if (bad++ < 5) {
+          ADD_FAILURE() << to_string(isa) << " " << name << " of 0x" << std::hex
+                        << std::bit_cast<std::uint32_t>(x[i]) << ": teo 0x" << got[i]
+                        << ", torch 0x" << want[i];
+        }
+      }
+      EXPECT_EQ(bad, 0) << to_string(isa) << " " << name;
     }
   }
 }

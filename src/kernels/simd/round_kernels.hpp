@@ -29,6 +29,8 @@ struct Lanes {
   static I load(const std::int32_t* p) { return I::load_unaligned(p); }
   static void store(std::int32_t* p, const I& v) { v.store_unaligned(p); }
   static I shl(const I& v, int s) { return v << s; }
+  // a or (b and c), lane by lane
+  static M or_and(const M& a, const M& b, const M& c) { return a | (b & c); }
 };
 
 template <>
@@ -46,6 +48,7 @@ struct Lanes<scalar_arch> {
   static void store(std::int32_t* p, I v) { *p = v; }
   // Through unsigned, so that shifting a bit into the sign is no signed overflow.
   static I shl(I v, int s) { return std::bit_cast<I>(std::bit_cast<std::uint32_t>(v) << s); }
+  static M or_and(M a, M b, M c) { return a || (b && c); }
 };
 
 constexpr std::int32_t kAbs = 0x7FFFFFFF;
@@ -145,7 +148,7 @@ struct Rounding {
       } else {
         y = round_fp16(x);
       }
-      over = over | (((x & L::set(kAbs)) < L::set(kInf)) & ((y & L::set(kAbs)) == L::set(kInf)));
+      over = L::or_and(over, (x & L::set(kAbs)) < L::set(kInf), (y & L::set(kAbs)) == L::set(kInf));
       return y;
     };
     const auto* src = reinterpret_cast<const std::int32_t*>(in);

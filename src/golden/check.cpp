@@ -45,26 +45,38 @@ bool same_nonfinite(double g, double c) {
   return g == c;  // +-inf must match exactly
 }
 
-TensorResult check_tensor(const File& golden, const safetensors::Tensor& g,
-                          const safetensors::Tensor* c, bool f32, const CheckOptions& opts) {
-  TensorResult r;
+// The checks both rules share: a missing tensor is not checked; a dtype the rule cannot read
+// (any_float: any float dtype; else exactly the golden's) or another shape fails. Returns true
+// when r is already decided.
+bool decided_before_values(TensorResult& r, const safetensors::Tensor& g,
+                           const safetensors::Tensor* c, bool any_float) {
   r.name = g.name;
   if (!c) {
     r.status = Status::not_checked;
     r.message = "not in the candidate";
-    return r;
+    return true;
   }
-  if (c->dtype != g.dtype) {
+  if (any_float ? !safetensors::is_float(c->dtype) : c->dtype != g.dtype) {
     r.status = Status::fail;
-    r.message = std::string("dtype mismatch: candidate ") + safetensors::dtype_name(c->dtype) +
-                ", golden " + safetensors::dtype_name(g.dtype);
-    return r;
+    r.message =
+        any_float
+            ? std::string("dtype ") + safetensors::dtype_name(c->dtype) + " is not a float type"
+            : std::string("dtype mismatch: candidate ") + safetensors::dtype_name(c->dtype) +
+                  ", golden " + safetensors::dtype_name(g.dtype);
+    return true;
   }
   if (c->shape != g.shape) {
     r.status = Status::fail;
     r.message = "shape mismatch: candidate " + c->shape_str() + ", golden " + g.shape_str();
-    return r;
+    return true;
   }
+  return false;
+}
+
+TensorResult check_tensor(const File& golden, const safetensors::Tensor& g,
+                          const safetensors::Tensor* c, bool f32, const CheckOptions& opts) {
+  TensorResult r;
+  if (decided_before_values(r, g, c, /*any_float=*/false)) return r;
   const auto gv = g.float_values();
   const auto cv = c->float_values();
   const std::vector<double> ref = f32 ? detail::truth_of(golden, g, true) : gv;
@@ -114,22 +126,7 @@ TensorResult judge_budget(const File& golden, const safetensors::Tensor& g,
                           const safetensors::Tensor* c, bool f32, const std::vector<double>& emu,
                           Precision p, const CheckOptions& opts, const std::string& behind_tie) {
   TensorResult r;
-  r.name = g.name;
-  if (!c) {
-    r.status = Status::not_checked;
-    r.message = "not in the candidate";
-    return r;
-  }
-  if (!safetensors::is_float(c->dtype)) {
-    r.status = Status::fail;
-    r.message = std::string("dtype ") + safetensors::dtype_name(c->dtype) + " is not a float type";
-    return r;
-  }
-  if (c->shape != g.shape) {
-    r.status = Status::fail;
-    r.message = "shape mismatch: candidate " + c->shape_str() + ", golden " + g.shape_str();
-    return r;
-  }
+  if (decided_before_values(r, g, c, /*any_float=*/true)) return r;
   const auto truth = detail::truth_of(golden, g, f32);
   const auto cv = c->float_values();
   const double scale = detail::scale_of(golden, g.name, truth, f32);

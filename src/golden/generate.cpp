@@ -199,7 +199,6 @@ File make_typed(const Case& c, bool allow_ill_conditioned) {
   f.metadata.emplace_back("config", cfg.to_json().dump());
   f.metadata.emplace_back("case", c.case_json().dump());
   f.metadata.emplace_back("teo_version", TEO_VERSION);
-  if (c.precision) f.metadata.emplace_back("precision", to_string(*c.precision));
 
   const index_t B = c.batch, S = c.seq_len, D = cfg.d_model, H = cfg.num_heads, F = cfg.d_ff;
   f.add<std::int64_t>("input.tokens", {B, S}, batch.tokens.data(), batch.tokens.size());

@@ -705,7 +705,88 @@ void backward(const Params<Real>& params, const Batch& batch, const Activations<
   }
 }
 
+namespace {
+
+// Checks the arguments of a single-layer pass (ShapeError) and returns its dimensions.
+template <class Real>
+Dims layer_dims(const EncoderConfig& cfg, const LayerParams<Real>& P, const Tensor<Real>& x,
+                const std::vector<std::int64_t>& lengths, Batch& batch) {
+  cfg.validate();
+  if (x.shape().rank() != 3 || x.dim(2) != cfg.d_model ||
+      x.dim(0) != static_cast<index_t>(lengths.size())) {
+    throw ShapeError("encoder layer: x is " + x.shape().str() + ", expected (" +
+                     std::to_string(lengths.size()) + ", S, " + std::to_string(cfg.d_model) + ")");
+  }
+  P.visit([&](const std::string& name, const Tensor<Real>& t) {
+    const Shape want = detail::param_shape(cfg, "layers.0." + name);
+    if (!(t.shape() == want)) {
+      throw ShapeError("encoder layer: parameter " + name + " is " + t.shape().str() +
+                       ", expected " + want.str());
+    }
+  });
+  batch.batch = x.dim(0);
+  batch.seq_len = x.dim(1);
+  batch.lengths = lengths;
+  for (auto len : lengths) {
+    if (len < 0 || len > batch.seq_len) {
+      throw ShapeError("encoder layer: length " + std::to_string(len) + " is outside [0, " +
+                       std::to_string(batch.seq_len) + "]");
+    }
+  }
+  return dims_of(cfg, batch);
+}
+
+}  // namespace
+
+template <class Real>
+void encoder_layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P,
+                           const Tensor<Real>& x, const std::vector<std::int64_t>& lengths,
+                           LayerActs<Real>& L, const ForwardOptions& opts) {
+  Batch batch;
+  const Dims d = layer_dims(cfg, P, x, lengths, batch);
+  const Emulation<Real> store(opts.precision, "");
+  allocate_layer(L, d, static_cast<ZeroList<Real>*>(nullptr));
+  layer_forward(cfg, P, L, x.data(), batch, d, "dropout.layers.0.",
+                opts.train && cfg.dropout > 0.0, opts.dropout_seed, store);
+}
+
+template <class Real>
+void encoder_layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P,
+                            const Tensor<Real>& x, const std::vector<std::int64_t>& lengths,
+                            const LayerActs<Real>& L, const Tensor<Real>& dy, Tensor<Real>& dx,
+                            LayerParams<Real>& G, LayerActs<Real>& dL,
+                            const BackwardOptions& opts) {
+  Batch batch;
+  const Dims d = layer_dims(cfg, P, x, lengths, batch);
+  if (!(dy.shape() == x.shape()) || !(L.output.shape() == x.shape())) {
+    throw ShapeError("encoder layer: dy is " + dy.shape().str() + " and the kept output " +
+                     L.output.shape().str() + ", expected " + x.shape().str());
+  }
+  const Emulation<Real> store(opts.precision, "the gradient of ");
+  ZeroList<Real> zero;
+  G.visit([&](const std::string& name, Tensor<Real>& t) {
+    shape_as(t, detail::param_shape(cfg, "layers.0." + name), &zero);
+  });
+  allocate_layer(dL, d, &zero);
+  shape_as(dx, x.shape(), &zero);
+  zero_fill(zero);
+  copy(dL.output.data(), dy.data(), dy.numel());
+  layer_backward(cfg, P, L, G, dL, dx.data(), x.data(), d, "layers.0.", store);
+  store(dx, "", "x");
+  if (store.stores_reduced()) {
+    G.visit([&](const std::string& name, Tensor<Real>& g) { store(g, "layers.0.", name.c_str()); });
+  }
+}
+
 #define TEO_INSTANTIATE(Real)                                                                \
+  template void encoder_layer_forward<Real>(const EncoderConfig&, const LayerParams<Real>&,  \
+                                            const Tensor<Real>&,                             \
+                                            const std::vector<std::int64_t>&,                \
+                                            LayerActs<Real>&, const ForwardOptions&);        \
+  template void encoder_layer_backward<Real>(                                                \
+      const EncoderConfig&, const LayerParams<Real>&, const Tensor<Real>&,                   \
+      const std::vector<std::int64_t>&, const LayerActs<Real>&, const Tensor<Real>&,         \
+      Tensor<Real>&, LayerParams<Real>&, LayerActs<Real>&, const BackwardOptions&);           \
   template void forward<Real>(const Params<Real>&, const Batch&, Activations<Real>&,         \
                               const ForwardOptions&);                                        \
   template void encoder_forward<Real>(const Params<Real>&, const Batch&, Activations<Real>&, \

@@ -37,6 +37,37 @@ struct LayerParams {
   Tensor<Real> norm1_weight, norm1_bias, norm2_weight, norm2_bias;  // (D)
   Tensor<Real> fc1_weight, fc1_bias;                                // (F, D), (F)
   Tensor<Real> fc2_weight, fc2_bias;                                // (D, F), (D)
+
+  // Calls f(name, tensor) for every parameter, named as in the model without "layers.{i}.".
+  template <class F>
+  void visit(F&& f) {
+    visit_impl(*this, f);
+  }
+  template <class F>
+  void visit(F&& f) const {
+    visit_impl(*this, f);
+  }
+
+ private:
+  template <class Self, class F>
+  static void visit_impl(Self& l, F& f) {
+    f("attn.q.weight", l.q_weight);
+    f("attn.q.bias", l.q_bias);
+    f("attn.k.weight", l.k_weight);
+    f("attn.k.bias", l.k_bias);
+    f("attn.v.weight", l.v_weight);
+    f("attn.v.bias", l.v_bias);
+    f("attn.o.weight", l.o_weight);
+    f("attn.o.bias", l.o_bias);
+    f("norm1.weight", l.norm1_weight);
+    f("norm1.bias", l.norm1_bias);
+    f("norm2.weight", l.norm2_weight);
+    f("norm2.bias", l.norm2_bias);
+    f("ffn.fc1.weight", l.fc1_weight);
+    f("ffn.fc1.bias", l.fc1_bias);
+    f("ffn.fc2.weight", l.fc2_weight);
+    f("ffn.fc2.bias", l.fc2_bias);
+  }
 };
 
 // Every parameter of a config, named by the paths in docs/semantics.md. The same type holds the
@@ -77,24 +108,8 @@ struct Params {
     if (self.config.positional == Positional::learned)
       f("pos_embedding.weight", self.pos_embedding_weight);
     for (std::size_t i = 0; i < self.layers.size(); ++i) {
-      auto& l = self.layers[i];
       const std::string p = "layers." + std::to_string(i) + ".";
-      f(p + "attn.q.weight", l.q_weight);
-      f(p + "attn.q.bias", l.q_bias);
-      f(p + "attn.k.weight", l.k_weight);
-      f(p + "attn.k.bias", l.k_bias);
-      f(p + "attn.v.weight", l.v_weight);
-      f(p + "attn.v.bias", l.v_bias);
-      f(p + "attn.o.weight", l.o_weight);
-      f(p + "attn.o.bias", l.o_bias);
-      f(p + "norm1.weight", l.norm1_weight);
-      f(p + "norm1.bias", l.norm1_bias);
-      f(p + "norm2.weight", l.norm2_weight);
-      f(p + "norm2.bias", l.norm2_bias);
-      f(p + "ffn.fc1.weight", l.fc1_weight);
-      f(p + "ffn.fc1.bias", l.fc1_bias);
-      f(p + "ffn.fc2.weight", l.fc2_weight);
-      f(p + "ffn.fc2.bias", l.fc2_bias);
+      self.layers[i].visit([&](const std::string& n, auto& t) { f(p + n, t); });
     }
     if (self.config.norm_first) {
       f("final_norm.weight", self.final_norm_weight);
@@ -243,5 +258,25 @@ void encoder_forward(const Params<Real>& params, const Batch& batch, Activations
 template <class Real>
 void backward(const Params<Real>& params, const Batch& batch, const Activations<Real>& acts,
               Params<Real>& grads, Activations<Real>& dacts, const BackwardOptions& opts = {});
+
+// One encoder layer alone, for testing a fused-layer kernel (the encoder_layer op case): the
+// layer forward() runs as layer 0 of cfg (dropout masks drawn from opts.dropout_seed at the sites
+// "dropout.layers.0.*", kept in L.masks) on x (B, S, D) with one length per sequence. cfg's
+// num_layers, vocabulary, positions, pooling and head are not used. ShapeError when x, lengths or
+// a parameter disagrees with cfg.
+template <class Real>
+void encoder_layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P,
+                           const Tensor<Real>& x, const std::vector<std::int64_t>& lengths,
+                           LayerActs<Real>& L, const ForwardOptions& opts = {});
+
+// The gradient of sum(dy * L.output) with respect to x (dx, overwritten), the layer's parameters
+// (G, overwritten) and its named activations (dL, overwritten), from encoder_layer_forward on the
+// same arguments.
+template <class Real>
+void encoder_layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P,
+                            const Tensor<Real>& x, const std::vector<std::int64_t>& lengths,
+                            const LayerActs<Real>& L, const Tensor<Real>& dy, Tensor<Real>& dx,
+                            LayerParams<Real>& G, LayerActs<Real>& dL,
+                            const BackwardOptions& opts = {});
 
 }  // namespace teo

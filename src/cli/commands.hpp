@@ -51,6 +51,17 @@ struct GoldenCheckOptions {
 };
 int run_golden_check(const GoldenCheckOptions& opts, std::ostream& out);
 
+// `teo golden op`: one op case from a spec; `teo golden list`: what each case holds and what a
+// candidate writes.
+struct GoldenOpOptions {
+  std::string op;  // may also be the spec's "op"
+  std::string spec_path, out_path;
+  bool force = false;
+  bool allow_ill_conditioned = false;
+};
+int run_golden_op(const GoldenOpOptions& opts, std::ostream& out);
+int run_golden_list(const std::string& path, std::ostream& out);
+
 // `teo train` (or resume opts.resume) with progress lines, metrics.csv, checkpoints,
 // summary.json and curves.png in opts.out_dir; `teo predict` prints each word's language and
 // class probabilities from a checkpoint's evaluated weights.

@@ -1,10 +1,13 @@
 #include "cli/commands.hpp"
 
+#include <algorithm>
+#include <filesystem>
 #include <iostream>
 
 #include <nlohmann/json.hpp>
 
 #include "teo/files.hpp"
+#include "teo/golden_ops.hpp"
 #include "teo/precision.hpp"
 #include "teo/safetensors.hpp"
 
@@ -26,6 +29,79 @@ int run_golden_generate(const GoldenGenerateOptions& opts, std::ostream& out) {
   const std::string bytes = safetensors::serialize(golden::make(c, opts.allow_ill_conditioned));
   write_file_atomic(opts.out_path, bytes, opts.force);
   out << "wrote " << opts.out_path << " (" << bytes.size() << " bytes)\n";
+  return 0;
+}
+
+int run_golden_op(const GoldenOpOptions& opts, std::ostream& out) {
+  const golden::OpCase c = golden::OpCase::from_file(opts.spec_path, opts.op);
+  const std::string bytes = safetensors::serialize(golden::make_op(c, opts.allow_ill_conditioned));
+  write_file_atomic(opts.out_path, bytes, opts.force);
+  out << "wrote " << opts.out_path << " (" << bytes.size() << " bytes)\n";
+  return 0;
+}
+
+namespace {
+
+std::string dims_str(const std::vector<std::int64_t>& d) {
+  std::string s = "(";
+  for (std::size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + ")";
+}
+
+// One case of `golden list`: its name, format or op, dtype, and the tensors a candidate writes.
+void list_one(const std::string& path, std::ostream& out) {
+  const safetensors::File f = safetensors::read(path);
+  const std::string name = std::filesystem::path(path).filename().string();
+  if (golden::is_op_file(f)) {
+    const golden::OpCase c = golden::op_case_of(f);
+    out << name << "  op " << c.op << "  " << c.dtype
+        << (c.precision ? std::string(" ") + to_string(*c.precision) : "") << "\n";
+    out << "  spec " << c.spec.dump() << "\n";
+    for (const auto& t : f.tensors) {
+      if (t.name.starts_with("input.") || t.name.starts_with("param.") ||
+          t.name.starts_with("grad.output.")) {
+        out << "  reads  " << t.name << " " << dims_str(t.shape) << " "
+            << safetensors::dtype_name(t.dtype) << "\n";
+      }
+    }
+    for (const auto& t : golden::op_contract(c)) {
+      out << "  writes " << t.name << " " << dims_str(t.shape)
+          << (t.optional ? "  (optional)" : "") << "\n";
+    }
+    return;
+  }
+  const golden::Case c = golden::case_of(f);
+  out << name << "  model  " << c.dtype
+      << (c.precision ? std::string(" ") + to_string(*c.precision) : "") << "  " << c.config.num_layers
+      << " layer(s), batch " << c.batch << ", seq_len " << c.seq_len << ", d_model "
+      << c.config.d_model << ", heads " << c.config.num_heads << "\n";
+  for (const auto& t : f.tensors) {
+    if (t.name.starts_with("act.") || t.name.starts_with("grad.")) {
+      out << "  writes " << t.name << " " << dims_str(t.shape) << "\n";
+    }
+  }
+}
+
+}  // namespace
+
+int run_golden_list(const std::string& path, std::ostream& out) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (!fs::exists(path, ec)) throw FileError(path + ": no such file or directory");
+  if (!fs::is_directory(path, ec)) {
+    list_one(path, out);
+    return 0;
+  }
+  std::vector<std::string> files;
+  for (const auto& e : fs::recursive_directory_iterator(path, ec)) {
+    if (e.is_regular_file() && e.path().extension() == ".safetensors") {
+      files.push_back(e.path().string());
+    }
+  }
+  if (ec) throw FileError(path + ": cannot list the directory: " + ec.message());
+  if (files.empty()) throw FileError(path + ": holds no .safetensors files");
+  std::sort(files.begin(), files.end());
+  for (const auto& f : files) list_one(f, out);
   return 0;
 }
 

@@ -77,6 +77,22 @@ int main(int argc, char** argv) {
   gen->add_flag("--allow-ill-conditioned", gen_opts.allow_ill_conditioned,
                 "write a float32 case whose own error is not at rounding level, marked in its "
                 "metadata (refused otherwise)");
+  teo::cli::GoldenOpOptions op_opts;
+  CLI::App* op = golden->add_subcommand(
+      "op", "Write one op case: a single operator's inputs, outputs and exact backward");
+  op->add_option("--op", op_opts.op,
+                 "linear | layer_norm | softmax | activation | attention | embedding | pooling | "
+                 "cross_entropy | dropout | encoder_layer (or the spec's \"op\")");
+  op->add_option("--spec", op_opts.spec_path, "SPEC.json: shapes, options, dtype, seed")
+      ->required();
+  op->add_option("--out", op_opts.out_path, "the .safetensors file to write")->required();
+  op->add_flag("--force", op_opts.force, "overwrite an existing --out file");
+  op->add_flag("--allow-ill-conditioned", op_opts.allow_ill_conditioned,
+               "write a float32 case whose own error is not at rounding level, marked as such");
+  std::string list_path = "golden";
+  CLI::App* list = golden->add_subcommand(
+      "list", "Print each case of a golden directory and the tensors a candidate writes");
+  list->add_option("--golden", list_path, "golden file or directory (default golden)");
   teo::cli::GoldenCheckOptions check_opts;
   CLI::App* check = golden->add_subcommand(
       "check", "Compare a candidate's tensors with a golden's and name the first divergence");
@@ -138,7 +154,7 @@ int main(int argc, char** argv) {
       app.add_subcommand("predict", "Print each word's language probabilities from a checkpoint");
   predict->add_option("--checkpoint", predict_ckpt, "a teo train checkpoint")->required();
   predict->add_option("words", predict_words, "words to classify")->required();
-  for (CLI::App* sub : {shapes, bench, gen, check, train, predict}) {
+  for (CLI::App* sub : {shapes, bench, gen, op, check, train, predict}) {
     sub->add_option("--backend", backend_flag, "reference | simd | blas");
     sub->add_option("--isa", isa_flag, "avx512 | avx2 | neon | scalar");
     sub->add_option("--threads", threads_flag, "thread count");
@@ -164,6 +180,8 @@ int main(int argc, char** argv) {
     if (*shapes) return teo::cli::run_shapes(shapes_opts, std::cout);
     if (*bench) return teo::cli::run_bench(bench_opts, std::cout);
     if (*gen) return teo::cli::run_golden_generate(gen_opts, std::cout);
+    if (*op) return teo::cli::run_golden_op(op_opts, std::cout);
+    if (*list) return teo::cli::run_golden_list(list_path, std::cout);
     if (*train) {
       if (backend_flag.empty() && !std::getenv("TEO_BACKEND")) {
         teo::set_backend(teo::Backend::simd);  // training runs the fast path by default

@@ -4,11 +4,13 @@
 #include <cfloat>
 #include <cmath>
 #include <filesystem>
+#include <set>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
 
 #include "golden_internal.hpp"
+#include "teo/golden_ops.hpp"
 
 namespace teo::golden {
 
@@ -178,21 +180,24 @@ TensorResult judge_budget(const File& golden, const safetensors::Tensor& g,
   return r;
 }
 
-bool wanted(const std::string& name, Only only) {
-  const bool fwd = name.starts_with("act.");
-  const bool bwd = name.starts_with("grad.");
+bool wanted(const std::string& name, Only only, bool op) {
+  if (!detail::is_judged(name, op)) return false;
+  const bool fwd = op ? name.starts_with("output.") : name.starts_with("act.");
   if (only == Only::forward) return fwd;
-  if (only == Only::backward) return bwd;
-  return fwd || bwd;
+  if (only == Only::backward) return !fwd;
+  return true;
 }
 
-// Throws FormatError when `golden` is not a teo golden; returns whether it is a float32 case.
+// Throws FormatError when `golden` is neither a teo golden nor an op case; returns whether it is
+// a float32 case.
 bool golden_is_f32(const File& golden) {
   const std::string* fmt = golden.meta("format");
-  if (!fmt || *fmt != kFormat) {
+  if (!fmt || (*fmt != kFormat && *fmt != kOpFormat)) {
     throw FormatError(std::string("not a teo golden file: __metadata__.format is ") +
-                      (fmt ? "\"" + *fmt + "\"" : "missing") + ", expected \"" + kFormat + "\"");
+                      (fmt ? "\"" + *fmt + "\"" : "missing") + ", expected \"" + kFormat +
+                      "\" or \"" + kOpFormat + "\"");
   }
+  if (*fmt == kOpFormat) return op_case_of(golden).dtype == "float32";
   const std::string* cs = golden.meta("case");
   if (!cs) throw FormatError("the golden has no __metadata__.case");
   json cj;
@@ -212,9 +217,10 @@ bool golden_is_f32(const File& golden) {
 CaseReport not_checked_report(const File& golden, const CheckOptions& opts,
                               const std::string& why) {
   golden_is_f32(golden);
+  const bool op = is_op_file(golden);
   CaseReport rep;
   for (const auto& t : golden.tensors) {
-    if (!wanted(t.name, opts.only)) continue;
+    if (!wanted(t.name, opts.only, op)) continue;
     TensorResult r;
     r.name = t.name;
     r.message = why;
@@ -246,7 +252,7 @@ Precision judged_precision(const File& golden, const File& candidate, bool f32,
   std::optional<Precision> implied;
   std::string implied_by;
   for (const auto& t : candidate.tensors) {
-    if (!golden.find(t.name) || !(t.name.starts_with("act.") || t.name.starts_with("grad."))) {
+    if (!golden.find(t.name) || !detail::is_judged(t.name, is_op_file(golden))) {
       continue;
     }
     std::optional<Precision> p;
@@ -281,8 +287,16 @@ CaseReport check(const File& golden, const File& candidate, const CheckOptions& 
   const bool budget = p != Precision::fp64 && !(p == Precision::fp32 && f32);
   std::map<std::string, std::vector<double>> emu;
   std::string tie;
+  const bool op = is_op_file(golden);
+  std::set<std::string> optional_outputs;
+  if (op) {
+    for (const auto& t : op_contract(op_case_of(golden)))
+      if (t.optional) optional_outputs.insert(t.name);
+  }
   if (budget) {
     emu = emulate(golden, p);
+  }
+  if (budget && !op) {
     const EncoderConfig cfg = case_of(golden).config;
     const std::string top = detail::pooled_input_name(cfg);
     if (const auto* t = golden.find(top); t && cfg.pooling == Pooling::max) {
@@ -293,17 +307,22 @@ CaseReport check(const File& golden, const File& candidate, const CheckOptions& 
   rep.precision = to_string(budget ? p : f32 ? Precision::fp32 : Precision::fp64);
   rep.budget = budget;
   for (const auto& g : golden.tensors) {
-    if (!wanted(g.name, opts.only)) continue;
+    if (!wanted(g.name, opts.only, op)) continue;
     const auto* c = candidate.find(g.name);
     if (budget) {
       const auto e = emu.find(g.name);
       if (e == emu.end()) throw FormatError("the golden's " + g.name + " is not in the contract");
       rep.tensors.push_back(judge_budget(golden, g, c, f32, e->second, p, opts,
-                                         detail::behind_pooling_argmax(g.name) ? tie : ""));
+                                         !op && detail::behind_pooling_argmax(g.name) ? tie : ""));
     } else {
       rep.tensors.push_back(check_tensor(golden, g, c, f32, opts));
     }
-    const auto& r = rep.tensors.back();
+    auto& r = rep.tensors.back();
+    if (op && !c && optional_outputs.contains(g.name)) {
+      // An output a fused kernel may omit: reported, never counted against the candidate.
+      r.message = "optional output, not in the candidate";
+      continue;
+    }
     if (r.status == Status::pass) ++rep.passed;
     if (r.status == Status::fail) {
       ++rep.failed;

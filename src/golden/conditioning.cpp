@@ -1,10 +1,12 @@
 // The rules the generator and the checker share: the truth and scale of a tensor, and what makes
 // a case ill-conditioned (golden_internal.hpp).
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <sstream>
 
 #include "golden_internal.hpp"
+#include "teo/golden_ops.hpp"
 
 namespace teo::golden::detail {
 
@@ -48,6 +50,60 @@ double max_abs_diff(const std::vector<double>& x, const std::vector<double>& tru
     m = std::max(m, std::abs(x[i] - truth[i]));
   }
   return m;
+}
+
+bool is_judged(const std::string& name, bool op_case) {
+  if (op_case) {
+    return name.starts_with("output.") || name.starts_with("grad.input.") ||
+           name.starts_with("grad.param.");
+  }
+  return name.starts_with("act.") || name.starts_with("grad.");
+}
+
+std::string float32_conditioning(const File& f, index_t L,
+                                 const std::function<std::string()>& cause, bool allow) {
+  const bool op = is_op_file(f);
+  const double limit = kIllConditioned * FLT_EPSILON * std::sqrt(static_cast<double>(L));
+  for (const auto& t : f.tensors) {
+    if (!is_judged(t.name, op)) continue;
+    const auto truth = truth_of(f, t, true);
+    const double scale = scale_of(f, t.name, truth, true);
+    const double err = max_abs_diff(t.float_values(), truth);
+    if (err <= limit * scale) continue;
+    std::ostringstream msg;
+    msg << "the float32 case is ill-conditioned at " << stage_name(t.name) << ": its error against "
+        << "float64 is " << err / scale << " of the tensor's scale, above " << limit
+        << " (16 FLT_EPSILON sqrt(" << L << ")); cause: " << cause();
+    if (!allow) throw IllConditioned(msg.str() + " (--allow-ill-conditioned writes it anyway)");
+    return msg.str();
+  }
+  return "";
+}
+
+void precision_conditioning(const File& f, const std::map<std::string, std::vector<double>>& emu,
+                            Precision p, const EncoderConfig* cfg) {
+  const bool op = is_op_file(f);
+  const std::string top = cfg ? pooled_input_name(*cfg) : "";
+  for (const auto& t : f.tensors) {
+    if (!is_judged(t.name, op)) continue;
+    const auto truth = truth_of(f, t, true);
+    const double scale = scale_of(f, t.name, truth, true);
+    const auto e = emu.find(t.name);
+    if (e == emu.end()) throw FormatError("the emulated run has no " + t.name);
+    const double err = max_abs_diff(e->second, truth);
+    if (err > kVacuous * scale) {
+      throw IllConditioned("the " + std::string(to_string(p)) + " budget is vacuous at " +
+                           stage_name(t.name) + ": the emulated error is " +
+                           std::to_string(err / scale) + " of the tensor's scale");
+    }
+    if (cfg && t.name == top && cfg->pooling == Pooling::max) {
+      const std::string where = ambiguous_pooling(f, *cfg, truth, e->second);
+      if (!where.empty()) {
+        throw IllConditioned("the " + std::string(to_string(p)) +
+                             " budget does not resolve the max-pooling argmax of " + where);
+      }
+    }
+  }
 }
 
 std::string pooled_input_name(const EncoderConfig& cfg) {

@@ -12,7 +12,7 @@
 #include "golden_internal.hpp"
 #include "teo/files.hpp"
 #include "teo/model.hpp"
-#include "teo/sha256.hpp"
+#include "teo/golden_ops.hpp"
 
 namespace teo::golden {
 
@@ -135,55 +135,6 @@ std::vector<std::pair<std::string, const std::vector<std::uint8_t>*>> run_masks(
   return out;
 }
 
-// Refuses (IllConditioned) a float32 golden whose own error against ref64 is beyond
-// kIllConditioned * FLT_EPSILON * sqrt(L) of some tensor's scale; with `allow`, returns the
-// refusal's message instead ("" when the case is well conditioned).
-std::string float32_conditioning(const File& f, const Case& c, bool allow) {
-  const EncoderConfig& cfg = c.config;
-  const index_t L = std::max({cfg.d_model, cfg.d_ff, c.seq_len, c.batch * c.seq_len});
-  const double limit = detail::kIllConditioned * FLT_EPSILON * std::sqrt(static_cast<double>(L));
-  for (const auto& t : f.tensors) {
-    if (!t.name.starts_with("act.") && !t.name.starts_with("grad.")) continue;
-    const auto truth = detail::truth_of(f, t, true);
-    const double scale = detail::scale_of(f, t.name, truth, true);
-    const double err = detail::max_abs_diff(t.float_values(), truth);
-    if (err <= limit * scale) continue;
-    std::ostringstream msg;
-    msg << "the float32 case is ill-conditioned at " << stage_name(t.name) << ": its error against "
-        << "float64 is " << err / scale << " of the tensor's scale, above " << limit
-        << " (16 FLT_EPSILON sqrt(" << L << ")); cause: " << detail::ill_conditioning_cause(f, cfg);
-    if (!allow) throw IllConditioned(msg.str() + " (--allow-ill-conditioned writes it anyway)");
-    return msg.str();
-  }
-  return "";
-}
-
-// Refuses (IllConditioned) a precision case on which that precision's budget would be vacuous:
-// an emulated error above kVacuous of a tensor's scale, or a max-pooling argmax that is not
-// resolved (detail::ambiguous_pooling).
-void precision_conditioning(const File& f, const Case& c, Precision p) {
-  const auto emu = emulate(f, p);
-  const std::string top = detail::pooled_input_name(c.config);
-  for (const auto& t : f.tensors) {
-    if (!t.name.starts_with("act.") && !t.name.starts_with("grad.")) continue;
-    const auto truth = detail::truth_of(f, t, true);
-    const double scale = detail::scale_of(f, t.name, truth, true);
-    const double err = detail::max_abs_diff(emu.at(t.name), truth);
-    if (err > detail::kVacuous * scale) {
-      throw IllConditioned("the " + std::string(to_string(p)) + " budget is vacuous at " +
-                           stage_name(t.name) + ": the emulated error is " +
-                           std::to_string(err / scale) + " of the tensor's scale");
-    }
-    if (t.name == top) {
-      const std::string where = detail::ambiguous_pooling(f, c.config, truth, emu.at(t.name));
-      if (!where.empty()) {
-        throw IllConditioned("the " + std::string(to_string(p)) +
-                             " budget does not resolve the max-pooling argmax of " + where);
-      }
-    }
-  }
-}
-
 template <class Real>
 File make_typed(const Case& c, bool allow_ill_conditioned) {
   const EncoderConfig& cfg = c.config;
@@ -232,10 +183,12 @@ File make_typed(const Case& c, bool allow_ill_conditioned) {
     for (const auto& [n, t] : contract_grads(cfg, r64.grads, r64.dacts)) {
       add_tensor(f, "ref64." + n, *t);
     }
-    std::string why = float32_conditioning(f, c, allow_ill_conditioned);
+    const index_t L = std::max({cfg.d_model, cfg.d_ff, c.seq_len, c.batch * c.seq_len});
+    std::string why = detail::float32_conditioning(
+        f, L, [&] { return detail::ill_conditioning_cause(f, cfg); }, allow_ill_conditioned);
     if (c.precision && why.empty()) {
       try {
-        precision_conditioning(f, c, *c.precision);
+        detail::precision_conditioning(f, emulate(f, *c.precision), *c.precision, &cfg);
       } catch (const IllConditioned& e) {
         if (!allow_ill_conditioned) throw;
         why = e.what();
@@ -389,6 +342,7 @@ Case case_of(const File& golden) {
 }
 
 std::map<std::string, std::vector<double>> emulate(const File& golden, Precision p) {
+  if (is_op_file(golden)) return run_op(golden, p);
   const Case c = case_of(golden);
   const EncoderConfig& cfg = c.config;
   auto params = Params<float>::zeros(cfg);
@@ -435,26 +389,14 @@ std::vector<CorpusEntry> read_corpus_cases(const std::string& path) {
   }
   std::vector<CorpusEntry> out;
   for (const auto& e : j["cases"]) {
-    if (!e.is_object() || !e.contains("name") || !e["name"].is_string()) {
-      throw ConfigError(path + ": every case needs a \"name\" string");
-    }
     CorpusEntry ce;
-    ce.name = e["name"].get<std::string>();
-    if (ce.name.empty() || ce.name.find_first_of("/\\") != std::string::npos || ce.name[0] == '.') {
-      throw ConfigError(path + ": case name \"" + ce.name + "\" is not a plain file name");
-    }
+    ce.name = detail::corpus_entry_name(e, path);
     for (const auto& prev : out) {
       if (prev.name == ce.name) throw ConfigError(path + ": case name \"" + ce.name + "\" repeats");
     }
     json spec = e;
     spec.erase("name");
-    if (spec.contains("description")) {
-      if (!spec["description"].is_string()) {
-        throw ConfigError(path + ": case " + ce.name + ": description must be a string");
-      }
-      ce.description = spec["description"].get<std::string>();
-      spec.erase("description");
-    }
+    ce.description = detail::corpus_entry_description(spec, path, ce.name);
     try {
       ce.spec = Case::from_json(spec);
     } catch (const ConfigError& err) {
@@ -470,43 +412,26 @@ std::vector<CorpusEntry> read_corpus_cases(const std::string& path) {
 void generate_corpus(const std::string& dir, std::ostream& log, bool overwrite) {
   namespace fs = std::filesystem;
   const auto entries = read_corpus_cases((fs::path(dir) / "cases.json").string());
+  std::vector<std::string> names;
+  for (const auto& e : entries) names.push_back(e.name);
+  // golden/ops/ is the op corpus, generated after the model cases; nothing is written when
+  // either would overwrite a file without `overwrite`.
+  const fs::path ops = fs::path(dir) / "ops";
+  std::error_code ec;
+  const bool have_ops = fs::exists(ops / "cases.json", ec);
   if (!overwrite) {
-    std::error_code ec;
-    const fs::path manifest = fs::path(dir) / "manifest.json";
-    if (fs::exists(manifest, ec)) {
-      throw FileError(manifest.string() +
-                      ": already exists (pass --force to regenerate the corpus)");
-    }
-    for (const auto& e : entries) {
-      const fs::path f = fs::path(dir) / (e.name + ".safetensors");
-      if (fs::exists(f, ec)) {
-        throw FileError(f.string() + ": already exists (pass --force to regenerate the corpus)");
-      }
+    detail::refuse_existing(dir, names);
+    if (have_ops) {
+      std::vector<std::string> op_names;
+      for (const auto& e : read_op_corpus_cases((ops / "cases.json").string()))
+        op_names.push_back(e.name);
+      detail::refuse_existing(ops.string(), op_names);
     }
   }
-  nlohmann::ordered_json files = nlohmann::ordered_json::array();
-  std::uint64_t total = 0;
-  for (const auto& e : entries) {
-    const std::string bytes = safetensors::serialize(make(e.spec));
-    const std::string file = e.name + ".safetensors";
-    write_file_atomic((fs::path(dir) / file).string(), bytes, /*overwrite=*/true);
-    nlohmann::ordered_json m;
-    m["file"] = file;
-    m["sha256"] = sha256_hex(bytes);
-    m["bytes"] = bytes.size();
-    m["description"] = e.description;
-    files.push_back(std::move(m));
-    total += bytes.size();
-    log << file << "  " << bytes.size() << " bytes\n";
-  }
-  nlohmann::ordered_json manifest;
-  manifest["format"] = "teo-golden-manifest/1";
-  manifest["teo_version"] = TEO_VERSION;
-  manifest["total_bytes"] = total;
-  manifest["files"] = std::move(files);
-  write_file_atomic((fs::path(dir) / "manifest.json").string(), manifest.dump(2) + "\n",
-                    /*overwrite=*/true);
-  log << entries.size() << " cases, " << total << " bytes\n";
+  detail::write_corpus(dir, names, log, [&](std::size_t i) {
+    return std::pair{safetensors::serialize(make(entries[i].spec)), entries[i].description};
+  });
+  if (have_ops) generate_op_corpus(ops.string(), log, /*overwrite=*/true);
 }
 
 }  // namespace teo::golden

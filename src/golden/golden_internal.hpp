@@ -1,8 +1,14 @@
 // Internal to src/golden: the rules the generator and the checker share.
 #pragma once
 
+#include <cstddef>
+#include <functional>
+#include <ostream>
 #include <string>
+#include <utility>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "teo/golden.hpp"
 
@@ -49,5 +55,37 @@ std::string ambiguous_pooling(const safetensors::File& golden, const EncoderConf
 // float64 activations: a max-pooling argmax that differs, a ReLU input whose sign differs, or
 // neither.
 std::string ill_conditioning_cause(const safetensors::File& golden, const EncoderConfig& cfg);
+
+// Whether a tensor of a golden is judged by the checker: act.* and grad.* in a model case;
+// output.*, grad.input.* and grad.param.* in an op case (grad.output.* is an op's input).
+bool is_judged(const std::string& name, bool op_case);
+
+// Refuses (IllConditioned) a float32 golden (model or op case) whose own error against ref64 is
+// beyond kIllConditioned * FLT_EPSILON * sqrt(L) of some judged tensor's scale; with `allow`,
+// returns the refusal's message instead ("" when the case is well conditioned). `cause` explains
+// an excess.
+std::string float32_conditioning(const safetensors::File& f, index_t L,
+                                 const std::function<std::string()>& cause, bool allow);
+
+// Refuses (IllConditioned) a precision case on which that precision's budget would be vacuous:
+// an emulated error (emu, by tensor name) above kVacuous of a judged tensor's scale, or, for a
+// model case (cfg not null) under max pooling, an argmax the budget does not resolve.
+void precision_conditioning(const safetensors::File& f,
+                            const std::map<std::string, std::vector<double>>& emu, Precision p,
+                            const EncoderConfig* cfg);
+
+// The corpus files (cases.json): an entry's plain file name, and its optional description (erased
+// from `entry`). ConfigError naming `path` otherwise.
+std::string corpus_entry_name(const nlohmann::json& entry, const std::string& path);
+std::string corpus_entry_description(nlohmann::json& entry, const std::string& path,
+                                     const std::string& name);
+
+// FileError when <dir>/manifest.json or any <dir>/<name>.safetensors exists.
+void refuse_existing(const std::string& dir, const std::vector<std::string>& names);
+
+// Writes <dir>/<names[i]>.safetensors from make(i) = {bytes, description}, each through a
+// temporary file and a rename, then <dir>/manifest.json (sha256, size and description per file).
+void write_corpus(const std::string& dir, const std::vector<std::string>& names, std::ostream& log,
+                  const std::function<std::pair<std::string, std::string>(std::size_t)>& make);
 
 }  // namespace teo::golden::detail

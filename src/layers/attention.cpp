@@ -11,6 +11,7 @@
 #include "kernels/kernels_internal.hpp"
 #include "kernels/parallel.hpp"
 #include "teo/kernels.hpp"
+#include "teo/layers/softmax.hpp"
 #include "teo/precision.hpp"
 
 namespace teo {
@@ -85,19 +86,67 @@ index_t visible_keys(index_t i, index_t length, bool causal) {
   return causal ? std::min(length, i + 1) : length;
 }
 
+template <class Real>
+Real scale_of(std::optional<double> scale, index_t d_head) {
+  return static_cast<Real>(scale ? *scale : 1.0 / std::sqrt(static_cast<double>(d_head)));
+}
+
+// Query rows [i0, i1) of head bh: scores (rows, S) = alpha q k^T with masked keys -inf, and probs
+// (rows, S) their softmax, each rounded where it is stored under bf16 or fp16 emulation. The
+// materialised and the row-blocked paths both compute every row here, so they agree bit for bit.
+template <class Real>
+void score_rows(Real* sc, Real* pr, const Real* qh, const Real* kh, index_t len, index_t i0,
+                index_t i1, index_t seq_len, index_t d_head, bool causal, Real alpha) {
+  const Real neg_inf = -std::numeric_limits<Real>::infinity();
+  // scores (rows, S) = q (rows, Dh) * k^T (Dh, S) * alpha
+  gemm<Real>(Trans::no, Trans::yes, i1 - i0, seq_len, d_head, alpha, qh + i0 * d_head, d_head, kh,
+             d_head, Real(0), sc, seq_len);
+  for (index_t i = i0; i < i1; ++i) {
+    Real* srow = sc + (i - i0) * seq_len;
+    const index_t nv = visible_keys(i, len, causal);
+    for (index_t j = nv; j < seq_len; ++j) srow[j] = neg_inf;
+    store_rows(srow, seq_len, "scores");
+    softmax_forward(pr + (i - i0) * seq_len, srow, &nv, 1, seq_len);
+  }
+  store_rows(pr, (i1 - i0) * seq_len, "probs");
+}
+
+// dscores (rows, S) for query rows whose probs (rows, S) are pr, from dcontext rows dc (stride
+// ldc): dprobs = dcontext v^T (through the dropout when there is one), then the softmax's backward.
+template <class Real>
+void score_grad_rows(Real* dp, Real* ds, const Real* pr, const Real* dc, index_t ldc,
+                     const Real* vh, const std::uint8_t* m, Real drop_scale, index_t rows,
+                     index_t seq_len, index_t d_head) {
+  // dpv (rows, S) = dcontext (rows, Dh) * v^T (Dh, S); then through the dropout
+  gemm<Real>(Trans::no, Trans::yes, rows, seq_len, d_head, Real(1), dc, ldc, vh, d_head, Real(0),
+             dp, seq_len);
+  if (m) {
+    for (index_t j = 0; j < rows * seq_len; ++j) dp[j] = m[j] ? dp[j] * drop_scale : Real(0);
+  }
+  store_rows(dp, rows * seq_len, "probs");
+  // in the forward pass this was: probs = softmax(scores)
+  // dscores = probs * (dprobs - sum_j probs * dprobs); 0 wherever probs is 0 (masked).
+  softmax_backward(ds, dp, pr, rows, seq_len);
+  store_rows(ds, rows * seq_len, "scores");
+}
+
+// Query rows per block of the row-blocked path: about 2^20 score entries per buffer.
+index_t rows_per_block(index_t seq_len, index_t block_rows) {
+  if (block_rows > 0) return std::min(block_rows, std::max<index_t>(seq_len, 1));
+  return std::clamp<index_t>((index_t{1} << 20) / std::max<index_t>(seq_len, 1), 1,
+                             std::max<index_t>(seq_len, 1));
+}
+
 }  // namespace
 
 template <class Real>
 void attention_forward(Real* context, Real* scores, Real* probs, const Real* q, const Real* k,
                        const Real* v, const std::int64_t* lengths, const std::uint8_t* drop_mask,
                        Real drop_scale, index_t batch, index_t heads, index_t seq_len,
-                       index_t d_head, bool causal, bool merged_context) {
-  const Real alpha = static_cast<Real>(1.0 / std::sqrt(static_cast<double>(d_head)));
-  const Real neg_inf = -std::numeric_limits<Real>::infinity();
+                       index_t d_head, bool causal, bool merged_context,
+                       std::optional<double> scale) {
+  const Real alpha = scale_of<Real>(scale, d_head);
   const index_t ss = seq_len * seq_len;
-  // The simd and blas backends use the vector kernels for the softmax; the reference its loops.
-  const simd::VectorKernels<Real>* vk =
-      backend() == Backend::reference ? nullptr : &detail::vector_kernels<Real>();
   // Each (batch, head) block is one task's: its scores, probs and context rows are its own.
   detail::for_blocks(batch * heads, 1, [&](index_t bh0, index_t bh1) {
     std::vector<Real> dropped(static_cast<std::size_t>(drop_mask ? ss : 0));  // (S, S)
@@ -108,32 +157,7 @@ void attention_forward(Real* context, Real* scores, Real* probs, const Real* q, 
       const Real* vh = v + bh * seq_len * d_head;  // (S, Dh)
       Real* sc = scores + bh * ss;                 // (S, S)
       Real* pr = probs + bh * ss;                  // (S, S)
-      // scores (S, S) = q (S, Dh) * k^T (Dh, S) / sqrt(Dh)
-      gemm<Real>(Trans::no, Trans::yes, seq_len, seq_len, d_head, alpha, qh, d_head, kh, d_head,
-                 Real(0), sc, seq_len);
-      for (index_t i = 0; i < seq_len; ++i) {
-        Real* srow = sc + i * seq_len;
-        Real* prow = pr + i * seq_len;
-        const index_t nv = visible_keys(i, len, causal);
-        for (index_t j = nv; j < seq_len; ++j) srow[j] = neg_inf;
-        store_rows(srow, seq_len, "scores");
-        if (vk) {
-          vk->softmax_forward_row(prow, srow, nv, seq_len);
-          continue;
-        }
-        for (index_t j = 0; j < seq_len; ++j) prow[j] = Real(0);
-        if (nv == 0) continue;  // fully masked row: probabilities stay exactly 0
-        Real mx = srow[0];
-        for (index_t j = 1; j < nv; ++j) mx = std::max(mx, srow[j]);
-        Real sum = 0;
-        for (index_t j = 0; j < nv; ++j) {
-          prow[j] = std::exp(srow[j] - mx);
-          sum += prow[j];
-        }
-        const Real inv = Real(1) / sum;
-        for (index_t j = 0; j < nv; ++j) prow[j] *= inv;
-      }
-      store_rows(pr, ss, "probs");
+      score_rows(sc, pr, qh, kh, len, 0, seq_len, seq_len, d_head, causal, alpha);
       const Real* pv = pr;
       if (drop_mask) {
         const std::uint8_t* m = drop_mask + bh * ss;
@@ -153,14 +177,11 @@ void attention_backward(Real* dq, Real* dk, Real* dv, Real* dprobs, Real* dscore
                         const Real* dcontext, const Real* q, const Real* k, const Real* v,
                         const Real* probs, const std::uint8_t* drop_mask, Real drop_scale,
                         index_t batch, index_t heads, index_t seq_len, index_t d_head,
-                        bool merged_context, GradWrite qkv_write) {
-  const Real alpha = static_cast<Real>(1.0 / std::sqrt(static_cast<double>(d_head)));
+                        bool merged_context, GradWrite qkv_write, std::optional<double> scale) {
+  const Real alpha = scale_of<Real>(scale, d_head);
   const index_t ss = seq_len * seq_len;
   // Each head's dq, dk and dv are written by one product each: beta = 0 overwrites them.
   const Real beta = qkv_write == GradWrite::overwrite ? Real(0) : Real(1);
-  // The simd and blas backends use the vector kernels for the softmax; the reference its loops.
-  const simd::VectorKernels<Real>* vk =
-      backend() == Backend::reference ? nullptr : &detail::vector_kernels<Real>();
   detail::for_blocks(batch * heads, 1, [&](index_t bh0, index_t bh1) {
     std::vector<Real> dropped(static_cast<std::size_t>(drop_mask ? ss : 0));  // (S, S)
     for (index_t bh = bh0; bh < bh1; ++bh) {
@@ -170,9 +191,9 @@ void attention_backward(Real* dq, Real* dk, Real* dv, Real* dprobs, Real* dscore
       const Real* pr = probs + bh * ss;  // (S, S)
       Real* dp = dprobs + bh * ss;       // (S, S)
       Real* ds = dscores + bh * ss;      // (S, S)
+      const std::uint8_t* m = drop_mask ? drop_mask + bh * ss : nullptr;
       const Real* pv = pr;
-      if (drop_mask) {
-        const std::uint8_t* m = drop_mask + bh * ss;
+      if (m) {
         for (index_t j = 0; j < ss; ++j) dropped[j] = m[j] ? pr[j] * drop_scale : Real(0);
         pv = dropped.data();
       }
@@ -180,30 +201,7 @@ void attention_backward(Real* dq, Real* dk, Real* dv, Real* dprobs, Real* dscore
       // dv (S, Dh) += pv^T (S, S) * dcontext (S, Dh)
       gemm<Real>(Trans::yes, Trans::no, seq_len, d_head, seq_len, Real(1), pv, seq_len, dc, ldc,
                  beta, dv + off, d_head);
-      // dpv (S, S) = dcontext (S, Dh) * v^T (Dh, S); then through the dropout
-      gemm<Real>(Trans::no, Trans::yes, seq_len, seq_len, d_head, Real(1), dc, ldc, v + off, d_head,
-                 Real(0), dp, seq_len);
-      if (drop_mask) {
-        const std::uint8_t* m = drop_mask + bh * ss;
-        for (index_t j = 0; j < ss; ++j) dp[j] = m[j] ? dp[j] * drop_scale : Real(0);
-      }
-      store_rows(dp, ss, "probs");
-      // in the forward pass this was: probs = softmax(scores)
-      // dscores = probs * (dprobs - sum_j probs * dprobs); 0 wherever probs is 0 (masked).
-      for (index_t i = 0; i < seq_len; ++i) {
-        const Real* prow = pr + i * seq_len;
-        const Real* dprow = dp + i * seq_len;
-        Real* dsrow = ds + i * seq_len;
-        if (vk) {
-          vk->softmax_backward_row(dsrow, prow, dprow, seq_len);
-          continue;
-        }
-        Real dot = 0;
-        for (index_t j = 0; j < seq_len; ++j) dot += prow[j] * dprow[j];
-        for (index_t j = 0; j < seq_len; ++j)
-          dsrow[j] = prow[j] == Real(0) ? Real(0) : prow[j] * (dprow[j] - dot);
-      }
-      store_rows(ds, ss, "scores");
+      score_grad_rows(dp, ds, pr, dc, ldc, v + off, m, drop_scale, seq_len, seq_len, d_head);
       // in the forward pass this was: scores = alpha * q * k^T
       // dq (S, Dh) += alpha * dscores (S, S) * k (S, Dh)
       gemm<Real>(Trans::no, Trans::no, seq_len, d_head, seq_len, alpha, ds, seq_len, k + off,
@@ -215,6 +213,70 @@ void attention_backward(Real* dq, Real* dk, Real* dv, Real* dprobs, Real* dscore
   });
 }
 
+template <class Real>
+void attention_forward_rows(Real* context, const Real* q, const Real* k, const Real* v,
+                            const std::int64_t* lengths, index_t batch, index_t heads,
+                            index_t seq_len, index_t d_head, bool causal,
+                            std::optional<double> scale, index_t block_rows) {
+  const Real alpha = scale_of<Real>(scale, d_head);
+  const index_t rb = rows_per_block(seq_len, block_rows);
+  detail::for_blocks(batch * heads, 1, [&](index_t bh0, index_t bh1) {
+    std::vector<Real> sc(static_cast<std::size_t>(rb * seq_len));  // (rows, S)
+    std::vector<Real> pr(static_cast<std::size_t>(rb * seq_len));  // (rows, S)
+    for (index_t bh = bh0; bh < bh1; ++bh) {
+      const index_t off = bh * seq_len * d_head;
+      for (index_t i0 = 0; i0 < seq_len; i0 += rb) {
+        const index_t i1 = std::min(seq_len, i0 + rb);
+        score_rows(sc.data(), pr.data(), q + off, k + off, lengths[bh / heads], i0, i1, seq_len,
+                   d_head, causal, alpha);
+        // context rows (rows, Dh) = probs (rows, S) * v (S, Dh)
+        gemm<Real>(Trans::no, Trans::no, i1 - i0, d_head, seq_len, Real(1), pr.data(), seq_len,
+                   v + off, d_head, Real(0), context + off + i0 * d_head, d_head);
+      }
+    }
+  });
+}
+
+template <class Real>
+void attention_backward_rows(Real* dq, Real* dk, Real* dv, const Real* dcontext, const Real* q,
+                             const Real* k, const Real* v, const std::int64_t* lengths,
+                             index_t batch, index_t heads, index_t seq_len, index_t d_head,
+                             bool causal, GradWrite qkv_write, std::optional<double> scale,
+                             index_t block_rows) {
+  const Real alpha = scale_of<Real>(scale, d_head);
+  const Real beta = qkv_write == GradWrite::overwrite ? Real(0) : Real(1);
+  const index_t rb = rows_per_block(seq_len, block_rows);
+  detail::for_blocks(batch * heads, 1, [&](index_t bh0, index_t bh1) {
+    std::vector<Real> sc(static_cast<std::size_t>(rb * seq_len));  // (rows, S)
+    std::vector<Real> pr(static_cast<std::size_t>(rb * seq_len));  // (rows, S)
+    std::vector<Real> dp(static_cast<std::size_t>(rb * seq_len));  // (rows, S)
+    std::vector<Real> ds(static_cast<std::size_t>(rb * seq_len));  // (rows, S)
+    for (index_t bh = bh0; bh < bh1; ++bh) {
+      const index_t off = bh * seq_len * d_head;
+      for (index_t i0 = 0; i0 < seq_len; i0 += rb) {
+        const index_t i1 = std::min(seq_len, i0 + rb), rows = i1 - i0;
+        // The first block starts dk and dv from beta; later ones continue the same fused chains
+        // over the query rows, so every element is the materialised product's chain.
+        const Real b = i0 == 0 ? beta : Real(1);
+        const Real* dc = dcontext + off + i0 * d_head;  // (rows, Dh)
+        score_rows(sc.data(), pr.data(), q + off, k + off, lengths[bh / heads], i0, i1, seq_len,
+                   d_head, causal, alpha);
+        // dv (S, Dh) += probs^T (S, rows) * dcontext (rows, Dh)
+        gemm<Real>(Trans::yes, Trans::no, seq_len, d_head, rows, Real(1), pr.data(), seq_len, dc,
+                   d_head, b, dv + off, d_head);
+        score_grad_rows(dp.data(), ds.data(), pr.data(), dc, d_head, v + off,
+                        static_cast<const std::uint8_t*>(nullptr), Real(1), rows, seq_len, d_head);
+        // dq rows (rows, Dh) += alpha * dscores (rows, S) * k (S, Dh)
+        gemm<Real>(Trans::no, Trans::no, rows, d_head, seq_len, alpha, ds.data(), seq_len, k + off,
+                   d_head, beta, dq + off + i0 * d_head, d_head);
+        // dk (S, Dh) += alpha * dscores^T (S, rows) * q (rows, Dh)
+        gemm<Real>(Trans::yes, Trans::no, seq_len, d_head, rows, alpha, ds.data(), seq_len,
+                   q + off + i0 * d_head, d_head, b, dk + off, d_head);
+      }
+    }
+  });
+}
+
 #define TEO_INSTANTIATE(Real)                                                                      \
   template void split_heads<Real>(Real*, const Real*, index_t, index_t, index_t, index_t, index_t, \
                                   const Real*);                                                    \
@@ -222,11 +284,19 @@ void attention_backward(Real* dq, Real* dk, Real* dv, Real* dprobs, Real* dscore
                                   index_t);                                                        \
   template void attention_forward<Real>(Real*, Real*, Real*, const Real*, const Real*,             \
                                         const Real*, const std::int64_t*, const std::uint8_t*,     \
-                                        Real, index_t, index_t, index_t, index_t, bool, bool);     \
+                                        Real, index_t, index_t, index_t, index_t, bool, bool,      \
+                                        std::optional<double>);                                    \
   template void attention_backward<Real>(Real*, Real*, Real*, Real*, Real*, const Real*,           \
                                          const Real*, const Real*, const Real*, const Real*,       \
                                          const std::uint8_t*, Real, index_t, index_t, index_t,     \
-                                         index_t, bool, GradWrite);
+                                         index_t, bool, GradWrite, std::optional<double>);         \
+  template void attention_forward_rows<Real>(Real*, const Real*, const Real*, const Real*,        \
+                                             const std::int64_t*, index_t, index_t, index_t,      \
+                                             index_t, bool, std::optional<double>, index_t);      \
+  template void attention_backward_rows<Real>(Real*, Real*, Real*, const Real*, const Real*,      \
+                                              const Real*, const Real*, const std::int64_t*,      \
+                                              index_t, index_t, index_t, index_t, bool, GradWrite, \
+                                              std::optional<double>, index_t);
 TEO_INSTANTIATE(float)
 TEO_INSTANTIATE(double)
 

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 
 #include "teo/errors.hpp"
 #include "teo/kernels.hpp"
@@ -20,7 +21,8 @@ void merge_heads(Real* out, const Real* in, index_t batch, index_t seq_len, inde
                  index_t d_head, index_t row_stride = 0);
 
 // Key j is visible from query i of sequence b iff j < lengths[b] and (!causal or j <= i).
-//   scores = q k^T / sqrt(Dh) on visible keys, -inf elsewhere;
+//   scores = scale q k^T on visible keys, -inf elsewhere (scale: 1 / sqrt(Dh) unless given,
+//            computed in double and rounded to Real);
 //   probs  = softmax over keys; a row with no visible key is all 0 (never NaN);
 //   context = dropout(probs) v.
 // context (B, H, S, Dh), or (B, S, H * Dh) with merged_context (heads merged, as the output
@@ -31,7 +33,8 @@ template <class Real>
 void attention_forward(Real* context, Real* scores, Real* probs, const Real* q, const Real* k,
                        const Real* v, const std::int64_t* lengths, const std::uint8_t* drop_mask,
                        Real drop_scale, index_t batch, index_t heads, index_t seq_len,
-                       index_t d_head, bool causal, bool merged_context = false);
+                       index_t d_head, bool causal, bool merged_context = false,
+                       std::optional<double> scale = std::nullopt);
 
 // Accumulates dq, dk, dv (B, H, S, Dh). dprobs and dscores (B, H, S, S) are overwritten with the
 // gradients of the loss with respect to probs (before dropout) and scores. dscores is exactly 0 at
@@ -45,6 +48,27 @@ void attention_backward(Real* dq, Real* dk, Real* dv, Real* dprobs, Real* dscore
                         const Real* dcontext, const Real* q, const Real* k, const Real* v,
                         const Real* probs, const std::uint8_t* drop_mask, Real drop_scale,
                         index_t batch, index_t heads, index_t seq_len, index_t d_head,
-                        bool merged_context = false, GradWrite qkv_write = GradWrite::accumulate);
+                        bool merged_context = false, GradWrite qkv_write = GradWrite::accumulate,
+                        std::optional<double> scale = std::nullopt);
+
+// The row-blocked path for long sequences, without dropout: the same values as
+// attention_forward and attention_backward, computed `block_rows` query rows at a time (0: about
+// 2^20 score entries per block), so that (B, H, S, S) is never held; per task it holds four
+// (block_rows, S) buffers. context, dcontext, dq, dk, dv are (B, H, S, Dh). Backward recomputes
+// the scores and probabilities of each block from q and k. On the simd backend the results are
+// bitwise those of the materialised functions for any block_rows (every GEMM element is one fused
+// chain over k; dk and dv continue their chains across blocks); the reference and blas backends
+// sum in another order across blocks.
+template <class Real>
+void attention_forward_rows(Real* context, const Real* q, const Real* k, const Real* v,
+                            const std::int64_t* lengths, index_t batch, index_t heads,
+                            index_t seq_len, index_t d_head, bool causal,
+                            std::optional<double> scale = std::nullopt, index_t block_rows = 0);
+template <class Real>
+void attention_backward_rows(Real* dq, Real* dk, Real* dv, const Real* dcontext, const Real* q,
+                             const Real* k, const Real* v, const std::int64_t* lengths,
+                             index_t batch, index_t heads, index_t seq_len, index_t d_head,
+                             bool causal, GradWrite qkv_write = GradWrite::accumulate,
+                             std::optional<double> scale = std::nullopt, index_t block_rows = 0);
 
 }  // namespace teo

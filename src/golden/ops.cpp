@@ -1,0 +1,1100 @@
+// Op cases (teo/golden_ops.hpp): the spec of each op, its tensors, the draw of its inputs, and
+// its forward and backward through the same layer functions the model calls.
+#include "teo/golden_ops.hpp"
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <filesystem>
+#include <set>
+#include <sstream>
+
+#include "golden_internal.hpp"
+#include "kernels/parallel.hpp"
+#include "model_internal.hpp"
+#include "teo/files.hpp"
+#include "teo/golden.hpp"
+#include "teo/layers/attention.hpp"
+#include "teo/layers/cross_entropy.hpp"
+#include "teo/layers/dropout.hpp"
+#include "teo/layers/embedding.hpp"
+#include "teo/layers/feed_forward.hpp"
+#include "teo/layers/layer_norm.hpp"
+#include "teo/layers/linear.hpp"
+#include "teo/layers/pooling.hpp"
+#include "teo/layers/positional.hpp"
+#include "teo/layers/softmax.hpp"
+#include "teo/model.hpp"
+#include "teo/rng.hpp"
+#include "teo/sha256.hpp"
+
+namespace teo::golden {
+
+namespace {
+
+using json = nlohmann::json;
+using ojson = nlohmann::ordered_json;
+using safetensors::DType;
+using safetensors::File;
+using Dims = std::vector<std::int64_t>;
+
+enum class Op {
+  linear,
+  layer_norm,
+  softmax,
+  activation,
+  attention,
+  embedding,
+  pooling,
+  cross_entropy,
+  dropout,
+  encoder_layer
+};
+
+Op op_of(const std::string& name) {
+  const auto& names = op_names();
+  const auto it = std::find(names.begin(), names.end(), name);
+  if (it == names.end()) {
+    std::string all;
+    for (const auto& n : names) all += (all.empty() ? "" : ", ") + n;
+    throw ConfigError("unknown op \"" + name + "\" (the ops are " + all + ")");
+  }
+  return static_cast<Op>(it - names.begin());
+}
+
+// Attention stores scores and probs (B, H, S, S) by default up to this many entries each; beyond
+// it the case uses the row-blocked path and omits them.
+constexpr std::int64_t kProbsDefaultLimit = std::int64_t{1} << 22;
+// The largest size any one dimension may take.
+constexpr std::int64_t kMaxDim = std::int64_t{1} << 31;
+
+// The parsed spec of a case.
+struct Spec {
+  Op op = Op::linear;
+  index_t rows = 0, cols = 0, in_f = 0, out_f = 0;
+  index_t batch = 0, heads = 0, seq = 0, d_head = 0;
+  std::vector<std::int64_t> lengths;  // attention, pooling, encoder_layer: (B); softmax: visible
+  bool bias = true, probs = true;
+  std::optional<double> scale;
+  index_t vocab = 0, max_len = 0;
+  EncoderConfig cfg;  // d_model, num_heads, d_ff and every option spelled as the config spells it
+};
+
+// Reads a spec object key by key; finish() rejects the keys nobody asked for.
+class Reader {
+ public:
+  explicit Reader(const json& j) : j_(j) {}
+  Reader(const ojson&) = delete;
+  bool has(const char* key) const { return j_.contains(key); }
+  index_t size(const char* key, index_t min) {
+    used_.insert(key);
+    if (!j_.contains(key)) throw ConfigError(std::string("the spec needs \"") + key + "\"");
+    const json& v = j_.at(key);
+    if (!v.is_number_integer()) {
+      throw ConfigError(std::string("spec.") + key + " must be an integer, got " + v.dump());
+    }
+    if (v.is_number_unsigned() && v.get<std::uint64_t>() > static_cast<std::uint64_t>(kMaxDim)) {
+      throw ShapeError(std::string("spec.") + key + " is too large: " + v.dump());
+    }
+    const auto x = v.get<std::int64_t>();
+    if (x < min || x > kMaxDim) {
+      throw ConfigError(std::string("spec.") + key + " must be an integer in [" +
+                        std::to_string(min) + ", 2^31], got " + v.dump());
+    }
+    return x;
+  }
+  bool flag(const char* key, bool def) {
+    used_.insert(key);
+    if (!j_.contains(key)) return def;
+    if (!j_.at(key).is_boolean()) {
+      throw ConfigError(std::string("spec.") + key + " must be true or false, got " +
+                        j_.at(key).dump());
+    }
+    return j_.at(key).get<bool>();
+  }
+  // (n) integers in [0, max], each named in an error; default: n copies of max.
+  std::vector<std::int64_t> prefix_lengths(const char* key, index_t n, index_t max) {
+    used_.insert(key);
+    if (!j_.contains(key)) return std::vector<std::int64_t>(static_cast<std::size_t>(n), max);
+    const json& v = j_.at(key);
+    if (!v.is_array()) throw ConfigError(std::string("spec.") + key + " must be an array");
+    if (static_cast<index_t>(v.size()) != n) {
+      throw ShapeError(std::string("spec.") + key + " has " + std::to_string(v.size()) +
+                       " entries for " + std::to_string(n));
+    }
+    std::vector<std::int64_t> out;
+    for (const auto& x : v) {
+      if (!x.is_number_integer() || x.get<std::int64_t>() < 0 || x.get<std::int64_t>() > max ||
+          (x.is_number_unsigned() && x.get<std::uint64_t>() > static_cast<std::uint64_t>(max))) {
+        throw ShapeError(std::string("spec.") + key + " has " + x.dump() + ", outside [0, " +
+                         std::to_string(max) + "]");
+      }
+      out.push_back(x.get<std::int64_t>());
+    }
+    return out;
+  }
+  std::optional<double> number(const char* key) {
+    used_.insert(key);
+    if (!j_.contains(key) || j_.at(key).is_null()) return std::nullopt;
+    const json& v = j_.at(key);
+    if (!v.is_number() || !std::isfinite(v.get<double>()) || v.get<double>() <= 0) {
+      throw ConfigError(std::string("spec.") + key + " must be a finite number > 0, got " +
+                        v.dump());
+    }
+    return v.get<double>();
+  }
+  // The model-config keys among `keys`, read by EncoderConfig::from_json (its errors name them)
+  // on top of `base`.
+  EncoderConfig config(std::initializer_list<const char*> keys, const json& base = json::object()) {
+    json sub = base;
+    for (const char* k : keys) {
+      used_.insert(k);
+      if (j_.contains(k)) sub[k] = j_.at(k);
+    }
+    try {
+      return EncoderConfig::from_json(sub);
+    } catch (const ConfigError& e) {
+      throw ConfigError(std::string("spec: ") + e.what());
+    }
+  }
+  void finish() const {
+    for (const auto& [key, v] : j_.items()) {
+      if (!used_.contains(key)) throw ConfigError("the spec has the unknown key \"" + key + "\"");
+    }
+  }
+  void use(const char* key) { used_.insert(key); }
+
+ private:
+  const json& j_;
+  std::set<std::string> used_;
+};
+
+Spec parse_spec(Op op, Reader& r) {
+  Spec s;
+  s.op = op;
+  switch (op) {
+    case Op::linear:
+      s.rows = r.size("rows", 0);
+      s.in_f = r.size("in_features", 1);
+      s.out_f = r.size("out_features", 1);
+      s.bias = r.flag("bias", true);
+      break;
+    case Op::layer_norm:
+      s.rows = r.size("rows", 0);
+      s.cfg = r.config({"layer_norm_eps"});
+      s.cols = r.size("d_model", 1);
+      break;
+    case Op::softmax:
+      s.rows = r.size("rows", 0);
+      s.cols = r.size("cols", 1);
+      s.lengths = r.prefix_lengths("visible", s.rows, s.cols);
+      break;
+    case Op::activation:
+      s.rows = r.size("rows", 0);
+      s.cols = r.size("cols", 1);
+      s.cfg = r.config({"activation"});
+      break;
+    case Op::dropout:
+      s.rows = r.size("rows", 0);
+      s.cols = r.size("cols", 1);
+      s.cfg = r.config({"dropout"});
+      break;
+    case Op::attention:
+      s.batch = r.size("batch", 0);
+      s.heads = r.size("num_heads", 1);
+      s.seq = r.size("seq_len", 1);
+      s.d_head = r.size("d_head", 1);
+      s.lengths = r.prefix_lengths("lengths", s.batch, s.seq);
+      s.cfg = r.config({"causal"});
+      s.scale = r.number("scale");
+      {
+        const std::int64_t ss = checked_mul(
+            checked_mul(checked_mul(s.batch, s.heads, "attention scores"), s.seq, "scores"), s.seq,
+            "attention scores");
+        s.probs = r.flag("probs", ss <= kProbsDefaultLimit);
+      }
+      break;
+    case Op::embedding:
+      s.batch = r.size("batch", 0);
+      s.seq = r.size("seq_len", 1);
+      s.vocab = r.size("vocab_size", 1);
+      s.cols = r.size("d_model", 1);
+      s.cfg = r.config({"positional", "embed_scale"});
+      s.max_len = s.cfg.positional == Positional::learned
+                      ? (r.has("max_len") ? r.size("max_len", 1) : s.seq)
+                      : 0;
+      if (s.cfg.positional != Positional::learned && r.has("max_len")) {
+        throw ConfigError("spec.max_len is for learned positions only");
+      }
+      if (s.max_len && s.max_len < s.seq) {
+        throw ShapeError("spec.seq_len " + std::to_string(s.seq) + " is above max_len " +
+                         std::to_string(s.max_len));
+      }
+      break;
+    case Op::pooling:
+      s.batch = r.size("batch", 0);
+      s.seq = r.size("seq_len", 1);
+      s.cols = r.size("d_model", 1);
+      s.lengths = r.prefix_lengths("lengths", s.batch, s.seq);
+      s.cfg = r.config({"pooling"});
+      break;
+    case Op::cross_entropy:
+      s.rows = r.size("batch", 0);
+      s.cols = r.size("num_classes", 1);
+      s.cfg = r.config({"label_smoothing"});
+      break;
+    case Op::encoder_layer: {
+      s.batch = r.size("batch", 0);
+      s.seq = r.size("seq_len", 1);
+      s.lengths = r.prefix_lengths("lengths", s.batch, s.seq);
+      json base = {{"num_layers", 1}, {"vocab_size", 1}, {"num_classes", 1}};
+      base["max_len"] = s.seq;
+      s.cfg = r.config({"d_model", "num_heads", "d_ff", "activation", "norm_first", "causal",
+                        "layer_norm_eps", "dropout"},
+                       base);
+      s.cols = s.cfg.d_model;
+      break;
+    }
+  }
+  return s;
+}
+
+// The normalised spec: every key of the op spelled out, as the metadata records it.
+ojson spec_json(const Spec& s, const OpCase& c) {
+  ojson j;
+  j["op"] = c.op;
+  const auto lengths = [&] { return ojson(s.lengths); };
+  switch (s.op) {
+    case Op::linear:
+      j["rows"] = s.rows;
+      j["in_features"] = s.in_f;
+      j["out_features"] = s.out_f;
+      j["bias"] = s.bias;
+      break;
+    case Op::layer_norm:
+      j["rows"] = s.rows;
+      j["d_model"] = s.cols;
+      j["layer_norm_eps"] = s.cfg.layer_norm_eps;
+      break;
+    case Op::softmax:
+      j["rows"] = s.rows;
+      j["cols"] = s.cols;
+      j["visible"] = lengths();
+      break;
+    case Op::activation:
+      j["rows"] = s.rows;
+      j["cols"] = s.cols;
+      j["activation"] = to_string(s.cfg.activation);
+      break;
+    case Op::dropout:
+      j["rows"] = s.rows;
+      j["cols"] = s.cols;
+      j["dropout"] = s.cfg.dropout;
+      break;
+    case Op::attention:
+      j["batch"] = s.batch;
+      j["num_heads"] = s.heads;
+      j["seq_len"] = s.seq;
+      j["d_head"] = s.d_head;
+      j["lengths"] = lengths();
+      j["causal"] = s.cfg.causal;
+      j["scale"] = s.scale ? *s.scale : 1.0 / std::sqrt(static_cast<double>(s.d_head));
+      j["probs"] = s.probs;
+      break;
+    case Op::embedding:
+      j["batch"] = s.batch;
+      j["seq_len"] = s.seq;
+      j["vocab_size"] = s.vocab;
+      j["d_model"] = s.cols;
+      j["positional"] = to_string(s.cfg.positional);
+      if (s.max_len) j["max_len"] = s.max_len;
+      j["embed_scale"] = s.cfg.embed_scale;
+      break;
+    case Op::pooling:
+      j["batch"] = s.batch;
+      j["seq_len"] = s.seq;
+      j["d_model"] = s.cols;
+      j["lengths"] = lengths();
+      j["pooling"] = to_string(s.cfg.pooling);
+      break;
+    case Op::cross_entropy:
+      j["batch"] = s.rows;
+      j["num_classes"] = s.cols;
+      j["label_smoothing"] = s.cfg.label_smoothing;
+      break;
+    case Op::encoder_layer:
+      j["batch"] = s.batch;
+      j["seq_len"] = s.seq;
+      j["lengths"] = lengths();
+      j["d_model"] = s.cfg.d_model;
+      j["num_heads"] = s.cfg.num_heads;
+      j["d_ff"] = s.cfg.d_ff;
+      j["activation"] = to_string(s.cfg.activation);
+      j["norm_first"] = s.cfg.norm_first;
+      j["causal"] = s.cfg.causal;
+      j["layer_norm_eps"] = s.cfg.layer_norm_eps;
+      j["dropout"] = s.cfg.dropout;
+      break;
+  }
+  j["dtype"] = c.dtype;
+  j["seed"] = c.seed;
+  if (c.precision) j["precision"] = to_string(*c.precision);
+  return j;
+}
+
+Spec spec_of(const OpCase& c) {
+  const json j = c.spec;  // Reader keeps a reference: not to a temporary conversion
+  Reader r(j);
+  for (const char* k : {"op", "dtype", "seed", "precision"}) r.use(k);
+  return parse_spec(op_of(c.op), r);
+}
+
+// ---- the tensors of a case --------------------------------------------------------------------
+
+enum class Role { input, param, output, grad_output, grad_input, grad_param };
+
+struct Slot {
+  std::string name;
+  DType dtype;  // F64 stands for the case's float dtype
+  Dims shape;
+  Role role;
+  double amp = 1;         // float inputs: values are drawn uniform in [-amp, amp)
+  double offset = 0;      // ... plus offset
+  bool optional = false;  // an output a fused kernel may omit
+};
+
+// Every tensor of the case, in file order: inputs, parameters, outputs, upstream gradients,
+// input gradients, parameter gradients.
+std::vector<Slot> layout(const Spec& s) {
+  std::vector<Slot> in, out;  // the differentiable float tensors and the outputs
+  std::vector<Slot> fixed;    // integer inputs and masks
+  const auto f = [](std::string n, Dims shape, Role role, double amp = 1, double offset = 0) {
+    return Slot{std::move(n), DType::F64, std::move(shape), role, amp, offset};
+  };
+  const double inv_sqrt_in = 1.0 / std::sqrt(static_cast<double>(std::max<index_t>(s.in_f, 1)));
+  switch (s.op) {
+    case Op::linear:
+      in.push_back(f("input.x", {s.rows, s.in_f}, Role::input));
+      in.push_back(f("param.weight", {s.out_f, s.in_f}, Role::param, inv_sqrt_in));
+      if (s.bias) in.push_back(f("param.bias", {s.out_f}, Role::param, inv_sqrt_in));
+      out.push_back(f("output.y", {s.rows, s.out_f}, Role::output));
+      break;
+    case Op::layer_norm:
+      in.push_back(f("input.x", {s.rows, s.cols}, Role::input, 2, 0.5));
+      in.push_back(f("param.weight", {s.cols}, Role::param, 0.5, 1));
+      in.push_back(f("param.bias", {s.cols}, Role::param, 0.5));
+      out.push_back(f("output.y", {s.rows, s.cols}, Role::output));
+      break;
+    case Op::softmax:
+      in.push_back(f("input.x", {s.rows, s.cols}, Role::input, 3));
+      out.push_back(f("output.y", {s.rows, s.cols}, Role::output));
+      break;
+    case Op::activation:
+      in.push_back(f("input.x", {s.rows, s.cols}, Role::input, 3));
+      out.push_back(f("output.y", {s.rows, s.cols}, Role::output));
+      break;
+    case Op::dropout:
+      in.push_back(f("input.x", {s.rows, s.cols}, Role::input));
+      fixed.push_back({"input.mask", DType::U8, {s.rows, s.cols}, Role::input});
+      out.push_back(f("output.y", {s.rows, s.cols}, Role::output));
+      break;
+    case Op::attention: {
+      const Dims qkv = {s.batch, s.heads, s.seq, s.d_head};
+      for (const char* n : {"input.q", "input.k", "input.v"}) in.push_back(f(n, qkv, Role::input));
+      fixed.push_back({"input.lengths", DType::I64, {s.batch}, Role::input});
+      out.push_back(f("output.context", qkv, Role::output));
+      if (s.probs) {
+        for (const char* n : {"output.scores", "output.probs"}) {
+          out.push_back(f(n, {s.batch, s.heads, s.seq, s.seq}, Role::output));
+          out.back().optional = true;
+        }
+      }
+      break;
+    }
+    case Op::embedding:
+      fixed.push_back({"input.tokens", DType::I64, {s.batch, s.seq}, Role::input});
+      in.push_back(f("param.weight", {s.vocab, s.cols}, Role::param));
+      if (s.cfg.positional == Positional::learned) {
+        in.push_back(f("param.pos_weight", {s.max_len, s.cols}, Role::param, 0.5));
+      }
+      out.push_back(f("output.x", {s.batch, s.seq, s.cols}, Role::output));
+      break;
+    case Op::pooling:
+      in.push_back(f("input.x", {s.batch, s.seq, s.cols}, Role::input));
+      fixed.push_back({"input.lengths", DType::I64, {s.batch}, Role::input});
+      out.push_back(f("output.pooled", {s.batch, s.cols}, Role::output));
+      break;
+    case Op::cross_entropy:
+      in.push_back(f("input.logits", {s.rows, s.cols}, Role::input, 2));
+      fixed.push_back({"input.labels", DType::I64, {s.rows}, Role::input});
+      out.push_back(f("output.loss", {}, Role::output));
+      break;
+    case Op::encoder_layer: {
+      const EncoderConfig& c = s.cfg;
+      const Dims bsd = {s.batch, s.seq, c.d_model};
+      in.push_back(f("input.x", bsd, Role::input));
+      fixed.push_back({"input.lengths", DType::I64, {s.batch}, Role::input});
+      if (c.dropout > 0) {
+        fixed.push_back(
+            {"input.mask.attn", DType::U8, {s.batch, c.num_heads, s.seq, s.seq}, Role::input});
+        fixed.push_back({"input.mask.residual1", DType::U8, bsd, Role::input});
+        fixed.push_back({"input.mask.ffn", DType::U8, {s.batch, s.seq, c.d_ff}, Role::input});
+        fixed.push_back({"input.mask.residual2", DType::U8, bsd, Role::input});
+      }
+      // The parameters' values come from the model's initialisation (make_op), not from amp.
+      LayerParams<double> shapes;
+      shapes.visit([&](const std::string& n, const Tensor<double>&) {
+        in.push_back(f("param." + n, teo::detail::param_shape(c, "layers.0." + n).dims(), Role::param));
+      });
+      out.push_back(f("output.y", bsd, Role::output));
+      break;
+    }
+  }
+  std::vector<Slot> all;
+  for (const auto& t : fixed)
+    if (t.name.starts_with("input.tokens")) all.push_back(t);
+  for (const auto& t : in)
+    if (t.role == Role::input) all.push_back(t);
+  for (const auto& t : fixed)
+    if (!t.name.starts_with("input.tokens")) all.push_back(t);
+  for (const auto& t : in)
+    if (t.role == Role::param) all.push_back(t);
+  for (const auto& t : out) all.push_back(t);
+  for (const auto& t : out) {
+    if (t.optional) continue;  // no gradient flows into an optional output
+    all.push_back(f("grad." + t.name, t.shape, Role::grad_output));
+  }
+  for (const auto& t : in) {
+    all.push_back(f("grad." + t.name, t.shape, t.role == Role::input ? Role::grad_input
+                                                                      : Role::grad_param));
+  }
+  return all;
+}
+
+bool is_result(Role r) {
+  return r == Role::output || r == Role::grad_input || r == Role::grad_param;
+}
+
+std::int64_t numel(const Dims& d) {
+  std::int64_t n = 1;
+  for (auto x : d) n = checked_mul(n, x, "op case tensor");
+  return n;
+}
+
+// The longest sum behind any one result: the float32 conditioning test's L.
+index_t longest_reduction(const Spec& s) {
+  switch (s.op) {
+    case Op::linear:
+      return std::max({s.in_f, s.out_f, s.rows});
+    case Op::layer_norm:
+      return std::max(s.cols, s.rows);
+    case Op::softmax:
+    case Op::cross_entropy:
+      return std::max(s.cols, s.rows);
+    case Op::attention:
+      return std::max(s.seq, s.d_head);
+    case Op::embedding:
+      return std::max<index_t>(s.batch * s.seq, s.batch);
+    case Op::pooling:
+      return std::max<index_t>(s.seq, s.batch);
+    case Op::encoder_layer:
+      return std::max({s.cfg.d_model, s.cfg.d_ff, s.seq, s.batch * s.seq});
+    case Op::activation:
+    case Op::dropout:
+      return 1;
+  }
+  return 1;
+}
+
+// ---- running an op ----------------------------------------------------------------------------
+
+// A case's values by name: float tensors (exact doubles), integers and masks.
+struct Values {
+  std::map<std::string, std::vector<double>> f;
+  std::map<std::string, std::vector<std::int64_t>> i64;
+  std::map<std::string, std::vector<std::uint8_t>> u8;
+};
+
+template <class Real>
+Tensor<Real> tensor_of(const Values& v, const std::string& name, const Dims& shape) {
+  const auto it = v.f.find(name);
+  if (it == v.f.end()) throw FormatError("the op case has no float " + name);
+  Tensor<Real> t = Tensor<Real>::for_overwrite(Shape(std::vector<index_t>(shape)));
+  if (static_cast<index_t>(it->second.size()) != t.numel()) {
+    throw FormatError("the op case's " + name + " has " + std::to_string(it->second.size()) +
+                      " values, expected " + std::to_string(t.numel()));
+  }
+  for (index_t i = 0; i < t.numel(); ++i) t[i] = static_cast<Real>(it->second[i]);
+  return t;
+}
+
+template <class T>
+const std::vector<T>& ints_of(const std::map<std::string, std::vector<T>>& m,
+                              const std::string& name, std::int64_t n) {
+  const auto it = m.find(name);
+  if (it == m.end() || static_cast<std::int64_t>(it->second.size()) != n) {
+    throw FormatError("the op case has no " + name + " of " + std::to_string(n) + " values");
+  }
+  return it->second;
+}
+
+void check_range(const std::vector<std::int64_t>& v, std::int64_t hi, const std::string& what) {
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    if (v[i] < 0 || v[i] >= hi) {
+      throw InputError(what + "[" + std::to_string(i) + "] is " + std::to_string(v[i]) +
+                       ", outside [0, " + std::to_string(hi) + ")");
+    }
+  }
+}
+
+// Rounds a result to p's storage format where a bf16 or fp16 backend stores it; RangeError
+// naming it on an fp16 overflow.
+template <class Real>
+void store(Tensor<Real>& t, std::optional<Precision> p, const std::string& name) {
+  if constexpr (std::is_same_v<Real, float>) {
+    if (p && (*p == Precision::bf16 || *p == Precision::fp16) && round_to(*p, t.data(), t.numel()))
+      throw RangeError(name + ": " + overflow_message(*p));
+  }
+}
+
+template <class Real>
+using Results = std::map<std::string, Tensor<Real>>;
+
+// The op forward and backward on v, in Real, emulating p when Real is float.
+template <class Real>
+Results<Real> run(const Spec& s, const Values& v, std::uint64_t seed, std::optional<Precision> p) {
+  const teo::detail::EmulationScope scope(std::is_same_v<Real, float> && p ? *p : Precision::fp32);
+  std::map<std::string, Dims> shape;
+  for (const auto& t : layout(s)) shape[t.name] = t.shape;
+  const auto in = [&](const std::string& n) { return tensor_of<Real>(v, n, shape.at(n)); };
+  const auto zeros = [&](const std::string& n) {
+    return Tensor<Real>(Shape(std::vector<index_t>(shape.at(n))));
+  };
+  Results<Real> r;
+  // Every result starts as zeros of its shape (the backward functions accumulate).
+  for (const auto& t : layout(s)) {
+    if (is_result(t.role)) r[t.name] = zeros(t.name);
+  }
+  const auto done = [&](const std::string& n) { store(r.at(n), p, n); };
+  switch (s.op) {
+    case Op::linear: {
+      const auto x = in("input.x"), w = in("param.weight"), dy = in("grad.output.y");
+      const Tensor<Real> b = s.bias ? in("param.bias") : Tensor<Real>();
+      linear_forward(r["output.y"].data(), x.data(), w.data(), s.bias ? b.data() : nullptr, s.rows,
+                     s.in_f, s.out_f);
+      done("output.y");
+      linear_backward(r["grad.input.x"].data(), r["grad.param.weight"].data(),
+                      s.bias ? r["grad.param.bias"].data() : nullptr, dy.data(), x.data(), w.data(),
+                      s.rows, s.in_f, s.out_f);
+      break;
+    }
+    case Op::layer_norm: {
+      const auto x = in("input.x"), w = in("param.weight"), b = in("param.bias");
+      const auto dy = in("grad.output.y");
+      Tensor<Real> mean({s.rows}), rstd({s.rows});
+      layer_norm_forward(r["output.y"].data(), mean.data(), rstd.data(), x.data(), w.data(),
+                         b.data(), s.rows, s.cols, static_cast<Real>(s.cfg.layer_norm_eps));
+      done("output.y");
+      layer_norm_backward(r["grad.input.x"].data(), r["grad.param.weight"].data(),
+                          r["grad.param.bias"].data(), dy.data(), x.data(), w.data(), mean.data(),
+                          rstd.data(), s.rows, s.cols);
+      break;
+    }
+    case Op::softmax: {
+      const auto x = in("input.x"), dy = in("grad.output.y");
+      softmax_forward(r["output.y"].data(), x.data(), s.lengths.data(), s.rows, s.cols);
+      done("output.y");
+      softmax_backward(r["grad.input.x"].data(), dy.data(), r["output.y"].data(), s.rows, s.cols);
+      break;
+    }
+    case Op::activation: {
+      const auto x = in("input.x"), dy = in("grad.output.y");
+      activation_forward(r["output.y"].data(), x.data(), x.numel(), s.cfg.activation);
+      done("output.y");
+      activation_backward(r["grad.input.x"].data(), dy.data(), x.data(), x.numel(),
+                          s.cfg.activation);
+      break;
+    }
+    case Op::dropout: {
+      const auto x = in("input.x"), dy = in("grad.output.y");
+      const auto& m = ints_of(v.u8, "input.mask", x.numel());
+      const Real scale = dropout_scale<Real>(s.cfg.dropout);
+      dropout_forward(r["output.y"].data(), x.data(), m.data(), x.numel(), scale);
+      done("output.y");
+      dropout_backward(r["grad.input.x"].data(), dy.data(), m.data(), x.numel(), scale);
+      break;
+    }
+    case Op::attention: {
+      const auto q = in("input.q"), k = in("input.k"), vv = in("input.v");
+      const auto dc = in("grad.output.context");
+      const auto& len = ints_of(v.i64, "input.lengths", s.batch);
+      for (std::size_t b = 0; b < len.size(); ++b) {
+        if (len[b] < 0 || len[b] > s.seq) {
+          throw InputError("input.lengths[" + std::to_string(b) + "] is " +
+                           std::to_string(len[b]) + ", outside [0, " + std::to_string(s.seq) +
+                           "]");
+        }
+      }
+      Real* dq = r["grad.input.q"].data();
+      Real* dk = r["grad.input.k"].data();
+      Real* dv = r["grad.input.v"].data();
+      if (s.probs) {
+        attention_forward(r["output.context"].data(), r["output.scores"].data(),
+                          r["output.probs"].data(), q.data(), k.data(), vv.data(), len.data(),
+                          nullptr, Real(1), s.batch, s.heads, s.seq, s.d_head, s.cfg.causal,
+                          false, s.scale);
+        done("output.context");
+        auto dprobs = zeros("output.probs"), dscores = zeros("output.scores");
+        attention_backward(dq, dk, dv, dprobs.data(), dscores.data(), dc.data(), q.data(),
+                           k.data(), vv.data(), r["output.probs"].data(), nullptr, Real(1), s.batch,
+                           s.heads, s.seq, s.d_head, false, GradWrite::accumulate, s.scale);
+      } else {
+        attention_forward_rows(r["output.context"].data(), q.data(), k.data(), vv.data(),
+                               len.data(), s.batch, s.heads, s.seq, s.d_head, s.cfg.causal,
+                               s.scale);
+        done("output.context");
+        attention_backward_rows(dq, dk, dv, dc.data(), q.data(), k.data(), vv.data(), len.data(),
+                                s.batch, s.heads, s.seq, s.d_head, s.cfg.causal,
+                                GradWrite::accumulate, s.scale);
+      }
+      break;
+    }
+    case Op::embedding: {
+      const auto& tokens = ints_of(v.i64, "input.tokens", s.batch * s.seq);
+      check_range(tokens, s.vocab, "input.tokens");
+      const auto w = in("param.weight"), dy = in("grad.output.x");
+      const index_t n = s.batch * s.seq, D = s.cols;
+      const Real scale =
+          s.cfg.embed_scale ? static_cast<Real>(std::sqrt(static_cast<double>(D))) : Real(1);
+      // As the model: embedding and positional are each stored, then their sum.
+      Tensor<Real> emb({s.batch, s.seq, D}), pos({s.seq, D});
+      embedding_forward(emb.data(), tokens.data(), w.data(), n, D, scale);
+      store(emb, p, "embedding");
+      Tensor<Real> pw;
+      if (s.cfg.positional == Positional::learned) {
+        pw = in("param.pos_weight");
+        std::copy(pw.data(), pw.data() + s.seq * D, pos.data());
+      } else {
+        sinusoidal_table(pos.data(), s.seq, D);
+      }
+      store(pos, p, "positional");
+      add_positional_forward(r["output.x"].data(), emb.data(), pos.data(), s.batch, s.seq, D);
+      done("output.x");
+      // in the forward pass this was: x = scale * weight[tokens] + pos
+      embedding_backward(r["grad.param.weight"].data(), dy.data(), tokens.data(), n, D, scale);
+      if (s.cfg.positional == Positional::learned) {
+        add_positional_backward(r["grad.param.pos_weight"].data(), dy.data(), s.batch, s.seq, D);
+      }
+      break;
+    }
+    case Op::pooling: {
+      const auto x = in("input.x"), dy = in("grad.output.pooled");
+      const auto& len = ints_of(v.i64, "input.lengths", s.batch);
+      for (auto l : len) {
+        if (l < 0 || l > s.seq) throw InputError("input.lengths has " + std::to_string(l));
+      }
+      std::vector<std::int64_t> argmax(static_cast<std::size_t>(s.batch * s.cols), -1);
+      pooling_forward(r["output.pooled"].data(), argmax.data(), x.data(), len.data(), s.batch,
+                      s.seq, s.cols, s.cfg.pooling);
+      done("output.pooled");
+      pooling_backward(r["grad.input.x"].data(), dy.data(), argmax.data(), len.data(), s.batch,
+                       s.seq, s.cols, s.cfg.pooling);
+      break;
+    }
+    case Op::cross_entropy: {
+      const auto x = in("input.logits"), dy = in("grad.output.loss");
+      const auto& labels = ints_of(v.i64, "input.labels", s.rows);
+      check_range(labels, s.cols, "input.labels");
+      Tensor<Real> probs({s.rows, s.cols});
+      const Real smoothing = static_cast<Real>(s.cfg.label_smoothing);
+      r["output.loss"][0] =
+          cross_entropy_forward(probs.data(), x.data(), labels.data(), s.rows, s.cols, smoothing);
+      done("output.loss");
+      cross_entropy_backward(r["grad.input.logits"].data(), probs.data(), labels.data(), s.rows,
+                             s.cols, smoothing, dy[0]);
+      break;
+    }
+    case Op::encoder_layer: {
+      const auto x = in("input.x"), dy = in("grad.output.y");
+      const auto& len = ints_of(v.i64, "input.lengths", s.batch);
+      LayerParams<Real> P, G;
+      P.visit([&](const std::string& n, Tensor<Real>& t) { t = in("param." + n); });
+      LayerActs<Real> L, dL;
+      const bool drop = s.cfg.dropout > 0;
+      encoder_layer_forward(s.cfg, P, x, len, L,
+                            {.train = drop, .dropout_seed = seed, .precision = p});
+      if (drop) {
+        for (const auto& [n, m] :
+             {std::pair{"input.mask.attn", &L.masks.attn},
+              std::pair{"input.mask.residual1", &L.masks.residual1},
+              std::pair{"input.mask.ffn", &L.masks.ffn},
+              std::pair{"input.mask.residual2", &L.masks.residual2}}) {
+          if (ints_of(v.u8, n, static_cast<std::int64_t>(m->size())) != *m) {
+            throw FormatError(std::string("the op case's ") + n + " is not the mask its seed " +
+                              std::to_string(seed) + " gives");
+          }
+        }
+      }
+      r["output.y"] = L.output;
+      Tensor<Real> dx;
+      encoder_layer_backward(s.cfg, P, x, len, L, dy, dx, G, dL, {.precision = p});
+      r["grad.input.x"] = std::move(dx);
+      G.visit([&](const std::string& n, Tensor<Real>& t) { r["grad.param." + n] = std::move(t); });
+      break;
+    }
+  }
+  for (auto& [n, t] : r) {
+    if (n.starts_with("grad.")) store(t, p, "the gradient " + n);
+  }
+  return r;
+}
+
+// ---- drawing the inputs -------------------------------------------------------------------------
+
+double draw(std::uint64_t seed, const std::string& name, std::int64_t i) {
+  return 2.0 * rng::uniform01(seed, rng::stream_id(name), static_cast<std::uint64_t>(i)) - 1.0;
+}
+
+// Float values as the case's dtype (and precision) store them.
+void as_stored(std::vector<double>& x, const OpCase& c) {
+  if (c.dtype == "float64") return;
+  for (auto& e : x) {
+    float f = static_cast<float>(e);
+    if (c.precision) f = round_to(*c.precision == Precision::tf32 ? Precision::fp32 : *c.precision, f);
+    e = f;
+  }
+}
+
+Values draw_inputs(const Spec& s, const OpCase& c) {
+  Values v;
+  const std::uint64_t seed = c.seed;
+  std::optional<LayerParams<double>> layer;
+  if (s.op == Op::encoder_layer) {
+    EncoderConfig cfg = s.cfg;
+    layer = std::move(Params<double>::init(cfg, seed).layers.at(0));
+  }
+  for (const auto& t : layout(s)) {
+    const std::int64_t n = numel(t.shape);
+    if (t.dtype == DType::I64) {
+      std::vector<std::int64_t> x(static_cast<std::size_t>(n));
+      if (t.name == "input.lengths") {
+        x = s.lengths;
+      } else {
+        const index_t hi = t.name == "input.tokens" ? s.vocab : s.cols;  // tokens, labels
+        for (std::int64_t i = 0; i < n; ++i) {
+          x[static_cast<std::size_t>(i)] = std::min<std::int64_t>(
+              hi - 1, static_cast<std::int64_t>(
+                          rng::uniform01(seed, rng::stream_id(t.name), static_cast<std::uint64_t>(i)) *
+                          static_cast<double>(hi)));
+        }
+      }
+      v.i64[t.name] = std::move(x);
+      continue;
+    }
+    if (t.dtype == DType::U8) {
+      std::vector<std::uint8_t> m(static_cast<std::size_t>(n));
+      // The dropout op's mask at site "input.mask"; the layer's at the sites its forward uses.
+      const std::string site =
+          t.name == "input.mask" ? t.name : "dropout.layers.0." + t.name.substr(11);
+      dropout_mask(m.data(), n, seed, site, s.cfg.dropout);
+      v.u8[t.name] = std::move(m);
+      continue;
+    }
+    if (t.role != Role::input && t.role != Role::param && t.role != Role::grad_output) continue;
+    std::vector<double> x(static_cast<std::size_t>(n));
+    if (layer && t.role == Role::param) {
+      layer->visit([&](const std::string& pn, const Tensor<double>& p) {
+        if ("param." + pn == t.name) x.assign(p.begin(), p.end());
+      });
+    } else {
+      for (std::int64_t i = 0; i < n; ++i)
+        x[static_cast<std::size_t>(i)] = t.offset + t.amp * draw(seed, t.name, i);
+    }
+    if (s.op == Op::softmax && t.name == "input.x") {
+      for (index_t r = 0; r < s.rows; ++r)
+        for (index_t j = s.lengths[static_cast<std::size_t>(r)]; j < s.cols; ++j)
+          x[static_cast<std::size_t>(r * s.cols + j)] = -INFINITY;
+    }
+    as_stored(x, c);
+    v.f[t.name] = std::move(x);
+  }
+  return v;
+}
+
+Values values_of(const File& f, const Spec& s) {
+  Values v;
+  for (const auto& t : layout(s)) {
+    if (is_result(t.role)) continue;
+    const auto* g = f.find(t.name);
+    if (!g) throw FormatError("the op case has no " + t.name);
+    if (g->shape != t.shape) {
+      throw FormatError("the op case's " + t.name + " is " + g->shape_str() + ", expected " +
+                        safetensors::Tensor{t.name, t.dtype, t.shape, {}}.shape_str());
+    }
+    if (t.dtype == DType::I64) {
+      v.i64[t.name] = g->values<std::int64_t>();
+    } else if (t.dtype == DType::U8) {
+      v.u8[t.name] = g->values<std::uint8_t>();
+    } else {
+      if (!safetensors::is_float(g->dtype)) throw FormatError(t.name + " is not a float tensor");
+      v.f[t.name] = g->float_values();
+    }
+  }
+  return v;
+}
+
+template <class Real>
+void add_results(File& f, const std::vector<Slot>& slots, const Results<Real>& r,
+                 const std::string& prefix) {
+  for (const auto& t : slots) {
+    if (!is_result(t.role)) continue;
+    const Tensor<Real>& x = r.at(t.name);
+    f.add<Real>(prefix + t.name, t.shape, x.data(), static_cast<std::size_t>(x.numel()));
+  }
+}
+
+template <class Real>
+File make_typed(const OpCase& c, const Spec& s) {
+  const Values v = draw_inputs(s, c);
+  const auto slots = layout(s);
+  File f;
+  f.metadata.emplace_back("format", kOpFormat);
+  f.metadata.emplace_back("op", c.op);
+  f.metadata.emplace_back("spec", c.spec.dump());
+  f.metadata.emplace_back("teo_version", TEO_VERSION);
+  for (const auto& t : slots) {
+    if (is_result(t.role)) continue;
+    if (t.dtype == DType::I64) {
+      const auto& x = v.i64.at(t.name);
+      f.add<std::int64_t>(t.name, t.shape, x.data(), x.size());
+    } else if (t.dtype == DType::U8) {
+      const auto& x = v.u8.at(t.name);
+      f.add<std::uint8_t>(t.name, t.shape, x.data(), x.size());
+    } else {
+      const auto& x = v.f.at(t.name);
+      std::vector<Real> y(x.begin(), x.end());
+      f.add<Real>(t.name, t.shape, y.data(), y.size());
+    }
+  }
+  {
+    const auto r = run<Real>(s, v, c.seed, std::nullopt);
+    add_results(f, slots, r, "");
+  }
+  if constexpr (std::is_same_v<Real, float>) {
+    const auto r64 = run<double>(s, v, c.seed, std::nullopt);
+    add_results(f, slots, r64, "ref64.");
+  }
+  return f;
+}
+
+}  // namespace
+
+const std::vector<std::string>& op_names() {
+  static const std::vector<std::string> names = {
+      "linear",    "layer_norm", "softmax", "activation",    "attention",
+      "embedding", "pooling",    "dropout", "cross_entropy", "encoder_layer"};
+  return names;
+}
+
+OpCase OpCase::from_json(const json& j, const std::string& op, std::uint64_t max_bytes) {
+  if (!j.is_object()) throw ConfigError("an op spec must be a JSON object");
+  OpCase c;
+  if (j.contains("op")) {
+    if (!j["op"].is_string()) throw ConfigError("spec.op must be a string, got " + j["op"].dump());
+    c.op = j["op"].get<std::string>();
+    if (!op.empty() && c.op != op) {
+      throw ConfigError("the spec is for op \"" + c.op + "\", not \"" + op + "\"");
+    }
+  } else {
+    c.op = op;
+  }
+  if (c.op.empty()) throw ConfigError("the spec names no op (give --op NAME or \"op\")");
+  const Op o = op_of(c.op);
+  Reader r(j);
+  r.use("op");
+  if (!j.contains("dtype") || !j["dtype"].is_string() ||
+      (j["dtype"] != "float32" && j["dtype"] != "float64")) {
+    throw ConfigError("spec.dtype must be \"float32\" or \"float64\", got " +
+                      (j.contains("dtype") ? j["dtype"].dump() : std::string("nothing")));
+  }
+  c.dtype = j["dtype"].get<std::string>();
+  r.use("dtype");
+  if (!j.contains("seed") || !j["seed"].is_number_unsigned()) {
+    throw ConfigError("spec.seed must be a non-negative integer, got " +
+                      (j.contains("seed") ? j["seed"].dump() : std::string("nothing")));
+  }
+  c.seed = j["seed"].get<std::uint64_t>();
+  r.use("seed");
+  if (j.contains("precision")) {
+    r.use("precision");
+    if (!j["precision"].is_string()) {
+      throw ConfigError("spec.precision must be a string, got " + j["precision"].dump());
+    }
+    c.precision = parse_precision(j["precision"].get<std::string>(), "spec.precision");
+    if (c.dtype != "float32" || *c.precision == Precision::fp32 ||
+        *c.precision == Precision::fp64) {
+      throw ConfigError("spec.precision must be tf32, bf16 or fp16, in a float32 case");
+    }
+  }
+  const Spec s = parse_spec(o, r);
+  r.finish();
+  c.spec = spec_json(s, c);
+  const std::uint64_t need = c.bytes_needed();
+  if (need > max_bytes) {
+    throw ShapeError("the " + c.op + " case needs about " + std::to_string(need >> 20) +
+                     " MiB, above the limit of " + std::to_string(max_bytes >> 20) + " MiB");
+  }
+  return c;
+}
+
+OpCase OpCase::from_file(const std::string& path, const std::string& op) {
+  const json j = read_json_file(path);
+  try {
+    return from_json(j, op);
+  } catch (const ConfigError& e) {
+    throw ConfigError(path + ": " + e.what());
+  } catch (const ShapeError& e) {
+    throw ShapeError(path + ": " + e.what());
+  }
+}
+
+std::uint64_t OpCase::bytes_needed() const {
+  const Spec s = spec_of(*this);
+  const std::uint64_t real = dtype == "float32" ? 4 : 8;
+  std::uint64_t file = 0, floats = 0;
+  for (const auto& t : layout(s)) {
+    const auto n = static_cast<std::uint64_t>(numel(t.shape));
+    if (t.dtype == DType::F64) {
+      file += n * (real + (real == 4 && is_result(t.role) ? 8 : 0));
+      floats += n;
+    } else {
+      file += n * safetensors::dtype_size(t.dtype);
+    }
+  }
+  // The run's working tensors: the values as doubles, the results in Real and in double, plus
+  // for attention the materialised gradients of scores and probs, and for a layer its kept
+  // activations and their gradients.
+  std::uint64_t work = floats * 8 * 3;
+  if (s.op == Op::attention && s.probs) {
+    work += 2 * static_cast<std::uint64_t>(s.batch * s.heads) * s.seq * s.seq * 8;
+  }
+  if (s.op == Op::encoder_layer) {
+    const auto bs = static_cast<std::uint64_t>(s.batch) * static_cast<std::uint64_t>(s.seq);
+    const auto per = 4 * bs * static_cast<std::uint64_t>(s.cfg.num_heads * s.seq) +
+                     16 * bs * static_cast<std::uint64_t>(s.cfg.d_model) +
+                     4 * bs * static_cast<std::uint64_t>(s.cfg.d_ff);
+    work += per * 8 * 2;
+  }
+  return file + work;
+}
+
+bool is_op_file(const File& file) {
+  const std::string* fmt = file.meta("format");
+  return fmt && *fmt == kOpFormat;
+}
+
+OpCase op_case_of(const File& file) {
+  const std::string* op = file.meta("op");
+  const std::string* spec = file.meta("spec");
+  if (!op || !spec) throw FormatError("the op case has no __metadata__.op and spec");
+  try {
+    return OpCase::from_json(json::parse(*spec), *op, ~std::uint64_t{0});
+  } catch (const json::exception&) {
+    throw FormatError("the op case's __metadata__.spec is not valid JSON");
+  } catch (const ConfigError& e) {
+    throw FormatError(std::string("the op case's __metadata__ holds a bad spec: ") + e.what());
+  } catch (const ShapeError& e) {
+    throw FormatError(std::string("the op case's __metadata__ holds a bad spec: ") + e.what());
+  }
+}
+
+std::map<std::string, std::vector<double>> run_op(const File& file, std::optional<Precision> p) {
+  const OpCase c = op_case_of(file);
+  const Spec s = spec_of(c);
+  Values v = values_of(file, s);
+  std::map<std::string, std::vector<double>> out;
+  const auto collect = [&](auto&& r) {
+    for (auto& [n, t] : r) out[n] = std::vector<double>(t.begin(), t.end());
+  };
+  if (!p || *p == Precision::fp64) {
+    collect(run<double>(s, v, c.seed, std::nullopt));
+  } else {
+    for (auto& [n, x] : v.f) {
+      for (auto& e : x) {
+        float f = static_cast<float>(e);
+        if (*p == Precision::bf16 || *p == Precision::fp16) f = round_to(*p, f);
+        e = f;
+      }
+    }
+    collect(run<float>(s, v, c.seed, p));
+  }
+  return out;
+}
+
+std::vector<ContractTensor> op_contract(const OpCase& c) {
+  std::vector<ContractTensor> out;
+  for (const auto& t : layout(spec_of(c))) {
+    if (is_result(t.role)) out.push_back({t.name, t.shape, t.optional});
+  }
+  return out;
+}
+
+safetensors::File make_op(const OpCase& c, bool allow_ill_conditioned) {
+  const Spec s = spec_of(c);
+  File f = c.dtype == "float32" ? make_typed<float>(c, s) : make_typed<double>(c, s);
+  if (c.dtype == "float32") {
+    std::string why = detail::float32_conditioning(
+        f, longest_reduction(s), [] { return std::string("none found in a single op"); },
+        allow_ill_conditioned);
+    if (c.precision && why.empty()) {
+      try {
+        detail::precision_conditioning(f, run_op(f, c.precision), *c.precision, nullptr);
+      } catch (const IllConditioned& e) {
+        if (!allow_ill_conditioned) throw;
+        why = e.what();
+      }
+    }
+    if (!why.empty()) f.metadata.emplace_back("ill_conditioned", why);
+  }
+  return f;
+}
+
+std::vector<OpCorpusEntry> read_op_corpus_cases(const std::string& path) {
+  const json j = read_json_file(path);
+  if (!j.is_object() || !j.contains("cases") || !j["cases"].is_array()) {
+    throw ConfigError(path + ": needs an object with a \"cases\" array");
+  }
+  std::vector<OpCorpusEntry> out;
+  std::set<std::string> seen;
+  for (const auto& e : j["cases"]) {
+    const std::string name = detail::corpus_entry_name(e, path);
+    if (!seen.insert(name).second) throw ConfigError(path + ": case name \"" + name + "\" repeats");
+    OpCorpusEntry ce;
+    ce.name = name;
+    json spec = e;
+    spec.erase("name");
+    ce.description = detail::corpus_entry_description(spec, path, name);
+    try {
+      ce.spec = OpCase::from_json(spec);
+    } catch (const ConfigError& err) {
+      throw ConfigError(path + ": case " + name + ": " + err.what());
+    } catch (const ShapeError& err) {
+      throw ShapeError(path + ": case " + name + ": " + err.what());
+    }
+    out.push_back(std::move(ce));
+  }
+  return out;
+}
+
+void generate_op_corpus(const std::string& dir, std::ostream& log, bool overwrite) {
+  namespace fs = std::filesystem;
+  const auto entries = read_op_corpus_cases((fs::path(dir) / "cases.json").string());
+  std::vector<std::string> names;
+  for (const auto& e : entries) names.push_back(e.name);
+  if (!overwrite) detail::refuse_existing(dir, names);
+  detail::write_corpus(dir, names, log, [&](std::size_t i) {
+    return std::pair{safetensors::serialize(make_op(entries[i].spec)), entries[i].description};
+  });
+}
+
+}  // namespace teo::golden

@@ -892,7 +892,7 @@ File make_typed(const OpCase& c, const Spec& s) {
 const std::vector<std::string>& op_names() {
   static const std::vector<std::string> names = {
       "linear",    "layer_norm", "softmax", "activation",    "attention",
-      "embedding", "pooling",    "dropout", "cross_entropy", "encoder_layer"};
+      "embedding", "pooling",    "cross_entropy", "dropout", "encoder_layer"};
   return names;
 }
 
@@ -919,7 +919,8 @@ OpCase OpCase::from_json(const json& j, const std::string& op, std::uint64_t max
   }
   c.dtype = j["dtype"].get<std::string>();
   r.use("dtype");
-  if (!j.contains("seed") || !j["seed"].is_number_unsigned()) {
+  if (!j.contains("seed") || !j["seed"].is_number_integer() ||
+      (!j["seed"].is_number_unsigned() && j["seed"].get<std::int64_t>() < 0)) {
     throw ConfigError("spec.seed must be a non-negative integer, got " +
                       (j.contains("seed") ? j["seed"].dump() : std::string("nothing")));
   }

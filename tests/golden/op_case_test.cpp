@@ -1,0 +1,454 @@
+// Op cases: the committed op corpus is reproduced bit for bit and covers its edge cases; every
+// op's backward agrees with central finite differences taken through the op-case path itself;
+// the row-blocked attention gives the materialised path's bits; specs fail with named errors
+// before anything is allocated; and the checker judges op files by the model cases' rules.
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "support.hpp"
+#include "teo/backend.hpp"
+#include "teo/golden.hpp"
+#include "teo/golden_ops.hpp"
+#include "teo/layers/attention.hpp"
+#include "teo/model.hpp"
+#include "teo/rng.hpp"
+#include "teo/sha256.hpp"
+#include "teo/tensor.hpp"
+
+namespace {
+
+namespace fs = std::filesystem;
+namespace st = teo::safetensors;
+namespace golden = teo::golden;
+using nlohmann::json;
+using teo::index_t;
+
+const fs::path kOps = fs::path(TEO_SOURCE_DIR) / "golden" / "ops";
+
+std::string slurp(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), {}};
+}
+
+const std::vector<golden::OpCorpusEntry>& op_corpus() {
+  static const auto entries = golden::read_op_corpus_cases((kOps / "cases.json").string());
+  return entries;
+}
+
+golden::OpCase spec(const std::string& op, json j) {
+  j["op"] = op;
+  if (!j.contains("dtype")) j["dtype"] = "float64";
+  if (!j.contains("seed")) j["seed"] = 11;
+  return golden::OpCase::from_json(j);
+}
+
+// ---- the op corpus -----------------------------------------------------------------------------
+
+TEST(OpCorpus, ManifestMatchesAndRegeneratesBitForBitOnOneAndTwoThreads) {
+  const json m = json::parse(slurp(kOps / "manifest.json"));
+  ASSERT_EQ(m["files"].size(), op_corpus().size());
+  for (int threads : {1, 2}) {
+    teo::ScopedSettings keep;
+    teo::set_num_threads(threads);
+    for (std::size_t i = 0; i < op_corpus().size(); ++i) {
+      const auto& e = op_corpus()[i];
+      const std::string bytes = st::serialize(golden::make_op(e.spec));
+      EXPECT_EQ(m["files"][i]["sha256"], teo::sha256_hex(bytes))
+          << e.name << " differs from the committed file with " << threads << " thread(s)";
+    }
+  }
+}
+
+TEST(OpCorpus, CoversEveryOpDtypePrecisionAndEdgeCase) {
+  std::set<std::string> ops, dtypes, precisions;
+  bool len0 = false, len1 = false, s1 = false, dh1 = false, odd_dh = false, one_head = false,
+       masked_row = false, c1 = false, c2 = false, rows_path = false, odd_rows = false;
+  for (const auto& e : op_corpus()) {
+    const auto& s = e.spec.spec;
+    ops.insert(e.spec.op);
+    dtypes.insert(e.spec.dtype);
+    if (e.spec.precision) precisions.insert(teo::to_string(*e.spec.precision));
+    for (const char* key : {"lengths", "visible"}) {
+      if (!s.contains(key)) continue;
+      for (const auto& l : s[key]) {
+        len0 |= l == 0;
+        len1 |= l == 1;
+      }
+      masked_row |= std::string(key) == "visible" && len0;
+    }
+    if (e.spec.op == "attention") {
+      s1 |= s["seq_len"] == 1;
+      dh1 |= s["d_head"] == 1;
+      odd_dh |= s["d_head"].get<int>() % 2 == 1 && s["d_head"].get<int>() > 1;
+      one_head |= s["num_heads"] == 1;
+      rows_path |= s["probs"] == false;
+    }
+    if (e.spec.op == "cross_entropy") {
+      c1 |= s["num_classes"] == 1;
+      c2 |= s["num_classes"] == 2;
+    }
+    if (s.contains("rows")) odd_rows |= s["rows"].get<int>() % 2 == 1 && s["rows"].get<int>() > 8;
+  }
+  EXPECT_EQ(ops.size(), golden::op_names().size());
+  EXPECT_EQ(dtypes, (std::set<std::string>{"float32", "float64"}));
+  EXPECT_EQ(precisions, (std::set<std::string>{"bf16", "fp16", "tf32"}));
+  for (auto [what, seen] : {std::pair{"length 0", len0}, {"length 1", len1}, {"S = 1", s1},
+                            {"Dh = 1", dh1}, {"odd Dh", odd_dh}, {"one head", one_head},
+                            {"a fully masked softmax row", masked_row}, {"C = 1", c1},
+                            {"C = 2", c2}, {"the row-blocked attention", rows_path},
+                            {"N off every register tile", odd_rows}}) {
+    EXPECT_TRUE(seen) << "no op case has " << what;
+  }
+}
+
+TEST(OpCorpus, EveryCasePassesAgainstItselfAndItsEmulatedRuns) {
+  for (const auto& e : op_corpus()) {
+    const st::File f = st::read((kOps / (e.name + ".safetensors")).string());
+    const auto rep = golden::check(f, f, {});
+    EXPECT_EQ(rep.failed, 0) << e.name;
+    EXPECT_GT(rep.passed, 0) << e.name;
+    if (e.spec.precision) {
+      golden::CheckOptions o;
+      o.precision = *e.spec.precision;
+      const auto low = golden::check(f, f, o);
+      EXPECT_EQ(low.failed, 0) << e.name;
+      EXPECT_EQ(low.vacuous, 0) << e.name;
+      EXPECT_TRUE(low.budget) << e.name;
+    }
+  }
+}
+
+// ---- finite differences through the op-case path ----------------------------------------------
+
+// sum over the case's outputs of grad.output.<o> * <o>, from run_op on `f`.
+double objective(const st::File& f) {
+  const auto r = golden::run_op(f);
+  double sum = 0;
+  for (const auto& [name, vals] : r) {
+    if (!name.starts_with("output.")) continue;
+    const auto* up = f.find("grad." + name);
+    if (!up) continue;  // an optional output: no gradient flows into it
+    const auto g = up->float_values();
+    for (std::size_t i = 0; i < vals.size(); ++i) sum += g[i] * vals[i];
+  }
+  return sum;
+}
+
+void set_values(st::Tensor& t, const std::vector<double>& v) {
+  ASSERT_EQ(t.dtype, st::DType::F64);
+  std::memcpy(t.bytes.data(), v.data(), v.size() * sizeof(double));
+}
+
+// For each differentiable input x with gradient g = grad.<x>: the central difference of the
+// objective along a random direction d (finite entries of x only), with step h = 1e-5 times x's
+// scale, against <g, d>. Central differences err by O(h^2 |f'''|) plus O(eps |f| / h); with
+// these sizes both are below 1e-7 of the derivative's scale, and 1e-6 leaves room.
+void expect_backward_matches_fd(const golden::OpCase& c) {
+  SCOPED_TRACE(c.spec.dump());
+  const st::File base = golden::make_op(c);
+  const auto grads = golden::run_op(base);
+  int checked = 0;
+  for (const auto& [gname, g] : grads) {
+    if (!gname.starts_with("grad.input.") && !gname.starts_with("grad.param.")) continue;
+    const std::string xname = gname.substr(5);
+    const auto* xt = base.find(xname);
+    ASSERT_NE(xt, nullptr) << xname;
+    const auto x = xt->float_values();
+    double scale = 0, gscale = 0, dot = 0;
+    for (double v : x)
+      if (std::isfinite(v)) scale = std::max(scale, std::abs(v));
+    std::vector<double> d(x.size());
+    for (std::size_t i = 0; i < x.size(); ++i) {
+      d[i] = std::isfinite(x[i])
+                 ? 2 * teo::rng::uniform01(7, teo::rng::stream_id(xname), i) - 1
+                 : 0.0;
+      dot += g[i] * d[i];
+      gscale += std::abs(g[i] * d[i]);
+    }
+    const double h = 1e-5 * std::max(scale, 1.0);
+    double f[2];
+    for (int s = 0; s < 2; ++s) {
+      st::File p = base;
+      std::vector<double> xp = x;
+      for (std::size_t i = 0; i < x.size(); ++i) xp[i] += (s == 0 ? h : -h) * d[i];
+      for (auto& t : p.tensors)
+        if (t.name == xname) set_values(t, xp);
+      f[s] = objective(p);
+    }
+    const double fd = (f[0] - f[1]) / (2 * h);
+    EXPECT_NEAR(fd, dot, 1e-6 * std::max(gscale, 1e-3)) << gname;
+    ++checked;
+  }
+  EXPECT_GT(checked, 0);
+}
+
+TEST(OpCases, EveryOpsBackwardMatchesFiniteDifferencesThroughTheOpCasePath) {
+  teo::ScopedSettings keep;
+  teo::set_backend(teo::Backend::reference);
+  expect_backward_matches_fd(spec("linear", {{"rows", 5}, {"in_features", 4}, {"out_features", 3}}));
+  expect_backward_matches_fd(spec("layer_norm", {{"rows", 4}, {"d_model", 7}}));
+  expect_backward_matches_fd(spec("softmax", {{"rows", 4}, {"cols", 5}, {"visible", {5, 2, 0, 1}}}));
+  for (const char* act : {"relu", "gelu", "gelu_tanh"})
+    expect_backward_matches_fd(spec("activation", {{"rows", 3}, {"cols", 5}, {"activation", act}}));
+  expect_backward_matches_fd(spec("dropout", {{"rows", 3}, {"cols", 5}, {"dropout", 0.3}}));
+  for (bool probs : {true, false}) {
+    expect_backward_matches_fd(spec("attention", {{"batch", 2},
+                                                  {"num_heads", 2},
+                                                  {"seq_len", 4},
+                                                  {"d_head", 3},
+                                                  {"lengths", {4, 2}},
+                                                  {"causal", true},
+                                                  {"scale", 0.7},
+                                                  {"probs", probs}}));
+  }
+  expect_backward_matches_fd(spec("embedding", {{"batch", 2},
+                                                {"seq_len", 3},
+                                                {"vocab_size", 4},
+                                                {"d_model", 5},
+                                                {"positional", "learned"},
+                                                {"embed_scale", true}}));
+  for (const char* kind : {"mean", "cls", "max"}) {
+    expect_backward_matches_fd(spec("pooling", {{"batch", 3},
+                                                {"seq_len", 4},
+                                                {"d_model", 3},
+                                                {"lengths", {4, 1, 0}},
+                                                {"pooling", kind}}));
+  }
+  expect_backward_matches_fd(
+      spec("cross_entropy", {{"batch", 4}, {"num_classes", 3}, {"label_smoothing", 0.1}}));
+  for (bool pre : {false, true}) {
+    expect_backward_matches_fd(spec("encoder_layer", {{"batch", 2},
+                                                      {"seq_len", 3},
+                                                      {"lengths", {3, 2}},
+                                                      {"d_model", 4},
+                                                      {"num_heads", 2},
+                                                      {"d_ff", 6},
+                                                      {"norm_first", pre},
+                                                      {"dropout", pre ? 0.2 : 0.0}}));
+  }
+}
+
+// ---- the row-blocked attention -----------------------------------------------------------------
+
+template <class Real>
+void expect_rows_path_bits(index_t B, index_t H, index_t S, index_t Dh, bool causal,
+                           std::vector<std::int64_t> lengths, index_t block_rows) {
+  SCOPED_TRACE(testing::Message() << "B " << B << " H " << H << " S " << S << " Dh " << Dh
+                                  << " causal " << causal << " block_rows " << block_rows);
+  const index_t n = B * H * S * Dh, ss = B * H * S * S;
+  std::vector<Real> q(n), k(n), v(n), dc(n);
+  for (index_t i = 0; i < n; ++i) {
+    q[i] = static_cast<Real>(2 * teo::rng::uniform01(1, 1, i) - 1);
+    k[i] = static_cast<Real>(2 * teo::rng::uniform01(1, 2, i) - 1);
+    v[i] = static_cast<Real>(2 * teo::rng::uniform01(1, 3, i) - 1);
+    dc[i] = static_cast<Real>(2 * teo::rng::uniform01(1, 4, i) - 1);
+  }
+  std::vector<Real> ctx(n), sc(ss), pr(ss), dp(ss), ds(ss), dq(n, 0), dk(n, 0), dv(n, 0);
+  teo::attention_forward(ctx.data(), sc.data(), pr.data(), q.data(), k.data(), v.data(),
+                         lengths.data(), nullptr, Real(1), B, H, S, Dh, causal, false, 0.4);
+  teo::attention_backward(dq.data(), dk.data(), dv.data(), dp.data(), ds.data(), dc.data(),
+                          q.data(), k.data(), v.data(), pr.data(), nullptr, Real(1), B, H, S, Dh,
+                          false, teo::GradWrite::accumulate, 0.4);
+  std::vector<Real> ctx2(n), dq2(n, 0), dk2(n, 0), dv2(n, 0);
+  teo::attention_forward_rows(ctx2.data(), q.data(), k.data(), v.data(), lengths.data(), B, H, S,
+                              Dh, causal, 0.4, block_rows);
+  teo::attention_backward_rows(dq2.data(), dk2.data(), dv2.data(), dc.data(), q.data(), k.data(),
+                               v.data(), lengths.data(), B, H, S, Dh, causal,
+                               teo::GradWrite::accumulate, 0.4, block_rows);
+  EXPECT_EQ(std::memcmp(ctx.data(), ctx2.data(), n * sizeof(Real)), 0) << "context";
+  EXPECT_EQ(std::memcmp(dq.data(), dq2.data(), n * sizeof(Real)), 0) << "dq";
+  EXPECT_EQ(std::memcmp(dk.data(), dk2.data(), n * sizeof(Real)), 0) << "dk";
+  EXPECT_EQ(std::memcmp(dv.data(), dv2.data(), n * sizeof(Real)), 0) << "dv";
+}
+
+TEST(OpCases, RowBlockedAttentionGivesTheMaterialisedBitsOnEveryIsa) {
+  for (teo::Isa isa : teo::supported_isas()) {
+    teo::ScopedSettings keep;
+    teo::set_backend(teo::Backend::simd);
+    teo::set_isa(isa);
+    SCOPED_TRACE(teo::to_string(isa));
+    for (index_t block : {1, 3, 16, 0}) {
+      for (bool causal : {false, true}) {
+        expect_rows_path_bits<double>(2, 3, 37, 7, causal, {37, 5}, block);
+        expect_rows_path_bits<float>(2, 3, 37, 7, causal, {0, 30}, block);
+      }
+    }
+    expect_rows_path_bits<double>(1, 2, 300, 64, true, {300}, 0);
+    expect_rows_path_bits<float>(1, 1, 1, 1, false, {1}, 0);
+  }
+}
+
+// ---- specs -------------------------------------------------------------------------------------
+
+TEST(OpCases, BadSpecsGiveNamedErrorsBeforeAllocation) {
+  using teo::ConfigError;
+  using teo::ShapeError;
+  const json ok = {{"op", "linear"}, {"rows", 2}, {"in_features", 3}, {"out_features", 4},
+                   {"dtype", "float64"}, {"seed", 1}};
+  auto with = [&](const char* key, json v) {
+    json j = ok;
+    if (v.is_null())
+      j.erase(key);
+    else
+      j[key] = v;
+    return j;
+  };
+  teo::test::expect_throw<ConfigError>([&] { golden::OpCase::from_json(with("op", "conv")); },
+                                  "unknown op \"conv\"");
+  teo::test::expect_throw<ConfigError>([&] { golden::OpCase::from_json(with("colour", 1)); },
+                                  "unknown key \"colour\"");
+  teo::test::expect_throw<ConfigError>([&] { golden::OpCase::from_json(with("rows", nullptr)); },
+                                  "needs \"rows\"");
+  teo::test::expect_throw<ConfigError>([&] { golden::OpCase::from_json(with("rows", -1)); },
+                                  "spec.rows");
+  teo::test::expect_throw<ConfigError>([&] { golden::OpCase::from_json(with("rows", 2.5)); },
+                                  "spec.rows must be an integer");
+  teo::test::expect_throw<ConfigError>([&] { golden::OpCase::from_json(with("in_features", 0)); },
+                                  "spec.in_features");
+  teo::test::expect_throw<ConfigError>([&] { golden::OpCase::from_json(with("dtype", "float16")); },
+                                  "spec.dtype");
+  teo::test::expect_throw<ConfigError>([&] { golden::OpCase::from_json(with("precision", "bf16")); },
+                                  "in a float32 case");
+  teo::test::expect_throw<ConfigError>([&] { golden::OpCase::from_json(with("seed", -3)); },
+                                  "spec.seed");
+  teo::test::expect_throw<ConfigError>([&] { golden::OpCase::from_json(ok, "softmax"); },
+                                  "not \"softmax\"");
+  teo::test::expect_throw<ShapeError>(
+      [&] { golden::OpCase::from_json(with("rows", std::int64_t{1} << 31)); }, "MiB");
+  teo::test::expect_throw<ShapeError>(
+      [&] {
+        golden::OpCase::from_json({{"op", "attention"}, {"batch", 1}, {"num_heads", 1},
+                                   {"seq_len", 4}, {"d_head", 2}, {"lengths", {5}},
+                                   {"dtype", "float64"}, {"seed", 0}});
+      },
+      "spec.lengths has 5, outside [0, 4]");
+  teo::test::expect_throw<ShapeError>(
+      [&] {
+        golden::OpCase::from_json({{"op", "attention"}, {"batch", 2}, {"num_heads", 1},
+                                   {"seq_len", 4}, {"d_head", 2}, {"lengths", {1}},
+                                   {"dtype", "float64"}, {"seed", 0}});
+      },
+      "spec.lengths has 1 entries for 2");
+  teo::test::expect_throw<ConfigError>(
+      [&] {
+        golden::OpCase::from_json({{"op", "attention"}, {"batch", 1}, {"num_heads", 1},
+                                   {"seq_len", 4}, {"d_head", 2}, {"scale", 0},
+                                   {"dtype", "float64"}, {"seed", 0}});
+      },
+      "spec.scale must be a finite number > 0");
+  teo::test::expect_throw<ConfigError>(
+      [&] {
+        golden::OpCase::from_json({{"op", "activation"}, {"rows", 1}, {"cols", 1},
+                                   {"activation", "swish"}, {"dtype", "float64"}, {"seed", 0}});
+      },
+      "activation");
+  teo::test::expect_throw<ConfigError>(
+      [&] {
+        golden::OpCase::from_json({{"op", "encoder_layer"}, {"batch", 1}, {"seq_len", 2},
+                                   {"d_model", 6}, {"num_heads", 4}, {"d_ff", 3},
+                                   {"dtype", "float64"}, {"seed", 0}});
+      },
+      "num_heads");
+  // The row-blocked default: a long sequence needs little memory, and its materialised form is
+  // refused by size, not attempted.
+  const json long_attn = {{"op", "attention"}, {"batch", 1}, {"num_heads", 8},
+                          {"seq_len", 16384}, {"d_head", 64}, {"dtype", "float64"},
+                          {"seed", 0}};
+  const auto c = golden::OpCase::from_json(long_attn);
+  EXPECT_EQ(c.spec["probs"], false);
+  EXPECT_LT(c.bytes_needed(), std::uint64_t{4} << 30);
+  json materialised = long_attn;
+  materialised["probs"] = true;
+  teo::test::expect_throw<ShapeError>([&] { golden::OpCase::from_json(materialised); }, "MiB");
+}
+
+// ---- the checker on op cases -------------------------------------------------------------------
+
+st::Tensor* find_mut(st::File& f, const std::string& name) {
+  for (auto& t : f.tensors)
+    if (t.name == name) return &t;
+  return nullptr;
+}
+
+TEST(OpCases, CheckerNamesTheFirstDivergenceAndNeverRequiresOptionalOutputs) {
+  const st::File g = golden::make_op(spec("attention", {{"batch", 1},
+                                                        {"num_heads", 2},
+                                                        {"seq_len", 5},
+                                                        {"d_head", 3},
+                                                        {"lengths", {4}},
+                                                        {"causal", true}}));
+  // A fused kernel: context and the input gradients only.
+  st::File fused;
+  for (const auto& t : g.tensors) {
+    if (t.name == "output.context" || t.name.starts_with("grad.input.")) fused.tensors.push_back(t);
+  }
+  auto rep = golden::check(g, fused, {});
+  EXPECT_EQ(rep.failed, 0);
+  EXPECT_EQ(rep.not_checked, 0) << "optional outputs are never counted";
+  EXPECT_EQ(rep.passed, 4);
+  EXPECT_EQ(golden::verdict({rep}, /*require_all=*/true).exit_code, 0);
+  // grad.output.context is an input: a candidate may carry it, and it is never judged.
+  for (const auto& t : rep.tensors) EXPECT_FALSE(t.name.starts_with("grad.output.")) << t.name;
+  // A wrong dk fails there and nowhere before it.
+  st::File bad = fused;
+  auto* dk = find_mut(bad, "grad.input.k");
+  std::vector<double> v = dk->float_values();
+  v[3] += 1e-6;
+  set_values(*dk, v);
+  rep = golden::check(g, bad, {});
+  EXPECT_EQ(rep.failed, 1);
+  EXPECT_EQ(rep.first_divergence, "grad.input.k");
+  // A missing required gradient is not checked, and --require-all then fails.
+  st::File partial;
+  partial.tensors.push_back(*fused.find("output.context"));
+  rep = golden::check(g, partial, {});
+  EXPECT_EQ(rep.not_checked, 3);
+  EXPECT_EQ(golden::verdict({rep}, true).exit_code, 1);
+  golden::CheckOptions fwd;
+  fwd.only = golden::Only::forward;
+  rep = golden::check(g, partial, fwd);
+  EXPECT_EQ(rep.passed, 1);
+  EXPECT_EQ(rep.not_checked, 0);
+}
+
+TEST(OpCases, EncoderLayerCaseIsTheModelsFirstLayer) {
+  // One layer of the whole model, from the same input and parameters, gives the op's bits.
+  teo::EncoderConfig cfg;
+  cfg.num_layers = 1;
+  cfg.d_model = 8;
+  cfg.num_heads = 2;
+  cfg.d_ff = 12;
+  cfg.norm_first = true;
+  const auto params = teo::Params<double>::init(cfg, 5);
+  const teo::Batch batch = teo::Batch::random(cfg, 2, 6, 5, {6, 3});
+  teo::Activations<double> acts;
+  teo::forward(params, batch, acts, {.train = false});
+  const auto g = golden::make_op(spec("encoder_layer", {{"batch", 2},
+                                                        {"seq_len", 6},
+                                                        {"lengths", {6, 3}},
+                                                        {"d_model", 8},
+                                                        {"num_heads", 2},
+                                                        {"d_ff", 12},
+                                                        {"norm_first", true}}));
+  st::File f = g;
+  auto* x = find_mut(f, "input.x");
+  set_values(*x, {acts.input.begin(), acts.input.end()});
+  params.layers[0].visit([&](const std::string& n, const teo::Tensor<double>& t) {
+    set_values(*find_mut(f, "param." + n), {t.begin(), t.end()});
+  });
+  const auto r = golden::run_op(f);
+  const auto& y = r.at("output.y");
+  const auto& want = acts.layers[0].output;
+  ASSERT_EQ(static_cast<index_t>(y.size()), want.numel());
+  for (index_t i = 0; i < want.numel(); ++i) ASSERT_EQ(y[i], want[i]) << i;
+}
+
+}  // namespace

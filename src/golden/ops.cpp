@@ -402,13 +402,14 @@ std::vector<Slot> layout(const Spec& s) {
       const Dims qkv = {s.batch, s.heads, s.seq, s.d_head};
       for (const char* n : {"input.q", "input.k", "input.v"}) in.push_back(f(n, qkv, Role::input));
       fixed.push_back({"input.lengths", DType::I64, {s.batch}, Role::input});
-      out.push_back(f("output.context", qkv, Role::output));
+      // In pipeline order, so that a wrong score is named before the context it spoils.
       if (s.probs) {
         for (const char* n : {"output.scores", "output.probs"}) {
           out.push_back(f(n, {s.batch, s.heads, s.seq, s.seq}, Role::output));
           out.back().optional = true;
         }
       }
+      out.push_back(f("output.context", qkv, Role::output));
       break;
     }
     case Op::embedding:

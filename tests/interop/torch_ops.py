@@ -1,0 +1,409 @@
+#!/usr/bin/python3
+"""PyTorch as a kernel author's backend for teo's op cases (teo-op/1).
+
+Usage:
+  /usr/bin/python3 tests/interop/torch_ops.py CASE.safetensors OUT.safetensors
+      [--dtype float64|float32|bfloat16|float16|tf32] [--mutant NAME]
+  /usr/bin/python3 tests/interop/torch_ops.py --test --teo TEO --golden DIR --work DIR
+
+The first form reads one op case, runs its op in PyTorch (autograd for the
+backward, from the case's grad.output.* tensors) and writes the candidate:
+output.* and grad.input.* / grad.param.*, in the case's dtype or the one
+given. bfloat16 runs torch's own bf16 kernels (softmax, LayerNorm and the
+loss in float32, rounded back, as autocast does); float16 rounds every
+stored tensor to float16 around float32 arithmetic (torch 1.13 has few CPU
+Half kernels); tf32 rounds the operands of every product.
+
+--test runs every case of DIR in its own dtype and, for the float32 cases,
+in bfloat16 (and in the case's precision): each candidate must pass
+`teo golden check` (--require-all for the full-precision runs). Then each
+mutant in MUTANTS must fail on its case with the expected first divergence.
+Exit status: 0 when all of that holds, 1 otherwise, 2 on bad usage.
+"""
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch_backend as tb  # noqa: E402  (the model backend: I/O and shared layers)
+
+# name -> (case in golden/ops, the tensor where the check must first fail, what the bug is)
+MUTANTS = {
+    "attention_no_scale": ("attention_causal_f64", "output.scores",
+                           "scores = q k^T without the scale"),
+    "attention_causal_off_by_one": ("attention_causal_f64", "output.scores",
+                                    "query i also sees key i + 1"),
+    "attention_padding_ignored": ("attention_causal_f64", "output.scores",
+                                  "keys beyond the length stay visible"),
+    "softmax_nan_masked_row": ("softmax_masked_f64", "output.y",
+                               "a fully masked row gives NaN, not 0"),
+    "layer_norm_bwd_no_mean": ("layer_norm_f64", "grad.input.x",
+                               "LayerNorm backward without the mean term"),
+    "layer_norm_unbiased_var": ("layer_norm_f64", "output.y",
+                                "variance divided by D - 1"),
+    "cross_entropy_no_smoothing": ("cross_entropy_smoothing_f64", "output.loss",
+                                   "label smoothing ignored"),
+    "gelu_derivative_tanh": ("activation_gelu_f64", "grad.input.x",
+                             "erf GELU with the tanh form's derivative"),
+    "mean_pool_over_padding": ("pooling_mean_f64", "output.pooled",
+                               "mean pooling over padded positions"),
+    "linear_weight_grad_transposed": ("linear_f64", "grad.param.weight",
+                                      "dW = (x^T dy) laid out transposed"),
+    "dropout_scale_p": ("dropout_f64", "output.y",
+                        "kept values scaled by 1 / p, not 1 / (1 - p)"),
+    "embedding_scale_ignored": ("embedding_learned_scale_f32", "output.x",
+                                "embed_scale not applied"),
+    "layer_post_as_pre": ("encoder_layer_post_f64", "output.y",
+                          "a post-norm layer run as pre-norm"),
+}
+
+DTYPES = {"float64": torch.float64, "float32": torch.float32,
+          "bfloat16": torch.bfloat16, "float16": torch.float32,
+          "tf32": torch.float32}
+
+
+class _Round16(torch.autograd.Function):
+    """Storage in float16 around float32 arithmetic: the value and its
+    gradient are each rounded to float16 where they are stored."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.half().float()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.half().float()
+
+
+class Mode:
+    def __init__(self, name, mutant):
+        self.name = name
+        self.mutant = mutant
+        self.dtype = DTYPES[name]
+        self.variant = tb.Variant(tf32=name == "tf32")
+
+    def store(self, x):
+        """A tensor as this mode's backend stores it."""
+        return _Round16.apply(x) if self.name == "float16" else x
+
+    def linear(self, x, w, b):
+        return self.store(self.variant.linear(x, w, b))
+
+    def matmul(self, a, b):
+        return self.store(self.variant.matmul(a, b))
+
+
+class _LayerNormNoMean(torch.autograd.Function):
+    """Mutant: LayerNorm whose backward drops the mean of w * dy."""
+
+    @staticmethod
+    def forward(ctx, x, w, b, eps):
+        mean = x.mean(-1, keepdim=True)
+        var = ((x - mean) ** 2).mean(-1, keepdim=True)
+        rstd = 1.0 / torch.sqrt(var + eps)
+        xhat = (x - mean) * rstd
+        ctx.save_for_backward(xhat, rstd, w)
+        return xhat * w + b
+
+    @staticmethod
+    def backward(ctx, dy):
+        xhat, rstd, w = ctx.saved_tensors
+        g = dy * w
+        dx = rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))
+        return dx, (dy * xhat).sum(0), dy.sum(0), None
+
+
+class _LinearWeightGradTransposed(torch.autograd.Function):
+    """Mutant: y = x W^T + b, with dW computed as x^T dy and laid out in
+    W's shape without transposing back."""
+
+    @staticmethod
+    def forward(ctx, x, w, b):
+        ctx.save_for_backward(x, w)
+        y = x @ w.t()
+        return y if b is None else y + b
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        dw = (x.t() @ dy).reshape(w.shape)
+        return dy @ w, dw, dy.sum(0)
+
+
+def layer_norm(x, w, b, eps, mode):
+    if mode.mutant == "layer_norm_bwd_no_mean":
+        return _LayerNormNoMean.apply(x, w, b, eps)
+    if mode.mutant == "layer_norm_unbiased_var":
+        mean = x.mean(-1, keepdim=True)
+        var = ((x - mean) ** 2).sum(-1, keepdim=True) / (x.shape[-1] - 1)
+        return (x - mean) / torch.sqrt(var + eps) * w + b
+    return mode.store(tb.layer_norm(x, "n", {"n.weight": w, "n.bias": b}, eps))
+
+
+def masked_softmax(x, visible, mode):
+    """Softmax over the visible entries; a row with none is 0 (teo's rule),
+    or NaN for the mutant."""
+    has = visible.any(dim=-1, keepdim=True)
+    scores = x.masked_fill(~visible, float("-inf"))
+    if mode.mutant == "softmax_nan_masked_row":
+        return torch.softmax(scores, dim=-1)
+    safe = scores.masked_fill(~has, 0.0)
+    return mode.store(torch.where(has, tb.softmax(safe), torch.zeros_like(safe)))
+
+
+def op_linear(spec, T, mode):
+    x, w = T["input.x"], T["param.weight"]
+    b = T.get("param.bias")
+    if mode.mutant == "linear_weight_grad_transposed":
+        return {"output.y": _LinearWeightGradTransposed.apply(x, w, b)}
+    return {"output.y": mode.linear(x, w, b)}
+
+
+def op_layer_norm(spec, T, mode):
+    return {"output.y": layer_norm(T["input.x"], T["param.weight"], T["param.bias"],
+                                   spec["layer_norm_eps"], mode)}
+
+
+def op_softmax(spec, T, mode):
+    x = T["input.x"]
+    cols = torch.arange(x.shape[-1])[None, :]
+    visible = cols < torch.tensor(spec["visible"], dtype=torch.long)[:, None]
+    return {"output.y": masked_softmax(x, visible, mode)}
+
+
+def op_activation(spec, T, mode):
+    x = T["input.x"]
+    if mode.mutant == "gelu_derivative_tanh":
+        return {"output.y": tb._GeluTanhGrad.apply(x)}
+    return {"output.y": mode.store(tb.activation_fn(spec["activation"])(x))}
+
+
+def op_dropout(spec, T, mode):
+    p = spec["dropout"]
+    scale = torch.tensor(1.0 / (p if mode.mutant == "dropout_scale_p" else 1.0 - p),
+                         dtype=torch.float64).to(T["input.x"].dtype)
+    m = T["input.mask"].bool()
+    x = T["input.x"]
+    return {"output.y": mode.store(torch.where(m, x * scale, torch.zeros_like(x)))}
+
+
+def op_attention(spec, T, mode):
+    q, k, v = T["input.q"], T["input.k"], T["input.v"]
+    B, H, S, Dh = q.shape
+    lengths = T["input.lengths"]
+    i = torch.arange(S)[:, None]
+    j = torch.arange(S)[None, :]
+    visible = j < lengths[:, None, None]                           # (B, S, S)
+    if mode.mutant == "attention_padding_ignored":
+        visible = torch.ones_like(visible)
+    if spec["causal"]:
+        visible = visible & (j <= i + (1 if mode.mutant == "attention_causal_off_by_one" else 0))
+    visible = visible[:, None, :, :].expand(B, H, S, S)
+    scale = 1.0 if mode.mutant == "attention_no_scale" else spec["scale"]
+    alpha = torch.tensor(scale, dtype=torch.float64).to(q.dtype)
+    raw = mode.store(mode.matmul(q, k.transpose(-1, -2)) * alpha)
+    scores = raw.masked_fill(~visible, float("-inf"))
+    probs = masked_softmax(raw, visible, mode)
+    out = {"output.context": mode.matmul(probs, v)}
+    if spec["probs"]:
+        out["output.scores"] = scores
+        out["output.probs"] = probs
+    return out
+
+
+def op_embedding(spec, T, mode):
+    w, tokens = T["param.weight"], T["input.tokens"]
+    D = spec["d_model"]
+    S = spec["seq_len"]
+    scale = math.sqrt(D) if spec["embed_scale"] and mode.mutant != "embedding_scale_ignored" else 1.0
+    emb = mode.store(w[tokens] * torch.tensor(scale, dtype=torch.float64).to(w.dtype))
+    if spec["positional"] == "learned":
+        pos = T["param.pos_weight"][:S]
+    else:
+        pos = tb.sinusoidal_table(S, D, w.dtype)
+    return {"output.x": mode.store(emb + pos[None])}
+
+
+def op_pooling(spec, T, mode):
+    x, lengths = T["input.x"], T["input.lengths"]
+    if mode.mutant == "mean_pool_over_padding":
+        lengths = torch.where(lengths > 0, torch.full_like(lengths, x.shape[1]), lengths)
+    return {"output.pooled": mode.store(tb.pool(x, lengths, spec["pooling"]))}
+
+
+def op_cross_entropy(spec, T, mode):
+    smoothing = 0.0 if mode.mutant == "cross_entropy_no_smoothing" else spec["label_smoothing"]
+    return {"output.loss": mode.store(tb.loss_fn(T["input.logits"], T["input.labels"], smoothing))}
+
+
+def op_encoder_layer(spec, T, mode):
+    cfg = dict(spec)
+    if mode.mutant == "layer_post_as_pre":
+        cfg["norm_first"] = not cfg["norm_first"]
+    x, lengths = T["input.x"], T["input.lengths"]
+    B, S, _ = x.shape
+    i = torch.arange(S)[:, None]
+    j = torch.arange(S)[None, :]
+    visible = j < lengths[:, None, None]
+    if cfg["causal"]:
+        visible = visible & (j <= i)
+    P = {"layers.0." + n[len("param."):]: t for n, t in T.items() if n.startswith("param.")}
+    masks = {"dropout.layers.0." + n[len("input.mask."):]: t.bool()
+             for n, t in T.items() if n.startswith("input.mask.")}
+    drop = tb.Dropout(masks, cfg["dropout"], x.dtype)
+    y = tb.encoder_layer(x, 0, cfg, P, visible[:, None, :, :], drop, {}, mode.variant)
+    return {"output.y": y}
+
+
+OPS = {name[3:]: fn for name, fn in globals().items() if name.startswith("op_")}
+
+
+def run_op(path, dtype=None, mutant=None):
+    """Returns (candidate tensors as torch tensors, the metadata)."""
+    tensors, meta = tb.st_read(path)
+    if meta.get("format") != "teo-op/1":
+        raise tb.BadInput("%s is not an op case" % path)
+    spec = json.loads(meta["spec"])
+    mode = Mode(dtype or spec["dtype"], mutant)
+    T, leaves = {}, {}
+    for name, arr in tensors.items():
+        if name.startswith("ref64.") or name.startswith("output.") or (
+                name.startswith("grad.") and not name.startswith("grad.output.")):
+            continue
+        t = torch.from_numpy(arr)
+        if t.is_floating_point() and not name.startswith("grad.output."):
+            t = t.to(mode.dtype)
+            if mode.name == "float16":
+                t = t.half().float()
+            t.requires_grad_(True)
+            leaves[name] = t
+        T[name] = t
+    out = OPS[spec["op"]](spec, T, mode)
+    total = None
+    for name, y in out.items():
+        up = tensors.get("grad." + name)
+        if up is None:
+            continue  # an optional output
+        g = torch.from_numpy(up).to(y.dtype)
+        term = (torch.nan_to_num(y, neginf=0.0) * g).sum()
+        total = term if total is None else total + term
+    if total is not None and total.requires_grad:
+        total.backward()
+    cand = {n: y.detach() for n, y in out.items()}
+    for name, t in leaves.items():
+        cand["grad." + name] = t.grad if t.grad is not None else torch.zeros_like(t)
+    return cand, spec
+
+
+def write(path, cand, dtype):
+    arrays, st_dtypes = {}, {}
+    for name, t in cand.items():
+        if t.dtype == torch.bfloat16:
+            arrays[name] = t.contiguous().view(torch.int16).numpy().view(np.uint16)
+            st_dtypes[name] = "BF16"
+        elif dtype == "float16":
+            arrays[name] = t.half().numpy()
+        else:
+            arrays[name] = t.numpy()
+    tb.st_write(path, arrays, {"backend": "pytorch " + torch.__version__}, st_dtypes)
+
+
+def teo_check(teo, golden, candidate, *extra):
+    r = subprocess.run([teo, "golden", "check", "--golden", golden, "--candidate", candidate,
+                        *extra], capture_output=True, text=True)
+    return r.returncode, r.stdout + r.stderr
+
+
+def first_divergence(text):
+    for line in text.splitlines():
+        if "first divergence" in line:
+            return line.split("first divergence:")[-1].split()[0].strip()
+    return None
+
+
+def test(teo, golden_dir, work):
+    os.makedirs(work, exist_ok=True)
+    failures = 0
+    names = sorted(f for f in os.listdir(golden_dir) if f.endswith(".safetensors"))
+    for f in names:
+        path = os.path.join(golden_dir, f)
+        _, meta = tb.st_read(path)
+        spec = json.loads(meta["spec"])
+        runs = [(spec["dtype"], ["--require-all"])]
+        if spec["dtype"] == "float32":
+            precision = spec.get("precision")
+            runs.append(("bfloat16", ["--precision", "bf16", "--require-all"]))
+            if precision == "fp16":
+                runs.append(("float16", ["--precision", "fp16", "--require-all"]))
+            if precision == "tf32":
+                runs.append(("tf32", ["--precision", "tf32", "--require-all"]))
+        for dtype, flags in runs:
+            out = os.path.join(work, dtype)
+            os.makedirs(out, exist_ok=True)
+            cand, _ = run_op(path, dtype)
+            write(os.path.join(out, f), cand, dtype)
+            rc, text = teo_check(teo, path, os.path.join(out, f), *flags)
+            worst = [l for l in text.splitlines() if "worst fraction" in l]
+            status = "pass" if rc == 0 else "FAIL"
+            print("%-40s %-9s %s %s" % (f, dtype, status,
+                                        worst[0].split(";")[-1].strip() if worst else ""))
+            if rc != 0:
+                failures += 1
+                print(text)
+    print()
+    for mutant, (case, where, what) in MUTANTS.items():
+        path = os.path.join(golden_dir, case + ".safetensors")
+        out = os.path.join(work, "mutant_" + mutant)
+        os.makedirs(out, exist_ok=True)
+        cand, spec = run_op(path, mutant=mutant)
+        write(os.path.join(out, case + ".safetensors"), cand, spec["dtype"])
+        rc, text = teo_check(teo, path, os.path.join(out, case + ".safetensors"))
+        got = first_divergence(text)
+        ok = rc == 1 and got == where
+        print("mutant %-30s %-28s first divergence %-20s %s (%s)"
+              % (mutant, case, got, "ok" if ok else "WRONG, expected " + where, what))
+        if not ok:
+            failures += 1
+            print(text)
+    print("\n%d failure(s)" % failures)
+    return 1 if failures else 0
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("case", nargs="?")
+    ap.add_argument("out", nargs="?")
+    ap.add_argument("--dtype", choices=sorted(DTYPES))
+    ap.add_argument("--mutant", choices=sorted(MUTANTS))
+    ap.add_argument("--test", action="store_true")
+    ap.add_argument("--teo")
+    ap.add_argument("--golden")
+    ap.add_argument("--work")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    try:
+        if args.test:
+            if not (args.teo and args.golden and args.work):
+                ap.error("--test needs --teo, --golden and --work")
+            return test(args.teo, args.golden, args.work)
+        if not (args.case and args.out):
+            ap.error("give CASE.safetensors and OUT.safetensors, or --test")
+        cand, spec = run_op(args.case, args.dtype, args.mutant)
+        write(args.out, cand, args.dtype or spec["dtype"])
+        print("wrote %s (%d tensors)" % (args.out, len(cand)))
+        return 0
+    except tb.BadInput as e:
+        print("torch_ops: error: %s" % e, file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,5 +1,5 @@
 #!/bin/bash -eu
-# Builds teo's four libFuzzer harnesses the way ClusterFuzzLite and OSS-Fuzz expect, from the
+# Builds teo's five libFuzzer harnesses the way ClusterFuzzLite and OSS-Fuzz expect, from the
 # variables they set: CC, CXX, CFLAGS, CXXFLAGS (the sanitizer, with -fsanitize=fuzzer-no-link),
 # LIB_FUZZING_ENGINE (how to link the engine), SRC, WORK and OUT. Into $OUT it writes
 # teo_fuzz_<harness>, teo_fuzz_<harness>_seed_corpus.zip, teo_fuzz_<harness>.dict, the golden file
@@ -15,7 +15,7 @@ else
   root="$SRC/teo"  # the engines' container: the Dockerfile copies the repository there
 fi
 : "${WORK:?WORK must be set}" "${OUT:?OUT must be set}"
-harnesses=(safetensors config shape golden_check)
+harnesses=(safetensors config shape golden_check op_spec)
 generator=()
 if command -v ninja >/dev/null; then generator=(-G Ninja); fi
 # Build type "Engine": no flags of its own, only the engine's CFLAGS and CXXFLAGS.
@@ -35,6 +35,7 @@ for h in "${harnesses[@]}"; do
   (cd "$root/fuzz/corpus/$h" && zip -q -r "$OUT/teo_fuzz_${h}_seed_corpus.zip" .)
   dict=config.dict
   if [ "$h" = safetensors ] || [ "$h" = golden_check ]; then dict=safetensors.dict; fi
+  if [ "$h" = op_spec ]; then dict=op_spec.dict; fi
   cp "$root/fuzz/$dict" "$OUT/teo_fuzz_$h.dict"
   # The shared libraries outside the base system (TBB, OpenBLAS and what they need).
   ldd "$exe" | awk '/=> \// {print $3}' | grep -E 'libtbb|libopenblas|libgfortran|libquadmath' |

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs .clusterfuzzlite/build.sh the way ClusterFuzzLite and OSS-Fuzz run it (clang, ASan with
 # fuzzer-no-link in CFLAGS/CXXFLAGS, LIB_FUZZING_ENGINE=-fsanitize=fuzzer, fresh OUT and WORK),
-# checks that $OUT holds the four fuzzers with their seed corpora and dictionaries, and runs each
+# checks that $OUT holds the five fuzzers with their seed corpora and dictionaries, and runs each
 # fuzzer for SECONDS (default 3) from its unzipped seed corpus. Exit 0 when all of that holds.
 # Usage: fuzz/clusterfuzzlite_test.sh WORK_DIR [SECONDS]
 set -euo pipefail
@@ -22,7 +22,7 @@ export LIB_FUZZING_ENGINE="-fsanitize=fuzzer"
 export OUT="$dir/out" WORK="$dir/work" SRC="$root/.."
 "$root/.clusterfuzzlite/build.sh" > "$dir/build.log" 2>&1 || { tail -n 30 "$dir/build.log"; exit 1; }
 status=0
-for h in safetensors config shape golden_check; do
+for h in safetensors config shape golden_check op_spec; do
   f="teo_fuzz_$h"
   for need in "$f" "${f}_seed_corpus.zip" "$f.dict"; do
     if [ ! -s "$OUT/$need" ]; then echo "FAIL: $OUT/$need is missing"; status=1; fi

@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 seconds=${1:-60}
 shift || true
 harnesses=("$@")
-if ((${#harnesses[@]} == 0)); then harnesses=(safetensors config shape golden_check); fi
+if ((${#harnesses[@]} == 0)); then harnesses=(safetensors config shape golden_check op_spec); fi
 cxx=$(command -v clang++ || command -v clang++-14)
 generator=()
 if command -v ninja >/dev/null; then generator=(-G Ninja); fi
@@ -21,6 +21,7 @@ status=0
 for h in "${harnesses[@]}"; do
   dict=fuzz/config.dict
   if [ "$h" = safetensors ] || [ "$h" = golden_check ]; then dict=fuzz/safetensors.dict; fi
+  if [ "$h" = op_spec ]; then dict=fuzz/op_spec.dict; fi
   mkdir -p "build-fuzz/corpus/$h" "build-fuzz/crashes/$h"
   # Each harness runs single-threaded; TEO_NUM_THREADS=1 keeps the model's own threads out of it.
   if ! TEO_NUM_THREADS=1 "build-fuzz/fuzz/teo_fuzz_$h" -max_total_time="$seconds" -dict="$dict" \

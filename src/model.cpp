@@ -746,8 +746,8 @@ void encoder_layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P,
   const Dims d = layer_dims(cfg, P, x, lengths, batch);
   const Emulation<Real> store(opts.precision, "");
   allocate_layer(L, d, static_cast<ZeroList<Real>*>(nullptr));
-  layer_forward(cfg, P, L, x.data(), batch, d, "dropout.layers.0.",
-                opts.train && cfg.dropout > 0.0, opts.dropout_seed, store);
+  layer_forward(cfg, P, L, x.data(), batch, d, "dropout.layers.0.", opts.train && cfg.dropout > 0.0,
+                opts.dropout_seed, store);
 }
 
 template <class Real>
@@ -778,20 +778,19 @@ void encoder_layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P
   }
 }
 
-#define TEO_INSTANTIATE(Real)                                                                \
-  template void encoder_layer_forward<Real>(const EncoderConfig&, const LayerParams<Real>&,  \
-                                            const Tensor<Real>&,                             \
-                                            const std::vector<std::int64_t>&,                \
-                                            LayerActs<Real>&, const ForwardOptions&);        \
-  template void encoder_layer_backward<Real>(                                                \
-      const EncoderConfig&, const LayerParams<Real>&, const Tensor<Real>&,                   \
-      const std::vector<std::int64_t>&, const LayerActs<Real>&, const Tensor<Real>&,         \
-      Tensor<Real>&, LayerParams<Real>&, LayerActs<Real>&, const BackwardOptions&);           \
-  template void forward<Real>(const Params<Real>&, const Batch&, Activations<Real>&,         \
-                              const ForwardOptions&);                                        \
-  template void encoder_forward<Real>(const Params<Real>&, const Batch&, Activations<Real>&, \
-                                      const ForwardOptions&);                                \
-  template void backward<Real>(const Params<Real>&, const Batch&, const Activations<Real>&,  \
+#define TEO_INSTANTIATE(Real)                                                                      \
+  template void encoder_layer_forward<Real>(const EncoderConfig&, const LayerParams<Real>&,        \
+                                            const Tensor<Real>&, const std::vector<std::int64_t>&, \
+                                            LayerActs<Real>&, const ForwardOptions&);              \
+  template void encoder_layer_backward<Real>(                                                      \
+      const EncoderConfig&, const LayerParams<Real>&, const Tensor<Real>&,                         \
+      const std::vector<std::int64_t>&, const LayerActs<Real>&, const Tensor<Real>&,               \
+      Tensor<Real>&, LayerParams<Real>&, LayerActs<Real>&, const BackwardOptions&);                \
+  template void forward<Real>(const Params<Real>&, const Batch&, Activations<Real>&,               \
+                              const ForwardOptions&);                                              \
+  template void encoder_forward<Real>(const Params<Real>&, const Batch&, Activations<Real>&,       \
+                                      const ForwardOptions&);                                      \
+  template void backward<Real>(const Params<Real>&, const Batch&, const Activations<Real>&,        \
                                Params<Real>&, Activations<Real>&, const BackwardOptions&);
 TEO_INSTANTIATE(float)
 TEO_INSTANTIATE(double)

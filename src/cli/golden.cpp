@@ -65,16 +65,16 @@ void list_one(const std::string& path, std::ostream& out) {
       }
     }
     for (const auto& t : golden::op_contract(c)) {
-      out << "  writes " << t.name << " " << dims_str(t.shape)
-          << (t.optional ? "  (optional)" : "") << "\n";
+      out << "  writes " << t.name << " " << dims_str(t.shape) << (t.optional ? "  (optional)" : "")
+          << "\n";
     }
     return;
   }
   const golden::Case c = golden::case_of(f);
   out << name << "  model  " << c.dtype
-      << (c.precision ? std::string(" ") + to_string(*c.precision) : "") << "  " << c.config.num_layers
-      << " layer(s), batch " << c.batch << ", seq_len " << c.seq_len << ", d_model "
-      << c.config.d_model << ", heads " << c.config.num_heads << "\n";
+      << (c.precision ? std::string(" ") + to_string(*c.precision) : "") << "  "
+      << c.config.num_layers << " layer(s), batch " << c.batch << ", seq_len " << c.seq_len
+      << ", d_model " << c.config.d_model << ", heads " << c.config.num_heads << "\n";
   for (const auto& t : f.tensors) {
     if (t.name.starts_with("act.") || t.name.starts_with("grad.")) {
       out << "  writes " << t.name << " " << dims_str(t.shape) << "\n";

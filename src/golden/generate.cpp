@@ -11,8 +11,8 @@
 
 #include "golden_internal.hpp"
 #include "teo/files.hpp"
-#include "teo/model.hpp"
 #include "teo/golden_ops.hpp"
+#include "teo/model.hpp"
 
 namespace teo::golden {
 

@@ -445,7 +445,8 @@ std::vector<Slot> layout(const Spec& s) {
       // The parameters' values come from the model's initialisation (make_op), not from amp.
       LayerParams<double> shapes;
       shapes.visit([&](const std::string& n, const Tensor<double>&) {
-        in.push_back(f("param." + n, teo::detail::param_shape(c, "layers.0." + n).dims(), Role::param));
+        in.push_back(
+            f("param." + n, teo::detail::param_shape(c, "layers.0." + n).dims(), Role::param));
       });
       out.push_back(f("output.y", bsd, Role::output));
       break;
@@ -466,8 +467,8 @@ std::vector<Slot> layout(const Spec& s) {
     all.push_back(f("grad." + t.name, t.shape, Role::grad_output));
   }
   for (const auto& t : in) {
-    all.push_back(f("grad." + t.name, t.shape, t.role == Role::input ? Role::grad_input
-                                                                      : Role::grad_param));
+    all.push_back(
+        f("grad." + t.name, t.shape, t.role == Role::input ? Role::grad_input : Role::grad_param));
   }
   return all;
 }
@@ -631,9 +632,8 @@ Results<Real> run(const Spec& s, const Values& v, std::uint64_t seed, std::optio
       const auto& len = ints_of(v.i64, "input.lengths", s.batch);
       for (std::size_t b = 0; b < len.size(); ++b) {
         if (len[b] < 0 || len[b] > s.seq) {
-          throw InputError("input.lengths[" + std::to_string(b) + "] is " +
-                           std::to_string(len[b]) + ", outside [0, " + std::to_string(s.seq) +
-                           "]");
+          throw InputError("input.lengths[" + std::to_string(b) + "] is " + std::to_string(len[b]) +
+                           ", outside [0, " + std::to_string(s.seq) + "]");
         }
       }
       Real* dq = r["grad.input.q"].data();
@@ -642,13 +642,13 @@ Results<Real> run(const Spec& s, const Values& v, std::uint64_t seed, std::optio
       if (s.probs) {
         attention_forward(r["output.context"].data(), r["output.scores"].data(),
                           r["output.probs"].data(), q.data(), k.data(), vv.data(), len.data(),
-                          nullptr, Real(1), s.batch, s.heads, s.seq, s.d_head, s.cfg.causal,
-                          false, s.scale);
+                          nullptr, Real(1), s.batch, s.heads, s.seq, s.d_head, s.cfg.causal, false,
+                          s.scale);
         done("output.context");
         auto dprobs = zeros("output.probs"), dscores = zeros("output.scores");
-        attention_backward(dq, dk, dv, dprobs.data(), dscores.data(), dc.data(), q.data(),
-                           k.data(), vv.data(), r["output.probs"].data(), nullptr, Real(1), s.batch,
-                           s.heads, s.seq, s.d_head, false, GradWrite::accumulate, s.scale);
+        attention_backward(dq, dk, dv, dprobs.data(), dscores.data(), dc.data(), q.data(), k.data(),
+                           vv.data(), r["output.probs"].data(), nullptr, Real(1), s.batch, s.heads,
+                           s.seq, s.d_head, false, GradWrite::accumulate, s.scale);
       } else {
         attention_forward_rows(r["output.context"].data(), q.data(), k.data(), vv.data(),
                                len.data(), s.batch, s.heads, s.seq, s.d_head, s.cfg.causal,
@@ -725,11 +725,10 @@ Results<Real> run(const Spec& s, const Values& v, std::uint64_t seed, std::optio
       encoder_layer_forward(s.cfg, P, x, len, L,
                             {.train = drop, .dropout_seed = seed, .precision = p});
       if (drop) {
-        for (const auto& [n, m] :
-             {std::pair{"input.mask.attn", &L.masks.attn},
-              std::pair{"input.mask.residual1", &L.masks.residual1},
-              std::pair{"input.mask.ffn", &L.masks.ffn},
-              std::pair{"input.mask.residual2", &L.masks.residual2}}) {
+        for (const auto& [n, m] : {std::pair{"input.mask.attn", &L.masks.attn},
+                                   std::pair{"input.mask.residual1", &L.masks.residual1},
+                                   std::pair{"input.mask.ffn", &L.masks.ffn},
+                                   std::pair{"input.mask.residual2", &L.masks.residual2}}) {
           if (ints_of(v.u8, n, static_cast<std::int64_t>(m->size())) != *m) {
             throw FormatError(std::string("the op case's ") + n + " is not the mask its seed " +
                               std::to_string(seed) + " gives");
@@ -761,7 +760,8 @@ void as_stored(std::vector<double>& x, const OpCase& c) {
   if (c.dtype == "float64") return;
   for (auto& e : x) {
     float f = static_cast<float>(e);
-    if (c.precision) f = round_to(*c.precision == Precision::tf32 ? Precision::fp32 : *c.precision, f);
+    if (c.precision)
+      f = round_to(*c.precision == Precision::tf32 ? Precision::fp32 : *c.precision, f);
     e = f;
   }
 }
@@ -784,9 +784,9 @@ Values draw_inputs(const Spec& s, const OpCase& c) {
         const index_t hi = t.name == "input.tokens" ? s.vocab : s.cols;  // tokens, labels
         for (std::int64_t i = 0; i < n; ++i) {
           x[static_cast<std::size_t>(i)] = std::min<std::int64_t>(
-              hi - 1, static_cast<std::int64_t>(
-                          rng::uniform01(seed, rng::stream_id(t.name), static_cast<std::uint64_t>(i)) *
-                          static_cast<double>(hi)));
+              hi - 1, static_cast<std::int64_t>(rng::uniform01(seed, rng::stream_id(t.name),
+                                                               static_cast<std::uint64_t>(i)) *
+                                                static_cast<double>(hi)));
         }
       }
       v.i64[t.name] = std::move(x);
@@ -892,8 +892,8 @@ File make_typed(const OpCase& c, const Spec& s) {
 
 const std::vector<std::string>& op_names() {
   static const std::vector<std::string> names = {
-      "linear",    "layer_norm", "softmax", "activation",    "attention",
-      "embedding", "pooling",    "cross_entropy", "dropout", "encoder_layer"};
+      "linear",    "layer_norm", "softmax",       "activation", "attention",
+      "embedding", "pooling",    "cross_entropy", "dropout",    "encoder_layer"};
   return names;
 }
 

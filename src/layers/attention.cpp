@@ -290,11 +290,11 @@ void attention_backward_rows(Real* dq, Real* dk, Real* dv, const Real* dcontext,
                                          const Real*, const Real*, const Real*, const Real*,       \
                                          const std::uint8_t*, Real, index_t, index_t, index_t,     \
                                          index_t, bool, GradWrite, std::optional<double>);         \
-  template void attention_forward_rows<Real>(Real*, const Real*, const Real*, const Real*,        \
-                                             const std::int64_t*, index_t, index_t, index_t,      \
-                                             index_t, bool, std::optional<double>, index_t);      \
-  template void attention_backward_rows<Real>(Real*, Real*, Real*, const Real*, const Real*,      \
-                                              const Real*, const Real*, const std::int64_t*,      \
+  template void attention_forward_rows<Real>(Real*, const Real*, const Real*, const Real*,         \
+                                             const std::int64_t*, index_t, index_t, index_t,       \
+                                             index_t, bool, std::optional<double>, index_t);       \
+  template void attention_backward_rows<Real>(Real*, Real*, Real*, const Real*, const Real*,       \
+                                              const Real*, const Real*, const std::int64_t*,       \
                                               index_t, index_t, index_t, index_t, bool, GradWrite, \
                                               std::optional<double>, index_t);
 TEO_INSTANTIATE(float)

@@ -60,13 +60,14 @@ void softmax_backward(Real* dx, const Real* dy, const Real* y, index_t rows, ind
       // in the forward pass this was: y = exp(x - m) / sum exp(x - m)
       Real dot = 0;
       for (index_t j = 0; j < cols; ++j) dot += yr[j] * dyr[j];
-      for (index_t j = 0; j < cols; ++j) dxr[j] = yr[j] == Real(0) ? Real(0) : yr[j] * (dyr[j] - dot);
+      for (index_t j = 0; j < cols; ++j)
+        dxr[j] = yr[j] == Real(0) ? Real(0) : yr[j] * (dyr[j] - dot);
     }
   });
 }
 
-#define TEO_INSTANTIATE(Real)                                                                     \
-  template void softmax_forward<Real>(Real*, const Real*, const index_t*, index_t, index_t);      \
+#define TEO_INSTANTIATE(Real)                                                                \
+  template void softmax_forward<Real>(Real*, const Real*, const index_t*, index_t, index_t); \
   template void softmax_backward<Real>(Real*, const Real*, const Real*, index_t, index_t);
 TEO_INSTANTIATE(float)
 TEO_INSTANTIATE(double)

@@ -100,10 +100,16 @@ TEST(OpCorpus, CoversEveryOpDtypePrecisionAndEdgeCase) {
   EXPECT_EQ(ops.size(), golden::op_names().size());
   EXPECT_EQ(dtypes, (std::set<std::string>{"float32", "float64"}));
   EXPECT_EQ(precisions, (std::set<std::string>{"bf16", "fp16", "tf32"}));
-  for (auto [what, seen] : {std::pair{"length 0", len0}, {"length 1", len1}, {"S = 1", s1},
-                            {"Dh = 1", dh1}, {"odd Dh", odd_dh}, {"one head", one_head},
-                            {"a fully masked softmax row", masked_row}, {"C = 1", c1},
-                            {"C = 2", c2}, {"the row-blocked attention", rows_path},
+  for (auto [what, seen] : {std::pair{"length 0", len0},
+                            {"length 1", len1},
+                            {"S = 1", s1},
+                            {"Dh = 1", dh1},
+                            {"odd Dh", odd_dh},
+                            {"one head", one_head},
+                            {"a fully masked softmax row", masked_row},
+                            {"C = 1", c1},
+                            {"C = 2", c2},
+                            {"the row-blocked attention", rows_path},
                             {"N off every register tile", odd_rows}}) {
     EXPECT_TRUE(seen) << "no op case has " << what;
   }
@@ -167,9 +173,8 @@ void expect_backward_matches_fd(const golden::OpCase& c) {
       if (std::isfinite(v)) scale = std::max(scale, std::abs(v));
     std::vector<double> d(x.size());
     for (std::size_t i = 0; i < x.size(); ++i) {
-      d[i] = std::isfinite(x[i])
-                 ? 2 * teo::rng::uniform01(7, teo::rng::stream_id(xname), i) - 1
-                 : 0.0;
+      d[i] =
+          std::isfinite(x[i]) ? 2 * teo::rng::uniform01(7, teo::rng::stream_id(xname), i) - 1 : 0.0;
       dot += g[i] * d[i];
       gscale += std::abs(g[i] * d[i]);
     }
@@ -193,9 +198,11 @@ void expect_backward_matches_fd(const golden::OpCase& c) {
 TEST(OpCases, EveryOpsBackwardMatchesFiniteDifferencesThroughTheOpCasePath) {
   teo::ScopedSettings keep;
   teo::set_backend(teo::Backend::reference);
-  expect_backward_matches_fd(spec("linear", {{"rows", 5}, {"in_features", 4}, {"out_features", 3}}));
+  expect_backward_matches_fd(
+      spec("linear", {{"rows", 5}, {"in_features", 4}, {"out_features", 3}}));
   expect_backward_matches_fd(spec("layer_norm", {{"rows", 4}, {"d_model", 7}}));
-  expect_backward_matches_fd(spec("softmax", {{"rows", 4}, {"cols", 5}, {"visible", {5, 2, 0, 1}}}));
+  expect_backward_matches_fd(
+      spec("softmax", {{"rows", 4}, {"cols", 5}, {"visible", {5, 2, 0, 1}}}));
   for (const char* act : {"relu", "gelu", "gelu_tanh"})
     expect_backward_matches_fd(spec("activation", {{"rows", 3}, {"cols", 5}, {"activation", act}}));
   expect_backward_matches_fd(spec("dropout", {{"rows", 3}, {"cols", 5}, {"dropout", 0.3}}));
@@ -216,11 +223,9 @@ TEST(OpCases, EveryOpsBackwardMatchesFiniteDifferencesThroughTheOpCasePath) {
                                                 {"positional", "learned"},
                                                 {"embed_scale", true}}));
   for (const char* kind : {"mean", "cls", "max"}) {
-    expect_backward_matches_fd(spec("pooling", {{"batch", 3},
-                                                {"seq_len", 4},
-                                                {"d_model", 3},
-                                                {"lengths", {4, 1, 0}},
-                                                {"pooling", kind}}));
+    expect_backward_matches_fd(spec(
+        "pooling",
+        {{"batch", 3}, {"seq_len", 4}, {"d_model", 3}, {"lengths", {4, 1, 0}}, {"pooling", kind}}));
   }
   expect_backward_matches_fd(
       spec("cross_entropy", {{"batch", 4}, {"num_classes", 3}, {"label_smoothing", 0.1}}));
@@ -291,8 +296,8 @@ TEST(OpCases, RowBlockedAttentionGivesTheMaterialisedBitsOnEveryIsa) {
 TEST(OpCases, BadSpecsGiveNamedErrorsBeforeAllocation) {
   using teo::ConfigError;
   using teo::ShapeError;
-  const json ok = {{"op", "linear"}, {"rows", 2}, {"in_features", 3}, {"out_features", 4},
-                   {"dtype", "float64"}, {"seed", 1}};
+  const json ok = {{"op", "linear"},    {"rows", 2},          {"in_features", 3},
+                   {"out_features", 4}, {"dtype", "float64"}, {"seed", 1}};
   auto with = [&](const char* key, json v) {
     json j = ok;
     if (v.is_null())
@@ -302,65 +307,89 @@ TEST(OpCases, BadSpecsGiveNamedErrorsBeforeAllocation) {
     return j;
   };
   teo::test::expect_throw<ConfigError>([&] { golden::OpCase::from_json(with("op", "conv")); },
-                                  "unknown op \"conv\"");
+                                       "unknown op \"conv\"");
   teo::test::expect_throw<ConfigError>([&] { golden::OpCase::from_json(with("colour", 1)); },
-                                  "unknown key \"colour\"");
+                                       "unknown key \"colour\"");
   teo::test::expect_throw<ConfigError>([&] { golden::OpCase::from_json(with("rows", nullptr)); },
-                                  "needs \"rows\"");
+                                       "needs \"rows\"");
   teo::test::expect_throw<ConfigError>([&] { golden::OpCase::from_json(with("rows", -1)); },
-                                  "spec.rows");
+                                       "spec.rows");
   teo::test::expect_throw<ConfigError>([&] { golden::OpCase::from_json(with("rows", 2.5)); },
-                                  "spec.rows must be an integer");
+                                       "spec.rows must be an integer");
   teo::test::expect_throw<ConfigError>([&] { golden::OpCase::from_json(with("in_features", 0)); },
-                                  "spec.in_features");
+                                       "spec.in_features");
   teo::test::expect_throw<ConfigError>([&] { golden::OpCase::from_json(with("dtype", "float16")); },
-                                  "spec.dtype");
-  teo::test::expect_throw<ConfigError>([&] { golden::OpCase::from_json(with("precision", "bf16")); },
-                                  "in a float32 case");
+                                       "spec.dtype");
+  teo::test::expect_throw<ConfigError>(
+      [&] { golden::OpCase::from_json(with("precision", "bf16")); }, "in a float32 case");
   teo::test::expect_throw<ConfigError>([&] { golden::OpCase::from_json(with("seed", -3)); },
-                                  "spec.seed");
+                                       "spec.seed");
   teo::test::expect_throw<ConfigError>([&] { golden::OpCase::from_json(ok, "softmax"); },
-                                  "not \"softmax\"");
+                                       "not \"softmax\"");
   teo::test::expect_throw<ShapeError>(
       [&] { golden::OpCase::from_json(with("rows", std::int64_t{1} << 31)); }, "MiB");
   teo::test::expect_throw<ShapeError>(
       [&] {
-        golden::OpCase::from_json({{"op", "attention"}, {"batch", 1}, {"num_heads", 1},
-                                   {"seq_len", 4}, {"d_head", 2}, {"lengths", {5}},
-                                   {"dtype", "float64"}, {"seed", 0}});
+        golden::OpCase::from_json({{"op", "attention"},
+                                   {"batch", 1},
+                                   {"num_heads", 1},
+                                   {"seq_len", 4},
+                                   {"d_head", 2},
+                                   {"lengths", {5}},
+                                   {"dtype", "float64"},
+                                   {"seed", 0}});
       },
       "spec.lengths has 5, outside [0, 4]");
   teo::test::expect_throw<ShapeError>(
       [&] {
-        golden::OpCase::from_json({{"op", "attention"}, {"batch", 2}, {"num_heads", 1},
-                                   {"seq_len", 4}, {"d_head", 2}, {"lengths", {1}},
-                                   {"dtype", "float64"}, {"seed", 0}});
+        golden::OpCase::from_json({{"op", "attention"},
+                                   {"batch", 2},
+                                   {"num_heads", 1},
+                                   {"seq_len", 4},
+                                   {"d_head", 2},
+                                   {"lengths", {1}},
+                                   {"dtype", "float64"},
+                                   {"seed", 0}});
       },
       "spec.lengths has 1 entries for 2");
   teo::test::expect_throw<ConfigError>(
       [&] {
-        golden::OpCase::from_json({{"op", "attention"}, {"batch", 1}, {"num_heads", 1},
-                                   {"seq_len", 4}, {"d_head", 2}, {"scale", 0},
-                                   {"dtype", "float64"}, {"seed", 0}});
+        golden::OpCase::from_json({{"op", "attention"},
+                                   {"batch", 1},
+                                   {"num_heads", 1},
+                                   {"seq_len", 4},
+                                   {"d_head", 2},
+                                   {"scale", 0},
+                                   {"dtype", "float64"},
+                                   {"seed", 0}});
       },
       "spec.scale must be a finite number > 0");
   teo::test::expect_throw<ConfigError>(
       [&] {
-        golden::OpCase::from_json({{"op", "activation"}, {"rows", 1}, {"cols", 1},
-                                   {"activation", "swish"}, {"dtype", "float64"}, {"seed", 0}});
+        golden::OpCase::from_json({{"op", "activation"},
+                                   {"rows", 1},
+                                   {"cols", 1},
+                                   {"activation", "swish"},
+                                   {"dtype", "float64"},
+                                   {"seed", 0}});
       },
       "activation");
   teo::test::expect_throw<ConfigError>(
       [&] {
-        golden::OpCase::from_json({{"op", "encoder_layer"}, {"batch", 1}, {"seq_len", 2},
-                                   {"d_model", 6}, {"num_heads", 4}, {"d_ff", 3},
-                                   {"dtype", "float64"}, {"seed", 0}});
+        golden::OpCase::from_json({{"op", "encoder_layer"},
+                                   {"batch", 1},
+                                   {"seq_len", 2},
+                                   {"d_model", 6},
+                                   {"num_heads", 4},
+                                   {"d_ff", 3},
+                                   {"dtype", "float64"},
+                                   {"seed", 0}});
       },
       "num_heads");
   // The row-blocked default: a long sequence needs little memory, and its materialised form is
   // refused by size, not attempted.
-  const json long_attn = {{"op", "attention"}, {"batch", 1}, {"num_heads", 8},
-                          {"seq_len", 16384}, {"d_head", 64}, {"dtype", "float64"},
+  const json long_attn = {{"op", "attention"}, {"batch", 1},   {"num_heads", 8},
+                          {"seq_len", 16384},  {"d_head", 64}, {"dtype", "float64"},
                           {"seed", 0}};
   const auto c = golden::OpCase::from_json(long_attn);
   EXPECT_EQ(c.spec["probs"], false);

@@ -125,6 +125,9 @@ struct CaseReport {
   std::string precision;              // what the candidate was judged as: fp64, fp32, bf16, ...
   bool budget = false;                // judged against the emulated run's error
   int passed = 0, failed = 0, not_checked = 0, vacuous = 0;
+  // Op cases: optional outputs (attention's scores and probs) the candidate does not hold. They
+  // are not in `tensors` and never count against it.
+  std::vector<std::string> optional_missing;
 };
 
 // Compares one candidate with one golden. The golden must be a teo golden (FormatError naming the

@@ -107,7 +107,13 @@ void print_text(const std::vector<CaseReport>& reports, std::ostream& out) {
         if (t.status == Status::pass || t.status == Status::fail) worst = std::max(worst, t.ratio);
       out << "; worst fraction of budget " << sci(worst);
     }
-    out << "\n\n";
+    out << "\n";
+    if (!rep.optional_missing.empty()) {
+      out << "  optional outputs not in the candidate (never required):";
+      for (const auto& n : rep.optional_missing) out << " " << n;
+      out << "\n";
+    }
+    out << "\n";
     passed += rep.passed;
     failed += rep.failed;
     not_checked += rep.not_checked;
@@ -194,6 +200,7 @@ std::string json_report(const std::vector<CaseReport>& reports) {
       ts.push_back(std::move(tj));
     }
     c["tensors"] = std::move(ts);
+    if (!r.optional_missing.empty()) c["optional_missing"] = r.optional_missing;
     cases.push_back(std::move(c));
     passed += r.passed;
     failed += r.failed;

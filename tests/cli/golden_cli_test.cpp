@@ -192,6 +192,86 @@ TEST(GoldenCli, GenerateCorpusRefusesAnExistingManifest) {
   EXPECT_NE(slurp(dir / "manifest.json"), "keep me");
 }
 
+// `golden op` writes the committed op case's bytes from its corpus entry, refuses to overwrite,
+// and names a bad spec with exit 2 and no file; `golden list` prints what a candidate writes.
+TEST(GoldenCli, OpWritesTheCommittedCaseAndListShowsItsContract) {
+  const fs::path dir = fresh_dir("teo_golden_cli_op");
+  const auto cases = nlohmann::json::parse(slurp(kCorpus / "ops" / "cases.json"))["cases"];
+  for (const auto& c : cases) {
+    if (c["name"] != "attention_causal_f64") continue;
+    nlohmann::json spec = c;
+    spec.erase("name");
+    spec.erase("description");
+    spec.erase("op");
+    std::ofstream(dir / "spec.json") << spec.dump();
+  }
+  const std::string out = (dir / "a.safetensors").string();
+  const std::string args =
+      "golden op --op attention --spec " + (dir / "spec.json").string() + " --out " + out;
+  CliResult r = run_cli(args);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(slurp(out) == slurp(kCorpus / "ops" / "attention_causal_f64.safetensors"));
+  r = run_cli(args);
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.out.find("already exists"), std::string::npos) << r.out;
+  r = run_cli("golden list --golden " + out);
+  EXPECT_EQ(r.code, 0) << r.out;
+  for (const char* line :
+       {"op attention  float64", "reads  input.q (2, 3, 5, 4) F64",
+        "writes output.scores (2, 3, 5, 5)  (optional)", "writes output.context (2, 3, 5, 4)",
+        "writes grad.input.v (2, 3, 5, 4)"}) {
+    EXPECT_NE(r.out.find(line), std::string::npos) << line << "\n" << r.out;
+  }
+  r = run_cli("golden list --golden " + (kCorpus).string());
+  EXPECT_EQ(r.code, 0);
+  EXPECT_NE(r.out.find("post_gelu_mean_f64.safetensors  model"), std::string::npos);
+  EXPECT_NE(r.out.find("linear_f64.safetensors  op linear"), std::string::npos);
+  // Bad specs: one line naming the problem, exit 2, nothing written.
+  struct Bad {
+    const char* op;
+    const char* json;
+    const char* message;
+  };
+  for (const Bad& b :
+       {Bad{"linear", "{", "not valid JSON"},
+        Bad{"conv", R"({"dtype": "float64", "seed": 1})", "unknown op \"conv\""},
+        Bad{"linear", R"({"rows": 2, "in_features": 3, "dtype": "float64", "seed": 1})",
+            "needs \"out_features\""},
+        Bad{"softmax",
+            R"({"rows": 2, "cols": 3, "visible": [1, 4], "dtype": "float64", "seed": 1})",
+            "spec.visible has 4"}}) {
+    std::ofstream(dir / "bad.json", std::ios::trunc) << b.json;
+    const fs::path bad_out = dir / "bad.safetensors";
+    r = run_cli(std::string("golden op --op ") + b.op + " --spec " + (dir / "bad.json").string() +
+                " --out " + bad_out.string());
+    EXPECT_EQ(r.code, 2) << b.json << "\n" << r.out;
+    EXPECT_NE(r.out.find(b.message), std::string::npos) << r.out;
+    EXPECT_FALSE(fs::exists(bad_out));
+  }
+}
+
+// A corpus with ops/ refuses as a whole: an existing op case stops generation before any file of
+// either kind is written.
+TEST(GoldenCli, GenerateCorpusRefusesAnExistingOpCaseBeforeWritingAnything) {
+  const fs::path dir = fresh_dir("teo_golden_cli_ops_corpus");
+  auto cases = nlohmann::json::parse(slurp(kCorpus / "cases.json"));
+  cases["cases"] = nlohmann::json::array({cases["cases"][0]});
+  std::ofstream(dir / "cases.json") << cases.dump();
+  fs::create_directories(dir / "ops");
+  auto ops = nlohmann::json::parse(slurp(kCorpus / "ops" / "cases.json"));
+  ops["cases"] = nlohmann::json::array({ops["cases"][0]});
+  std::ofstream(dir / "ops" / "cases.json") << ops.dump();
+  const std::string op_file = ops["cases"][0]["name"].get<std::string>() + ".safetensors";
+  std::ofstream(dir / "ops" / op_file) << "keep me";
+  CliResult r = run_cli("golden generate --corpus " + dir.string());
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("already exists"), std::string::npos) << r.out;
+  EXPECT_FALSE(fs::exists(dir / "manifest.json")) << "nothing is written";
+  r = run_cli("golden generate --corpus " + dir.string() + " --force");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(slurp(dir / "ops" / op_file) == slurp(kCorpus / "ops" / op_file));
+}
+
 // A write error on standard output (a full disk) is not a success.
 TEST(Cli, AWriteErrorOnStandardOutputIsNotSuccess) {
   if (!fs::exists("/dev/full")) GTEST_SKIP() << "no /dev/full here";

@@ -422,6 +422,9 @@ TEST(OpCases, CheckerNamesTheFirstDivergenceAndNeverRequiresOptionalOutputs) {
   auto rep = golden::check(g, fused, {});
   EXPECT_EQ(rep.failed, 0);
   EXPECT_EQ(rep.not_checked, 0) << "optional outputs are never counted";
+  EXPECT_EQ(rep.optional_missing, (std::vector<std::string>{"output.scores", "output.probs"}));
+  EXPECT_EQ(json::parse(golden::json_report({rep}))["cases"][0]["optional_missing"],
+            json::array({"output.scores", "output.probs"}));
   EXPECT_EQ(rep.passed, 4);
   EXPECT_EQ(golden::verdict({rep}, /*require_all=*/true).exit_code, 0);
   // grad.output.context is an input: a candidate may carry it, and it is never judged.

@@ -304,6 +304,7 @@ def run_op(path, dtype=None, mutant=None):
 
 
 def write(path, cand, dtype):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     arrays, st_dtypes = {}, {}
     for name, t in cand.items():
         if t.dtype == torch.bfloat16:

@@ -12,7 +12,7 @@ std::string corpus_entry_name(const nlohmann::json& entry, const std::string& pa
   if (!entry.is_object() || !entry.contains("name") || !entry["name"].is_string()) {
     throw ConfigError(path + ": every case needs a \"name\" string");
   }
-  const auto name = entry["name"].get<std::string>();
+  auto name = entry["name"].get<std::string>();
   if (name.empty() || name.find_first_of("/\\") != std::string::npos || name[0] == '.') {
     throw ConfigError(path + ": case name \"" + name + "\" is not a plain file name");
   }

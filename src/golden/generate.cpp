@@ -412,8 +412,7 @@ std::vector<CorpusEntry> read_corpus_cases(const std::string& path) {
 void generate_corpus(const std::string& dir, std::ostream& log, bool overwrite) {
   namespace fs = std::filesystem;
   const auto entries = read_corpus_cases((fs::path(dir) / "cases.json").string());
-  std::vector<std::string> names;
-  for (const auto& e : entries) names.push_back(e.name);
+  const auto names = detail::names_of(entries);
   // golden/ops/ is the op corpus, generated after the model cases; nothing is written when
   // either would overwrite a file without `overwrite`.
   const fs::path ops = fs::path(dir) / "ops";
@@ -422,10 +421,8 @@ void generate_corpus(const std::string& dir, std::ostream& log, bool overwrite) 
   if (!overwrite) {
     detail::refuse_existing(dir, names);
     if (have_ops) {
-      std::vector<std::string> op_names;
-      for (const auto& e : read_op_corpus_cases((ops / "cases.json").string()))
-        op_names.push_back(e.name);
-      detail::refuse_existing(ops.string(), op_names);
+      detail::refuse_existing(
+          ops.string(), detail::names_of(read_op_corpus_cases((ops / "cases.json").string())));
     }
   }
   detail::write_corpus(dir, names, log, [&](std::size_t i) {

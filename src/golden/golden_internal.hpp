@@ -80,6 +80,15 @@ std::string corpus_entry_name(const nlohmann::json& entry, const std::string& pa
 std::string corpus_entry_description(nlohmann::json& entry, const std::string& path,
                                      const std::string& name);
 
+// The names of a corpus's entries (CorpusEntry or OpCorpusEntry), in order.
+template <class Entries>
+std::vector<std::string> names_of(const Entries& entries) {
+  std::vector<std::string> names;
+  names.reserve(entries.size());
+  for (const auto& e : entries) names.push_back(e.name);
+  return names;
+}
+
 // FileError when <dir>/manifest.json or any <dir>/<name>.safetensors exists.
 void refuse_existing(const std::string& dir, const std::vector<std::string>& names);
 

@@ -385,10 +385,7 @@ std::vector<Slot> layout(const Spec& s) {
       in.push_back(f("param.bias", {s.cols}, Role::param, 0.5));
       out.push_back(f("output.y", {s.rows, s.cols}, Role::output));
       break;
-    case Op::softmax:
-      in.push_back(f("input.x", {s.rows, s.cols}, Role::input, 3));
-      out.push_back(f("output.y", {s.rows, s.cols}, Role::output));
-      break;
+    case Op::softmax:  // masked entries are set to -inf when drawn
     case Op::activation:
       in.push_back(f("input.x", {s.rows, s.cols}, Role::input, 3));
       out.push_back(f("output.y", {s.rows, s.cols}, Role::output));
@@ -489,7 +486,6 @@ index_t longest_reduction(const Spec& s) {
     case Op::linear:
       return std::max({s.in_f, s.out_f, s.rows});
     case Op::layer_norm:
-      return std::max(s.cols, s.rows);
     case Op::softmax:
     case Op::cross_entropy:
       return std::max(s.cols, s.rows);
@@ -962,32 +958,33 @@ OpCase OpCase::from_file(const std::string& path, const std::string& op) {
 
 std::uint64_t OpCase::bytes_needed() const {
   const Spec s = spec_of(*this);
-  const std::uint64_t real = dtype == "float32" ? 4 : 8;
-  std::uint64_t file = 0, floats = 0;
+  // In double: an estimate for a limit, which must not wrap around for absurd sizes.
+  const double real = dtype == "float32" ? 4 : 8;
+  double file = 0, floats = 0;
   for (const auto& t : layout(s)) {
-    const auto n = static_cast<std::uint64_t>(numel(t.shape));
+    const auto n = static_cast<double>(numel(t.shape));
     if (t.dtype == DType::F64) {
       file += n * (real + (real == 4 && is_result(t.role) ? 8 : 0));
       floats += n;
     } else {
-      file += n * safetensors::dtype_size(t.dtype);
+      file += n * static_cast<double>(safetensors::dtype_size(t.dtype));
     }
   }
   // The run's working tensors: the values as doubles, the results in Real and in double, plus
   // for attention the materialised gradients of scores and probs, and for a layer its kept
   // activations and their gradients.
-  std::uint64_t work = floats * 8 * 3;
-  if (s.op == Op::attention && s.probs) {
-    work += 2 * static_cast<std::uint64_t>(s.batch * s.heads) * s.seq * s.seq * 8;
-  }
+  const auto d = [](index_t x) { return static_cast<double>(x); };
+  double work = floats * 8 * 3;
+  if (s.op == Op::attention && s.probs)
+    work += 2 * d(s.batch) * d(s.heads) * d(s.seq) * d(s.seq) * 8;
   if (s.op == Op::encoder_layer) {
-    const auto bs = static_cast<std::uint64_t>(s.batch) * static_cast<std::uint64_t>(s.seq);
-    const auto per = 4 * bs * static_cast<std::uint64_t>(s.cfg.num_heads * s.seq) +
-                     16 * bs * static_cast<std::uint64_t>(s.cfg.d_model) +
-                     4 * bs * static_cast<std::uint64_t>(s.cfg.d_ff);
-    work += per * 8 * 2;
+    const double bs = d(s.batch) * d(s.seq);
+    work += (4 * bs * d(s.cfg.num_heads) * d(s.seq) + 16 * bs * d(s.cfg.d_model) +
+             4 * bs * d(s.cfg.d_ff)) *
+            8 * 2;
   }
-  return file + work;
+  const double total = file + work;
+  return total >= 0x1p64 ? ~std::uint64_t{0} : static_cast<std::uint64_t>(total);
 }
 
 bool is_op_file(const File& file) {
@@ -1091,8 +1088,7 @@ std::vector<OpCorpusEntry> read_op_corpus_cases(const std::string& path) {
 void generate_op_corpus(const std::string& dir, std::ostream& log, bool overwrite) {
   namespace fs = std::filesystem;
   const auto entries = read_op_corpus_cases((fs::path(dir) / "cases.json").string());
-  std::vector<std::string> names;
-  for (const auto& e : entries) names.push_back(e.name);
+  const auto names = detail::names_of(entries);
   if (!overwrite) detail::refuse_existing(dir, names);
   detail::write_corpus(dir, names, log, [&](std::size_t i) {
     return std::pair{safetensors::serialize(make_op(entries[i].spec)), entries[i].description};

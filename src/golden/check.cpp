@@ -214,13 +214,27 @@ bool golden_is_f32(const File& golden) {
   return d == "float32";
 }
 
+// An op case's optional outputs (attention's scores and probs); none for a model case.
+std::set<std::string> optional_outputs_of(const File& golden, bool op) {
+  std::set<std::string> out;
+  if (!op) return out;
+  for (const auto& t : op_contract(op_case_of(golden)))
+    if (t.optional) out.insert(t.name);
+  return out;
+}
+
 CaseReport not_checked_report(const File& golden, const CheckOptions& opts,
                               const std::string& why) {
   golden_is_f32(golden);
   const bool op = is_op_file(golden);
+  const std::set<std::string> optional = optional_outputs_of(golden, op);
   CaseReport rep;
   for (const auto& t : golden.tensors) {
     if (!wanted(t.name, opts.only, op)) continue;
+    if (optional.contains(t.name)) {
+      rep.optional_missing.push_back(t.name);
+      continue;
+    }
     TensorResult r;
     r.name = t.name;
     r.message = why;
@@ -288,11 +302,7 @@ CaseReport check(const File& golden, const File& candidate, const CheckOptions& 
   std::map<std::string, std::vector<double>> emu;
   std::string tie;
   const bool op = is_op_file(golden);
-  std::set<std::string> optional_outputs;
-  if (op) {
-    for (const auto& t : op_contract(op_case_of(golden)))
-      if (t.optional) optional_outputs.insert(t.name);
-  }
+  const std::set<std::string> optional_outputs = optional_outputs_of(golden, op);
   if (budget) {
     emu = emulate(golden, p);
   }

@@ -74,6 +74,8 @@ struct Spec {
   index_t rows = 0, cols = 0, in_f = 0, out_f = 0;
   index_t batch = 0, heads = 0, seq = 0, d_head = 0;
   std::vector<std::int64_t> lengths;  // attention, pooling, encoder_layer: (B); softmax: visible
+  // Lengths not given: (count, value), filled in by fill_defaults once the size is accepted.
+  std::optional<std::pair<index_t, index_t>> full_lengths;
   bool bias = true, probs = true;
   std::optional<double> scale;
   index_t vocab = 0, max_len = 0;
@@ -93,11 +95,9 @@ class Reader {
     if (!v.is_number_integer()) {
       throw ConfigError(std::string("spec.") + key + " must be an integer, got " + v.dump());
     }
-    if (v.is_number_unsigned() && v.get<std::uint64_t>() > static_cast<std::uint64_t>(kMaxDim)) {
-      throw ShapeError(std::string("spec.") + key + " is too large: " + v.dump());
-    }
     const auto x = v.get<std::int64_t>();
-    if (x < min || x > kMaxDim) {
+    if ((v.is_number_unsigned() && v.get<std::uint64_t>() > static_cast<std::uint64_t>(kMaxDim)) ||
+        x < min || x > kMaxDim) {
       throw ConfigError(std::string("spec.") + key + " must be an integer in [" +
                         std::to_string(min) + ", 2^31], got " + v.dump());
     }
@@ -112,10 +112,16 @@ class Reader {
     }
     return j_.at(key).get<bool>();
   }
-  // (n) integers in [0, max], each named in an error; default: n copies of max.
-  std::vector<std::int64_t> prefix_lengths(const char* key, index_t n, index_t max) {
+  // (n) integers in [0, max], each named in an error. When the key is absent, returns nothing and
+  // records the default (n copies of max) in `full`, to be filled in once the case's size has
+  // been accepted.
+  std::vector<std::int64_t> prefix_lengths(const char* key, index_t n, index_t max,
+                                           std::optional<std::pair<index_t, index_t>>& full) {
     used_.insert(key);
-    if (!j_.contains(key)) return std::vector<std::int64_t>(static_cast<std::size_t>(n), max);
+    if (!j_.contains(key)) {
+      full = std::pair{n, max};
+      return {};
+    }
     const json& v = j_.at(key);
     if (!v.is_array()) throw ConfigError(std::string("spec.") + key + " must be an array");
     if (static_cast<index_t>(v.size()) != n) {
@@ -124,7 +130,10 @@ class Reader {
     }
     std::vector<std::int64_t> out;
     for (const auto& x : v) {
-      if (!x.is_number_integer() || x.get<std::int64_t>() < 0 || x.get<std::int64_t>() > max ||
+      if (!x.is_number_integer()) {
+        throw ConfigError(std::string("spec.") + key + " must hold integers, got " + x.dump());
+      }
+      if (x.get<std::int64_t>() < 0 || x.get<std::int64_t>() > max ||
           (x.is_number_unsigned() && x.get<std::uint64_t>() > static_cast<std::uint64_t>(max))) {
         throw ShapeError(std::string("spec.") + key + " has " + x.dump() + ", outside [0, " +
                          std::to_string(max) + "]");
@@ -137,8 +146,9 @@ class Reader {
     used_.insert(key);
     if (!j_.contains(key) || j_.at(key).is_null()) return std::nullopt;
     const json& v = j_.at(key);
-    if (!v.is_number() || !std::isfinite(v.get<double>()) || v.get<double>() <= 0) {
-      throw ConfigError(std::string("spec.") + key + " must be a finite number > 0, got " +
+    // Bounded, so that scale * (q . k) stays finite in float for any Dh the spec allows.
+    if (!v.is_number() || !(v.get<double>() > 0) || !(v.get<double>() <= 1e4)) {
+      throw ConfigError(std::string("spec.") + key + " must be a number in (0, 1e4], got " +
                         v.dump());
     }
     return v.get<double>();
@@ -187,7 +197,7 @@ Spec parse_spec(Op op, Reader& r) {
     case Op::softmax:
       s.rows = r.size("rows", 0);
       s.cols = r.size("cols", 1);
-      s.lengths = r.prefix_lengths("visible", s.rows, s.cols);
+      s.lengths = r.prefix_lengths("visible", s.rows, s.cols, s.full_lengths);
       break;
     case Op::activation:
       s.rows = r.size("rows", 0);
@@ -204,7 +214,7 @@ Spec parse_spec(Op op, Reader& r) {
       s.heads = r.size("num_heads", 1);
       s.seq = r.size("seq_len", 1);
       s.d_head = r.size("d_head", 1);
-      s.lengths = r.prefix_lengths("lengths", s.batch, s.seq);
+      s.lengths = r.prefix_lengths("lengths", s.batch, s.seq, s.full_lengths);
       s.cfg = r.config({"causal"});
       s.scale = r.number("scale");
       {
@@ -235,7 +245,7 @@ Spec parse_spec(Op op, Reader& r) {
       s.batch = r.size("batch", 0);
       s.seq = r.size("seq_len", 1);
       s.cols = r.size("d_model", 1);
-      s.lengths = r.prefix_lengths("lengths", s.batch, s.seq);
+      s.lengths = r.prefix_lengths("lengths", s.batch, s.seq, s.full_lengths);
       s.cfg = r.config({"pooling"});
       break;
     case Op::cross_entropy:
@@ -246,7 +256,7 @@ Spec parse_spec(Op op, Reader& r) {
     case Op::encoder_layer: {
       s.batch = r.size("batch", 0);
       s.seq = r.size("seq_len", 1);
-      s.lengths = r.prefix_lengths("lengths", s.batch, s.seq);
+      s.lengths = r.prefix_lengths("lengths", s.batch, s.seq, s.full_lengths);
       json base = {{"num_layers", 1}, {"vocab_size", 1}, {"num_classes", 1}};
       base["max_len"] = s.seq;
       s.cfg = r.config({"d_model", "num_heads", "d_ff", "activation", "norm_first", "causal",
@@ -257,6 +267,13 @@ Spec parse_spec(Op op, Reader& r) {
     }
   }
   return s;
+}
+
+void fill_defaults(Spec& s) {
+  if (s.full_lengths) {
+    s.lengths.assign(static_cast<std::size_t>(s.full_lengths->first), s.full_lengths->second);
+    s.full_lengths.reset();
+  }
 }
 
 // The normalised spec: every key of the op spelled out, as the metadata records it.
@@ -346,7 +363,9 @@ Spec spec_of(const OpCase& c) {
   const json j = c.spec;  // Reader keeps a reference: not to a temporary conversion
   Reader r(j);
   for (const char* k : {"op", "dtype", "seed", "precision"}) r.use(k);
-  return parse_spec(op_of(c.op), r);
+  Spec s = parse_spec(op_of(c.op), r);
+  fill_defaults(s);
+  return s;
 }
 
 // ---- the tensors of a case --------------------------------------------------------------------
@@ -504,6 +523,38 @@ index_t longest_reduction(const Spec& s) {
   return 1;
 }
 
+// The bytes generating a case of spec s needs at most (OpCase::bytes_needed); s's lengths may
+// still be unfilled.
+std::uint64_t bytes_of(const Spec& s, bool f32) {
+  // In double: an estimate for a limit, which must not wrap around for absurd sizes.
+  const double real = f32 ? 4 : 8;
+  double file = 0, floats = 0;
+  for (const auto& t : layout(s)) {
+    const auto n = static_cast<double>(numel(t.shape));
+    if (t.dtype == DType::F64) {
+      file += n * (real + (real == 4 && is_result(t.role) ? 8 : 0));
+      floats += n;
+    } else {
+      file += n * static_cast<double>(safetensors::dtype_size(t.dtype));
+    }
+  }
+  // The run's working tensors: the values as doubles, the results in Real and in double, plus
+  // for attention the materialised gradients of scores and probs, and for a layer its kept
+  // activations and their gradients.
+  const auto d = [](index_t x) { return static_cast<double>(x); };
+  double work = floats * 8 * 3;
+  if (s.op == Op::attention && s.probs)
+    work += 2 * d(s.batch) * d(s.heads) * d(s.seq) * d(s.seq) * 8;
+  if (s.op == Op::encoder_layer) {
+    const double bs = d(s.batch) * d(s.seq);
+    work += (4 * bs * d(s.cfg.num_heads) * d(s.seq) + 16 * bs * d(s.cfg.d_model) +
+             4 * bs * d(s.cfg.d_ff)) *
+            8 * 2;
+  }
+  const double total = file + work;
+  return total >= 0x1p64 ? ~std::uint64_t{0} : static_cast<std::uint64_t>(total);
+}
+
 // ---- running an op ----------------------------------------------------------------------------
 
 // A case's values by name: float tensors (exact doubles), integers and masks.
@@ -536,13 +587,21 @@ const std::vector<T>& ints_of(const std::map<std::string, std::vector<T>>& m,
   return it->second;
 }
 
+// A golden's token ids and labels must lie in [0, hi): FormatError otherwise.
 void check_range(const std::vector<std::int64_t>& v, std::int64_t hi, const std::string& what) {
   for (std::size_t i = 0; i < v.size(); ++i) {
     if (v[i] < 0 || v[i] >= hi) {
-      throw InputError(what + "[" + std::to_string(i) + "] is " + std::to_string(v[i]) +
-                       ", outside [0, " + std::to_string(hi) + ")");
+      throw FormatError("the op case's " + what + "[" + std::to_string(i) + "] is " +
+                        std::to_string(v[i]) + ", outside [0, " + std::to_string(hi) + ")");
     }
   }
+}
+
+// The case's input.lengths, which must be the spec's (FormatError otherwise).
+const std::vector<std::int64_t>& lengths_of(const Values& v, const Spec& s) {
+  const auto& len = ints_of(v.i64, "input.lengths", s.batch);
+  if (len != s.lengths) throw FormatError("the op case's input.lengths are not its spec's lengths");
+  return len;
 }
 
 // Rounds a result to p's storage format where a bf16 or fp16 backend stores it; RangeError
@@ -625,13 +684,7 @@ Results<Real> run(const Spec& s, const Values& v, std::uint64_t seed, std::optio
     case Op::attention: {
       const auto q = in("input.q"), k = in("input.k"), vv = in("input.v");
       const auto dc = in("grad.output.context");
-      const auto& len = ints_of(v.i64, "input.lengths", s.batch);
-      for (std::size_t b = 0; b < len.size(); ++b) {
-        if (len[b] < 0 || len[b] > s.seq) {
-          throw InputError("input.lengths[" + std::to_string(b) + "] is " + std::to_string(len[b]) +
-                           ", outside [0, " + std::to_string(s.seq) + "]");
-        }
-      }
+      const auto& len = lengths_of(v, s);
       Real* dq = r["grad.input.q"].data();
       Real* dk = r["grad.input.k"].data();
       Real* dv = r["grad.input.v"].data();
@@ -686,10 +739,7 @@ Results<Real> run(const Spec& s, const Values& v, std::uint64_t seed, std::optio
     }
     case Op::pooling: {
       const auto x = in("input.x"), dy = in("grad.output.pooled");
-      const auto& len = ints_of(v.i64, "input.lengths", s.batch);
-      for (auto l : len) {
-        if (l < 0 || l > s.seq) throw InputError("input.lengths has " + std::to_string(l));
-      }
+      const auto& len = lengths_of(v, s);
       std::vector<std::int64_t> argmax(static_cast<std::size_t>(s.batch * s.cols), -1);
       pooling_forward(r["output.pooled"].data(), argmax.data(), x.data(), len.data(), s.batch,
                       s.seq, s.cols, s.cfg.pooling);
@@ -713,7 +763,7 @@ Results<Real> run(const Spec& s, const Values& v, std::uint64_t seed, std::optio
     }
     case Op::encoder_layer: {
       const auto x = in("input.x"), dy = in("grad.output.y");
-      const auto& len = ints_of(v.i64, "input.lengths", s.batch);
+      const auto& len = lengths_of(v, s);
       LayerParams<Real> P, G;
       P.visit([&](const std::string& n, Tensor<Real>& t) { t = in("param." + n); });
       LayerActs<Real> L, dL;
@@ -934,14 +984,15 @@ OpCase OpCase::from_json(const json& j, const std::string& op, std::uint64_t max
       throw ConfigError("spec.precision must be tf32, bf16 or fp16, in a float32 case");
     }
   }
-  const Spec s = parse_spec(o, r);
+  Spec s = parse_spec(o, r);
   r.finish();
-  c.spec = spec_json(s, c);
-  const std::uint64_t need = c.bytes_needed();
+  const std::uint64_t need = bytes_of(s, c.dtype == "float32");
   if (need > max_bytes) {
     throw ShapeError("the " + c.op + " case needs about " + std::to_string(need >> 20) +
                      " MiB, above the limit of " + std::to_string(max_bytes >> 20) + " MiB");
   }
+  fill_defaults(s);
+  c.spec = spec_json(s, c);
   return c;
 }
 
@@ -957,34 +1008,7 @@ OpCase OpCase::from_file(const std::string& path, const std::string& op) {
 }
 
 std::uint64_t OpCase::bytes_needed() const {
-  const Spec s = spec_of(*this);
-  // In double: an estimate for a limit, which must not wrap around for absurd sizes.
-  const double real = dtype == "float32" ? 4 : 8;
-  double file = 0, floats = 0;
-  for (const auto& t : layout(s)) {
-    const auto n = static_cast<double>(numel(t.shape));
-    if (t.dtype == DType::F64) {
-      file += n * (real + (real == 4 && is_result(t.role) ? 8 : 0));
-      floats += n;
-    } else {
-      file += n * static_cast<double>(safetensors::dtype_size(t.dtype));
-    }
-  }
-  // The run's working tensors: the values as doubles, the results in Real and in double, plus
-  // for attention the materialised gradients of scores and probs, and for a layer its kept
-  // activations and their gradients.
-  const auto d = [](index_t x) { return static_cast<double>(x); };
-  double work = floats * 8 * 3;
-  if (s.op == Op::attention && s.probs)
-    work += 2 * d(s.batch) * d(s.heads) * d(s.seq) * d(s.seq) * 8;
-  if (s.op == Op::encoder_layer) {
-    const double bs = d(s.batch) * d(s.seq);
-    work += (4 * bs * d(s.cfg.num_heads) * d(s.seq) + 16 * bs * d(s.cfg.d_model) +
-             4 * bs * d(s.cfg.d_ff)) *
-            8 * 2;
-  }
-  const double total = file + work;
-  return total >= 0x1p64 ? ~std::uint64_t{0} : static_cast<std::uint64_t>(total);
+  return bytes_of(spec_of(*this), dtype == "float32");
 }
 
 bool is_op_file(const File& file) {
@@ -997,7 +1021,7 @@ OpCase op_case_of(const File& file) {
   const std::string* spec = file.meta("spec");
   if (!op || !spec) throw FormatError("the op case has no __metadata__.op and spec");
   try {
-    return OpCase::from_json(json::parse(*spec), *op, ~std::uint64_t{0});
+    return OpCase::from_json(json::parse(*spec), *op);
   } catch (const json::exception&) {
     throw FormatError("the op case's __metadata__.spec is not valid JSON");
   } catch (const ConfigError& e) {

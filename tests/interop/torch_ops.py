@@ -14,8 +14,9 @@ loss in float32, rounded back, as autocast does); float16 rounds every
 stored tensor to float16 around float32 arithmetic (torch 1.13 has few CPU
 Half kernels); tf32 rounds the operands of every product.
 
---test runs every case of DIR in its own dtype and, for the float32 cases,
-in bfloat16 (and in the case's precision): each candidate must pass
+--test runs every case of DIR in its own dtype; the float64 cases also in
+float32 (judged with --precision fp32), the float32 cases also in bfloat16
+(and in the case's precision): each candidate must pass
 `teo golden check` (--require-all for the full-precision runs). Then each
 mutant in MUTANTS must fail on its case with the expected first divergence.
 Exit status: 0 when all of that holds, 1 otherwise, 2 on bad usage.
@@ -63,6 +64,14 @@ MUTANTS = {
                                 "embed_scale not applied"),
     "layer_post_as_pre": ("encoder_layer_post_f64", "output.y",
                           "a post-norm layer run as pre-norm"),
+}
+
+# float64 cases not also run in float32, and why.
+SKIP_FLOAT32 = {
+    "layer_norm_d1_large_eps_f64.safetensors":
+        "with one feature the exact output is the bias and every input gradient is 0, so the "
+        "budget's scale is the bias (or 0); torch's float32 LayerNorm computes x*s + (b - mean*s) "
+        "and leaves 1e-7 of rounding from the O(1) intermediates, above a budget of 0",
 }
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32,
@@ -339,6 +348,11 @@ def test(teo, golden_dir, work):
         _, meta = tb.st_read(path)
         spec = json.loads(meta["spec"])
         runs = [(spec["dtype"], ["--require-all"])]
+        if spec["dtype"] == "float64" and f in SKIP_FLOAT32:
+            print("%-40s %-9s skipped: %s" % (f, "float32", SKIP_FLOAT32[f]))
+        elif spec["dtype"] == "float64":
+            # the same kernel in float32 against the float64 golden, through the fp32 budget
+            runs.append(("float32", ["--precision", "fp32", "--require-all"]))
         if spec["dtype"] == "float32":
             precision = spec.get("precision")
             runs.append(("bfloat16", ["--precision", "bf16", "--require-all"]))

@@ -14,6 +14,7 @@
 #include <nlohmann/json_fwd.hpp>
 
 #include "teo/config.hpp"
+#include "teo/model.hpp"
 #include "teo/precision.hpp"
 #include "teo/safetensors.hpp"
 
@@ -49,6 +50,19 @@ struct Case {
 // "Ill-conditioned cases" of docs/golden-format.md) throws IllConditioned naming the stage and the
 // cause, unless allow_ill_conditioned, which writes it with __metadata__.ill_conditioned set.
 safetensors::File make(const Case& c, bool allow_ill_conditioned = false);
+
+// One run of the model as golden tensors: every act.* of the contract, every grad.* when
+// `backward` (from the mean loss), and the dropout.* masks when train mode applies dropout, in the
+// order and with the bits make() writes them. The Python module's teo.run is this.
+struct RunOptions {
+  bool train = true;
+  std::uint64_t dropout_seed = 0;
+  std::optional<Precision> precision;
+  bool backward = true;
+};
+template <class Real>
+safetensors::File run_tensors(const Params<Real>& params, const Batch& batch,
+                              const RunOptions& opts);
 
 // The case a golden file was made from (its __metadata__ config and case); FormatError when they
 // are missing or malformed.

@@ -135,6 +135,27 @@ std::vector<std::pair<std::string, const std::vector<std::uint8_t>*>> run_masks(
   return out;
 }
 
+// Appends a run's dropout masks, activations and (with backward) gradients under their golden
+// names, with `prefix` before each name.
+template <class Real>
+void add_run(File& f, const EncoderConfig& cfg, const Batch& batch, const Run<Real>& run,
+             bool masks, bool with_backward, const std::string& prefix = "") {
+  const index_t B = batch.batch, S = batch.seq_len, D = cfg.d_model, H = cfg.num_heads,
+                F = cfg.d_ff;
+  if (masks) {
+    for (const auto& [n, m] : run_masks(cfg, run.acts)) {
+      const auto shape = n == "dropout.input"   ? std::vector<std::int64_t>{B, S, D}
+                         : n.ends_with(".attn") ? std::vector<std::int64_t>{B, H, S, S}
+                         : n.ends_with(".ffn")  ? std::vector<std::int64_t>{B, S, F}
+                                                : std::vector<std::int64_t>{B, S, D};
+      add_mask(f, prefix + n, shape, *m);
+    }
+  }
+  for (const auto& [n, t] : contract_acts(run.acts)) add_tensor(f, prefix + n, *t);
+  if (!with_backward) return;
+  for (const auto& [n, t] : contract_grads(cfg, run.grads, run.dacts)) add_tensor(f, prefix + n, *t);
+}
+
 template <class Real>
 File make_typed(const Case& c, bool allow_ill_conditioned) {
   const EncoderConfig& cfg = c.config;
@@ -151,21 +172,13 @@ File make_typed(const Case& c, bool allow_ill_conditioned) {
   f.metadata.emplace_back("case", c.case_json().dump());
   f.metadata.emplace_back("teo_version", TEO_VERSION);
 
-  const index_t B = c.batch, S = c.seq_len, D = cfg.d_model, H = cfg.num_heads, F = cfg.d_ff;
+  const index_t B = c.batch, S = c.seq_len;
   f.add<std::int64_t>("input.tokens", {B, S}, batch.tokens.data(), batch.tokens.size());
   f.add<std::int64_t>("input.lengths", {B}, batch.lengths.data(), batch.lengths.size());
   f.add<std::int64_t>("input.labels", {B}, batch.labels.data(), batch.labels.size());
   params.visit(
       [&](const std::string& n, const Tensor<Real>& t) { add_tensor(f, "param." + n, t); });
-  for (const auto& [n, m] : run_masks(cfg, run.acts)) {
-    const auto shape = n == "dropout.input"   ? std::vector<std::int64_t>{B, S, D}
-                       : n.ends_with(".attn") ? std::vector<std::int64_t>{B, H, S, S}
-                       : n.ends_with(".ffn")  ? std::vector<std::int64_t>{B, S, F}
-                                              : std::vector<std::int64_t>{B, S, D};
-    add_mask(f, n, shape, *m);
-  }
-  for (const auto& [n, t] : contract_acts(run.acts)) add_tensor(f, n, *t);
-  for (const auto& [n, t] : contract_grads(cfg, run.grads, run.dacts)) add_tensor(f, n, *t);
+  add_run(f, cfg, batch, run, /*masks=*/true, /*with_backward=*/true);
 
   if constexpr (std::is_same_v<Real, float>) {
     // The same case in float64 from the same float32-valued parameters: the reference against
@@ -179,10 +192,7 @@ File make_typed(const Case& c, bool allow_ill_conditioned) {
       for (index_t i = 0; i < t.numel(); ++i) t[i] = static_cast<double>(s[i]);
     });
     const auto r64 = run_case(p64, batch, c.seed);
-    for (const auto& [n, t] : contract_acts(r64.acts)) add_tensor(f, "ref64." + n, *t);
-    for (const auto& [n, t] : contract_grads(cfg, r64.grads, r64.dacts)) {
-      add_tensor(f, "ref64." + n, *t);
-    }
+    add_run(f, cfg, batch, r64, /*masks=*/false, /*with_backward=*/true, "ref64.");
     const index_t L = std::max({cfg.d_model, cfg.d_ff, c.seq_len, c.batch * c.seq_len});
     std::string why = detail::float32_conditioning(
         f, L, [&] { return detail::ill_conditioning_cause(f, cfg); }, allow_ill_conditioned);
@@ -200,6 +210,20 @@ File make_typed(const Case& c, bool allow_ill_conditioned) {
 }
 
 }  // namespace
+
+template <class Real>
+File run_tensors(const Params<Real>& params, const Batch& batch, const RunOptions& opts) {
+  Run<Real> r;
+  forward(params, batch, r.acts,
+          {.train = opts.train, .dropout_seed = opts.dropout_seed, .precision = opts.precision});
+  if (opts.backward) backward(params, batch, r.acts, r.grads, r.dacts, {.precision = opts.precision});
+  File f;
+  const EncoderConfig& cfg = params.config;
+  add_run(f, cfg, batch, r, opts.train && cfg.dropout > 0, opts.backward);
+  return f;
+}
+template File run_tensors<float>(const Params<float>&, const Batch&, const RunOptions&);
+template File run_tensors<double>(const Params<double>&, const Batch&, const RunOptions&);
 
 Case Case::from_file(const std::string& path) {
   const json j = read_json_file(path);

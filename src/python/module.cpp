@@ -1,0 +1,397 @@
+// teo._teo: the compiled half of the Python module. It converts arrays and dicts at the edge and
+// calls the library; it holds no numerics. The pure-Python half (src/python/teo/) gives the API
+// its shape: teo.run, teo.ops, teo.golden, teo.testing.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstring>
+#include <mutex>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "teo/backend.hpp"
+#include "teo/errors.hpp"
+#include "teo/files.hpp"
+#include "teo/golden.hpp"
+#include "teo/golden_ops.hpp"
+#include "teo/model.hpp"
+#include "teo/precision.hpp"
+#include "teo/safetensors.hpp"
+
+namespace py = pybind11;
+using nlohmann::json;
+
+namespace {
+
+// Every call that computes holds this lock (with the GIL released): the backend, ISA and thread
+// count are process-wide settings, so two Python threads asking for different ones take turns.
+std::mutex& compute_mutex() {
+  static std::mutex m;
+  return m;
+}
+
+// The backend and thread count of one call, restored afterwards.
+class CallSettings {
+ public:
+  CallSettings(const std::optional<std::string>& backend, std::optional<int> threads) {
+    if (backend) teo::set_backend(teo::parse_backend(*backend, "backend"));
+    if (threads) teo::set_num_threads(*threads);
+  }
+
+ private:
+  teo::ScopedSettings keep_;
+};
+
+std::string to_text(const py::handle& obj) {
+  return py::module_::import("json").attr("dumps")(obj).cast<std::string>();
+}
+
+py::object from_text(const std::string& text) {
+  return py::module_::import("json").attr("loads")(text);
+}
+
+// ---- tensors across the edge: (name, dtype, shape, bytes) ------------------------------------
+
+using Wire = std::tuple<std::string, std::string, std::vector<std::int64_t>, py::bytes>;
+
+teo::safetensors::DType dtype_named(const std::string& name, const std::string& tensor) {
+  using teo::safetensors::DType;
+  for (DType d : {DType::F32, DType::F64, DType::I64, DType::U8, DType::BF16, DType::F16,
+                  DType::F8_E4M3, DType::F8_E5M2}) {
+    if (name == teo::safetensors::dtype_name(d)) return d;
+  }
+  throw teo::ConfigError("tensor " + tensor + " has the unsupported dtype " + name);
+}
+
+teo::safetensors::File file_of(const std::vector<std::pair<std::string, std::string>>& metadata,
+                               const std::vector<Wire>& tensors) {
+  teo::safetensors::File f;
+  f.metadata = metadata;
+  for (const auto& [name, dtype, shape, bytes] : tensors) {
+    const std::string_view b = bytes;
+    f.add(name, dtype_named(dtype, name), shape, b.data(), b.size());
+  }
+  return f;
+}
+
+std::vector<Wire> wire_of(const teo::safetensors::File& f) {
+  std::vector<Wire> out;
+  out.reserve(f.tensors.size());
+  for (const auto& t : f.tensors) {
+    out.emplace_back(t.name, teo::safetensors::dtype_name(t.dtype), t.shape,
+                     py::bytes(reinterpret_cast<const char*>(t.bytes.data()), t.bytes.size()));
+  }
+  return out;
+}
+
+// ---- arrays into the library -----------------------------------------------------------------
+
+template <class Real>
+void fill_from(teo::Tensor<Real>& t, const py::handle& obj, const std::string& name) {
+  if (!py::isinstance<py::array>(obj)) {
+    throw teo::ConfigError(name + " must be a numpy array");
+  }
+  const auto arr = py::reinterpret_borrow<py::array>(obj);
+  if (!arr.dtype().is(py::dtype::of<Real>())) {
+    throw teo::ConfigError(name + " has dtype " + py::str(arr.dtype()).cast<std::string>() +
+                           ", expected " + (sizeof(Real) == 4 ? "float32" : "float64"));
+  }
+  std::vector<teo::index_t> shape(arr.shape(), arr.shape() + arr.ndim());
+  if (teo::Shape(shape) != t.shape()) {
+    throw teo::ShapeError(name + " has shape " + teo::Shape(shape).str() + ", expected " +
+                          t.shape().str());
+  }
+  // A C-contiguous copy of any layout: strided views are accepted.
+  const auto c = py::array_t<Real, py::array::c_style>::ensure(arr);
+  if (t.numel() > 0) std::memcpy(t.data(), c.data(), static_cast<std::size_t>(t.numel()) * sizeof(Real));
+}
+
+std::vector<std::int64_t> ints_from(const py::dict& d, const char* key) {
+  if (!d.contains(key)) throw teo::ConfigError(std::string("the batch has no \"") + key + "\"");
+  const py::object v = d[key];
+  const auto arr = py::array::ensure(v);
+  if (!arr || arr.dtype().kind() != 'i') {
+    throw teo::ConfigError(std::string("batch[\"") + key + "\"] must be an integer array");
+  }
+  const auto c = py::array_t<std::int64_t, py::array::c_style | py::array::forcecast>::ensure(arr);
+  return {c.data(), c.data() + c.size()};
+}
+
+template <class Real>
+teo::Params<Real> params_from(const teo::EncoderConfig& cfg, const py::dict& d) {
+  auto p = teo::Params<Real>::zeros(cfg);
+  std::size_t used = 0;
+  p.visit([&](const std::string& name, teo::Tensor<Real>& t) {
+    if (!d.contains(name)) throw teo::ConfigError("params has no \"" + name + "\"");
+    fill_from(t, d[name.c_str()], "params[\"" + name + "\"]");
+    ++used;
+  });
+  if (used != d.size()) {
+    for (const auto& [k, v] : d) {
+      bool known = false;
+      const std::string key = py::str(k).cast<std::string>();
+      p.visit([&](const std::string& name, const teo::Tensor<Real>&) { known |= name == key; });
+      if (!known) throw teo::ConfigError("params has the unknown key \"" + key + "\"");
+    }
+  }
+  return p;
+}
+
+teo::Batch batch_from(const teo::EncoderConfig& cfg, const py::dict& d) {
+  teo::Batch b;
+  const auto tokens = py::array::ensure(d.contains("tokens") ? py::object(d["tokens"]) : py::none());
+  if (!tokens || tokens.ndim() != 2) {
+    throw teo::ShapeError("batch[\"tokens\"] must be a (batch, seq_len) integer array");
+  }
+  b.batch = tokens.shape(0);
+  b.seq_len = tokens.shape(1);
+  b.tokens = ints_from(d, "tokens");
+  b.lengths = ints_from(d, "lengths");
+  b.labels = ints_from(d, "labels");
+  (void)cfg;
+  return b;
+}
+
+template <class Real>
+py::dict params_dict(const teo::Params<Real>& p) {
+  py::dict out;
+  p.visit([&](const std::string& name, const teo::Tensor<Real>& t) {
+    py::array_t<Real> a(t.shape().dims());
+    if (t.numel() > 0) std::memcpy(a.mutable_data(), t.data(), static_cast<std::size_t>(t.numel()) * sizeof(Real));
+    out[name.c_str()] = std::move(a);
+  });
+  return out;
+}
+
+std::optional<teo::Precision> precision_of(const std::optional<std::string>& p) {
+  if (!p) return std::nullopt;
+  return teo::parse_precision(*p, "precision");
+}
+
+// ---- the exceptions -----------------------------------------------------------------------------
+
+// Raises the Python class teo.<name> (defined in teo/__init__.py with its builtin base).
+[[noreturn]] void raise_as(const char* name, const char* what) {
+  const py::object cls = py::module_::import("teo").attr(name);
+  PyErr_SetString(cls.ptr(), what);
+  throw py::error_already_set();
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_teo, m) {
+  m.doc() = "teo's compiled core; use the teo package";
+
+  py::register_exception_translator([](std::exception_ptr p) {
+    try {
+      if (p) std::rethrow_exception(p);
+    } catch (const teo::ConfigError& e) {
+      raise_as("ConfigError", e.what());
+    } catch (const teo::ShapeError& e) {
+      raise_as("ShapeError", e.what());
+    } catch (const teo::InputError& e) {
+      raise_as("InputError", e.what());
+    } catch (const teo::FormatError& e) {
+      raise_as("FormatError", e.what());
+    } catch (const teo::FileError& e) {
+      raise_as("FileError", e.what());
+    } catch (const teo::RangeError& e) {
+      raise_as("RangeError", e.what());
+    } catch (const teo::IllConditioned& e) {
+      raise_as("IllConditioned", e.what());
+    } catch (const teo::Error& e) {
+      raise_as("Error", e.what());
+    }
+  });
+
+  py::class_<teo::EncoderConfig>(m, "EncoderConfig")
+      .def(py::init([](const py::kwargs& kw) {
+             return teo::EncoderConfig::from_json_text(to_text(kw));
+           }),
+           "EncoderConfig(**keys): unknown keys and bad values raise ConfigError naming the field")
+      .def_static(
+          "from_json",
+          [](const py::object& obj) {
+            const std::string text =
+                py::isinstance<py::str>(obj) ? obj.cast<std::string>() : to_text(obj);
+            return teo::EncoderConfig::from_json_text(text);
+          },
+          "From a JSON string or a dict")
+      .def("to_dict", [](const teo::EncoderConfig& c) { return from_text(c.to_json().dump()); })
+      .def("to_json", [](const teo::EncoderConfig& c) { return c.to_json().dump(); })
+      .def("__eq__", [](const teo::EncoderConfig& a, const teo::EncoderConfig& b) { return a == b; })
+      .def("__repr__",
+           [](const teo::EncoderConfig& c) { return "teo.EncoderConfig(" + c.to_json().dump() + ")"; })
+      .def("__getattr__", [](const teo::EncoderConfig& c, const std::string& key) -> py::object {
+        const json j = c.to_json();
+        if (!j.contains(key)) throw py::attribute_error("EncoderConfig has no field " + key);
+        return from_text(j.at(key).dump());
+      });
+
+  m.def(
+      "init_params",
+      [](const teo::EncoderConfig& cfg, std::uint64_t seed, const std::string& dtype) -> py::dict {
+        if (dtype == "float64") return params_dict(teo::Params<double>::init(cfg, seed));
+        if (dtype == "float32") return params_dict(teo::Params<float>::init(cfg, seed));
+        throw teo::ConfigError("dtype must be \"float32\" or \"float64\", got \"" + dtype + "\"");
+      },
+      py::arg("cfg"), py::arg("seed"), py::arg("dtype") = "float64");
+
+  m.def(
+      "random_batch",
+      [](const teo::EncoderConfig& cfg, teo::index_t batch, teo::index_t seq_len,
+         std::uint64_t seed, std::optional<std::vector<std::int64_t>> lengths) {
+        teo::validate_batch_shape(cfg, {batch, seq_len}, sizeof(double));
+        const teo::Batch b =
+            teo::Batch::random(cfg, batch, seq_len, seed, lengths.value_or(std::vector<std::int64_t>{}));
+        py::dict out;
+        py::array_t<std::int64_t> tokens({b.batch, b.seq_len});
+        if (!b.tokens.empty()) std::memcpy(tokens.mutable_data(), b.tokens.data(), b.tokens.size() * 8);
+        out["tokens"] = tokens;
+        out["lengths"] = py::array_t<std::int64_t>(static_cast<py::ssize_t>(b.lengths.size()), b.lengths.data());
+        out["labels"] = py::array_t<std::int64_t>(static_cast<py::ssize_t>(b.labels.size()), b.labels.data());
+        return out;
+      },
+      py::arg("cfg"), py::arg("batch"), py::arg("seq_len"), py::arg("seed"),
+      py::arg("lengths") = py::none());
+
+  m.def(
+      "run",
+      [](const teo::EncoderConfig& cfg, const py::dict& params, const py::dict& batch, bool train,
+         std::uint64_t dropout_seed, const std::optional<std::string>& precision, bool backward,
+         const std::optional<std::string>& backend, std::optional<int> threads,
+         const std::string& dtype) {
+        const teo::Batch b = batch_from(cfg, batch);
+        const teo::golden::RunOptions opts{train, dropout_seed, precision_of(precision), backward};
+        teo::safetensors::File f;
+        if (dtype == "float64") {
+          const auto p = params_from<double>(cfg, params);
+          py::gil_scoped_release release;
+          const std::lock_guard lock(compute_mutex());
+          const CallSettings settings(backend, threads);
+          f = teo::golden::run_tensors(p, b, opts);
+        } else if (dtype == "float32") {
+          const auto p = params_from<float>(cfg, params);
+          py::gil_scoped_release release;
+          const std::lock_guard lock(compute_mutex());
+          const CallSettings settings(backend, threads);
+          f = teo::golden::run_tensors(p, b, opts);
+        } else {
+          throw teo::ConfigError("params must be float32 or float64 arrays");
+        }
+        return wire_of(f);
+      },
+      py::arg("cfg"), py::arg("params"), py::arg("batch"), py::arg("train"),
+      py::arg("dropout_seed"), py::arg("precision"), py::arg("backward"), py::arg("backend"),
+      py::arg("threads"), py::arg("dtype"));
+
+  m.def(
+      "run_op",
+      [](const std::string& op, const py::dict& spec, const std::vector<Wire>& inputs,
+         const std::optional<std::string>& precision, const std::optional<std::string>& backend,
+         std::optional<int> threads) {
+        const auto c = teo::golden::OpCase::from_json(json::parse(to_text(spec)), op);
+        auto f = file_of({{"format", teo::golden::kOpFormat}, {"op", c.op}, {"spec", c.spec.dump()}},
+                         inputs);
+        std::map<std::string, std::vector<double>> r;
+        {
+          py::gil_scoped_release release;
+          const std::lock_guard lock(compute_mutex());
+          const CallSettings settings(backend, threads);
+          r = teo::golden::run_op(f, precision_of(precision));
+        }
+        std::vector<std::pair<std::string, std::vector<std::int64_t>>> shapes;
+        for (const auto& t : teo::golden::op_contract(c)) shapes.emplace_back(t.name, t.shape);
+        py::dict out;
+        for (const auto& [name, shape] : shapes) {
+          const auto& v = r.at(name);
+          py::array_t<double> a(shape);
+          if (!v.empty()) std::memcpy(a.mutable_data(), v.data(), v.size() * sizeof(double));
+          out[name.c_str()] = std::move(a);
+        }
+        return out;
+      },
+      py::arg("op"), py::arg("spec"), py::arg("inputs"), py::arg("precision"), py::arg("backend"),
+      py::arg("threads"));
+
+  m.def("op_spec", [](const std::string& op, const py::dict& spec) {
+    return from_text(teo::golden::OpCase::from_json(json::parse(to_text(spec)), op).spec.dump());
+  });
+  m.def("op_contract", [](const std::string& op, const py::dict& spec) {
+    const auto c = teo::golden::OpCase::from_json(json::parse(to_text(spec)), op);
+    std::vector<std::tuple<std::string, std::vector<std::int64_t>, bool>> out;
+    for (const auto& t : teo::golden::op_contract(c)) out.emplace_back(t.name, t.shape, t.optional);
+    return out;
+  });
+  m.def("make_op", [](const std::string& op, const py::dict& spec) {
+    const auto c = teo::golden::OpCase::from_json(json::parse(to_text(spec)), op);
+    teo::safetensors::File f;
+    {
+      py::gil_scoped_release release;
+      const std::lock_guard lock(compute_mutex());
+      f = teo::golden::make_op(c);
+    }
+    return std::make_pair(f.metadata, wire_of(f));
+  });
+
+  m.def("read", [](const std::string& path) {
+    const auto f = teo::safetensors::read(path);
+    return std::make_pair(f.metadata, wire_of(f));
+  });
+  m.def(
+      "write",
+      [](const std::string& path, const std::vector<std::pair<std::string, std::string>>& metadata,
+         const std::vector<Wire>& tensors, bool force) {
+        const std::string bytes = teo::safetensors::serialize(file_of(metadata, tensors));
+        py::gil_scoped_release release;
+        teo::write_file_atomic(path, bytes, force);
+      },
+      py::arg("path"), py::arg("metadata"), py::arg("tensors"), py::arg("force"));
+
+  m.def(
+      "check",
+      [](const std::vector<std::pair<std::string, std::string>>& gmeta,
+         const std::vector<Wire>& gtensors, const std::vector<Wire>& ctensors,
+         const std::string& golden_name, const std::string& candidate_name,
+         const std::optional<std::string>& precision, const std::string& only, bool require_all,
+         const py::dict& tolerances) {
+        teo::golden::CheckOptions o;
+        o.precision = precision_of(precision);
+        if (only == "forward") o.only = teo::golden::Only::forward;
+        else if (only == "backward") o.only = teo::golden::Only::backward;
+        else if (only != "all") throw teo::ConfigError("only must be \"forward\" or \"backward\", got \"" + only + "\"");
+        for (const auto& [k, v] : tolerances) {
+          const std::string key = py::str(k).cast<std::string>();
+          const double x = v.cast<double>();
+          if (!(x >= 0)) throw teo::ConfigError(key + " must be a number >= 0");
+          if (key == "rtol") o.rtol = x;
+          else if (key == "atol") o.atol = x;
+          else if (key == "k") o.k = x;
+          else if (key == "floor_eps") o.floor_eps = x;
+          else if (key == "budget_k") o.budget_k = x;
+          else if (key == "budget_floor") o.budget_floor = x;
+          else throw teo::ConfigError("unknown check option \"" + key + "\"");
+        }
+        const auto g = file_of(gmeta, gtensors);
+        const auto c = file_of({}, ctensors);
+        teo::golden::CaseReport rep;
+        {
+          py::gil_scoped_release release;
+          const std::lock_guard lock(compute_mutex());
+          rep = teo::golden::check(g, c, o);
+        }
+        rep.name = golden_name;
+        rep.golden_path = golden_name;
+        rep.candidate_path = candidate_name;
+        std::ostringstream text;
+        teo::golden::print_text({rep}, text);
+        const auto v = teo::golden::verdict({rep}, require_all);
+        return std::make_tuple(text.str(), teo::golden::json_report({rep}), v.exit_code, v.reason);
+      });
+
+  m.attr("__version__") = TEO_VERSION;
+  m.attr("kFormat") = teo::golden::kFormat;
+  m.attr("kOpFormat") = teo::golden::kOpFormat;
+}

@@ -354,7 +354,7 @@ PYBIND11_MODULE(_teo, m) {
       "check",
       [](const std::vector<std::pair<std::string, std::string>>& gmeta,
          const std::vector<Wire>& gtensors, const std::vector<Wire>& ctensors,
-         const std::string& golden_name, const std::string& candidate_name,
+         const std::string& name, const std::string& golden_path, const std::string& candidate_path,
          const std::optional<std::string>& precision, const std::string& only, bool require_all,
          const py::dict& tolerances) {
         teo::golden::CheckOptions o;
@@ -382,9 +382,9 @@ PYBIND11_MODULE(_teo, m) {
           const std::lock_guard lock(compute_mutex());
           rep = teo::golden::check(g, c, o);
         }
-        rep.name = golden_name;
-        rep.golden_path = golden_name;
-        rep.candidate_path = candidate_name;
+        rep.name = name;
+        rep.golden_path = golden_path;
+        rep.candidate_path = candidate_path;
         std::ostringstream text;
         teo::golden::print_text({rep}, text);
         const auto v = teo::golden::verdict({rep}, require_all);

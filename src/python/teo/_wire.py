@@ -64,7 +64,8 @@ def wire_of(tensors, bits=None):
                               "which bit patterns it holds" % (name, name))
         else:
             dtype = st_dtype(name, a)
-        c = np.ascontiguousarray(a)
+        # (np.ascontiguousarray would make a 0-d array 1-d)
+        c = a if a.flags.c_contiguous else np.array(a, order="C")
         if c.dtype == np.bool_:
             c = c.astype(np.uint8)
         c = c.astype(c.dtype.newbyteorder("<"), copy=False)

@@ -135,8 +135,8 @@ def check(golden, candidate, *, precision=None, only=None, require_all=False, bi
     tol = {name: value for name, value in
            (("rtol", rtol), ("atol", atol), ("k", k), ("floor_eps", floor_eps),
             ("budget_k", budget_k), ("budget_floor", budget_floor)) if value is not None}
-    g_name = os.path.basename(g.path) if g.path else "<golden>"
+    g_path = g.path or "<golden>"
     text, json_text, code, reason = _teo.check(
-        list(g.metadata.items()), g.wire(), c_wire, g_name, c_name, precision, only or "all",
-        bool(require_all), tol)
+        list(g.metadata.items()), g.wire(), c_wire, os.path.basename(g_path), g_path, c_name,
+        precision, only or "all", bool(require_all), tol)
     return Report(text, json_text, code, reason)

@@ -1,0 +1,347 @@
+"""The Python module: every function, bit identity with the C++ library and CLI, the error
+mapping, memory over 10,000 calls, concurrent calls from Python threads, and a 0-size batch.
+
+Run: PYTHONPATH=build/python /usr/bin/python3 -m pytest tests/python (ctest does).
+"""
+
+import json
+import os
+import subprocess
+import threading
+
+import numpy as np
+import pytest
+
+import teo
+from conftest import GOLDEN, TEO_BIN
+
+OPS = os.path.join(GOLDEN, "ops")
+
+
+def case(name):
+    return teo.golden.load(os.path.join(GOLDEN, name + ".safetensors"))
+
+
+def op_case(name):
+    return teo.golden.load(os.path.join(OPS, name + ".safetensors"))
+
+
+def same_bits(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+# ---- config, parameters, batches -----------------------------------------------------------------
+
+def test_config_from_keys_json_and_dict():
+    cfg = teo.EncoderConfig(d_model=8, num_heads=2, activation="relu")
+    assert cfg.d_model == 8 and cfg.activation == "relu" and cfg.num_layers == 2
+    assert teo.EncoderConfig.from_json(cfg.to_json()) == cfg
+    assert teo.EncoderConfig.from_json(cfg.to_dict()) == cfg
+    assert teo.EncoderConfig(**cfg.to_dict()) == cfg
+    with pytest.raises(AttributeError):
+        cfg.colour
+
+
+@pytest.mark.parametrize("keys, field", [({"d_modle": 8}, "d_modle"),
+                                         ({"num_heads": 0}, "num_heads"),
+                                         ({"activation": "swish"}, "activation"),
+                                         ({"dropout": 1.5}, "dropout")])
+def test_config_errors_name_the_field(keys, field):
+    with pytest.raises(teo.ConfigError, match=field) as e:
+        teo.EncoderConfig(**keys)
+    assert isinstance(e.value, ValueError)
+
+
+@pytest.mark.parametrize("name", ["post_gelu_mean_f64", "learned_pe_f32", "dropout_post_f64"])
+def test_init_params_and_random_batch_are_the_goldens_bits(name):
+    g = case(name)
+    dtype = g.case["dtype"]
+    params = teo.init_params(g.config, g.case["seed"], dtype)
+    assert set("param." + n for n in params) == {n for n in g.tensors if n.startswith("param.")}
+    for n, a in params.items():
+        assert same_bits(a, g.tensors["param." + n]), n
+    batch = teo.random_batch(g.config, g.case["batch"], g.case["seq_len"], g.case["seed"],
+                             g.case["lengths"])
+    for k in ("tokens", "lengths", "labels"):
+        assert same_bits(batch[k], g.tensors["input." + k]), k
+
+
+# ---- run: bit identity with the corpus ------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["post_gelu_mean_f64", "causal_pre_f32", "dropout_post_f64",
+                                  "pre_gelu_tanh_max_f32", "lengths_zero_f64"])
+def test_run_reproduces_the_goldens_bytes_on_the_reference_backend(name):
+    g = case(name)
+    params = {n[len("param."):]: a for n, a in g.tensors.items() if n.startswith("param.")}
+    batch = {k: g.tensors["input." + k] for k in ("tokens", "lengths", "labels")}
+    out = teo.run(g.config, params, batch, train=True, dropout_seed=g.case["seed"],
+                  backend="reference")
+    expected = {n for n in g.tensors if n.startswith(("act.", "grad.", "dropout."))}
+    assert set(out) == expected
+    for n in expected:
+        assert same_bits(out[n], g.tensors[n]), n
+
+
+def test_run_options_forward_only_eval_mode_simd_threads_and_precision():
+    g = case("dropout_post_f64")
+    params = {n[6:]: a for n, a in g.tensors.items() if n.startswith("param.")}
+    batch = {k: g.tensors["input." + k] for k in ("tokens", "lengths", "labels")}
+    out = teo.run(g.config, params, batch, backward=False)
+    assert not any(n.startswith(("grad.", "dropout.")) for n in out)
+    one = teo.run(g.config, params, batch, backend="simd", threads=1)
+    two = teo.run(g.config, params, batch, backend="simd", threads=2)
+    for n in one:
+        assert same_bits(one[n], two[n]), n
+    p32 = {n: a.astype(np.float32) for n, a in params.items()}
+    bf = teo.run(g.config, p32, batch, precision="bf16")
+    assert bf["act.loss"].dtype == np.float32
+    assert abs(float(bf["act.loss"]) - float(out["act.loss"])) < 0.05
+
+
+def test_a_zero_size_batch():
+    cfg = teo.EncoderConfig(d_model=8, num_heads=2, num_layers=1)
+    params = teo.init_params(cfg, 3)
+    batch = teo.random_batch(cfg, 0, 5, 3)
+    out = teo.run(cfg, params, batch)
+    assert out["act.logits"].shape == (0, cfg.num_classes)
+    assert float(out["act.loss"]) == 0.0
+    assert not np.any(out["grad.head.weight"])
+
+
+# ---- ops ------------------------------------------------------------------------------------------
+
+def _op_args(g):
+    t, s = g.tensors, g.spec
+    op = g.op
+    if op == "linear":
+        return (t["input.x"], t["param.weight"], t.get("param.bias")), {"grad_y": t["grad.output.y"]}
+    if op == "layer_norm":
+        return ((t["input.x"], t["param.weight"], t["param.bias"]),
+                {"layer_norm_eps": s["layer_norm_eps"], "grad_y": t["grad.output.y"]})
+    if op == "softmax":
+        return (t["input.x"],), {"visible": s["visible"], "grad_y": t["grad.output.y"]}
+    if op == "activation":
+        return (t["input.x"],), {"activation": s["activation"], "grad_y": t["grad.output.y"]}
+    if op == "dropout":
+        return (t["input.x"], t["input.mask"]), {"dropout": s["dropout"],
+                                                 "grad_y": t["grad.output.y"]}
+    if op == "attention":
+        return ((t["input.q"], t["input.k"], t["input.v"], t["input.lengths"]),
+                {"causal": s["causal"], "scale": s["scale"], "probs": s["probs"],
+                 "grad_context": t["grad.output.context"]})
+    if op == "embedding":
+        return ((t["input.tokens"], t["param.weight"], t.get("param.pos_weight")),
+                {"positional": s["positional"], "embed_scale": s["embed_scale"],
+                 "grad_x": t["grad.output.x"]})
+    if op == "pooling":
+        return ((t["input.x"], t["input.lengths"]),
+                {"pooling": s["pooling"], "grad_pooled": t["grad.output.pooled"]})
+    if op == "cross_entropy":
+        return ((t["input.logits"], t["input.labels"]),
+                {"label_smoothing": s["label_smoothing"], "grad_loss": t["grad.output.loss"]})
+    params = {n[len("param."):]: a for n, a in t.items() if n.startswith("param.")}
+    masks = {n[len("input.mask."):]: a for n, a in t.items() if n.startswith("input.mask.")}
+    opts = {k: s[k] for k in ("num_heads", "d_ff", "activation", "norm_first", "causal",
+                              "layer_norm_eps", "dropout")}
+    return (t["input.x"], t["input.lengths"], params), dict(opts, masks=masks,
+                                                            grad_y=t["grad.output.y"])
+
+
+OP_CASES = sorted(f[:-len(".safetensors")] for f in os.listdir(OPS)
+                  if f.endswith("_f64.safetensors") and "encoder_layer_dropout" not in f)
+
+
+@pytest.mark.parametrize("name", OP_CASES)
+def test_each_op_gives_the_float64_op_cases_bits(name):
+    g = op_case(name)
+    args, kw = _op_args(g)
+    out = getattr(teo.ops, g.op)(*args, backend="reference", **kw)
+    for n, a in out.items():
+        assert same_bits(a, g.tensors[n]), n
+
+
+def test_ops_in_float32_pass_the_float32_case():
+    g = op_case("attention_odd_dh_scale_f32")
+    args, kw = _op_args(g)
+    out = getattr(teo.ops, g.op)(*args, **kw)
+    report = teo.golden.check(g, {n: a.astype(np.float32) for n, a in out.items()},
+                              require_all=True)
+    assert report.passed, str(report)
+
+
+def test_op_case_in_memory_equals_the_cli_file(tmp_path):
+    spec = {"batch": 1, "num_heads": 2, "seq_len": 5, "d_head": 3, "lengths": [4],
+            "causal": True, "dtype": "float64", "seed": 9}
+    g = teo.golden.op_case("attention", **spec)
+    (tmp_path / "s.json").write_text(json.dumps(spec))
+    subprocess.run([TEO_BIN, "golden", "op", "--op", "attention", "--spec",
+                    str(tmp_path / "s.json"), "--out", str(tmp_path / "a.safetensors")],
+                   check=True, capture_output=True)
+    from_cli = teo.golden.load(tmp_path / "a.safetensors")
+    assert g.metadata == from_cli.metadata
+    for n in from_cli.tensors:
+        assert same_bits(g.tensors[n], from_cli.tensors[n]), n
+
+
+# ---- golden files and the checker ---------------------------------------------------------------
+
+def test_save_load_round_trip_and_no_overwrite(tmp_path):
+    path = tmp_path / "t.safetensors"
+    tensors = {"a": np.arange(6, dtype=np.float64).reshape(2, 3)[:, ::2],  # strided: copied
+               "b": np.array([1, 2], dtype=np.int64), "h": np.ones(3, dtype=np.float16)}
+    teo.golden.save(path, tensors, {"who": "me"})
+    g = teo.golden.load(path)
+    assert g.metadata == {"who": "me"}
+    assert same_bits(g.tensors["a"], np.ascontiguousarray(tensors["a"]))
+    assert g.tensors["h"].dtype == np.float16
+    with pytest.raises(teo.FileError, match="already exists"):
+        teo.golden.save(path, tensors)
+    teo.golden.save(path, {"a": np.zeros(1)}, force=True)
+    assert list(teo.golden.load(path).tensors) == ["a"]
+
+
+def test_bf16_bit_patterns_and_ml_dtypes(tmp_path):
+    path = tmp_path / "b.safetensors"
+    bits = np.array([0x3F80, 0xC000], dtype=np.uint16)  # 1.0 and -2.0
+    teo.golden.save(path, {"x": bits}, bits={"x": "BF16"})
+    x = teo.golden.load(path).tensors["x"]
+    assert [float(v) for v in x.astype(np.float32)] == [1.0, -2.0] or x.dtype == np.uint16
+    with pytest.raises(teo.ConfigError, match="bits="):
+        teo.golden.save(path, {"x": bits}, force=True)
+
+
+def test_check_takes_paths_goldens_and_dicts_and_str_is_the_clis_text(tmp_path):
+    golden_path = os.path.join(GOLDEN, "post_gelu_mean_f32.safetensors")
+    g = teo.golden.load(golden_path)
+    cand = {n: a.copy() for n, a in g.tensors.items() if n.startswith(("act.", "grad."))}
+    assert teo.golden.check(golden_path, cand, require_all=True).passed
+    cand["act.layers.1.q"][0, 0, 0, 0] += 1e-3
+    bad = tmp_path / "post_gelu_mean_f32.safetensors"
+    teo.golden.save(bad, cand)
+    for c in (str(bad), teo.golden.load(bad)):
+        r = teo.golden.check(golden_path, c)
+        assert not r.passed and r.exit_code == 1
+        assert r.first_divergence == "layers.1.q"
+        assert [t.status for t in r.tensors if t.name == "act.layers.1.q"] == ["fail"]
+        assert json.loads(r.to_json())["cases"][0]["failed"] == r.counts["failed"] >= 1
+    cli = subprocess.run([TEO_BIN, "golden", "check", "--golden", golden_path, "--candidate",
+                          str(bad)], capture_output=True, text=True)
+    assert cli.returncode == 1
+    assert str(teo.golden.check(golden_path, str(bad))) == cli.stdout
+
+
+def test_check_options_precision_only_and_tolerances():
+    g = op_case("attention_bf16")
+    cand = {n: a for n, a in g.tensors.items() if n.startswith(("output.", "grad.input."))}
+    r = teo.golden.check(g, cand, precision="bf16")
+    assert r.passed and r.precision == "bf16"
+    r = teo.golden.check(g, {"output.context": cand["output.context"]}, only="forward")
+    assert r.passed and r.optional_missing == ["output.scores", "output.probs"]
+    with pytest.raises(teo.ConfigError):
+        teo.golden.check(g, cand, only="sideways")
+    with pytest.raises(teo.ConfigError):
+        teo.golden.check(g, cand, precision="fp8")
+
+
+def test_assert_matches_golden():
+    g = case("post_relu_cls_f64")
+    cand = {n: a.copy() for n, a in g.tensors.items() if n.startswith(("act.", "grad."))}
+    teo.testing.assert_matches_golden(g, cand, require_all=True)
+    cand["grad.head.bias"] = cand["grad.head.bias"] * 2
+    with pytest.raises(AssertionError, match="first divergence: grad.head.bias"):
+        teo.testing.assert_matches_golden(g, cand)
+
+
+# ---- errors ---------------------------------------------------------------------------------------
+
+def test_error_mapping(tmp_path):
+    assert issubclass(teo.ConfigError, ValueError) and issubclass(teo.ShapeError, ValueError)
+    assert issubclass(teo.InputError, ValueError) and issubclass(teo.FormatError, OSError)
+    cfg = teo.EncoderConfig(d_model=8, num_heads=2, num_layers=1)
+    params = teo.init_params(cfg, 1)
+    batch = teo.random_batch(cfg, 2, 4, 1)
+    with pytest.raises(teo.ConfigError, match="layers.0.attn.q.weight"):
+        teo.run(cfg, {n: a for n, a in params.items() if n != "layers.0.attn.q.weight"}, batch)
+    wrong = dict(params, **{"head.bias": np.zeros(7)})
+    with pytest.raises(teo.ShapeError, match="head.bias"):
+        teo.run(cfg, wrong, batch)
+    with pytest.raises(teo.ConfigError, match="float32 or all float64"):
+        teo.run(cfg, dict(params, **{"head.bias": params["head.bias"].astype(np.float32)}), batch)
+    with pytest.raises(teo.ConfigError, match="unknown key"):
+        teo.run(cfg, dict(params, extra=np.zeros(1)), batch)
+    bad = dict(batch, tokens=batch["tokens"] + 1000)
+    with pytest.raises(teo.InputError):
+        teo.run(cfg, params, bad)
+    with pytest.raises(teo.ConfigError, match="tokens"):
+        teo.run(cfg, params, dict(batch, tokens=batch["tokens"].astype(float)))
+    with pytest.raises(teo.ShapeError, match="tokens"):
+        teo.run(cfg, params, {"lengths": batch["lengths"], "labels": batch["labels"]})
+    with pytest.raises(teo.ConfigError, match="precision"):
+        teo.run(cfg, params, batch, precision="fp12")
+    with pytest.raises(teo.ConfigError, match="backend"):
+        teo.run(cfg, params, batch, backend="gpu")
+    junk = tmp_path / "junk.safetensors"
+    junk.write_bytes(b"not a safetensors file at all")
+    with pytest.raises(teo.FormatError):
+        teo.golden.load(junk)
+    with pytest.raises(teo.FileError):
+        teo.golden.load(tmp_path / "missing.safetensors")
+    with pytest.raises(teo.ConfigError, match="dtype complex128"):
+        teo.golden.save(tmp_path / "c.safetensors", {"z": np.zeros(2, dtype=np.complex128)})
+    with pytest.raises(teo.ConfigError, match="unknown op"):
+        teo.golden.op_case("conv", dtype="float64", seed=0)
+    with pytest.raises(teo.ShapeError):
+        teo.ops.attention(np.zeros((1, 1, 3, 2)), np.zeros((1, 1, 3, 2)), np.zeros((1, 1, 3, 2)),
+                          [4])
+    with pytest.raises(teo.ConfigError, match="mix"):
+        teo.ops.linear(np.zeros((2, 3)), np.zeros((4, 3), dtype=np.float32))
+
+
+# ---- memory and threads -----------------------------------------------------------------------------
+
+def _rss_kib():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
+
+
+def test_ten_thousand_calls_do_not_grow_memory():
+    x = np.random.default_rng(0).standard_normal((4, 5))
+    w = np.random.default_rng(1).standard_normal((3, 5))
+    cfg = teo.EncoderConfig(d_model=8, num_heads=2, num_layers=1)
+    for _ in range(500):
+        teo.ops.linear(x, w)
+    before = _rss_kib()
+    for i in range(10000):
+        teo.ops.linear(x, w)
+        if i % 10 == 0:
+            teo.init_params(cfg, i)
+    grown = _rss_kib() - before
+    assert grown < 8 * 1024, "RSS grew by %d KiB over 10,000 calls" % grown
+
+
+def test_concurrent_calls_from_python_threads_are_correct():
+    names = ["post_gelu_mean_f64", "causal_pre_f64", "learned_pe_f64", "one_layer_f64"]
+    goldens = [case(n) for n in names]
+    errors = []
+
+    def work(g):
+        try:
+            params = {n[6:]: a for n, a in g.tensors.items() if n.startswith("param.")}
+            batch = {k: g.tensors["input." + k] for k in ("tokens", "lengths", "labels")}
+            for _ in range(3):
+                out = teo.run(g.config, params, batch, train=True, dropout_seed=g.case["seed"],
+                              backend="reference")
+                for n, a in out.items():
+                    if not same_bits(a, g.tensors[n]):
+                        errors.append((g.path, n))
+                        return
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append((g.path, repr(e)))
+
+    threads = [threading.Thread(target=work, args=(g,)) for g in goldens * 2]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []

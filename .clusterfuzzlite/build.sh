@@ -24,7 +24,7 @@ cmake -S "$root" -B "$WORK/teo-build" "${generator[@]}" \
   -DCMAKE_C_COMPILER="$CC" -DCMAKE_CXX_COMPILER="$CXX" \
   -DCMAKE_C_FLAGS="$CFLAGS" -DCMAKE_CXX_FLAGS="$CXXFLAGS" \
   -DTEO_FUZZ=ON -DTEO_OWN_SANITIZERS=OFF -DTEO_FUZZ_ENGINE="$LIB_FUZZING_ENGINE" \
-  -DTEO_BUILD_TESTS=OFF -DTEO_BUILD_BENCH=OFF \
+  -DTEO_BUILD_TESTS=OFF -DTEO_BUILD_BENCH=OFF -DTEO_BUILD_PYTHON=OFF \
   -DCMAKE_BUILD_RPATH='$ORIGIN/lib'
 cmake --build "$WORK/teo-build" --target "${harnesses[@]/#/teo_fuzz_}"
 mkdir -p "$OUT/lib"

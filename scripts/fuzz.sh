@@ -14,7 +14,8 @@ cxx=$(command -v clang++ || command -v clang++-14)
 generator=()
 if command -v ninja >/dev/null; then generator=(-G Ninja); fi
 cmake -S . -B build-fuzz "${generator[@]}" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER="$cxx" \
-  -DTEO_FUZZ=ON -DTEO_BUILD_TESTS=ON -DTEO_BUILD_BENCH=OFF -DTEO_WERROR=ON > build-fuzz.log
+  -DTEO_FUZZ=ON -DTEO_BUILD_TESTS=ON -DTEO_BUILD_BENCH=OFF -DTEO_BUILD_PYTHON=OFF -DTEO_WERROR=ON \
+  > build-fuzz.log
 cmake --build build-fuzz -j"$(nproc)" >> build-fuzz.log
 if [ "${FUZZ_BUILD_ONLY:-0}" = 1 ]; then exit 0; fi
 status=0

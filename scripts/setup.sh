@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
 # Installs every Debian 12 package teo needs to build and run; with --test, also what the test
-# suite needs (PyTorch, the second backend the golden corpus is checked against). Idempotent.
+# suite needs (PyTorch, the second backend the golden corpus is checked against). With --test or
+# --python it also makes the virtual environment .venv for the Python module (`pip install .`):
+# on Debian's /usr/bin/python3 with --system-site-packages, so that Debian's numpy and PyTorch
+# stay the ones it uses, plus ml_dtypes from the index. Idempotent.
 set -euo pipefail
+cd "$(dirname "$0")/.."
 packages=(
   build-essential cmake ninja-build git pkg-config
   libxsimd-dev libtbb-dev libopenblas-dev
+  python3-dev pybind11-dev python3-numpy python3-venv
   nlohmann-json3-dev libcli11-dev
   libgtest-dev librapidcheck-dev libbenchmark-dev
   g++-aarch64-linux-gnu qemu-user
@@ -13,7 +18,7 @@ packages=(
 # Tests: PyTorch (the second backend), clang with libFuzzer for the fuzz harnesses, and
 # clang-format and clang-tidy for scripts/lint.sh.
 if [ "${1:-}" = "--test" ]; then
-  packages+=(python3-torch python3-numpy clang libclang-rt-14-dev clang-format clang-tidy zip unzip)
+  packages+=(python3-torch python3-pytest clang libclang-rt-14-dev clang-format clang-tidy zip unzip)
 fi
 missing=()
 for p in "${packages[@]}"; do
@@ -24,4 +29,14 @@ if ((${#missing[@]})); then
   if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+# The virtual environment. ml_dtypes 0.5 and later need numpy 2, which Debian's PyTorch 1.13 cannot
+# load; 0.4 works with Debian's numpy 1.24.
+if [ "${1:-}" = "--test" ] || [ "${1:-}" = "--python" ]; then
+  if [ ! -x .venv/bin/python ]; then
+    /usr/bin/python3 -m venv --system-site-packages .venv
+  fi
+  .venv/bin/python -c "import ml_dtypes" 2>/dev/null ||
+    .venv/bin/python -m pip install -q "ml_dtypes>=0.2,<0.5"
 fi

@@ -153,7 +153,8 @@ void add_run(File& f, const EncoderConfig& cfg, const Batch& batch, const Run<Re
   }
   for (const auto& [n, t] : contract_acts(run.acts)) add_tensor(f, prefix + n, *t);
   if (!with_backward) return;
-  for (const auto& [n, t] : contract_grads(cfg, run.grads, run.dacts)) add_tensor(f, prefix + n, *t);
+  for (const auto& [n, t] : contract_grads(cfg, run.grads, run.dacts))
+    add_tensor(f, prefix + n, *t);
 }
 
 template <class Real>
@@ -216,7 +217,8 @@ File run_tensors(const Params<Real>& params, const Batch& batch, const RunOption
   Run<Real> r;
   forward(params, batch, r.acts,
           {.train = opts.train, .dropout_seed = opts.dropout_seed, .precision = opts.precision});
-  if (opts.backward) backward(params, batch, r.acts, r.grads, r.dacts, {.precision = opts.precision});
+  if (opts.backward)
+    backward(params, batch, r.acts, r.grads, r.dacts, {.precision = opts.precision});
   File f;
   const EncoderConfig& cfg = params.config;
   add_run(f, cfg, batch, r, opts.train && cfg.dropout > 0, opts.backward);

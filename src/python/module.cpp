@@ -105,7 +105,8 @@ void fill_from(teo::Tensor<Real>& t, const py::handle& obj, const std::string& n
   }
   // A C-contiguous copy of any layout: strided views are accepted.
   const auto c = py::array_t<Real, py::array::c_style>::ensure(arr);
-  if (t.numel() > 0) std::memcpy(t.data(), c.data(), static_cast<std::size_t>(t.numel()) * sizeof(Real));
+  if (t.numel() > 0)
+    std::memcpy(t.data(), c.data(), static_cast<std::size_t>(t.numel()) * sizeof(Real));
 }
 
 std::vector<std::int64_t> ints_from(const py::dict& d, const char* key) {
@@ -141,7 +142,8 @@ teo::Params<Real> params_from(const teo::EncoderConfig& cfg, const py::dict& d) 
 
 teo::Batch batch_from(const teo::EncoderConfig& cfg, const py::dict& d) {
   teo::Batch b;
-  const auto tokens = py::array::ensure(d.contains("tokens") ? py::object(d["tokens"]) : py::none());
+  const auto tokens =
+      py::array::ensure(d.contains("tokens") ? py::object(d["tokens"]) : py::none());
   if (!tokens || tokens.ndim() != 2) {
     throw teo::ShapeError("batch[\"tokens\"] must be a (batch, seq_len) integer array");
   }
@@ -159,7 +161,8 @@ py::dict params_dict(const teo::Params<Real>& p) {
   py::dict out;
   p.visit([&](const std::string& name, const teo::Tensor<Real>& t) {
     py::array_t<Real> a(t.shape().dims());
-    if (t.numel() > 0) std::memcpy(a.mutable_data(), t.data(), static_cast<std::size_t>(t.numel()) * sizeof(Real));
+    if (t.numel() > 0)
+      std::memcpy(a.mutable_data(), t.data(), static_cast<std::size_t>(t.numel()) * sizeof(Real));
     out[name.c_str()] = std::move(a);
   });
   return out;
@@ -221,9 +224,12 @@ PYBIND11_MODULE(_teo, m) {
           "From a JSON string or a dict")
       .def("to_dict", [](const teo::EncoderConfig& c) { return from_text(c.to_json().dump()); })
       .def("to_json", [](const teo::EncoderConfig& c) { return c.to_json().dump(); })
-      .def("__eq__", [](const teo::EncoderConfig& a, const teo::EncoderConfig& b) { return a == b; })
+      .def("__eq__",
+           [](const teo::EncoderConfig& a, const teo::EncoderConfig& b) { return a == b; })
       .def("__repr__",
-           [](const teo::EncoderConfig& c) { return "teo.EncoderConfig(" + c.to_json().dump() + ")"; })
+           [](const teo::EncoderConfig& c) {
+             return "teo.EncoderConfig(" + c.to_json().dump() + ")";
+           })
       .def("__getattr__", [](const teo::EncoderConfig& c, const std::string& key) -> py::object {
         const json j = c.to_json();
         if (!j.contains(key)) throw py::attribute_error("EncoderConfig has no field " + key);
@@ -244,14 +250,17 @@ PYBIND11_MODULE(_teo, m) {
       [](const teo::EncoderConfig& cfg, teo::index_t batch, teo::index_t seq_len,
          std::uint64_t seed, std::optional<std::vector<std::int64_t>> lengths) {
         teo::validate_batch_shape(cfg, {batch, seq_len}, sizeof(double));
-        const teo::Batch b =
-            teo::Batch::random(cfg, batch, seq_len, seed, lengths.value_or(std::vector<std::int64_t>{}));
+        const teo::Batch b = teo::Batch::random(cfg, batch, seq_len, seed,
+                                                lengths.value_or(std::vector<std::int64_t>{}));
         py::dict out;
         py::array_t<std::int64_t> tokens({b.batch, b.seq_len});
-        if (!b.tokens.empty()) std::memcpy(tokens.mutable_data(), b.tokens.data(), b.tokens.size() * 8);
+        if (!b.tokens.empty())
+          std::memcpy(tokens.mutable_data(), b.tokens.data(), b.tokens.size() * 8);
         out["tokens"] = tokens;
-        out["lengths"] = py::array_t<std::int64_t>(static_cast<py::ssize_t>(b.lengths.size()), b.lengths.data());
-        out["labels"] = py::array_t<std::int64_t>(static_cast<py::ssize_t>(b.labels.size()), b.labels.data());
+        out["lengths"] =
+            py::array_t<std::int64_t>(static_cast<py::ssize_t>(b.lengths.size()), b.lengths.data());
+        out["labels"] =
+            py::array_t<std::int64_t>(static_cast<py::ssize_t>(b.labels.size()), b.labels.data());
         return out;
       },
       py::arg("cfg"), py::arg("batch"), py::arg("seq_len"), py::arg("seed"),
@@ -293,8 +302,8 @@ PYBIND11_MODULE(_teo, m) {
          const std::optional<std::string>& precision, const std::optional<std::string>& backend,
          std::optional<int> threads) {
         const auto c = teo::golden::OpCase::from_json(json::parse(to_text(spec)), op);
-        auto f = file_of({{"format", teo::golden::kOpFormat}, {"op", c.op}, {"spec", c.spec.dump()}},
-                         inputs);
+        auto f = file_of(
+            {{"format", teo::golden::kOpFormat}, {"op", c.op}, {"spec", c.spec.dump()}}, inputs);
         std::map<std::string, std::vector<double>> r;
         {
           py::gil_scoped_release release;
@@ -350,46 +359,54 @@ PYBIND11_MODULE(_teo, m) {
       },
       py::arg("path"), py::arg("metadata"), py::arg("tensors"), py::arg("force"));
 
-  m.def(
-      "check",
-      [](const std::vector<std::pair<std::string, std::string>>& gmeta,
-         const std::vector<Wire>& gtensors, const std::vector<Wire>& ctensors,
-         const std::string& name, const std::string& golden_path, const std::string& candidate_path,
-         const std::optional<std::string>& precision, const std::string& only, bool require_all,
-         const py::dict& tolerances) {
-        teo::golden::CheckOptions o;
-        o.precision = precision_of(precision);
-        if (only == "forward") o.only = teo::golden::Only::forward;
-        else if (only == "backward") o.only = teo::golden::Only::backward;
-        else if (only != "all") throw teo::ConfigError("only must be \"forward\" or \"backward\", got \"" + only + "\"");
-        for (const auto& [k, v] : tolerances) {
-          const std::string key = py::str(k).cast<std::string>();
-          const double x = v.cast<double>();
-          if (!(x >= 0)) throw teo::ConfigError(key + " must be a number >= 0");
-          if (key == "rtol") o.rtol = x;
-          else if (key == "atol") o.atol = x;
-          else if (key == "k") o.k = x;
-          else if (key == "floor_eps") o.floor_eps = x;
-          else if (key == "budget_k") o.budget_k = x;
-          else if (key == "budget_floor") o.budget_floor = x;
-          else throw teo::ConfigError("unknown check option \"" + key + "\"");
-        }
-        const auto g = file_of(gmeta, gtensors);
-        const auto c = file_of({}, ctensors);
-        teo::golden::CaseReport rep;
-        {
-          py::gil_scoped_release release;
-          const std::lock_guard lock(compute_mutex());
-          rep = teo::golden::check(g, c, o);
-        }
-        rep.name = name;
-        rep.golden_path = golden_path;
-        rep.candidate_path = candidate_path;
-        std::ostringstream text;
-        teo::golden::print_text({rep}, text);
-        const auto v = teo::golden::verdict({rep}, require_all);
-        return std::make_tuple(text.str(), teo::golden::json_report({rep}), v.exit_code, v.reason);
-      });
+  m.def("check", [](const std::vector<std::pair<std::string, std::string>>& gmeta,
+                    const std::vector<Wire>& gtensors, const std::vector<Wire>& ctensors,
+                    const std::string& name, const std::string& golden_path,
+                    const std::string& candidate_path, const std::optional<std::string>& precision,
+                    const std::string& only, bool require_all, const py::dict& tolerances) {
+    teo::golden::CheckOptions o;
+    o.precision = precision_of(precision);
+    if (only == "forward")
+      o.only = teo::golden::Only::forward;
+    else if (only == "backward")
+      o.only = teo::golden::Only::backward;
+    else if (only != "all")
+      throw teo::ConfigError("only must be \"forward\" or \"backward\", got \"" + only + "\"");
+    for (const auto& [k, v] : tolerances) {
+      const std::string key = py::str(k).cast<std::string>();
+      const double x = v.cast<double>();
+      if (!(x >= 0)) throw teo::ConfigError(key + " must be a number >= 0");
+      if (key == "rtol")
+        o.rtol = x;
+      else if (key == "atol")
+        o.atol = x;
+      else if (key == "k")
+        o.k = x;
+      else if (key == "floor_eps")
+        o.floor_eps = x;
+      else if (key == "budget_k")
+        o.budget_k = x;
+      else if (key == "budget_floor")
+        o.budget_floor = x;
+      else
+        throw teo::ConfigError("unknown check option \"" + key + "\"");
+    }
+    const auto g = file_of(gmeta, gtensors);
+    const auto c = file_of({}, ctensors);
+    teo::golden::CaseReport rep;
+    {
+      py::gil_scoped_release release;
+      const std::lock_guard lock(compute_mutex());
+      rep = teo::golden::check(g, c, o);
+    }
+    rep.name = name;
+    rep.golden_path = golden_path;
+    rep.candidate_path = candidate_path;
+    std::ostringstream text;
+    teo::golden::print_text({rep}, text);
+    const auto v = teo::golden::verdict({rep}, require_all);
+    return std::make_tuple(text.str(), teo::golden::json_report({rep}), v.exit_code, v.reason);
+  });
 
   m.attr("__version__") = TEO_VERSION;
   m.attr("kFormat") = teo::golden::kFormat;

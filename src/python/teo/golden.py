@@ -135,7 +135,7 @@ def check(golden, candidate, *, precision=None, only=None, require_all=False, bi
     tol = {name: value for name, value in
            (("rtol", rtol), ("atol", atol), ("k", k), ("floor_eps", floor_eps),
             ("budget_k", budget_k), ("budget_floor", budget_floor)) if value is not None}
-    g_path = g.path or "<golden>"
+    g_path = g.path or ("<%s op case>" % g.op if g.op else "<golden>")
     text, json_text, code, reason = _teo.check(
         list(g.metadata.items()), g.wire(), c_wire, os.path.basename(g_path), g_path, c_name,
         precision, only or "all", bool(require_all), tol)

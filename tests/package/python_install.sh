@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# `pip install .` from a clean copy of the tree (the tracked files only), into a fresh virtual
+# environment made as scripts/setup.sh makes .venv; then, outside the tree, the installed module
+# is imported and checks a golden case and an op case.
+# Usage: tests/package/python_install.sh WORK_DIR
+set -euo pipefail
+root=$(cd "$(dirname "$0")/../.." && pwd)
+work=$1
+rm -rf "$work"
+mkdir -p "$work/src"
+if git -C "$root" rev-parse --git-dir > /dev/null 2>&1; then
+  git -C "$root" ls-files -z | (cd "$root" && xargs -0 cp --parents -t "$work/src")
+else
+  (cd "$root" && tar --exclude='./build*' --exclude='./.venv' -cf - .) | tar -xf - -C "$work/src"
+fi
+/usr/bin/python3 -m venv --system-site-packages "$work/venv"
+# As scripts/setup.sh: the ml_dtypes that works with Debian's numpy.
+"$work/venv/bin/python" -m pip install -q "ml_dtypes>=0.2,<0.5"
+"$work/venv/bin/python" -m pip install -q "$work/src"
+cd "$work"
+"$work/venv/bin/python" - "$root/golden" <<'PY'
+import os, sys
+import numpy as np
+import teo
+golden = sys.argv[1]
+assert teo.__file__.startswith(sys.prefix), teo.__file__
+case = os.path.join(golden, "post_gelu_mean_f64.safetensors")
+g = teo.golden.load(case)
+params = {n[6:]: a for n, a in g.tensors.items() if n.startswith("param.")}
+batch = {k: g.tensors["input." + k] for k in ("tokens", "lengths", "labels")}
+out = teo.run(g.config, params, batch, train=True, dropout_seed=g.case["seed"])
+report = teo.golden.check(case, out, require_all=True)
+print(report.text.splitlines()[-1])
+assert report.passed, str(report)
+op = teo.golden.load(os.path.join(golden, "ops", "attention_bf16.safetensors"))
+cand = {n: a.astype(np.float32) for n, a in op.tensors.items() if n.startswith(("output.", "grad.input."))}
+import ml_dtypes
+cand = {n: a.astype(ml_dtypes.bfloat16) for n, a in cand.items()}
+r = teo.golden.check(op, cand)
+assert r.passed and r.precision == "bf16", str(r)
+print("installed teo", teo.__version__, "at", os.path.dirname(teo.__file__), "passes")
+PY

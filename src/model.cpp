@@ -119,17 +119,55 @@ void add3(Real* out, const Real* a, const Real* b, index_t n) {
   });
 }
 
+// Where a pass's dropout masks come from: drawn from the seed, or replayed (ForwardOptions::masks).
+struct MaskSource {
+  std::uint64_t seed = 0;
+  const std::map<std::string, std::vector<std::uint8_t>>* replay = nullptr;
+
+  // mask (n) for `site`: the replayed one (1 where nonzero), else drawn with probability p.
+  void draw(std::uint8_t* mask, index_t n, const std::string& site, double p) const {
+    const auto it = replay ? replay->find(site) : decltype(replay->end()){};
+    if (!replay || it == replay->end()) {
+      dropout_mask(mask, n, seed, site, p);
+      return;
+    }
+    if (static_cast<index_t>(it->second.size()) != n) {
+      throw ShapeError("mask " + site + " has " + std::to_string(it->second.size()) +
+                       " elements, expected " + std::to_string(n));
+    }
+    for (index_t i = 0; i < n; ++i) mask[i] = it->second[static_cast<std::size_t>(i)] ? 1 : 0;
+  }
+};
+
+// ConfigError unless every replayed mask names a dropout site of cfg and dropout applies.
+void check_replayed_masks(const EncoderConfig& cfg, const ForwardOptions& opts) {
+  if (!opts.masks || opts.masks->empty()) return;
+  if (!opts.train || cfg.dropout <= 0.0) {
+    throw ConfigError(
+        "dropout masks were given, but no dropout applies (train is off or the "
+        "config's dropout is 0)");
+  }
+  for (const auto& [site, m] : *opts.masks) {
+    bool known = site == "dropout.input";
+    for (index_t i = 0; i < cfg.num_layers && !known; ++i) {
+      const std::string p = "dropout.layers." + std::to_string(i) + ".";
+      for (const char* s : {"attn", "residual1", "ffn", "residual2"}) known |= site == p + s;
+    }
+    if (!known) throw ConfigError("\"" + site + "\" is not a dropout site of this config");
+  }
+}
+
 // Applies dropout site `site` to in (n), recording its mask, and returns where the result is:
 // out (which may alias in) when active; in itself, untouched and uncopied, when inactive.
 template <class Real>
 const Real* apply_dropout(Real* out, const Real* in, std::vector<std::uint8_t>& mask, index_t n,
-                          const std::string& site, double p, bool active, std::uint64_t seed) {
+                          const std::string& site, double p, bool active, const MaskSource& masks) {
   if (!active) {
     mask.clear();
     return in;
   }
   mask.assign(static_cast<std::size_t>(n), 0);
-  dropout_mask(mask.data(), n, seed, site, p);
+  masks.draw(mask.data(), n, site, p);
   dropout_forward(out, in, mask.data(), n, dropout_scale<Real>(p));
   return out;
 }
@@ -236,7 +274,7 @@ void allocate(Activations<Real>& a, const EncoderConfig& cfg, const Dims& d, Zer
 template <class Real>
 void layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P, LayerActs<Real>& L,
                    const Real* x, const Batch& batch, const Dims& d, const std::string& prefix,
-                   bool drop, std::uint64_t seed, const Emulation<Real>& store) {
+                   bool drop, const MaskSource& seed, const Emulation<Real>& store) {
   const index_t nd = d.N * d.D;
   const std::string_view name = std::string_view(prefix).substr(8);  // "layers.{i}."
 
@@ -284,7 +322,7 @@ void layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P, LayerAc
     const bool drop_attn = drop;
     if (drop_attn) {
       L.masks.attn.assign(static_cast<std::size_t>(L.probs.numel()), 0);
-      dropout_mask(L.masks.attn.data(), L.probs.numel(), seed, prefix + "attn", p);
+      seed.draw(L.masks.attn.data(), L.probs.numel(), prefix + "attn", p);
     } else {
       L.masks.attn.clear();
     }
@@ -548,6 +586,7 @@ void forward(const Params<Real>& params, const Batch& batch, Activations<Real>& 
   const EncoderConfig& cfg = params.config;
   validate_params(params);
   validate_batch(cfg, batch, sizeof(Real));
+  check_replayed_masks(cfg, opts);
   const Dims d = dims_of(cfg, batch);
   const Emulation<Real> store(opts.precision, "");
   allocate(acts, cfg, d, static_cast<ZeroList<Real>*>(nullptr));
@@ -569,7 +608,8 @@ void forward(const Params<Real>& params, const Batch& batch, Activations<Real>& 
     add_positional_forward(acts.input.data(), acts.embedding.data(), acts.positional.data(), d.B,
                            d.S, d.D);
     apply_dropout(acts.input.data(), acts.input.data(), acts.input_mask, d.N * d.D, "dropout.input",
-                  cfg.dropout, opts.train && cfg.dropout > 0.0, opts.dropout_seed);
+                  cfg.dropout, opts.train && cfg.dropout > 0.0,
+                  MaskSource{opts.dropout_seed, opts.masks});
     store(acts.input, "", "input");
   }
   run_encoder(params, batch, acts, opts, store);
@@ -587,7 +627,8 @@ void run_encoder(const Params<Real>& params, const Batch& batch, Activations<Rea
   const Real* x = acts.input.data();
   for (std::size_t i = 0; i < acts.layers.size(); ++i) {
     layer_forward(cfg, params.layers[i], acts.layers[i], x, batch, d,
-                  "dropout.layers." + std::to_string(i) + ".", drop, opts.dropout_seed, store);
+                  "dropout.layers." + std::to_string(i) + ".", drop,
+                  MaskSource{opts.dropout_seed, opts.masks}, store);
     x = acts.layers[i].output.data();
   }
   profile::Scope stage(Stage::head);
@@ -620,6 +661,7 @@ void encoder_forward(const Params<Real>& params, const Batch& batch, Activations
   validate_params(params);
   validate_batch(params.config, batch, sizeof(Real));
   validate_activations(params.config, batch, acts);
+  check_replayed_masks(params.config, opts);
   run_encoder(params, batch, acts, opts, Emulation<Real>(opts.precision, ""));
 }
 
@@ -744,10 +786,11 @@ void encoder_layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P,
                            LayerActs<Real>& L, const ForwardOptions& opts) {
   Batch batch;
   const Dims d = layer_dims(cfg, P, x, lengths, batch);
+  check_replayed_masks(cfg, opts);
   const Emulation<Real> store(opts.precision, "");
   allocate_layer(L, d, static_cast<ZeroList<Real>*>(nullptr));
   layer_forward(cfg, P, L, x.data(), batch, d, "dropout.layers.0.", opts.train && cfg.dropout > 0.0,
-                opts.dropout_seed, store);
+                MaskSource{opts.dropout_seed, opts.masks}, store);
 }
 
 template <class Real>

@@ -59,6 +59,7 @@ struct RunOptions {
   std::uint64_t dropout_seed = 0;
   std::optional<Precision> precision;
   bool backward = true;
+  const std::map<std::string, std::vector<std::uint8_t>>* masks = nullptr;  // replayed masks
 };
 template <class Real>
 safetensors::File run_tensors(const Params<Real>& params, const Batch& batch,

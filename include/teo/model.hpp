@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -230,6 +231,11 @@ struct ForwardOptions {
   // overflow throws RangeError naming the tensor; the parameters are used as given (see
   // round_params).
   std::optional<Precision> precision = std::nullopt;
+  // Dropout masks to replay instead of drawing them from dropout_seed, by site (the golden names:
+  // "dropout.input", "dropout.layers.{i}.attn", ".residual1", ".ffn", ".residual2"); a site not
+  // given is drawn. Each must have its site's element count (ShapeError), nonzero meaning kept; a
+  // name that is no site of this config, or masks when no dropout applies, is a ConfigError.
+  const std::map<std::string, std::vector<std::uint8_t>>* masks = nullptr;
 };
 
 struct BackwardOptions {

@@ -216,7 +216,10 @@ template <class Real>
 File run_tensors(const Params<Real>& params, const Batch& batch, const RunOptions& opts) {
   Run<Real> r;
   forward(params, batch, r.acts,
-          {.train = opts.train, .dropout_seed = opts.dropout_seed, .precision = opts.precision});
+          {.train = opts.train,
+           .dropout_seed = opts.dropout_seed,
+           .precision = opts.precision,
+           .masks = opts.masks});
   if (opts.backward)
     backward(params, batch, r.acts, r.grads, r.dacts, {.precision = opts.precision});
   File f;

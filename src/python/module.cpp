@@ -271,9 +271,20 @@ PYBIND11_MODULE(_teo, m) {
       [](const teo::EncoderConfig& cfg, const py::dict& params, const py::dict& batch, bool train,
          std::uint64_t dropout_seed, const std::optional<std::string>& precision, bool backward,
          const std::optional<std::string>& backend, std::optional<int> threads,
-         const std::string& dtype) {
+         const std::string& dtype, const std::optional<py::dict>& masks) {
         const teo::Batch b = batch_from(cfg, batch);
-        const teo::golden::RunOptions opts{train, dropout_seed, precision_of(precision), backward};
+        std::map<std::string, std::vector<std::uint8_t>> replay;
+        if (masks) {
+          for (const auto& [k, v] : *masks) {
+            const auto arr =
+                py::array_t<std::uint8_t, py::array::c_style | py::array::forcecast>::ensure(v);
+            const std::string site = py::str(k).cast<std::string>();
+            if (!arr) throw teo::ConfigError("mask " + site + " must be an array of 0 and 1");
+            replay[site] = std::vector<std::uint8_t>(arr.data(), arr.data() + arr.size());
+          }
+        }
+        const teo::golden::RunOptions opts{train, dropout_seed, precision_of(precision), backward,
+                                           masks ? &replay : nullptr};
         teo::safetensors::File f;
         if (dtype == "float64") {
           const auto p = params_from<double>(cfg, params);
@@ -294,7 +305,7 @@ PYBIND11_MODULE(_teo, m) {
       },
       py::arg("cfg"), py::arg("params"), py::arg("batch"), py::arg("train"),
       py::arg("dropout_seed"), py::arg("precision"), py::arg("backward"), py::arg("backend"),
-      py::arg("threads"), py::arg("dtype"));
+      py::arg("threads"), py::arg("dtype"), py::arg("masks"));
 
   m.def(
       "run_op",

@@ -99,6 +99,27 @@ def test_run_options_forward_only_eval_mode_simd_threads_and_precision():
     assert abs(float(bf["act.loss"]) - float(out["act.loss"])) < 0.05
 
 
+def test_run_replays_given_masks():
+    g = case("dropout_post_f64")
+    params = {n[6:]: a for n, a in g.tensors.items() if n.startswith("param.")}
+    batch = {k: g.tensors["input." + k] for k in ("tokens", "lengths", "labels")}
+    masks = {n: a for n, a in g.tensors.items() if n.startswith("dropout.")}
+    # A seed that draws other masks: the replayed ones decide, and give the golden's bytes.
+    out = teo.run(g.config, params, batch, train=True, dropout_seed=g.case["seed"] + 1,
+                  masks=masks, backend="reference")
+    for n in g.tensors:
+        if n.startswith(("act.", "grad.", "dropout.")):
+            assert same_bits(out[n], g.tensors[n]), n
+    other = teo.run(g.config, params, batch, train=True, dropout_seed=g.case["seed"] + 1)
+    assert not same_bits(other["act.loss"], g.tensors["act.loss"])
+    with pytest.raises(teo.ShapeError, match="dropout.input"):
+        teo.run(g.config, params, batch, train=True, masks={"dropout.input": np.ones(3)})
+    with pytest.raises(teo.ConfigError, match="not a dropout site"):
+        teo.run(g.config, params, batch, train=True, masks={"dropout.layers.9.attn": np.ones(3)})
+    with pytest.raises(teo.ConfigError, match="no dropout applies"):
+        teo.run(g.config, params, batch, train=False, masks=masks)
+
+
 def test_a_zero_size_batch():
     cfg = teo.EncoderConfig(d_model=8, num_heads=2, num_layers=1)
     params = teo.init_params(cfg, 3)

@@ -19,8 +19,8 @@ def random_batch(cfg, batch, seq_len, seed, lengths=None):
                              None if lengths is None else [int(x) for x in lengths])
 
 
-def run(cfg, params, batch, *, train=False, dropout_seed=0, precision=None, backward=True,
-        backend=None, threads=None):
+def run(cfg, params, batch, *, train=False, dropout_seed=0, masks=None, precision=None,
+        backward=True, backend=None, threads=None):
     """Forward (and backward, from the mean loss) on params and batch.
 
     Returns every act.* tensor of the golden contract, every grad.* tensor when backward is set,
@@ -35,5 +35,5 @@ def run(cfg, params, batch, *, train=False, dropout_seed=0, precision=None, back
                           % sorted(str(d) for d in dtypes))
     dtype = str(next(iter(dtypes)))
     wire = _teo.run(cfg, params, batch, bool(train), int(dropout_seed), precision, bool(backward),
-                    backend, threads, dtype)
+                    backend, threads, dtype, None if masks is None else dict(masks))
     return arrays_of(wire)

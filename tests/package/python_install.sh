@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# `pip install .` from a clean copy of the tree (the tracked files only), into a fresh virtual
-# environment made as scripts/setup.sh makes .venv; then, outside the tree, the installed module
+# `pip wheel .` from a clean copy of the tree (the tracked files only), and the wheel installed
+# into a fresh virtual environment made as scripts/setup.sh makes .venv; then, outside the tree, the installed module
 # is imported and checks a golden case and an op case.
 # Usage: tests/package/python_install.sh WORK_DIR
 set -euo pipefail
@@ -16,7 +16,10 @@ fi
 /usr/bin/python3 -m venv --system-site-packages "$work/venv"
 # As scripts/setup.sh: the ml_dtypes that works with Debian's numpy.
 "$work/venv/bin/python" -m pip install -q "ml_dtypes>=0.2,<0.5"
-"$work/venv/bin/python" -m pip install -q "$work/src"
+# `pip wheel` builds the wheel (scikit-build-core and pybind11 come from the index into pip's
+# build environment); installing that wheel is what `pip install .` does in one step.
+"$work/venv/bin/python" -m pip wheel -q --no-deps -w "$work/wheels" "$work/src"
+"$work/venv/bin/python" -m pip install -q "$work"/wheels/teo-*.whl
 cd "$work"
 "$work/venv/bin/python" - "$root/golden" <<'PY'
 import os, sys

@@ -187,27 +187,29 @@ std::optional<teo::Precision> precision_of(const std::optional<std::string>& p) 
 PYBIND11_MODULE(_teo, m) {
   m.doc() = "teo's compiled core; use the teo package";
 
-  py::register_exception_translator([](std::exception_ptr p) {
-    try {
-      if (p) std::rethrow_exception(p);
-    } catch (const teo::ConfigError& e) {
-      raise_as("ConfigError", e.what());
-    } catch (const teo::ShapeError& e) {
-      raise_as("ShapeError", e.what());
-    } catch (const teo::InputError& e) {
-      raise_as("InputError", e.what());
-    } catch (const teo::FormatError& e) {
-      raise_as("FormatError", e.what());
-    } catch (const teo::FileError& e) {
-      raise_as("FileError", e.what());
-    } catch (const teo::RangeError& e) {
-      raise_as("RangeError", e.what());
-    } catch (const teo::IllConditioned& e) {
-      raise_as("IllConditioned", e.what());
-    } catch (const teo::Error& e) {
-      raise_as("Error", e.what());
-    }
-  });
+  // pybind11 takes a translator as void (*)(std::exception_ptr): by value.
+  py::register_exception_translator(
+      [](std::exception_ptr p) {  // NOLINT(performance-unnecessary-value-param)
+        try {
+          if (p) std::rethrow_exception(p);
+        } catch (const teo::ConfigError& e) {
+          raise_as("ConfigError", e.what());
+        } catch (const teo::ShapeError& e) {
+          raise_as("ShapeError", e.what());
+        } catch (const teo::InputError& e) {
+          raise_as("InputError", e.what());
+        } catch (const teo::FormatError& e) {
+          raise_as("FormatError", e.what());
+        } catch (const teo::FileError& e) {
+          raise_as("FileError", e.what());
+        } catch (const teo::RangeError& e) {
+          raise_as("RangeError", e.what());
+        } catch (const teo::IllConditioned& e) {
+          raise_as("IllConditioned", e.what());
+        } catch (const teo::Error& e) {
+          raise_as("Error", e.what());
+        }
+      });
 
   py::class_<teo::EncoderConfig>(m, "EncoderConfig")
       .def(py::init([](const py::kwargs& kw) {
@@ -248,7 +250,7 @@ PYBIND11_MODULE(_teo, m) {
   m.def(
       "random_batch",
       [](const teo::EncoderConfig& cfg, teo::index_t batch, teo::index_t seq_len,
-         std::uint64_t seed, std::optional<std::vector<std::int64_t>> lengths) {
+         std::uint64_t seed, const std::optional<std::vector<std::int64_t>>& lengths) {
         teo::validate_batch_shape(cfg, {batch, seq_len}, sizeof(double));
         const teo::Batch b = teo::Batch::random(cfg, batch, seq_len, seed,
                                                 lengths.value_or(std::vector<std::int64_t>{}));

@@ -5,7 +5,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <functional>
+#include <iterator>
 #include <map>
 #include <string>
 #include <vector>
@@ -16,6 +19,12 @@
 #include "teo/rng.hpp"
 
 namespace teo::test {
+
+// A whole file's bytes ("" when it cannot be read).
+inline std::string slurp(const std::filesystem::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), {}};
+}
 
 // Tolerance for comparing a dtype's result against the same computation in double, relative to
 // the tensor's largest magnitude. float keeps 24 bits; a few hundred roundings in these small

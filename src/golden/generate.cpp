@@ -412,30 +412,8 @@ std::map<std::string, std::vector<double>> emulate(const File& golden, Precision
 }
 
 std::vector<CorpusEntry> read_corpus_cases(const std::string& path) {
-  const json j = read_json_file(path);
-  if (!j.is_object() || !j.contains("cases") || !j["cases"].is_array()) {
-    throw ConfigError(path + ": needs an object with a \"cases\" array");
-  }
-  std::vector<CorpusEntry> out;
-  for (const auto& e : j["cases"]) {
-    CorpusEntry ce;
-    ce.name = detail::corpus_entry_name(e, path);
-    for (const auto& prev : out) {
-      if (prev.name == ce.name) throw ConfigError(path + ": case name \"" + ce.name + "\" repeats");
-    }
-    json spec = e;
-    spec.erase("name");
-    ce.description = detail::corpus_entry_description(spec, path, ce.name);
-    try {
-      ce.spec = Case::from_json(spec);
-    } catch (const ConfigError& err) {
-      throw ConfigError(path + ": case " + ce.name + ": " + err.what());
-    } catch (const ShapeError& err) {
-      throw ShapeError(path + ": case " + ce.name + ": " + err.what());
-    }
-    out.push_back(std::move(ce));
-  }
-  return out;
+  return detail::read_corpus<CorpusEntry>(path,
+                                          [](const json& spec) { return Case::from_json(spec); });
 }
 
 void generate_corpus(const std::string& dir, std::ostream& log, bool overwrite) {

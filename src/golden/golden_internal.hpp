@@ -10,6 +10,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "teo/files.hpp"
 #include "teo/golden.hpp"
 
 namespace teo::golden::detail {
@@ -79,6 +80,38 @@ void precision_conditioning(const safetensors::File& f,
 std::string corpus_entry_name(const nlohmann::json& entry, const std::string& path);
 std::string corpus_entry_description(nlohmann::json& entry, const std::string& path,
                                      const std::string& name);
+
+// A corpus's cases.json, {"cases": [{"name", "description" (optional), <spec keys>}, ...]}: one
+// Entry {name, description, spec = parse(the entry without name and description)} per case.
+// Names must be plain file names and distinct; parse's ConfigError and ShapeError get
+// "<path>: case <name>: " in front.
+template <class Entry, class Parse>
+std::vector<Entry> read_corpus(const std::string& path, Parse&& parse) {
+  const nlohmann::json j = read_json_file(path);
+  if (!j.is_object() || !j.contains("cases") || !j["cases"].is_array()) {
+    throw ConfigError(path + ": needs an object with a \"cases\" array");
+  }
+  std::vector<Entry> out;
+  for (const auto& e : j["cases"]) {
+    Entry ce;
+    ce.name = corpus_entry_name(e, path);
+    for (const auto& prev : out) {
+      if (prev.name == ce.name) throw ConfigError(path + ": case name \"" + ce.name + "\" repeats");
+    }
+    nlohmann::json spec = e;
+    spec.erase("name");
+    ce.description = corpus_entry_description(spec, path, ce.name);
+    try {
+      ce.spec = parse(spec);
+    } catch (const ConfigError& err) {
+      throw ConfigError(path + ": case " + ce.name + ": " + err.what());
+    } catch (const ShapeError& err) {
+      throw ShapeError(path + ": case " + ce.name + ": " + err.what());
+    }
+    out.push_back(std::move(ce));
+  }
+  return out;
+}
 
 // The names of a corpus's entries (CorpusEntry or OpCorpusEntry), in order.
 template <class Entries>

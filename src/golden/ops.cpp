@@ -155,7 +155,7 @@ class Reader {
   }
   // The model-config keys among `keys`, read by EncoderConfig::from_json (its errors name them)
   // on top of `base`.
-  EncoderConfig config(std::initializer_list<const char*> keys, const json& base = json::object()) {
+  EncoderConfig config(const std::vector<const char*>& keys, const json& base) {
     json sub = base;
     for (const char* k : keys) {
       used_.insert(k);
@@ -179,9 +179,48 @@ class Reader {
   std::set<std::string> used_;
 };
 
+// The model-config keys of each op's spec: read, validated and written back as EncoderConfig
+// spells them.
+std::vector<const char*> config_keys(Op op) {
+  switch (op) {
+    case Op::layer_norm:
+      return {"layer_norm_eps"};
+    case Op::activation:
+      return {"activation"};
+    case Op::dropout:
+      return {"dropout"};
+    case Op::attention:
+      return {"causal"};
+    case Op::embedding:
+      return {"positional", "embed_scale"};
+    case Op::pooling:
+      return {"pooling"};
+    case Op::cross_entropy:
+      return {"label_smoothing"};
+    case Op::encoder_layer:
+      return {"d_model",    "num_heads", "d_ff",           "activation",
+              "norm_first", "causal",    "layer_norm_eps", "dropout"};
+    case Op::linear:
+    case Op::softmax:
+      return {};
+  }
+  return {};
+}
+
+// The spec key of an op's per-row or per-sequence lengths, or null.
+const char* lengths_key(Op op) {
+  if (op == Op::softmax) return "visible";
+  return op == Op::attention || op == Op::pooling || op == Op::encoder_layer ? "lengths" : nullptr;
+}
+
 Spec parse_spec(Op op, Reader& r) {
   Spec s;
   s.op = op;
+  // One layer of a model whose vocabulary and head are as small as they can be (they are unused).
+  const json base = op == Op::encoder_layer
+                        ? json{{"num_layers", 1}, {"vocab_size", 1}, {"num_classes", 1}}
+                        : json::object();
+  s.cfg = r.config(config_keys(op), base);
   switch (op) {
     case Op::linear:
       s.rows = r.size("rows", 0);
@@ -191,31 +230,25 @@ Spec parse_spec(Op op, Reader& r) {
       break;
     case Op::layer_norm:
       s.rows = r.size("rows", 0);
-      s.cfg = r.config({"layer_norm_eps"});
       s.cols = r.size("d_model", 1);
       break;
     case Op::softmax:
       s.rows = r.size("rows", 0);
       s.cols = r.size("cols", 1);
-      s.lengths = r.prefix_lengths("visible", s.rows, s.cols, s.full_lengths);
       break;
     case Op::activation:
       s.rows = r.size("rows", 0);
       s.cols = r.size("cols", 1);
-      s.cfg = r.config({"activation"});
       break;
     case Op::dropout:
       s.rows = r.size("rows", 0);
       s.cols = r.size("cols", 1);
-      s.cfg = r.config({"dropout"});
       break;
     case Op::attention:
       s.batch = r.size("batch", 0);
       s.heads = r.size("num_heads", 1);
       s.seq = r.size("seq_len", 1);
       s.d_head = r.size("d_head", 1);
-      s.lengths = r.prefix_lengths("lengths", s.batch, s.seq, s.full_lengths);
-      s.cfg = r.config({"causal"});
       s.scale = r.number("scale");
       {
         const std::int64_t ss = checked_mul(
@@ -229,7 +262,6 @@ Spec parse_spec(Op op, Reader& r) {
       s.seq = r.size("seq_len", 1);
       s.vocab = r.size("vocab_size", 1);
       s.cols = r.size("d_model", 1);
-      s.cfg = r.config({"positional", "embed_scale"});
       s.max_len = s.cfg.positional == Positional::learned
                       ? (r.has("max_len") ? r.size("max_len", 1) : s.seq)
                       : 0;
@@ -245,26 +277,22 @@ Spec parse_spec(Op op, Reader& r) {
       s.batch = r.size("batch", 0);
       s.seq = r.size("seq_len", 1);
       s.cols = r.size("d_model", 1);
-      s.lengths = r.prefix_lengths("lengths", s.batch, s.seq, s.full_lengths);
-      s.cfg = r.config({"pooling"});
       break;
     case Op::cross_entropy:
       s.rows = r.size("batch", 0);
       s.cols = r.size("num_classes", 1);
-      s.cfg = r.config({"label_smoothing"});
       break;
     case Op::encoder_layer: {
       s.batch = r.size("batch", 0);
       s.seq = r.size("seq_len", 1);
-      s.lengths = r.prefix_lengths("lengths", s.batch, s.seq, s.full_lengths);
-      json base = {{"num_layers", 1}, {"vocab_size", 1}, {"num_classes", 1}};
-      base["max_len"] = s.seq;
-      s.cfg = r.config({"d_model", "num_heads", "d_ff", "activation", "norm_first", "causal",
-                        "layer_norm_eps", "dropout"},
-                       base);
       s.cols = s.cfg.d_model;
       break;
     }
+  }
+  if (const char* key = lengths_key(op)) {
+    const bool rows = op == Op::softmax;  // visible entries per row, else lengths per sequence
+    s.lengths =
+        r.prefix_lengths(key, rows ? s.rows : s.batch, rows ? s.cols : s.seq, s.full_lengths);
   }
   return s;
 }
@@ -276,83 +304,62 @@ void fill_defaults(Spec& s) {
   }
 }
 
-// The normalised spec: every key of the op spelled out, as the metadata records it.
+// The normalised spec: every key of the op spelled out, as the metadata records it: the sizes,
+// the lengths, the config keys, then the op's own options.
 ojson spec_json(const Spec& s, const OpCase& c) {
   ojson j;
   j["op"] = c.op;
-  const auto lengths = [&] { return ojson(s.lengths); };
   switch (s.op) {
     case Op::linear:
       j["rows"] = s.rows;
       j["in_features"] = s.in_f;
       j["out_features"] = s.out_f;
-      j["bias"] = s.bias;
       break;
     case Op::layer_norm:
       j["rows"] = s.rows;
       j["d_model"] = s.cols;
-      j["layer_norm_eps"] = s.cfg.layer_norm_eps;
       break;
     case Op::softmax:
-      j["rows"] = s.rows;
-      j["cols"] = s.cols;
-      j["visible"] = lengths();
-      break;
     case Op::activation:
-      j["rows"] = s.rows;
-      j["cols"] = s.cols;
-      j["activation"] = to_string(s.cfg.activation);
-      break;
     case Op::dropout:
       j["rows"] = s.rows;
       j["cols"] = s.cols;
-      j["dropout"] = s.cfg.dropout;
       break;
     case Op::attention:
       j["batch"] = s.batch;
       j["num_heads"] = s.heads;
       j["seq_len"] = s.seq;
       j["d_head"] = s.d_head;
-      j["lengths"] = lengths();
-      j["causal"] = s.cfg.causal;
-      j["scale"] = s.scale ? *s.scale : 1.0 / std::sqrt(static_cast<double>(s.d_head));
-      j["probs"] = s.probs;
       break;
     case Op::embedding:
       j["batch"] = s.batch;
       j["seq_len"] = s.seq;
       j["vocab_size"] = s.vocab;
       j["d_model"] = s.cols;
-      j["positional"] = to_string(s.cfg.positional);
-      if (s.max_len) j["max_len"] = s.max_len;
-      j["embed_scale"] = s.cfg.embed_scale;
       break;
     case Op::pooling:
       j["batch"] = s.batch;
       j["seq_len"] = s.seq;
       j["d_model"] = s.cols;
-      j["lengths"] = lengths();
-      j["pooling"] = to_string(s.cfg.pooling);
       break;
     case Op::cross_entropy:
       j["batch"] = s.rows;
       j["num_classes"] = s.cols;
-      j["label_smoothing"] = s.cfg.label_smoothing;
       break;
     case Op::encoder_layer:
       j["batch"] = s.batch;
       j["seq_len"] = s.seq;
-      j["lengths"] = lengths();
-      j["d_model"] = s.cfg.d_model;
-      j["num_heads"] = s.cfg.num_heads;
-      j["d_ff"] = s.cfg.d_ff;
-      j["activation"] = to_string(s.cfg.activation);
-      j["norm_first"] = s.cfg.norm_first;
-      j["causal"] = s.cfg.causal;
-      j["layer_norm_eps"] = s.cfg.layer_norm_eps;
-      j["dropout"] = s.cfg.dropout;
       break;
   }
+  if (const char* key = lengths_key(s.op)) j[key] = s.lengths;
+  const json cfg = s.cfg.to_json();
+  for (const char* key : config_keys(s.op)) j[key] = cfg.at(key);
+  if (s.op == Op::linear) j["bias"] = s.bias;
+  if (s.op == Op::attention) {
+    j["scale"] = s.scale ? *s.scale : 1.0 / std::sqrt(static_cast<double>(s.d_head));
+    j["probs"] = s.probs;
+  }
+  if (s.max_len) j["max_len"] = s.max_len;
   j["dtype"] = c.dtype;
   j["seed"] = c.seed;
   if (c.precision) j["precision"] = to_string(*c.precision);
@@ -621,15 +628,16 @@ using Results = std::map<std::string, Tensor<Real>>;
 template <class Real>
 Results<Real> run(const Spec& s, const Values& v, std::uint64_t seed, std::optional<Precision> p) {
   const teo::detail::EmulationScope scope(std::is_same_v<Real, float> && p ? *p : Precision::fp32);
+  const auto slots = layout(s);
   std::map<std::string, Dims> shape;
-  for (const auto& t : layout(s)) shape[t.name] = t.shape;
+  for (const auto& t : slots) shape[t.name] = t.shape;
   const auto in = [&](const std::string& n) { return tensor_of<Real>(v, n, shape.at(n)); };
   const auto zeros = [&](const std::string& n) {
     return Tensor<Real>(Shape(std::vector<index_t>(shape.at(n))));
   };
   Results<Real> r;
   // Every result starts as zeros of its shape (the backward functions accumulate).
-  for (const auto& t : layout(s)) {
+  for (const auto& t : slots) {
     if (is_result(t.role)) r[t.name] = zeros(t.name);
   }
   const auto done = [&](const std::string& n) { store(r.at(n), p, n); };
@@ -1083,30 +1091,8 @@ safetensors::File make_op(const OpCase& c, bool allow_ill_conditioned) {
 }
 
 std::vector<OpCorpusEntry> read_op_corpus_cases(const std::string& path) {
-  const json j = read_json_file(path);
-  if (!j.is_object() || !j.contains("cases") || !j["cases"].is_array()) {
-    throw ConfigError(path + ": needs an object with a \"cases\" array");
-  }
-  std::vector<OpCorpusEntry> out;
-  std::set<std::string> seen;
-  for (const auto& e : j["cases"]) {
-    const std::string name = detail::corpus_entry_name(e, path);
-    if (!seen.insert(name).second) throw ConfigError(path + ": case name \"" + name + "\" repeats");
-    OpCorpusEntry ce;
-    ce.name = name;
-    json spec = e;
-    spec.erase("name");
-    ce.description = detail::corpus_entry_description(spec, path, name);
-    try {
-      ce.spec = OpCase::from_json(spec);
-    } catch (const ConfigError& err) {
-      throw ConfigError(path + ": case " + name + ": " + err.what());
-    } catch (const ShapeError& err) {
-      throw ShapeError(path + ": case " + name + ": " + err.what());
-    }
-    out.push_back(std::move(ce));
-  }
-  return out;
+  return detail::read_corpus<OpCorpusEntry>(
+      path, [](const json& spec) { return OpCase::from_json(spec); });
 }
 
 void generate_op_corpus(const std::string& dir, std::ostream& log, bool overwrite) {

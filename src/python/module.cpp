@@ -25,24 +25,20 @@ using nlohmann::json;
 
 namespace {
 
-// Every call that computes holds this lock (with the GIL released): the backend, ISA and thread
-// count are process-wide settings, so two Python threads asking for different ones take turns.
-std::mutex& compute_mutex() {
+// Runs fn() with the GIL released, under one process-wide lock, with this call's backend and
+// thread count (restored afterwards). The backend, ISA and thread count are process-wide
+// settings, so two Python threads asking for different ones take turns.
+template <class F>
+auto compute(F&& fn, const std::optional<std::string>& backend = std::nullopt,
+             std::optional<int> threads = std::nullopt) {
   static std::mutex m;
-  return m;
+  py::gil_scoped_release release;
+  const std::lock_guard lock(m);
+  const teo::ScopedSettings keep;
+  if (backend) teo::set_backend(teo::parse_backend(*backend, "backend"));
+  if (threads) teo::set_num_threads(*threads);
+  return fn();
 }
-
-// The backend and thread count of one call, restored afterwards.
-class CallSettings {
- public:
-  CallSettings(const std::optional<std::string>& backend, std::optional<int> threads) {
-    if (backend) teo::set_backend(teo::parse_backend(*backend, "backend"));
-    if (threads) teo::set_num_threads(*threads);
-  }
-
- private:
-  teo::ScopedSettings keep_;
-};
 
 std::string to_text(const py::handle& obj) {
   return py::module_::import("json").attr("dumps")(obj).cast<std::string>();
@@ -287,23 +283,14 @@ PYBIND11_MODULE(_teo, m) {
         }
         const teo::golden::RunOptions opts{train, dropout_seed, precision_of(precision), backward,
                                            masks ? &replay : nullptr};
-        teo::safetensors::File f;
-        if (dtype == "float64") {
-          const auto p = params_from<double>(cfg, params);
-          py::gil_scoped_release release;
-          const std::lock_guard lock(compute_mutex());
-          const CallSettings settings(backend, threads);
-          f = teo::golden::run_tensors(p, b, opts);
-        } else if (dtype == "float32") {
-          const auto p = params_from<float>(cfg, params);
-          py::gil_scoped_release release;
-          const std::lock_guard lock(compute_mutex());
-          const CallSettings settings(backend, threads);
-          f = teo::golden::run_tensors(p, b, opts);
-        } else {
-          throw teo::ConfigError("params must be float32 or float64 arrays");
-        }
-        return wire_of(f);
+        const auto run_in = [&](auto real) {
+          const auto p = params_from<decltype(real)>(cfg, params);
+          return wire_of(
+              compute([&] { return teo::golden::run_tensors(p, b, opts); }, backend, threads));
+        };
+        if (dtype == "float64") return run_in(double{});
+        if (dtype == "float32") return run_in(float{});
+        throw teo::ConfigError("params must be float32 or float64 arrays");
       },
       py::arg("cfg"), py::arg("params"), py::arg("batch"), py::arg("train"),
       py::arg("dropout_seed"), py::arg("precision"), py::arg("backward"), py::arg("backend"),
@@ -317,21 +304,14 @@ PYBIND11_MODULE(_teo, m) {
         const auto c = teo::golden::OpCase::from_json(json::parse(to_text(spec)), op);
         auto f = file_of(
             {{"format", teo::golden::kOpFormat}, {"op", c.op}, {"spec", c.spec.dump()}}, inputs);
-        std::map<std::string, std::vector<double>> r;
-        {
-          py::gil_scoped_release release;
-          const std::lock_guard lock(compute_mutex());
-          const CallSettings settings(backend, threads);
-          r = teo::golden::run_op(f, precision_of(precision));
-        }
-        std::vector<std::pair<std::string, std::vector<std::int64_t>>> shapes;
-        for (const auto& t : teo::golden::op_contract(c)) shapes.emplace_back(t.name, t.shape);
+        const auto r = compute([&] { return teo::golden::run_op(f, precision_of(precision)); },
+                               backend, threads);
         py::dict out;
-        for (const auto& [name, shape] : shapes) {
-          const auto& v = r.at(name);
-          py::array_t<double> a(shape);
+        for (const auto& t : teo::golden::op_contract(c)) {
+          const auto& v = r.at(t.name);
+          py::array_t<double> a(t.shape);
           if (!v.empty()) std::memcpy(a.mutable_data(), v.data(), v.size() * sizeof(double));
-          out[name.c_str()] = std::move(a);
+          out[t.name.c_str()] = std::move(a);
         }
         return out;
       },
@@ -349,12 +329,7 @@ PYBIND11_MODULE(_teo, m) {
   });
   m.def("make_op", [](const std::string& op, const py::dict& spec) {
     const auto c = teo::golden::OpCase::from_json(json::parse(to_text(spec)), op);
-    teo::safetensors::File f;
-    {
-      py::gil_scoped_release release;
-      const std::lock_guard lock(compute_mutex());
-      f = teo::golden::make_op(c);
-    }
+    const auto f = compute([&] { return teo::golden::make_op(c); });
     return std::make_pair(f.metadata, wire_of(f));
   });
 
@@ -406,12 +381,7 @@ PYBIND11_MODULE(_teo, m) {
     }
     const auto g = file_of(gmeta, gtensors);
     const auto c = file_of({}, ctensors);
-    teo::golden::CaseReport rep;
-    {
-      py::gil_scoped_release release;
-      const std::lock_guard lock(compute_mutex());
-      rep = teo::golden::check(g, c, o);
-    }
+    auto rep = compute([&] { return teo::golden::check(g, c, o); });
     rep.name = name;
     rep.golden_path = golden_path;
     rep.candidate_path = candidate_path;

@@ -14,6 +14,7 @@
 
 #include <nlohmann/json.hpp>
 #include "cli/run_cli.hpp"
+#include "support.hpp"
 
 #include "teo/files.hpp"
 #include "teo/safetensors.hpp"
@@ -26,10 +27,7 @@ namespace st = teo::safetensors;
 using teo::test::CliResult;
 using teo::test::run_cli;
 
-std::string slurp(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), {}};
-}
+using teo::test::slurp;
 
 const fs::path kCorpus = fs::path(TEO_SOURCE_DIR) / "golden";
 

@@ -20,6 +20,7 @@
 #include <nlohmann/json.hpp>
 
 #include "golden/naive_backend.hpp"
+#include "support.hpp"
 #include "teo/backend.hpp"
 #include "teo/golden.hpp"
 #include "teo/sha256.hpp"
@@ -33,10 +34,7 @@ using nlohmann::json;
 
 const fs::path kCorpus = fs::path(TEO_SOURCE_DIR) / "golden";
 
-std::string slurp(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), {}};
-}
+using teo::test::slurp;
 
 const std::vector<golden::CorpusEntry>& corpus() {
   static const auto entries = golden::read_corpus_cases((kCorpus / "cases.json").string());

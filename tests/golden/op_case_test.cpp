@@ -2,6 +2,7 @@
 // op's backward agrees with central finite differences taken through the op-case path itself;
 // the row-blocked attention gives the materialised path's bits; specs fail with named errors
 // before anything is allocated; and the checker judges op files by the model cases' rules.
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -34,10 +35,7 @@ using teo::index_t;
 
 const fs::path kOps = fs::path(TEO_SOURCE_DIR) / "golden" / "ops";
 
-std::string slurp(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), {}};
-}
+using teo::test::slurp;
 
 const std::vector<golden::OpCorpusEntry>& op_corpus() {
   static const auto entries = golden::read_op_corpus_cases((kOps / "cases.json").string());
@@ -258,68 +256,70 @@ TEST(OpCases, EveryOpsBackwardMatchesFiniteDifferencesThroughTheOpCasePath) {
 
 // ---- the row-blocked attention -----------------------------------------------------------------
 
+// Attention's context and dq, dk, dv.
+template <class Real>
+struct AttentionResult {
+  std::vector<Real> ctx, dq, dk, dv;
+};
+
+// The same attention, forward and backward, on the materialised path ([0]) and on the
+// row-blocked path ([1]), from inputs drawn from the library's generator.
+template <class Real>
+std::array<AttentionResult<Real>, 2> both_paths(index_t B, index_t H, index_t S, index_t Dh,
+                                                bool causal, std::vector<std::int64_t> lengths,
+                                                std::optional<double> scale, index_t block_rows) {
+  const index_t n = B * H * S * Dh, ss = B * H * S * S;
+  const auto q = teo::test::uniform_vector<Real>(n, 1, "q");
+  const auto k = teo::test::uniform_vector<Real>(n, 1, "k");
+  const auto v = teo::test::uniform_vector<Real>(n, 1, "v");
+  const auto dc = teo::test::uniform_vector<Real>(n, 1, "dcontext");
+  std::array<AttentionResult<Real>, 2> r;
+  for (auto& x : r) {
+    x.ctx.assign(static_cast<std::size_t>(n), Real(0));
+    x.dq = x.dk = x.dv = x.ctx;
+  }
+  std::vector<Real> sc(ss), pr(ss), dp(ss), ds(ss);
+  teo::attention_forward(r[0].ctx.data(), sc.data(), pr.data(), q.data(), k.data(), v.data(),
+                         lengths.data(), nullptr, Real(1), B, H, S, Dh, causal, false, scale);
+  teo::attention_backward(r[0].dq.data(), r[0].dk.data(), r[0].dv.data(), dp.data(), ds.data(),
+                          dc.data(), q.data(), k.data(), v.data(), pr.data(), nullptr, Real(1), B,
+                          H, S, Dh, false, teo::GradWrite::accumulate, scale);
+  teo::attention_forward_rows(r[1].ctx.data(), q.data(), k.data(), v.data(), lengths.data(), B, H,
+                              S, Dh, causal, scale, block_rows);
+  teo::attention_backward_rows(r[1].dq.data(), r[1].dk.data(), r[1].dv.data(), dc.data(), q.data(),
+                               k.data(), v.data(), lengths.data(), B, H, S, Dh, causal,
+                               teo::GradWrite::accumulate, scale, block_rows);
+  return r;
+}
+
 template <class Real>
 void expect_rows_path_bits(index_t B, index_t H, index_t S, index_t Dh, bool causal,
                            std::vector<std::int64_t> lengths, index_t block_rows) {
   SCOPED_TRACE(testing::Message() << "B " << B << " H " << H << " S " << S << " Dh " << Dh
                                   << " causal " << causal << " block_rows " << block_rows);
-  const index_t n = B * H * S * Dh, ss = B * H * S * S;
-  std::vector<Real> q(n), k(n), v(n), dc(n);
-  for (index_t i = 0; i < n; ++i) {
-    q[i] = static_cast<Real>(2 * teo::rng::uniform01(1, 1, i) - 1);
-    k[i] = static_cast<Real>(2 * teo::rng::uniform01(1, 2, i) - 1);
-    v[i] = static_cast<Real>(2 * teo::rng::uniform01(1, 3, i) - 1);
-    dc[i] = static_cast<Real>(2 * teo::rng::uniform01(1, 4, i) - 1);
-  }
-  std::vector<Real> ctx(n), sc(ss), pr(ss), dp(ss), ds(ss), dq(n, 0), dk(n, 0), dv(n, 0);
-  teo::attention_forward(ctx.data(), sc.data(), pr.data(), q.data(), k.data(), v.data(),
-                         lengths.data(), nullptr, Real(1), B, H, S, Dh, causal, false, 0.4);
-  teo::attention_backward(dq.data(), dk.data(), dv.data(), dp.data(), ds.data(), dc.data(),
-                          q.data(), k.data(), v.data(), pr.data(), nullptr, Real(1), B, H, S, Dh,
-                          false, teo::GradWrite::accumulate, 0.4);
-  std::vector<Real> ctx2(n), dq2(n, 0), dk2(n, 0), dv2(n, 0);
-  teo::attention_forward_rows(ctx2.data(), q.data(), k.data(), v.data(), lengths.data(), B, H, S,
-                              Dh, causal, 0.4, block_rows);
-  teo::attention_backward_rows(dq2.data(), dk2.data(), dv2.data(), dc.data(), q.data(), k.data(),
-                               v.data(), lengths.data(), B, H, S, Dh, causal,
-                               teo::GradWrite::accumulate, 0.4, block_rows);
-  EXPECT_EQ(std::memcmp(ctx.data(), ctx2.data(), n * sizeof(Real)), 0) << "context";
-  EXPECT_EQ(std::memcmp(dq.data(), dq2.data(), n * sizeof(Real)), 0) << "dq";
-  EXPECT_EQ(std::memcmp(dk.data(), dk2.data(), n * sizeof(Real)), 0) << "dk";
-  EXPECT_EQ(std::memcmp(dv.data(), dv2.data(), n * sizeof(Real)), 0) << "dv";
+  const auto r = both_paths<Real>(B, H, S, Dh, causal, std::move(lengths), 0.4, block_rows);
+  const auto same_bits = [](const std::vector<Real>& a, const std::vector<Real>& b) {
+    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(Real)) == 0;
+  };
+  EXPECT_TRUE(same_bits(r[0].ctx, r[1].ctx)) << "context";
+  EXPECT_TRUE(same_bits(r[0].dq, r[1].dq)) << "dq";
+  EXPECT_TRUE(same_bits(r[0].dk, r[1].dk)) << "dk";
+  EXPECT_TRUE(same_bits(r[0].dv, r[1].dv)) << "dv";
 }
 
 // On the reference and blas backends the blocks change the order of dk's and dv's sums: the
 // values agree to rounding.
 template <class Real>
 void expect_rows_path_close(index_t B, index_t H, index_t S, index_t Dh, index_t block_rows) {
-  const index_t n = B * H * S * Dh, ss = B * H * S * S;
-  std::vector<Real> q(n), k(n), v(n), dc(n);
-  for (index_t i = 0; i < n; ++i) {
-    q[i] = static_cast<Real>(2 * teo::rng::uniform01(2, 1, i) - 1);
-    k[i] = static_cast<Real>(2 * teo::rng::uniform01(2, 2, i) - 1);
-    v[i] = static_cast<Real>(2 * teo::rng::uniform01(2, 3, i) - 1);
-    dc[i] = static_cast<Real>(2 * teo::rng::uniform01(2, 4, i) - 1);
-  }
-  std::vector<std::int64_t> lengths(static_cast<std::size_t>(B), S - 1);
-  std::vector<Real> ctx(n), sc(ss), pr(ss), dp(ss), ds(ss), dq(n, 0), dk(n, 0), dv(n, 0);
-  teo::attention_forward(ctx.data(), sc.data(), pr.data(), q.data(), k.data(), v.data(),
-                         lengths.data(), nullptr, Real(1), B, H, S, Dh, true);
-  teo::attention_backward(dq.data(), dk.data(), dv.data(), dp.data(), ds.data(), dc.data(),
-                          q.data(), k.data(), v.data(), pr.data(), nullptr, Real(1), B, H, S, Dh);
-  std::vector<Real> ctx2(n), dq2(n, 0), dk2(n, 0), dv2(n, 0);
-  teo::attention_forward_rows(ctx2.data(), q.data(), k.data(), v.data(), lengths.data(), B, H, S,
-                              Dh, true, std::nullopt, block_rows);
-  teo::attention_backward_rows(dq2.data(), dk2.data(), dv2.data(), dc.data(), q.data(), k.data(),
-                               v.data(), lengths.data(), B, H, S, Dh, true,
-                               teo::GradWrite::accumulate, std::nullopt, block_rows);
+  const auto r = both_paths<Real>(B, H, S, Dh, true, std::vector<std::int64_t>(B, S - 1),
+                                  std::nullopt, block_rows);
   // Sums of S terms of order 1: 64 S ulps of 1 bound any reordering.
   const double tol = 64.0 * static_cast<double>(S) * std::numeric_limits<Real>::epsilon();
-  for (index_t i = 0; i < n; ++i) {
-    ASSERT_NEAR(ctx[i], ctx2[i], tol) << "context " << i;
-    ASSERT_NEAR(dq[i], dq2[i], tol) << "dq " << i;
-    ASSERT_NEAR(dk[i], dk2[i], tol) << "dk " << i;
-    ASSERT_NEAR(dv[i], dv2[i], tol) << "dv " << i;
+  for (std::size_t i = 0; i < r[0].ctx.size(); ++i) {
+    ASSERT_NEAR(r[0].ctx[i], r[1].ctx[i], tol) << "context " << i;
+    ASSERT_NEAR(r[0].dq[i], r[1].dq[i], tol) << "dq " << i;
+    ASSERT_NEAR(r[0].dk[i], r[1].dk[i], tol) << "dk " << i;
+    ASSERT_NEAR(r[0].dv[i], r[1].dv[i], tol) << "dv " << i;
   }
 }
 
@@ -352,11 +352,20 @@ TEST(OpCases, RowBlockedAttentionGivesTheMaterialisedBitsOnEveryIsa) {
 
 // ---- specs -------------------------------------------------------------------------------------
 
+// OpCase::from_json of spec j (dtype float64 and seed 0 unless j gives them) throws E, whose
+// message names `needle`.
+template <class E>
+void expect_bad_spec(json j, const std::string& needle, const std::string& op = "") {
+  if (!j.contains("dtype")) j["dtype"] = "float64";
+  if (!j.contains("seed")) j["seed"] = 0;
+  SCOPED_TRACE(j.dump());
+  teo::test::expect_throw<E>([&] { golden::OpCase::from_json(j, op); }, needle);
+}
+
 TEST(OpCases, BadSpecsGiveNamedErrorsBeforeAllocation) {
   using teo::ConfigError;
   using teo::ShapeError;
-  const json ok = {{"op", "linear"},    {"rows", 2},          {"in_features", 3},
-                   {"out_features", 4}, {"dtype", "float64"}, {"seed", 1}};
+  const json ok = {{"op", "linear"}, {"rows", 2}, {"in_features", 3}, {"out_features", 4}};
   auto with = [&](const char* key, json v) {
     json j = ok;
     if (v.is_null())
@@ -365,141 +374,56 @@ TEST(OpCases, BadSpecsGiveNamedErrorsBeforeAllocation) {
       j[key] = v;
     return j;
   };
-  teo::test::expect_throw<ConfigError>([&] { golden::OpCase::from_json(with("op", "conv")); },
-                                       "unknown op \"conv\"");
-  teo::test::expect_throw<ConfigError>([&] { golden::OpCase::from_json(with("colour", 1)); },
-                                       "unknown key \"colour\"");
-  teo::test::expect_throw<ConfigError>([&] { golden::OpCase::from_json(with("rows", nullptr)); },
-                                       "needs \"rows\"");
-  teo::test::expect_throw<ConfigError>([&] { golden::OpCase::from_json(with("rows", -1)); },
-                                       "spec.rows");
-  teo::test::expect_throw<ConfigError>([&] { golden::OpCase::from_json(with("rows", 2.5)); },
-                                       "spec.rows must be an integer");
-  teo::test::expect_throw<ConfigError>([&] { golden::OpCase::from_json(with("in_features", 0)); },
-                                       "spec.in_features");
-  teo::test::expect_throw<ConfigError>([&] { golden::OpCase::from_json(with("dtype", "float16")); },
-                                       "spec.dtype");
-  teo::test::expect_throw<ConfigError>(
-      [&] { golden::OpCase::from_json(with("precision", "bf16")); }, "in a float32 case");
-  teo::test::expect_throw<ConfigError>([&] { golden::OpCase::from_json(with("seed", -3)); },
-                                       "spec.seed");
-  teo::test::expect_throw<ConfigError>([&] { golden::OpCase::from_json(ok, "softmax"); },
-                                       "not \"softmax\"");
-  teo::test::expect_throw<ShapeError>(
-      [&] { golden::OpCase::from_json(with("rows", std::int64_t{1} << 31)); }, "MiB");
-  teo::test::expect_throw<ShapeError>(
-      [&] {
-        golden::OpCase::from_json({{"op", "attention"},
-                                   {"batch", 1},
-                                   {"num_heads", 1},
-                                   {"seq_len", 4},
-                                   {"d_head", 2},
-                                   {"lengths", {5}},
-                                   {"dtype", "float64"},
-                                   {"seed", 0}});
-      },
-      "spec.lengths has 5, outside [0, 4]");
-  teo::test::expect_throw<ShapeError>(
-      [&] {
-        golden::OpCase::from_json({{"op", "attention"},
-                                   {"batch", 2},
-                                   {"num_heads", 1},
-                                   {"seq_len", 4},
-                                   {"d_head", 2},
-                                   {"lengths", {1}},
-                                   {"dtype", "float64"},
-                                   {"seed", 0}});
-      },
-      "spec.lengths has 1 entries for 2");
-  teo::test::expect_throw<ConfigError>(
-      [&] {
-        golden::OpCase::from_json({{"op", "attention"},
-                                   {"batch", 1},
-                                   {"num_heads", 1},
-                                   {"seq_len", 4},
-                                   {"d_head", 2},
-                                   {"scale", 0},
-                                   {"dtype", "float64"},
-                                   {"seed", 0}});
-      },
-      "spec.scale must be a number in (0, 1e4]");
-  teo::test::expect_throw<ConfigError>(
-      [&] {
-        golden::OpCase::from_json({{"op", "activation"},
-                                   {"rows", 1},
-                                   {"cols", 1},
-                                   {"activation", "swish"},
-                                   {"dtype", "float64"},
-                                   {"seed", 0}});
-      },
-      "activation");
-  teo::test::expect_throw<ConfigError>(
-      [&] {
-        golden::OpCase::from_json({{"op", "encoder_layer"},
-                                   {"batch", 1},
-                                   {"seq_len", 2},
-                                   {"d_model", 6},
-                                   {"num_heads", 4},
-                                   {"d_ff", 3},
-                                   {"dtype", "float64"},
-                                   {"seed", 0}});
-      },
-      "num_heads");
-  // Defaulted lengths of an absurd batch are refused by size before they are spelled out.
-  teo::test::expect_throw<ShapeError>(
-      [&] {
-        golden::OpCase::from_json({{"op", "softmax"},
-                                   {"rows", std::int64_t{1} << 31},
-                                   {"cols", 1},
-                                   {"dtype", "float64"},
-                                   {"seed", 0}});
-      },
-      "MiB");
-  teo::test::expect_throw<ShapeError>(
-      [&] {
-        golden::OpCase::from_json({{"op", "attention"},
-                                   {"batch", std::int64_t{1} << 31},
-                                   {"num_heads", 1},
-                                   {"seq_len", 1},
-                                   {"d_head", 1},
-                                   {"dtype", "float64"},
-                                   {"seed", 0}});
-      },
-      "MiB");
-  teo::test::expect_throw<ConfigError>(
-      [&] {
-        golden::OpCase::from_json({{"op", "attention"},
-                                   {"batch", 1},
-                                   {"num_heads", 1},
-                                   {"seq_len", 4},
-                                   {"d_head", 2},
-                                   {"scale", 1e300},
-                                   {"dtype", "float64"},
-                                   {"seed", 0}});
-      },
-      "spec.scale must be a number in (0, 1e4]");
-  teo::test::expect_throw<ConfigError>(
-      [&] {
-        golden::OpCase::from_json({{"op", "pooling"},
-                                   {"batch", 1},
-                                   {"seq_len", 4},
-                                   {"d_model", 2},
-                                   {"lengths", {"4"}},
-                                   {"dtype", "float64"},
-                                   {"seed", 0}});
-      },
+  const std::int64_t huge = std::int64_t{1} << 31;
+  const json attn = {
+      {"op", "attention"}, {"batch", 1}, {"num_heads", 1}, {"seq_len", 4}, {"d_head", 2}};
+  auto attn_with = [&](const json& patch) {
+    json j = attn;
+    j.update(patch);
+    return j;
+  };
+  expect_bad_spec<ConfigError>(with("op", "conv"), "unknown op \"conv\"");
+  expect_bad_spec<ConfigError>(with("colour", 1), "unknown key \"colour\"");
+  expect_bad_spec<ConfigError>(with("rows", nullptr), "needs \"rows\"");
+  expect_bad_spec<ConfigError>(with("rows", -1), "spec.rows");
+  expect_bad_spec<ConfigError>(with("rows", 2.5), "spec.rows must be an integer");
+  expect_bad_spec<ConfigError>(with("in_features", 0), "spec.in_features");
+  expect_bad_spec<ConfigError>(with("dtype", "float16"), "spec.dtype");
+  expect_bad_spec<ConfigError>(with("precision", "bf16"), "in a float32 case");
+  expect_bad_spec<ConfigError>(with("seed", -3), "spec.seed");
+  expect_bad_spec<ConfigError>(ok, "not \"softmax\"", "softmax");
+  expect_bad_spec<ShapeError>(with("rows", huge), "MiB");
+  expect_bad_spec<ShapeError>(attn_with({{"lengths", {5}}}), "spec.lengths has 5, outside [0, 4]");
+  expect_bad_spec<ShapeError>(attn_with({{"batch", 2}, {"lengths", {1}}}),
+                              "spec.lengths has 1 entries for 2");
+  expect_bad_spec<ConfigError>(attn_with({{"scale", 0}}),
+                               "spec.scale must be a number in (0, 1e4]");
+  expect_bad_spec<ConfigError>(attn_with({{"scale", 1e300}}),
+                               "spec.scale must be a number in (0, 1e4]");
+  expect_bad_spec<ConfigError>(
+      {{"op", "activation"}, {"rows", 1}, {"cols", 1}, {"activation", "swish"}}, "activation");
+  expect_bad_spec<ConfigError>({{"op", "encoder_layer"},
+                                {"batch", 1},
+                                {"seq_len", 2},
+                                {"d_model", 6},
+                                {"num_heads", 4},
+                                {"d_ff", 3}},
+                               "num_heads");
+  expect_bad_spec<ConfigError>(
+      {{"op", "pooling"}, {"batch", 1}, {"seq_len", 4}, {"d_model", 2}, {"lengths", {"4"}}},
       "spec.lengths must hold integers");
+  // Defaulted lengths of an absurd batch are refused by size before they are spelled out.
+  expect_bad_spec<ShapeError>({{"op", "softmax"}, {"rows", huge}, {"cols", 1}}, "MiB");
+  expect_bad_spec<ShapeError>(attn_with({{"batch", huge}, {"seq_len", 1}}), "MiB");
   // The row-blocked default: a long sequence needs little memory, and its materialised form is
   // refused by size, not attempted.
-  const json long_attn = {{"op", "attention"}, {"batch", 1},   {"num_heads", 8},
-                          {"seq_len", 16384},  {"d_head", 64}, {"dtype", "float64"},
-                          {"seed", 0}};
+  json long_attn = attn_with(
+      {{"num_heads", 8}, {"seq_len", 16384}, {"d_head", 64}, {"dtype", "float64"}, {"seed", 0}});
   const auto c = golden::OpCase::from_json(long_attn);
   EXPECT_EQ(c.spec["probs"], false);
   EXPECT_LT(c.bytes_needed(), std::uint64_t{4} << 30);
-  json materialised = long_attn;
-  materialised["probs"] = true;
-  teo::test::expect_throw<ShapeError>([&] { golden::OpCase::from_json(materialised); }, "MiB");
+  long_attn["probs"] = true;
+  expect_bad_spec<ShapeError>(long_attn, "MiB");
 }
 
 // ---- the checker on op cases -------------------------------------------------------------------

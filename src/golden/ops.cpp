@@ -233,13 +233,7 @@ Spec parse_spec(Op op, Reader& r) {
       s.cols = r.size("d_model", 1);
       break;
     case Op::softmax:
-      s.rows = r.size("rows", 0);
-      s.cols = r.size("cols", 1);
-      break;
     case Op::activation:
-      s.rows = r.size("rows", 0);
-      s.cols = r.size("cols", 1);
-      break;
     case Op::dropout:
       s.rows = r.size("rows", 0);
       s.cols = r.size("cols", 1);

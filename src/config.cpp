@@ -27,7 +27,35 @@ const char* to_string(Activation a) {
   return "?";
 }
 const char* to_string(Positional p) {
-  return p == Positional::sinusoidal ? "sinusoidal" : "learned";
+  switch (p) {
+    case Positional::sinusoidal:
+      return "sinusoidal";
+    case Positional::learned:
+      return "learned";
+    case Positional::none:
+      return "none";
+    case Positional::rope:
+      return "rope";
+    case Positional::alibi:
+      return "alibi";
+  }
+  return "?";
+}
+const char* to_string(RopeStyle s) {
+  return s == RopeStyle::neox ? "neox" : "interleaved";
+}
+const char* to_string(RopeScalingType t) {
+  switch (t) {
+    case RopeScalingType::none:
+      return "none";
+    case RopeScalingType::linear:
+      return "linear";
+    case RopeScalingType::ntk:
+      return "ntk";
+    case RopeScalingType::yarn:
+      return "yarn";
+  }
+  return "?";
 }
 const char* to_string(Pooling p) {
   switch (p) {
@@ -125,6 +153,139 @@ std::string get_string(const nlohmann::json& v, const std::string& key) {
   return v.get<std::string>();
 }
 
+bool finite_positive(double v) {
+  return std::isfinite(v) && v > 0.0;
+}
+
+// The attention variants' keys (docs/semantics.md, "Attention variants").
+void validate_variants(const EncoderConfig& c) {
+  if (c.num_kv_heads) {
+    const index_t kv = *c.num_kv_heads;
+    if (kv < 1 || kv > c.num_heads || c.num_heads % kv != 0) {
+      throw ConfigError("num_kv_heads must divide num_heads = " + std::to_string(c.num_heads) +
+                        " (1 for multi-query attention), got " + std::to_string(kv));
+    }
+  }
+  if (c.position_offset < 0 || c.position_offset > (index_t{1} << 40)) {
+    throw ConfigError("position_offset must be in [0, 2^40], got " +
+                      std::to_string(c.position_offset));
+  }
+  if (c.sliding_window && *c.sliding_window < 1) {
+    throw ConfigError("sliding_window must be >= 1 (or null for no window), got " +
+                      std::to_string(*c.sliding_window));
+  }
+  if (c.attn_logit_softcap && !finite_positive(*c.attn_logit_softcap)) {
+    throw ConfigError("attn_logit_softcap must be finite and > 0 (or null for no cap), got " +
+                      fmt(*c.attn_logit_softcap));
+  }
+  if (c.positional == Positional::alibi) {
+    if (!finite_positive(c.alibi_max_bias)) {
+      throw ConfigError("alibi_max_bias must be finite and > 0, got " + fmt(c.alibi_max_bias));
+    }
+  } else if (c.alibi_max_bias != 8.0) {
+    throw ConfigError("alibi_max_bias applies only to positional \"alibi\"");
+  }
+  const RopeScaling& sc = c.rope_scaling;
+  if (c.positional != Positional::rope) {
+    if (c.rope_style != RopeStyle::neox || c.rotary_dim || c.rope_base != 10000.0 ||
+        !(sc == RopeScaling{})) {
+      throw ConfigError(
+          "rope_style, rotary_dim, rope_base and rope_scaling apply only to positional \"rope\"");
+    }
+    return;
+  }
+  const index_t r = c.rotary();
+  if (r < 0 || r % 2 != 0 || r > c.d_head()) {
+    throw ConfigError("rotary_dim must be even and in [0, d_head = " + std::to_string(c.d_head()) +
+                      "], got " + std::to_string(r));
+  }
+  if (!(std::isfinite(c.rope_base) && c.rope_base > 1.0)) {
+    throw ConfigError("rope_base must be finite and > 1, got " + fmt(c.rope_base));
+  }
+  if (sc.type == RopeScalingType::none) {
+    if (!(sc == RopeScaling{})) {
+      throw ConfigError("rope_scaling of type \"none\" takes no other key");
+    }
+    return;
+  }
+  if (!(std::isfinite(sc.factor) && sc.factor >= 1.0 && sc.factor <= 1e6)) {
+    throw ConfigError("rope_scaling.factor must be in [1, 1e6], got " + fmt(sc.factor));
+  }
+  if (sc.original_max_len && *sc.original_max_len < 1) {
+    throw ConfigError("rope_scaling.original_max_len must be >= 1, got " +
+                      std::to_string(*sc.original_max_len));
+  }
+  if (sc.type == RopeScalingType::linear && sc.original_max_len) {
+    throw ConfigError("rope_scaling.original_max_len applies only to ntk and yarn");
+  }
+  if (sc.type == RopeScalingType::ntk && r == 2) {
+    throw ConfigError(
+        "rope_scaling of type \"ntk\" needs rotary_dim > 2 (its exponent is r / (r - 2))");
+  }
+  if (sc.type == RopeScalingType::yarn) {
+    if (!finite_positive(sc.beta_fast) || !finite_positive(sc.beta_slow)) {
+      throw ConfigError("rope_scaling.beta_fast and beta_slow must be finite and > 0, got " +
+                        fmt(sc.beta_fast) + " and " + fmt(sc.beta_slow));
+    }
+  } else if (sc.beta_fast != 32.0 || sc.beta_slow != 1.0) {
+    throw ConfigError("rope_scaling.beta_fast and beta_slow apply only to yarn");
+  }
+}
+
+// rope_scaling: {"type": ..., "factor": ..., "original_max_len": ..., "beta_fast": ...,
+// "beta_slow": ...}.
+RopeScaling rope_scaling_from_json(const nlohmann::json& j) {
+  if (!j.is_object()) {
+    throw ConfigError("rope_scaling must be an object, got " + std::string(j.type_name()) + " " +
+                      j.dump());
+  }
+  RopeScaling s;
+  bool typed = false;
+  for (const auto& [key, v] : j.items()) {
+    const std::string k = "rope_scaling." + key;
+    if (key == "type") {
+      const std::string t = get_string(v, k);
+      typed = true;
+      if (t == "none")
+        s.type = RopeScalingType::none;
+      else if (t == "linear")
+        s.type = RopeScalingType::linear;
+      else if (t == "ntk")
+        s.type = RopeScalingType::ntk;
+      else if (t == "yarn")
+        s.type = RopeScalingType::yarn;
+      else
+        throw ConfigError(
+            "rope_scaling.type must be \"none\", \"linear\", \"ntk\" or \"yarn\", got \"" + t +
+            "\"");
+    } else if (key == "factor") {
+      s.factor = get_real(v, k);
+    } else if (key == "original_max_len") {
+      s.original_max_len = get_int(v, k);
+    } else if (key == "beta_fast") {
+      s.beta_fast = get_real(v, k);
+    } else if (key == "beta_slow") {
+      s.beta_slow = get_real(v, k);
+    } else {
+      throw ConfigError("unknown rope_scaling key \"" + key + "\"");
+    }
+  }
+  if (!typed) throw ConfigError("rope_scaling needs a \"type\"");
+  return s;
+}
+
+nlohmann::json rope_scaling_to_json(const RopeScaling& s) {
+  nlohmann::json j{{"type", to_string(s.type)}};
+  if (s.type == RopeScalingType::none) return j;
+  j["factor"] = s.factor;
+  if (s.original_max_len) j["original_max_len"] = *s.original_max_len;
+  if (s.type == RopeScalingType::yarn) {
+    j["beta_fast"] = s.beta_fast;
+    j["beta_slow"] = s.beta_slow;
+  }
+  return j;
+}
+
 }  // namespace
 
 void EncoderConfig::validate() const {
@@ -156,6 +317,7 @@ void EncoderConfig::validate() const {
   if (!(label_smoothing >= 0.0 && label_smoothing <= 1.0)) {
     throw ConfigError("label_smoothing must be in [0, 1], got " + fmt(label_smoothing));
   }
+  validate_variants(*this);
   // Every parameter tensor, and all of them together, must have an element and byte count that
   // fits in 64 bits (double is the widest dtype).
   const index_t d = d_model;
@@ -240,8 +402,17 @@ EncoderConfig EncoderConfig::from_json(const nlohmann::json& j) {
         c.positional = Positional::sinusoidal;
       else if (s == "learned")
         c.positional = Positional::learned;
+      else if (s == "none")
+        c.positional = Positional::none;
+      else if (s == "rope")
+        c.positional = Positional::rope;
+      else if (s == "alibi")
+        c.positional = Positional::alibi;
       else
-        throw ConfigError("positional must be \"sinusoidal\" or \"learned\", got \"" + s + "\"");
+        throw ConfigError(
+            "positional must be \"sinusoidal\", \"learned\", \"none\", \"rope\" or \"alibi\", "
+            "got \"" +
+            s + "\"");
     } else if (key == "pooling") {
       const std::string s = get_string(v, key);
       if (s == "mean")
@@ -252,6 +423,38 @@ EncoderConfig EncoderConfig::from_json(const nlohmann::json& j) {
         c.pooling = Pooling::max;
       else
         throw ConfigError("pooling must be \"mean\", \"cls\" or \"max\", got \"" + s + "\"");
+    } else if (key == "num_kv_heads") {
+      c.num_kv_heads = get_int(v, key);
+    } else if (key == "rope_style") {
+      const std::string s = get_string(v, key);
+      if (s == "neox")
+        c.rope_style = RopeStyle::neox;
+      else if (s == "interleaved")
+        c.rope_style = RopeStyle::interleaved;
+      else
+        throw ConfigError("rope_style must be \"neox\" or \"interleaved\", got \"" + s + "\"");
+    } else if (key == "rotary_dim") {
+      c.rotary_dim = get_int(v, key);
+    } else if (key == "rope_base") {
+      c.rope_base = get_real(v, key);
+    } else if (key == "rope_scaling") {
+      c.rope_scaling = rope_scaling_from_json(v);
+    } else if (key == "alibi_max_bias") {
+      c.alibi_max_bias = get_real(v, key);
+    } else if (key == "position_offset") {
+      c.position_offset = get_int(v, key);
+    } else if (key == "sliding_window") {
+      if (v.is_null())
+        c.sliding_window.reset();
+      else
+        c.sliding_window = get_int(v, key);
+    } else if (key == "attn_logit_softcap") {
+      if (v.is_null())
+        c.attn_logit_softcap.reset();
+      else
+        c.attn_logit_softcap = get_real(v, key);
+    } else if (key == "attn_sinks") {
+      c.attn_sinks = get_bool(v, key);
     } else {
       throw ConfigError("unknown config key \"" + key + "\"");
     }
@@ -284,22 +487,36 @@ EncoderConfig EncoderConfig::from_file(const std::string& path) {
 }
 
 nlohmann::json EncoderConfig::to_json() const {
-  return nlohmann::json{{"vocab_size", vocab_size},
-                        {"max_len", max_len},
-                        {"d_model", d_model},
-                        {"num_heads", num_heads},
-                        {"d_ff", d_ff},
-                        {"num_layers", num_layers},
-                        {"norm_first", norm_first},
-                        {"activation", to_string(activation)},
-                        {"layer_norm_eps", layer_norm_eps},
-                        {"positional", to_string(positional)},
-                        {"embed_scale", embed_scale},
-                        {"pooling", to_string(pooling)},
-                        {"num_classes", num_classes},
-                        {"dropout", dropout},
-                        {"label_smoothing", label_smoothing},
-                        {"causal", causal}};
+  nlohmann::json j{{"vocab_size", vocab_size},
+                   {"max_len", max_len},
+                   {"d_model", d_model},
+                   {"num_heads", num_heads},
+                   {"d_ff", d_ff},
+                   {"num_layers", num_layers},
+                   {"norm_first", norm_first},
+                   {"activation", to_string(activation)},
+                   {"layer_norm_eps", layer_norm_eps},
+                   {"positional", to_string(positional)},
+                   {"embed_scale", embed_scale},
+                   {"pooling", to_string(pooling)},
+                   {"num_classes", num_classes},
+                   {"dropout", dropout},
+                   {"label_smoothing", label_smoothing},
+                   {"causal", causal}};
+  // The variants' keys appear only when they are in use, so a plain config reads as before.
+  if (num_kv_heads) j["num_kv_heads"] = *num_kv_heads;
+  if (positional == Positional::rope) {
+    j["rope_style"] = to_string(rope_style);
+    if (rotary_dim) j["rotary_dim"] = *rotary_dim;
+    j["rope_base"] = rope_base;
+    j["rope_scaling"] = rope_scaling_to_json(rope_scaling);
+  }
+  if (positional == Positional::alibi) j["alibi_max_bias"] = alibi_max_bias;
+  if (position_offset != 0) j["position_offset"] = position_offset;
+  if (sliding_window) j["sliding_window"] = *sliding_window;
+  if (attn_logit_softcap) j["attn_logit_softcap"] = *attn_logit_softcap;
+  if (attn_sinks) j["attn_sinks"] = true;
+  return j;
 }
 
 void validate_batch_shape(const EncoderConfig& cfg, const BatchShape& s, std::size_t real_size) {
@@ -308,6 +525,11 @@ void validate_batch_shape(const EncoderConfig& cfg, const BatchShape& s, std::si
   if (s.seq_len > cfg.max_len) {
     throw ShapeError("seq_len " + std::to_string(s.seq_len) + " exceeds max_len " +
                      std::to_string(cfg.max_len));
+  }
+  if (cfg.positional == Positional::learned && cfg.position_offset > cfg.max_len - s.seq_len) {
+    throw ShapeError("position_offset " + std::to_string(cfg.position_offset) + " + seq_len " +
+                     std::to_string(s.seq_len) + " exceeds max_len " + std::to_string(cfg.max_len) +
+                     ", the learned table's rows");
   }
   const auto bytes = static_cast<index_t>(real_size);
   const index_t tokens = checked_mul(s.batch, s.seq_len, "batch x seq_len");

@@ -19,6 +19,7 @@
 #include "teo/layers/linear.hpp"
 #include "teo/layers/pooling.hpp"
 #include "teo/layers/positional.hpp"
+#include "teo/layers/rope.hpp"
 #include "teo/precision.hpp"
 #include "teo/profile.hpp"
 #include "teo/rng.hpp"
@@ -34,12 +35,50 @@ namespace {
 
 struct Dims {
   index_t B, S, D, H, Dh, F, C, N;  // N = B * S rows
+  index_t K, Dkv;                   // K/V heads, and their width K * Dh
+  bool rope;                        // q and k are rotated (q_rot, k_rot)
 };
 
 Dims dims_of(const EncoderConfig& c, const Batch& b) {
-  return {b.batch,    b.seq_len, c.d_model,     c.num_heads,
-          c.d_head(), c.d_ff,    c.num_classes, b.batch * b.seq_len};
+  return {b.batch,
+          b.seq_len,
+          c.d_model,
+          c.num_heads,
+          c.d_head(),
+          c.d_ff,
+          c.num_classes,
+          b.batch * b.seq_len,
+          c.kv_heads(),
+          c.kv_heads() * c.d_head(),
+          c.positional == Positional::rope};
 }
+
+// The attention variant of cfg's layers (docs/semantics.md, "Attention variants"), with the
+// layer's sinks, and where their gradient goes in a backward pass.
+template <class Real>
+AttentionVariant<Real> variant_of(const EncoderConfig& cfg, const LayerParams<Real>& P,
+                                  Real* dsinks = nullptr) {
+  AttentionVariant<Real> v;
+  v.kv_heads = cfg.kv_heads();
+  v.window = cfg.sliding_window;
+  v.softcap = cfg.attn_logit_softcap;
+  if (cfg.positional == Positional::alibi) v.alibi_max_bias = cfg.alibi_max_bias;
+  if (cfg.attn_sinks) {
+    v.sinks = P.sinks.data();
+    v.dsinks = dsinks;
+  }
+  return v;
+}
+
+// RoPE's cos and sin tables (S, r / 2) for cfg and a sequence length.
+template <class Real>
+struct RopeTables {
+  std::vector<Real> cos, sin;
+  RopeTables(const EncoderConfig& cfg, index_t seq_len)
+      : cos(static_cast<std::size_t>(seq_len * (cfg.rotary() / 2))), sin(cos.size()) {
+    rope_table(cos.data(), sin.data(), cfg, seq_len);
+  }
+};
 
 constexpr index_t kElementGrain = 16384;
 
@@ -183,14 +222,26 @@ void accumulate_dropout_grad(Real* din, const Real* dout, const std::vector<std:
   }
 }
 
-// [Wq; Wk; Wv] (3D, D) and [bq; bk; bv] (3D): the three projections as one Linear.
+// The three projections as one Linear of D + 2 Dkv outputs: where each starts, how many outputs
+// it has, and into how many heads it splits.
+struct QkvLayout {
+  index_t width;  // D + 2 Dkv
+  index_t at[3], rows[3], heads[3];
+  explicit QkvLayout(const Dims& d)
+      : width(d.D + 2 * d.Dkv),
+        at{0, d.D, d.D + d.Dkv},
+        rows{d.D, d.Dkv, d.Dkv},
+        heads{d.H, d.K, d.K} {}
+};
+
+// [Wq; Wk; Wv] (D + 2 Dkv, D) and [bq; bk; bv] (D + 2 Dkv).
 template <class Real>
-void stack_qkv(Real* w, Real* b, const LayerParams<Real>& P, index_t dm) {
+void stack_qkv(Real* w, Real* b, const LayerParams<Real>& P, const QkvLayout& l, index_t dm) {
   const Tensor<Real>* ws[3] = {&P.q_weight, &P.k_weight, &P.v_weight};
   const Tensor<Real>* bs[3] = {&P.q_bias, &P.k_bias, &P.v_bias};
   for (int i = 0; i < 3; ++i) {
-    copy(w + i * dm * dm, ws[i]->data(), dm * dm);
-    copy(b + i * dm, bs[i]->data(), dm);
+    copy(w + l.at[i] * dm, ws[i]->data(), l.rows[i] * dm);
+    copy(b + l.at[i], bs[i]->data(), l.rows[i]);
   }
 }
 
@@ -237,7 +288,15 @@ void allocate_layer(LayerActs<Real>& l, const Dims& d, ZeroList<Real>* zero) {
   // (or zeroed there under dropout) and dL.ffn_pre by the activation. For the small preset that
   // is two thirds of every layer's bytes.
   shape_as(l.context, {d.B, d.S, d.D}, nullptr);
-  for (Tensor<Real>* t : {&l.q, &l.k, &l.v}) shape_as(*t, {d.B, d.H, d.S, d.Dh}, nullptr);
+  shape_as(l.q, {d.B, d.H, d.S, d.Dh}, nullptr);
+  for (Tensor<Real>* t : {&l.k, &l.v}) shape_as(*t, {d.B, d.K, d.S, d.Dh}, nullptr);
+  if (d.rope) {
+    // written whole by RoPE in the forward pass and by attention_backward in the backward pass
+    shape_as(l.q_rot, {d.B, d.H, d.S, d.Dh}, nullptr);
+    shape_as(l.k_rot, {d.B, d.K, d.S, d.Dh}, nullptr);
+  } else {
+    l.q_rot = l.k_rot = Tensor<Real>();
+  }
   for (Tensor<Real>* t : {&l.scores, &l.probs}) shape_as(*t, {d.B, d.H, d.S, d.S}, nullptr);
   for (Tensor<Real>* t : {&l.ffn_pre, &l.ffn_hidden}) shape_as(*t, {d.B, d.S, d.F}, nullptr);
   for (auto* m : {&l.masks.attn, &l.masks.residual1, &l.masks.ffn, &l.masks.residual2}) m->clear();
@@ -250,6 +309,7 @@ void allocate_layer(LayerActs<Real>& l, const Dims& d, ZeroList<Real>* zero) {
 template <class Real>
 void allocate(Activations<Real>& a, const EncoderConfig& cfg, const Dims& d, ZeroList<Real>* zero) {
   a.norm_first = cfg.norm_first;
+  a.rotary = d.rope;
   shape_as(a.embedding, {d.B, d.S, d.D}, zero);
   shape_as(a.positional, {d.S, d.D}, zero);
   shape_as(a.input, {d.B, d.S, d.D}, zero);
@@ -294,28 +354,39 @@ void layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P, LayerAc
     }
     attn_in = L.norm1.data();
   }
-  // q, k, v (B, H, S, Dh) = split(attn_in * W^T + b), as one GEMM against [Wq; Wk; Wv]. Each
-  // output element is the same dot product as with three separate products.
+  // q (B, H, S, Dh), k, v (B, Hkv, S, Dh) = split(attn_in * W^T + b), as one GEMM against
+  // [Wq; Wk; Wv]. Each output element is the same dot product as with three separate products.
   {
     profile::Scope stage(Stage::qkv_proj);
-    auto wqkv = Tensor<Real>::for_overwrite({3 * d.D, d.D});
-    auto bqkv = Tensor<Real>::for_overwrite({3 * d.D});
-    stack_qkv(wqkv.data(), bqkv.data(), P, d.D);
-    auto qkv = Tensor<Real>::for_overwrite({d.B, d.S, 3 * d.D});  // (B, S, 3D)
+    const QkvLayout lay(d);
+    auto wqkv = Tensor<Real>::for_overwrite({lay.width, d.D});
+    auto bqkv = Tensor<Real>::for_overwrite({lay.width});
+    stack_qkv(wqkv.data(), bqkv.data(), P, lay, d.D);
+    auto qkv = Tensor<Real>::for_overwrite({d.B, d.S, lay.width});  // (B, S, D + 2 Dkv)
     // The bias is added while splitting (the same rounding as linear_forward's), which saves a
-    // pass over the (B, S, 3D) product.
+    // pass over the (B, S, D + 2 Dkv) product.
     linear_forward(qkv.data(), attn_in, wqkv.data(), static_cast<const Real*>(nullptr), d.N, d.D,
-                   3 * d.D);
+                   lay.width);
     Tensor<Real>* heads[3] = {&L.q, &L.k, &L.v};
     // With B = 0 the buffers are empty (null): nothing to split, and no pointer arithmetic on null.
     if (qkv.numel() > 0) {
       for (int i = 0; i < 3; ++i)
-        split_heads(heads[i]->data(), qkv.data() + i * d.D, d.B, d.S, d.H, d.Dh, 3 * d.D,
-                    bqkv.data() + i * d.D);
+        split_heads(heads[i]->data(), qkv.data() + lay.at[i], d.B, d.S, lay.heads[i], d.Dh,
+                    lay.width, bqkv.data() + lay.at[i]);
     }
     store(L.q, name, "q");
     store(L.k, name, "k");
     store(L.v, name, "v");
+    if (d.rope) {
+      // q_rot, k_rot = RoPE(q), RoPE(k)
+      const RopeTables<Real> t(cfg, d.S);
+      rope_forward(L.q_rot.data(), L.q.data(), t.cos.data(), t.sin.data(), d.B * d.H, d.S, d.Dh,
+                   cfg.rotary(), cfg.rope_style);
+      rope_forward(L.k_rot.data(), L.k.data(), t.cos.data(), t.sin.data(), d.B * d.K, d.S, d.Dh,
+                   cfg.rotary(), cfg.rope_style);
+      store(L.q_rot, name, "q_rot");
+      store(L.k_rot, name, "k_rot");
+    }
   }
   {
     profile::Scope attention_scope(Stage::attention);
@@ -328,10 +399,11 @@ void layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P, LayerAc
     }
     // context (B, S, D) is written with its heads merged, in place.
     store.named(name, [&] {
-      attention_forward(L.context.data(), L.scores.data(), L.probs.data(), L.q.data(), L.k.data(),
+      attention_forward(L.context.data(), L.scores.data(), L.probs.data(),
+                        (d.rope ? L.q_rot : L.q).data(), (d.rope ? L.k_rot : L.k).data(),
                         L.v.data(), batch.lengths.data(), drop_attn ? L.masks.attn.data() : nullptr,
                         dropout_scale<Real>(p), d.B, d.H, d.S, d.Dh, cfg.causal,
-                        /*merged_context=*/true);
+                        /*merged_context=*/true, std::nullopt, variant_of(cfg, P));
     });
     store(L.context, name, "context");
   }
@@ -425,7 +497,8 @@ void layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P, LayerAc
 template <class Real>
 void layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P, const LayerActs<Real>& L,
                     LayerParams<Real>& G, LayerActs<Real>& dL, Real* dx, const Real* x,
-                    const Dims& d, std::string_view name, const Emulation<Real>& store) {
+                    const std::int64_t* lengths, const Dims& d, std::string_view name,
+                    const Emulation<Real>& store) {
   const index_t nd = d.N * d.D;
   const double p = cfg.dropout;
   const Real scale = dropout_scale<Real>(p);
@@ -528,11 +601,24 @@ void layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P, const 
   {
     profile::Scope stage(Stage::bwd_attention);
     store.named(name, [&] {
-      attention_backward(dL.q.data(), dL.k.data(), dL.v.data(), dL.probs.data(), dL.scores.data(),
-                         dL.context.data(), L.q.data(), L.k.data(), L.v.data(), L.probs.data(),
+      attention_backward((d.rope ? dL.q_rot : dL.q).data(), (d.rope ? dL.k_rot : dL.k).data(),
+                         dL.v.data(), dL.probs.data(), dL.scores.data(), dL.context.data(),
+                         (d.rope ? L.q_rot : L.q).data(), (d.rope ? L.k_rot : L.k).data(),
+                         L.v.data(), L.probs.data(),
                          L.masks.attn.empty() ? nullptr : L.masks.attn.data(), scale, d.B, d.H, d.S,
-                         d.Dh, /*merged_context=*/true, GradWrite::overwrite);
+                         d.Dh, /*merged_context=*/true, GradWrite::overwrite, std::nullopt,
+                         variant_of(cfg, P, G.sinks.data()), lengths, cfg.causal);
     });
+    if (d.rope) {
+      // in the forward pass this was: q_rot, k_rot = RoPE(q), RoPE(k)
+      store(dL.q_rot, name, "q_rot");
+      store(dL.k_rot, name, "k_rot");
+      const RopeTables<Real> t(cfg, d.S);
+      rope_backward(dL.q.data(), dL.q_rot.data(), t.cos.data(), t.sin.data(), d.B * d.H, d.S, d.Dh,
+                    cfg.rotary(), cfg.rope_style);
+      rope_backward(dL.k.data(), dL.k_rot.data(), t.cos.data(), t.sin.data(), d.B * d.K, d.S, d.Dh,
+                    cfg.rotary(), cfg.rope_style);
+    }
     store(dL.q, name, "q");
     store(dL.k, name, "k");
     store(dL.v, name, "v");
@@ -545,23 +631,25 @@ void layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P, const 
     // One product against [Wq; Wk; Wv] as in the forward pass: d attn_in sums over all 3D outputs
     // in one dot product; the weight and bias gradients are the same sums as per projection.
     profile::Scope stage(Stage::bwd_qkv_proj);
-    auto wqkv = Tensor<Real>::for_overwrite({3 * d.D, d.D});
-    auto bqkv = Tensor<Real>::for_overwrite({3 * d.D});
-    stack_qkv(wqkv.data(), bqkv.data(), P, d.D);
-    auto dqkv = Tensor<Real>::for_overwrite({d.B, d.S, 3 * d.D});  // (B, S, 3D), merged whole
+    const QkvLayout lay(d);
+    auto wqkv = Tensor<Real>::for_overwrite({lay.width, d.D});
+    auto bqkv = Tensor<Real>::for_overwrite({lay.width});
+    stack_qkv(wqkv.data(), bqkv.data(), P, lay, d.D);
+    auto dqkv = Tensor<Real>::for_overwrite({d.B, d.S, lay.width});  // merged whole
     const Tensor<Real>* dheads[3] = {&dL.q, &dL.k, &dL.v};
     if (dqkv.numel() > 0) {
       for (int i = 0; i < 3; ++i)
-        merge_heads(dqkv.data() + i * d.D, dheads[i]->data(), d.B, d.S, d.H, d.Dh, 3 * d.D);
+        merge_heads(dqkv.data() + lay.at[i], dheads[i]->data(), d.B, d.S, lay.heads[i], d.Dh,
+                    lay.width);
     }
-    Tensor<Real> gw({3 * d.D, d.D}), gb({3 * d.D});
+    Tensor<Real> gw({lay.width, d.D}), gb({lay.width});
     linear_backward(dattn_in, gw.data(), gb.data(), dqkv.data(), attn_in, wqkv.data(), d.N, d.D,
-                    3 * d.D);
+                    lay.width);
     Tensor<Real>* gws[3] = {&G.q_weight, &G.k_weight, &G.v_weight};
     Tensor<Real>* gbs[3] = {&G.q_bias, &G.k_bias, &G.v_bias};
     for (int i = 0; i < 3; ++i) {
-      add(gws[i]->data(), gw.data() + i * d.D * d.D, d.D * d.D);
-      add(gbs[i]->data(), gb.data() + i * d.D, d.D);
+      add(gws[i]->data(), gw.data() + lay.at[i] * d.D, lay.rows[i] * d.D);
+      add(gbs[i]->data(), gb.data() + lay.at[i], lay.rows[i]);
     }
   }
   if (cfg.norm_first) {
@@ -598,10 +686,14 @@ void forward(const Params<Real>& params, const Batch& batch, Activations<Real>& 
     embedding_forward(acts.embedding.data(), batch.tokens.data(), params.embedding_weight.data(),
                       d.N, d.D, scale);
     store(acts.embedding, "", "embedding");
+    // rope, alibi and none add nothing here: their table is 0
     if (cfg.positional == Positional::sinusoidal) {
-      sinusoidal_table(acts.positional.data(), d.S, d.D);
+      sinusoidal_table(acts.positional.data(), d.S, d.D, cfg.position_offset);
+    } else if (cfg.positional == Positional::learned) {
+      copy(acts.positional.data(), params.pos_embedding_weight.data() + cfg.position_offset * d.D,
+           d.S * d.D);
     } else {
-      copy(acts.positional.data(), params.pos_embedding_weight.data(), d.S * d.D);
+      acts.positional.zero();
     }
     store(acts.positional, "", "positional");
     // input = dropout(embedding + positional), the dropout applied in place
@@ -682,6 +774,7 @@ void backward(const Params<Real>& params, const Batch& batch, const Activations<
     grads = Params<Real>();
     grads.config = cfg;
     grads.layers.resize(static_cast<std::size_t>(cfg.num_layers));
+    for (auto& l : grads.layers) l.has_sinks = cfg.attn_sinks;
     grads.visit([&](const std::string& name, Tensor<Real>& t) {
       shape_as(t, detail::param_shape(cfg, name), &zero);
     });
@@ -722,7 +815,7 @@ void backward(const Params<Real>& params, const Batch& batch, const Activations<
     const Real* x = i > 0 ? acts.layers[i - 1].output.data() : acts.input.data();
     const std::string name = "layers." + std::to_string(i) + ".";
     layer_backward(cfg, params.layers[i], acts.layers[i], grads.layers[i], dacts.layers[i], dx, x,
-                   d, name, store);
+                   batch.lengths.data(), d, name, store);
     // dx is complete: the gradient of the layer's input
     store(dx, d.N * d.D, "",
           i > 0 ? ("layers." + std::to_string(i - 1) + ".output").c_str() : "input");
@@ -736,7 +829,8 @@ void backward(const Params<Real>& params, const Batch& batch, const Activations<
   add_positional_backward(dacts.positional.data(), dacts.embedding.data(), d.B, d.S, d.D);
   store(dacts.positional, "", "positional");
   if (cfg.positional == Positional::learned) {
-    add(grads.pos_embedding_weight.data(), dacts.positional.data(), d.S * d.D);
+    add(grads.pos_embedding_weight.data() + cfg.position_offset * d.D, dacts.positional.data(),
+        d.S * d.D);
   }
   const Real scale =
       cfg.embed_scale ? static_cast<Real>(std::sqrt(static_cast<double>(d.D))) : Real(1);
@@ -758,6 +852,11 @@ Dims layer_dims(const EncoderConfig& cfg, const LayerParams<Real>& P, const Tens
       x.dim(0) != static_cast<index_t>(lengths.size())) {
     throw ShapeError("encoder layer: x is " + x.shape().str() + ", expected (" +
                      std::to_string(lengths.size()) + ", S, " + std::to_string(cfg.d_model) + ")");
+  }
+  if (P.has_sinks != cfg.attn_sinks) {
+    throw ShapeError(std::string("encoder layer: parameter attn.sinks is ") +
+                     (cfg.attn_sinks ? "missing" : "present") + ", but attn_sinks is " +
+                     (cfg.attn_sinks ? "true" : "false"));
   }
   P.visit([&](const std::string& name, const Tensor<Real>& t) {
     const Shape want = detail::param_shape(cfg, "layers.0." + name);
@@ -807,6 +906,7 @@ void encoder_layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P
   }
   const Emulation<Real> store(opts.precision, "the gradient of ");
   ZeroList<Real> zero;
+  G.has_sinks = cfg.attn_sinks;
   G.visit([&](const std::string& name, Tensor<Real>& t) {
     shape_as(t, detail::param_shape(cfg, "layers.0." + name), &zero);
   });
@@ -814,7 +914,8 @@ void encoder_layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P
   shape_as(dx, x.shape(), &zero);
   zero_fill(zero);
   copy(dL.output.data(), dy.data(), dy.numel());
-  layer_backward(cfg, P, L, G, dL, dx.data(), x.data(), d, "layers.0.", store);
+  layer_backward(cfg, P, L, G, dL, dx.data(), x.data(), batch.lengths.data(), d, "layers.0.",
+                 store);
   store(dx, "", "x");
   if (store.stores_reduced()) {
     G.visit([&](const std::string& name, Tensor<Real>& g) { store(g, "layers.0.", name.c_str()); });

@@ -97,6 +97,10 @@ Shape param_shape(const EncoderConfig& c, const std::string& name) {
   if (name.ends_with("fc1.weight")) return Shape({f, d});
   if (name.ends_with("fc1.bias")) return Shape({f});
   if (name.ends_with("fc2.weight")) return Shape({d, f});
+  const index_t kv = c.kv_heads() * c.d_head();
+  if (name.ends_with("attn.k.weight") || name.ends_with("attn.v.weight")) return Shape({kv, d});
+  if (name.ends_with("attn.k.bias") || name.ends_with("attn.v.bias")) return Shape({kv});
+  if (name.ends_with("attn.sinks")) return Shape({c.num_heads});
   if (name.ends_with(".weight") && name.find(".attn.") != std::string::npos) return Shape({d, d});
   return Shape({d});  // attention biases, LayerNorm weights and biases, fc2.bias
 }
@@ -109,6 +113,7 @@ Params<Real> Params<Real>::zeros(const EncoderConfig& cfg) {
   Params p;
   p.config = cfg;
   p.layers.resize(static_cast<std::size_t>(cfg.num_layers));
+  for (auto& l : p.layers) l.has_sinks = cfg.attn_sinks;
   p.visit([&](const std::string& name, Tensor<Real>& t) {
     t = Tensor<Real>(detail::param_shape(cfg, name));
   });
@@ -127,6 +132,8 @@ Params<Real> Params<Real>::init(const EncoderConfig& cfg, std::uint64_t seed) {
     double bound;
     if (name == "embedding.weight" || name == "pos_embedding.weight") {
       bound = std::sqrt(3.0);  // variance 1, like PyTorch's N(0, 1) embedding
+    } else if (name.ends_with(".attn.sinks")) {
+      bound = 1.0;  // sink logits of the order of the scores
     } else {
       // Linear: PyTorch's default bound 1 / sqrt(in_features) for weight and bias alike.
       const index_t in_features = name.ends_with(".weight")               ? t.dim(1)
@@ -173,6 +180,13 @@ void validate_params(const Params<Real>& p) {
     throw ShapeError("params has " + std::to_string(p.layers.size()) +
                      " layers, config.num_layers is " + std::to_string(c.num_layers));
   }
+  for (std::size_t i = 0; i < p.layers.size(); ++i) {
+    if (p.layers[i].has_sinks != c.attn_sinks) {
+      throw ShapeError("parameter layers." + std::to_string(i) + ".attn.sinks is " +
+                       (c.attn_sinks ? "missing" : "present") + ", but config.attn_sinks is " +
+                       (c.attn_sinks ? "true" : "false"));
+    }
+  }
   p.visit([&](const std::string& name, const Tensor<Real>& t) {
     expect_shape("parameter " + name, t.shape(), detail::param_shape(c, name));
   });
@@ -181,8 +195,10 @@ void validate_params(const Params<Real>& p) {
 template <class Real>
 void validate_activations(const EncoderConfig& c, const Batch& b, const Activations<Real>& a) {
   const index_t B = b.batch, S = b.seq_len, D = c.d_model, H = c.num_heads, N = B * S;
-  if (a.norm_first != c.norm_first || a.layers.size() != static_cast<std::size_t>(c.num_layers)) {
-    throw ShapeError("activations were produced for a different config (norm_first or num_layers)");
+  if (a.norm_first != c.norm_first || a.rotary != (c.positional == Positional::rope) ||
+      a.layers.size() != static_cast<std::size_t>(c.num_layers)) {
+    throw ShapeError(
+        "activations were produced for a different config (norm_first, rope or num_layers)");
   }
   a.visit([&](const std::string& name, const Tensor<Real>& t) {
     Shape want;
@@ -194,8 +210,10 @@ void validate_activations(const EncoderConfig& c, const Batch& b, const Activati
       want = Shape({B, c.num_classes});
     else if (name == "loss")
       want = Shape(std::vector<index_t>{});
-    else if (name.ends_with(".q") || name.ends_with(".k") || name.ends_with(".v"))
+    else if (name.ends_with(".q") || name.ends_with(".q_rot"))
       want = Shape({B, H, S, c.d_head()});
+    else if (name.ends_with(".k") || name.ends_with(".v") || name.ends_with(".k_rot"))
+      want = Shape({B, c.kv_heads(), S, c.d_head()});
     else if (name.ends_with(".scores") || name.ends_with(".probs"))
       want = Shape({B, H, S, S});
     else if (name.ends_with(".ffn_pre") || name.ends_with(".ffn_hidden"))

@@ -30,6 +30,90 @@ TEST(Config, JsonRoundTripPreservesEveryField) {
   EXPECT_EQ(EncoderConfig::from_json_text(j.dump()), c);
 }
 
+TEST(Config, VariantKeysRoundTripAndAppearOnlyWhenUsed) {
+  EncoderConfig c;
+  c.num_heads = 4;
+  c.num_kv_heads = 2;
+  c.positional = Positional::rope;
+  c.rope_style = RopeStyle::interleaved;
+  c.rotary_dim = 2;
+  c.rope_base = 500000.0;
+  c.rope_scaling = {.type = RopeScalingType::yarn,
+                    .factor = 8.0,
+                    .original_max_len = 16,
+                    .beta_fast = 16.0,
+                    .beta_slow = 2.0};
+  c.position_offset = 123456;
+  c.sliding_window = 5;
+  c.attn_logit_softcap = 30.0;
+  c.attn_sinks = true;
+  EXPECT_EQ(EncoderConfig::from_json(c.to_json()), c);
+  EncoderConfig a;
+  a.positional = Positional::alibi;
+  a.alibi_max_bias = 4.0;
+  EXPECT_EQ(EncoderConfig::from_json(a.to_json()), a);
+  EXPECT_EQ(EncoderConfig{}.to_json().size(), 16u);  // a plain config reads as it always has
+  EXPECT_EQ(
+      EncoderConfig::from_json_text(R"({"sliding_window": null, "attn_logit_softcap": null})"),
+      EncoderConfig{});
+}
+
+void expect_config_error(const std::string& text, const std::string& needle);
+
+TEST(Config, InvalidVariantValuesAreNamedErrors) {
+  expect_config_error(R"({"num_heads": 4, "d_model": 8, "num_kv_heads": 3})", "num_kv_heads");
+  expect_config_error(R"({"num_kv_heads": 0})", "num_kv_heads");
+  expect_config_error(R"({"num_kv_heads": 4})", "num_kv_heads");
+  expect_config_error(R"({"sliding_window": 0})", "sliding_window");
+  expect_config_error(R"({"sliding_window": -2})", "sliding_window");
+  expect_config_error(R"({"sliding_window": 2.5})", "sliding_window");
+  expect_config_error(R"({"attn_logit_softcap": 0})", "attn_logit_softcap");
+  expect_config_error(R"({"attn_logit_softcap": -1})", "attn_logit_softcap");
+  expect_config_error(R"({"attn_logit_softcap": 1e400})", "JSON");
+  expect_config_error(R"({"attn_sinks": 1})", "attn_sinks");
+  expect_config_error(R"({"position_offset": -1})", "position_offset");
+  expect_config_error(R"({"position_offset": 2000000000000})", "position_offset");
+  expect_config_error(R"({"positional": "rope", "rotary_dim": 3})", "rotary_dim");
+  expect_config_error(R"({"positional": "rope", "rotary_dim": 10})", "rotary_dim");
+  expect_config_error(R"({"positional": "rope", "rotary_dim": -2})", "rotary_dim");
+  expect_config_error(R"({"positional": "rope", "rope_base": 1})", "rope_base");
+  expect_config_error(R"({"positional": "rope", "rope_style": "gptj"})", "rope_style");
+  expect_config_error(R"({"rope_base": 500})", "apply only to positional \"rope\"");
+  expect_config_error(R"({"rotary_dim": 2})", "apply only");
+  expect_config_error(R"({"alibi_max_bias": 4})", "alibi_max_bias");
+  expect_config_error(R"({"positional": "alibi", "alibi_max_bias": 0})", "alibi_max_bias");
+  expect_config_error(R"({"positional": "rope", "rope_scaling": {"factor": 2}})", "type");
+  expect_config_error(R"({"positional": "rope", "rope_scaling": {"type": "dynamic"}})", "dynamic");
+  expect_config_error(
+      R"({"positional": "rope", "rope_scaling": {"type": "linear", "factor": 0.5}})", "factor");
+  expect_config_error(
+      R"({"positional": "rope", "rope_scaling": {"type": "linear", "beta_fast": 4}})", "beta_fast");
+  expect_config_error(R"({"positional": "rope", "rope_scaling": {"type": "yarn", "beta_slow": 0}})",
+                      "beta_slow");
+  expect_config_error(R"({"positional": "rope", "rope_scaling": {"type": "none", "factor": 2}})",
+                      "none");
+  expect_config_error(R"({"positional": "rope", "rope_scaling": {"type": "ntk", "factor": 2,
+                          "original_max_len": 0}})",
+                      "original_max_len");
+  expect_config_error(R"({"positional": "rope", "rope_scaling": {"type": "yarn", "scale": 2}})",
+                      "scale");
+  expect_config_error(R"({"positional": "rope", "rope_scaling": 2})", "rope_scaling");
+  expect_config_error(R"({"d_model": 4, "num_heads": 1, "positional": "rope", "rotary_dim": 2,
+                          "rope_scaling": {"type": "ntk", "factor": 2}})",
+                      "ntk");
+}
+
+TEST(Config, LearnedPositionsWithAnOffsetMustFitTheTable) {
+  EncoderConfig c;
+  c.positional = Positional::learned;
+  c.max_len = 10;
+  c.position_offset = 4;
+  EXPECT_NO_THROW(validate_batch_shape(c, {2, 6}, 8));
+  EXPECT_THROW(validate_batch_shape(c, {2, 7}, 8), ShapeError);
+  c.positional = Positional::sinusoidal;
+  EXPECT_NO_THROW(validate_batch_shape(c, {2, 10}, 8));
+}
+
 TEST(Config, AbsentKeysKeepDefaults) {
   EXPECT_EQ(EncoderConfig::from_json_text("{}"), EncoderConfig{});
 }
@@ -51,7 +135,7 @@ TEST(Config, RejectsUnknownKeysWrongTypesAndBadValuesWithNamedError) {
   expect_config_error(R"({"num_layers": true})", "num_layers");
   expect_config_error(R"({"norm_first": 1})", "norm_first");
   expect_config_error(R"({"activation": "swish"})", "swish");
-  expect_config_error(R"({"positional": "rope"})", "rope");
+  expect_config_error(R"({"positional": "rotary"})", "rotary");
   expect_config_error(R"({"pooling": "sum"})", "sum");
   expect_config_error(R"({"d_model": 0})", "d_model");
   expect_config_error(R"({"vocab_size": -3})", "-3");

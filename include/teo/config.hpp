@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include <nlohmann/json_fwd.hpp>
@@ -10,12 +11,30 @@
 
 namespace teo {
 
-enum class Positional { sinusoidal, learned };
+// sinusoidal and learned are added to the embeddings; rope rotates q and k; alibi biases the
+// scores; none has no position signal (docs/semantics.md, "Positions").
+enum class Positional { sinusoidal, learned, none, rope, alibi };
 enum class Pooling { mean, cls, max };
+// Which dimensions RoPE rotates together: neox pairs (i, i + r/2), interleaved pairs (2i, 2i + 1).
+enum class RopeStyle { neox, interleaved };
+enum class RopeScalingType { none, linear, ntk, yarn };
 
 const char* to_string(Activation a);
 const char* to_string(Positional p);
 const char* to_string(Pooling p);
+const char* to_string(RopeStyle s);
+const char* to_string(RopeScalingType t);
+
+// RoPE's context-extension scaling, with Hugging Face's formulas (docs/semantics.md, "RoPE").
+struct RopeScaling {
+  RopeScalingType type = RopeScalingType::none;
+  double factor = 1.0;
+  std::optional<index_t> original_max_len{};  // unset: max_len
+  double beta_fast = 32.0;                    // yarn only
+  double beta_slow = 1.0;                     // yarn only
+
+  bool operator==(const RopeScaling&) const = default;
+};
 
 struct EncoderConfig {
   index_t vocab_size = 64;
@@ -35,7 +54,21 @@ struct EncoderConfig {
   double label_smoothing = 0.0;
   bool causal = false;
 
+  // Attention variants (docs/semantics.md, "Attention variants"); the defaults are the plain layer.
+  std::optional<index_t> num_kv_heads{};       // unset: num_heads; must divide it (1: MQA)
+  RopeStyle rope_style = RopeStyle::neox;      // rope only
+  std::optional<index_t> rotary_dim{};         // rope only; unset: d_head
+  double rope_base = 10000.0;                  // rope only
+  RopeScaling rope_scaling{};                  // rope only
+  double alibi_max_bias = 8.0;                 // alibi only
+  index_t position_offset = 0;                 // positions run from here to here + S - 1
+  std::optional<index_t> sliding_window{};     // W: each query sees W keys (counting itself)
+  std::optional<double> attn_logit_softcap{};  // c: logits c tanh(s / c)
+  bool attn_sinks = false;                     // a learned sink logit per head
+
   index_t d_head() const { return d_model / num_heads; }
+  index_t kv_heads() const { return num_kv_heads.value_or(num_heads); }
+  index_t rotary() const { return rotary_dim.value_or(d_head()); }
 
   // Throws ConfigError naming the first invalid field and its value; ShapeError when a parameter
   // tensor's element or byte count would overflow 64 bits.

@@ -33,11 +33,13 @@ void validate_batch(const EncoderConfig& cfg, const Batch& batch, std::size_t re
 
 template <class Real>
 struct LayerParams {
-  Tensor<Real> q_weight, q_bias, k_weight, k_bias, v_weight, v_bias, o_weight,
-      o_bias;                                                       // (D, D), (D)
+  Tensor<Real> q_weight, q_bias, o_weight, o_bias;                  // (D, D), (D)
+  Tensor<Real> k_weight, k_bias, v_weight, v_bias;                  // (Hkv Dh, D), (Hkv Dh)
+  Tensor<Real> sinks;                                               // (H); attn_sinks only
   Tensor<Real> norm1_weight, norm1_bias, norm2_weight, norm2_bias;  // (D)
   Tensor<Real> fc1_weight, fc1_bias;                                // (F, D), (F)
   Tensor<Real> fc2_weight, fc2_bias;                                // (D, F), (D)
+  bool has_sinks = false;  // whether `sinks` is a parameter (the config's attn_sinks)
 
   // Calls f(name, tensor) for every parameter, named as in the model without "layers.{i}.".
   template <class F>
@@ -60,6 +62,7 @@ struct LayerParams {
     f("attn.v.bias", l.v_bias);
     f("attn.o.weight", l.o_weight);
     f("attn.o.bias", l.o_bias);
+    if (l.has_sinks) f("attn.sinks", l.sinks);
     f("norm1.weight", l.norm1_weight);
     f("norm1.bias", l.norm1_bias);
     f("norm2.weight", l.norm2_weight);
@@ -132,8 +135,9 @@ struct LayerMasks {
 template <class Real>
 struct LayerActs {
   Tensor<Real> norm1, norm1_mean, norm1_rstd;  // (B, S, D), (B*S), (B*S)
-  Tensor<Real> q, k, v;                        // (B, H, S, Dh)
-  Tensor<Real> scores, probs;                  // (B, H, S, S); masked scores are -inf
+  Tensor<Real> q, k, v;                        // (B, H, S, Dh); k, v (B, Hkv, S, Dh)
+  Tensor<Real> q_rot, k_rot;                   // q and k after RoPE; rope only
+  Tensor<Real> scores, probs;                  // (B, H, S, S); the final logits, masked -inf
   Tensor<Real> context;                        // (B, S, D), heads concatenated
   Tensor<Real> attn_out;                       // (B, S, D), after the output projection
   Tensor<Real> residual1;                      // (B, S, D)
@@ -152,6 +156,7 @@ struct LayerActs {
 template <class Real>
 struct Activations {
   bool norm_first = false;
+  bool rotary = false;                   // positional "rope": q_rot and k_rot are kept
   Tensor<Real> embedding;                // (B, S, D), scaled token embeddings
   Tensor<Real> positional;               // (S, D), the positional table rows used
   Tensor<Real> input;                    // (B, S, D), dropout(embedding + positional)
@@ -188,6 +193,10 @@ struct Activations {
       f(p + "q", l.q);
       f(p + "k", l.k);
       f(p + "v", l.v);
+      if (self.rotary) {
+        f(p + "q_rot", l.q_rot);
+        f(p + "k_rot", l.k_rot);
+      }
       f(p + "scores", l.scores);
       f(p + "probs", l.probs);
       f(p + "context", l.context);

@@ -81,32 +81,129 @@ void store_rows(Real* p, index_t n, const char* what) {
   }
 }
 
-// Number of keys visible from query i: keys [0, visible) are visible, the rest masked.
-index_t visible_keys(index_t i, index_t length, bool causal) {
-  return causal ? std::min(length, i + 1) : length;
+// How one head scores its rows: the scale, the mask and the variant's terms.
+template <class Real>
+struct HeadRule {
+  Real alpha = 1;
+  bool causal = false;
+  index_t window = 0;  // 0: none
+  bool capped = false;
+  Real cap = 0;
+  bool biased = false;
+  double slope = 0;  // ALiBi
+  bool sunk = false;
+  Real sink = 0;
+};
+
+// The rules of a call: per head, from the variant.
+template <class Real>
+class Rules {
+ public:
+  Rules(const AttentionVariant<Real>& v, index_t heads, index_t d_head, bool causal,
+        std::optional<double> scale)
+      : v_(v), heads_(heads) {
+    base_.alpha = static_cast<Real>(scale ? *scale : 1.0 / std::sqrt(static_cast<double>(d_head)));
+    base_.causal = causal;
+    base_.window = v.window.value_or(0);
+    base_.capped = v.softcap.has_value();
+    base_.cap = static_cast<Real>(v.softcap.value_or(0.0));
+    base_.biased = v.alibi_max_bias.has_value();
+    base_.sunk = v.sinks != nullptr;
+    if (base_.biased) slopes_ = alibi_slopes(heads, *v.alibi_max_bias);
+    const index_t kv = v.kv_heads > 0 ? v.kv_heads : heads;
+    if (kv > heads || heads % kv != 0) {
+      throw ShapeError("attention: kv_heads " + std::to_string(kv) + " does not divide heads " +
+                       std::to_string(heads));
+    }
+    if (v.softcap && !(std::isfinite(*v.softcap) && *v.softcap > 0.0)) {
+      throw ShapeError("attention: softcap must be finite and > 0");
+    }
+    if (v.window && *v.window < 1) throw ShapeError("attention: window must be >= 1");
+    kv_heads_ = kv;
+  }
+  HeadRule<Real> operator()(index_t h) const {
+    HeadRule<Real> r = base_;
+    if (r.biased) r.slope = slopes_[static_cast<std::size_t>(h)];
+    if (r.sunk) r.sink = v_.sinks[h];
+    return r;
+  }
+  Real alpha() const { return base_.alpha; }
+  index_t kv_heads() const { return kv_heads_; }
+  index_t group() const { return heads_ / kv_heads_; }
+  // The backward recomputes the scores when it needs the raw ones (the cap) or the sinks' shares.
+  bool recompute() const { return base_.capped || base_.sunk; }
+  bool capped() const { return base_.capped; }
+  bool sunk() const { return base_.sunk; }
+
+ private:
+  const AttentionVariant<Real>& v_;
+  index_t heads_, kv_heads_ = 1;
+  HeadRule<Real> base_;
+  std::vector<double> slopes_;
+};
+
+// Keys [lo, hi) are visible from query i; the range is empty (lo == hi) when none is.
+std::pair<index_t, index_t> visible_keys(index_t i, index_t length, bool causal, index_t window) {
+  index_t hi = causal ? std::min(length, i + 1) : length;
+  index_t lo = 0;
+  if (window > 0) {
+    lo = std::max<index_t>(0, i - window + 1);
+    if (!causal) hi = std::min(hi, i + window);
+  }
+  return {lo, std::max(lo, hi)};
 }
 
+// Scratch for the rows of one task: a sink's extended row (in and out), S + 1 each.
 template <class Real>
-Real scale_of(std::optional<double> scale, index_t d_head) {
-  return static_cast<Real>(scale ? *scale : 1.0 / std::sqrt(static_cast<double>(d_head)));
-}
+struct SinkRow {
+  std::vector<Real> in, out;
+  explicit SinkRow(bool used, index_t seq_len)
+      : in(static_cast<std::size_t>(used ? seq_len + 1 : 0)),
+        out(static_cast<std::size_t>(used ? seq_len + 1 : 0)) {}
+};
 
-// Query rows [i0, i1) of head bh: scores (rows, S) = alpha q k^T with masked keys -inf, and probs
-// (rows, S) their softmax, each rounded where it is stored under bf16 or fp16 emulation. The
-// materialised and the row-blocked paths both compute every row here, so they agree bit for bit.
+// Query rows [i0, i1) of one head: scores (rows, S) = the final logits (alpha q k^T, capped,
+// biased, masked keys -inf) and probs (rows, S) their softmax (with the sink), each rounded where
+// it is stored under bf16 or fp16 emulation; raw (rows, S), when not null, gets alpha q k^T before
+// the cap, and psink (rows), when not null, the sink's share of each row. The materialised and the
+// row-blocked paths both compute every row here, so they agree bit for bit.
 template <class Real>
-void score_rows(Real* sc, Real* pr, const Real* qh, const Real* kh, index_t len, index_t i0,
-                index_t i1, index_t seq_len, index_t d_head, bool causal, Real alpha) {
+void score_rows(Real* sc, Real* pr, Real* raw, Real* psink, const Real* qh, const Real* kh,
+                index_t len, index_t i0, index_t i1, index_t seq_len, index_t d_head,
+                const HeadRule<Real>& rule, SinkRow<Real>& ext) {
   const Real neg_inf = -std::numeric_limits<Real>::infinity();
   // scores (rows, S) = q (rows, Dh) * k^T (Dh, S) * alpha
-  gemm<Real>(Trans::no, Trans::yes, i1 - i0, seq_len, d_head, alpha, qh + i0 * d_head, d_head, kh,
-             d_head, Real(0), sc, seq_len);
+  gemm<Real>(Trans::no, Trans::yes, i1 - i0, seq_len, d_head, rule.alpha, qh + i0 * d_head, d_head,
+             kh, d_head, Real(0), sc, seq_len);
+  if (raw) std::copy(sc, sc + (i1 - i0) * seq_len, raw);
   for (index_t i = i0; i < i1; ++i) {
     Real* srow = sc + (i - i0) * seq_len;
-    const index_t nv = visible_keys(i, len, causal);
-    for (index_t j = nv; j < seq_len; ++j) srow[j] = neg_inf;
+    Real* prow = pr + (i - i0) * seq_len;
+    const auto [lo, hi] = visible_keys(i, len, rule.causal, rule.window);
+    const index_t n = hi - lo;
+    for (index_t j = lo; j < hi; ++j) {
+      if (rule.capped) srow[j] = rule.cap * std::tanh(srow[j] / rule.cap);
+      if (rule.biased) {
+        const index_t dist = rule.causal ? i - j : (i > j ? i - j : j - i);
+        srow[j] += static_cast<Real>(-rule.slope * static_cast<double>(dist));
+      }
+    }
+    for (index_t j = 0; j < lo; ++j) srow[j] = neg_inf;
+    for (index_t j = hi; j < seq_len; ++j) srow[j] = neg_inf;
     store_rows(srow, seq_len, "scores");
-    softmax_forward(pr + (i - i0) * seq_len, srow, &nv, 1, seq_len);
+    if (rule.sunk) {
+      // softmax over [visible scores, sink]; the sink's column is dropped
+      std::copy(srow + lo, srow + hi, ext.in.begin());
+      ext.in[static_cast<std::size_t>(n)] = rule.sink;
+      const index_t n1 = n + 1;
+      softmax_forward(ext.out.data(), ext.in.data(), &n1, 1, n1);
+      std::fill(prow, prow + seq_len, Real(0));
+      std::copy(ext.out.begin(), ext.out.begin() + n, prow + lo);
+      psink[i - i0] = ext.out[static_cast<std::size_t>(n)];
+    } else {
+      std::fill(prow, prow + lo, Real(0));
+      softmax_forward(prow + lo, srow + lo, &n, 1, seq_len - lo);
+    }
   }
   store_rows(pr, (i1 - i0) * seq_len, "probs");
 }
@@ -130,6 +227,34 @@ void score_grad_rows(Real* dp, Real* ds, const Real* pr, const Real* dc, index_t
   store_rows(ds, rows * seq_len, "scores");
 }
 
+// The variant's part of the backward for `rows` rows: adds the sinks' gradient of these rows to
+// *dsink (the sink's dprobs is 0, so each row gives -psink * sum_j probs dprobs), and returns the
+// gradient of the scaled scores before the cap: dscores (1 - tanh^2(raw / c)) in dsr, or dscores
+// itself without a cap.
+template <class Real>
+const Real* variant_grad_rows(Real* dsr, Real* dsink, const Real* ds, const Real* dp,
+                              const Real* pr, const Real* raw, const Real* psink, index_t rows,
+                              index_t seq_len, const HeadRule<Real>& rule) {
+  if (rule.sunk) {
+    for (index_t i = 0; i < rows; ++i) {
+      Real dot = 0;
+      for (index_t j = 0; j < seq_len; ++j) dot += pr[i * seq_len + j] * dp[i * seq_len + j];
+      *dsink -= psink[i] * dot;
+    }
+  }
+  if (!rule.capped) return ds;
+  for (index_t j = 0; j < rows * seq_len; ++j) {
+    if (ds[j] == Real(0)) {
+      dsr[j] = Real(0);  // masked (raw may be anything there)
+      continue;
+    }
+    const Real t = std::tanh(raw[j] / rule.cap);
+    dsr[j] = ds[j] * (Real(1) - t * t);
+  }
+  store_rows(dsr, rows * seq_len, "scores");
+  return dsr;
+}
+
 // Query rows per block of the row-blocked path: about 2^20 score entries per buffer.
 index_t rows_per_block(index_t seq_len, index_t block_rows) {
   if (block_rows > 0) return std::min(block_rows, std::max<index_t>(seq_len, 1));
@@ -137,37 +262,68 @@ index_t rows_per_block(index_t seq_len, index_t block_rows) {
                              std::max<index_t>(seq_len, 1));
 }
 
+template <class Real>
+std::vector<Real> buffer(bool used, index_t n) {
+  return std::vector<Real>(static_cast<std::size_t>(used ? n : 0));
+}
+
+// Adds the per-(batch, head) sink gradients to dsinks (H), batch by batch: the same sums for any
+// split of the heads over threads.
+template <class Real>
+void add_sink_grads(Real* dsinks, const std::vector<Real>& part, index_t batch, index_t heads) {
+  for (index_t h = 0; h < heads; ++h)
+    for (index_t b = 0; b < batch; ++b) dsinks[h] += part[static_cast<std::size_t>(b * heads + h)];
+}
+
 }  // namespace
+
+std::vector<double> alibi_slopes(index_t heads, double max_bias) {
+  index_t m = 1;
+  while (m * 2 <= heads) m *= 2;
+  std::vector<double> s(static_cast<std::size_t>(std::max<index_t>(heads, 0)));
+  for (index_t h = 0; h < heads; ++h) {
+    const double e = h < m ? static_cast<double>(h + 1) / static_cast<double>(m)
+                           : static_cast<double>(2 * (h - m) + 1) / static_cast<double>(2 * m);
+    s[static_cast<std::size_t>(h)] = std::exp2(-max_bias * e);
+  }
+  return s;
+}
 
 template <class Real>
 void attention_forward(Real* context, Real* scores, Real* probs, const Real* q, const Real* k,
                        const Real* v, const std::int64_t* lengths, const std::uint8_t* drop_mask,
                        Real drop_scale, index_t batch, index_t heads, index_t seq_len,
                        index_t d_head, bool causal, bool merged_context,
-                       std::optional<double> scale) {
-  const Real alpha = scale_of<Real>(scale, d_head);
-  const index_t ss = seq_len * seq_len;
-  // Each (batch, head) block is one task's: its scores, probs and context rows are its own.
-  detail::for_blocks(batch * heads, 1, [&](index_t bh0, index_t bh1) {
-    std::vector<Real> dropped(static_cast<std::size_t>(drop_mask ? ss : 0));  // (S, S)
-    for (index_t bh = bh0; bh < bh1; ++bh) {
-      const index_t len = lengths[bh / heads];
-      const Real* qh = q + bh * seq_len * d_head;  // (S, Dh)
-      const Real* kh = k + bh * seq_len * d_head;  // (S, Dh)
-      const Real* vh = v + bh * seq_len * d_head;  // (S, Dh)
-      Real* sc = scores + bh * ss;                 // (S, S)
-      Real* pr = probs + bh * ss;                  // (S, S)
-      score_rows(sc, pr, qh, kh, len, 0, seq_len, seq_len, d_head, causal, alpha);
-      const Real* pv = pr;
-      if (drop_mask) {
-        const std::uint8_t* m = drop_mask + bh * ss;
-        for (index_t j = 0; j < ss; ++j) dropped[j] = m[j] ? pr[j] * drop_scale : Real(0);
-        pv = dropped.data();
+                       std::optional<double> scale, const AttentionVariant<Real>& variant) {
+  const Rules<Real> rules(variant, heads, d_head, causal, scale);
+  const index_t ss = seq_len * seq_len, kv = rules.kv_heads(), group = rules.group();
+  // Each (batch, K/V head) block is one task's: its query heads' scores, probs and context rows
+  // are its own.
+  detail::for_blocks(batch * kv, 1, [&](index_t bg0, index_t bg1) {
+    std::vector<Real> dropped = buffer<Real>(drop_mask, ss);        // (S, S)
+    std::vector<Real> psink = buffer<Real>(rules.sunk(), seq_len);  // (S)
+    SinkRow<Real> ext(rules.sunk(), seq_len);
+    for (index_t bg = bg0; bg < bg1; ++bg) {
+      const Real* kh = k + bg * seq_len * d_head;  // (S, Dh)
+      const Real* vh = v + bg * seq_len * d_head;  // (S, Dh)
+      for (index_t hg = 0; hg < group; ++hg) {
+        const index_t h = (bg % kv) * group + hg, bh = (bg / kv) * heads + h;
+        const Real* qh = q + bh * seq_len * d_head;  // (S, Dh)
+        Real* sc = scores + bh * ss;                 // (S, S)
+        Real* pr = probs + bh * ss;                  // (S, S)
+        score_rows(sc, pr, static_cast<Real*>(nullptr), psink.data(), qh, kh, lengths[bh / heads],
+                   0, seq_len, seq_len, d_head, rules(h), ext);
+        const Real* pv = pr;
+        if (drop_mask) {
+          const std::uint8_t* m = drop_mask + bh * ss;
+          for (index_t j = 0; j < ss; ++j) dropped[j] = m[j] ? pr[j] * drop_scale : Real(0);
+          pv = dropped.data();
+        }
+        // context (S, Dh) = dropout(probs) (S, S) * v (S, Dh); the strides change no value
+        const auto [ch, ldc] = head_block(context, bh, heads, seq_len, d_head, merged_context);
+        gemm<Real>(Trans::no, Trans::no, seq_len, d_head, seq_len, Real(1), pv, seq_len, vh, d_head,
+                   Real(0), ch, ldc);
       }
-      // context (S, Dh) = dropout(probs) (S, S) * v (S, Dh); the strides change no value
-      const auto [ch, ldc] = head_block(context, bh, heads, seq_len, d_head, merged_context);
-      gemm<Real>(Trans::no, Trans::no, seq_len, d_head, seq_len, Real(1), pv, seq_len, vh, d_head,
-                 Real(0), ch, ldc);
     }
   });
 }
@@ -177,61 +333,102 @@ void attention_backward(Real* dq, Real* dk, Real* dv, Real* dprobs, Real* dscore
                         const Real* dcontext, const Real* q, const Real* k, const Real* v,
                         const Real* probs, const std::uint8_t* drop_mask, Real drop_scale,
                         index_t batch, index_t heads, index_t seq_len, index_t d_head,
-                        bool merged_context, GradWrite qkv_write, std::optional<double> scale) {
-  const Real alpha = scale_of<Real>(scale, d_head);
-  const index_t ss = seq_len * seq_len;
-  // Each head's dq, dk and dv are written by one product each: beta = 0 overwrites them.
+                        bool merged_context, GradWrite qkv_write, std::optional<double> scale,
+                        const AttentionVariant<Real>& variant, const std::int64_t* lengths,
+                        bool causal) {
+  const Rules<Real> rules(variant, heads, d_head, causal, scale);
+  const Real alpha = rules.alpha();
+  const index_t ss = seq_len * seq_len, kv = rules.kv_heads(), group = rules.group();
+  if (rules.recompute() && !lengths) {
+    throw ShapeError("attention_backward: a soft-cap or sinks need the lengths");
+  }
+  if (rules.sunk() && !variant.dsinks) {
+    throw ShapeError("attention_backward: sinks need dsinks");
+  }
+  // Each query head's dq is written by one product: beta = 0 overwrites it. A K/V head's dk and dv
+  // are one fused chain over its group's query heads in order, the first starting from beta.
   const Real beta = qkv_write == GradWrite::overwrite ? Real(0) : Real(1);
-  detail::for_blocks(batch * heads, 1, [&](index_t bh0, index_t bh1) {
-    std::vector<Real> dropped(static_cast<std::size_t>(drop_mask ? ss : 0));  // (S, S)
-    for (index_t bh = bh0; bh < bh1; ++bh) {
-      const index_t off = bh * seq_len * d_head;
-      // this head's dcontext (S, Dh) and its row stride
-      const auto [dc, ldc] = head_block(dcontext, bh, heads, seq_len, d_head, merged_context);
-      const Real* pr = probs + bh * ss;  // (S, S)
-      Real* dp = dprobs + bh * ss;       // (S, S)
-      Real* ds = dscores + bh * ss;      // (S, S)
-      const std::uint8_t* m = drop_mask ? drop_mask + bh * ss : nullptr;
-      const Real* pv = pr;
-      if (m) {
-        for (index_t j = 0; j < ss; ++j) dropped[j] = m[j] ? pr[j] * drop_scale : Real(0);
-        pv = dropped.data();
+  std::vector<Real> sink_part = buffer<Real>(rules.sunk(), batch * heads);  // (B, H)
+  detail::for_blocks(batch * kv, 1, [&](index_t bg0, index_t bg1) {
+    std::vector<Real> dropped = buffer<Real>(drop_mask, ss);  // (S, S)
+    // the recomputed scores and probs, with the raw scores and the sinks' shares
+    std::vector<Real> sc = buffer<Real>(rules.recompute(), ss), pr2 = sc;
+    std::vector<Real> raw = buffer<Real>(rules.capped(), ss), dsr = raw;
+    std::vector<Real> psink = buffer<Real>(rules.sunk(), seq_len);
+    SinkRow<Real> ext(rules.sunk(), seq_len);
+    for (index_t bg = bg0; bg < bg1; ++bg) {
+      const index_t koff = bg * seq_len * d_head;
+      for (index_t hg = 0; hg < group; ++hg) {
+        const index_t h = (bg % kv) * group + hg, bh = (bg / kv) * heads + h;
+        const index_t off = bh * seq_len * d_head;
+        const Real bkv = hg == 0 ? beta : Real(1);
+        const HeadRule<Real> rule = rules(h);
+        // this head's dcontext (S, Dh) and its row stride
+        const auto [dc, ldc] = head_block(dcontext, bh, heads, seq_len, d_head, merged_context);
+        const Real* pr = probs + bh * ss;  // (S, S)
+        Real* dp = dprobs + bh * ss;       // (S, S)
+        Real* ds = dscores + bh * ss;      // (S, S)
+        const std::uint8_t* m = drop_mask ? drop_mask + bh * ss : nullptr;
+        const Real* pv = pr;
+        if (m) {
+          for (index_t j = 0; j < ss; ++j) dropped[j] = m[j] ? pr[j] * drop_scale : Real(0);
+          pv = dropped.data();
+        }
+        // in the forward pass this was: context = pv * v, with pv = dropout(probs)
+        // dv (S, Dh) += pv^T (S, S) * dcontext (S, Dh)
+        gemm<Real>(Trans::yes, Trans::no, seq_len, d_head, seq_len, Real(1), pv, seq_len, dc, ldc,
+                   bkv, dv + koff, d_head);
+        score_grad_rows(dp, ds, pr, dc, ldc, v + koff, m, drop_scale, seq_len, seq_len, d_head);
+        if (rules.recompute()) {
+          score_rows(sc.data(), pr2.data(), rule.capped ? raw.data() : nullptr, psink.data(),
+                     q + off, k + koff, lengths[bh / heads], 0, seq_len, seq_len, d_head, rule,
+                     ext);
+        }
+        Real dsink = 0;
+        const Real* dsq = variant_grad_rows(dsr.data(), &dsink, ds, dp, pr, raw.data(),
+                                            psink.data(), seq_len, seq_len, rule);
+        if (rule.sunk) sink_part[static_cast<std::size_t>(bh)] = dsink;
+        // in the forward pass this was: scores = alpha * q * k^T
+        // dq (S, Dh) += alpha * dscores (S, S) * k (S, Dh)
+        gemm<Real>(Trans::no, Trans::no, seq_len, d_head, seq_len, alpha, dsq, seq_len, k + koff,
+                   d_head, beta, dq + off, d_head);
+        // dk (S, Dh) += alpha * dscores^T (S, S) * q (S, Dh)
+        gemm<Real>(Trans::yes, Trans::no, seq_len, d_head, seq_len, alpha, dsq, seq_len, q + off,
+                   d_head, bkv, dk + koff, d_head);
       }
-      // in the forward pass this was: context = pv * v, with pv = dropout(probs)
-      // dv (S, Dh) += pv^T (S, S) * dcontext (S, Dh)
-      gemm<Real>(Trans::yes, Trans::no, seq_len, d_head, seq_len, Real(1), pv, seq_len, dc, ldc,
-                 beta, dv + off, d_head);
-      score_grad_rows(dp, ds, pr, dc, ldc, v + off, m, drop_scale, seq_len, seq_len, d_head);
-      // in the forward pass this was: scores = alpha * q * k^T
-      // dq (S, Dh) += alpha * dscores (S, S) * k (S, Dh)
-      gemm<Real>(Trans::no, Trans::no, seq_len, d_head, seq_len, alpha, ds, seq_len, k + off,
-                 d_head, beta, dq + off, d_head);
-      // dk (S, Dh) += alpha * dscores^T (S, S) * q (S, Dh)
-      gemm<Real>(Trans::yes, Trans::no, seq_len, d_head, seq_len, alpha, ds, seq_len, q + off,
-                 d_head, beta, dk + off, d_head);
     }
   });
+  if (rules.sunk()) add_sink_grads(variant.dsinks, sink_part, batch, heads);
 }
 
 template <class Real>
 void attention_forward_rows(Real* context, const Real* q, const Real* k, const Real* v,
                             const std::int64_t* lengths, index_t batch, index_t heads,
                             index_t seq_len, index_t d_head, bool causal,
-                            std::optional<double> scale, index_t block_rows) {
-  const Real alpha = scale_of<Real>(scale, d_head);
-  const index_t rb = rows_per_block(seq_len, block_rows);
-  detail::for_blocks(batch * heads, 1, [&](index_t bh0, index_t bh1) {
+                            std::optional<double> scale, index_t block_rows,
+                            const AttentionVariant<Real>& variant) {
+  const Rules<Real> rules(variant, heads, d_head, causal, scale);
+  const index_t rb = rows_per_block(seq_len, block_rows), kv = rules.kv_heads(),
+                group = rules.group();
+  detail::for_blocks(batch * kv, 1, [&](index_t bg0, index_t bg1) {
     std::vector<Real> sc(static_cast<std::size_t>(rb * seq_len));  // (rows, S)
     std::vector<Real> pr(static_cast<std::size_t>(rb * seq_len));  // (rows, S)
-    for (index_t bh = bh0; bh < bh1; ++bh) {
-      const index_t off = bh * seq_len * d_head;
-      for (index_t i0 = 0; i0 < seq_len; i0 += rb) {
-        const index_t i1 = std::min(seq_len, i0 + rb);
-        score_rows(sc.data(), pr.data(), q + off, k + off, lengths[bh / heads], i0, i1, seq_len,
-                   d_head, causal, alpha);
-        // context rows (rows, Dh) = probs (rows, S) * v (S, Dh)
-        gemm<Real>(Trans::no, Trans::no, i1 - i0, d_head, seq_len, Real(1), pr.data(), seq_len,
-                   v + off, d_head, Real(0), context + off + i0 * d_head, d_head);
+    std::vector<Real> psink = buffer<Real>(rules.sunk(), rb);      // (rows)
+    SinkRow<Real> ext(rules.sunk(), seq_len);
+    for (index_t bg = bg0; bg < bg1; ++bg) {
+      const index_t koff = bg * seq_len * d_head;
+      for (index_t hg = 0; hg < group; ++hg) {
+        const index_t h = (bg % kv) * group + hg, bh = (bg / kv) * heads + h;
+        const index_t off = bh * seq_len * d_head;
+        const HeadRule<Real> rule = rules(h);
+        for (index_t i0 = 0; i0 < seq_len; i0 += rb) {
+          const index_t i1 = std::min(seq_len, i0 + rb);
+          score_rows(sc.data(), pr.data(), static_cast<Real*>(nullptr), psink.data(), q + off,
+                     k + koff, lengths[bh / heads], i0, i1, seq_len, d_head, rule, ext);
+          // context rows (rows, Dh) = probs (rows, S) * v (S, Dh)
+          gemm<Real>(Trans::no, Trans::no, i1 - i0, d_head, seq_len, Real(1), pr.data(), seq_len,
+                     v + koff, d_head, Real(0), context + off + i0 * d_head, d_head);
+        }
       }
     }
   });
@@ -242,39 +439,59 @@ void attention_backward_rows(Real* dq, Real* dk, Real* dv, const Real* dcontext,
                              const Real* k, const Real* v, const std::int64_t* lengths,
                              index_t batch, index_t heads, index_t seq_len, index_t d_head,
                              bool causal, GradWrite qkv_write, std::optional<double> scale,
-                             index_t block_rows) {
-  const Real alpha = scale_of<Real>(scale, d_head);
+                             index_t block_rows, const AttentionVariant<Real>& variant) {
+  const Rules<Real> rules(variant, heads, d_head, causal, scale);
+  const Real alpha = rules.alpha();
   const Real beta = qkv_write == GradWrite::overwrite ? Real(0) : Real(1);
-  const index_t rb = rows_per_block(seq_len, block_rows);
-  detail::for_blocks(batch * heads, 1, [&](index_t bh0, index_t bh1) {
+  const index_t rb = rows_per_block(seq_len, block_rows), kv = rules.kv_heads(),
+                group = rules.group();
+  if (rules.sunk() && !variant.dsinks) {
+    throw ShapeError("attention_backward_rows: sinks need dsinks");
+  }
+  std::vector<Real> sink_part = buffer<Real>(rules.sunk(), batch * heads);  // (B, H)
+  detail::for_blocks(batch * kv, 1, [&](index_t bg0, index_t bg1) {
     std::vector<Real> sc(static_cast<std::size_t>(rb * seq_len));  // (rows, S)
     std::vector<Real> pr(static_cast<std::size_t>(rb * seq_len));  // (rows, S)
     std::vector<Real> dp(static_cast<std::size_t>(rb * seq_len));  // (rows, S)
     std::vector<Real> ds(static_cast<std::size_t>(rb * seq_len));  // (rows, S)
-    for (index_t bh = bh0; bh < bh1; ++bh) {
-      const index_t off = bh * seq_len * d_head;
-      for (index_t i0 = 0; i0 < seq_len; i0 += rb) {
-        const index_t i1 = std::min(seq_len, i0 + rb), rows = i1 - i0;
-        // The first block starts dk and dv from beta; later ones continue the same fused chains
-        // over the query rows, so every element is the materialised product's chain.
-        const Real b = i0 == 0 ? beta : Real(1);
-        const Real* dc = dcontext + off + i0 * d_head;  // (rows, Dh)
-        score_rows(sc.data(), pr.data(), q + off, k + off, lengths[bh / heads], i0, i1, seq_len,
-                   d_head, causal, alpha);
-        // dv (S, Dh) += probs^T (S, rows) * dcontext (rows, Dh)
-        gemm<Real>(Trans::yes, Trans::no, seq_len, d_head, rows, Real(1), pr.data(), seq_len, dc,
-                   d_head, b, dv + off, d_head);
-        score_grad_rows(dp.data(), ds.data(), pr.data(), dc, d_head, v + off,
-                        static_cast<const std::uint8_t*>(nullptr), Real(1), rows, seq_len, d_head);
-        // dq rows (rows, Dh) += alpha * dscores (rows, S) * k (S, Dh)
-        gemm<Real>(Trans::no, Trans::no, rows, d_head, seq_len, alpha, ds.data(), seq_len, k + off,
-                   d_head, beta, dq + off + i0 * d_head, d_head);
-        // dk (S, Dh) += alpha * dscores^T (S, rows) * q (rows, Dh)
-        gemm<Real>(Trans::yes, Trans::no, seq_len, d_head, rows, alpha, ds.data(), seq_len,
-                   q + off + i0 * d_head, d_head, b, dk + off, d_head);
+    std::vector<Real> raw = buffer<Real>(rules.capped(), rb * seq_len), dsr = raw;
+    std::vector<Real> psink = buffer<Real>(rules.sunk(), rb);  // (rows)
+    SinkRow<Real> ext(rules.sunk(), seq_len);
+    for (index_t bg = bg0; bg < bg1; ++bg) {
+      const index_t koff = bg * seq_len * d_head;
+      for (index_t hg = 0; hg < group; ++hg) {
+        const index_t h = (bg % kv) * group + hg, bh = (bg / kv) * heads + h;
+        const index_t off = bh * seq_len * d_head;
+        const HeadRule<Real> rule = rules(h);
+        Real dsink = 0;
+        for (index_t i0 = 0; i0 < seq_len; i0 += rb) {
+          const index_t i1 = std::min(seq_len, i0 + rb), rows = i1 - i0;
+          // The first block of the group's first head starts dk and dv from beta; later ones
+          // continue the same fused chains, so every element is the materialised product's chain.
+          const Real b = hg == 0 && i0 == 0 ? beta : Real(1);
+          const Real* dc = dcontext + off + i0 * d_head;  // (rows, Dh)
+          score_rows(sc.data(), pr.data(), rule.capped ? raw.data() : nullptr, psink.data(),
+                     q + off, k + koff, lengths[bh / heads], i0, i1, seq_len, d_head, rule, ext);
+          // dv (S, Dh) += probs^T (S, rows) * dcontext (rows, Dh)
+          gemm<Real>(Trans::yes, Trans::no, seq_len, d_head, rows, Real(1), pr.data(), seq_len, dc,
+                     d_head, b, dv + koff, d_head);
+          score_grad_rows(dp.data(), ds.data(), pr.data(), dc, d_head, v + koff,
+                          static_cast<const std::uint8_t*>(nullptr), Real(1), rows, seq_len,
+                          d_head);
+          const Real* dsq = variant_grad_rows(dsr.data(), &dsink, ds.data(), dp.data(), pr.data(),
+                                              raw.data(), psink.data(), rows, seq_len, rule);
+          // dq rows (rows, Dh) += alpha * dscores (rows, S) * k (S, Dh)
+          gemm<Real>(Trans::no, Trans::no, rows, d_head, seq_len, alpha, dsq, seq_len, k + koff,
+                     d_head, beta, dq + off + i0 * d_head, d_head);
+          // dk (S, Dh) += alpha * dscores^T (S, rows) * q (rows, Dh)
+          gemm<Real>(Trans::yes, Trans::no, seq_len, d_head, rows, alpha, dsq, seq_len,
+                     q + off + i0 * d_head, d_head, b, dk + koff, d_head);
+        }
+        if (rule.sunk) sink_part[static_cast<std::size_t>(bh)] = dsink;
       }
     }
   });
+  if (rules.sunk()) add_sink_grads(variant.dsinks, sink_part, batch, heads);
 }
 
 #define TEO_INSTANTIATE(Real)                                                                      \
@@ -285,18 +502,18 @@ void attention_backward_rows(Real* dq, Real* dk, Real* dv, const Real* dcontext,
   template void attention_forward<Real>(Real*, Real*, Real*, const Real*, const Real*,             \
                                         const Real*, const std::int64_t*, const std::uint8_t*,     \
                                         Real, index_t, index_t, index_t, index_t, bool, bool,      \
-                                        std::optional<double>);                                    \
-  template void attention_backward<Real>(Real*, Real*, Real*, Real*, Real*, const Real*,           \
-                                         const Real*, const Real*, const Real*, const Real*,       \
-                                         const std::uint8_t*, Real, index_t, index_t, index_t,     \
-                                         index_t, bool, GradWrite, std::optional<double>);         \
-  template void attention_forward_rows<Real>(Real*, const Real*, const Real*, const Real*,         \
-                                             const std::int64_t*, index_t, index_t, index_t,       \
-                                             index_t, bool, std::optional<double>, index_t);       \
-  template void attention_backward_rows<Real>(Real*, Real*, Real*, const Real*, const Real*,       \
-                                              const Real*, const Real*, const std::int64_t*,       \
-                                              index_t, index_t, index_t, index_t, bool, GradWrite, \
-                                              std::optional<double>, index_t);
+                                        std::optional<double>, const AttentionVariant<Real>&);     \
+  template void attention_backward<Real>(                                                          \
+      Real*, Real*, Real*, Real*, Real*, const Real*, const Real*, const Real*, const Real*,       \
+      const Real*, const std::uint8_t*, Real, index_t, index_t, index_t, index_t, bool, GradWrite, \
+      std::optional<double>, const AttentionVariant<Real>&, const std::int64_t*, bool);            \
+  template void attention_forward_rows<Real>(                                                      \
+      Real*, const Real*, const Real*, const Real*, const std::int64_t*, index_t, index_t,         \
+      index_t, index_t, bool, std::optional<double>, index_t, const AttentionVariant<Real>&);      \
+  template void attention_backward_rows<Real>(                                                     \
+      Real*, Real*, Real*, const Real*, const Real*, const Real*, const Real*,                     \
+      const std::int64_t*, index_t, index_t, index_t, index_t, bool, GradWrite,                    \
+      std::optional<double>, index_t, const AttentionVariant<Real>&);
 TEO_INSTANTIATE(float)
 TEO_INSTANTIATE(double)
 

@@ -5,12 +5,12 @@
 namespace teo {
 
 template <class Real>
-void sinusoidal_table(Real* out, index_t seq_len, index_t d) {
+void sinusoidal_table(Real* out, index_t seq_len, index_t d, index_t offset) {
   for (index_t pos = 0; pos < seq_len; ++pos) {
     for (index_t c = 0; c < d; ++c) {
       const index_t two_i = c - (c % 2);
       const double denom = std::pow(10000.0, static_cast<double>(two_i) / static_cast<double>(d));
-      const double angle = static_cast<double>(pos) / denom;
+      const double angle = static_cast<double>(offset + pos) / denom;
       out[pos * d + c] = static_cast<Real>(c % 2 == 0 ? std::sin(angle) : std::cos(angle));
     }
   }
@@ -37,7 +37,7 @@ void add_positional_backward(Real* dpe, const Real* dout, index_t batch, index_t
 }
 
 #define TEO_INSTANTIATE(Real)                                                                   \
-  template void sinusoidal_table<Real>(Real*, index_t, index_t);                                \
+  template void sinusoidal_table<Real>(Real*, index_t, index_t, index_t);                       \
   template void add_positional_forward<Real>(Real*, const Real*, const Real*, index_t, index_t, \
                                              index_t);                                          \
   template void add_positional_backward<Real>(Real*, const Real*, index_t, index_t, index_t);

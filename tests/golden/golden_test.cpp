@@ -155,6 +155,32 @@ TEST(GoldenCorpus, CoversEveryFeature) {
     if (c.d_head() % 2 == 1) seen.insert("odd_d_head");
     seen.insert("layers" + std::to_string(c.num_layers));
     if (e.spec.batch == 0) seen.insert("batch0");
+    // the attention variants (docs/semantics.md section 14)
+    const teo::index_t kv = c.kv_heads();
+    if (kv == 1 && c.num_heads > 1) seen.insert("mqa");
+    if (kv > 1 && kv < c.num_heads) seen.insert(c.num_heads / kv == 3 ? "gqa_ratio3" : "gqa");
+    if (c.positional == teo::Positional::rope) {
+      seen.insert(std::string("rope:") + teo::to_string(c.rope_style));
+      seen.insert(std::string("rope_scaling:") + teo::to_string(c.rope_scaling.type));
+      if (c.rotary() < c.d_head()) seen.insert("rope:partial");
+      if (c.position_offset >= 100000) seen.insert("rope:offset1e5");
+    }
+    if (c.position_offset > 0 && c.positional == teo::Positional::learned)
+      seen.insert("learned_offset");
+    if (c.positional == teo::Positional::alibi) seen.insert(c.causal ? "alibi:causal" : "alibi:bi");
+    if (c.sliding_window) {
+      const teo::index_t w = *c.sliding_window, s = e.spec.seq_len;
+      seen.insert(w == 1       ? "window:1"
+                  : w == s - 1 ? "window:S-1"
+                  : w == s     ? "window:S"
+                  : w == s + 3 ? "window:S+3"
+                               : "window:other");
+    }
+    if (c.attn_logit_softcap) seen.insert("softcap");
+    if (c.attn_sinks && seen.count("len0")) seen.insert("sinks");
+    if (c.num_kv_heads && c.positional == teo::Positional::rope && c.sliding_window &&
+        c.attn_logit_softcap && c.attn_sinks)
+      seen.insert("every_variant");
   }
   for (const char* want : {"float32",
                            "float64",
@@ -185,7 +211,30 @@ TEST(GoldenCorpus, CoversEveryFeature) {
                            "layers0",
                            "layers1",
                            "layers2",
-                           "layers3"}) {
+                           "layers3",
+                           "pe:none",
+                           "pe:rope",
+                           "pe:alibi",
+                           "mqa",
+                           "gqa",
+                           "gqa_ratio3",
+                           "rope:neox",
+                           "rope:interleaved",
+                           "rope:partial",
+                           "rope:offset1e5",
+                           "rope_scaling:linear",
+                           "rope_scaling:ntk",
+                           "rope_scaling:yarn",
+                           "learned_offset",
+                           "alibi:causal",
+                           "alibi:bi",
+                           "window:1",
+                           "window:S-1",
+                           "window:S",
+                           "window:S+3",
+                           "softcap",
+                           "sinks",
+                           "every_variant"}) {
     EXPECT_TRUE(seen.count(want)) << "no case covers " << want;
   }
 }
@@ -611,6 +660,14 @@ TEST(GoldenMutants, EachFailsAtTheStageWhereItsBugLives) {
       {M::dropout_scale_missing, "dropout_post", "input"},
       {M::label_smoothing_ignored, "label_smoothing", "loss"},
       {M::mean_pool_includes_padding, "post_gelu_mean", "pooled"},
+      // the attention variants
+      {M::kv_heads_tiled, "gqa_half", "layers.0.scores"},
+      {M::rope_other_convention, "rope_interleaved", "layers.0.q_rot"},
+      {M::rope_bf16_positions, "rope_yarn_offset", "layers.0.q_rot"},
+      {M::window_one_wider, "window_s_minus_1", "layers.0.scores"},
+      {M::alibi_sign_flipped, "alibi_causal", "layers.0.scores"},
+      {M::softcap_after_mask, "softcap", "layers.0.scores"},
+      {M::sink_column_kept, "sinks_masked", "layers.0.probs"},
   };
   for (const auto& m : mutants) expect_mutant_fails_at_its_stage(m, /*backward=*/false);
 }

@@ -189,11 +189,139 @@ double activation_grad(double x, Activation a, Mutation m) {
 // Everything one layer's backward reads, saved by its forward. For post-norm, norm1 =
 // LN1(residual1) and norm2 = LN2(residual2); for pre-norm, norm1 = LN1(x) and norm2 =
 // LN2(residual1).
+// The attention variants as docs/semantics.md section 14 writes them, with the mutations of them.
+class Variants {
+ public:
+  Variants(const EncoderConfig& cfg, std::int64_t S, Mutation mut) : cfg_(cfg), mut_(mut) {
+    const std::int64_t H = cfg.num_heads;
+    if (cfg.positional == Positional::alibi) {
+      std::int64_t m = 1;
+      while (2 * m <= H) m *= 2;
+      for (std::int64_t h = 0; h < H; ++h) {
+        const double step =
+            h < m ? static_cast<double>(h + 1) / static_cast<double>(m)
+                  : (2.0 * static_cast<double>(h - m) + 1) / (2.0 * static_cast<double>(m));
+        slopes_.push_back(std::pow(2.0, -cfg.alibi_max_bias * step));
+      }
+    }
+    if (cfg.sliding_window) window_ = *cfg.sliding_window + (mut == Mutation::window_one_wider);
+    if (cfg.positional != Positional::rope) return;
+    // RoPE's angles, in double: inv_freq[t] = base^(-2t / r), then the scaling.
+    const std::int64_t r = cfg.rotary();
+    half_ = r / 2;
+    const RopeScaling& sc = cfg.rope_scaling;
+    const double orig = static_cast<double>(sc.original_max_len.value_or(cfg.max_len));
+    const double rd = static_cast<double>(r);
+    double base = cfg.rope_base;
+    if (sc.type == RopeScalingType::ntk) {
+      const double len = std::max(static_cast<double>(cfg.position_offset + S), orig);
+      base *= std::pow(sc.factor * len / orig - (sc.factor - 1), rd / (rd - 2));
+    }
+    std::vector<double> inv(static_cast<std::size_t>(half_));
+    for (std::int64_t t = 0; t < half_; ++t)
+      inv[ix(t)] = 1.0 / std::pow(base, 2.0 * static_cast<double>(t) / rd);
+    double mscale = 1;
+    if (sc.type == RopeScalingType::linear) {
+      for (double& f : inv) f /= sc.factor;
+    } else if (sc.type == RopeScalingType::yarn) {
+      auto dim = [&](double rotations) {
+        return rd * std::log(orig / (rotations * 2 * M_PI)) / (2 * std::log(base));
+      };
+      const double low = std::max(std::floor(dim(sc.beta_fast)), 0.0);
+      double high = std::min(std::ceil(dim(sc.beta_slow)), rd - 1);
+      if (high == low) high += 0.001;
+      for (std::int64_t t = 0; t < half_; ++t) {
+        const double ramp =
+            std::min(1.0, std::max(0.0, (static_cast<double>(t) - low) / (high - low)));
+        inv[ix(t)] = inv[ix(t)] / sc.factor * ramp + inv[ix(t)] * (1 - ramp);
+      }
+      mscale = 0.1 * std::log(sc.factor) + 1;
+    }
+    for (std::int64_t s = 0; s < S; ++s) {
+      double pos = static_cast<double>(cfg.position_offset + s);
+      if (mut == Mutation::rope_bf16_positions) {
+        int e = 0;
+        const double m = std::frexp(pos, &e);  // pos = m 2^e, m in [0.5, 1)
+        pos = std::ldexp(std::nearbyint(m * 256.0) / 256.0, e);
+      }
+      for (std::int64_t t = 0; t < half_; ++t) {
+        cos_.push_back(std::cos(pos * inv[ix(t)]) * mscale);
+        sin_.push_back(std::sin(pos * inv[ix(t)]) * mscale);
+      }
+    }
+  }
+
+  // The K/V head query head h reads.
+  std::int64_t kv_of(std::int64_t h, std::int64_t kv, std::int64_t group) const {
+    return mut_ == Mutation::kv_heads_tiled ? h % kv : h / group;
+  }
+
+  // Key j visible from query i of a sequence of `len` real tokens.
+  bool visible(std::int64_t i, std::int64_t j, std::int64_t len) const {
+    if (j >= len || (cfg_.causal && j > i)) return false;
+    const std::int64_t dist = i > j ? i - j : j - i;
+    return window_ == 0 || dist < window_;
+  }
+
+  // The final logit from the scaled score s: cap, bias, mask (or, mutated, mask first).
+  double logit(double s, std::int64_t h, std::int64_t i, std::int64_t j, bool vis) const {
+    const double inf = std::numeric_limits<double>::infinity();
+    const auto dist = static_cast<double>(cfg_.causal ? i - j : (i > j ? i - j : j - i));
+    const double bias = slopes_.empty() ? 0.0
+                                        : (mut_ == Mutation::alibi_sign_flipped ? 1.0 : -1.0) *
+                                              slopes_[ix(h)] * dist;
+    const auto cap = [&](double z) {
+      return cfg_.attn_logit_softcap
+                 ? *cfg_.attn_logit_softcap * std::tanh(z / *cfg_.attn_logit_softcap)
+                 : z;
+    };
+    if (mut_ == Mutation::softcap_after_mask) return cap(vis ? s + bias : -inf);
+    return vis ? cap(s) + bias : -inf;
+  }
+
+  // d logit / d s at a visible score: 1 - tanh^2(s / c), or 1 without a cap.
+  double cap_grad(double s) const {
+    if (!cfg_.attn_logit_softcap) return 1.0;
+    const double t = std::tanh(s / *cfg_.attn_logit_softcap);
+    return 1 - t * t;
+  }
+
+  // x (rows, S, Dh) rotated by RoPE, or by its transpose (the backward).
+  Vec rotate(const Vec& x, std::int64_t rows, std::int64_t dh, bool transpose) const {
+    Vec o = x;
+    const std::int64_t S =
+        static_cast<std::int64_t>(cos_.size()) / std::max<std::int64_t>(half_, 1);
+    const bool neox =
+        (cfg_.rope_style == RopeStyle::neox) != (mut_ == Mutation::rope_other_convention);
+    for (std::int64_t r = 0; r < rows; ++r)
+      for (std::int64_t s = 0; s < S; ++s)
+        for (std::int64_t t = 0; t < half_; ++t) {
+          const std::size_t row = ix((r * S + s) * dh);
+          const std::size_t a = row + ix(neox ? t : 2 * t),
+                            b = row + ix(neox ? t + half_ : 2 * t + 1);
+          const double c = cos_[ix(s * half_ + t)],
+                       sn = (transpose ? -1 : 1) * sin_[ix(s * half_ + t)];
+          o[a] = x[a] * c - x[b] * sn;
+          o[b] = x[b] * c + x[a] * sn;
+        }
+    return o;
+  }
+
+ private:
+  const EncoderConfig& cfg_;
+  Mutation mut_;
+  std::vector<double> slopes_, cos_, sin_;
+  std::int64_t window_ = 0, half_ = 0;
+};
+
 struct LayerSaved {
   Vec x;               // the layer's input (B, S, D)
   Norm norm1, norm2;   // outputs and statistics of LN1 and LN2
   Vec attn_in;         // x (post) or norm1 (pre)
-  Vec q, k, v;         // (B, H, S, Dh)
+  Vec q, k, v;         // (B, H, S, Dh); k, v (B, Hkv, S, Dh)
+  Vec q_rot, k_rot;    // after RoPE
+  Vec raw;             // (B, H, S, S): alpha q.k, before the cap, the bias and the mask
+  Vec psink;           // (B, H, S): the sink's share of each row
   Vec probs;           // (B, H, S, S), before dropout
   Mask attn_mask;      // dropout.layers.{i}.attn
   Vec context;         // (B, S, D), heads merged
@@ -216,6 +344,7 @@ File run(const File& golden, Mutation mut, bool with_backward) {
   const std::int64_t B = cj.at("batch"), S = cj.at("seq_len");
   const std::int64_t D = cfg.d_model, H = cfg.num_heads, Dh = D / H, F = cfg.d_ff;
   const std::int64_t C = cfg.num_classes, L = cfg.num_layers, N = B * S;
+  const std::int64_t K = cfg.kv_heads(), G = H / K, Dkv = K * Dh, P0 = cfg.position_offset;
   const bool pre = cfg.norm_first;
   const auto tokens = ints(golden, "input.tokens");
   const auto lengths = ints(golden, "input.lengths");
@@ -246,15 +375,16 @@ File run(const File& golden, Mutation mut, bool with_backward) {
       at(embedding, t * D + c) = emb_w[ix(tokens[ix(t)] * D + c)] * escale;
     }
   }
-  Vec positional(ix(S * D));
+  // Positions P0 .. P0 + S - 1; none, rope and alibi add nothing here.
+  Vec positional(ix(S * D), 0.0);
   if (cfg.positional == Positional::learned) {
     const Vec pw = param("pos_embedding.weight");
-    for (std::int64_t i = 0; i < S * D; ++i) at(positional, i) = pw[ix(i)];
-  } else {
+    for (std::int64_t i = 0; i < S * D; ++i) at(positional, i) = pw[ix(P0 * D + i)];
+  } else if (cfg.positional == Positional::sinusoidal) {
     for (std::int64_t s = 0; s < S; ++s) {
       for (std::int64_t c = 0; c < D; ++c) {
         const std::int64_t two_i = c - c % 2 + (mut == Mutation::pe_frequency_off_by_one ? 2 : 0);
-        const double angle = static_cast<double>(s) /
+        const double angle = static_cast<double>(P0 + s) /
                              std::pow(10000.0, static_cast<double>(two_i) / static_cast<double>(D));
         const bool use_sin = (c % 2 == 0) != (mut == Mutation::pe_sin_cos_swapped);
         at(positional, s * D + c) = use_sin ? std::sin(angle) : std::cos(angle);
@@ -276,25 +406,31 @@ File run(const File& golden, Mutation mut, bool with_backward) {
   const double alpha =
       mut == Mutation::no_score_scale ? 1.0 : 1.0 / std::sqrt(static_cast<double>(Dh));
   const double inf = std::numeric_limits<double>::infinity();
-  // (B, S, H*Dh) -> (B, H, S, Dh) and back.
-  auto heads = [&](const Vec& y) {
+  // (B, S, nh*Dh) -> (B, nh, S, Dh) and back.
+  auto heads = [&](const Vec& y, std::int64_t nh = 0) {
+    nh = nh ? nh : H;
     Vec o(y.size());
     for (std::int64_t b = 0; b < B; ++b)
-      for (std::int64_t h = 0; h < H; ++h)
+      for (std::int64_t h = 0; h < nh; ++h)
         for (std::int64_t s = 0; s < S; ++s)
           for (std::int64_t c = 0; c < Dh; ++c)
-            o[ix(((b * H + h) * S + s) * Dh + c)] = y[ix((b * S + s) * D + h * Dh + c)];
+            o[ix(((b * nh + h) * S + s) * Dh + c)] = y[ix((b * S + s) * nh * Dh + h * Dh + c)];
     return o;
   };
-  auto merge = [&](const Vec& y) {
+  auto merge = [&](const Vec& y, std::int64_t nh = 0) {
+    nh = nh ? nh : H;
     Vec o(y.size());
     for (std::int64_t b = 0; b < B; ++b)
-      for (std::int64_t h = 0; h < H; ++h)
+      for (std::int64_t h = 0; h < nh; ++h)
         for (std::int64_t s = 0; s < S; ++s)
           for (std::int64_t c = 0; c < Dh; ++c)
-            o[ix((b * S + s) * D + h * Dh + c)] = y[ix(((b * H + h) * S + s) * Dh + c)];
+            o[ix((b * S + s) * nh * Dh + h * Dh + c)] = y[ix(((b * nh + h) * S + s) * Dh + c)];
     return o;
   };
+
+  // The attention variants (docs/semantics.md section 14).
+  const Variants var(cfg, S, mut);
+  const bool rope = cfg.positional == Positional::rope;
   std::vector<LayerSaved> saved(ix(L));
   Vec x = input;
   for (std::int64_t l = 0; l < L; ++l) {
@@ -310,18 +446,24 @@ File run(const File& golden, Mutation mut, bool with_backward) {
     }
     const bool tq = mut == Mutation::transposed_weight;
     sv.q = heads(linear(sv.attn_in, N, D, lp("attn.q.weight"), lp("attn.q.bias"), D, tq));
-    sv.k = heads(linear(sv.attn_in, N, D, lp("attn.k.weight"), lp("attn.k.bias"), D));
-    sv.v = heads(linear(sv.attn_in, N, D, lp("attn.v.weight"), lp("attn.v.bias"), D));
-    const Vec &q = sv.q, &k = sv.k, &v = sv.v;
+    sv.k = heads(linear(sv.attn_in, N, D, lp("attn.k.weight"), lp("attn.k.bias"), Dkv), K);
+    sv.v = heads(linear(sv.attn_in, N, D, lp("attn.v.weight"), lp("attn.v.bias"), Dkv), K);
+    if (rope) {
+      sv.q_rot = var.rotate(sv.q, B * H, Dh, false);
+      sv.k_rot = var.rotate(sv.k, B * K, Dh, false);
+    }
+    const Vec &q = rope ? sv.q_rot : sv.q, &k = rope ? sv.k_rot : sv.k, &v = sv.v;
+    const Vec sinks = cfg.attn_sinks ? lp("attn.sinks") : Vec();
     Vec scores(ix(B * H * S * S));
+    sv.raw.assign(scores.size(), 0.0);
+    sv.psink.assign(ix(B * H * S), 0.0);
     sv.probs.assign(scores.size(), 0.0);
     sv.context.assign(ix(N * D), 0.0);
     sv.attn_mask = mask(golden, "dropout." + pl + "attn", scores.size());
     for (std::int64_t b = 0; b < B; ++b) {
       const std::int64_t len = mut == Mutation::mask_ignores_padding ? S : lengths[ix(b)];
-      auto visible = [&](std::int64_t i) { return cfg.causal ? std::min(len, i + 1) : len; };
       for (std::int64_t h = 0; h < H; ++h) {
-        const std::int64_t base = (b * H + h) * S;
+        const std::int64_t base = (b * H + h) * S, kbase = (b * K + var.kv_of(h, K, G)) * S;
         auto sc = [&](std::int64_t i, std::int64_t j) -> double& {
           return at(scores, (base + i) * S + j);
         };
@@ -330,27 +472,26 @@ File run(const File& golden, Mutation mut, bool with_backward) {
         };
         for (std::int64_t i = 0; i < S; ++i) {
           for (std::int64_t j = 0; j < S; ++j) {
-            if (j >= visible(i)) {
-              sc(i, j) = -inf;
-              continue;
-            }
             double dot = 0;
             for (std::int64_t c = 0; c < Dh; ++c) {
-              dot += q[ix((base + i) * Dh + c)] * k[ix((base + j) * Dh + c)];
+              dot += q[ix((base + i) * Dh + c)] * k[ix((kbase + j) * Dh + c)];
             }
-            sc(i, j) = dot * alpha;
+            at(sv.raw, (base + i) * S + j) = dot * alpha;
+            sc(i, j) = var.logit(dot * alpha, h, i, j, var.visible(i, j, len));
           }
         }
         // Softmax over the visible keys of each query (or, mutated, over the queries that see
         // each key); a row or column with nothing visible is 0.
+        // With sinks, each row's sink logit joins the softmax; its share is kept apart.
         const bool by_col = mut == Mutation::softmax_wrong_axis;
+        const bool sunk = cfg.attn_sinks;
         for (std::int64_t a = 0; a < S; ++a) {
-          double mx = -inf;
+          double mx = sunk ? sinks[ix(h)] : -inf;
           for (std::int64_t z = 0; z < S; ++z) {
             const double s = by_col ? sc(z, a) : sc(a, z);
             mx = std::max(mx, s);
           }
-          double total = 0;
+          double total = sunk ? std::exp(sinks[ix(h)] - mx) : 0.0;
           for (std::int64_t z = 0; z < S; ++z) {
             const double s = by_col ? sc(z, a) : sc(a, z);
             if (s != -inf) total += std::exp(s - mx);
@@ -359,6 +500,15 @@ File run(const File& golden, Mutation mut, bool with_backward) {
             const double s = by_col ? sc(z, a) : sc(a, z);
             (by_col ? pr(z, a) : pr(a, z)) = s == -inf ? 0.0 : std::exp(s - mx) / total;
           }
+          if (sunk) {
+            const double share = std::exp(sinks[ix(h)] - mx) / total;
+            at(sv.psink, base + a) = share;
+            if (mut == Mutation::sink_column_kept) {
+              // [p_0 .. p_{S-1}, p_sink] sliced [1:] instead of [:-1]
+              for (std::int64_t z = 0; z + 1 < S; ++z) pr(a, z) = pr(a, z + 1);
+              pr(a, S - 1) = share;
+            }
+          }
         }
         for (std::int64_t i = 0; i < S; ++i) {
           for (std::int64_t c = 0; c < Dh; ++c) {
@@ -366,7 +516,7 @@ File run(const File& golden, Mutation mut, bool with_backward) {
             for (std::int64_t j = 0; j < S; ++j) {
               const std::size_t pij = ix((base + i) * S + j);
               const double pv = sv.attn_mask[pij] ? sv.probs[pij] * keep_scale : 0.0;
-              acc += pv * v[ix((base + j) * Dh + c)];
+              acc += pv * v[ix((kbase + j) * Dh + c)];
             }
             at(sv.context, (b * S + i) * D + h * Dh + c) = acc;
           }
@@ -378,9 +528,13 @@ File run(const File& golden, Mutation mut, bool with_backward) {
     const Vec r1d = apply(attn_out, sv.r1_mask);
     sv.residual1.resize(x.size());
     for (std::size_t i = 0; i < x.size(); ++i) sv.residual1[i] = x[i] + r1d[i];
-    out.act(pl + "q", {B, H, S, Dh}, q);
-    out.act(pl + "k", {B, H, S, Dh}, k);
-    out.act(pl + "v", {B, H, S, Dh}, v);
+    out.act(pl + "q", {B, H, S, Dh}, sv.q);
+    out.act(pl + "k", {B, K, S, Dh}, sv.k);
+    out.act(pl + "v", {B, K, S, Dh}, v);
+    if (rope) {
+      out.act(pl + "q_rot", {B, H, S, Dh}, sv.q_rot);
+      out.act(pl + "k_rot", {B, K, S, Dh}, sv.k_rot);
+    }
     out.act(pl + "scores", {B, H, S, S}, scores);
     out.act(pl + "probs", {B, H, S, S}, sv.probs);
     out.act(pl + "context", {B, S, D}, sv.context);
@@ -612,8 +766,11 @@ File run(const File& golden, Mutation mut, bool with_backward) {
     const Vec gctx = heads(g_context);
     Vec gq(sv.q.size(), 0.0), gk(sv.k.size(), 0.0), gv(sv.v.size(), 0.0);
     Vec gprobs(ix(S)), gscores(ix(S));
+    const Vec& qa = rope ? sv.q_rot : sv.q;
+    const Vec& ka = rope ? sv.k_rot : sv.k;
     for (std::int64_t bh = 0; bh < B * H; ++bh) {
-      const std::int64_t base = bh * S;
+      const std::int64_t base = bh * S, h = bh % H;
+      const std::int64_t kbase = ((bh / H) * K + var.kv_of(h, K, G)) * S;
       for (std::int64_t i = 0; i < S; ++i) {
         const double* pr = sv.probs.data() + (base + i) * S;
         const std::uint8_t* am = sv.attn_mask.data() + (base + i) * S;
@@ -625,8 +782,8 @@ File run(const File& golden, Mutation mut, bool with_backward) {
           const double pv = am[j] ? pr[j] * keep_scale : 0.0;
           double gpv = 0;
           for (std::int64_t c = 0; c < Dh; ++c) {
-            at(gv, (base + j) * Dh + c) += pv * gc[c];
-            gpv += gc[c] * sv.v[ix((base + j) * Dh + c)];
+            at(gv, (kbase + j) * Dh + c) += pv * gc[c];
+            gpv += gc[c] * sv.v[ix((kbase + j) * Dh + c)];
           }
           gprobs[ix(j)] = am[j] ? gpv * keep_scale : 0.0;
         }
@@ -635,27 +792,35 @@ File run(const File& golden, Mutation mut, bool with_backward) {
         // A masked key (scores = -inf, probs = 0) gets 0, and so does a row with no visible key.
         double row_dot = 0;
         for (std::int64_t j = 0; j < S; ++j) row_dot += pr[j] * gprobs[ix(j)];
+        // With a sink (whose own gprobs is 0): gsink += p_sink (0 - row_dot).
+        if (cfg.attn_sinks) lg("attn.sinks")[ix(h)] -= sv.psink[ix(base + i)] * row_dot;
         if (mut == Mutation::softmax_backward_no_row_sum) row_dot = 0;
         for (std::int64_t j = 0; j < S; ++j) gscores[ix(j)] = pr[j] * (gprobs[ix(j)] - row_dot);
-        // scores[i,j] = alpha sum_c q[i,c] k[j,c]  (visible j; masked scores are a constant)
-        //   gq[i,c] += alpha sum_j gscores[i,j] k[j,c];  gk[j,c] += alpha gscores[i,j] q[i,c]
+        // scores[i,j] = cap(alpha sum_c q[i,c] k[j,c]) + bias  (visible j; masked: a constant)
+        //   g_raw = gscores (1 - tanh^2(raw / c));
+        //   gq[i,c] += alpha sum_j g_raw[i,j] k[j,c];  gk[j,c] += alpha g_raw[i,j] q[i,c]
         for (std::int64_t j = 0; j < S; ++j) {
-          const double gs = gscores[ix(j)];
+          const double gs = gscores[ix(j)] * var.cap_grad(sv.raw[ix((base + i) * S + j)]);
           if (gs == 0) continue;
           for (std::int64_t c = 0; c < Dh; ++c) {
-            at(gq, (base + i) * Dh + c) += alpha * gs * sv.k[ix((base + j) * Dh + c)];
-            at(gk, (base + j) * Dh + c) += alpha * gs * sv.q[ix((base + i) * Dh + c)];
+            at(gq, (base + i) * Dh + c) += alpha * gs * ka[ix((kbase + j) * Dh + c)];
+            at(gk, (kbase + j) * Dh + c) += alpha * gs * qa[ix((base + i) * Dh + c)];
           }
         }
       }
     }
     // q | k | v = heads(attn_in W^T + b), attn_in = x (post) or norm1 (pre)
+    if (rope) {
+      // q_rot = R q, k_rot = R k:  gq = R^T g_q_rot
+      gq = var.rotate(gq, B * H, Dh, true);
+      gk = var.rotate(gk, B * K, Dh, true);
+    }
     Vec g_attn_in(ix(N * D), 0.0);
     linear_backward(merge(gq), sv.attn_in, lp("attn.q.weight"), N, D, D, g_attn_in,
                     lg("attn.q.weight"), lg("attn.q.bias"));
-    linear_backward(merge(gk), sv.attn_in, lp("attn.k.weight"), N, D, D, g_attn_in,
+    linear_backward(merge(gk, K), sv.attn_in, lp("attn.k.weight"), N, D, Dkv, g_attn_in,
                     lg("attn.k.weight"), lg("attn.k.bias"));
-    linear_backward(merge(gv), sv.attn_in, lp("attn.v.weight"), N, D, D, g_attn_in,
+    linear_backward(merge(gv, K), sv.attn_in, lp("attn.v.weight"), N, D, Dkv, g_attn_in,
                     lg("attn.v.weight"), lg("attn.v.bias"));
     if (pre) {
       // attn_in = norm1 = LN1(x)
@@ -682,7 +847,8 @@ File run(const File& golden, Mutation mut, bool with_backward) {
   if (cfg.positional == Positional::learned) {
     Vec& g_pos_w = grad("pos_embedding.weight");
     for (std::int64_t t = 0; t < N; ++t) {
-      for (std::int64_t c = 0; c < D; ++c) g_pos_w[ix((t % S) * D + c)] += g_sum[ix(t * D + c)];
+      for (std::int64_t c = 0; c < D; ++c)
+        g_pos_w[ix((P0 + t % S) * D + c)] += g_sum[ix(t * D + c)];
     }
   }
   // Every parameter has a gradient, 0 where the loss does not reach it (e.g. batch 0).
@@ -751,6 +917,20 @@ const char* mutation_name(Mutation m) {
       return "layer_norm_backward_no_mean";
     case Mutation::softmax_backward_no_row_sum:
       return "softmax_backward_no_row_sum";
+    case Mutation::kv_heads_tiled:
+      return "kv_heads_tiled";
+    case Mutation::rope_other_convention:
+      return "rope_other_convention";
+    case Mutation::rope_bf16_positions:
+      return "rope_bf16_positions";
+    case Mutation::window_one_wider:
+      return "window_one_wider";
+    case Mutation::alibi_sign_flipped:
+      return "alibi_sign_flipped";
+    case Mutation::softcap_after_mask:
+      return "softcap_after_mask";
+    case Mutation::sink_column_kept:
+      return "sink_column_kept";
   }
   return "?";
 }

@@ -27,6 +27,13 @@ enum class Mutation {
   dropout_scale_missing,       // kept values not multiplied by 1 / (1 - p)
   label_smoothing_ignored,     // plain cross-entropy
   mean_pool_includes_padding,  // the mean over all S positions
+  kv_heads_tiled,              // query head h reads K/V head h % Hkv instead of h / (H / Hkv)
+  rope_other_convention,       // neox pairs where interleaved is configured, and back
+  rope_bf16_positions,         // positions rounded to bf16 before the angles
+  window_one_wider,            // a sliding window of W + 1 keys
+  alibi_sign_flipped,          // +slope (i - j) instead of -slope (i - j)
+  softcap_after_mask,          // the cap applied after the bias and the mask: -inf becomes -c
+  sink_column_kept,            // the extended row sliced one column late: the sink's share kept
   // backward (the forward is untouched)
   layer_norm_backward_no_mean,  // gx = (dn - n * mean(dn * n)) * rstd: no "- mean(dn)" term
   softmax_backward_no_row_sum,  // gscores = probs * gprobs: no "- sum_j probs * gprobs" term

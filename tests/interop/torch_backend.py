@@ -152,6 +152,11 @@ CONFIG_DEFAULTS = {
     "activation": "gelu", "layer_norm_eps": 1e-5, "positional": "sinusoidal",
     "embed_scale": False, "pooling": "mean", "dropout": 0.0,
     "label_smoothing": 0.0, "causal": False,
+    # the attention variants (docs/semantics.md section 14)
+    "num_kv_heads": None, "position_offset": 0, "rope_style": "neox",
+    "rotary_dim": None, "rope_base": 10000.0, "rope_scaling": {"type": "none"},
+    "alibi_max_bias": 8.0, "sliding_window": None, "attn_logit_softcap": None,
+    "attn_sinks": False,
 }
 TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -175,7 +180,8 @@ def load_case(path):
     cfg.update(cfg_in)
     if cfg["activation"] not in ("relu", "gelu", "gelu_tanh"):
         raise Unsupported("activation %r" % cfg["activation"])
-    if cfg["positional"] not in ("sinusoidal", "learned"):
+    if cfg["positional"] not in ("sinusoidal", "learned", "none", "rope",
+                                 "alibi"):
         raise Unsupported("positional %r" % cfg["positional"])
     if cfg["pooling"] not in ("mean", "cls", "max"):
         raise Unsupported("pooling %r" % cfg["pooling"])
@@ -196,6 +202,8 @@ def param_names(cfg):
         p = "layers.%d." % i
         for proj in ("q", "k", "v", "o"):
             names += [p + "attn.%s.weight" % proj, p + "attn.%s.bias" % proj]
+        if cfg["attn_sinks"]:
+            names.append(p + "attn.sinks")
         names += [p + "norm1.weight", p + "norm1.bias",
                   p + "norm2.weight", p + "norm2.bias",
                   p + "ffn.fc1.weight", p + "ffn.fc1.bias",
@@ -313,6 +321,8 @@ def variant_problem(variant, cfg, tensors):
         if not applies:
             return "mutant %s needs %s" % (variant.mutant, needed)
     if variant.transformer_layer:
+        if has_variants(cfg):
+            return "nn.TransformerEncoderLayer has no attention variants"
         if cfg["dropout"] != 0:
             return ("nn.TransformerEncoderLayer cannot replay teo's dropout "
                     "masks")
@@ -395,15 +405,16 @@ class _GeluTanhGrad(torch.autograd.Function):
 # The model
 # ---------------------------------------------------------------------------
 
-def sinusoidal_table(seq_len, d_model, dtype, base=10000.0):
-    """teo's table: angle and sin/cos in double, each entry rounded once.
+def sinusoidal_table(seq_len, d_model, dtype, base=10000.0, offset=0):
+    """teo's table: angle and sin/cos in double, each entry rounded once,
+    for positions offset .. offset + seq_len - 1.
 
     (A base other than 10000 is mutant pe_base_1000.)"""
     table = np.empty((seq_len, d_model), dtype=np.float64)
     for pos in range(seq_len):
         for c in range(d_model):
             two_i = c - c % 2
-            angle = float(pos) / math.pow(base, float(two_i) / d_model)
+            angle = float(offset + pos) / math.pow(base, float(two_i) / d_model)
             table[pos, c] = math.sin(angle) if c % 2 == 0 else math.cos(angle)
     return torch.from_numpy(table).to(dtype)
 
@@ -445,20 +456,112 @@ def softmax(x):
     return torch.softmax(x, dim=-1)
 
 
-def attention(q, k, v, visible, alpha, drop, site, variant=AS_GOLDEN):
+def rope_inv_freq(cfg, dim, seq_end):
+    """RoPE's inverse frequencies and attention factor, as Hugging Face's
+    modeling_rope_utils computes them (_compute_default_rope_parameters,
+    _compute_linear_scaling_rope_parameters,
+    _compute_dynamic_ntk_parameters, _compute_yarn_parameters), written out
+    here in float64."""
+    sc = cfg["rope_scaling"]
+    kind = sc.get("type", "none")
+    base = float(cfg["rope_base"])
+    factor = float(sc.get("factor", 1.0))
+    original = sc.get("original_max_len") or cfg["max_len"]
+    if kind == "ntk":
+        seq_len = max(seq_end, original)
+        base = base * ((factor * seq_len / original) - (factor - 1)) \
+            ** (dim / (dim - 2))
+    arange = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float64)
+    inv_freq = 1.0 / (base ** (arange / dim))
+    attention_factor = 1.0
+    if kind == "linear":
+        inv_freq = inv_freq / factor
+    elif kind == "yarn":
+        beta_fast = sc.get("beta_fast", 32.0)
+        beta_slow = sc.get("beta_slow", 1.0)
+
+        def find_correction_dim(num_rotations):
+            return (dim * math.log(original / (num_rotations * 2 * math.pi))) \
+                / (2 * math.log(base))
+        low = max(math.floor(find_correction_dim(beta_fast)), 0)
+        high = min(math.ceil(find_correction_dim(beta_slow)), dim - 1)
+        if low == high:
+            high += 0.001
+        linear = (torch.arange(dim // 2, dtype=torch.float64) - low) \
+            / (high - low)
+        ramp = torch.clamp(linear, 0, 1)
+        pos_freqs = base ** (arange / dim)
+        extrapolation = 1.0 / pos_freqs
+        interpolation = 1.0 / (factor * pos_freqs)
+        extrapolation_factor = 1 - ramp
+        inv_freq = interpolation * (1 - extrapolation_factor) \
+            + extrapolation * extrapolation_factor
+        attention_factor = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+    return inv_freq, attention_factor
+
+
+def rope_rotate(x, cos, sin, style, dim):
+    """Rotates the first `dim` features of x (..., S, Dh) by position:
+    Hugging Face's q * cos + rotate_half(q) * sin for neox, and the same on
+    (even, odd) pairs for interleaved. cos, sin: (S, dim / 2)."""
+    rot, rest = x[..., :dim], x[..., dim:]
+    if style == "neox":
+        c = torch.cat([cos, cos], dim=-1)
+        s = torch.cat([sin, sin], dim=-1)
+        half = dim // 2
+        rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+        out = rot * c + rotated * s
+    else:
+        even, odd = rot[..., 0::2], rot[..., 1::2]
+        out = torch.stack([even * cos - odd * sin, odd * cos + even * sin],
+                          dim=-1).flatten(-2)
+    return torch.cat([out, rest], dim=-1)
+
+
+def alibi_slopes(num_heads, max_bias):
+    """ALiBi slopes as Hugging Face's build_alibi_tensor (BLOOM) computes
+    them, with max_bias in place of its fixed 8, in float64."""
+    closest = 2 ** math.floor(math.log2(num_heads))
+    base = 2 ** (-max_bias / closest)
+    powers = torch.arange(1, 1 + closest, dtype=torch.float64)
+    slopes = torch.pow(torch.tensor(base, dtype=torch.float64), powers)
+    if closest != num_heads:
+        extra_base = 2 ** (-max_bias / (2 * closest))
+        remaining = min(closest, num_heads - closest)
+        extra = torch.arange(1, 1 + 2 * remaining, 2, dtype=torch.float64)
+        slopes = torch.cat([slopes, torch.pow(
+            torch.tensor(extra_base, dtype=torch.float64), extra)])
+    return slopes
+
+
+def attention(q, k, v, visible, alpha, drop, site, variant=AS_GOLDEN,
+              cap=None, bias=None, sink=None):
     """Scaled dot-product attention with teo's treatment of empty rows.
 
     visible: bool (B, 1 or H, S, S), True where key j is visible to query i.
+    cap: the logit soft-cap c; bias: (H, S, S) added after the cap (ALiBi);
+    sink: (H) logits that join each row's softmax (gpt-oss).
     Returns scores (-inf where masked), probs (before dropout), context.
     """
     raw = variant.matmul(q, k.transpose(-1, -2)) * alpha
+    if cap is not None:
+        raw = cap * torch.tanh(raw / cap)
+    if bias is not None:
+        raw = raw + bias
     scores = raw.masked_fill(~visible, float("-inf"))
-    # A row with no visible key: PyTorch's softmax would give NaN. teo
-    # defines its probs (and every gradient through it) as exactly 0, so the
-    # softmax sees a harmless finite row that is then multiplied out.
-    has_key = visible.any(dim=-1, keepdim=True)
-    safe = scores.masked_fill(~has_key, 0.0)
-    probs = torch.where(has_key, softmax(safe), torch.zeros_like(safe))
+    if sink is not None:
+        # softmax([scores, sink]) without the sink's column; a row with no
+        # visible key gives the sink everything and its keys 0.
+        B, H, S, _ = scores.shape
+        column = sink.to(scores.dtype)[None, :, None, None].expand(B, H, S, 1)
+        probs = softmax(torch.cat([scores, column], dim=-1))[..., :S]
+    else:
+        # A row with no visible key: PyTorch's softmax would give NaN. teo
+        # defines its probs (and every gradient through it) as exactly 0, so
+        # the softmax sees a harmless finite row that is then multiplied out.
+        has_key = visible.any(dim=-1, keepdim=True)
+        safe = scores.masked_fill(~has_key, 0.0)
+        probs = torch.where(has_key, softmax(safe), torch.zeros_like(safe))
     context = variant.matmul(drop(site, probs), v)
     return scores, probs, context
 
@@ -476,30 +579,55 @@ def layer_norm(x, prefix, P, eps):
     return F.layer_norm(x, (x.shape[-1],), w, b, eps)
 
 
-def encoder_layer(x, i, cfg, P, visible, drop, acts, variant=AS_GOLDEN):
+def encoder_layer(x, i, cfg, P, visible, drop, acts, variant=AS_GOLDEN,
+                  rope=None):
     B, S, D = x.shape
     H = cfg["num_heads"]
     Dh = D // H
+    Hkv = cfg["num_kv_heads"] or H
     p = "layers.%d." % i
     eps = cfg["layer_norm_eps"]
     root = Dh if variant.mutant == "scores_1_over_dh" else math.sqrt(Dh)
     alpha = torch.tensor(1.0 / root, dtype=torch.float64).to(x.dtype)
     linear = variant.linear
 
-    def heads(y):
+    def heads(y, n=H):
         if variant.mutant == "heads_interleaved":
-            return y.reshape(B, S, Dh, H).permute(0, 3, 1, 2)
-        return y.reshape(B, S, H, Dh).transpose(1, 2)
+            return y.reshape(B, S, Dh, n).permute(0, 3, 1, 2)
+        return y.reshape(B, S, n, Dh).transpose(1, 2)
 
     if cfg["norm_first"]:
         attn_in = acts[p + "norm1"] = layer_norm(x, p + "norm1", P, eps)
     else:
         attn_in = x
     q = heads(linear(attn_in, P[p + "attn.q.weight"], P[p + "attn.q.bias"]))
-    k = heads(linear(attn_in, P[p + "attn.k.weight"], P[p + "attn.k.bias"]))
-    v = heads(linear(attn_in, P[p + "attn.v.weight"], P[p + "attn.v.bias"]))
-    scores, probs, ctx = attention(q, k, v, visible, alpha, drop,
-                                   "dropout." + p + "attn", variant)
+    k = heads(linear(attn_in, P[p + "attn.k.weight"], P[p + "attn.k.bias"]),
+              Hkv)
+    v = heads(linear(attn_in, P[p + "attn.v.weight"], P[p + "attn.v.bias"]),
+              Hkv)
+    qa, ka = q, k
+    if rope is not None:
+        cos, sin, dim = rope
+        qa = acts[p + "q_rot"] = rope_rotate(q, cos, sin, cfg["rope_style"],
+                                             dim)
+        ka = acts[p + "k_rot"] = rope_rotate(k, cos, sin, cfg["rope_style"],
+                                             dim)
+    # Hugging Face's repeat_kv: K/V head g serves query heads g*G .. g*G+G-1.
+    ka = ka.repeat_interleave(H // Hkv, dim=1)
+    va = v.repeat_interleave(H // Hkv, dim=1)
+    bias = None
+    if cfg["positional"] == "alibi":
+        ij = torch.arange(S)[:, None] - torch.arange(S)[None, :]
+        dist = ij if cfg["causal"] else ij.abs()
+        slopes = alibi_slopes(H, cfg["alibi_max_bias"])
+        bias = (-slopes[:, None, None] * dist.to(torch.float64)).to(x.dtype)
+    cap = cfg["attn_logit_softcap"]
+    if cap is not None:
+        cap = torch.tensor(cap, dtype=torch.float64).to(x.dtype)
+    sink = P[p + "attn.sinks"] if cfg["attn_sinks"] else None
+    scores, probs, ctx = attention(qa, ka, va, visible, alpha, drop,
+                                   "dropout." + p + "attn", variant,
+                                   cap=cap, bias=bias, sink=sink)
     context = ctx.transpose(1, 2).reshape(B, S, D)
     attn_out = linear(context, P[p + "attn.o.weight"], P[p + "attn.o.bias"])
     residual1 = x + drop("dropout." + p + "residual1", attn_out)
@@ -612,26 +740,44 @@ def run_case(cfg, case, tensors, variant=AS_GOLDEN):
     scale = torch.tensor(math.sqrt(D) if cfg["embed_scale"] else 1.0,
                          dtype=torch.float64).to(dtype)
     embedding = F.embedding(tokens, P["embedding.weight"]) * scale
+    P0 = cfg["position_offset"]
     if cfg["positional"] == "learned":
-        positional = P["pos_embedding.weight"][:S]
-    else:
+        positional = P["pos_embedding.weight"][P0:P0 + S]
+    elif cfg["positional"] == "sinusoidal":
         base = 1000.0 if variant.mutant == "pe_base_1000" else 10000.0
-        positional = sinusoidal_table(S, D, dtype, base).requires_grad_(True)
+        positional = sinusoidal_table(S, D, dtype, base,
+                                      P0).requires_grad_(True)
+    else:  # none, rope and alibi add nothing to the embeddings
+        positional = torch.zeros((S, D), dtype=dtype, requires_grad=True)
     x = drop("dropout.input", embedding + positional)
     acts.update({"embedding": embedding, "positional": positional,
                  "input": x})
 
-    # visible[b, 0, i, j]: key j is a real token, and (causal) j <= i.
+    # visible[b, 0, i, j]: key j is a real token, and (causal) j <= i, and
+    # (sliding window W) i - j < W, or |i - j| < W without the causal mask.
     j = torch.arange(S)
     visible = j[None, None, :] < lengths[:, None, None]           # (B, 1, S)
     visible = visible.expand(B, S, S)
     if cfg["causal"]:
         reach = 1 if variant.mutant == "causal_off_by_one" else 0
         visible = visible & (j[None, :, None] + reach >= j[None, None, :])
+    if cfg["sliding_window"] is not None:
+        dist = (j[:, None] - j[None, :]).abs()
+        visible = visible & (dist < cfg["sliding_window"])[None]
     visible = visible[:, None, :, :]  # (B, 1, S, S)
 
+    rope = None
+    if cfg["positional"] == "rope":
+        Dh = D // cfg["num_heads"]
+        dim = cfg["rotary_dim"] if cfg["rotary_dim"] is not None else Dh
+        inv_freq, factor = rope_inv_freq(cfg, dim, P0 + S)
+        pos = torch.arange(P0, P0 + S, dtype=torch.float64)
+        freqs = pos[:, None] * inv_freq[None, :]               # (S, dim/2)
+        rope = ((freqs.cos() * factor).to(dtype),
+                (freqs.sin() * factor).to(dtype), dim)
+
     for i in range(cfg["num_layers"]):
-        x = encoder_layer(x, i, cfg, P, visible, drop, acts, variant)
+        x = encoder_layer(x, i, cfg, P, visible, drop, acts, variant, rope)
     if cfg["norm_first"]:
         x = acts["final_norm"] = layer_norm(
             x, "final_norm", P, cfg["layer_norm_eps"])
@@ -665,6 +811,8 @@ def required_act_names(cfg):
         names += [p + n for n in (
             "norm1", "q", "k", "v", "scores", "probs", "context", "attn_out",
             "residual1", "norm2", "ffn_hidden", "ffn_out", "output")]
+        if cfg["positional"] == "rope":
+            names += [p + "q_rot", p + "k_rot"]
     if cfg["norm_first"]:
         names.append("final_norm")
     return names + ["pooled", "logits", "loss"]
@@ -733,7 +881,7 @@ def cross_check(cfg, acts, extra, name):
     the run fail (exit 1)."""
     P, lengths, _ = extra
     if cfg["dropout"] != 0 or cfg["activation"] == "gelu_tanh" \
-            or cfg["num_layers"] == 0:
+            or cfg["num_layers"] == 0 or has_variants(cfg):
         return
     dtype = acts["input"].dtype
     pad, causal = torch_masks(cfg, lengths, acts["input"].shape[1])
@@ -756,6 +904,14 @@ def cross_check(cfg, acts, extra, name):
             raise Mismatch("%s: layer %d differs from "
                            "nn.TransformerEncoderLayer by %.3g (bound %.3g)"
                            % (name, i, err, tol * scale))
+
+
+def has_variants(cfg):
+    """Whether cfg uses an attention variant nn.TransformerEncoderLayer
+    cannot express (it has no GQA, RoPE, ALiBi, window, cap or sink)."""
+    return any(cfg[k] != CONFIG_DEFAULTS[k] for k in (
+        "num_kv_heads", "sliding_window", "attn_logit_softcap",
+        "attn_sinks")) or cfg["positional"] in ("rope", "alibi")
 
 
 def transformer_layer_outputs(cfg, acts, extra):

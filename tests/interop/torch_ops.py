@@ -254,7 +254,8 @@ def op_cross_entropy(spec, T, mode):
 
 
 def op_encoder_layer(spec, T, mode):
-    cfg = dict(spec)
+    cfg = dict(tb.CONFIG_DEFAULTS)
+    cfg.update(spec)
     if mode.mutant == "layer_post_as_pre":
         cfg["norm_first"] = not cfg["norm_first"]
     x, lengths = T["input.x"], T["input.lengths"]

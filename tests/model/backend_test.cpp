@@ -27,6 +27,25 @@ EncoderConfig backend_config(bool pre) {
   return c;
 }
 
+// The plain post- and pre-norm layers, and two with every attention variant: GQA with RoPE
+// (partial, YaRN, an offset), a window, a soft-cap and sinks; MQA with ALiBi and a window.
+std::vector<EncoderConfig> backend_configs() {
+  EncoderConfig rope = backend_config(true);
+  rope.num_kv_heads = 2;
+  rope.positional = Positional::rope;
+  rope.rotary_dim = 12;
+  rope.rope_scaling = {.type = RopeScalingType::yarn, .factor = 4.0, .original_max_len = 16};
+  rope.position_offset = 1000;
+  rope.sliding_window = 9;
+  rope.attn_logit_softcap = 2.0;
+  rope.attn_sinks = true;
+  EncoderConfig alibi = backend_config(false);
+  alibi.num_kv_heads = 1;
+  alibi.positional = Positional::alibi;
+  alibi.sliding_window = 17;
+  return {backend_config(false), backend_config(true), rope, alibi};
+}
+
 template <class Real>
 struct Run {
   Activations<Real> acts, dacts;
@@ -71,8 +90,8 @@ TYPED_TEST_SUITE(Backends, test::Dtypes);
 TYPED_TEST(Backends, SimdAndBlasMatchTheReferenceOnEveryStage) {
   using Real = TypeParam;
   const double tol = std::is_same_v<Real, float> ? 2e-4 : 1e-11;
-  for (bool pre : {false, true}) {
-    const EncoderConfig c = backend_config(pre);
+  for (const EncoderConfig& c : backend_configs()) {
+    const bool pre = c.norm_first;
     auto p = Params<Real>::init(c, 3);
     const Batch b = Batch::random(c, 6, 33, 4, {33, 1, 0, 20, 33, 7});
     set_backend(Backend::reference);
@@ -85,7 +104,8 @@ TYPED_TEST(Backends, SimdAndBlasMatchTheReferenceOnEveryStage) {
     for (Backend be : {Backend::simd, Backend::blas}) {
       set_backend(be);
       const Run<Real> got = run(p, b);
-      const std::string tag = std::string(to_string(be)) + (pre ? " pre-norm " : " post-norm ");
+      const std::string tag = std::string(to_string(be)) + (pre ? " pre-norm " : " post-norm ") +
+                              to_string(c.positional) + " ";
       for (const auto& [n, v] : test::named(got.acts))
         EXPECT_LE(test::compare(v, wa.at(n)), tol) << tag << "act." << n;
       for (const auto& [n, v] : test::named(got.dacts))
@@ -98,24 +118,26 @@ TYPED_TEST(Backends, SimdAndBlasMatchTheReferenceOnEveryStage) {
 
 TYPED_TEST(Backends, EveryBackendIsBitwiseDeterministicAcrossThreadCounts) {
   using Real = TypeParam;
-  const EncoderConfig c = backend_config(false);
-  const auto p = Params<Real>::init(c, 5);
-  const Batch b = Batch::random(c, 6, 33, 6, {33, 2, 0, 33, 17, 9});
-  for (Backend be : {Backend::reference, Backend::simd, Backend::blas}) {
-    set_backend(be);
-    set_num_threads(1);
-    const Run<Real> want = run(p, b);
-    for (int t : {2, 7, 2}) {
-      set_num_threads(t);
-      EXPECT_TRUE(bitwise_equal(run(p, b), want)) << to_string(be) << " threads=" << t;
+  const auto configs = backend_configs();
+  for (const EncoderConfig& c : {configs[0], configs[2], configs[3]}) {
+    const auto p = Params<Real>::init(c, 5);
+    const Batch b = Batch::random(c, 6, 33, 6, {33, 2, 0, 33, 17, 9});
+    for (Backend be : {Backend::reference, Backend::simd, Backend::blas}) {
+      set_backend(be);
+      set_num_threads(1);
+      const Run<Real> want = run(p, b);
+      for (int t : {2, 7, 2}) {
+        set_num_threads(t);
+        EXPECT_TRUE(bitwise_equal(run(p, b), want))
+            << to_string(be) << " threads=" << t << " " << to_string(c.positional);
+      }
     }
   }
 }
 
 TYPED_TEST(Backends, SimdIsBitwiseIdenticalAcrossIsas) {
   using Real = TypeParam;
-  for (bool pre : {false, true}) {
-    const EncoderConfig c = backend_config(pre);
+  for (const EncoderConfig& c : backend_configs()) {
     const auto p = Params<Real>::init(c, 7);
     const Batch b = Batch::random(c, 5, 40, 8, {40, 3, 0, 39, 12});
     set_backend(Backend::simd);
@@ -124,7 +146,7 @@ TYPED_TEST(Backends, SimdIsBitwiseIdenticalAcrossIsas) {
     for (Isa i : supported_isas()) {
       set_isa(i);
       set_num_threads(2);
-      EXPECT_TRUE(bitwise_equal(run(p, b), want)) << to_string(i);
+      EXPECT_TRUE(bitwise_equal(run(p, b), want)) << to_string(i) << " " << to_string(c.positional);
     }
   }
 }

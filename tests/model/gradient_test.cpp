@@ -93,6 +93,92 @@ std::vector<GradCase> cases() {
     c.num_layers = 0;
     c.pooling = Pooling::max;
   });
+  // The attention variants, alone and combined (docs/semantics.md, "Attention variants").
+  add("GqaTwoKvHeadsOfFour", {4, 1, 3}, [](EncoderConfig& c) {
+    c.num_heads = 4;
+    c.num_kv_heads = 2;
+  });
+  add("MqaPreNormCausal", {4, 2, 0}, [](EncoderConfig& c) {
+    c.num_heads = 4;
+    c.num_kv_heads = 1;
+    c.norm_first = true;
+    c.causal = true;
+  });
+  add("RopeNeoxPartialOffset", {4, 3, 1}, [](EncoderConfig& c) {
+    c.positional = Positional::rope;
+    c.rotary_dim = 2;
+    c.position_offset = 3;
+  });
+  add("RopeInterleavedYarnLargeOffset", {4, 2, 4}, [](EncoderConfig& c) {
+    c.positional = Positional::rope;
+    c.rope_style = RopeStyle::interleaved;
+    c.rope_scaling = {.type = RopeScalingType::yarn, .factor = 4.0, .original_max_len = 2};
+    c.position_offset = 100000;
+  });
+  add("RopeNtkBeyondTheOriginalContext", {4, 4, 2}, [](EncoderConfig& c) {
+    c.positional = Positional::rope;
+    c.rope_scaling = {.type = RopeScalingType::ntk, .factor = 2.0, .original_max_len = 3};
+    c.num_layers = 1;
+  });
+  add("RopeLinearCausal", {4, 1, 2}, [](EncoderConfig& c) {
+    c.positional = Positional::rope;
+    c.rope_scaling = {.type = RopeScalingType::linear, .factor = 3.0};
+    c.causal = true;
+  });
+  add("AlibiCausalThreeHeads", {4, 3, 1}, [](EncoderConfig& c) {
+    c.d_model = 9;
+    c.num_heads = 3;
+    c.positional = Positional::alibi;
+    c.causal = true;
+  });
+  add("AlibiBidirectionalMaxBias", {4, 2, 4}, [](EncoderConfig& c) {
+    c.positional = Positional::alibi;
+    c.alibi_max_bias = 2.0;
+  });
+  add("SlidingWindowCausal2", {4, 3, 0}, [](EncoderConfig& c) {
+    c.causal = true;
+    c.sliding_window = 2;
+  });
+  add("SlidingWindowBidirectional1", {4, 2, 3}, [](EncoderConfig& c) { c.sliding_window = 1; });
+  add("SoftcapHalf", {4, 2, 3}, [](EncoderConfig& c) { c.attn_logit_softcap = 0.5; });
+  add("SinksFullyMaskedRow", {4, 0, 2}, [](EncoderConfig& c) {
+    c.attn_sinks = true;
+    c.causal = true;
+  });
+  add("GqaRopeWindow", {4, 3, 2}, [](EncoderConfig& c) {
+    c.num_heads = 4;
+    c.num_kv_heads = 2;
+    c.positional = Positional::rope;
+    c.sliding_window = 2;
+    c.causal = true;
+  });
+  add("SinksWithSoftcap", {4, 1, 3}, [](EncoderConfig& c) {
+    c.attn_sinks = true;
+    c.attn_logit_softcap = 0.7;
+  });
+  add("EverythingRopeDropoutPre", {4, 0, 3}, [](EncoderConfig& c) {
+    c.num_heads = 4;
+    c.num_kv_heads = 2;
+    c.positional = Positional::rope;
+    c.rotary_dim = 2;
+    c.rope_scaling = {.type = RopeScalingType::yarn, .factor = 2.0};
+    c.position_offset = 7;
+    c.sliding_window = 3;
+    c.attn_logit_softcap = 0.8;
+    c.attn_sinks = true;
+    c.norm_first = true;
+    c.dropout = 0.2;
+  });
+  add("EverythingAlibiCausal", {4, 2, 1}, [](EncoderConfig& c) {
+    c.d_model = 12;
+    c.num_heads = 6;
+    c.num_kv_heads = 3;
+    c.positional = Positional::alibi;
+    c.causal = true;
+    c.sliding_window = 2;
+    c.attn_logit_softcap = 0.6;
+    c.attn_sinks = true;
+  });
   return out;
 }
 

@@ -7,9 +7,9 @@ namespace teo {
 
 // The sinusoidal table, computed in double and rounded once to Real:
 //   PE(pos, 2i) = sin(pos / 10000^(2i / D)),  PE(pos, 2i + 1) = cos(pos / 10000^(2i / D)).
-// An odd D ends with a sin column. out (S, D).
+// An odd D ends with a sin column. out (S, D) holds positions offset .. offset + S - 1.
 template <class Real>
-void sinusoidal_table(Real* out, index_t seq_len, index_t d);
+void sinusoidal_table(Real* out, index_t seq_len, index_t d, index_t offset = 0);
 
 // out[b, s, :] = in[b, s, :] + pe[s, :]. out, in (B, S, D); pe (S, D). out may alias in.
 template <class Real>

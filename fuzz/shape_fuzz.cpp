@@ -60,7 +60,30 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   cfg.embed_scale = in.flag();
   cfg.activation = static_cast<teo::Activation>(in.byte() % 3);
   cfg.pooling = static_cast<teo::Pooling>(in.byte() % 3);
-  cfg.positional = static_cast<teo::Positional>(in.byte() % 2);
+  cfg.positional = static_cast<teo::Positional>(in.byte() % 5);
+  // The attention variants, with their invalid values (validation must name each).
+  if (in.flag()) cfg.num_kv_heads = in.pick(0, 4);
+  if (cfg.positional == teo::Positional::rope) {
+    cfg.rope_style = in.flag() ? teo::RopeStyle::interleaved : teo::RopeStyle::neox;
+    if (in.flag()) cfg.rotary_dim = in.pick(-2, 10);
+    if (in.byte() == 3) cfg.rope_base = in.real01() * 4;  // below 1 now and then
+    cfg.rope_scaling.type = static_cast<teo::RopeScalingType>(in.byte() % 4);
+    if (cfg.rope_scaling.type != teo::RopeScalingType::none) {
+      cfg.rope_scaling.factor = 0.5 + in.real01() * 8;  // below 1 now and then
+      if (cfg.rope_scaling.type != teo::RopeScalingType::linear && in.flag())
+        cfg.rope_scaling.original_max_len = in.pick(0, 30);
+      if (cfg.rope_scaling.type == teo::RopeScalingType::yarn && in.flag()) {
+        cfg.rope_scaling.beta_fast = in.real01() * 64;
+        cfg.rope_scaling.beta_slow = in.real01() * 2;
+      }
+    }
+  }
+  if (cfg.positional == teo::Positional::alibi && in.flag())
+    cfg.alibi_max_bias = in.real01() * 16 - 1;
+  if (in.flag()) cfg.position_offset = in.pick(0, 200000);
+  if (in.flag()) cfg.sliding_window = in.pick(0, 30);
+  if (in.flag()) cfg.attn_logit_softcap = in.byte() == 2 ? -1.0 : in.real01() * 5;
+  cfg.attn_sinks = in.flag();
   cfg.dropout = in.byte() < 200 ? 0.0 : in.real01() * 1.1;
   cfg.label_smoothing = in.byte() < 200 ? 0.0 : in.real01() * 1.1;
   cfg.layer_norm_eps = in.byte() == 0 ? -1.0 : 1e-5;

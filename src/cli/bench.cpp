@@ -10,11 +10,40 @@
 
 namespace teo::cli {
 
+namespace {
+
+// The preset with the keys of `with` (a JSON object) over its config; ConfigError naming a bad key.
+bench::Preset with_keys(bench::Preset p, const std::string& with) {
+  if (with.empty()) return p;
+  nlohmann::json j = p.config.to_json();
+  nlohmann::json over;
+  try {
+    over = nlohmann::json::parse(with);
+  } catch (const nlohmann::json::exception& e) {
+    throw ConfigError(std::string("--with is not valid JSON: ") + e.what());
+  }
+  if (!over.is_object()) throw ConfigError("--with must be a JSON object of config keys");
+  j.update(over);
+  try {
+    p.config = EncoderConfig::from_json(j);
+  } catch (const ConfigError& e) {
+    throw ConfigError(std::string("--with: ") + e.what());
+  }
+  return p;
+}
+
+bench::Result measure(const bench::Preset& p, const BenchOptions& o) {
+  return o.dtype == "float64" ? bench::measure<double>(p, o.repeats, o.warmup)
+                              : bench::measure<float>(p, o.repeats, o.warmup);
+}
+
+}  // namespace
+
 int run_bench(const BenchOptions& o, std::ostream& out) {
-  const bench::Preset p = bench::preset(o.preset);
+  const bench::Preset plain = bench::preset(o.preset);
+  const bench::Preset p = with_keys(plain, o.with);
   const EncoderConfig& cfg = p.config;
-  const bench::Result r = o.dtype == "float64" ? bench::measure<double>(p, o.repeats, o.warmup)
-                                               : bench::measure<float>(p, o.repeats, o.warmup);
+  const bench::Result r = measure(p, o);
   const double fwd = bench::median(r.fwd_ms), fwd_bwd = bench::median(r.fwd_bwd_ms);
   const double gflops_fwd = r.flops / (fwd * 1e6), gflops_fwd_bwd = 3 * r.flops / (fwd_bwd * 1e6);
   if (o.json) {
@@ -65,6 +94,16 @@ int run_bench(const BenchOptions& o, std::ostream& out) {
         << " emulation: forward+backward median " << efb << " ms against " << fwd_bwd
         << " ms in float32: +" << std::setprecision(1) << 100 * (efb / fwd_bwd - 1)
         << "% for the rounding\n";
+  }
+  if (!o.with.empty()) {
+    // The plain preset, timed in the same process: the variant's cost as a ratio of one run.
+    const bench::Result b = measure(plain, o);
+    const double bf = bench::median(b.fwd_ms), bfb = bench::median(b.fwd_bwd_ms);
+    out << std::fixed << std::setprecision(2) << "\n  with " << o.with << ": forward " << fwd
+        << " ms against " << bf << " ms for the plain preset (" << std::showpos
+        << std::setprecision(1) << 100 * (fwd / bf - 1) << "%), forward+backward " << std::noshowpos
+        << std::setprecision(2) << fwd_bwd << " ms against " << bfb << " ms (" << std::showpos
+        << std::setprecision(1) << 100 * (fwd_bwd / bfb - 1) << std::noshowpos << "%)\n";
   }
   out << std::fixed << std::setprecision(2) << "\n  forward           median " << fwd
       << " ms  (min " << *std::min_element(r.fwd_ms.begin(), r.fwd_ms.end()) << ")  "

@@ -28,6 +28,7 @@ struct BenchOptions {
   int warmup = 1;
   bool json = false;
   std::string precision;  // "": none; tf32, bf16 or fp16: also time the emulation (float32)
+  std::string with;       // a JSON object of config keys over the preset's (attention variants)
 };
 int run_bench(const BenchOptions& opts, std::ostream& out);
 

@@ -56,6 +56,10 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 1000));
   bench->add_option("--warmup", bench_opts.warmup, "untimed runs first")->check(CLI::Range(0, 100));
   bench->add_flag("--json", bench_opts.json, "print one JSON line");
+  bench->add_option("--with", bench_opts.with,
+                    "config keys over the preset's, as a JSON object (e.g. "
+                    "'{\"num_kv_heads\": 4, \"positional\": \"rope\"}'); the plain preset is "
+                    "timed too and the cost printed");
   bench->add_option("--precision", bench_opts.precision,
                     "tf32, bf16 or fp16: also time the emulated pass and print its cost");
   CLI::App* golden =

@@ -23,6 +23,7 @@
 #include "teo/layers/linear.hpp"
 #include "teo/layers/pooling.hpp"
 #include "teo/layers/positional.hpp"
+#include "teo/layers/rope.hpp"
 #include "teo/layers/softmax.hpp"
 #include "teo/model.hpp"
 #include "teo/rng.hpp"
@@ -72,7 +73,7 @@ constexpr std::int64_t kMaxDim = std::int64_t{1} << 31;
 struct Spec {
   Op op = Op::linear;
   index_t rows = 0, cols = 0, in_f = 0, out_f = 0;
-  index_t batch = 0, heads = 0, seq = 0, d_head = 0;
+  index_t batch = 0, heads = 0, seq = 0, d_head = 0, kv_heads = 0;
   std::vector<std::int64_t> lengths;  // attention, pooling, encoder_layer: (B); softmax: visible
   // Lengths not given: (count, value), filled in by fill_defaults once the size is accepted.
   std::optional<std::pair<index_t, index_t>> full_lengths;
@@ -190,7 +191,9 @@ std::vector<const char*> config_keys(Op op) {
     case Op::dropout:
       return {"dropout"};
     case Op::attention:
-      return {"causal"};
+      return {"causal",         "positional",         "rope_style",     "rotary_dim",
+              "rope_base",      "rope_scaling",       "alibi_max_bias", "position_offset",
+              "sliding_window", "attn_logit_softcap", "attn_sinks"};
     case Op::embedding:
       return {"positional", "embed_scale"};
     case Op::pooling:
@@ -198,8 +201,13 @@ std::vector<const char*> config_keys(Op op) {
     case Op::cross_entropy:
       return {"label_smoothing"};
     case Op::encoder_layer:
-      return {"d_model",    "num_heads", "d_ff",           "activation",
-              "norm_first", "causal",    "layer_norm_eps", "dropout"};
+      return {"d_model",         "num_heads",      "d_ff",
+              "activation",      "norm_first",     "causal",
+              "layer_norm_eps",  "dropout",        "num_kv_heads",
+              "positional",      "rope_style",     "rotary_dim",
+              "rope_base",       "rope_scaling",   "alibi_max_bias",
+              "position_offset", "sliding_window", "attn_logit_softcap",
+              "attn_sinks"};
     case Op::linear:
     case Op::softmax:
       return {};
@@ -213,13 +221,44 @@ const char* lengths_key(Op op) {
   return op == Op::attention || op == Op::pooling || op == Op::encoder_layer ? "lengths" : nullptr;
 }
 
+// The attention ops' positions: inside attention only (none, rope or alibi, default none). RoPE
+// takes its rotary_dim from d_head, and its scaling's original context from seq_len, unless given;
+// both are then spelled out in the normalised spec.
+void attention_positions(Spec& s, const char* op) {
+  EncoderConfig& c = s.cfg;
+  if (c.positional == Positional::sinusoidal || c.positional == Positional::learned) {
+    throw ConfigError(std::string("spec.positional of the ") + op +
+                      " op is \"none\", \"rope\" or \"alibi\", got \"" + to_string(c.positional) +
+                      "\"");
+  }
+  if (c.positional != Positional::rope) return;
+  const index_t r = c.rotary_dim.value_or(s.d_head);
+  if (r % 2 != 0 || r > s.d_head) {
+    throw ConfigError("spec.rotary_dim must be even and in [0, d_head = " +
+                      std::to_string(s.d_head) + "], got " + std::to_string(r));
+  }
+  if (c.rope_scaling.type == RopeScalingType::ntk && r == 2) {
+    throw ConfigError("spec.rope_scaling of type \"ntk\" needs rotary_dim > 2");
+  }
+  c.rotary_dim = r;
+  const auto t = c.rope_scaling.type;
+  if ((t == RopeScalingType::ntk || t == RopeScalingType::yarn) && !c.rope_scaling.original_max_len)
+    c.rope_scaling.original_max_len = s.seq;
+}
+
 Spec parse_spec(Op op, Reader& r) {
   Spec s;
   s.op = op;
   // One layer of a model whose vocabulary and head are as small as they can be (they are unused).
-  const json base = op == Op::encoder_layer
-                        ? json{{"num_layers", 1}, {"vocab_size", 1}, {"num_classes", 1}}
-                        : json::object();
+  // The attention op's config only carries its options: one head of a width that admits any
+  // rotary_dim the spec's d_head can (checked against d_head below).
+  json base = json::object();
+  if (op == Op::encoder_layer) {
+    base = json{{"num_layers", 1}, {"vocab_size", 1}, {"num_classes", 1}, {"positional", "none"}};
+  } else if (op == Op::attention) {
+    base = json{{"num_layers", 0}, {"vocab_size", 1}, {"num_classes", 1}, {"d_ff", 1},
+                {"max_len", 1},    {"num_heads", 1},  {"d_model", 32768}, {"positional", "none"}};
+  }
   s.cfg = r.config(config_keys(op), base);
   switch (op) {
     case Op::linear:
@@ -243,7 +282,13 @@ Spec parse_spec(Op op, Reader& r) {
       s.heads = r.size("num_heads", 1);
       s.seq = r.size("seq_len", 1);
       s.d_head = r.size("d_head", 1);
+      s.kv_heads = r.has("num_kv_heads") ? r.size("num_kv_heads", 1) : s.heads;
+      if (s.heads % s.kv_heads != 0) {
+        throw ConfigError("spec.num_kv_heads must divide num_heads = " + std::to_string(s.heads) +
+                          ", got " + std::to_string(s.kv_heads));
+      }
       s.scale = r.number("scale");
+      attention_positions(s, "attention");
       {
         const std::int64_t ss = checked_mul(
             checked_mul(checked_mul(s.batch, s.heads, "attention scores"), s.seq, "scores"), s.seq,
@@ -256,6 +301,11 @@ Spec parse_spec(Op op, Reader& r) {
       s.seq = r.size("seq_len", 1);
       s.vocab = r.size("vocab_size", 1);
       s.cols = r.size("d_model", 1);
+      if (s.cfg.positional != Positional::sinusoidal && s.cfg.positional != Positional::learned) {
+        throw ConfigError(
+            "spec.positional of the embedding op is \"sinusoidal\" or \"learned\", got \"" +
+            std::string(to_string(s.cfg.positional)) + "\"");
+      }
       s.max_len = s.cfg.positional == Positional::learned
                       ? (r.has("max_len") ? r.size("max_len", 1) : s.seq)
                       : 0;
@@ -280,6 +330,8 @@ Spec parse_spec(Op op, Reader& r) {
       s.batch = r.size("batch", 0);
       s.seq = r.size("seq_len", 1);
       s.cols = s.cfg.d_model;
+      s.d_head = s.cfg.d_head();
+      attention_positions(s, "encoder_layer");
       break;
     }
   }
@@ -324,6 +376,7 @@ ojson spec_json(const Spec& s, const OpCase& c) {
       j["num_heads"] = s.heads;
       j["seq_len"] = s.seq;
       j["d_head"] = s.d_head;
+      if (s.kv_heads != s.heads) j["num_kv_heads"] = s.kv_heads;
       break;
     case Op::embedding:
       j["batch"] = s.batch;
@@ -347,7 +400,14 @@ ojson spec_json(const Spec& s, const OpCase& c) {
   }
   if (const char* key = lengths_key(s.op)) j[key] = s.lengths;
   const json cfg = s.cfg.to_json();
-  for (const char* key : config_keys(s.op)) j[key] = cfg.at(key);
+  // The variants' keys are spelled out when in use, as the model config writes them; so is the
+  // attention ops' positional, whose default is none.
+  const bool in_attention = s.op == Op::attention || s.op == Op::encoder_layer;
+  for (const char* key : config_keys(s.op)) {
+    if (!cfg.contains(key)) continue;
+    if (in_attention && std::string_view(key) == "positional" && cfg.at(key) == "none") continue;
+    j[key] = cfg.at(key);
+  }
   if (s.op == Op::linear) j["bias"] = s.bias;
   if (s.op == Op::attention) {
     j["scale"] = s.scale ? *s.scale : 1.0 / std::sqrt(static_cast<double>(s.d_head));
@@ -417,9 +477,20 @@ std::vector<Slot> layout(const Spec& s) {
       break;
     case Op::attention: {
       const Dims qkv = {s.batch, s.heads, s.seq, s.d_head};
-      for (const char* n : {"input.q", "input.k", "input.v"}) in.push_back(f(n, qkv, Role::input));
+      const Dims kv = {s.batch, s.kv_heads, s.seq, s.d_head};
+      in.push_back(f("input.q", qkv, Role::input));
+      in.push_back(f("input.k", kv, Role::input));
+      in.push_back(f("input.v", kv, Role::input));
       fixed.push_back({"input.lengths", DType::I64, {s.batch}, Role::input});
-      // In pipeline order, so that a wrong score is named before the context it spoils.
+      if (s.cfg.attn_sinks) in.push_back(f("param.sinks", {s.heads}, Role::param));
+      // In pipeline order, so that a wrong score is named before the context it spoils. A fused
+      // kernel may keep the rotated q and k to itself.
+      if (s.cfg.positional == Positional::rope) {
+        out.push_back(f("output.q_rot", qkv, Role::output));
+        out.back().optional = true;
+        out.push_back(f("output.k_rot", kv, Role::output));
+        out.back().optional = true;
+      }
       if (s.probs) {
         for (const char* n : {"output.scores", "output.probs"}) {
           out.push_back(f(n, {s.batch, s.heads, s.seq, s.seq}, Role::output));
@@ -461,6 +532,7 @@ std::vector<Slot> layout(const Spec& s) {
       }
       // The parameters' values come from the model's initialisation (make_op), not from amp.
       LayerParams<double> shapes;
+      shapes.has_sinks = c.attn_sinks;
       shapes.visit([&](const std::string& n, const Tensor<double>&) {
         in.push_back(
             f("param." + n, teo::detail::param_shape(c, "layers.0." + n).dims(), Role::param));
@@ -687,27 +759,70 @@ Results<Real> run(const Spec& s, const Values& v, std::uint64_t seed, std::optio
       const auto q = in("input.q"), k = in("input.k"), vv = in("input.v");
       const auto dc = in("grad.output.context");
       const auto& len = lengths_of(v, s);
-      Real* dq = r["grad.input.q"].data();
-      Real* dk = r["grad.input.k"].data();
+      const bool rope = s.cfg.positional == Positional::rope;
+      const Tensor<Real> sinks = s.cfg.attn_sinks ? in("param.sinks") : Tensor<Real>();
+      AttentionVariant<Real> var;
+      var.kv_heads = s.kv_heads;
+      var.window = s.cfg.sliding_window;
+      var.softcap = s.cfg.attn_logit_softcap;
+      if (s.cfg.positional == Positional::alibi) var.alibi_max_bias = s.cfg.alibi_max_bias;
+      if (s.cfg.attn_sinks) {
+        var.sinks = sinks.data();
+        var.dsinks = r["grad.param.sinks"].data();
+      }
+      // With RoPE, attention reads q_rot and k_rot, and its q and k gradients are rotated back.
+      Tensor<Real> qr, kr, dqr, dkr, cs, sn;
+      const index_t rd = s.cfg.rotary();
+      if (rope) {
+        cs = Tensor<Real>({s.seq, rd / 2});
+        sn = Tensor<Real>({s.seq, rd / 2});
+        rope_table(cs.data(), sn.data(), s.cfg, s.seq);
+        qr = zeros("output.q_rot");
+        kr = zeros("output.k_rot");
+        rope_forward(qr.data(), q.data(), cs.data(), sn.data(), s.batch * s.heads, s.seq, s.d_head,
+                     rd, s.cfg.rope_style);
+        rope_forward(kr.data(), k.data(), cs.data(), sn.data(), s.batch * s.kv_heads, s.seq,
+                     s.d_head, rd, s.cfg.rope_style);
+        r["output.q_rot"] = qr;
+        r["output.k_rot"] = kr;
+        done("output.q_rot");
+        done("output.k_rot");
+        qr = r["output.q_rot"];
+        kr = r["output.k_rot"];
+        dqr = zeros("output.q_rot");
+        dkr = zeros("output.k_rot");
+      }
+      const Real* qa = rope ? qr.data() : q.data();
+      const Real* ka = rope ? kr.data() : k.data();
+      Real* dq = rope ? dqr.data() : r["grad.input.q"].data();
+      Real* dk = rope ? dkr.data() : r["grad.input.k"].data();
       Real* dv = r["grad.input.v"].data();
       if (s.probs) {
         attention_forward(r["output.context"].data(), r["output.scores"].data(),
-                          r["output.probs"].data(), q.data(), k.data(), vv.data(), len.data(),
-                          nullptr, Real(1), s.batch, s.heads, s.seq, s.d_head, s.cfg.causal, false,
-                          s.scale);
+                          r["output.probs"].data(), qa, ka, vv.data(), len.data(), nullptr, Real(1),
+                          s.batch, s.heads, s.seq, s.d_head, s.cfg.causal, false, s.scale, var);
         done("output.context");
         auto dprobs = zeros("output.probs"), dscores = zeros("output.scores");
-        attention_backward(dq, dk, dv, dprobs.data(), dscores.data(), dc.data(), q.data(), k.data(),
-                           vv.data(), r["output.probs"].data(), nullptr, Real(1), s.batch, s.heads,
-                           s.seq, s.d_head, false, GradWrite::accumulate, s.scale);
+        attention_backward(dq, dk, dv, dprobs.data(), dscores.data(), dc.data(), qa, ka, vv.data(),
+                           r["output.probs"].data(), nullptr, Real(1), s.batch, s.heads, s.seq,
+                           s.d_head, false, GradWrite::accumulate, s.scale, var, len.data(),
+                           s.cfg.causal);
       } else {
-        attention_forward_rows(r["output.context"].data(), q.data(), k.data(), vv.data(),
-                               len.data(), s.batch, s.heads, s.seq, s.d_head, s.cfg.causal,
-                               s.scale);
+        attention_forward_rows(r["output.context"].data(), qa, ka, vv.data(), len.data(), s.batch,
+                               s.heads, s.seq, s.d_head, s.cfg.causal, s.scale, 0, var);
         done("output.context");
-        attention_backward_rows(dq, dk, dv, dc.data(), q.data(), k.data(), vv.data(), len.data(),
-                                s.batch, s.heads, s.seq, s.d_head, s.cfg.causal,
-                                GradWrite::accumulate, s.scale);
+        attention_backward_rows(dq, dk, dv, dc.data(), qa, ka, vv.data(), len.data(), s.batch,
+                                s.heads, s.seq, s.d_head, s.cfg.causal, GradWrite::accumulate,
+                                s.scale, 0, var);
+      }
+      if (rope) {
+        // in the forward pass this was: q_rot, k_rot = RoPE(q), RoPE(k)
+        store(dqr, p, "the gradient of output.q_rot");
+        store(dkr, p, "the gradient of output.k_rot");
+        rope_backward(r["grad.input.q"].data(), dqr.data(), cs.data(), sn.data(), s.batch * s.heads,
+                      s.seq, s.d_head, rd, s.cfg.rope_style);
+        rope_backward(r["grad.input.k"].data(), dkr.data(), cs.data(), sn.data(),
+                      s.batch * s.kv_heads, s.seq, s.d_head, rd, s.cfg.rope_style);
       }
       break;
     }
@@ -767,6 +882,7 @@ Results<Real> run(const Spec& s, const Values& v, std::uint64_t seed, std::optio
       const auto x = in("input.x"), dy = in("grad.output.y");
       const auto& len = lengths_of(v, s);
       LayerParams<Real> P, G;
+      P.has_sinks = s.cfg.attn_sinks;
       P.visit([&](const std::string& n, Tensor<Real>& t) { t = in("param." + n); });
       LayerActs<Real> L, dL;
       const bool drop = s.cfg.dropout > 0;

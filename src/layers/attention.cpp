@@ -339,7 +339,7 @@ void attention_backward(Real* dq, Real* dk, Real* dv, Real* dprobs, Real* dscore
   const Rules<Real> rules(variant, heads, d_head, causal, scale);
   const Real alpha = rules.alpha();
   const index_t ss = seq_len * seq_len, kv = rules.kv_heads(), group = rules.group();
-  if (rules.recompute() && !lengths) {
+  if (rules.recompute() && batch > 0 && !lengths) {
     throw ShapeError("attention_backward: a soft-cap or sinks need the lengths");
   }
   if (rules.sunk() && !variant.dsinks) {

@@ -47,4 +47,18 @@ TEST(Cli, BenchTableNamesEveryStageAndBothMedians) {
     EXPECT_NE(r.out.find(stage), std::string::npos) << stage << " missing from\n" << r.out;
 }
 
+TEST(Cli, BenchWithVariantKeysTimesThePlainPresetToo) {
+  const auto r = run_cli(
+      "bench --preset small --dtype float32 --threads 2 --repeats 1 --warmup 0 --with "
+      "'{\"num_kv_heads\": 2, \"positional\": \"rope\", \"attn_sinks\": true}'");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("ms for the plain preset"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("forward+backward"), std::string::npos) << r.out;
+  const auto bad = run_cli("bench --repeats 1 --warmup 0 --with '{\"sliding_window\": 0}'");
+  EXPECT_EQ(bad.code, 2) << bad.out;
+  EXPECT_NE(bad.out.find("sliding_window"), std::string::npos) << bad.out;
+  const auto junk = run_cli("bench --repeats 1 --warmup 0 --with '[1]'");
+  EXPECT_EQ(junk.code, 2) << junk.out;
+}
+
 }  // namespace

@@ -697,6 +697,38 @@ def loss_fn(logits, labels, smoothing):
     return F.cross_entropy(logits, labels, label_smoothing=smoothing)
 
 
+def visibility(cfg, lengths, S, off_by_one=False):
+    """visible[b, 0, i, j] (B, 1, S, S): key j is a real token, and (causal)
+    j <= i, and (sliding window W) i - j < W, or |i - j| < W without the
+    causal mask. off_by_one: mutant causal_off_by_one."""
+    B = lengths.shape[0]
+    j = torch.arange(S)
+    visible = j[None, None, :] < lengths[:, None, None]           # (B, 1, S)
+    visible = visible.expand(B, S, S)
+    if cfg["causal"]:
+        reach = 1 if off_by_one else 0
+        visible = visible & (j[None, :, None] + reach >= j[None, None, :])
+    if cfg["sliding_window"] is not None:
+        dist = (j[:, None] - j[None, :]).abs()
+        visible = visible & (dist < cfg["sliding_window"])[None]
+    return visible[:, None, :, :]
+
+
+def rope_tables(cfg, S, dtype):
+    """(cos, sin, rotary_dim) for positions position_offset .. + S - 1, or
+    None without RoPE: the angles in float64, cos and sin rounded once."""
+    if cfg["positional"] != "rope":
+        return None
+    P0 = cfg["position_offset"]
+    Dh = cfg["d_model"] // cfg["num_heads"]
+    dim = cfg["rotary_dim"] if cfg["rotary_dim"] is not None else Dh
+    inv_freq, factor = rope_inv_freq(cfg, dim, P0 + S)
+    pos = torch.arange(P0, P0 + S, dtype=torch.float64)
+    freqs = pos[:, None] * inv_freq[None, :]                   # (S, dim/2)
+    return ((freqs.cos() * factor).to(dtype), (freqs.sin() * factor).to(dtype),
+            dim)
+
+
 def run_case(cfg, case, tensors, variant=AS_GOLDEN):
     """Forward + backward.
 
@@ -753,29 +785,8 @@ def run_case(cfg, case, tensors, variant=AS_GOLDEN):
     acts.update({"embedding": embedding, "positional": positional,
                  "input": x})
 
-    # visible[b, 0, i, j]: key j is a real token, and (causal) j <= i, and
-    # (sliding window W) i - j < W, or |i - j| < W without the causal mask.
-    j = torch.arange(S)
-    visible = j[None, None, :] < lengths[:, None, None]           # (B, 1, S)
-    visible = visible.expand(B, S, S)
-    if cfg["causal"]:
-        reach = 1 if variant.mutant == "causal_off_by_one" else 0
-        visible = visible & (j[None, :, None] + reach >= j[None, None, :])
-    if cfg["sliding_window"] is not None:
-        dist = (j[:, None] - j[None, :]).abs()
-        visible = visible & (dist < cfg["sliding_window"])[None]
-    visible = visible[:, None, :, :]  # (B, 1, S, S)
-
-    rope = None
-    if cfg["positional"] == "rope":
-        Dh = D // cfg["num_heads"]
-        dim = cfg["rotary_dim"] if cfg["rotary_dim"] is not None else Dh
-        inv_freq, factor = rope_inv_freq(cfg, dim, P0 + S)
-        pos = torch.arange(P0, P0 + S, dtype=torch.float64)
-        freqs = pos[:, None] * inv_freq[None, :]               # (S, dim/2)
-        rope = ((freqs.cos() * factor).to(dtype),
-                (freqs.sin() * factor).to(dtype), dim)
-
+    visible = visibility(cfg, lengths, S, variant.mutant == "causal_off_by_one")
+    rope = rope_tables(cfg, S, dtype)
     for i in range(cfg["num_layers"]):
         x = encoder_layer(x, i, cfg, P, visible, drop, acts, variant, rope)
     if cfg["norm_first"]:

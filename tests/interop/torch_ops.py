@@ -64,6 +64,21 @@ MUTANTS = {
                                 "embed_scale not applied"),
     "layer_post_as_pre": ("encoder_layer_post_f64", "output.y",
                           "a post-norm layer run as pre-norm"),
+    # the attention variants (docs/semantics.md section 14)
+    "kv_heads_tiled": ("attention_gqa_rope_f64", "output.scores",
+                       "query head h reads K/V head h % Hkv, not h / (H / Hkv)"),
+    "rope_other_convention": ("attention_mqa_rope_yarn_f32", "output.q_rot",
+                              "RoPE pairs of the other convention"),
+    "rope_bf16_positions": ("attention_mqa_rope_yarn_f32", "output.q_rot",
+                            "RoPE angles from positions rounded to bf16"),
+    "window_one_wider": ("attention_alibi_window_f64", "output.scores",
+                         "a sliding window of W + 1 keys"),
+    "alibi_sign_flipped": ("attention_alibi_window_f64", "output.scores",
+                           "ALiBi bias +slope (i - j)"),
+    "softcap_after_mask": ("attention_softcap_sinks_f64", "output.scores",
+                           "the soft-cap applied after the mask (-inf becomes -c)"),
+    "sink_column_kept": ("attention_softcap_sinks_f64", "output.probs",
+                         "softmax([scores, sink]) sliced [1:]: the sink's share kept"),
 }
 
 # float64 cases not also run in float32, and why.
@@ -204,6 +219,27 @@ def op_dropout(spec, T, mode):
     return {"output.y": mode.store(torch.where(m, x * scale, torch.zeros_like(x)))}
 
 
+def attention_rope(spec, q, k, mode):
+    """q and k rotated by RoPE, with Hugging Face's frequencies
+    (torch_backend.rope_inv_freq) for positions offset .. offset + S - 1."""
+    S = q.shape[2]
+    dim, offset = spec["rotary_dim"], spec.get("position_offset", 0)
+    cfg = dict(tb.CONFIG_DEFAULTS, max_len=S)
+    cfg.update(spec)
+    inv_freq, factor = tb.rope_inv_freq(cfg, dim, offset + S)
+    pos = torch.arange(offset, offset + S, dtype=torch.float64)
+    if mode.mutant == "rope_bf16_positions":
+        pos = pos.to(torch.bfloat16).to(torch.float64)
+    freqs = pos[:, None] * inv_freq[None, :]
+    cos = (freqs.cos() * factor).to(q.dtype)
+    sin = (freqs.sin() * factor).to(q.dtype)
+    style = spec["rope_style"]
+    if mode.mutant == "rope_other_convention":
+        style = "interleaved" if style == "neox" else "neox"
+    return (mode.store(tb.rope_rotate(q, cos, sin, style, dim)),
+            mode.store(tb.rope_rotate(k, cos, sin, style, dim)))
+
+
 def op_attention(spec, T, mode):
     q, k, v = T["input.q"], T["input.k"], T["input.v"]
     B, H, S, Dh = q.shape
@@ -215,13 +251,50 @@ def op_attention(spec, T, mode):
         visible = torch.ones_like(visible)
     if spec["causal"]:
         visible = visible & (j <= i + (1 if mode.mutant == "attention_causal_off_by_one" else 0))
+    window = spec.get("sliding_window")
+    if window is not None:
+        window += 1 if mode.mutant == "window_one_wider" else 0
+        visible = visible & ((i - j).abs() < window)
     visible = visible[:, None, :, :].expand(B, H, S, S)
+    out = {}
+    if spec.get("positional") == "rope":
+        q, k = attention_rope(spec, q, k, mode)
+        out["output.q_rot"], out["output.k_rot"] = q, k
+    # K/V head g serves query heads g*G .. g*G+G-1 (Hugging Face's repeat_kv)
+    group = H // k.shape[1]
+    if mode.mutant == "kv_heads_tiled":
+        k, v = k.repeat(1, group, 1, 1), v.repeat(1, group, 1, 1)
+    else:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scale = 1.0 if mode.mutant == "attention_no_scale" else spec["scale"]
     alpha = torch.tensor(scale, dtype=torch.float64).to(q.dtype)
-    raw = mode.store(mode.matmul(q, k.transpose(-1, -2)) * alpha)
-    scores = raw.masked_fill(~visible, float("-inf"))
-    probs = masked_softmax(raw, visible, mode)
-    out = {"output.context": mode.matmul(probs, v)}
+    raw = mode.matmul(q, k.transpose(-1, -2)) * alpha
+    cap = spec.get("attn_logit_softcap")
+    if cap is not None:
+        cap = torch.tensor(cap, dtype=torch.float64).to(q.dtype)
+    bias = torch.zeros((), dtype=q.dtype)
+    if spec.get("positional") == "alibi":
+        d = i - j if spec["causal"] else (i - j).abs()
+        sign = 1.0 if mode.mutant == "alibi_sign_flipped" else -1.0
+        slopes = tb.alibi_slopes(H, spec.get("alibi_max_bias", 8.0))
+        bias = (sign * slopes[:, None, None] * d.to(torch.float64)).to(q.dtype)
+    if mode.mutant == "softcap_after_mask" and cap is not None:
+        # the cap applied to the masked logits: -inf becomes -c, a visible key
+        z = (raw + bias).masked_fill(~visible, float("-inf"))
+        z = cap * torch.tanh(z / cap)
+        visible = torch.ones_like(visible)
+    else:
+        z = (cap * torch.tanh(raw / cap) if cap is not None else raw) + bias
+    z = mode.store(z)
+    scores = z.masked_fill(~visible, float("-inf"))
+    if spec.get("attn_sinks"):
+        # softmax([scores, sink]) without the sink's column
+        sink = T["param.sinks"].to(z.dtype)[None, :, None, None].expand(B, H, S, 1)
+        both = tb.softmax(torch.cat([scores, sink], dim=-1))
+        probs = mode.store(both[..., 1:] if mode.mutant == "sink_column_kept" else both[..., :S])
+    else:
+        probs = masked_softmax(z, visible, mode)
+    out["output.context"] = mode.matmul(probs, v)
     if spec["probs"]:
         out["output.scores"] = scores
         out["output.probs"] = probs
@@ -254,22 +327,20 @@ def op_cross_entropy(spec, T, mode):
 
 
 def op_encoder_layer(spec, T, mode):
-    cfg = dict(tb.CONFIG_DEFAULTS)
+    cfg = dict(tb.CONFIG_DEFAULTS, positional="none")  # a layer has no positions of its own
     cfg.update(spec)
     if mode.mutant == "layer_post_as_pre":
         cfg["norm_first"] = not cfg["norm_first"]
     x, lengths = T["input.x"], T["input.lengths"]
-    B, S, _ = x.shape
-    i = torch.arange(S)[:, None]
-    j = torch.arange(S)[None, :]
-    visible = j < lengths[:, None, None]
-    if cfg["causal"]:
-        visible = visible & (j <= i)
+    S = x.shape[1]
+    cfg["max_len"] = S
+    visible = tb.visibility(cfg, lengths, S)
     P = {"layers.0." + n[len("param."):]: t for n, t in T.items() if n.startswith("param.")}
     masks = {"dropout.layers.0." + n[len("input.mask."):]: t.bool()
              for n, t in T.items() if n.startswith("input.mask.")}
     drop = tb.Dropout(masks, cfg["dropout"], x.dtype)
-    y = tb.encoder_layer(x, 0, cfg, P, visible[:, None, :, :], drop, {}, mode.variant)
+    y = tb.encoder_layer(x, 0, cfg, P, visible, drop, {}, mode.variant,
+                         tb.rope_tables(cfg, S, x.dtype))
     return {"output.y": y}
 
 

@@ -398,6 +398,26 @@ TEST(Variants, SinksTakeTheirShareAndAFullyMaskedRowIsZero) {
   EXPECT_GT(dsink, 0.0);
 }
 
+// A batch of 0 sequences (no lengths at all) runs every variant, forward and backward, on every
+// backend (the shape fuzzer found the backward refusing it for a soft-cap or sinks).
+TEST(Variants, AnEmptyBatchRunsEveryVariant) {
+  ScopedSettings keep;
+  EncoderConfig c = small();
+  c.num_kv_heads = 2;
+  c.positional = Positional::rope;
+  c.sliding_window = 2;
+  c.attn_logit_softcap = 1.0;
+  c.attn_sinks = true;
+  const auto p = Params<double>::init(c, 1);
+  const Batch b = Batch::random(c, 0, 5, 1);
+  for (Backend be : {Backend::reference, Backend::simd, Backend::blas}) {
+    set_backend(be);
+    const Pass r = run(p, b);
+    EXPECT_EQ(r.acts.loss[0], 0.0);
+    for (index_t h = 0; h < c.num_heads; ++h) EXPECT_EQ(r.grads.layers[0].sinks[h], 0.0);
+  }
+}
+
 // Grouped-query attention is the plain layer with each K/V head's weights repeated over its
 // group's query heads (Hugging Face's repeat_kv: contiguous groups). On the reference backend the
 // forward pass gives the same bits; the K/V weights' gradient is the sum of the repeated heads'.

@@ -147,10 +147,11 @@ def _op_args(g):
     if op == "dropout":
         return (t["input.x"], t["input.mask"]), {"dropout": s["dropout"],
                                                  "grad_y": t["grad.output.y"]}
+    variants = {k: s[k] for k in teo.ops.ATTENTION_VARIANT_KEYS if k in s}
     if op == "attention":
         return ((t["input.q"], t["input.k"], t["input.v"], t["input.lengths"]),
-                {"causal": s["causal"], "scale": s["scale"], "probs": s["probs"],
-                 "grad_context": t["grad.output.context"]})
+                dict(variants, causal=s["causal"], scale=s["scale"], probs=s["probs"],
+                     sinks=t.get("param.sinks"), grad_context=t["grad.output.context"]))
     if op == "embedding":
         return ((t["input.tokens"], t["param.weight"], t.get("param.pos_weight")),
                 {"positional": s["positional"], "embed_scale": s["embed_scale"],
@@ -164,7 +165,9 @@ def _op_args(g):
     params = {n[len("param."):]: a for n, a in t.items() if n.startswith("param.")}
     masks = {n[len("input.mask."):]: a for n, a in t.items() if n.startswith("input.mask.")}
     opts = {k: s[k] for k in ("num_heads", "d_ff", "activation", "norm_first", "causal",
-                              "layer_norm_eps", "dropout")}
+                              "layer_norm_eps", "dropout", "num_kv_heads", "attn_sinks")
+            if k in s}
+    opts.update(variants)
     return (t["input.x"], t["input.lengths"], params), dict(opts, masks=masks,
                                                             grad_y=t["grad.output.y"])
 

@@ -86,19 +86,37 @@ def dropout(x, mask, *, dropout, grad_y=None, **kw):
                  {"output.y": grad_y}, **kw)
 
 
-def attention(q, k, v, lengths=None, *, causal=False, scale=None, probs=None, grad_context=None,
-              **kw):
+# The attention variants' spec keys (docs/semantics.md section 14), passed through as given.
+ATTENTION_VARIANT_KEYS = ("positional", "rope_style", "rotary_dim", "rope_base", "rope_scaling",
+                          "alibi_max_bias", "position_offset", "sliding_window",
+                          "attn_logit_softcap")
+
+
+def attention(q, k, v, lengths=None, *, causal=False, scale=None, probs=None, sinks=None,
+              grad_context=None, **kw):
+    """k and v may have fewer heads than q (grouped-query attention); sinks (H) adds a learned
+    sink logit per head; the other variants are keywords: positional ("none", "rope", "alibi"),
+    rope_style, rotary_dim, rope_base, rope_scaling, alibi_max_bias, position_offset,
+    sliding_window, attn_logit_softcap."""
     b, h, s, dh = np.asarray(q).shape
     lengths = [s] * b if lengths is None else [int(x) for x in lengths]
     spec = {"batch": b, "num_heads": h, "seq_len": s, "d_head": dh, "lengths": lengths,
             "causal": causal}
+    kv_heads = np.asarray(k).shape[1] if np.asarray(k).ndim == 4 else h
+    if kv_heads != h:
+        spec["num_kv_heads"] = int(kv_heads)
+    for key in ATTENTION_VARIANT_KEYS:
+        if key in kw:
+            spec[key] = kw.pop(key)
+    if sinks is not None:
+        spec["attn_sinks"] = True
     if scale is not None:
         spec["scale"] = scale
     if probs is not None:
         spec["probs"] = probs
     return _call("attention", spec,
                  {"input.q": q, "input.k": k, "input.v": v,
-                  "input.lengths": np.asarray(lengths, dtype=np.int64)},
+                  "input.lengths": np.asarray(lengths, dtype=np.int64), "param.sinks": sinks},
                  {"output.context": grad_context}, **kw)
 
 
@@ -135,7 +153,8 @@ def cross_entropy(logits, labels, *, label_smoothing=0.0, grad_loss=None, **kw):
 
 def encoder_layer(x, lengths, params, *, masks=None, grad_y=None, **options):
     """One encoder layer: params by the model's names without "layers.{i}." ("attn.q.weight",
-    ...); options: num_heads, d_ff, activation, norm_first, causal, layer_norm_eps, dropout.
+    ...); options: num_heads, d_ff, activation, norm_first, causal, layer_norm_eps, dropout, and
+    the attention variants' config keys (num_kv_heads, positional, ..., attn_sinks).
     With dropout, masks {"attn", "residual1", "ffn", "residual2"} must be the ones the seed 0
     draws (teo.golden.op_case gives them)."""
     b, s, d = np.asarray(x).shape

@@ -83,6 +83,32 @@ TEST(TrainCli, TrainsPredictsAndNamesBadInput) {
   EXPECT_EQ(r.code, 2) << "a file that is not a checkpoint";
 }
 
+// The attention variants as flags: a GQA + RoPE + window + sinks model trains, predicts from its
+// checkpoint (which holds the sinks), and a bad variant value is a named error before training.
+TEST(TrainCli, TrainsWithAttentionVariantsAndNamesTheirBadValues) {
+  const fs::path lists = fake_lists("teo_train_cli_variants");
+  const fs::path out = fs::path(::testing::TempDir()) / "teo_train_cli_variants_out";
+  fs::remove_all(out);
+  CliResult r = run_cli("train --out " + out.string() + " --data-dir " + lists.string() +
+                        " --d-model 8 --num-heads 4 --num-kv-heads 2 --positional rope"
+                        " --sliding-window 3 --attn-logit-softcap 5 --attn-sinks true --d-ff 16"
+                        " --num-layers 1 --per-language 40 --epochs 1 --batch-size 16 --no-plot");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("test accuracy"), std::string::npos) << r.out;
+  bool sinks = false;
+  for (const auto& t : teo::safetensors::read((out / "checkpoint.safetensors").string()).tensors)
+    sinks |= t.name == "param.layers.0.attn.sinks";
+  EXPECT_TRUE(sinks);
+  r = run_cli("predict --checkpoint " + (out / "checkpoint.safetensors").string() + " abcing");
+  EXPECT_EQ(r.code, 0) << r.out;
+  r = run_cli("train --out " + out.string() + tiny_model(lists) + " --sliding-window 0");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.out.find("sliding_window must be >= 1"), std::string::npos) << r.out;
+  r = run_cli("train --out " + out.string() + tiny_model(lists) + " --num-kv-heads 3");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.out.find("num_kv_heads"), std::string::npos) << r.out;
+}
+
 std::string param_bytes(const fs::path& checkpoint) {
   std::string s;
   for (const auto& t : teo::safetensors::read(checkpoint.string()).tensors) {

@@ -223,9 +223,12 @@ void validate_variants(const EncoderConfig& c) {
         "rope_scaling of type \"ntk\" needs rotary_dim > 2 (its exponent is r / (r - 2))");
   }
   if (sc.type == RopeScalingType::yarn) {
-    if (!finite_positive(sc.beta_fast) || !finite_positive(sc.beta_slow)) {
-      throw ConfigError("rope_scaling.beta_fast and beta_slow must be finite and > 0, got " +
-                        fmt(sc.beta_fast) + " and " + fmt(sc.beta_slow));
+    // Rotations: YaRN's correction range divides the original context by 2 pi beta.
+    if (!(sc.beta_fast > sc.beta_slow && sc.beta_slow >= 1e-3 && sc.beta_fast <= 1e6)) {
+      throw ConfigError(
+          "rope_scaling.beta_fast and beta_slow must satisfy 1e6 >= beta_fast > beta_slow >= "
+          "1e-3, got " +
+          fmt(sc.beta_fast) + " and " + fmt(sc.beta_slow));
     }
   } else if (sc.beta_fast != 32.0 || sc.beta_slow != 1.0) {
     throw ConfigError("rope_scaling.beta_fast and beta_slow apply only to yarn");

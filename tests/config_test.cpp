@@ -90,6 +90,12 @@ TEST(Config, InvalidVariantValuesAreNamedErrors) {
       R"({"positional": "rope", "rope_scaling": {"type": "linear", "beta_fast": 4}})", "beta_fast");
   expect_config_error(R"({"positional": "rope", "rope_scaling": {"type": "yarn", "beta_slow": 0}})",
                       "beta_slow");
+  expect_config_error(
+      R"({"positional": "rope", "rope_scaling": {"type": "yarn", "beta_fast": 1e-320}})",
+      "beta_fast");
+  expect_config_error(
+      R"({"positional": "rope", "rope_scaling": {"type": "yarn", "beta_fast": 1, "beta_slow": 2}})",
+      "beta_fast > beta_slow");
   expect_config_error(R"({"positional": "rope", "rope_scaling": {"type": "none", "factor": 2}})",
                       "none");
   expect_config_error(R"({"positional": "rope", "rope_scaling": {"type": "ntk", "factor": 2,

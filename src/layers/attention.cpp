@@ -110,16 +110,20 @@ class Rules {
     base_.biased = v.alibi_max_bias.has_value();
     base_.sunk = v.sinks != nullptr;
     if (base_.biased) slopes_ = alibi_slopes(heads, *v.alibi_max_bias);
+    if (v.kv_heads < 0 || heads < 0) throw ShapeError("attention: negative head count");
     const index_t kv = v.kv_heads > 0 ? v.kv_heads : heads;
-    if (kv > heads || heads % kv != 0) {
+    if (heads > 0 && (kv > heads || heads % kv != 0)) {
       throw ShapeError("attention: kv_heads " + std::to_string(kv) + " does not divide heads " +
                        std::to_string(heads));
+    }
+    if (v.alibi_max_bias && !(std::isfinite(*v.alibi_max_bias) && *v.alibi_max_bias > 0.0)) {
+      throw ShapeError("attention: alibi_max_bias must be finite and > 0");
     }
     if (v.softcap && !(std::isfinite(*v.softcap) && *v.softcap > 0.0)) {
       throw ShapeError("attention: softcap must be finite and > 0");
     }
     if (v.window && *v.window < 1) throw ShapeError("attention: window must be >= 1");
-    kv_heads_ = kv;
+    kv_heads_ = std::max<index_t>(kv, 1);  // with no heads there is nothing to group
   }
   HeadRule<Real> operator()(index_t h) const {
     HeadRule<Real> r = base_;
@@ -129,7 +133,7 @@ class Rules {
   }
   Real alpha() const { return base_.alpha; }
   index_t kv_heads() const { return kv_heads_; }
-  index_t group() const { return heads_ / kv_heads_; }
+  index_t group() const { return heads_ / kv_heads_; }  // 0 when there are no heads
   // The backward recomputes the scores when it needs the raw ones (the cap) or the sinks' shares.
   bool recompute() const { return base_.capped || base_.sunk; }
   bool capped() const { return base_.capped; }
@@ -148,7 +152,8 @@ std::pair<index_t, index_t> visible_keys(index_t i, index_t length, bool causal,
   index_t lo = 0;
   if (window > 0) {
     lo = std::max<index_t>(0, i - window + 1);
-    if (!causal) hi = std::min(hi, i + window);
+    // i + window only when it may bind: a window of up to 2^63 - 1 must not overflow
+    if (!causal && window < length) hi = std::min(hi, i + window);
   }
   return {lo, std::max(lo, hi)};
 }

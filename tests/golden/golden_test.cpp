@@ -175,9 +175,11 @@ TEST(GoldenCorpus, CoversEveryFeature) {
                   : w == s     ? "window:S"
                   : w == s + 3 ? "window:S+3"
                                : "window:other");
+      if (!c.causal && w > 1 && w < s) seen.insert("window:bidirectional");
     }
     if (c.attn_logit_softcap) seen.insert("softcap");
-    if (c.attn_sinks && seen.count("len0")) seen.insert("sinks");
+    const bool has_len0 = std::find(lens.begin(), lens.end(), 0) != lens.end();
+    if (c.attn_sinks && has_len0) seen.insert("sinks");
     if (c.num_kv_heads && c.positional == teo::Positional::rope && c.sliding_window &&
         c.attn_logit_softcap && c.attn_sinks)
       seen.insert("every_variant");
@@ -232,6 +234,7 @@ TEST(GoldenCorpus, CoversEveryFeature) {
                            "window:S-1",
                            "window:S",
                            "window:S+3",
+                           "window:bidirectional",
                            "softcap",
                            "sinks",
                            "every_variant"}) {

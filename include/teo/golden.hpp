@@ -51,6 +51,14 @@ struct Case {
 // cause, unless allow_ill_conditioned, which writes it with __metadata__.ill_conditioned set.
 safetensors::File make(const Case& c, bool allow_ill_conditioned = false);
 
+// Selective storage (`teo golden generate --keep`): keeps, of the computed tensors (act.*, grad.*
+// of a model case; output.*, grad.input.*, grad.param.* of an op case), only those whose name
+// matches one of `patterns`, comma-separated globs (`*` any run of characters, dots included;
+// `?` one character), with their ref64.* twins; inputs, parameters, upstream gradients and masks
+// are always kept. The patterns are recorded as __metadata__.kept. ConfigError naming the pattern
+// when one matches no tensor, or when there is none.
+void keep_only(safetensors::File& f, const std::string& patterns);
+
 // One run of the model as golden tensors: every act.* of the contract, every grad.* when
 // `backward` (from the mean loss), and the dropout.* masks when train mode applies dropout, in the
 // order and with the bits make() writes them. The Python module's teo.run is this.
@@ -143,6 +151,9 @@ struct CaseReport {
   // Op cases: optional outputs (attention's scores and probs) the candidate does not hold. They
   // are not in `tensors` and never count against it.
   std::vector<std::string> optional_missing;
+  // A golden written with --keep: the candidate's computed tensors the golden did not keep.
+  // Neither passed nor failed, and never required.
+  std::vector<std::string> not_in_golden;
 };
 
 // Compares one candidate with one golden. The golden must be a teo golden (FormatError naming the

@@ -39,6 +39,7 @@ struct GoldenGenerateOptions {
   std::string corpus_dir;              // or: regenerate <dir>/cases.json into <dir>
   bool force = false;                  // overwrite an existing --out file
   bool allow_ill_conditioned = false;  // write an ill-conditioned float32 case, marked as such
+  std::string keep;                    // comma-separated globs of the tensors to store ("": all)
 };
 int run_golden_generate(const GoldenGenerateOptions& opts, std::ostream& out);
 
@@ -59,6 +60,7 @@ struct GoldenOpOptions {
   std::string spec_path, out_path;
   bool force = false;
   bool allow_ill_conditioned = false;
+  std::string keep;  // as GoldenGenerateOptions::keep
 };
 int run_golden_op(const GoldenOpOptions& opts, std::ostream& out);
 int run_golden_list(const std::string& path, std::ostream& out);

@@ -19,6 +19,7 @@ int run_golden_generate(const GoldenGenerateOptions& opts, std::ostream& out) {
     throw ConfigError("golden generate needs either --config and --out, or --corpus");
   }
   if (!opts.corpus_dir.empty()) {
+    if (!opts.keep.empty()) throw ConfigError("--keep applies to one case (--config, --out)");
     golden::generate_corpus(opts.corpus_dir, out, opts.force);
     return 0;
   }
@@ -26,7 +27,9 @@ int run_golden_generate(const GoldenGenerateOptions& opts, std::ostream& out) {
     throw ConfigError("golden generate needs both --config CASE.json and --out FILE");
   }
   const golden::Case c = golden::Case::from_file(opts.config_path);
-  const std::string bytes = safetensors::serialize(golden::make(c, opts.allow_ill_conditioned));
+  safetensors::File f = golden::make(c, opts.allow_ill_conditioned);
+  if (!opts.keep.empty()) golden::keep_only(f, opts.keep);
+  const std::string bytes = safetensors::serialize(f);
   write_file_atomic(opts.out_path, bytes, opts.force);
   out << "wrote " << opts.out_path << " (" << bytes.size() << " bytes)\n";
   return 0;
@@ -34,7 +37,9 @@ int run_golden_generate(const GoldenGenerateOptions& opts, std::ostream& out) {
 
 int run_golden_op(const GoldenOpOptions& opts, std::ostream& out) {
   const golden::OpCase c = golden::OpCase::from_file(opts.spec_path, opts.op);
-  const std::string bytes = safetensors::serialize(golden::make_op(c, opts.allow_ill_conditioned));
+  safetensors::File f = golden::make_op(c, opts.allow_ill_conditioned);
+  if (!opts.keep.empty()) golden::keep_only(f, opts.keep);
+  const std::string bytes = safetensors::serialize(f);
   write_file_atomic(opts.out_path, bytes, opts.force);
   out << "wrote " << opts.out_path << " (" << bytes.size() << " bytes)\n";
   return 0;

@@ -78,6 +78,9 @@ int main(int argc, char** argv) {
   gen_out->needs(gen_config);
   gen_corpus->excludes(gen_config)->excludes(gen_out);
   gen->add_flag("--force", gen_opts.force, "overwrite an existing --out file or corpus");
+  gen->add_option("--keep", gen_opts.keep,
+                  "store only the computed tensors matching these comma-separated globs, e.g. "
+                  "'act.layers.*.output,act.logits,act.loss,grad.*' (default: all)");
   gen->add_flag("--allow-ill-conditioned", gen_opts.allow_ill_conditioned,
                 "write a float32 case whose own error is not at rounding level, marked in its "
                 "metadata (refused otherwise)");
@@ -91,6 +94,8 @@ int main(int argc, char** argv) {
       ->required();
   op->add_option("--out", op_opts.out_path, "the .safetensors file to write")->required();
   op->add_flag("--force", op_opts.force, "overwrite an existing --out file");
+  op->add_option("--keep", op_opts.keep,
+                 "store only the outputs and gradients matching these comma-separated globs");
   op->add_flag("--allow-ill-conditioned", op_opts.allow_ill_conditioned,
                "write a float32 case whose own error is not at rounding level, marked as such");
   std::string list_path = "golden";

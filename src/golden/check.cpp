@@ -341,6 +341,12 @@ CaseReport check(const File& golden, const File& candidate, const CheckOptions& 
     if (r.status == Status::not_checked) ++rep.not_checked;
     if (r.status == Status::vacuous) ++rep.vacuous;
   }
+  if (golden.meta("kept")) {
+    for (const auto& t : candidate.tensors) {
+      if (wanted(t.name, opts.only, op) && !golden.find(t.name))
+        rep.not_in_golden.push_back(t.name);
+    }
+  }
   return rep;
 }
 

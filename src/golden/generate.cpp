@@ -1,5 +1,7 @@
 #include "teo/golden.hpp"
 
+#include <fnmatch.h>
+
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
@@ -346,6 +348,53 @@ json Case::case_json() const {
   j["seed"] = seed;
   if (precision) j["precision"] = to_string(*precision);
   return j;
+}
+
+void keep_only(File& f, const std::string& patterns) {
+  std::vector<std::string> globs;
+  for (std::size_t at = 0; at <= patterns.size();) {
+    const std::size_t comma = std::min(patterns.find(',', at), patterns.size());
+    std::string g = patterns.substr(at, comma - at);
+    g.erase(0, g.find_first_not_of(' '));
+    g.erase(g.find_last_not_of(' ') + 1);
+    if (!g.empty()) globs.push_back(g);
+    at = comma + 1;
+  }
+  if (globs.empty())
+    throw ConfigError("--keep needs at least one pattern, got \"" + patterns + "\"");
+  const bool op = is_op_file(f);
+  const auto matches = [](const std::string& glob, const std::string& name) {
+    return ::fnmatch(glob.c_str(), name.c_str(), 0) == 0;
+  };
+  // Which tensors stay, decided before anything changes: a bad pattern leaves f as it was.
+  std::vector<bool> used(globs.size(), false), stays(f.tensors.size(), false);
+  for (std::size_t k = 0; k < f.tensors.size(); ++k) {
+    // a ref64 twin follows its tensor; inputs, parameters and masks always stay
+    const std::string& full = f.tensors[k].name;
+    const std::string name = full.starts_with("ref64.") ? full.substr(6) : full;
+    if (!detail::is_judged(name, op)) {
+      stays[k] = true;
+      continue;
+    }
+    for (std::size_t i = 0; i < globs.size(); ++i) {
+      if (matches(globs[i], name)) {
+        stays[k] = true;
+        used[i] = true;
+      }
+    }
+  }
+  for (std::size_t i = 0; i < globs.size(); ++i) {
+    if (!used[i]) {
+      throw ConfigError("--keep pattern \"" + globs[i] +
+                        "\" matches no computed tensor of this case (" +
+                        (op ? "output.*, grad.input.*, grad.param.*" : "act.*, grad.*") + ")");
+    }
+  }
+  std::vector<safetensors::Tensor> kept;
+  for (std::size_t k = 0; k < f.tensors.size(); ++k)
+    if (stays[k]) kept.push_back(std::move(f.tensors[k]));
+  f.tensors = std::move(kept);
+  f.metadata.emplace_back("kept", patterns);
 }
 
 File make(const Case& c, bool allow_ill_conditioned) {

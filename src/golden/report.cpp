@@ -113,6 +113,10 @@ void print_text(const std::vector<CaseReport>& reports, std::ostream& out) {
       for (const auto& n : rep.optional_missing) out << " " << n;
       out << "\n";
     }
+    if (!rep.not_in_golden.empty()) {
+      out << "  not in golden (not kept by --keep; neither passed nor failed): "
+          << rep.not_in_golden.size() << " tensor(s)\n";
+    }
     out << "\n";
     passed += rep.passed;
     failed += rep.failed;
@@ -201,6 +205,7 @@ std::string json_report(const std::vector<CaseReport>& reports) {
     }
     c["tensors"] = std::move(ts);
     if (!r.optional_missing.empty()) c["optional_missing"] = r.optional_missing;
+    if (!r.not_in_golden.empty()) c["not_in_golden"] = r.not_in_golden;
     cases.push_back(std::move(c));
     passed += r.passed;
     failed += r.failed;

@@ -63,6 +63,63 @@ TEST(GoldenCli, GenerateWritesTheCommittedBytesAndRefusesToOverwrite) {
   EXPECT_TRUE(slurp(out) == slurp(kCorpus / (name + ".safetensors")));
 }
 
+// --keep: the globs choose the computed tensors (with their ref64 twins), inputs, parameters and
+// masks stay, the metadata records the patterns; a pattern that matches nothing is a named error
+// that writes nothing; the full case then checks against the kept file with --require-all, the
+// tensors it did not keep reported as "not in golden".
+TEST(GoldenCli, GenerateKeepStoresTheMatchingTensorsAndTheCheckSkipsTheRest) {
+  const fs::path dir = fresh_dir("teo_golden_cli_keep");
+  auto cases = nlohmann::json::parse(slurp(kCorpus / "cases.json"))["cases"];
+  nlohmann::json entry;
+  for (const auto& c : cases)
+    if (c["name"] == "dropout_post_f32") entry = c;
+  ASSERT_FALSE(entry.is_null());
+  entry.erase("name");
+  entry.erase("description");
+  std::ofstream(dir / "case.json") << entry.dump();
+  const std::string out = (dir / "kept.safetensors").string();
+  CliResult r = run_cli("golden generate --config " + (dir / "case.json").string() + " --out " +
+                        out + " --keep 'act.layers.*.output, act.logits,act.loss,grad.head.*'");
+  ASSERT_EQ(r.code, 0) << r.out;
+  const st::File full = st::read((kCorpus / "dropout_post_f32.safetensors").string());
+  const st::File kept = st::read(out);
+  ASSERT_NE(kept.meta("kept"), nullptr);
+  EXPECT_EQ(*kept.meta("kept"), "act.layers.*.output, act.logits,act.loss,grad.head.*");
+  std::vector<std::string> names;
+  for (const auto& t : kept.tensors) names.push_back(t.name);
+  for (const char* want :
+       {"act.layers.0.output", "act.layers.1.output", "act.logits", "act.loss", "grad.head.weight",
+        "grad.head.bias", "ref64.act.logits", "ref64.grad.head.bias", "input.tokens",
+        "param.embedding.weight", "dropout.layers.0.attn"})
+    EXPECT_NE(std::find(names.begin(), names.end(), want), names.end()) << want;
+  for (const auto& t : kept.tensors) {
+    const std::string n = t.name.starts_with("ref64.") ? t.name.substr(6) : t.name;
+    if (n.starts_with("act.") || n.starts_with("grad.")) {
+      EXPECT_TRUE(n == "act.logits" || n == "act.loss" || n.starts_with("grad.head.") ||
+                  (n.starts_with("act.layers.") && n.ends_with(".output")))
+          << n;
+    }
+    // every kept tensor holds the full case's bytes
+    EXPECT_TRUE(full.find(t.name) && full.find(t.name)->bytes == t.bytes) << t.name;
+  }
+  r = run_cli("golden check --golden " + out + " --candidate " +
+              (kCorpus / "dropout_post_f32.safetensors").string() + " --require-all");
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("not in golden (not kept by --keep"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("6 passed, 0 failed, 0 not checked"), std::string::npos) << r.out;
+  const std::string bad = (dir / "bad.safetensors").string();
+  r = run_cli("golden generate --config " + (dir / "case.json").string() + " --out " + bad +
+              " --keep 'act.logits,act.nothing*'");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.out.find("\"act.nothing*\" matches no computed tensor"), std::string::npos) << r.out;
+  EXPECT_FALSE(fs::exists(bad));
+  r = run_cli("golden generate --config " + (dir / "case.json").string() + " --out " + bad +
+              " --keep ' , '");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.out.find("--keep needs at least one pattern"), std::string::npos) << r.out;
+  EXPECT_FALSE(fs::exists(bad));
+}
+
 TEST(GoldenCli, GenerateRejectsBadCasesWithExitCode2AndWritesNothing) {
   const fs::path dir = fresh_dir("teo_golden_cli_bad");
   struct Bad {

@@ -53,23 +53,6 @@ Dims dims_of(const EncoderConfig& c, const Batch& b) {
           c.positional == Positional::rope};
 }
 
-// The attention variant of cfg's layers (docs/semantics.md, "Attention variants"), with the
-// layer's sinks, and where their gradient goes in a backward pass.
-template <class Real>
-AttentionVariant<Real> variant_of(const EncoderConfig& cfg, const LayerParams<Real>& P,
-                                  Real* dsinks = nullptr) {
-  AttentionVariant<Real> v;
-  v.kv_heads = cfg.kv_heads();
-  v.window = cfg.sliding_window;
-  v.softcap = cfg.attn_logit_softcap;
-  if (cfg.positional == Positional::alibi) v.alibi_max_bias = cfg.alibi_max_bias;
-  if (cfg.attn_sinks) {
-    v.sinks = P.sinks.data();
-    v.dsinks = dsinks;
-  }
-  return v;
-}
-
 // RoPE's cos and sin tables (S, r / 2) for cfg and a sequence length.
 template <class Real>
 struct RopeTables {
@@ -403,7 +386,8 @@ void layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P, LayerAc
                         (d.rope ? L.q_rot : L.q).data(), (d.rope ? L.k_rot : L.k).data(),
                         L.v.data(), batch.lengths.data(), drop_attn ? L.masks.attn.data() : nullptr,
                         dropout_scale<Real>(p), d.B, d.H, d.S, d.Dh, cfg.causal,
-                        /*merged_context=*/true, std::nullopt, variant_of(cfg, P));
+                        /*merged_context=*/true, std::nullopt,
+                        detail::attention_variant(cfg, P.sinks.data()));
     });
     store(L.context, name, "context");
   }
@@ -601,13 +585,13 @@ void layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P, const 
   {
     profile::Scope stage(Stage::bwd_attention);
     store.named(name, [&] {
-      attention_backward((d.rope ? dL.q_rot : dL.q).data(), (d.rope ? dL.k_rot : dL.k).data(),
-                         dL.v.data(), dL.probs.data(), dL.scores.data(), dL.context.data(),
-                         (d.rope ? L.q_rot : L.q).data(), (d.rope ? L.k_rot : L.k).data(),
-                         L.v.data(), L.probs.data(),
-                         L.masks.attn.empty() ? nullptr : L.masks.attn.data(), scale, d.B, d.H, d.S,
-                         d.Dh, /*merged_context=*/true, GradWrite::overwrite, std::nullopt,
-                         variant_of(cfg, P, G.sinks.data()), lengths, cfg.causal);
+      attention_backward(
+          (d.rope ? dL.q_rot : dL.q).data(), (d.rope ? dL.k_rot : dL.k).data(), dL.v.data(),
+          dL.probs.data(), dL.scores.data(), dL.context.data(), (d.rope ? L.q_rot : L.q).data(),
+          (d.rope ? L.k_rot : L.k).data(), L.v.data(), L.probs.data(),
+          L.masks.attn.empty() ? nullptr : L.masks.attn.data(), scale, d.B, d.H, d.S, d.Dh,
+          /*merged_context=*/true, GradWrite::overwrite, std::nullopt,
+          detail::attention_variant(cfg, P.sinks.data(), G.sinks.data()), lengths, cfg.causal);
     });
     if (d.rope) {
       // in the forward pass this was: q_rot, k_rot = RoPE(q), RoPE(k)

@@ -761,15 +761,10 @@ Results<Real> run(const Spec& s, const Values& v, std::uint64_t seed, std::optio
       const auto& len = lengths_of(v, s);
       const bool rope = s.cfg.positional == Positional::rope;
       const Tensor<Real> sinks = s.cfg.attn_sinks ? in("param.sinks") : Tensor<Real>();
-      AttentionVariant<Real> var;
+      // The op's config has one head: its K/V heads come from the spec.
+      AttentionVariant<Real> var = teo::detail::attention_variant(
+          s.cfg, sinks.data(), s.cfg.attn_sinks ? r["grad.param.sinks"].data() : nullptr);
       var.kv_heads = s.kv_heads;
-      var.window = s.cfg.sliding_window;
-      var.softcap = s.cfg.attn_logit_softcap;
-      if (s.cfg.positional == Positional::alibi) var.alibi_max_bias = s.cfg.alibi_max_bias;
-      if (s.cfg.attn_sinks) {
-        var.sinks = sinks.data();
-        var.dsinks = r["grad.param.sinks"].data();
-      }
       // With RoPE, attention reads q_rot and k_rot, and its q and k gradients are rotated back.
       Tensor<Real> qr, kr, dqr, dkr, cs, sn;
       const index_t rd = s.cfg.rotary();

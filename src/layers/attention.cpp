@@ -138,6 +138,17 @@ class Rules {
   bool recompute() const { return base_.capped || base_.sunk; }
   bool capped() const { return base_.capped; }
   bool sunk() const { return base_.sunk; }
+  // Calls fn(bg, hg, h, bh) for the (batch, K/V head) blocks bg of [bg0, bg1) and, in each, its
+  // group's query heads in order: hg-th of the group, head h, (batch, head) index bh.
+  template <class F>
+  void each_head(index_t bg0, index_t bg1, F&& fn) const {
+    const index_t g = group();
+    for (index_t bg = bg0; bg < bg1; ++bg)
+      for (index_t hg = 0; hg < g; ++hg) {
+        const index_t h = (bg % kv_heads_) * g + hg;
+        fn(bg, hg, h, (bg / kv_heads_) * heads_ + h);
+      }
+  }
 
  private:
   const AttentionVariant<Real>& v_;
@@ -301,35 +312,32 @@ void attention_forward(Real* context, Real* scores, Real* probs, const Real* q, 
                        index_t d_head, bool causal, bool merged_context,
                        std::optional<double> scale, const AttentionVariant<Real>& variant) {
   const Rules<Real> rules(variant, heads, d_head, causal, scale);
-  const index_t ss = seq_len * seq_len, kv = rules.kv_heads(), group = rules.group();
+  const index_t ss = seq_len * seq_len, kv = rules.kv_heads();
   // Each (batch, K/V head) block is one task's: its query heads' scores, probs and context rows
   // are its own.
   detail::for_blocks(batch * kv, 1, [&](index_t bg0, index_t bg1) {
     std::vector<Real> dropped = buffer<Real>(drop_mask, ss);        // (S, S)
     std::vector<Real> psink = buffer<Real>(rules.sunk(), seq_len);  // (S)
     SinkRow<Real> ext(rules.sunk(), seq_len);
-    for (index_t bg = bg0; bg < bg1; ++bg) {
+    rules.each_head(bg0, bg1, [&](index_t bg, index_t, index_t h, index_t bh) {
       const Real* kh = k + bg * seq_len * d_head;  // (S, Dh)
       const Real* vh = v + bg * seq_len * d_head;  // (S, Dh)
-      for (index_t hg = 0; hg < group; ++hg) {
-        const index_t h = (bg % kv) * group + hg, bh = (bg / kv) * heads + h;
-        const Real* qh = q + bh * seq_len * d_head;  // (S, Dh)
-        Real* sc = scores + bh * ss;                 // (S, S)
-        Real* pr = probs + bh * ss;                  // (S, S)
-        score_rows(sc, pr, static_cast<Real*>(nullptr), psink.data(), qh, kh, lengths[bh / heads],
-                   0, seq_len, seq_len, d_head, rules(h), ext);
-        const Real* pv = pr;
-        if (drop_mask) {
-          const std::uint8_t* m = drop_mask + bh * ss;
-          for (index_t j = 0; j < ss; ++j) dropped[j] = m[j] ? pr[j] * drop_scale : Real(0);
-          pv = dropped.data();
-        }
-        // context (S, Dh) = dropout(probs) (S, S) * v (S, Dh); the strides change no value
-        const auto [ch, ldc] = head_block(context, bh, heads, seq_len, d_head, merged_context);
-        gemm<Real>(Trans::no, Trans::no, seq_len, d_head, seq_len, Real(1), pv, seq_len, vh, d_head,
-                   Real(0), ch, ldc);
+      const Real* qh = q + bh * seq_len * d_head;  // (S, Dh)
+      Real* sc = scores + bh * ss;                 // (S, S)
+      Real* pr = probs + bh * ss;                  // (S, S)
+      score_rows(sc, pr, static_cast<Real*>(nullptr), psink.data(), qh, kh, lengths[bh / heads], 0,
+                 seq_len, seq_len, d_head, rules(h), ext);
+      const Real* pv = pr;
+      if (drop_mask) {
+        const std::uint8_t* m = drop_mask + bh * ss;
+        for (index_t j = 0; j < ss; ++j) dropped[j] = m[j] ? pr[j] * drop_scale : Real(0);
+        pv = dropped.data();
       }
-    }
+      // context (S, Dh) = dropout(probs) (S, S) * v (S, Dh); the strides change no value
+      const auto [ch, ldc] = head_block(context, bh, heads, seq_len, d_head, merged_context);
+      gemm<Real>(Trans::no, Trans::no, seq_len, d_head, seq_len, Real(1), pv, seq_len, vh, d_head,
+                 Real(0), ch, ldc);
+    });
   });
 }
 
@@ -343,7 +351,7 @@ void attention_backward(Real* dq, Real* dk, Real* dv, Real* dprobs, Real* dscore
                         bool causal) {
   const Rules<Real> rules(variant, heads, d_head, causal, scale);
   const Real alpha = rules.alpha();
-  const index_t ss = seq_len * seq_len, kv = rules.kv_heads(), group = rules.group();
+  const index_t ss = seq_len * seq_len, kv = rules.kv_heads();
   if (rules.recompute() && batch > 0 && !lengths) {
     throw ShapeError("attention_backward: a soft-cap or sinks need the lengths");
   }
@@ -361,47 +369,43 @@ void attention_backward(Real* dq, Real* dk, Real* dv, Real* dprobs, Real* dscore
     std::vector<Real> raw = buffer<Real>(rules.capped(), ss), dsr = raw;
     std::vector<Real> psink = buffer<Real>(rules.sunk(), seq_len);
     SinkRow<Real> ext(rules.sunk(), seq_len);
-    for (index_t bg = bg0; bg < bg1; ++bg) {
+    rules.each_head(bg0, bg1, [&](index_t bg, index_t hg, index_t h, index_t bh) {
       const index_t koff = bg * seq_len * d_head;
-      for (index_t hg = 0; hg < group; ++hg) {
-        const index_t h = (bg % kv) * group + hg, bh = (bg / kv) * heads + h;
-        const index_t off = bh * seq_len * d_head;
-        const Real bkv = hg == 0 ? beta : Real(1);
-        const HeadRule<Real> rule = rules(h);
-        // this head's dcontext (S, Dh) and its row stride
-        const auto [dc, ldc] = head_block(dcontext, bh, heads, seq_len, d_head, merged_context);
-        const Real* pr = probs + bh * ss;  // (S, S)
-        Real* dp = dprobs + bh * ss;       // (S, S)
-        Real* ds = dscores + bh * ss;      // (S, S)
-        const std::uint8_t* m = drop_mask ? drop_mask + bh * ss : nullptr;
-        const Real* pv = pr;
-        if (m) {
-          for (index_t j = 0; j < ss; ++j) dropped[j] = m[j] ? pr[j] * drop_scale : Real(0);
-          pv = dropped.data();
-        }
-        // in the forward pass this was: context = pv * v, with pv = dropout(probs)
-        // dv (S, Dh) += pv^T (S, S) * dcontext (S, Dh)
-        gemm<Real>(Trans::yes, Trans::no, seq_len, d_head, seq_len, Real(1), pv, seq_len, dc, ldc,
-                   bkv, dv + koff, d_head);
-        score_grad_rows(dp, ds, pr, dc, ldc, v + koff, m, drop_scale, seq_len, seq_len, d_head);
-        if (rules.recompute()) {
-          score_rows(sc.data(), pr2.data(), rule.capped ? raw.data() : nullptr, psink.data(),
-                     q + off, k + koff, lengths[bh / heads], 0, seq_len, seq_len, d_head, rule,
-                     ext);
-        }
-        Real dsink = 0;
-        const Real* dsq = variant_grad_rows(dsr.data(), &dsink, ds, dp, pr, raw.data(),
-                                            psink.data(), seq_len, seq_len, rule);
-        if (rule.sunk) sink_part[static_cast<std::size_t>(bh)] = dsink;
-        // in the forward pass this was: scores = alpha * q * k^T
-        // dq (S, Dh) += alpha * dscores (S, S) * k (S, Dh)
-        gemm<Real>(Trans::no, Trans::no, seq_len, d_head, seq_len, alpha, dsq, seq_len, k + koff,
-                   d_head, beta, dq + off, d_head);
-        // dk (S, Dh) += alpha * dscores^T (S, S) * q (S, Dh)
-        gemm<Real>(Trans::yes, Trans::no, seq_len, d_head, seq_len, alpha, dsq, seq_len, q + off,
-                   d_head, bkv, dk + koff, d_head);
+      const index_t off = bh * seq_len * d_head;
+      const Real bkv = hg == 0 ? beta : Real(1);
+      const HeadRule<Real> rule = rules(h);
+      // this head's dcontext (S, Dh) and its row stride
+      const auto [dc, ldc] = head_block(dcontext, bh, heads, seq_len, d_head, merged_context);
+      const Real* pr = probs + bh * ss;  // (S, S)
+      Real* dp = dprobs + bh * ss;       // (S, S)
+      Real* ds = dscores + bh * ss;      // (S, S)
+      const std::uint8_t* m = drop_mask ? drop_mask + bh * ss : nullptr;
+      const Real* pv = pr;
+      if (m) {
+        for (index_t j = 0; j < ss; ++j) dropped[j] = m[j] ? pr[j] * drop_scale : Real(0);
+        pv = dropped.data();
       }
-    }
+      // in the forward pass this was: context = pv * v, with pv = dropout(probs)
+      // dv (S, Dh) += pv^T (S, S) * dcontext (S, Dh)
+      gemm<Real>(Trans::yes, Trans::no, seq_len, d_head, seq_len, Real(1), pv, seq_len, dc, ldc,
+                 bkv, dv + koff, d_head);
+      score_grad_rows(dp, ds, pr, dc, ldc, v + koff, m, drop_scale, seq_len, seq_len, d_head);
+      if (rules.recompute()) {
+        score_rows(sc.data(), pr2.data(), rule.capped ? raw.data() : nullptr, psink.data(), q + off,
+                   k + koff, lengths[bh / heads], 0, seq_len, seq_len, d_head, rule, ext);
+      }
+      Real dsink = 0;
+      const Real* dsq = variant_grad_rows(dsr.data(), &dsink, ds, dp, pr, raw.data(), psink.data(),
+                                          seq_len, seq_len, rule);
+      if (rule.sunk) sink_part[static_cast<std::size_t>(bh)] = dsink;
+      // in the forward pass this was: scores = alpha * q * k^T
+      // dq (S, Dh) += alpha * dscores (S, S) * k (S, Dh)
+      gemm<Real>(Trans::no, Trans::no, seq_len, d_head, seq_len, alpha, dsq, seq_len, k + koff,
+                 d_head, beta, dq + off, d_head);
+      // dk (S, Dh) += alpha * dscores^T (S, S) * q (S, Dh)
+      gemm<Real>(Trans::yes, Trans::no, seq_len, d_head, seq_len, alpha, dsq, seq_len, q + off,
+                 d_head, bkv, dk + koff, d_head);
+    });
   });
   if (rules.sunk()) add_sink_grads(variant.dsinks, sink_part, batch, heads);
 }
@@ -413,29 +417,25 @@ void attention_forward_rows(Real* context, const Real* q, const Real* k, const R
                             std::optional<double> scale, index_t block_rows,
                             const AttentionVariant<Real>& variant) {
   const Rules<Real> rules(variant, heads, d_head, causal, scale);
-  const index_t rb = rows_per_block(seq_len, block_rows), kv = rules.kv_heads(),
-                group = rules.group();
+  const index_t rb = rows_per_block(seq_len, block_rows), kv = rules.kv_heads();
   detail::for_blocks(batch * kv, 1, [&](index_t bg0, index_t bg1) {
     std::vector<Real> sc(static_cast<std::size_t>(rb * seq_len));  // (rows, S)
     std::vector<Real> pr(static_cast<std::size_t>(rb * seq_len));  // (rows, S)
     std::vector<Real> psink = buffer<Real>(rules.sunk(), rb);      // (rows)
     SinkRow<Real> ext(rules.sunk(), seq_len);
-    for (index_t bg = bg0; bg < bg1; ++bg) {
+    rules.each_head(bg0, bg1, [&](index_t bg, index_t, index_t h, index_t bh) {
       const index_t koff = bg * seq_len * d_head;
-      for (index_t hg = 0; hg < group; ++hg) {
-        const index_t h = (bg % kv) * group + hg, bh = (bg / kv) * heads + h;
-        const index_t off = bh * seq_len * d_head;
-        const HeadRule<Real> rule = rules(h);
-        for (index_t i0 = 0; i0 < seq_len; i0 += rb) {
-          const index_t i1 = std::min(seq_len, i0 + rb);
-          score_rows(sc.data(), pr.data(), static_cast<Real*>(nullptr), psink.data(), q + off,
-                     k + koff, lengths[bh / heads], i0, i1, seq_len, d_head, rule, ext);
-          // context rows (rows, Dh) = probs (rows, S) * v (S, Dh)
-          gemm<Real>(Trans::no, Trans::no, i1 - i0, d_head, seq_len, Real(1), pr.data(), seq_len,
-                     v + koff, d_head, Real(0), context + off + i0 * d_head, d_head);
-        }
+      const index_t off = bh * seq_len * d_head;
+      const HeadRule<Real> rule = rules(h);
+      for (index_t i0 = 0; i0 < seq_len; i0 += rb) {
+        const index_t i1 = std::min(seq_len, i0 + rb);
+        score_rows(sc.data(), pr.data(), static_cast<Real*>(nullptr), psink.data(), q + off,
+                   k + koff, lengths[bh / heads], i0, i1, seq_len, d_head, rule, ext);
+        // context rows (rows, Dh) = probs (rows, S) * v (S, Dh)
+        gemm<Real>(Trans::no, Trans::no, i1 - i0, d_head, seq_len, Real(1), pr.data(), seq_len,
+                   v + koff, d_head, Real(0), context + off + i0 * d_head, d_head);
       }
-    }
+    });
   });
 }
 
@@ -448,8 +448,7 @@ void attention_backward_rows(Real* dq, Real* dk, Real* dv, const Real* dcontext,
   const Rules<Real> rules(variant, heads, d_head, causal, scale);
   const Real alpha = rules.alpha();
   const Real beta = qkv_write == GradWrite::overwrite ? Real(0) : Real(1);
-  const index_t rb = rows_per_block(seq_len, block_rows), kv = rules.kv_heads(),
-                group = rules.group();
+  const index_t rb = rows_per_block(seq_len, block_rows), kv = rules.kv_heads();
   if (rules.sunk() && !variant.dsinks) {
     throw ShapeError("attention_backward_rows: sinks need dsinks");
   }
@@ -462,39 +461,35 @@ void attention_backward_rows(Real* dq, Real* dk, Real* dv, const Real* dcontext,
     std::vector<Real> raw = buffer<Real>(rules.capped(), rb * seq_len), dsr = raw;
     std::vector<Real> psink = buffer<Real>(rules.sunk(), rb);  // (rows)
     SinkRow<Real> ext(rules.sunk(), seq_len);
-    for (index_t bg = bg0; bg < bg1; ++bg) {
+    rules.each_head(bg0, bg1, [&](index_t bg, index_t hg, index_t h, index_t bh) {
       const index_t koff = bg * seq_len * d_head;
-      for (index_t hg = 0; hg < group; ++hg) {
-        const index_t h = (bg % kv) * group + hg, bh = (bg / kv) * heads + h;
-        const index_t off = bh * seq_len * d_head;
-        const HeadRule<Real> rule = rules(h);
-        Real dsink = 0;
-        for (index_t i0 = 0; i0 < seq_len; i0 += rb) {
-          const index_t i1 = std::min(seq_len, i0 + rb), rows = i1 - i0;
-          // The first block of the group's first head starts dk and dv from beta; later ones
-          // continue the same fused chains, so every element is the materialised product's chain.
-          const Real b = hg == 0 && i0 == 0 ? beta : Real(1);
-          const Real* dc = dcontext + off + i0 * d_head;  // (rows, Dh)
-          score_rows(sc.data(), pr.data(), rule.capped ? raw.data() : nullptr, psink.data(),
-                     q + off, k + koff, lengths[bh / heads], i0, i1, seq_len, d_head, rule, ext);
-          // dv (S, Dh) += probs^T (S, rows) * dcontext (rows, Dh)
-          gemm<Real>(Trans::yes, Trans::no, seq_len, d_head, rows, Real(1), pr.data(), seq_len, dc,
-                     d_head, b, dv + koff, d_head);
-          score_grad_rows(dp.data(), ds.data(), pr.data(), dc, d_head, v + koff,
-                          static_cast<const std::uint8_t*>(nullptr), Real(1), rows, seq_len,
-                          d_head);
-          const Real* dsq = variant_grad_rows(dsr.data(), &dsink, ds.data(), dp.data(), pr.data(),
-                                              raw.data(), psink.data(), rows, seq_len, rule);
-          // dq rows (rows, Dh) += alpha * dscores (rows, S) * k (S, Dh)
-          gemm<Real>(Trans::no, Trans::no, rows, d_head, seq_len, alpha, dsq, seq_len, k + koff,
-                     d_head, beta, dq + off + i0 * d_head, d_head);
-          // dk (S, Dh) += alpha * dscores^T (S, rows) * q (rows, Dh)
-          gemm<Real>(Trans::yes, Trans::no, seq_len, d_head, rows, alpha, dsq, seq_len,
-                     q + off + i0 * d_head, d_head, b, dk + koff, d_head);
-        }
-        if (rule.sunk) sink_part[static_cast<std::size_t>(bh)] = dsink;
+      const index_t off = bh * seq_len * d_head;
+      const HeadRule<Real> rule = rules(h);
+      Real dsink = 0;
+      for (index_t i0 = 0; i0 < seq_len; i0 += rb) {
+        const index_t i1 = std::min(seq_len, i0 + rb), rows = i1 - i0;
+        // The first block of the group's first head starts dk and dv from beta; later ones
+        // continue the same fused chains, so every element is the materialised product's chain.
+        const Real b = hg == 0 && i0 == 0 ? beta : Real(1);
+        const Real* dc = dcontext + off + i0 * d_head;  // (rows, Dh)
+        score_rows(sc.data(), pr.data(), rule.capped ? raw.data() : nullptr, psink.data(), q + off,
+                   k + koff, lengths[bh / heads], i0, i1, seq_len, d_head, rule, ext);
+        // dv (S, Dh) += probs^T (S, rows) * dcontext (rows, Dh)
+        gemm<Real>(Trans::yes, Trans::no, seq_len, d_head, rows, Real(1), pr.data(), seq_len, dc,
+                   d_head, b, dv + koff, d_head);
+        score_grad_rows(dp.data(), ds.data(), pr.data(), dc, d_head, v + koff,
+                        static_cast<const std::uint8_t*>(nullptr), Real(1), rows, seq_len, d_head);
+        const Real* dsq = variant_grad_rows(dsr.data(), &dsink, ds.data(), dp.data(), pr.data(),
+                                            raw.data(), psink.data(), rows, seq_len, rule);
+        // dq rows (rows, Dh) += alpha * dscores (rows, S) * k (S, Dh)
+        gemm<Real>(Trans::no, Trans::no, rows, d_head, seq_len, alpha, dsq, seq_len, k + koff,
+                   d_head, beta, dq + off + i0 * d_head, d_head);
+        // dk (S, Dh) += alpha * dscores^T (S, rows) * q (rows, Dh)
+        gemm<Real>(Trans::yes, Trans::no, seq_len, d_head, rows, alpha, dsq, seq_len,
+                   q + off + i0 * d_head, d_head, b, dk + koff, d_head);
       }
-    }
+      if (rule.sunk) sink_part[static_cast<std::size_t>(bh)] = dsink;
+    });
   });
   if (rules.sunk()) add_sink_grads(variant.dsinks, sink_part, batch, heads);
 }

@@ -16,7 +16,7 @@
 
 namespace teo {
 
-void write_file_atomic(const std::string& path, std::string_view bytes, bool overwrite) {
+std::pair<int, std::string> open_temp_beside(const std::string& path, bool overwrite) {
   namespace fs = std::filesystem;
   std::error_code ec;
   const fs::path target(path);
@@ -29,18 +29,10 @@ void write_file_atomic(const std::string& path, std::string_view bytes, bool ove
   std::string tmp = (dir / ("." + target.filename().string() + ".tmp-XXXXXX")).string();
   const int fd = ::mkstemp(tmp.data());
   if (fd < 0) throw FileError(path + ": cannot create a temporary file: " + std::strerror(errno));
-  std::size_t done = 0;
-  while (done < bytes.size()) {
-    const ssize_t w = ::write(fd, bytes.data() + done, bytes.size() - done);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) {
-      const std::string why = std::strerror(errno);
-      ::close(fd);
-      ::unlink(tmp.c_str());
-      throw FileError(path + ": write failed: " + why);
-    }
-    done += static_cast<std::size_t>(w);
-  }
+  return {fd, tmp};
+}
+
+void commit_temp(int fd, const std::string& tmp, const std::string& path, bool overwrite) {
   // The temporary file is private (0600); the result gets the usual permissions.
   ::fchmod(fd, 0644);
   if (::fsync(fd) != 0 || ::close(fd) != 0) {
@@ -48,7 +40,8 @@ void write_file_atomic(const std::string& path, std::string_view bytes, bool ove
     ::unlink(tmp.c_str());
     throw FileError(path + ": write failed: " + why);
   }
-  if (!overwrite && fs::exists(target, ec)) {
+  std::error_code ec;
+  if (!overwrite && std::filesystem::exists(path, ec)) {
     ::unlink(tmp.c_str());
     throw FileError(path + ": already exists (pass --force to overwrite it)");
   }
@@ -57,6 +50,32 @@ void write_file_atomic(const std::string& path, std::string_view bytes, bool ove
     ::unlink(tmp.c_str());
     throw FileError(path + ": cannot rename the temporary file into place: " + why);
   }
+}
+
+bool write_all_at(int fd, const void* bytes, std::size_t size, std::uint64_t offset) {
+  const auto* p = static_cast<const char*>(bytes);
+  std::size_t done = 0;
+  while (done < size) {
+    const ssize_t w = ::pwrite(fd, p + done, size - done, static_cast<off_t>(offset + done));
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) {
+      if (w == 0) errno = EIO;
+      return false;
+    }
+    done += static_cast<std::size_t>(w);
+  }
+  return true;
+}
+
+void write_file_atomic(const std::string& path, std::string_view bytes, bool overwrite) {
+  const auto [fd, tmp] = open_temp_beside(path, overwrite);
+  if (!write_all_at(fd, bytes.data(), bytes.size(), 0)) {
+    const std::string why = std::strerror(errno);
+    ::close(fd);
+    ::unlink(tmp.c_str());
+    throw FileError(path + ": write failed: " + why);
+  }
+  commit_temp(fd, tmp, path, overwrite);
 }
 
 nlohmann::json read_json_file(const std::string& path) {

@@ -290,7 +290,8 @@ void allocate_layer(LayerActs<Real>& l, const Dims& d, ZeroList<Real>* zero) {
 // overwrites them all; for gradients, which accumulate, the large ones are added to `zero` for
 // zero_fill, but for those allocate_layer leaves to their single writer.
 template <class Real>
-void allocate(Activations<Real>& a, const EncoderConfig& cfg, const Dims& d, ZeroList<Real>* zero) {
+void allocate(Activations<Real>& a, const EncoderConfig& cfg, const Dims& d, ZeroList<Real>* zero,
+              bool layers_whole = true) {
   a.norm_first = cfg.norm_first;
   a.rotary = d.rope;
   shape_as(a.embedding, {d.B, d.S, d.D}, zero);
@@ -298,7 +299,14 @@ void allocate(Activations<Real>& a, const EncoderConfig& cfg, const Dims& d, Zer
   shape_as(a.input, {d.B, d.S, d.D}, zero);
   a.input_mask.clear();
   a.layers.resize(static_cast<std::size_t>(cfg.num_layers));
-  for (auto& l : a.layers) allocate_layer(l, d, zero);
+  for (auto& l : a.layers) {
+    if (layers_whole) {
+      allocate_layer(l, d, zero);
+    } else {
+      l = LayerActs<Real>();
+      shape_as(l.output, {d.B, d.S, d.D}, zero);
+    }
+  }
   if (cfg.norm_first) {
     shape_as(a.final_norm, {d.B, d.S, d.D}, zero);
     shape_as(a.final_norm_mean, {d.N}, zero);
@@ -762,7 +770,7 @@ void backward(const Params<Real>& params, const Batch& batch, const Activations<
     grads.visit([&](const std::string& name, Tensor<Real>& t) {
       shape_as(t, detail::param_shape(cfg, name), &zero);
     });
-    allocate(dacts, cfg, d, &zero);
+    allocate(dacts, cfg, d, &zero, opts.layer_activation_grads);
     zero_fill(zero);
   }
 
@@ -794,12 +802,22 @@ void backward(const Params<Real>& params, const Batch& batch, const Activations<
         cfg.num_layers > 0 ? "layers." + std::to_string(cfg.num_layers - 1) + ".output" : "input";
     store(dlast, "", last_name.c_str());
   }
+  LayerActs<Real> scratch;  // the layer's activation gradients when they are not all kept
   for (std::size_t i = acts.layers.size(); i-- > 0;) {
     Real* dx = i > 0 ? dacts.layers[i - 1].output.data() : dacts.input.data();
     const Real* x = i > 0 ? acts.layers[i - 1].output.data() : acts.input.data();
     const std::string name = "layers." + std::to_string(i) + ".";
-    layer_backward(cfg, params.layers[i], acts.layers[i], grads.layers[i], dacts.layers[i], dx, x,
+    LayerActs<Real>& dL = opts.layer_activation_grads ? dacts.layers[i] : scratch;
+    if (!opts.layer_activation_grads) {
+      // as allocate() would give them, around the layer's kept output gradient
+      ZeroList<Real> zero;
+      allocate_layer(scratch, d, &zero);
+      zero_fill(zero);
+      std::swap(scratch.output, dacts.layers[i].output);
+    }
+    layer_backward(cfg, params.layers[i], acts.layers[i], grads.layers[i], dL, dx, x,
                    batch.lengths.data(), d, name, store);
+    if (!opts.layer_activation_grads) std::swap(scratch.output, dacts.layers[i].output);
     // dx is complete: the gradient of the layer's input
     store(dx, d.N * d.D, "",
           i > 0 ? ("layers." + std::to_string(i - 1) + ".output").c_str() : "input");

@@ -1,6 +1,7 @@
 #include "teo/safetensors.hpp"
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -15,6 +16,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "teo/files.hpp"
 #include "teo/precision.hpp"
 
 namespace teo::safetensors {
@@ -69,7 +71,7 @@ std::int64_t json_size(const json& v, const std::string& source, const std::stri
   fail(source, what + " is not a non-negative integer: " + v.dump());
 }
 
-struct Entry {
+struct Parsed {
   std::string name;
   DType dtype;
   std::vector<std::int64_t> shape;
@@ -124,6 +126,7 @@ bool is_float(DType d) {
 
 std::vector<double> Tensor::float_values() const {
   const auto n = static_cast<std::size_t>(numel());
+  const unsigned char* b = data().data();
   switch (dtype) {
     case DType::F64:
       return values<double>();
@@ -135,7 +138,7 @@ std::vector<double> Tensor::float_values() const {
     case DType::F16: {
       std::vector<std::uint16_t> h(n);
       for (std::size_t i = 0; i < n; ++i)
-        h[i] = static_cast<std::uint16_t>(bytes[2 * i] | bytes[2 * i + 1] << 8);
+        h[i] = static_cast<std::uint16_t>(b[2 * i] | b[2 * i + 1] << 8);
       std::vector<float> f(n);
       from_bits(dtype == DType::BF16 ? Precision::bf16 : Precision::fp16, f.data(), h.data(),
                 static_cast<index_t>(n));
@@ -144,14 +147,14 @@ std::vector<double> Tensor::float_values() const {
     case DType::F8_E5M2: {
       // E5M2 is the top byte of an fp16
       std::vector<std::uint16_t> h(n);
-      for (std::size_t i = 0; i < n; ++i) h[i] = static_cast<std::uint16_t>(bytes[i] << 8);
+      for (std::size_t i = 0; i < n; ++i) h[i] = static_cast<std::uint16_t>(b[i] << 8);
       std::vector<float> f(n);
       from_bits(Precision::fp16, f.data(), h.data(), static_cast<index_t>(n));
       return {f.begin(), f.end()};
     }
     case DType::F8_E4M3: {
       std::vector<double> out(n);
-      for (std::size_t i = 0; i < n; ++i) out[i] = e4m3_value(bytes[i]);
+      for (std::size_t i = 0; i < n; ++i) out[i] = e4m3_value(b[i]);
       return out;
     }
     case DType::I64:
@@ -210,7 +213,11 @@ void File::add(const std::string& name, DType dtype, std::vector<std::int64_t> s
   tensors.push_back(std::move(t));
 }
 
-File parse(std::string_view bytes, const std::string& source, const Limits& limits) {
+namespace {
+
+// parse(), with the tensors' bytes copied, or (view) pointing into `bytes`.
+File parse_bytes(std::string_view bytes, const std::string& source, const Limits& limits,
+                 bool view) {
   if (bytes.size() < 8) {
     fail(source, "the file has " + std::to_string(bytes.size()) +
                      " bytes, fewer than the 8-byte header length");
@@ -251,7 +258,7 @@ File parse(std::string_view bytes, const std::string& source, const Limits& limi
   if (!header.is_object()) fail(source, "the header is not a JSON object");
 
   File file;
-  std::vector<Entry> entries;
+  std::vector<Parsed> entries;
   for (const auto& [name, v] : header.items()) {
     if (name == "__metadata__") {
       if (!v.is_object()) fail(source, "__metadata__ is not an object");
@@ -273,7 +280,7 @@ File parse(std::string_view bytes, const std::string& source, const Limits& limi
     if (!v.contains("dtype") || !v.contains("shape") || !v.contains("data_offsets")) {
       fail(source, what + " needs dtype, shape and data_offsets");
     }
-    Entry e;
+    Parsed e;
     e.name = name;
     if (!v["dtype"].is_string()) fail(source, what + " has a dtype that is not a string");
     if (!parse_dtype(v["dtype"].get<std::string>(), e.dtype)) {
@@ -308,7 +315,7 @@ File parse(std::string_view bytes, const std::string& source, const Limits& limi
     entries.push_back(std::move(e));
   }
 
-  std::stable_sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) {
+  std::stable_sort(entries.begin(), entries.end(), [](const Parsed& a, const Parsed& b) {
     return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
   });
   std::int64_t at = 0;
@@ -332,13 +339,19 @@ File parse(std::string_view bytes, const std::string& source, const Limits& limi
     t.name = std::move(e.name);
     t.dtype = e.dtype;
     t.shape = std::move(e.shape);
-    t.bytes.assign(data + e.begin, data + e.end);
+    if (view) {
+      t.mapped = data + e.begin;
+      t.mapped_size = static_cast<std::size_t>(e.end - e.begin);
+    } else {
+      t.bytes.assign(data + e.begin, data + e.end);
+    }
     file.tensors.push_back(std::move(t));
   }
   return file;
 }
 
-File read(const std::string& path, const Limits& limits) {
+// The size of regular file `path`, within the limit: FileError or FormatError otherwise.
+std::uint64_t checked_file_size(const std::string& path, const Limits& limits) {
   std::error_code ec;
   const auto status = std::filesystem::status(path, ec);
   if (ec || !std::filesystem::exists(status)) throw FileError(path + ": no such file");
@@ -349,6 +362,44 @@ File read(const std::string& path, const Limits& limits) {
     throw FormatError(path + ": the file is " + std::to_string(size) +
                       " bytes, more than the limit of " + std::to_string(limits.max_file_bytes));
   }
+  return size;
+}
+
+}  // namespace
+
+File parse(std::string_view bytes, const std::string& source, const Limits& limits) {
+  return parse_bytes(bytes, source, limits, /*view=*/false);
+}
+
+File map(const std::string& path, const Limits& limits) {
+  const std::uint64_t size = checked_file_size(path, limits);
+  if (size < 8) return parse(std::string_view(), path, limits);  // the short-file error
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw FileError(path + ": cannot open for reading: " + std::strerror(errno));
+  void* p = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
+  const int map_errno = errno;
+  ::close(fd);
+  if (p == MAP_FAILED) throw FileError(path + ": cannot map: " + std::strerror(map_errno));
+  std::shared_ptr<const void> backing(
+      p, [size](const void* q) { ::munmap(const_cast<void*>(q), size); });
+  File f = parse_bytes(std::string_view(static_cast<const char*>(p), size), path, limits,
+                       /*view=*/true);
+  f.backing = std::move(backing);
+  return f;
+}
+
+void release(const Tensor& t) {
+  if (!t.mapped || t.mapped_size == 0) return;
+  const auto page = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const auto begin = reinterpret_cast<std::uintptr_t>(t.mapped) / page * page;
+  const auto end =
+      (reinterpret_cast<std::uintptr_t>(t.mapped) + t.mapped_size + page - 1) / page * page;
+  // Advice only: a failure leaves the pages resident, which is not an error.
+  ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
+}
+
+File read(const std::string& path, const Limits& limits) {
+  const std::uint64_t size = checked_file_size(path, limits);
   std::ifstream in(path, std::ios::binary);
   if (!in) throw FileError(path + ": cannot open for reading");
   std::string bytes(static_cast<std::size_t>(size), '\0');
@@ -357,33 +408,161 @@ File read(const std::string& path, const Limits& limits) {
   return parse(bytes, path, limits);
 }
 
-std::string serialize(const File& file) {
+std::uint64_t Entry::byte_size() const {
+  index_t n = 1;
+  for (auto d : shape) n = checked_mul(n, d, "safetensors tensor " + name);
+  return static_cast<std::uint64_t>(
+      checked_mul(n, static_cast<index_t>(dtype_size(dtype)), "safetensors tensor " + name));
+}
+
+std::string header_bytes(const std::vector<std::pair<std::string, std::string>>& metadata,
+                         const std::vector<Entry>& entries) {
   nlohmann::ordered_json header = nlohmann::ordered_json::object();
-  if (!file.metadata.empty()) {
+  if (!metadata.empty()) {
     auto meta = nlohmann::ordered_json::object();
-    for (const auto& [k, v] : file.metadata) meta[k] = v;
+    for (const auto& [k, v] : metadata) meta[k] = v;
     header["__metadata__"] = std::move(meta);
   }
   std::uint64_t at = 0;
-  for (const auto& t : file.tensors) {
+  for (const auto& t : entries) {
+    const std::uint64_t size = t.byte_size();
     nlohmann::ordered_json e = nlohmann::ordered_json::object();
     e["dtype"] = dtype_name(t.dtype);
     e["shape"] = t.shape;
-    e["data_offsets"] = {at, at + t.bytes.size()};
+    e["data_offsets"] = {at, at + size};
     header[t.name] = std::move(e);
-    at += t.bytes.size();
+    at += size;
   }
   std::string h = header.dump();
   h.append((8 - h.size() % 8) % 8, ' ');
   std::string out;
-  out.reserve(8 + h.size() + at);
   const std::uint64_t n = h.size();
   for (int i = 0; i < 8; ++i) out.push_back(static_cast<char>((n >> (8 * i)) & 0xff));
-  out += h;
+  return out + h;
+}
+
+std::string serialize(const File& file) {
+  std::vector<Entry> entries;
+  std::uint64_t total = 0;
   for (const auto& t : file.tensors) {
-    out.append(reinterpret_cast<const char*>(t.bytes.data()), t.bytes.size());
+    entries.push_back({t.name, t.dtype, t.shape});
+    total += t.data().size();
+  }
+  std::string out = header_bytes(file.metadata, entries);
+  out.reserve(out.size() + total);
+  for (const auto& t : file.tensors) {
+    const auto b = t.data();
+    out.append(reinterpret_cast<const char*>(b.data()), b.size());
   }
   return out;
+}
+
+Writer::Writer(std::string path, std::vector<std::pair<std::string, std::string>> metadata,
+               std::vector<Entry> entries, bool overwrite)
+    : path_(std::move(path)),
+      overwrite_(overwrite),
+      metadata_(std::move(metadata)),
+      entries_(std::move(entries)) {
+  for (std::size_t i = 0; i < entries_.size(); ++i) {
+    const std::string& name = entries_[i].name;
+    if (name.empty() || name == "__metadata__") {
+      throw FormatError("safetensors: invalid tensor name '" + name + "'");
+    }
+    if (!index_.emplace(name, i).second) {
+      throw FormatError("safetensors: duplicate tensor name " + name);
+    }
+  }
+  const std::string header = header_bytes(metadata_, entries_);
+  header_size_ = header.size();
+  for (const auto& e : entries_) {
+    offset_.push_back(header_size_ + data_size_);
+    data_size_ += e.byte_size();
+  }
+  written_.assign(entries_.size(), false);
+  std::tie(fd_, tmp_) = open_temp_beside(path_, overwrite_);
+  if (!write_all_at(fd_, header.data(), header.size(), 0) ||
+      ::ftruncate(fd_, static_cast<off_t>(header_size_ + data_size_)) != 0) {
+    const std::string why = std::strerror(errno);
+    throw FileError(path_ + ": write failed: " + why);  // the destructor removes the file
+  }
+}
+
+Writer::~Writer() {
+  if (fd_ >= 0) ::close(fd_);
+  if (!tmp_.empty()) ::unlink(tmp_.c_str());
+}
+
+void Writer::write(const std::string& name, const void* data, std::size_t bytes) {
+  const auto it = index_.find(name);
+  if (it == index_.end()) throw FormatError("safetensors: " + name + " is not in the header");
+  const std::size_t i = it->second;
+  if (written_[i]) throw FormatError("safetensors: " + name + " is written twice");
+  if (bytes != entries_[i].byte_size()) {
+    throw FormatError("safetensors: tensor " + name + " has " + std::to_string(bytes) +
+                      " bytes, its shape needs " + std::to_string(entries_[i].byte_size()));
+  }
+  if (!write_all_at(fd_, data, bytes, offset_[i])) {
+    throw FileError(path_ + ": write failed: " + std::strerror(errno));
+  }
+  written_[i] = true;
+}
+
+namespace {
+
+std::string first_unwritten(const std::vector<Entry>& entries, const std::vector<bool>& written) {
+  for (std::size_t i = 0; i < entries.size(); ++i)
+    if (!written[i]) return entries[i].name;
+  return "";
+}
+
+}  // namespace
+
+File Writer::contents() const {
+  if (const std::string missing = first_unwritten(entries_, written_); !missing.empty()) {
+    throw FormatError("safetensors: " + missing + " has not been written");
+  }
+  return map(tmp_);
+}
+
+void Writer::set_metadata(std::vector<std::pair<std::string, std::string>> metadata) {
+  metadata_ = std::move(metadata);
+}
+
+std::uint64_t Writer::commit() {
+  if (const std::string missing = first_unwritten(entries_, written_); !missing.empty()) {
+    throw FormatError("safetensors: " + missing + " has not been written");
+  }
+  const std::string header = header_bytes(metadata_, entries_);
+  if (header.size() == header_size_) {
+    if (!write_all_at(fd_, header.data(), header.size(), 0)) {
+      throw FileError(path_ + ": write failed: " + std::strerror(errno));
+    }
+  } else {
+    // The metadata changed the header's length: the data moves, through a second temporary file.
+    auto [fd, tmp] = open_temp_beside(path_, /*overwrite=*/true);
+    bool ok = write_all_at(fd, header.data(), header.size(), 0);
+    std::vector<char> buf(std::size_t{1} << 24);
+    for (std::uint64_t at = 0; ok && at < data_size_;) {
+      const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(buf.size(), data_size_ - at));
+      const ssize_t r = ::pread(fd_, buf.data(), n, static_cast<off_t>(header_size_ + at));
+      if (r < 0 && errno == EINTR) continue;
+      ok = r > 0 && write_all_at(fd, buf.data(), static_cast<std::size_t>(r), header.size() + at);
+      at += r > 0 ? static_cast<std::uint64_t>(r) : 0;
+    }
+    const std::string why = std::strerror(errno);
+    ::close(fd_);
+    ::unlink(tmp_.c_str());
+    fd_ = fd;
+    tmp_ = tmp;
+    if (!ok) throw FileError(path_ + ": write failed: " + why);
+    header_size_ = header.size();
+  }
+  const int fd = fd_;
+  const std::string tmp = tmp_;
+  fd_ = -1;
+  tmp_.clear();
+  commit_temp(fd, tmp, path_, overwrite_);
+  return header_size_ + data_size_;
 }
 
 }  // namespace teo::safetensors

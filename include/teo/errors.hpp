@@ -68,6 +68,12 @@ class FormatError : public Error {
   using Error::Error;
 };
 
+// The user asked a long computation to stop (SIGINT or SIGTERM); what it was writing is removed.
+class Interrupted : public Error {
+ public:
+  using Error::Error;
+};
+
 // a * b, or ShapeError naming `what` when the product leaves [0, INT64_MAX].
 inline index_t checked_mul(index_t a, index_t b, const std::string& what) {
   index_t r = 0;

@@ -1,8 +1,11 @@
 // Files as teo writes them: whole or not at all.
 #pragma once
 
+#include <cstddef>
+#include <cstdint>
 #include <string>
 #include <string_view>
+#include <utility>
 
 #include <nlohmann/json_fwd.hpp>
 
@@ -12,6 +15,16 @@ namespace teo {
 // reader never sees half a file. Without `overwrite`, an existing `path` is a FileError; so are a
 // missing directory and a failed write, which leave no temporary file behind.
 void write_file_atomic(const std::string& path, std::string_view bytes, bool overwrite);
+
+// The two halves of write_file_atomic for a file written piece by piece. open_temp_beside checks
+// `path` as write_file_atomic does and creates the private temporary file beside it: {fd, its
+// path}. commit_temp gives it the usual permissions, syncs and closes it and renames it to `path`;
+// on failure it removes the temporary file and throws FileError.
+std::pair<int, std::string> open_temp_beside(const std::string& path, bool overwrite);
+void commit_temp(int fd, const std::string& tmp, const std::string& path, bool overwrite);
+
+// Writes all of `bytes` at `offset` of `fd` (pwrite, retried); false with errno set on failure.
+bool write_all_at(int fd, const void* bytes, std::size_t size, std::uint64_t offset);
 
 // The JSON value in file `path`: FileError when it is missing or unreadable, ConfigError naming
 // the path when it is not valid JSON.

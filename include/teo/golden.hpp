@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <ostream>
@@ -51,6 +52,24 @@ struct Case {
 // cause, unless allow_ill_conditioned, which writes it with __metadata__.ill_conditioned set.
 safetensors::File make(const Case& c, bool allow_ill_conditioned = false);
 
+// How generate_file writes a case.
+struct GenerateOptions {
+  bool allow_ill_conditioned = false;
+  std::string keep;  // --keep patterns (keep_only); empty keeps everything
+  bool overwrite = false;
+  // Called as each stage starts ("float32 forward and backward", "writing 210 tensors", ...).
+  // It may throw (Interrupted) to stop: the temporary file is removed and `path` is untouched.
+  std::function<void(const std::string& stage)> progress;
+};
+
+// Writes case c to `path` as make() (then keep_only() with opts.keep) gives it, byte for byte,
+// without holding the file in memory: the header first, from the known names and shapes, then
+// each run's tensors as soon as they are final, through a temporary file renamed into place at the
+// end. A float32 case's float32 run and its float64 reference run one after the other. With
+// --keep, the conditioning check judges the tensors kept. Returns the file's size in bytes.
+// Errors as make() and keep_only(), and FileError; on any of them nothing is written.
+std::uint64_t generate_file(const Case& c, const std::string& path, const GenerateOptions& opts);
+
 // Selective storage (`teo golden generate --keep`): keeps, of the computed tensors (act.*, grad.*
 // of a model case; output.*, grad.input.*, grad.param.* of an op case), only those whose name
 // matches one of `patterns`, comma-separated globs (`*` any run of characters, dots included;
@@ -58,6 +77,9 @@ safetensors::File make(const Case& c, bool allow_ill_conditioned = false);
 // are always kept. The patterns are recorded as __metadata__.kept. ConfigError naming the pattern
 // when one matches no tensor, or when there is none.
 void keep_only(safetensors::File& f, const std::string& patterns);
+// Which of `names` keep_only keeps (the same rules and errors); `op` for an op case's names.
+std::vector<bool> kept_names(const std::vector<std::string>& names, const std::string& patterns,
+                             bool op);
 
 // One run of the model as golden tensors: every act.* of the contract, every grad.* when
 // `backward` (from the mean loss), and the dropout.* masks when train mode applies dropout, in the
@@ -121,6 +143,10 @@ struct CheckOptions {
   std::optional<Precision> precision;
   double budget_k = 8.0;
   double budget_floor = 4.0;
+  // For a progress display: called as check_paths starts each case ("checking NAME (i/N, SIZE)",
+  // detail unless the golden file is 100 MB or more) and as check starts each tensor ("NAME
+  // (i/N)", detail). A detail is worth showing on a terminal only.
+  std::function<void(const std::string& what, bool detail)> progress;
 };
 
 enum class Status { pass, fail, not_checked, vacuous };
@@ -147,6 +173,7 @@ struct CaseReport {
   std::string first_divergence;       // "" when nothing failed
   std::string precision;              // what the candidate was judged as: fp64, fp32, bf16, ...
   bool budget = false;                // judged against the emulated run's error
+  std::uint64_t emulated_bytes = 0;   // the memory the emulated run's tensors took (budget only)
   int passed = 0, failed = 0, not_checked = 0, vacuous = 0;
   // Op cases: optional outputs (attention's scores and probs) the candidate does not hold. They
   // are not in `tensors` and never count against it.

@@ -251,6 +251,11 @@ struct BackwardOptions {
   // As ForwardOptions::precision; under bf16 and fp16 every named gradient, of activations and
   // parameters, is rounded where it is complete.
   std::optional<Precision> precision = std::nullopt;
+  // false: of each layer's activation gradients keep only dacts.layers[i].output (the golden
+  // contract's); the others live in one layer's scratch, reused down the stack, and are left
+  // empty. The bits of everything kept are the same; the memory of a deep model's backward pass
+  // is about halved.
+  bool layer_activation_grads = true;
 };
 
 // Rounds every parameter to p's storage format (bf16 or fp16; other precisions change nothing),

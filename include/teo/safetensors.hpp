@@ -7,6 +7,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <map>
+#include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -49,7 +52,15 @@ struct Tensor {
   DType dtype = DType::F32;
   std::vector<std::int64_t> shape;
   std::vector<unsigned char> bytes;  // numel * dtype_size(dtype), little-endian
+  // A tensor of a mapped file (map()) owns no bytes: they are the mapping's, at `mapped`.
+  const unsigned char* mapped = nullptr;
+  std::size_t mapped_size = 0;
 
+  // The tensor's bytes, owned or mapped.
+  std::span<const unsigned char> data() const {
+    return mapped ? std::span<const unsigned char>(mapped, mapped_size)
+                  : std::span<const unsigned char>(bytes);
+  }
   std::int64_t numel() const;
   std::string shape_str() const;
 
@@ -63,8 +74,9 @@ struct Tensor {
       throw FormatError("tensor " + name + " has dtype " + dtype_name(dtype) + ", expected " +
                         dtype_name(dtype_of<T>()));
     }
-    std::vector<T> out(bytes.size() / sizeof(T));
-    if (!out.empty()) std::memcpy(out.data(), bytes.data(), bytes.size());
+    const auto b = data();
+    std::vector<T> out(b.size() / sizeof(T));
+    if (!out.empty()) std::memcpy(out.data(), b.data(), b.size());
     return out;
   }
 };
@@ -74,6 +86,8 @@ struct File {
   std::vector<std::pair<std::string, std::string>> metadata;
   // The tensors in the order of their data offsets.
   std::vector<Tensor> tensors;
+  // What a mapped file's tensors point into (the mapping, unmapped with the last copy).
+  std::shared_ptr<const void> backing;
 
   const Tensor* find(const std::string& name) const;
   const std::string* meta(const std::string& key) const;
@@ -100,6 +114,78 @@ File parse(std::string_view bytes, const std::string& source, const Limits& limi
 
 // Reads and parses `path`. FileError when it cannot be opened or read, FormatError as parse().
 File read(const std::string& path, const Limits& limits = {});
+
+// Maps `path` read-only and parses it as parse() does; the tensors are views into the mapping
+// (Tensor::mapped), which lives as long as the File or a copy of it. Only the pages a reader
+// touches are read, and release() gives them back, so a check of two large files holds about one
+// tensor of each in memory. FileError and FormatError as read().
+File map(const std::string& path, const Limits& limits = {});
+
+// Gives back the memory of a mapped tensor's pages once it has been read (they are read again
+// from the file if touched later); nothing for an owned tensor.
+void release(const Tensor& t);
+
+// A tensor's entry in a header: its name, dtype and shape, in file order.
+struct Entry {
+  std::string name;
+  DType dtype = DType::F32;
+  std::vector<std::int64_t> shape;
+
+  std::uint64_t byte_size() const;
+};
+
+// The 8-byte length and the header of a file with `metadata` and `entries` (in order), exactly as
+// serialize() writes them.
+std::string header_bytes(const std::vector<std::pair<std::string, std::string>>& metadata,
+                         const std::vector<Entry>& entries);
+
+// Writes a file too large to hold in memory, tensor by tensor. The header is written first, from
+// the names, dtypes and shapes given up front; each tensor's bytes go to their place in a temporary
+// file beside `path` as soon as write() is given them, in any order; commit() renames the complete
+// file into place. The result is byte for byte what serialize() gives for the same file. A Writer
+// destroyed before commit() (an error, an interruption) removes its temporary file: nothing ever
+// appears under `path` half written.
+class Writer {
+ public:
+  // FileError when `path` is a directory, its directory does not exist, or it exists and not
+  // `overwrite`; FormatError for an invalid or repeated name; ShapeError for a bad shape.
+  Writer(std::string path, std::vector<std::pair<std::string, std::string>> metadata,
+         std::vector<Entry> entries, bool overwrite);
+  ~Writer();
+  Writer(const Writer&) = delete;
+  Writer& operator=(const Writer&) = delete;
+
+  // FormatError for a name not in the header, one written twice, or a size that is not the
+  // entry's; FileError when the write fails.
+  void write(const std::string& name, const void* data, std::size_t bytes);
+  template <class T>
+  void write(const std::string& name, const T* data, std::size_t count) {
+    write(name, static_cast<const void*>(data), count * sizeof(T));
+  }
+
+  // Whether the header holds `name`.
+  bool has(const std::string& name) const { return index_.contains(name); }
+
+  // The file as written so far, mapped (every tensor must have been written).
+  File contents() const;
+
+  // Replaces the metadata; commit() moves the data when the header's length changes.
+  void set_metadata(std::vector<std::pair<std::string, std::string>> metadata);
+
+  // Checks every tensor was written, syncs, and renames the file into place; returns its size.
+  std::uint64_t commit();
+
+ private:
+  std::string path_, tmp_;
+  bool overwrite_;
+  int fd_ = -1;
+  std::vector<std::pair<std::string, std::string>> metadata_;
+  std::vector<Entry> entries_;
+  std::map<std::string, std::size_t> index_;
+  std::vector<std::uint64_t> offset_;  // of each entry's data, from the file's start
+  std::vector<bool> written_;
+  std::uint64_t header_size_ = 0, data_size_ = 0;
+};
 
 // The file's bytes: the header is compact JSON with `__metadata__` first and then the tensors in
 // order, padded with spaces to a multiple of 8 bytes; the data follows in the same order.

@@ -40,6 +40,7 @@ struct GoldenGenerateOptions {
   bool force = false;                  // overwrite an existing --out file
   bool allow_ill_conditioned = false;  // write an ill-conditioned float32 case, marked as such
   std::string keep;                    // comma-separated globs of the tensors to store ("": all)
+  bool progress = true;                // show the stages on standard error
 };
 int run_golden_generate(const GoldenGenerateOptions& opts, std::ostream& out);
 
@@ -50,6 +51,7 @@ struct GoldenCheckOptions {
   bool require_all = false;  // a tensor that is not checked counts as a failure
   std::string precision;     // "" (implied) | fp64 | fp32 | tf32 | bf16 | fp16
   golden::CheckOptions tolerances;
+  bool progress = true;  // show the case and tensor being compared on standard error
 };
 int run_golden_check(const GoldenCheckOptions& opts, std::ostream& out);
 

@@ -6,10 +6,12 @@
 
 #include <nlohmann/json.hpp>
 
+#include "cli/progress.hpp"
 #include "teo/files.hpp"
 #include "teo/golden_ops.hpp"
 #include "teo/precision.hpp"
 #include "teo/safetensors.hpp"
+#include "teo/train/session.hpp"
 
 namespace teo::cli {
 
@@ -27,11 +29,23 @@ int run_golden_generate(const GoldenGenerateOptions& opts, std::ostream& out) {
     throw ConfigError("golden generate needs both --config CASE.json and --out FILE");
   }
   const golden::Case c = golden::Case::from_file(opts.config_path);
-  safetensors::File f = golden::make(c, opts.allow_ill_conditioned);
-  if (!opts.keep.empty()) golden::keep_only(f, opts.keep);
-  const std::string bytes = safetensors::serialize(f);
-  write_file_atomic(opts.out_path, bytes, opts.force);
-  out << "wrote " << opts.out_path << " (" << bytes.size() << " bytes)\n";
+  ProgressLine progress(opts.progress);
+  // SIGINT and SIGTERM stop at the next stage; the temporary file goes, `--out` is untouched.
+  train::StopSignals signals;
+  const std::uint64_t size =
+      golden::generate_file(c, opts.out_path,
+                            {.allow_ill_conditioned = opts.allow_ill_conditioned,
+                             .keep = opts.keep,
+                             .overwrite = opts.force,
+                             .progress = [&](const std::string& stage) {
+                               if (train::StopSignals::requested()) {
+                                 throw Interrupted("interrupted before " + stage + "; " +
+                                                   opts.out_path + " was not written");
+                               }
+                               progress.show(stage, true);
+                             }});
+  progress.clear();
+  out << "wrote " << opts.out_path << " (" << size << " bytes)\n";
   return 0;
 }
 
@@ -121,7 +135,10 @@ int run_golden_check(const GoldenCheckOptions& opts, std::ostream& out) {
   else
     throw ConfigError("--only must be forward or backward, got \"" + opts.only + "\"");
   if (!opts.precision.empty()) co.precision = parse_precision(opts.precision, "--precision");
+  ProgressLine progress(opts.progress);
+  co.progress = [&](const std::string& what, bool detail) { progress.show(what, !detail); };
   const auto reports = golden::check_paths(opts.golden, opts.candidate, co);
+  progress.clear();
   golden::print_text(reports, out);
   // A report that cannot be written is an error on stderr, but the verdict stands: the exit code
   // says whether the candidate passed (docs/golden-format.md).

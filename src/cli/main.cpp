@@ -84,6 +84,8 @@ int main(int argc, char** argv) {
   gen->add_flag("--allow-ill-conditioned", gen_opts.allow_ill_conditioned,
                 "write a float32 case whose own error is not at rounding level, marked in its "
                 "metadata (refused otherwise)");
+  bool gen_no_progress = false;
+  gen->add_flag("--no-progress", gen_no_progress, "no stage lines on standard error");
   teo::cli::GoldenOpOptions op_opts;
   CLI::App* op = golden->add_subcommand(
       "op", "Write one op case: a single operator's inputs, outputs and exact backward");
@@ -113,6 +115,8 @@ int main(int argc, char** argv) {
   check->add_option("--json", check_opts.json_path, "also write a JSON report here");
   check->add_flag("--require-all", check_opts.require_all,
                   "fail when a golden tensor is missing from the candidate");
+  bool check_no_progress = false;
+  check->add_flag("--no-progress", check_no_progress, "no progress on standard error");
   check->add_option("--rtol", check_opts.tolerances.rtol, "float64: relative tolerance (1e-9)")
       ->check(CLI::NonNegativeNumber);
   check->add_option("--atol", check_opts.tolerances.atol, "float64: absolute tolerance (1e-12)")
@@ -177,7 +181,8 @@ int main(int argc, char** argv) {
     return 2;
   }
   // The exit status: 0 success, 1 a failed check, 2 bad input (or a failed write), 3 training
-  // diverged, 130 training interrupted (it saved a checkpoint to resume from).
+  // diverged, 130 interrupted (training saved a checkpoint to resume from; golden generate wrote
+  // nothing).
   const auto run = [&]() -> int {
     teo::init_from_environment();
     if (*bench && backend_flag.empty() && !std::getenv("TEO_BACKEND")) {
@@ -188,6 +193,8 @@ int main(int argc, char** argv) {
     if (threads_flag) teo::set_num_threads(*threads_flag);
     if (*shapes) return teo::cli::run_shapes(shapes_opts, std::cout);
     if (*bench) return teo::cli::run_bench(bench_opts, std::cout);
+    gen_opts.progress = !gen_no_progress;
+    check_opts.progress = !check_no_progress;
     if (*gen) return teo::cli::run_golden_generate(gen_opts, std::cout);
     if (*op) return teo::cli::run_golden_op(op_opts, std::cout);
     if (*list) return teo::cli::run_golden_list(list_path, std::cout);
@@ -223,6 +230,9 @@ int main(int argc, char** argv) {
   } catch (const teo::TrainingDiverged& e) {
     std::cerr << "teo: error: " << e.what() << "\n";
     return 3;
+  } catch (const teo::Interrupted& e) {
+    std::cerr << "teo: " << e.what() << "\n";
+    return 130;
   } catch (const teo::Error& e) {
     std::cerr << "teo: error: " << e.what() << "\n";
     return 2;

@@ -4,6 +4,7 @@
 #include <cfloat>
 #include <cmath>
 #include <filesystem>
+#include <iomanip>
 #include <set>
 #include <sstream>
 
@@ -79,9 +80,15 @@ TensorResult check_tensor(const File& golden, const safetensors::Tensor& g,
                           const safetensors::Tensor* c, bool f32, const CheckOptions& opts) {
   TensorResult r;
   if (decided_before_values(r, g, c, /*any_float=*/false)) return r;
+  // Each mapped tensor's pages go back as soon as its values are copied out: at most one is
+  // resident at a time.
   const auto gv = g.float_values();
+  safetensors::release(g);
   const auto cv = c->float_values();
-  const std::vector<double> ref = f32 ? detail::truth_of(golden, g, true) : gv;
+  safetensors::release(*c);
+  std::vector<double> ref64;
+  if (f32) ref64 = detail::truth_of(golden, g, true);
+  const std::vector<double>& ref = f32 ? ref64 : gv;
   const double scale = detail::scale_of(golden, g.name, ref, f32);
   double max_ref = 0, teo_err = 0, max_abs = 0;
   std::int64_t worst = -1, nonfinite_at = -1, nonfinite_count = 0;
@@ -130,7 +137,9 @@ TensorResult judge_budget(const File& golden, const safetensors::Tensor& g,
   TensorResult r;
   if (decided_before_values(r, g, c, /*any_float=*/true)) return r;
   const auto truth = detail::truth_of(golden, g, f32);
+  safetensors::release(g);
   const auto cv = c->float_values();
+  safetensors::release(*c);
   const double scale = detail::scale_of(golden, g.name, truth, f32);
   double max_abs = 0;
   std::int64_t worst = -1, nonfinite_at = -1, nonfinite_count = 0;
@@ -304,6 +313,8 @@ CaseReport check(const File& golden, const File& candidate, const CheckOptions& 
   const bool op = is_op_file(golden);
   const std::set<std::string> optional_outputs = optional_outputs_of(golden, op);
   if (budget) {
+    // once per case; its memory is reported, since for a large case it is most of the check's
+    if (opts.progress) opts.progress("emulating the " + std::string(to_string(p)) + " run", true);
     emu = emulate(golden, p);
   }
   if (budget && !op) {
@@ -316,8 +327,15 @@ CaseReport check(const File& golden, const File& candidate, const CheckOptions& 
   CaseReport rep;
   rep.precision = to_string(budget ? p : f32 ? Precision::fp32 : Precision::fp64);
   rep.budget = budget;
+  for (const auto& [n, v] : emu) rep.emulated_bytes += v.size() * sizeof(double);
+  std::size_t judged = 0, at = 0;
+  for (const auto& g : golden.tensors) judged += wanted(g.name, opts.only, op) ? 1 : 0;
   for (const auto& g : golden.tensors) {
     if (!wanted(g.name, opts.only, op)) continue;
+    if (opts.progress) {
+      opts.progress(g.name + " (" + std::to_string(++at) + "/" + std::to_string(judged) + ")",
+                    true);
+    }
     const auto* c = candidate.find(g.name);
     if (!c && optional_outputs.contains(g.name)) {
       // An output a fused kernel may omit: listed apart, never counted against the candidate.
@@ -332,6 +350,8 @@ CaseReport check(const File& golden, const File& candidate, const CheckOptions& 
     } else {
       rep.tensors.push_back(check_tensor(golden, g, c, f32, opts));
     }
+    detail::release_judged(golden, g);
+    if (c) safetensors::release(*c);
     const auto& r = rep.tensors.back();
     if (r.status == Status::pass) ++rep.passed;
     if (r.status == Status::fail) {
@@ -376,6 +396,11 @@ Verdict verdict(const std::vector<CaseReport>& reports, bool require_all) {
   return {};
 }
 
+namespace {
+// A golden file at least this large is a large case: its progress is worth a line off a terminal.
+constexpr std::uintmax_t kLargeFile = 100'000'000;
+}  // namespace
+
 std::vector<CaseReport> check_paths(const std::string& golden, const std::string& candidate,
                                     const CheckOptions& opts) {
   namespace fs = std::filesystem;
@@ -408,12 +433,19 @@ std::vector<CaseReport> check_paths(const std::string& golden, const std::string
   }
   std::vector<CaseReport> reports;
   for (const auto& [gp, cp] : pairs) {
-    const File g = safetensors::read(gp);
+    if (opts.progress) {
+      const auto size = fs::file_size(gp, ec);
+      std::ostringstream what;
+      what << "checking " << gp << " (" << reports.size() + 1 << "/" << pairs.size() << ", "
+           << std::fixed << std::setprecision(2) << static_cast<double>(size) / 1e9 << " GB)";
+      opts.progress(what.str(), /*detail=*/ec || size < kLargeFile);
+    }
+    const File g = safetensors::map(gp);
     CaseReport rep;
     if (!fs::exists(cp, ec)) {
       rep = with_path(gp, [&] { return not_checked_report(g, opts, "no candidate file"); });
     } else {
-      const File c = safetensors::read(cp);
+      const File c = safetensors::map(cp);
       rep = with_path(gp, [&] { return check(g, c, opts); });
     }
     rep.name = fs::path(gp).filename().string();

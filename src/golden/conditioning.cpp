@@ -20,7 +20,9 @@ std::vector<double> truth_of(const File& golden, const safetensors::Tensor& g, b
     throw FormatError("the float32 golden has no float64 ref64." + g.name + " of shape " +
                       g.shape_str());
   }
-  return rt->values<double>();
+  auto v = rt->values<double>();
+  safetensors::release(*rt);
+  return v;
 }
 
 double scale_of(const File& golden, const std::string& name, const std::vector<double>& truth,
@@ -35,11 +37,23 @@ double scale_of(const File& golden, const std::string& name, const std::vector<d
     if (const auto* wt = golden.find(f32 ? "ref64." + w : w)) {
       for (double x : wt->float_values())
         if (std::isfinite(x)) scale = std::max(scale, std::abs(x));
+      safetensors::release(*wt);
     }
   }
   for (double x : truth)
     if (std::isfinite(x)) scale = std::max(scale, std::abs(x));
   return scale;
+}
+
+void release_judged(const File& golden, const safetensors::Tensor& g) {
+  safetensors::release(g);
+  for (const char* prefix : {"", "ref64."}) {
+    if (const auto* t = golden.find(prefix + g.name); t && t != &g) safetensors::release(*t);
+    if (g.name.starts_with("grad.") && g.name.ends_with(".bias")) {
+      const std::string w = g.name.substr(0, g.name.size() - 4) + "weight";
+      if (const auto* t = golden.find(prefix + w)) safetensors::release(*t);
+    }
+  }
 }
 
 double max_abs_diff(const std::vector<double>& x, const std::vector<double>& truth) {
@@ -69,6 +83,7 @@ std::string float32_conditioning(const File& f, index_t L,
     const auto truth = truth_of(f, t, true);
     const double scale = scale_of(f, t.name, truth, true);
     const double err = max_abs_diff(t.float_values(), truth);
+    release_judged(f, t);
     if (err <= limit * scale) continue;
     std::ostringstream msg;
     msg << "the float32 case is ill-conditioned at " << stage_name(t.name) << ": its error against "
@@ -91,6 +106,7 @@ void precision_conditioning(const File& f, const std::map<std::string, std::vect
     const auto e = emu.find(t.name);
     if (e == emu.end()) throw FormatError("the emulated run has no " + t.name);
     const double err = max_abs_diff(e->second, truth);
+    release_judged(f, t);
     if (err > kVacuous * scale) {
       throw IllConditioned("the " + std::string(to_string(p)) + " budget is vacuous at " +
                            stage_name(t.name) + ": the emulated error is " +

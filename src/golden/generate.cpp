@@ -5,8 +5,10 @@
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iomanip>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
@@ -36,11 +38,6 @@ std::int64_t case_int(const json& v, const std::string& key) {
 
 std::vector<std::int64_t> dims_of(const Shape& s) {
   return s.dims();
-}
-
-template <class Real>
-void add_tensor(File& f, const std::string& name, const Tensor<Real>& t) {
-  f.add<Real>(name, dims_of(t.shape()), t.data(), static_cast<std::size_t>(t.numel()));
 }
 
 // The activation names of the golden contract, in pipeline order (the model also keeps ffn_pre
@@ -99,11 +96,6 @@ std::vector<std::pair<std::string, const Tensor<Real>*>> contract_grads(
   return out;
 }
 
-void add_mask(File& f, const std::string& name, std::vector<std::int64_t> shape,
-              const std::vector<std::uint8_t>& m) {
-  f.add<std::uint8_t>(name, std::move(shape), m.data(), m.size());
-}
-
 template <class Real>
 struct Run {
   Activations<Real> acts, dacts;
@@ -115,7 +107,9 @@ Run<Real> run_case(const Params<Real>& params, const Batch& batch, std::uint64_t
                    std::optional<Precision> precision = std::nullopt) {
   Run<Real> r;
   forward(params, batch, r.acts, {.train = true, .dropout_seed = seed, .precision = precision});
-  backward(params, batch, r.acts, r.grads, r.dacts, {.precision = precision});
+  // the contract holds only each layer's output gradient: the rest need not outlive its layer
+  backward(params, batch, r.acts, r.grads, r.dacts,
+           {.precision = precision, .layer_activation_grads = false});
   return r;
 }
 
@@ -137,79 +131,239 @@ std::vector<std::pair<std::string, const std::vector<std::uint8_t>*>> run_masks(
   return out;
 }
 
-// Appends a run's dropout masks, activations and (with backward) gradients under their golden
-// names, with `prefix` before each name.
-template <class Real>
-void add_run(File& f, const EncoderConfig& cfg, const Batch& batch, const Run<Real>& run,
-             bool masks, bool with_backward, const std::string& prefix = "") {
-  const index_t B = batch.batch, S = batch.seq_len, D = cfg.d_model, H = cfg.num_heads,
-                F = cfg.d_ff;
-  if (masks) {
-    for (const auto& [n, m] : run_masks(cfg, run.acts)) {
-      const auto shape = n == "dropout.input"   ? std::vector<std::int64_t>{B, S, D}
-                         : n.ends_with(".attn") ? std::vector<std::int64_t>{B, H, S, S}
-                         : n.ends_with(".ffn")  ? std::vector<std::int64_t>{B, S, F}
-                                                : std::vector<std::int64_t>{B, S, D};
-      add_mask(f, prefix + n, shape, *m);
-    }
-  }
-  for (const auto& [n, t] : contract_acts(run.acts)) add_tensor(f, prefix + n, *t);
-  if (!with_backward) return;
-  for (const auto& [n, t] : contract_grads(cfg, run.grads, run.dacts))
-    add_tensor(f, prefix + n, *t);
+// One tensor of a golden file: its name, dtype, shape and bytes (owned by a run or the params).
+struct Out {
+  std::string name;
+  DType dtype;
+  std::vector<std::int64_t> shape;
+  const void* data;
+  std::size_t bytes;
+};
+
+template <class T>
+Out out_of(std::string name, std::vector<std::int64_t> shape, const T* data, std::size_t count) {
+  return {std::move(name), safetensors::dtype_of<T>(), std::move(shape), data, count * sizeof(T)};
 }
 
 template <class Real>
-File make_typed(const Case& c, bool allow_ill_conditioned) {
-  const EncoderConfig& cfg = c.config;
-  auto params = Params<Real>::init(cfg, c.seed);
-  if constexpr (std::is_same_v<Real, float>) {
-    if (c.precision) round_params(params, *c.precision);
-  }
-  const Batch batch = Batch::random(cfg, c.batch, c.seq_len, c.seed, c.lengths);
-  const auto run = run_case(params, batch, c.seed);
+Out out_of(std::string name, const Tensor<Real>& t) {
+  return out_of(std::move(name), dims_of(t.shape()), t.data(), static_cast<std::size_t>(t.numel()));
+}
 
-  File f;
-  f.metadata.emplace_back("format", kFormat);
-  f.metadata.emplace_back("config", cfg.to_json().dump());
-  f.metadata.emplace_back("case", c.case_json().dump());
-  f.metadata.emplace_back("teo_version", TEO_VERSION);
+// A run's dropout masks, activations and (with backward) gradients under their golden names, with
+// `prefix` before each name.
+template <class Real>
+std::vector<Out> run_outs(const EncoderConfig& cfg, const Batch& batch, const Run<Real>& run,
+                          bool masks, bool with_backward, const std::string& prefix = "") {
+  const index_t B = batch.batch, S = batch.seq_len, D = cfg.d_model, H = cfg.num_heads,
+                F = cfg.d_ff;
+  std::vector<Out> out;
+  if (masks) {
+    for (const auto& [n, m] : run_masks(cfg, run.acts)) {
+      auto shape = n == "dropout.input"   ? std::vector<std::int64_t>{B, S, D}
+                   : n.ends_with(".attn") ? std::vector<std::int64_t>{B, H, S, S}
+                   : n.ends_with(".ffn")  ? std::vector<std::int64_t>{B, S, F}
+                                          : std::vector<std::int64_t>{B, S, D};
+      out.push_back(out_of(prefix + n, std::move(shape), m->data(), m->size()));
+    }
+  }
+  for (const auto& [n, t] : contract_acts(run.acts)) out.push_back(out_of(prefix + n, *t));
+  if (with_backward) {
+    for (const auto& [n, t] : contract_grads(cfg, run.grads, run.dacts))
+      out.push_back(out_of(prefix + n, *t));
+  }
+  return out;
+}
+
+void add_outs(File& f, const std::vector<Out>& outs) {
+  for (const auto& o : outs) f.add(o.name, o.dtype, o.shape, o.data, o.bytes);
+}
+
+using Metadata = std::vector<std::pair<std::string, std::string>>;
+
+// Where a generated case goes: a File in memory, or a file written as it is computed. The header
+// (metadata and entries) comes first; put() stores a tensor the header holds and skips the rest.
+class Sink {
+ public:
+  virtual ~Sink() = default;
+  virtual void begin(const Metadata& meta, std::vector<safetensors::Entry> entries) = 0;
+  virtual void put(const Out& o) = 0;
+  // Everything put so far, as a File (after every entry was put).
+  virtual const File& contents() = 0;
+  virtual void finish(const Metadata& meta) = 0;
+};
+
+class MemorySink final : public Sink {
+ public:
+  void begin(const Metadata& meta, std::vector<safetensors::Entry> entries) override {
+    f_.metadata = meta;
+    for (auto& e : entries) {
+      index_[e.name] = f_.tensors.size();
+      safetensors::Tensor t;
+      t.bytes.resize(e.byte_size());
+      t.name = std::move(e.name);
+      t.dtype = e.dtype;
+      t.shape = std::move(e.shape);
+      f_.tensors.push_back(std::move(t));
+    }
+  }
+  void put(const Out& o) override {
+    const auto it = index_.find(o.name);
+    if (it == index_.end()) return;
+    auto& t = f_.tensors[it->second];
+    if (o.bytes) std::memcpy(t.bytes.data(), o.data, o.bytes);
+  }
+  const File& contents() override { return f_; }
+  void finish(const Metadata& meta) override { f_.metadata = meta; }
+  File take() { return std::move(f_); }
+
+ private:
+  File f_;
+  std::map<std::string, std::size_t> index_;
+};
+
+class FileSink final : public Sink {
+ public:
+  FileSink(std::string path, bool overwrite) : path_(std::move(path)), overwrite_(overwrite) {}
+  void begin(const Metadata& meta, std::vector<safetensors::Entry> entries) override {
+    w_.emplace(path_, meta, std::move(entries), overwrite_);
+  }
+  void put(const Out& o) override {
+    if (w_->has(o.name)) w_->write(o.name, o.data, o.bytes);
+  }
+  const File& contents() override {
+    if (!mapped_) mapped_ = w_->contents();
+    return *mapped_;
+  }
+  void finish(const Metadata& meta) override {
+    mapped_.reset();
+    w_->set_metadata(meta);
+    size_ = w_->commit();
+  }
+  std::uint64_t size() const { return size_; }
+
+ private:
+  std::string path_;
+  bool overwrite_;
+  std::optional<safetensors::Writer> w_;
+  std::optional<File> mapped_;
+  std::uint64_t size_ = 0;
+};
+
+std::string gigabytes(std::uint64_t bytes) {
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(bytes < 100'000'000 ? 3 : 2)
+     << static_cast<double>(bytes) / 1e9 << " GB";
+  return os.str();
+}
+
+// Generates case c into `sink`: the header, then the float32 run (or the float64 one), then for a
+// float32 case its float64 reference, then the conditioning checks on what the sink holds.
+template <class Real>
+void generate_typed(const Case& c, Sink& sink, const GenerateOptions& opts) {
+  const auto stage = [&](const std::string& s) {
+    if (opts.progress) opts.progress(s);
+  };
+  constexpr bool f32 = std::is_same_v<Real, float>;
+  const EncoderConfig& cfg = c.config;
+  const Batch batch = Batch::random(cfg, c.batch, c.seq_len, c.seed, c.lengths);
+  std::optional<Params<Real>> params(Params<Real>::init(cfg, c.seed));
+  if constexpr (f32) {
+    if (c.precision) round_params(*params, *c.precision);
+  }
+  stage(std::string(f32 ? "float32" : "float64") + " forward and backward");
+  std::optional<Run<Real>> run(run_case(*params, batch, c.seed));
 
   const index_t B = c.batch, S = c.seq_len;
-  f.add<std::int64_t>("input.tokens", {B, S}, batch.tokens.data(), batch.tokens.size());
-  f.add<std::int64_t>("input.lengths", {B}, batch.lengths.data(), batch.lengths.size());
-  f.add<std::int64_t>("input.labels", {B}, batch.labels.data(), batch.labels.size());
-  params.visit(
-      [&](const std::string& n, const Tensor<Real>& t) { add_tensor(f, "param." + n, t); });
-  add_run(f, cfg, batch, run, /*masks=*/true, /*with_backward=*/true);
+  std::vector<Out> outs = {out_of("input.tokens", {B, S}, batch.tokens.data(), batch.tokens.size()),
+                           out_of("input.lengths", {B}, batch.lengths.data(), batch.lengths.size()),
+                           out_of("input.labels", {B}, batch.labels.data(), batch.labels.size())};
+  params->visit([&](const std::string& n, const Tensor<Real>& t) {
+    outs.push_back(out_of("param." + n, t));
+  });
+  const auto computed = run_outs(cfg, batch, *run, /*masks=*/true, /*with_backward=*/true);
+  outs.insert(outs.end(), computed.begin(), computed.end());
 
-  if constexpr (std::is_same_v<Real, float>) {
+  // The header: every tensor of this run, and for float32 the float64 twin of each computed one.
+  std::vector<safetensors::Entry> entries;
+  for (const auto& o : outs) entries.push_back({o.name, o.dtype, o.shape});
+  if constexpr (f32) {
+    for (const auto& o : computed) {
+      if (!o.name.starts_with("dropout."))
+        entries.push_back({"ref64." + o.name, DType::F64, o.shape});
+    }
+  }
+  if (!opts.keep.empty()) {
+    std::vector<std::string> names;
+    for (const auto& e : entries) names.push_back(e.name);
+    const auto kept = kept_names(names, opts.keep, /*op=*/false);
+    std::vector<safetensors::Entry> k;
+    for (std::size_t i = 0; i < entries.size(); ++i)
+      if (kept[i]) k.push_back(std::move(entries[i]));
+    entries = std::move(k);
+  }
+  Metadata meta = {{"format", kFormat},
+                   {"config", cfg.to_json().dump()},
+                   {"case", c.case_json().dump()},
+                   {"teo_version", TEO_VERSION}};
+  std::uint64_t total = 0;
+  for (const auto& e : entries) total += e.byte_size();
+  stage("writing " + std::to_string(entries.size()) + " tensors, " + gigabytes(total));
+  sink.begin(meta, entries);
+  for (const auto& o : outs) sink.put(o);
+  outs.clear();
+
+  std::string why;
+  if constexpr (f32) {
     // The same case in float64 from the same float32-valued parameters: the reference against
-    // which both the golden's and a candidate's float32 errors are measured.
-    auto p64 = Params<double>::zeros(cfg);
+    // which both the golden's and a candidate's float32 errors are measured. The float32 run is
+    // written and gone before it starts.
+    run.reset();
+    std::optional<Params<double>> p64(Params<double>::zeros(cfg));
     std::vector<const Tensor<float>*> src;
-    params.visit([&](const std::string&, const Tensor<float>& t) { src.push_back(&t); });
+    params->visit([&](const std::string&, const Tensor<float>& t) { src.push_back(&t); });
     std::size_t k = 0;
-    p64.visit([&](const std::string&, Tensor<double>& t) {
+    p64->visit([&](const std::string&, Tensor<double>& t) {
       const Tensor<float>& s = *src[k++];
       for (index_t i = 0; i < t.numel(); ++i) t[i] = static_cast<double>(s[i]);
     });
-    const auto r64 = run_case(p64, batch, c.seed);
-    add_run(f, cfg, batch, r64, /*masks=*/false, /*with_backward=*/true, "ref64.");
+    params.reset();
+    // The float32 run's blocks are not of the float64 run's sizes: give them back, not cache them.
+    memory::release_cached_memory();
+    stage("float64 reference forward and backward");
+    {
+      const auto r64 = run_case(*p64, batch, c.seed);
+      p64.reset();
+      stage("writing the float64 reference");
+      for (const auto& o :
+           run_outs(cfg, batch, r64, /*masks=*/false, /*with_backward=*/true, "ref64."))
+        sink.put(o);
+    }
+    memory::release_cached_memory();
+    stage("conditioning check");
+    const File& f = sink.contents();
     const index_t L = std::max({cfg.d_model, cfg.d_ff, c.seq_len, c.batch * c.seq_len});
-    std::string why = detail::float32_conditioning(
-        f, L, [&] { return detail::ill_conditioning_cause(f, cfg); }, allow_ill_conditioned);
+    why = detail::float32_conditioning(
+        f, L, [&] { return detail::ill_conditioning_cause(f, cfg); }, opts.allow_ill_conditioned);
     if (c.precision && why.empty()) {
       try {
         detail::precision_conditioning(f, emulate(f, *c.precision), *c.precision, &cfg);
       } catch (const IllConditioned& e) {
-        if (!allow_ill_conditioned) throw;
+        if (!opts.allow_ill_conditioned) throw;
         why = e.what();
       }
     }
-    if (!why.empty()) f.metadata.emplace_back("ill_conditioned", why);
   }
-  return f;
+  if (!why.empty()) meta.emplace_back("ill_conditioned", why);
+  if (!opts.keep.empty()) meta.emplace_back("kept", opts.keep);
+  sink.finish(meta);
+}
+
+void generate_into(const Case& c, Sink& sink, const GenerateOptions& opts) {
+  if (c.dtype == "float32")
+    generate_typed<float>(c, sink, opts);
+  else
+    generate_typed<double>(c, sink, opts);
 }
 
 }  // namespace
@@ -223,10 +377,11 @@ File run_tensors(const Params<Real>& params, const Batch& batch, const RunOption
            .precision = opts.precision,
            .masks = opts.masks});
   if (opts.backward)
-    backward(params, batch, r.acts, r.grads, r.dacts, {.precision = opts.precision});
+    backward(params, batch, r.acts, r.grads, r.dacts,
+             {.precision = opts.precision, .layer_activation_grads = false});
   File f;
   const EncoderConfig& cfg = params.config;
-  add_run(f, cfg, batch, r, opts.train && cfg.dropout > 0, opts.backward);
+  add_outs(f, run_outs(cfg, batch, r, opts.train && cfg.dropout > 0, opts.backward));
   return f;
 }
 template File run_tensors<float>(const Params<float>&, const Batch&, const RunOptions&);
@@ -350,7 +505,8 @@ json Case::case_json() const {
   return j;
 }
 
-void keep_only(File& f, const std::string& patterns) {
+std::vector<bool> kept_names(const std::vector<std::string>& names, const std::string& patterns,
+                             bool op) {
   std::vector<std::string> globs;
   for (std::size_t at = 0; at <= patterns.size();) {
     const std::size_t comma = std::min(patterns.find(',', at), patterns.size());
@@ -362,15 +518,13 @@ void keep_only(File& f, const std::string& patterns) {
   }
   if (globs.empty())
     throw ConfigError("--keep needs at least one pattern, got \"" + patterns + "\"");
-  const bool op = is_op_file(f);
   const auto matches = [](const std::string& glob, const std::string& name) {
     return ::fnmatch(glob.c_str(), name.c_str(), 0) == 0;
   };
-  // Which tensors stay, decided before anything changes: a bad pattern leaves f as it was.
-  std::vector<bool> used(globs.size(), false), stays(f.tensors.size(), false);
-  for (std::size_t k = 0; k < f.tensors.size(); ++k) {
+  std::vector<bool> used(globs.size(), false), stays(names.size(), false);
+  for (std::size_t k = 0; k < names.size(); ++k) {
     // a ref64 twin follows its tensor; inputs, parameters and masks always stay
-    const std::string& full = f.tensors[k].name;
+    const std::string& full = names[k];
     const std::string name = full.starts_with("ref64.") ? full.substr(6) : full;
     if (!detail::is_judged(name, op)) {
       stays[k] = true;
@@ -390,6 +544,14 @@ void keep_only(File& f, const std::string& patterns) {
                         (op ? "output.*, grad.input.*, grad.param.*" : "act.*, grad.*") + ")");
     }
   }
+  return stays;
+}
+
+void keep_only(File& f, const std::string& patterns) {
+  std::vector<std::string> names;
+  for (const auto& t : f.tensors) names.push_back(t.name);
+  // decided before anything changes: a bad pattern leaves f as it was
+  const auto stays = kept_names(names, patterns, is_op_file(f));
   std::vector<safetensors::Tensor> kept;
   for (std::size_t k = 0; k < f.tensors.size(); ++k)
     if (stays[k]) kept.push_back(std::move(f.tensors[k]));
@@ -398,8 +560,17 @@ void keep_only(File& f, const std::string& patterns) {
 }
 
 File make(const Case& c, bool allow_ill_conditioned) {
-  return c.dtype == "float32" ? make_typed<float>(c, allow_ill_conditioned)
-                              : make_typed<double>(c, allow_ill_conditioned);
+  MemorySink sink;
+  GenerateOptions opts;
+  opts.allow_ill_conditioned = allow_ill_conditioned;
+  generate_into(c, sink, opts);
+  return sink.take();
+}
+
+std::uint64_t generate_file(const Case& c, const std::string& path, const GenerateOptions& opts) {
+  FileSink sink(path, opts.overwrite);
+  generate_into(c, sink, opts);
+  return sink.size();
 }
 
 Case case_of(const File& golden) {
@@ -430,6 +601,7 @@ std::map<std::string, std::vector<double>> emulate(const File& golden, Precision
       throw FormatError("the golden has no float param." + n + " of shape " + t.shape().str());
     }
     const auto v = g->float_values();
+    safetensors::release(*g);
     for (index_t i = 0; i < t.numel(); ++i)
       t[i] = static_cast<float>(v[static_cast<std::size_t>(i)]);
   });

@@ -32,6 +32,10 @@ std::vector<double> truth_of(const safetensors::File& golden, const safetensors:
 double scale_of(const safetensors::File& golden, const std::string& name,
                 const std::vector<double>& truth, bool f32);
 
+// Gives back the memory of a mapped golden tensor and of what truth_of and scale_of read with it
+// (its ref64 twin, a bias gradient's weight gradient): safetensors::release on each.
+void release_judged(const safetensors::File& golden, const safetensors::Tensor& g);
+
 // max |x - truth| over the entries where the truth is finite; infinite when x is not finite at
 // one of them.
 double max_abs_diff(const std::vector<double>& x, const std::vector<double>& truth);

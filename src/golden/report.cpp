@@ -70,6 +70,9 @@ void print_text(const std::vector<CaseReport>& reports, std::ostream& out) {
       out << "  judged as " << rep.precision << ": err/bound = max|candidate - truth| / (k * "
           << "max|emulated - truth| + floor * u * scale); emulated = the emulated run's error / "
           << "scale\n";
+      out << "  emulated reference: " << std::fixed << std::setprecision(1)
+          << static_cast<double>(rep.emulated_bytes) / 1e6 << " MB, computed once for this case\n";
+      out.unsetf(std::ios::floatfield);
     }
     const bool no_file = !rep.tensors.empty() &&
                          rep.not_checked == static_cast<int>(rep.tensors.size()) &&
@@ -180,6 +183,7 @@ std::string json_report(const std::vector<CaseReport>& reports) {
     c["first_divergence"] = r.first_divergence.empty() ? nlohmann::ordered_json(nullptr)
                                                        : nlohmann::ordered_json(r.first_divergence);
     c["precision"] = r.precision;
+    if (r.budget) c["emulated_bytes"] = r.emulated_bytes;
     c["passed"] = r.passed;
     c["failed"] = r.failed;
     c["not_checked"] = r.not_checked;

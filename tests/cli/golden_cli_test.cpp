@@ -1,4 +1,9 @@
 // `teo golden generate` and `teo golden check` end to end: the real binary, files and exit codes.
+#include <signal.h>
+#include <spawn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <array>
 #include <cstdio>
@@ -118,6 +123,83 @@ TEST(GoldenCli, GenerateKeepStoresTheMatchingTensorsAndTheCheckSkipsTheRest) {
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.out.find("--keep needs at least one pattern"), std::string::npos) << r.out;
   EXPECT_FALSE(fs::exists(bad));
+}
+
+// Generate shows its stages on standard error (plain lines off a terminal; --no-progress none).
+// SIGINT during the float32 run stops it at the next stage with exit 130: nothing under --out and
+// no temporary file left.
+TEST(GoldenCli, GenerateShowsItsStagesAndAnInterruptionLeavesNoFile) {
+  const fs::path dir = fresh_dir("teo_golden_cli_interrupt");
+  auto cases = nlohmann::json::parse(slurp(kCorpus / "cases.json"))["cases"];
+  nlohmann::json entry;
+  for (const auto& c : cases)
+    if (c["name"] == "dropout_post_f32") entry = c;
+  ASSERT_FALSE(entry.is_null());
+  entry.erase("name");
+  entry.erase("description");
+  std::ofstream(dir / "case.json") << entry.dump();
+  const std::string out = (dir / "g.safetensors").string();
+  const std::string args =
+      "golden generate --config " + (dir / "case.json").string() + " --out " + out + " --force";
+  CliResult r = run_cli(args);
+  ASSERT_EQ(r.code, 0) << r.out;
+  for (const char* stage : {"] float32 forward and backward\n", "] writing ",
+                            "] float64 reference forward and backward\n", "] conditioning check\n"})
+    EXPECT_NE(r.out.find(stage), std::string::npos) << stage << "\n" << r.out;
+  r = run_cli(args + " --no-progress");
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(r.out, "wrote " + out + " (" + std::to_string(fs::file_size(out)) + " bytes)\n");
+  fs::remove(out);
+
+  // A case whose float32 run takes a while on the reference backend.
+  entry["d_model"] = 128;
+  entry["num_heads"] = 4;
+  entry["d_ff"] = 512;
+  entry["max_len"] = 256;
+  entry["case"]["batch"] = 4;
+  entry["case"]["seq_len"] = 256;
+  entry["case"]["lengths"] = {256, 100, 256, 7};
+  std::ofstream(dir / "big.json") << entry.dump();
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, fds[1], STDERR_FILENO);
+  posix_spawn_file_actions_addclose(&actions, fds[0]);
+  const std::string config = (dir / "big.json").string();
+  std::vector<std::string> argv_s = {TEO_TEO_BINARY, "golden", "generate",  "--config", config,
+                                     "--out",        out,      "--backend", "reference"};
+  std::vector<char*> argv;
+  for (auto& a : argv_s) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  pid_t pid = 0;
+  ASSERT_EQ(posix_spawn(&pid, TEO_TEO_BINARY, &actions, nullptr, argv.data(), environ), 0);
+  posix_spawn_file_actions_destroy(&actions);
+  ::close(fds[1]);
+  std::string err;
+  bool signalled = false;
+  std::array<char, 4096> buf{};
+  for (ssize_t n; (n = ::read(fds[0], buf.data(), buf.size())) != 0;) {
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      break;
+    }
+    err.append(buf.data(), static_cast<std::size_t>(n));
+    if (!signalled && err.find("float32 forward and backward") != std::string::npos) {
+      ::kill(pid, SIGINT);  // during the float32 run
+      signalled = true;
+    }
+  }
+  ::close(fds[0]);
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(signalled) << err;
+  ASSERT_TRUE(WIFEXITED(status)) << err;
+  EXPECT_EQ(WEXITSTATUS(status), 130) << err;
+  EXPECT_NE(err.find("teo: interrupted before writing"), std::string::npos) << err;
+  EXPECT_FALSE(fs::exists(out));
+  for (const auto& e : fs::directory_iterator(dir))
+    EXPECT_EQ(e.path().extension(), ".json") << "left behind: " << e.path();
 }
 
 TEST(GoldenCli, GenerateRejectsBadCasesWithExitCode2AndWritesNothing) {

@@ -1,6 +1,8 @@
 // The golden corpus and the checker: the corpus is reproduced bit for bit, covers what it
 // promises and follows the naming contract; the checker's verdicts follow its documented rules;
 // an independent naive backend passes; and every mutant fails at the stage where its bug lives.
+#include <unistd.h>
+
 #include <algorithm>
 #include <cfloat>
 #include <cmath>
@@ -73,17 +75,93 @@ TEST(GoldenCorpus, ManifestMatchesTheCommittedFiles) {
   EXPECT_EQ(m["total_bytes"], total);
 }
 
+// With 1 thread through make() and serialize() (the whole file in memory), with 2 through
+// generate_file (the streaming writer `teo golden generate` uses): both give every committed file.
 TEST(GoldenCorpus, RegeneratesBitForBitOnTheReferenceBackendWithOneAndTwoThreads) {
+  const fs::path dir = fs::temp_directory_path() / ("teo_stream_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
   for (int threads : {1, 2}) {
     teo::ScopedSettings keep;
     teo::set_backend(teo::Backend::reference);
     teo::set_num_threads(threads);
     for (const auto& e : corpus()) {
-      const std::string bytes = st::serialize(golden::make(e.spec));
+      const std::string path = (dir / (e.name + ".safetensors")).string();
+      std::string bytes;
+      if (threads == 1) {
+        bytes = st::serialize(golden::make(e.spec));
+      } else {
+        golden::GenerateOptions opts;
+        opts.overwrite = true;
+        const std::uint64_t size = golden::generate_file(e.spec, path, opts);
+        bytes = slurp(path);
+        EXPECT_EQ(size, bytes.size()) << e.name;
+      }
       EXPECT_TRUE(bytes == slurp(kCorpus / (e.name + ".safetensors")))
-          << e.name << " differs from the committed file with " << threads << " thread(s)";
+          << e.name << " differs from the committed file with " << threads << " thread(s)"
+          << (threads == 2 ? ", streamed" : "");
     }
   }
+  fs::remove_all(dir);
+}
+
+// The streamed file of a case that changes the header at the end (an ill-conditioned case's
+// metadata) or keeps a subset (--keep) is make()'s, byte for byte; a stage that throws (an
+// interruption) leaves no file and no temporary file, and an existing file untouched.
+TEST(GoldenGenerateFile, StreamsMakesBytesAndLeavesNothingWhenStopped) {
+  const fs::path dir = fs::temp_directory_path() / ("teo_genfile_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  const std::string path = (dir / "c.safetensors").string();
+  const auto files = [&] {
+    int n = 0;
+    for (const auto& e : fs::directory_iterator(dir)) n += e.is_regular_file() ? 1 : 0;
+    return n;
+  };
+  golden::Case ill = corpus().front().spec;
+  ill.config.d_model = 2;  // post-norm: every LayerNorm output is +-1, so max pooling ties
+  ill.config.num_heads = 1;
+  ill.config.num_kv_heads.reset();
+  ill.config.norm_first = false;
+  ill.config.pooling = teo::Pooling::max;
+  ill.dtype = "float32";
+  ill.precision.reset();
+  golden::GenerateOptions opts;
+  opts.overwrite = true;
+  opts.allow_ill_conditioned = true;
+  golden::generate_file(ill, path, opts);
+  const st::File want = golden::make(ill, true);
+  ASSERT_NE(want.meta("ill_conditioned"), nullptr);
+  EXPECT_TRUE(slurp(path) == st::serialize(want)) << "the moved header";
+  opts.allow_ill_conditioned = false;
+  EXPECT_THROW(golden::generate_file(ill, path, opts), teo::IllConditioned);
+  EXPECT_TRUE(slurp(path) == st::serialize(want)) << "a refused case changes nothing";
+
+  golden::Case c = corpus().front().spec;
+  c.dtype = "float32";  // with its float64 reference run
+  st::File kept = golden::make(c);
+  golden::keep_only(kept, "act.layers.*.output,grad.embedding.*");
+  opts.keep = "act.layers.*.output,grad.embedding.*";
+  golden::generate_file(c, path, opts);
+  EXPECT_TRUE(slurp(path) == st::serialize(kept));
+
+  const std::string before = slurp(path);
+  std::vector<std::string> stages;
+  opts.keep.clear();
+  opts.progress = [&](const std::string& stage) {
+    stages.push_back(stage);
+    if (stage.starts_with("writing the float64")) throw teo::Interrupted("stop");
+  };
+  EXPECT_THROW(golden::generate_file(c, path, opts), teo::Interrupted);
+  EXPECT_TRUE(slurp(path) == before) << "the file under the final name is untouched";
+  EXPECT_EQ(files(), 1) << "the temporary file is gone";
+  fs::remove(path);
+  opts.overwrite = false;
+  EXPECT_THROW(golden::generate_file(c, path, opts), teo::Interrupted);
+  EXPECT_FALSE(fs::exists(path));
+  EXPECT_EQ(files(), 0);
+  ASSERT_GE(stages.size(), 4u);
+  EXPECT_EQ(stages.front(), "float32 forward and backward");
+  fs::remove_all(dir);
 }
 
 // The simd backend (every ISA this CPU runs) and the blas backend: each gives the same bytes on

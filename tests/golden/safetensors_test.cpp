@@ -1,5 +1,8 @@
 // The safetensors reader and writer: round trips, and every malformation the strict reader must
 // name instead of reading past a buffer or accepting a file other readers would misread.
+#include <sys/resource.h>
+#include <unistd.h>
+
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
@@ -8,7 +11,9 @@
 
 #include <gtest/gtest.h>
 
+#include "support.hpp"
 #include "teo/files.hpp"
+#include "teo/golden.hpp"
 #include "teo/safetensors.hpp"
 #include "teo/sha256.hpp"
 
@@ -224,6 +229,212 @@ TEST(Sha256, MatchesPublishedAndCoreutilsDigests) {
             "ffe054fe7ae0cb6dc65c3af9b61d5209f439851db43d0ba5997337df154668eb");
   EXPECT_EQ(teo::sha256_hex(std::string(119, 'a')),
             "31eba51c313a5c08226adf18d4a359cfdfd8d2e816b13f4af952f7ea6584dcfb");
+}
+
+// ---- the streaming writer and the mapped reader ----------------------------------------------
+
+namespace fs = std::filesystem;
+
+// A fresh, empty directory for one test.
+fs::path fresh_dir(const std::string& name) {
+  const fs::path dir =
+      fs::temp_directory_path() / ("teo_st_" + name + "_" + std::to_string(::getpid()));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  return dir;
+}
+
+std::vector<st::Entry> entries_of(const st::File& f) {
+  std::vector<st::Entry> e;
+  for (const auto& t : f.tensors) e.push_back({t.name, t.dtype, t.shape});
+  return e;
+}
+
+int files_in(const fs::path& dir) {
+  int n = 0;
+  for (const auto& e : fs::directory_iterator(dir)) n += e.is_regular_file() ? 1 : 0;
+  return n;
+}
+
+TEST(SafeTensorsWriter, GivesSerializesBytesWhateverTheWriteOrder) {
+  const fs::path dir = fresh_dir("order");
+  const st::File f = sample();
+  const std::string path = (dir / "w.safetensors").string();
+  {
+    st::Writer w(path, f.metadata, entries_of(f), /*overwrite=*/false);
+    EXPECT_FALSE(fs::exists(path)) << "nothing under the final name before commit";
+    for (auto it = f.tensors.rbegin(); it != f.tensors.rend(); ++it)
+      w.write(it->name, it->bytes.data(), it->bytes.size());
+    const st::File mapped = w.contents();
+    ASSERT_EQ(mapped.tensors.size(), f.tensors.size());
+    for (std::size_t i = 0; i < f.tensors.size(); ++i) {
+      const auto a = mapped.tensors[i].data();
+      EXPECT_TRUE(
+          std::equal(a.begin(), a.end(), f.tensors[i].bytes.begin(), f.tensors[i].bytes.end()))
+          << f.tensors[i].name;
+      EXPECT_NE(mapped.tensors[i].mapped, nullptr);
+    }
+    EXPECT_EQ(w.commit(), st::serialize(f).size());
+  }
+  EXPECT_TRUE(teo::test::slurp(path) == st::serialize(f));
+  EXPECT_EQ(files_in(dir), 1) << "no temporary file is left";
+  fs::remove_all(dir);
+}
+
+TEST(SafeTensorsWriter, MetadataChangedBeforeCommitMovesTheData) {
+  const fs::path dir = fresh_dir("meta");
+  st::File f = sample();
+  for (const auto& extra : {std::string(1, 'x'), std::string(100, 'y'), std::string()}) {
+    const std::string path = (dir / "m.safetensors").string();
+    st::Writer w(path, f.metadata, entries_of(f), /*overwrite=*/true);
+    for (const auto& t : f.tensors) w.write(t.name, t.bytes.data(), t.bytes.size());
+    st::File g = f;
+    if (!extra.empty()) g.metadata.emplace_back("added", extra);  // a longer header, or the same
+    w.set_metadata(g.metadata);
+    w.commit();
+    EXPECT_TRUE(teo::test::slurp(path) == st::serialize(g)) << "metadata of " << extra.size();
+    EXPECT_EQ(files_in(dir), 1);
+  }
+  fs::remove_all(dir);
+}
+
+TEST(SafeTensorsWriter, AnAbandonedOrRefusedWriteLeavesNothing) {
+  const fs::path dir = fresh_dir("abandon");
+  const st::File f = sample();
+  const std::string path = (dir / "a.safetensors").string();
+  {
+    st::Writer w(path, f.metadata, entries_of(f), false);
+    w.write("a", f.find("a")->bytes.data(), f.find("a")->bytes.size());
+    EXPECT_EQ(files_in(dir), 1) << "the temporary file";
+    teo::test::expect_throw<FormatError>([&] { w.write("zz", "", 0); }, "zz is not in the header");
+    teo::test::expect_throw<FormatError>(
+        [&] { w.write("a", f.find("a")->bytes.data(), f.find("a")->bytes.size()); },
+        "a is written twice");
+    teo::test::expect_throw<FormatError>([&] { w.write("b", "12345678", 8); },
+                                         "has 8 bytes, its shape needs 16");
+    teo::test::expect_throw<FormatError>([&] { w.commit(); }, "has not been written");
+    teo::test::expect_throw<FormatError>([&] { w.contents(); }, "has not been written");
+  }
+  EXPECT_FALSE(fs::exists(path));
+  EXPECT_EQ(files_in(dir), 0) << "the destructor removed the temporary file";
+  // an existing file without overwrite, a repeated name, a missing directory: refused up front
+  teo::write_file_atomic(path, "old", false);
+  EXPECT_THROW(st::Writer(path, {}, entries_of(f), false), FileError);
+  std::vector<st::Entry> twice = {{"x", st::DType::F32, {1}}, {"x", st::DType::F32, {1}}};
+  teo::test::expect_throw<FormatError>([&] { st::Writer(path, {}, twice, true); },
+                                       "duplicate tensor name x");
+  EXPECT_THROW(st::Writer((dir / "no" / "f").string(), {}, {}, true), FileError);
+  EXPECT_EQ(teo::test::slurp(path), "old");
+  EXPECT_EQ(files_in(dir), 1);
+  fs::remove_all(dir);
+}
+
+TEST(SafeTensorsMap, GivesWhatReadGivesAndTheSameErrors) {
+  const fs::path dir = fresh_dir("map");
+  const st::File f = sample();
+  const std::string path = (dir / "f.safetensors").string();
+  teo::write_file_atomic(path, st::serialize(f), false);
+  const st::File r = st::read(path);
+  st::File m = st::map(path);
+  EXPECT_EQ(m.metadata, r.metadata);
+  ASSERT_EQ(m.tensors.size(), r.tensors.size());
+  for (std::size_t i = 0; i < r.tensors.size(); ++i) {
+    EXPECT_EQ(m.tensors[i].name, r.tensors[i].name);
+    EXPECT_EQ(m.tensors[i].shape, r.tensors[i].shape);
+    EXPECT_TRUE(m.tensors[i].bytes.empty()) << "a view owns no bytes";
+    const auto a = m.tensors[i].data();
+    EXPECT_TRUE(
+        std::equal(a.begin(), a.end(), r.tensors[i].bytes.begin(), r.tensors[i].bytes.end()));
+    st::release(m.tensors[i]);  // the pages go, the values stay readable
+    EXPECT_TRUE(
+        std::equal(a.begin(), a.end(), r.tensors[i].bytes.begin(), r.tensors[i].bytes.end()));
+  }
+  const st::File copy = m;  // the mapping lives as long as any copy
+  m = st::File();
+  EXPECT_EQ(copy.find("b")->values<double>()[1], -1e300);
+  // a truncated file and a missing one: the errors read() gives
+  const std::string bytes = st::serialize(f);
+  teo::write_file_atomic(path, bytes.substr(0, bytes.size() - 1), true);
+  std::string read_msg, map_msg;
+  try {
+    st::read(path);
+  } catch (const FormatError& e) {
+    read_msg = e.what();
+  }
+  try {
+    st::map(path);
+  } catch (const FormatError& e) {
+    map_msg = e.what();
+  }
+  EXPECT_FALSE(map_msg.empty());
+  EXPECT_EQ(map_msg, read_msg);
+  teo::write_file_atomic(path, "", true);
+  EXPECT_THROW(st::map(path), FormatError);
+  EXPECT_THROW(st::map((dir / "missing").string()), FileError);
+  fs::remove_all(dir);
+}
+
+long peak_rss_kb() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return u.ru_maxrss;
+}
+
+long current_rss_kb() {
+  std::ifstream in("/proc/self/statm");
+  long pages = 0, resident = 0;
+  in >> pages >> resident;
+  return resident * (::sysconf(_SC_PAGESIZE) / 1024);
+}
+
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool kSanitized = true;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+constexpr bool kSanitized = true;
+#else
+constexpr bool kSanitized = false;
+#endif
+#else
+constexpr bool kSanitized = false;
+#endif
+
+// A memory ceiling, not a timing: checking a 2 GiB golden against itself (4 GiB of files) holds
+// about one tensor of each file at a time, so the process's peak RSS grows by far less than a
+// file. The synthetic golden is a float64 case of 32 tensors of 64 MiB, written with the Writer.
+TEST(SafeTensorsMap, CheckOfATwoGigabyteFileStaysUnderAMemoryCeiling) {
+  if (kSanitized) GTEST_SKIP() << "AddressSanitizer's shadow memory and quarantine change the RSS";
+  const fs::path dir = fresh_dir("ceiling");
+  const std::string path = (dir / "big.safetensors").string();
+  constexpr std::int64_t kTensors = 32, kElems = std::int64_t{8} << 20;  // 64 MiB of F64 each
+  std::vector<st::Entry> entries;
+  for (std::int64_t i = 0; i < kTensors; ++i)
+    entries.push_back({"act.t" + std::to_string(i), st::DType::F64, {kElems / 1024, 1024}});
+  const std::vector<std::pair<std::string, std::string>> meta = {
+      {"format", teo::golden::kFormat}, {"case", R"({"dtype":"float64"})"}};
+  {
+    st::Writer w(path, meta, entries, true);
+    std::vector<double> v(static_cast<std::size_t>(kElems));
+    for (std::int64_t i = 0; i < kTensors; ++i) {
+      for (std::size_t k = 0; k < v.size(); ++k)
+        v[k] = static_cast<double>(i) + 1e-3 * static_cast<double>(k % 997);
+      w.write(entries[static_cast<std::size_t>(i)].name, v.data(), v.size());
+    }
+    w.commit();
+  }
+  ASSERT_EQ(fs::file_size(path), st::header_bytes(meta, entries).size() +
+                                     static_cast<std::uint64_t>(kTensors * kElems * 8));
+  const long before = current_rss_kb();
+  const auto reports = teo::golden::check_paths(path, path, {});
+  const long grew_mb = (peak_rss_kb() - before) / 1024;
+  ASSERT_EQ(reports.size(), 1u);
+  EXPECT_EQ(reports[0].passed, kTensors);
+  EXPECT_EQ(reports[0].failed, 0);
+  // one tensor's values from each file (2 x 64 MiB as doubles) plus one tensor's pages at a time;
+  // reading both files whole would take 4096 MiB
+  EXPECT_LT(grew_mb, 512) << "the check's peak RSS grew by " << grew_mb << " MiB";
+  std::cout << "check of a 2 GiB file against itself: peak RSS grew by " << grew_mb << " MiB\n";
+  fs::remove_all(dir);
 }
 
 }  // namespace

@@ -198,6 +198,66 @@ TYPED_TEST(Model, ParametersFollowTheConfig) {
 
 // The initialisation uses only integer arithmetic and correctly rounded operations, so these
 // checksums hold on every machine and compiler; a change here changes every golden file.
+// backward with layer_activation_grads = false (what golden generation runs) keeps of each layer's
+// activation gradients only the output's, in one layer's scratch for the rest: every parameter
+// gradient and every kept activation gradient has the bits of the full pass, on every backend,
+// with three layers, dropout, both layouts, and GQA + RoPE (whose q_rot and k_rot gradients live in
+// the scratch too); a dacts reused from a full pass gives the same bits.
+TYPED_TEST(Model, BackwardKeepingOnlyLayerOutputGradientsGivesTheSameBits) {
+  using Real = TypeParam;
+  ScopedSettings restore;
+  for (Backend be : {Backend::reference, Backend::simd, Backend::blas}) {
+    set_backend(be);
+    for (bool pre : {false, true}) {
+      EncoderConfig c = small_config();
+      c.num_layers = 3;
+      c.norm_first = pre;
+      c.dropout = 0.2;
+      if (pre) {
+        c.num_kv_heads = 1;
+        c.positional = Positional::rope;
+      }
+      const auto p = Params<Real>::init(c, 9);
+      const Batch batch = Batch::random(c, 3, 7, 4, {7, 3, 5});
+      Activations<Real> a, full, lean, reused;
+      Params<Real> g_full, g_lean, g_reused;
+      forward(p, batch, a, {.train = true, .dropout_seed = 2});
+      backward(p, batch, a, g_full, full);
+      backward(p, batch, a, g_lean, lean, {.layer_activation_grads = false});
+      backward(p, batch, a, g_reused, reused);
+      backward(p, batch, a, g_reused, reused, {.layer_activation_grads = false});
+      const std::string where = std::string(to_string(be)) + (pre ? " pre" : " post");
+      const auto same = [](const Tensor<Real>& x, const Tensor<Real>& y) {
+        return x.shape() == y.shape() &&
+               std::memcmp(x.data(), y.data(),
+                           sizeof(Real) * static_cast<std::size_t>(x.numel())) == 0;
+      };
+      std::vector<const Tensor<Real>*> gf, gl, gr;
+      g_full.visit([&](const std::string&, const Tensor<Real>& t) { gf.push_back(&t); });
+      g_lean.visit([&](const std::string&, const Tensor<Real>& t) { gl.push_back(&t); });
+      g_reused.visit([&](const std::string&, const Tensor<Real>& t) { gr.push_back(&t); });
+      ASSERT_EQ(gf.size(), gl.size());
+      for (std::size_t i = 0; i < gf.size(); ++i) {
+        EXPECT_TRUE(same(*gf[i], *gl[i])) << where << " parameter gradient " << i;
+        EXPECT_TRUE(same(*gf[i], *gr[i])) << where << " parameter gradient " << i << ", reused";
+      }
+      for (const Activations<Real>* d : {&lean, &reused}) {
+        for (auto [x, y] :
+             {std::pair{&full.input, &d->input}, std::pair{&full.embedding, &d->embedding},
+              std::pair{&full.pooled, &d->pooled}, std::pair{&full.logits, &d->logits},
+              std::pair{&full.final_norm, &d->final_norm}})
+          EXPECT_TRUE(same(*x, *y)) << where;
+        ASSERT_EQ(d->layers.size(), 3u);
+        for (std::size_t i = 0; i < 3; ++i) {
+          EXPECT_TRUE(same(full.layers[i].output, d->layers[i].output)) << where << " layer " << i;
+          EXPECT_EQ(d->layers[i].probs.numel(), 0) << "the rest is not kept";
+          EXPECT_EQ(d->layers[i].ffn_hidden.numel(), 0);
+        }
+      }
+    }
+  }
+}
+
 TEST(Model, InitialisationIsBitReproducible) {
   EncoderConfig c = small_config();
   c.positional = Positional::learned;

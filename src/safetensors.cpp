@@ -391,11 +391,13 @@ File map(const std::string& path, const Limits& limits) {
 void release(const Tensor& t) {
   if (!t.mapped || t.mapped_size == 0) return;
   const auto page = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
-  const auto begin = reinterpret_cast<std::uintptr_t>(t.mapped) / page * page;
-  const auto end =
-      (reinterpret_cast<std::uintptr_t>(t.mapped) + t.mapped_size + page - 1) / page * page;
+  // The page-aligned range around the tensor, as offsets from its first byte.
+  const std::uintptr_t at = reinterpret_cast<std::uintptr_t>(t.mapped);
+  const std::uintptr_t lead = at % page;
+  const std::size_t span = (lead + t.mapped_size + page - 1) / page * page;
+  auto* first = const_cast<unsigned char*>(t.mapped) - lead;
   // Advice only: a failure leaves the pages resident, which is not an error.
-  ::madvise(reinterpret_cast<void*>(begin), end - begin, MADV_DONTNEED);
+  ::madvise(first, span, MADV_DONTNEED);
 }
 
 File read(const std::string& path, const Limits& limits) {

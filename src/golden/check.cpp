@@ -440,12 +440,15 @@ std::vector<CaseReport> check_paths(const std::string& golden, const std::string
            << std::fixed << std::setprecision(2) << static_cast<double>(size) / 1e9 << " GB)";
       opts.progress(what.str(), /*detail=*/ec || size < kLargeFile);
     }
-    const File g = safetensors::map(gp);
+    // Mapped, a file's size does not bound the check's memory: any size up to 1 TiB is read.
+    const safetensors::Limits limits{.max_header_bytes = 100'000'000,
+                                     .max_file_bytes = std::uint64_t{1} << 40};
+    const File g = safetensors::map(gp, limits);
     CaseReport rep;
     if (!fs::exists(cp, ec)) {
       rep = with_path(gp, [&] { return not_checked_report(g, opts, "no candidate file"); });
     } else {
-      const File c = safetensors::map(cp);
+      const File c = safetensors::map(cp, limits);
       rep = with_path(gp, [&] { return check(g, c, opts); });
     }
     rep.name = fs::path(gp).filename().string();

@@ -286,6 +286,7 @@ void generate_typed(const Case& c, Sink& sink, const GenerateOptions& opts) {
 
   // The header: every tensor of this run, and for float32 the float64 twin of each computed one.
   std::vector<safetensors::Entry> entries;
+  entries.reserve(outs.size() + computed.size());
   for (const auto& o : outs) entries.push_back({o.name, o.dtype, o.shape});
   if constexpr (f32) {
     for (const auto& o : computed) {
@@ -295,6 +296,7 @@ void generate_typed(const Case& c, Sink& sink, const GenerateOptions& opts) {
   }
   if (!opts.keep.empty()) {
     std::vector<std::string> names;
+    names.reserve(entries.size());
     for (const auto& e : entries) names.push_back(e.name);
     const auto kept = kept_names(names, opts.keep, /*op=*/false);
     std::vector<safetensors::Entry> k;

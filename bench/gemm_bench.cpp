@@ -3,14 +3,42 @@
 #include <benchmark/benchmark.h>
 #include <cblas.h>
 
+#include <chrono>
+#include <map>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "teo/backend.hpp"
+#include "teo/bench.hpp"
 #include "teo/kernels.hpp"
 #include "teo/rng.hpp"
 
 namespace {
+
+// The FMA peak of the best ISA for Real on `threads` threads (teo::bench::fma_peak), measured once
+// per run, in FLOP/s: the yardstick of the "of_peak" column.
+template <class Real>
+double peak_flops(int threads) {
+  static std::map<int, double> cache;
+  auto it = cache.find(threads);
+  if (it == cache.end()) {
+    teo::ScopedSettings restore;
+    teo::set_num_threads(threads);
+    it = cache.emplace(threads, teo::bench::fma_peak<Real>().gflops * 1e9).first;
+  }
+  return it->second;
+}
+
+// GFLOP/s of a product of `flops` per iteration, and its fraction of the FMA peak from the timed
+// loop's wall-clock `seconds`.
+template <class Real>
+void rate_counters(benchmark::State& state, double flops, int threads, double seconds) {
+  state.counters["GFLOP/s"] = benchmark::Counter(
+      flops, benchmark::Counter::kIsIterationInvariantRate, benchmark::Counter::kIs1000);
+  const double rate = flops * static_cast<double>(state.iterations()) / seconds;
+  state.counters["of_peak"] = rate / peak_flops<Real>(threads);
+}
 
 template <class Real>
 void BM_Gemm(benchmark::State& state, teo::Backend backend, teo::Trans ta, teo::Trans tb) {
@@ -24,13 +52,15 @@ void BM_Gemm(benchmark::State& state, teo::Backend backend, teo::Trans ta, teo::
   for (std::size_t i = 0; i < b.size(); ++i)
     b[i] = static_cast<Real>(teo::rng::uniform01(1, 2, i) - 0.5);
   const teo::index_t lda = ta == teo::Trans::no ? k : m, ldb = tb == teo::Trans::no ? n : k;
+  peak_flops<Real>(static_cast<int>(state.range(3)));  // measured before the timed loop
+  const auto t0 = std::chrono::steady_clock::now();
   for (auto _ : state) {
     teo::gemm<Real>(ta, tb, m, n, k, Real(1), a.data(), lda, b.data(), ldb, Real(0), c.data(), n);
     benchmark::DoNotOptimize(c.data());
     benchmark::ClobberMemory();
   }
-  state.counters["GFLOP/s"] = benchmark::Counter(
-      2.0 * m * n * k, benchmark::Counter::kIsIterationInvariantRate, benchmark::Counter::kIs1000);
+  rate_counters<Real>(state, 2.0 * m * n * k, static_cast<int>(state.range(3)),
+                      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
 }
 
 void shapes(benchmark::internal::Benchmark* b) {
@@ -68,6 +98,8 @@ void BM_OpenBlas(benchmark::State& state, teo::Trans ta, teo::Trans tb) {
   const auto TA = ta == teo::Trans::no ? CblasNoTrans : CblasTrans;
   const auto TB = tb == teo::Trans::no ? CblasNoTrans : CblasTrans;
   const int lda = ta == teo::Trans::no ? k : m, ldb = tb == teo::Trans::no ? n : k;
+  peak_flops<Real>(static_cast<int>(state.range(3)));
+  const auto t0 = std::chrono::steady_clock::now();
   for (auto _ : state) {
     if constexpr (std::is_same_v<Real, float>) {
       cblas_sgemm(CblasRowMajor, TA, TB, m, n, k, 1.0f, a.data(), lda, b.data(), ldb, 0.0f,
@@ -80,8 +112,8 @@ void BM_OpenBlas(benchmark::State& state, teo::Trans ta, teo::Trans tb) {
     benchmark::ClobberMemory();
   }
   openblas_set_num_threads(1);
-  state.counters["GFLOP/s"] = benchmark::Counter(
-      2.0 * m * n * k, benchmark::Counter::kIsIterationInvariantRate, benchmark::Counter::kIs1000);
+  rate_counters<Real>(state, 2.0 * m * n * k, static_cast<int>(state.range(3)),
+                      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
 }
 void BM_OpenBlasF32(benchmark::State& s, teo::Trans ta, teo::Trans tb) {
   BM_OpenBlas<float>(s, ta, tb);

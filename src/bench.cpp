@@ -1,8 +1,12 @@
 #include "teo/bench.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <thread>
 
+#include "kernels/kernels_internal.hpp"
+#include "teo/backend.hpp"
 #include "teo/model.hpp"
 
 namespace teo::bench {
@@ -97,6 +101,74 @@ Result measure(const Preset& p, int repeats, int warmup, std::optional<Precision
   r.flops = forward_flops(p.config, p.batch, p.seq_len);
   return r;
 }
+
+namespace {
+
+// One round of the probe: `threads` threads released together, each running `iters` steps;
+// seconds from the release to the last thread's end.
+template <class Real>
+double probe_round(Real (*chains)(std::int64_t), std::int64_t iters, int threads) {
+  using clock = std::chrono::steady_clock;
+  std::atomic<int> ready{0};
+  std::atomic<bool> go{false};
+  std::vector<clock::time_point> end(static_cast<std::size_t>(threads));
+  std::vector<Real> sink(static_cast<std::size_t>(threads));
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t) {
+    pool.emplace_back([&, t] {
+      ready.fetch_add(1);
+      while (!go.load(std::memory_order_acquire)) {
+      }
+      sink[static_cast<std::size_t>(t)] = chains(iters);
+      end[static_cast<std::size_t>(t)] = clock::now();
+    });
+  }
+  while (ready.load() < threads) {
+  }
+  const auto start = clock::now();
+  go.store(true, std::memory_order_release);
+  for (auto& th : pool) th.join();
+  volatile Real keep = 0;
+  for (Real v : sink) keep = keep + v;
+  (void)keep;
+  return std::chrono::duration<double>(*std::max_element(end.begin(), end.end()) - start).count();
+}
+
+}  // namespace
+
+template <class Real>
+Peak fma_peak(int rounds) {
+  if (rounds < 1) throw ConfigError("rounds must be >= 1, got " + std::to_string(rounds));
+  const simd::IsaKernels& k = detail::isa_kernels();
+  const simd::VectorKernels<Real>& v = [&]() -> const simd::VectorKernels<Real>& {
+    if constexpr (std::is_same_v<Real, float>)
+      return k.svec;
+    else
+      return k.dvec;
+  }();
+  Peak p;
+  p.chains = simd::kPeakChains;
+  p.lanes = v.lanes;
+  p.threads = num_threads();
+  p.rounds = rounds;
+  p.isa = k.name;
+  // Calibrate to about 20 ms a round on one thread, then time the rounds on all of them.
+  std::int64_t iters = std::int64_t{1} << 18;
+  const double t = probe_round<Real>(v.fma_chains, iters, 1);
+  iters = std::max<std::int64_t>(
+      iters, static_cast<std::int64_t>(static_cast<double>(iters) * 0.02 / std::max(t, 1e-6)));
+  const double flops = 2.0 * static_cast<double>(iters) * p.chains * p.lanes * p.threads;
+  std::vector<double> rates;
+  for (int r = 0; r < rounds; ++r)
+    rates.push_back(flops / probe_round<Real>(v.fma_chains, iters, p.threads) / 1e9);
+  p.gflops = *std::max_element(rates.begin(), rates.end());
+  p.median_gflops = median(rates);
+  p.min_gflops = *std::min_element(rates.begin(), rates.end());
+  return p;
+}
+
+template Peak fma_peak<float>(int);
+template Peak fma_peak<double>(int);
 
 template Result measure<float>(const Preset&, int, int, std::optional<Precision>);
 template Result measure<double>(const Preset&, int, int, std::optional<Precision>);

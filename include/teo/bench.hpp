@@ -45,4 +45,18 @@ Result measure(const Preset& p, int repeats, int warmup,
 
 double median(std::vector<double> v);
 
+// The machine's FMA peak for Real on the ISA selected and num_threads() threads, measured: every
+// thread runs `chains` independent fused multiply-add chains on the ISA's widest vectors (2 FLOPs
+// per lane and step) for about 20 ms; a round's rate is all threads' FLOPs over the time from the
+// common start to the last thread's end. The peak (gflops) is the best of `rounds` rounds: what
+// the hardware does when nothing else runs, since on a shared machine other work only ever slows
+// a round down; the median is kept beside it, for the spread. ConfigError when rounds < 1.
+struct Peak {
+  double gflops = 0, median_gflops = 0, min_gflops = 0;
+  int chains = 0, lanes = 0, threads = 0, rounds = 0;
+  std::string isa;
+};
+template <class Real>
+Peak fma_peak(int rounds = 9);
+
 }  // namespace teo::bench

@@ -44,6 +44,9 @@ int run_bench(const BenchOptions& o, std::ostream& out) {
   const bench::Preset plain = bench::preset(o.preset);
   const bench::Preset p = with_keys(plain, o.with);
   const EncoderConfig& cfg = p.config;
+  // The yardstick first, in the same process: the FMA peak of this ISA, dtype and thread count.
+  const bench::Peak peak =
+      o.dtype == "float64" ? bench::fma_peak<double>() : bench::fma_peak<float>();
   const bench::Result r = measure(p, o);
   const double fwd = bench::median(r.fwd_ms), fwd_bwd = bench::median(r.fwd_bwd_ms);
   const double gflops_fwd = r.flops / (fwd * 1e6), gflops_fwd_bwd = 3 * r.flops / (fwd_bwd * 1e6);
@@ -57,6 +60,10 @@ int run_bench(const BenchOptions& o, std::ostream& out) {
                           {"fwd_bwd_ms", fwd_bwd},
                           {"gflops_fwd", gflops_fwd},
                           {"gflops_fwd_bwd", gflops_fwd_bwd},
+                          {"peak_gflops", peak.gflops},
+                          {"peak_median_gflops", peak.median_gflops},
+                          {"fraction_of_peak", gflops_fwd_bwd / peak.gflops},
+                          {"fraction_of_peak_fwd", gflops_fwd / peak.gflops},
                           {"repeats", o.repeats}}
                .dump()
         << "\n";
@@ -67,9 +74,13 @@ int run_bench(const BenchOptions& o, std::ostream& out) {
       << " S=" << p.seq_len << " D=" << cfg.d_model << " H=" << cfg.num_heads << " F=" << cfg.d_ff
       << " layers=" << cfg.num_layers << " " << to_string(cfg.activation)
       << (cfg.norm_first ? " pre-norm" : " post-norm") << ", dropout 0; " << o.repeats
-      << " timed runs after " << o.warmup << " warm-up\n\n  " << std::left << std::setw(20)
-      << "stage" << std::right << std::setw(12) << "ms/run" << std::setw(10) << "share"
-      << std::setw(12) << "GFLOP/s\n";
+      << " timed runs after " << o.warmup << " warm-up\n  FMA peak " << std::fixed
+      << std::setprecision(1) << peak.gflops << " GFLOP/s (" << peak.isa << ", " << o.dtype << ", "
+      << peak.threads << " thread(s): " << peak.chains << " chains of " << peak.lanes
+      << "-lane FMAs per thread, the best of " << peak.rounds << " rounds; median "
+      << peak.median_gflops << ", slowest " << peak.min_gflops << ")\n\n  " << std::left
+      << std::setw(20) << "stage" << std::right << std::setw(12) << "ms/run" << std::setw(10)
+      << "share" << std::setw(11) << "GFLOP/s" << std::setw(10) << "of peak\n";
   const auto sf = bench::stage_flops(cfg, p.batch, p.seq_len);
   double total = 0;
   for (const auto& s : r.stages) total += s.seconds;
@@ -77,11 +88,14 @@ int run_bench(const BenchOptions& o, std::ostream& out) {
     const double ms = 1e3 * s.seconds / o.repeats;
     out << "  " << std::left << std::setw(20) << profile::name(s.stage) << std::right << std::fixed
         << std::setprecision(2) << std::setw(12) << ms << std::setw(9) << std::setprecision(1)
-        << 100 * s.seconds / total << "%" << std::setw(12);
-    if (const auto it = sf.find(s.stage); it != sf.end())
-      out << it->second / (ms * 1e6) << "\n";
-    else
-      out << "-\n";
+        << 100 * s.seconds / total << "%";
+    if (const auto it = sf.find(s.stage); it != sf.end()) {
+      const double g = it->second / (ms * 1e6);
+      out << std::setw(11) << g << std::setw(9) << std::setprecision(2) << g / peak.gflops << "\n";
+    } else {
+      out << std::setw(11) << "-" << std::setw(9) << "-"
+          << "\n";
+    }
   }
   if (!o.precision.empty()) {
     // The emulated pass against the plain float32 pass above, timed in the same process.
@@ -121,12 +135,13 @@ int run_bench(const BenchOptions& o, std::ostream& out) {
   }
   out << std::fixed << std::setprecision(2) << "\n  forward           median " << fwd
       << " ms  (min " << *std::min_element(r.fwd_ms.begin(), r.fwd_ms.end()) << ")  "
-      << std::setprecision(1) << gflops_fwd << " GFLOP/s\n"
-      << std::setprecision(2) << "  forward+backward  median " << fwd_bwd << " ms  (min "
+      << std::setprecision(1) << gflops_fwd << " GFLOP/s, " << std::setprecision(2)
+      << gflops_fwd / peak.gflops << " of peak\n"
+      << "  forward+backward  median " << fwd_bwd << " ms  (min "
       << *std::min_element(r.fwd_bwd_ms.begin(), r.fwd_bwd_ms.end()) << ")  "
-      << std::setprecision(1) << gflops_fwd_bwd << " GFLOP/s\n  FLOPs: forward "
-      << std::setprecision(3) << r.flops / 1e9
-      << " G (8BSD^2 + 4BS^2D + 4BSDF per layer); forward+backward 3x\n";
+      << std::setprecision(1) << gflops_fwd_bwd << " GFLOP/s, " << std::setprecision(2)
+      << gflops_fwd_bwd / peak.gflops << " of peak\n  FLOPs: forward " << std::setprecision(3)
+      << r.flops / 1e9 << " G (8BSD^2 + 4BS^2D + 4BSDF per layer); forward+backward 3x\n";
   return 0;
 }
 

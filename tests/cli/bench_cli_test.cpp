@@ -36,6 +36,11 @@ TEST(Cli, BenchJsonHasEveryKeyAndTheFlopConvention) {
   EXPECT_GT(fwd, 0.0);
   EXPECT_GT(fwd_bwd, fwd);
   EXPECT_NEAR(gflops, 3 * small_forward_flops() / (fwd_bwd * 1e6), 1e-9 * gflops);
+  // the FMA peak measured in the same run, and the fractions of it
+  const double peak = j["peak_gflops"];
+  EXPECT_GT(peak, 0.0);
+  EXPECT_NEAR(j["fraction_of_peak"].get<double>(), gflops / peak, 1e-12);
+  EXPECT_NEAR(j["fraction_of_peak_fwd"].get<double>(), j["gflops_fwd"].get<double>() / peak, 1e-12);
 }
 
 TEST(Cli, BenchTableNamesEveryStageAndBothMedians) {
@@ -43,7 +48,8 @@ TEST(Cli, BenchTableNamesEveryStageAndBothMedians) {
   ASSERT_EQ(r.code, 0) << r.out;
   for (const char* stage :
        {"embedding", "qkv_proj", "attention", "out_proj", "layer_norm", "ffn_fc1", "activation",
-        "ffn_fc2", "bwd.ffn_fc1", "bwd.attention", "bwd.qkv_proj", "forward  ", "forward+backward"})
+        "ffn_fc2", "bwd.ffn_fc1", "bwd.attention", "bwd.qkv_proj", "forward  ", "forward+backward",
+        "FMA peak ", "of peak\n", " of peak\n  FLOPs"})
     EXPECT_NE(r.out.find(stage), std::string::npos) << stage << " missing from\n" << r.out;
 }
 

@@ -8,6 +8,7 @@
 
 #include "kernels/kernels_internal.hpp"
 #include "support.hpp"
+#include "teo/bench.hpp"
 #include "teo/layers/attention.hpp"
 #include "teo/layers/feed_forward.hpp"
 #include "teo/layers/layer_norm.hpp"
@@ -120,6 +121,34 @@ TYPED_TEST(VectorKernels, ElementaryFunctionsAreAccurate) {
 }
 
 // The distance itself, on values whose spacing is known.
+// The FMA peak probe (teo::bench::fma_peak) on every ISA this CPU runs: each lane computes the
+// same chains as the scalar probe, and the probe reports the ISA's vector width, its chain count
+// and a best round no slower than the median. (Its speed is measured by `teo bench`, not tested.)
+TEST(VectorKernels, FmaPeakProbeRunsItsChainsOnTheWidestVectors) {
+  ScopedSettings restore;
+  const double one = table<double>(Isa::scalar).fma_chains(1000);
+  EXPECT_GT(one, 11.0);  // 12 chains near 1: none optimised away
+  for (Isa isa : supported_isas()) {
+    const int lanes = isa == Isa::avx512 ? 8 : isa == Isa::avx2 ? 4 : isa == Isa::neon ? 2 : 1;
+    const int flanes = isa == Isa::scalar ? 1 : 2 * lanes;
+    EXPECT_EQ(table<double>(isa).lanes, lanes) << to_string(isa);
+    EXPECT_EQ(table<float>(isa).lanes, flanes) << to_string(isa);
+    EXPECT_NEAR(table<double>(isa).fma_chains(1000) / lanes, one, 1e-13 * one) << to_string(isa);
+    set_isa(isa);
+    set_num_threads(2);
+    const bench::Peak p = bench::fma_peak<float>(3);
+    EXPECT_EQ(p.isa, to_string(isa));
+    EXPECT_EQ(p.lanes, flanes);
+    EXPECT_EQ(p.chains, simd::kPeakChains);
+    EXPECT_EQ(p.threads, 2);
+    EXPECT_EQ(p.rounds, 3);
+    EXPECT_GT(p.min_gflops, 0.0);
+    EXPECT_LE(p.min_gflops, p.median_gflops);
+    EXPECT_LE(p.median_gflops, p.gflops);
+  }
+  EXPECT_THROW(bench::fma_peak<double>(0), ConfigError);
+}
+
 TEST(VectorKernels, UlpDistanceCountsRepresentableValues) {
   EXPECT_EQ(ulp_distance(1.0f, std::nextafter(1.0f, 2.0f)), 1);
   EXPECT_EQ(ulp_distance(1.0, std::nextafter(std::nextafter(1.0, 0.0), 0.0)), 2);

@@ -303,6 +303,111 @@ index_t pack_transposed_avx2(Real* __restrict d, const Real* __restrict src, ind
 }
 #endif
 
+#if defined(__AVX512F__)
+// In-register transposes of one W x W block on AVX-512: on return r[c] holds column c of the rows
+// passed in. Within each 128-bit lane, unpack and shuffle give each lane one column of four rows
+// (two for double); a 4 x 4 transpose of the lanes (shuffle_f32x4 / shuffle_f64x2) then gathers
+// each column's four lanes.
+template <class V, class Lanes>
+inline void transpose_lanes(V b[4], V out[4], Lanes shuffle) {
+  const V c0 = shuffle.template operator()<0x44>(b[0], b[1]);  // b0[0] b0[1] b1[0] b1[1]
+  const V c1 = shuffle.template operator()<0xEE>(b[0], b[1]);  // b0[2] b0[3] b1[2] b1[3]
+  const V c2 = shuffle.template operator()<0x44>(b[2], b[3]);
+  const V c3 = shuffle.template operator()<0xEE>(b[2], b[3]);
+  out[0] = shuffle.template operator()<0x88>(c0, c2);  // b0[0] b1[0] b2[0] b3[0]
+  out[1] = shuffle.template operator()<0xDD>(c0, c2);  // b0[1] b1[1] b2[1] b3[1]
+  out[2] = shuffle.template operator()<0x88>(c1, c3);
+  out[3] = shuffle.template operator()<0xDD>(c1, c3);
+}
+inline void transpose_block(__m512 r[16]) {
+  __m512 a[16], b[16];
+  for (int k = 0; k < 16; k += 2) {
+    a[k] = _mm512_unpacklo_ps(r[k], r[k + 1]);
+    a[k + 1] = _mm512_unpackhi_ps(r[k], r[k + 1]);
+  }
+  for (int g = 0; g < 16; g += 4) {  // b[g + q], lane L: column 4L + q of rows g .. g + 3
+    b[g + 0] = _mm512_shuffle_ps(a[g], a[g + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    b[g + 1] = _mm512_shuffle_ps(a[g], a[g + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    b[g + 2] = _mm512_shuffle_ps(a[g + 1], a[g + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    b[g + 3] = _mm512_shuffle_ps(a[g + 1], a[g + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  const auto shuffle = []<int I>(__m512 x, __m512 y) { return _mm512_shuffle_f32x4(x, y, I); };
+  for (int q = 0; q < 4; ++q) {
+    __m512 in[4] = {b[q], b[4 + q], b[8 + q], b[12 + q]}, out[4];
+    transpose_lanes(in, out, shuffle);
+    for (int L = 0; L < 4; ++L) r[4 * L + q] = out[L];
+  }
+}
+inline void transpose_block(__m512d r[8]) {
+  __m512d a[8];
+  for (int k = 0; k < 8; k += 2) {  // a[k + q], lane L: column 2L + q of rows k, k + 1
+    a[k] = _mm512_unpacklo_pd(r[k], r[k + 1]);
+    a[k + 1] = _mm512_unpackhi_pd(r[k], r[k + 1]);
+  }
+  const auto shuffle = []<int I>(__m512d x, __m512d y) { return _mm512_shuffle_f64x2(x, y, I); };
+  for (int q = 0; q < 2; ++q) {
+    __m512d in[4] = {a[q], a[2 + q], a[4 + q], a[6 + q]}, out[4];
+    transpose_lanes(in, out, shuffle);
+    for (int L = 0; L < 4; ++L) r[2 * L + q] = out[L];
+  }
+}
+template <class Real>
+struct Avx512Block;
+template <>
+struct Avx512Block<float> {
+  using R = __m512;
+  static constexpr int W = 16;
+  static R load(const float* p) { return _mm512_loadu_ps(p); }
+  static R zero() { return _mm512_setzero_ps(); }
+  static R mul(R a, float s) { return _mm512_mul_ps(a, _mm512_set1_ps(s)); }
+  template <int N>
+  static void store(float* p, R v) {  // the first N lanes only
+    _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << N) - 1), v);
+  }
+};
+template <>
+struct Avx512Block<double> {
+  using R = __m512d;
+  static constexpr int W = 8;
+  static R load(const double* p) { return _mm512_loadu_pd(p); }
+  static R zero() { return _mm512_setzero_pd(); }
+  static R mul(R a, double s) { return _mm512_mul_pd(a, _mm512_set1_pd(s)); }
+  template <int N>
+  static void store(double* p, R v) {
+    _mm512_mask_storeu_pd(p, static_cast<__mmask8>((1u << N) - 1), v);
+  }
+};
+
+// One full sliver (rows == WIDTH) transposed: blocks of W rows by W values of k (16 x 16 floats,
+// 8 x 8 doubles), transposed in registers; rows past WIDTH in the last block are zero and not
+// stored. Returns the number of k values done (a multiple of W); the caller does the rest.
+template <class Real, int WIDTH, bool SCALE>
+index_t pack_transposed_avx512(Real* __restrict d, const Real* __restrict src, index_t ld,
+                               index_t kc, Real alpha) {
+  using X = Avx512Block<Real>;
+  constexpr int W = X::W;
+  index_t p0 = 0;
+  for (; p0 + W <= kc; p0 += W) {
+    [&]<int... B>(std::integer_sequence<int, B...>) {
+      (
+          [&] {
+            constexpr int i0 = B * W, rb = WIDTH - i0 < W ? WIDTH - i0 : W;
+            typename X::R r[W];
+            for (int i = 0; i < W; ++i) {
+              r[i] = i < rb ? X::load(src + (i0 + i) * ld + p0) : X::zero();
+              if constexpr (SCALE) r[i] = X::mul(r[i], alpha);
+            }
+            transpose_block(r);
+            for (int q = 0; q < W; ++q) X::template store<rb>(d + (p0 + q) * WIDTH + i0, r[q]);
+          }(),
+          ...);
+    }
+    (std::make_integer_sequence<int, (WIDTH + W - 1) / W>{});
+  }
+  return p0;
+}
+#endif
+
 // Packing is a pure copy (times alpha, rounded once per value, when alpha is not 1), so it
 // changes no result however it is done. A sliver is kc x WIDTH, k-major: d[p * WIDTH + i] =
 // op(S)(i, p) for i < rows (rows <= WIDTH) and zero above, where op(S)(i, p) is src[i * ld + p]
@@ -313,7 +418,9 @@ template <class Real, int WIDTH, bool SCALE>
 void pack_transposed_sliver(Real* __restrict d, const Real* __restrict src, index_t ld,
                             index_t rows, index_t kc, Real alpha) {
   index_t p0 = 0;
-#if defined(__AVX2__)
+#if defined(__AVX512F__)
+  if (rows == WIDTH) p0 = pack_transposed_avx512<Real, WIDTH, SCALE>(d, src, ld, kc, alpha);
+#elif defined(__AVX2__)
   if (rows == WIDTH) p0 = pack_transposed_avx2<Real, WIDTH, SCALE>(d, src, ld, kc, alpha);
 #endif
   // The remaining k values (all of them for an edge sliver or without AVX2), in blocks of 8 so

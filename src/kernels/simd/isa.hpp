@@ -60,7 +60,17 @@ struct VectorKernels {
                                  index_t c1);
   // The elementary functions themselves, for testing their accuracy.
   void (*math)(Real* out, const Real* in, index_t n, MathFn fn);
+  // The FMA peak probe (teo::bench::fma_peak): `iters` steps of kPeakChains independent fused
+  // multiply-add chains, each on one vector of `lanes` values; returns their sum, so that none is
+  // optimised away.
+  Real (*fma_chains)(std::int64_t iters);
+  int lanes;
 };
+
+// Independent FMA chains in the peak probe: at least pipes x latency (2 x 4 on Zen 4 and 5, and on
+// Intel cores since Skylake) to keep every FMA pipe busy, and few enough for AVX2's 16 registers
+// with the two constants.
+inline constexpr int kPeakChains = 12;
 
 // Rounding float32 to the reduced formats (simd/round_kernels.hpp), bitwise the same on every ISA.
 struct RoundKernels {

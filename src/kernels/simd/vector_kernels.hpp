@@ -221,11 +221,40 @@ struct Kernels {
     });
   }
 
+  // acc = acc * x + y in each chain: x = 1 - 2^-10 and y = 2^-10 are exact in every type and keep
+  // the values near 1 (no overflow, no subnormals, which would slow some cores).
+  static Real fma_chains(std::int64_t iters) {
+    using V = Vec<Real, Arch>;
+    using B = typename V::B;
+    B acc[kPeakChains];
+#pragma GCC unroll 16
+    for (int c = 0; c < kPeakChains; ++c) acc[c] = V::set1(Real(1) + Real(c) / Real(64));
+    const B x = V::set1(Real(1) - Real(1) / Real(1024)), y = V::set1(Real(1) / Real(1024));
+    for (std::int64_t i = 0; i < iters; ++i) {
+#pragma GCC unroll 16
+      for (int c = 0; c < kPeakChains; ++c) acc[c] = V::fma(acc[c], x, y);
+    }
+    alignas(64) Real out[V::size];
+    Real sum = 0;
+#pragma GCC unroll 16
+    for (int c = 0; c < kPeakChains; ++c) {
+      V::store(out, acc[c]);
+      for (std::size_t l = 0; l < V::size; ++l) sum += out[l];
+    }
+    return sum;
+  }
+
   static constexpr VectorKernels<Real> table() {
-    return VectorKernels<Real>{&activation_forward,     &activation_backward,
-                               &softmax_forward_row,    &softmax_backward_row,
-                               &layer_norm_forward_row, &layer_norm_backward_row,
-                               &layer_norm_param_grads, &math};
+    return VectorKernels<Real>{&activation_forward,
+                               &activation_backward,
+                               &softmax_forward_row,
+                               &softmax_backward_row,
+                               &layer_norm_forward_row,
+                               &layer_norm_backward_row,
+                               &layer_norm_param_grads,
+                               &math,
+                               &fma_chains,
+                               static_cast<int>(Vec<Real, Arch>::size)};
   }
 };
 

@@ -57,6 +57,6 @@ struct Peak {
   std::string isa;
 };
 template <class Real>
-Peak fma_peak(int rounds = 9);
+Peak fma_peak(int rounds = 15);
 
 }  // namespace teo::bench

@@ -35,8 +35,11 @@ std::pair<int, std::string> open_temp_beside(const std::string& path, bool overw
 void commit_temp(int fd, const std::string& tmp, const std::string& path, bool overwrite) {
   // The temporary file is private (0600); the result gets the usual permissions.
   ::fchmod(fd, 0644);
-  if (::fsync(fd) != 0 || ::close(fd) != 0) {
-    const std::string why = std::strerror(errno);
+  const bool synced = ::fsync(fd) == 0;
+  const int sync_errno = errno;
+  const bool closed = ::close(fd) == 0;  // always, whether or not the sync failed
+  if (!synced || !closed) {
+    const std::string why = std::strerror(synced ? errno : sync_errno);
     ::unlink(tmp.c_str());
     throw FileError(path + ": write failed: " + why);
   }

@@ -372,10 +372,26 @@ File parse(std::string_view bytes, const std::string& source, const Limits& limi
 }
 
 File map(const std::string& path, const Limits& limits) {
-  const std::uint64_t size = checked_file_size(path, limits);
-  if (size < 8) return parse(std::string_view(), path, limits);  // the short-file error
+  checked_file_size(path, limits);  // names a missing or irregular file, or one too large
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) throw FileError(path + ": cannot open for reading: " + std::strerror(errno));
+  // The size of what was opened, not of what the path named a moment before.
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    const std::string why = std::strerror(errno);
+    ::close(fd);
+    throw FileError(path + ": cannot read its size: " + why);
+  }
+  const auto size = static_cast<std::uint64_t>(st.st_size);
+  if (size > limits.max_file_bytes) {
+    ::close(fd);
+    throw FormatError(path + ": the file is " + std::to_string(size) +
+                      " bytes, more than the limit of " + std::to_string(limits.max_file_bytes));
+  }
+  if (size < 8) {
+    ::close(fd);
+    return parse(std::string_view(), path, limits);  // the short-file error
+  }
   void* p = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
   const int map_errno = errno;
   ::close(fd);
@@ -484,8 +500,11 @@ Writer::Writer(std::string path, std::vector<std::pair<std::string, std::string>
   std::tie(fd_, tmp_) = open_temp_beside(path_, overwrite_);
   if (!write_all_at(fd_, header.data(), header.size(), 0) ||
       ::ftruncate(fd_, static_cast<off_t>(header_size_ + data_size_)) != 0) {
+    // A constructor that throws runs no destructor: the temporary file goes here.
     const std::string why = std::strerror(errno);
-    throw FileError(path_ + ": write failed: " + why);  // the destructor removes the file
+    ::close(fd_);
+    ::unlink(tmp_.c_str());
+    throw FileError(path_ + ": write failed: " + why);
   }
 }
 
@@ -523,7 +542,8 @@ File Writer::contents() const {
   if (const std::string missing = first_unwritten(entries_, written_); !missing.empty()) {
     throw FormatError("safetensors: " + missing + " has not been written");
   }
-  return map(tmp_);
+  return map(tmp_, {.max_header_bytes = Limits{}.max_header_bytes,
+                    .max_file_bytes = header_size_ + data_size_});
 }
 
 void Writer::set_metadata(std::vector<std::pair<std::string, std::string>> metadata) {
@@ -541,22 +561,32 @@ std::uint64_t Writer::commit() {
     }
   } else {
     // The metadata changed the header's length: the data moves, through a second temporary file.
-    auto [fd, tmp] = open_temp_beside(path_, /*overwrite=*/true);
-    bool ok = write_all_at(fd, header.data(), header.size(), 0);
+    // The old one stays the Writer's until the move is complete, so a failure leaves one file for
+    // the destructor and the Writer as it was.
     std::vector<char> buf(std::size_t{1} << 24);
-    for (std::uint64_t at = 0; ok && at < data_size_;) {
+    auto [fd, tmp] = open_temp_beside(path_, /*overwrite=*/true);
+    int failure = write_all_at(fd, header.data(), header.size(), 0) ? 0 : errno;
+    for (std::uint64_t at = 0; failure == 0 && at < data_size_;) {
       const auto n = static_cast<std::size_t>(std::min<std::uint64_t>(buf.size(), data_size_ - at));
       const ssize_t r = ::pread(fd_, buf.data(), n, static_cast<off_t>(header_size_ + at));
       if (r < 0 && errno == EINTR) continue;
-      ok = r > 0 && write_all_at(fd, buf.data(), static_cast<std::size_t>(r), header.size() + at);
+      if (r <= 0) {
+        failure = r == 0 ? EIO : errno;  // the file is shorter than its header says
+      } else if (!write_all_at(fd, buf.data(), static_cast<std::size_t>(r), header.size() + at)) {
+        failure = errno;
+      }
       at += r > 0 ? static_cast<std::uint64_t>(r) : 0;
     }
-    const std::string why = std::strerror(errno);
+    if (failure != 0) {
+      ::close(fd);
+      ::unlink(tmp.c_str());
+      throw FileError(path_ + ": write failed: " + std::strerror(failure));
+    }
     ::close(fd_);
     ::unlink(tmp_.c_str());
     fd_ = fd;
     tmp_ = tmp;
-    if (!ok) throw FileError(path_ + ": write failed: " + why);
+    for (auto& o : offset_) o = o - header_size_ + header.size();
     header_size_ = header.size();
   }
   const int fd = fd_;

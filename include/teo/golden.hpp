@@ -60,6 +60,8 @@ struct GenerateOptions {
   // Called as each stage starts ("float32 forward and backward", "writing 210 tensors", ...).
   // It may throw (Interrupted) to stop: the temporary file is removed and `path` is untouched.
   std::function<void(const std::string& stage)> progress;
+  // Called before each tensor is written; may throw to stop, as progress may.
+  std::function<void()> poll;
 };
 
 // Writes case c to `path` as make() (then keep_only() with opts.keep) gives it, byte for byte,

@@ -52,7 +52,8 @@ struct Tensor {
   DType dtype = DType::F32;
   std::vector<std::int64_t> shape;
   std::vector<unsigned char> bytes;  // numel * dtype_size(dtype), little-endian
-  // A tensor of a mapped file (map()) owns no bytes: they are the mapping's, at `mapped`.
+  // A tensor of a mapped file (map()) owns no bytes: they are the mapping's, at `mapped`, valid
+  // while its File (or a copy of the File) lives; a Tensor copied out of it does not keep them.
   const unsigned char* mapped = nullptr;
   std::size_t mapped_size = 0;
 

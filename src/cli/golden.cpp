@@ -30,20 +30,24 @@ int run_golden_generate(const GoldenGenerateOptions& opts, std::ostream& out) {
   }
   const golden::Case c = golden::Case::from_file(opts.config_path);
   ProgressLine progress(opts.progress);
-  // SIGINT and SIGTERM stop at the next stage; the temporary file goes, `--out` is untouched.
+  // SIGINT and SIGTERM stop at the next stage or tensor written; the temporary file goes, and
+  // `--out` is untouched.
   train::StopSignals signals;
-  const std::uint64_t size =
-      golden::generate_file(c, opts.out_path,
-                            {.allow_ill_conditioned = opts.allow_ill_conditioned,
-                             .keep = opts.keep,
-                             .overwrite = opts.force,
-                             .progress = [&](const std::string& stage) {
-                               if (train::StopSignals::requested()) {
-                                 throw Interrupted("interrupted before " + stage + "; " +
-                                                   opts.out_path + " was not written");
-                               }
-                               progress.show(stage, true);
-                             }});
+  golden::GenerateOptions g;
+  g.allow_ill_conditioned = opts.allow_ill_conditioned;
+  g.keep = opts.keep;
+  g.overwrite = opts.force;
+  const auto stop = [&](const std::string& when) {
+    if (train::StopSignals::requested()) {
+      throw Interrupted("interrupted " + when + "; " + opts.out_path + " was not written");
+    }
+  };
+  g.progress = [&](const std::string& stage) {
+    stop("before " + stage);
+    progress.show(stage, true);
+  };
+  g.poll = [&] { stop("while writing"); };
+  const std::uint64_t size = golden::generate_file(c, opts.out_path, g);
   progress.clear();
   out << "wrote " << opts.out_path << " (" << size << " bytes)\n";
   return 0;

@@ -308,11 +308,23 @@ void generate_typed(const Case& c, Sink& sink, const GenerateOptions& opts) {
                    {"config", cfg.to_json().dump()},
                    {"case", c.case_json().dump()},
                    {"teo_version", TEO_VERSION}};
+  // `kept` is known now and goes in the first header; only an ill_conditioned note, which comes
+  // before it, can still change the header's length (and move the data) at the end.
+  const auto with_kept = [&](Metadata m) {
+    if (!opts.keep.empty()) m.emplace_back("kept", opts.keep);
+    return m;
+  };
+  const auto poll = [&] {
+    if (opts.poll) opts.poll();
+  };
   std::uint64_t total = 0;
   for (const auto& e : entries) total += e.byte_size();
   stage("writing " + std::to_string(entries.size()) + " tensors, " + gigabytes(total));
-  sink.begin(meta, entries);
-  for (const auto& o : outs) sink.put(o);
+  sink.begin(with_kept(meta), entries);
+  for (const auto& o : outs) {
+    poll();
+    sink.put(o);
+  }
   outs.clear();
 
   std::string why;
@@ -338,8 +350,10 @@ void generate_typed(const Case& c, Sink& sink, const GenerateOptions& opts) {
       p64.reset();
       stage("writing the float64 reference");
       for (const auto& o :
-           run_outs(cfg, batch, r64, /*masks=*/false, /*with_backward=*/true, "ref64."))
+           run_outs(cfg, batch, r64, /*masks=*/false, /*with_backward=*/true, "ref64.")) {
+        poll();
         sink.put(o);
+      }
     }
     memory::release_cached_memory();
     stage("conditioning check");
@@ -357,8 +371,8 @@ void generate_typed(const Case& c, Sink& sink, const GenerateOptions& opts) {
     }
   }
   if (!why.empty()) meta.emplace_back("ill_conditioned", why);
-  if (!opts.keep.empty()) meta.emplace_back("kept", opts.keep);
-  sink.finish(meta);
+  stage("finishing the file");  // the last point at which a stop leaves nothing behind
+  sink.finish(with_kept(meta));
 }
 
 void generate_into(const Case& c, Sink& sink, const GenerateOptions& opts) {

@@ -77,7 +77,7 @@ std::vector<Wire> wire_of(const teo::safetensors::File& f) {
   out.reserve(f.tensors.size());
   for (const auto& t : f.tensors) {
     out.emplace_back(t.name, teo::safetensors::dtype_name(t.dtype), t.shape,
-                     py::bytes(reinterpret_cast<const char*>(t.bytes.data()), t.bytes.size()));
+                     py::bytes(reinterpret_cast<const char*>(t.data().data()), t.data().size()));
   }
   return out;
 }

@@ -161,6 +161,17 @@ TEST(GoldenGenerateFile, StreamsMakesBytesAndLeavesNothingWhenStopped) {
   EXPECT_EQ(files(), 0);
   ASSERT_GE(stages.size(), 4u);
   EXPECT_EQ(stages.front(), "float32 forward and backward");
+  // a stop between two tensors (poll), in the float32 run's and in the reference's
+  for (int at : {5, 40}) {
+    int polls = 0;
+    opts.progress = nullptr;
+    opts.poll = [&] {
+      if (++polls == at) throw teo::Interrupted("stop");
+    };
+    EXPECT_THROW(golden::generate_file(c, path, opts), teo::Interrupted) << at;
+    EXPECT_FALSE(fs::exists(path));
+    EXPECT_EQ(files(), 0);
+  }
   fs::remove_all(dir);
 }
 

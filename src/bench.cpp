@@ -114,6 +114,7 @@ double probe_round(Real (*chains)(std::int64_t), std::int64_t iters, int threads
   std::vector<clock::time_point> end(static_cast<std::size_t>(threads));
   std::vector<Real> sink(static_cast<std::size_t>(threads));
   std::vector<std::thread> pool;
+  pool.reserve(static_cast<std::size_t>(threads));
   for (int t = 0; t < threads; ++t) {
     pool.emplace_back([&, t] {
       ready.fetch_add(1);
@@ -159,6 +160,7 @@ Peak fma_peak(int rounds) {
       iters, static_cast<std::int64_t>(static_cast<double>(iters) * 0.02 / std::max(t, 1e-6)));
   const double flops = 2.0 * static_cast<double>(iters) * p.chains * p.lanes * p.threads;
   std::vector<double> rates;
+  rates.reserve(static_cast<std::size_t>(rounds));
   for (int r = 0; r < rounds; ++r)
     rates.push_back(flops / probe_round<Real>(v.fma_chains, iters, p.threads) / 1e9);
   p.gflops = *std::max_element(rates.begin(), rates.end());

@@ -43,6 +43,19 @@ fs::path fresh_dir(const std::string& name) {
   return d;
 }
 
+// CASE.json of the committed corpus entry `name`: its config keys and case, without name and
+// description; null when there is no such entry.
+nlohmann::json corpus_case(const std::string& name) {
+  const auto corpus = nlohmann::json::parse(slurp(kCorpus / "cases.json"));
+  for (auto c : corpus["cases"]) {
+    if (c["name"] != name) continue;
+    c.erase("name");
+    c.erase("description");
+    return c;
+  }
+  return nullptr;
+}
+
 TEST(GoldenCli, GenerateWritesTheCommittedBytesAndRefusesToOverwrite) {
   const fs::path dir = fresh_dir("teo_golden_cli_gen");
   // CASE.json for a corpus entry: its config keys and case, without name and description.
@@ -74,13 +87,8 @@ TEST(GoldenCli, GenerateWritesTheCommittedBytesAndRefusesToOverwrite) {
 // tensors it did not keep reported as "not in golden".
 TEST(GoldenCli, GenerateKeepStoresTheMatchingTensorsAndTheCheckSkipsTheRest) {
   const fs::path dir = fresh_dir("teo_golden_cli_keep");
-  auto cases = nlohmann::json::parse(slurp(kCorpus / "cases.json"))["cases"];
-  nlohmann::json entry;
-  for (const auto& c : cases)
-    if (c["name"] == "dropout_post_f32") entry = c;
+  nlohmann::json entry = corpus_case("dropout_post_f32");
   ASSERT_FALSE(entry.is_null());
-  entry.erase("name");
-  entry.erase("description");
   std::ofstream(dir / "case.json") << entry.dump();
   const std::string out = (dir / "kept.safetensors").string();
   CliResult r = run_cli("golden generate --config " + (dir / "case.json").string() + " --out " +
@@ -130,13 +138,8 @@ TEST(GoldenCli, GenerateKeepStoresTheMatchingTensorsAndTheCheckSkipsTheRest) {
 // no temporary file left.
 TEST(GoldenCli, GenerateShowsItsStagesAndAnInterruptionLeavesNoFile) {
   const fs::path dir = fresh_dir("teo_golden_cli_interrupt");
-  auto cases = nlohmann::json::parse(slurp(kCorpus / "cases.json"))["cases"];
-  nlohmann::json entry;
-  for (const auto& c : cases)
-    if (c["name"] == "dropout_post_f32") entry = c;
+  nlohmann::json entry = corpus_case("dropout_post_f32");
   ASSERT_FALSE(entry.is_null());
-  entry.erase("name");
-  entry.erase("description");
   std::ofstream(dir / "case.json") << entry.dump();
   const std::string out = (dir / "g.safetensors").string();
   const std::string args =

@@ -210,6 +210,7 @@ struct Avx2Block<float> {
   static R load(const float* p) { return _mm256_loadu_ps(p); }
   static R zero() { return _mm256_setzero_ps(); }
   static R mul(R a, float s) { return _mm256_mul_ps(a, _mm256_set1_ps(s)); }
+  static void transpose(R* r) { transpose_block(r); }
   // The first N lanes, in 4-, 2- and 1-lane pieces, so that nothing past p + N is written.
   template <int N>
   static void store(float* p, R v) {
@@ -235,6 +236,7 @@ struct Avx2Block<double> {
   static R load(const double* p) { return _mm256_loadu_pd(p); }
   static R zero() { return _mm256_setzero_pd(); }
   static R mul(R a, double s) { return _mm256_mul_pd(a, _mm256_set1_pd(s)); }
+  static void transpose(R* r) { transpose_block(r); }
   template <int N>
   static void store(double* p, R v) {
     if constexpr (N == 4) {
@@ -250,13 +252,42 @@ struct Avx2Block<double> {
   }
 };
 
+// One full sliver (rows == WIDTH) transposed with X's W x W register blocks (Avx2Block,
+// Avx512Block): for each W values of k, blocks of W rows are loaded (zero past WIDTH), transposed
+// in registers and stored, rows past WIDTH left out. Returns the number of k values done (a
+// multiple of W); the caller does the rest.
+template <class X, int WIDTH, bool SCALE, class Real>
+index_t pack_transposed_blocks(Real* __restrict d, const Real* __restrict src, index_t ld,
+                               index_t kc, Real alpha) {
+  constexpr int W = X::W;
+  index_t p0 = 0;
+  for (; p0 + W <= kc; p0 += W) {
+    [&]<int... B>(std::integer_sequence<int, B...>) {
+      // One step per block of W rows: i0 = B * W.
+      (
+          [&] {
+            constexpr int i0 = B * W, rb = WIDTH - i0 < W ? WIDTH - i0 : W;
+            typename X::R r[W];
+            for (int i = 0; i < W; ++i) {
+              r[i] = i < rb ? X::load(src + (i0 + i) * ld + p0) : X::zero();
+              if constexpr (SCALE) r[i] = X::mul(r[i], alpha);
+            }
+            X::transpose(r);
+            for (int q = 0; q < W; ++q) X::template store<rb>(d + (p0 + q) * WIDTH + i0, r[q]);
+          }(),
+          ...);
+    }
+    (std::make_integer_sequence<int, (WIDTH + W - 1) / W>{});
+  }
+  return p0;
+}
+
 // One full sliver (rows == WIDTH) transposed: blocks of W rows by W values of k, transposed in
 // registers. Returns the number of k values done (a multiple of W); the caller does the rest.
 template <class Real, int WIDTH, bool SCALE>
 index_t pack_transposed_avx2(Real* __restrict d, const Real* __restrict src, index_t ld, index_t kc,
                              Real alpha) {
   using X = Avx2Block<Real>;
-  constexpr int W = X::W;
   index_t p0 = 0;
   if constexpr (std::is_same_v<Real, float> && WIDTH == 4) {
     // Four rows by 8 values of k: the sliver's 8 x 4 block is 32 contiguous floats, written as
@@ -279,27 +310,10 @@ index_t pack_transposed_avx2(Real* __restrict d, const Real* __restrict src, ind
       _mm256_storeu_ps(dp + 16, _mm256_permute2f128_ps(c04, c15, 0x31));
       _mm256_storeu_ps(dp + 24, _mm256_permute2f128_ps(c26, c37, 0x31));
     }
+    return p0;
   } else {
-    for (; p0 + W <= kc; p0 += W) {
-      [&]<int... B>(std::integer_sequence<int, B...>) {
-        // One step per block of W rows: i0 = B * W.
-        (
-            [&] {
-              constexpr int i0 = B * W, rb = WIDTH - i0 < W ? WIDTH - i0 : W;
-              typename X::R r[W];
-              for (int i = 0; i < W; ++i) {
-                r[i] = i < rb ? X::load(src + (i0 + i) * ld + p0) : X::zero();
-                if constexpr (SCALE) r[i] = X::mul(r[i], alpha);
-              }
-              transpose_block(r);
-              for (int q = 0; q < W; ++q) X::template store<rb>(d + (p0 + q) * WIDTH + i0, r[q]);
-            }(),
-            ...);
-      }
-      (std::make_integer_sequence<int, (WIDTH + W - 1) / W>{});
-    }
+    return pack_transposed_blocks<X, WIDTH, SCALE>(d, src, ld, kc, alpha);
   }
-  return p0;
 }
 #endif
 
@@ -360,6 +374,7 @@ struct Avx512Block<float> {
   static R load(const float* p) { return _mm512_loadu_ps(p); }
   static R zero() { return _mm512_setzero_ps(); }
   static R mul(R a, float s) { return _mm512_mul_ps(a, _mm512_set1_ps(s)); }
+  static void transpose(R* r) { transpose_block(r); }
   template <int N>
   static void store(float* p, R v) {  // the first N lanes only
     _mm512_mask_storeu_ps(p, static_cast<__mmask16>((1u << N) - 1), v);
@@ -372,39 +387,18 @@ struct Avx512Block<double> {
   static R load(const double* p) { return _mm512_loadu_pd(p); }
   static R zero() { return _mm512_setzero_pd(); }
   static R mul(R a, double s) { return _mm512_mul_pd(a, _mm512_set1_pd(s)); }
+  static void transpose(R* r) { transpose_block(r); }
   template <int N>
   static void store(double* p, R v) {
     _mm512_mask_storeu_pd(p, static_cast<__mmask8>((1u << N) - 1), v);
   }
 };
 
-// One full sliver (rows == WIDTH) transposed: blocks of W rows by W values of k (16 x 16 floats,
-// 8 x 8 doubles), transposed in registers; rows past WIDTH in the last block are zero and not
-// stored. Returns the number of k values done (a multiple of W); the caller does the rest.
+// One full sliver (rows == WIDTH) transposed in 16 x 16 (float) or 8 x 8 (double) blocks.
 template <class Real, int WIDTH, bool SCALE>
 index_t pack_transposed_avx512(Real* __restrict d, const Real* __restrict src, index_t ld,
                                index_t kc, Real alpha) {
-  using X = Avx512Block<Real>;
-  constexpr int W = X::W;
-  index_t p0 = 0;
-  for (; p0 + W <= kc; p0 += W) {
-    [&]<int... B>(std::integer_sequence<int, B...>) {
-      (
-          [&] {
-            constexpr int i0 = B * W, rb = WIDTH - i0 < W ? WIDTH - i0 : W;
-            typename X::R r[W];
-            for (int i = 0; i < W; ++i) {
-              r[i] = i < rb ? X::load(src + (i0 + i) * ld + p0) : X::zero();
-              if constexpr (SCALE) r[i] = X::mul(r[i], alpha);
-            }
-            transpose_block(r);
-            for (int q = 0; q < W; ++q) X::template store<rb>(d + (p0 + q) * WIDTH + i0, r[q]);
-          }(),
-          ...);
-    }
-    (std::make_integer_sequence<int, (WIDTH + W - 1) / W>{});
-  }
-  return p0;
+  return pack_transposed_blocks<Avx512Block<Real>, WIDTH, SCALE>(d, src, ld, kc, alpha);
 }
 #endif
 

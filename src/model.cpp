@@ -130,6 +130,17 @@ void add(Real* dst, const Real* src, index_t n) {
   });
 }
 
+// dst = 0 + src: add() into a buffer that is not read, with the bits of adding into zeros (a -0
+// in src gives +0).
+template <class Real>
+void assign_sum(Real* dst, const Real* src, index_t n) {
+  detail::for_blocks(n, kElementGrain, [=](index_t i0, index_t i1) {
+    Real* __restrict d = dst + i0;
+    const Real* __restrict x = src + i0;
+    for (index_t i = 0; i < i1 - i0; ++i) d[i] = Real(0) + x[i];
+  });
+}
+
 // out = a + b, element-wise.
 template <class Real>
 void add3(Real* out, const Real* a, const Real* b, index_t n) {
@@ -194,14 +205,17 @@ const Real* apply_dropout(Real* out, const Real* in, std::vector<std::uint8_t>& 
   return out;
 }
 
-// Accumulates din += dropout'(dout): masked and scaled, or passed through when inactive.
+// Accumulates din += dropout'(dout): masked and scaled, or passed through when inactive. With
+// write == overwrite, din = 0 + dropout'(dout), and din is not read.
 template <class Real>
-void accumulate_dropout_grad(Real* din, const Real* dout, const std::vector<std::uint8_t>& mask,
-                             index_t n, double p) {
-  if (mask.empty()) {
-    add(din, dout, n);
+void dropout_grad(Real* din, const Real* dout, const std::vector<std::uint8_t>& mask, index_t n,
+                  double p, GradWrite write) {
+  if (!mask.empty()) {
+    dropout_backward(din, dout, mask.data(), n, dropout_scale<Real>(p), write);
+  } else if (write == GradWrite::overwrite) {
+    assign_sum(din, dout, n);
   } else {
-    dropout_backward(din, dout, mask.data(), n, dropout_scale<Real>(p));
+    add(din, dout, n);
   }
 }
 
@@ -258,18 +272,16 @@ void zero_fill(const ZeroList<Real>& tensors) {
   });
 }
 
+// In the backward pass only the gradients of the LayerNorm statistics, which nothing writes, are
+// zero-filled: layer_backward's first writer of every other gradient overwrites it (dL.output is
+// the next layer's dx, or the head's, which allocate() zero-fills).
 template <class Real>
 void allocate_layer(LayerActs<Real>& l, const Dims& d, ZeroList<Real>* zero) {
   for (Tensor<Real>* t :
        {&l.norm1, &l.attn_out, &l.residual1, &l.norm2, &l.ffn_out, &l.residual2, &l.output})
-    shape_as(*t, {d.B, d.S, d.D}, zero);
+    shape_as(*t, {d.B, d.S, d.D}, nullptr);
   for (Tensor<Real>* t : {&l.norm1_mean, &l.norm1_rstd, &l.norm2_mean, &l.norm2_rstd})
     shape_as(*t, {d.N}, zero);
-  // These are written whole by a single writer in the backward pass as well, so their gradients
-  // skip the zero-fill too (layer_backward overwrites them): dcontext by the output projection;
-  // dq, dk, dv, dprobs and dscores by attention_backward; dL.ffn_hidden by the second FFN product
-  // (or zeroed there under dropout) and dL.ffn_pre by the activation. For the small preset that
-  // is two thirds of every layer's bytes.
   shape_as(l.context, {d.B, d.S, d.D}, nullptr);
   shape_as(l.q, {d.B, d.H, d.S, d.Dh}, nullptr);
   for (Tensor<Real>* t : {&l.k, &l.v}) shape_as(*t, {d.B, d.K, d.S, d.Dh}, nullptr);
@@ -287,16 +299,18 @@ void allocate_layer(LayerActs<Real>& l, const Dims& d, ZeroList<Real>* zero) {
 
 // Shapes every named activation of `acts` for this config and batch, with empty masks, reusing
 // the buffers of a previous pass where they are large enough. The forward pass (zero == null)
-// overwrites them all; for gradients, which accumulate, the large ones are added to `zero` for
-// zero_fill, but for those allocate_layer leaves to their single writer.
+// overwrites them all. For gradients, those that accumulate are added to `zero` for zero_fill:
+// the top of the stack (which pooling scatters into), the positional gradient, and the
+// statistics' gradients. backward() overwrites the rest.
 template <class Real>
 void allocate(Activations<Real>& a, const EncoderConfig& cfg, const Dims& d, ZeroList<Real>* zero,
               bool layers_whole = true) {
   a.norm_first = cfg.norm_first;
   a.rotary = d.rope;
-  shape_as(a.embedding, {d.B, d.S, d.D}, zero);
+  shape_as(a.embedding, {d.B, d.S, d.D}, nullptr);  // the input's dropout gradient overwrites it
   shape_as(a.positional, {d.S, d.D}, zero);
-  shape_as(a.input, {d.B, d.S, d.D}, zero);
+  // The gradient of a layer's input is overwritten by the layer; the top one accumulates.
+  shape_as(a.input, {d.B, d.S, d.D}, cfg.num_layers == 0 ? zero : nullptr);
   a.input_mask.clear();
   a.layers.resize(static_cast<std::size_t>(cfg.num_layers));
   for (auto& l : a.layers) {
@@ -304,9 +318,10 @@ void allocate(Activations<Real>& a, const EncoderConfig& cfg, const Dims& d, Zer
       allocate_layer(l, d, zero);
     } else {
       l = LayerActs<Real>();
-      shape_as(l.output, {d.B, d.S, d.D}, zero);
+      shape_as(l.output, {d.B, d.S, d.D}, nullptr);
     }
   }
+  if (zero && !a.layers.empty()) zero->push_back(&a.layers.back().output);
   if (cfg.norm_first) {
     shape_as(a.final_norm, {d.B, d.S, d.D}, zero);
     shape_as(a.final_norm_mean, {d.N}, zero);
@@ -484,8 +499,9 @@ void layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P, LayerAc
   }
 }
 
-// Accumulates dx (B, S, D) with the gradient through one layer, given dL.output. Fills every
-// other named gradient of dL, and accumulates the parameter gradients into G.
+// Writes dx (B, S, D), the gradient through one layer, given dL.output: dx is overwritten, not
+// read. Writes every other named gradient of dL, each by its first writer without reading it (so
+// none needs a zero-fill), and accumulates the parameter gradients into G.
 template <class Real>
 void layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P, const LayerActs<Real>& L,
                     LayerParams<Real>& G, LayerActs<Real>& dL, Real* dx, const Real* x,
@@ -504,7 +520,7 @@ void layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P, const 
       copy(dL.norm2.data(), dL.output.data(), nd);
       layer_norm_backward(dL.residual2.data(), G.norm2_weight.data(), G.norm2_bias.data(),
                           dL.norm2.data(), L.residual2.data(), P.norm2_weight.data(),
-                          L.norm2_mean.data(), L.norm2_rstd.data(), d.N, d.D);
+                          L.norm2_mean.data(), L.norm2_rstd.data(), d.N, d.D, GradWrite::overwrite);
       store(dL.residual2, name, "residual2");
     }
   }
@@ -512,16 +528,16 @@ void layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P, const 
   Real* dbase = cfg.norm_first ? dL.residual1.data() : dL.norm1.data();
   {
     profile::Scope stage(Stage::bwd_residual);
-    accumulate_dropout_grad(dL.ffn_out.data(), dL.residual2.data(), L.masks.residual2, nd, p);
+    dropout_grad(dL.ffn_out.data(), dL.residual2.data(), L.masks.residual2, nd, p,
+                 GradWrite::overwrite);
     store(dL.ffn_out, name, "ffn_out");
-    add(dbase, dL.residual2.data(), nd);
+    assign_sum(dbase, dL.residual2.data(), nd);  // its first writer
   }
 
   // ffn_out = fc2(hidden_dropped); hidden_dropped = dropout(ffn_hidden). Without a mask the
   // dropout is the identity: fc2 reads ffn_hidden and writes its gradient straight into
-  // dL.ffn_hidden, overwriting it (allocate() leaves it unfilled: nothing else writes it). With
-  // one, both go through a scratch buffer and dL.ffn_hidden is zeroed for the dropout's gradient
-  // to accumulate into.
+  // dL.ffn_hidden, overwriting it. With one, both go through a scratch buffer, and the dropout's
+  // gradient overwrites dL.ffn_hidden.
   const bool ffn_dropped = !L.masks.ffn.empty();
   Tensor<Real> hidden_dropped =
       ffn_dropped ? Tensor<Real>::for_overwrite({d.B, d.S, d.F}) : Tensor<Real>();
@@ -542,22 +558,23 @@ void layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P, const 
   {
     profile::Scope stage(Stage::bwd_activation);
     if (ffn_dropped) {
-      dL.ffn_hidden.zero();
-      accumulate_dropout_grad(dL.ffn_hidden.data(), dhidden_dropped.data(), L.masks.ffn,
-                              dL.ffn_hidden.numel(), p);
+      dropout_grad(dL.ffn_hidden.data(), dhidden_dropped.data(), L.masks.ffn, dL.ffn_hidden.numel(),
+                   p, GradWrite::overwrite);
     }
     store(dL.ffn_hidden, name, "ffn_hidden");
     activation_backward(dL.ffn_pre.data(), dL.ffn_hidden.data(), L.ffn_pre.data(),
                         L.ffn_pre.numel(), cfg.activation, GradWrite::overwrite);
     store(dL.ffn_pre, name, "ffn_pre");
   }
-  // ffn_pre = fc1(ffn_in); ffn_in = norm2 (pre) or norm1 (post)
+  // ffn_pre = fc1(ffn_in); ffn_in = norm2 (pre), its only reader, or norm1 (post), also the
+  // second residual's base
   const Real* ffn_in = cfg.norm_first ? L.norm2.data() : L.norm1.data();
   Real* dffn_in = cfg.norm_first ? dL.norm2.data() : dL.norm1.data();
   {
     profile::Scope stage(Stage::bwd_ffn_fc1);
     linear_backward(dffn_in, G.fc1_weight.data(), G.fc1_bias.data(), dL.ffn_pre.data(), ffn_in,
-                    P.fc1_weight.data(), d.N, d.D, d.F);
+                    P.fc1_weight.data(), d.N, d.D, d.F,
+                    cfg.norm_first ? GradWrite::overwrite : GradWrite::accumulate);
     store(dffn_in, nd, name, cfg.norm_first ? "norm2" : "norm1");
   }
 
@@ -571,15 +588,16 @@ void layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P, const 
     } else {
       layer_norm_backward(dL.residual1.data(), G.norm1_weight.data(), G.norm1_bias.data(),
                           dL.norm1.data(), L.residual1.data(), P.norm1_weight.data(),
-                          L.norm1_mean.data(), L.norm1_rstd.data(), d.N, d.D);
+                          L.norm1_mean.data(), L.norm1_rstd.data(), d.N, d.D, GradWrite::overwrite);
     }
     store(dL.residual1, name, "residual1");
   }
   // residual1 = x + dropout(attn_out)
   {
     profile::Scope stage(Stage::bwd_residual);
-    add(dx, dL.residual1.data(), nd);
-    accumulate_dropout_grad(dL.attn_out.data(), dL.residual1.data(), L.masks.residual1, nd, p);
+    assign_sum(dx, dL.residual1.data(), nd);  // its first writer
+    dropout_grad(dL.attn_out.data(), dL.residual1.data(), L.masks.residual1, nd, p,
+                 GradWrite::overwrite);
     store(dL.attn_out, name, "attn_out");
   }
   // attn_out = context * Wo^T + bo
@@ -636,7 +654,7 @@ void layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P, const 
     }
     Tensor<Real> gw({lay.width, d.D}), gb({lay.width});
     linear_backward(dattn_in, gw.data(), gb.data(), dqkv.data(), attn_in, wqkv.data(), d.N, d.D,
-                    lay.width);
+                    lay.width, cfg.norm_first ? GradWrite::overwrite : GradWrite::accumulate);
     Tensor<Real>* gws[3] = {&G.q_weight, &G.k_weight, &G.v_weight};
     Tensor<Real>* gbs[3] = {&G.q_bias, &G.k_bias, &G.v_bias};
     for (int i = 0; i < 3; ++i) {
@@ -824,9 +842,9 @@ void backward(const Params<Real>& params, const Batch& batch, const Activations<
   }
   // input = dropout(embedding + positional)
   profile::Scope stage(Stage::bwd_embedding);
-  // d(embedding + positional) is the gradient of the embedding itself (zero until now)
-  accumulate_dropout_grad(dacts.embedding.data(), dacts.input.data(), acts.input_mask, d.N * d.D,
-                          cfg.dropout);
+  // d(embedding + positional) is the gradient of the embedding itself, written here first
+  dropout_grad(dacts.embedding.data(), dacts.input.data(), acts.input_mask, d.N * d.D, cfg.dropout,
+               GradWrite::overwrite);
   store(dacts.embedding, "", "embedding");
   add_positional_backward(dacts.positional.data(), dacts.embedding.data(), d.B, d.S, d.D);
   store(dacts.positional, "", "positional");
@@ -913,7 +931,7 @@ void encoder_layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P
     shape_as(t, detail::param_shape(cfg, "layers.0." + name), &zero);
   });
   allocate_layer(dL, d, &zero);
-  shape_as(dx, x.shape(), &zero);
+  shape_as(dx, x.shape(), nullptr);  // layer_backward overwrites it
   zero_fill(zero);
   copy(dL.output.data(), dy.data(), dy.numel());
   layer_backward(cfg, P, L, G, dL, dx.data(), x.data(), batch.lengths.data(), d, "layers.0.",

@@ -51,21 +51,29 @@ void dropout_forward(Real* out, const Real* in, const std::uint8_t* mask, index_
 }
 
 template <class Real>
-void dropout_backward(Real* din, const Real* dout, const std::uint8_t* mask, index_t n,
-                      Real scale) {
-  // in the forward pass this was: out = mask ? in * scale : 0; so din += dout * scale where kept
+void dropout_backward(Real* din, const Real* dout, const std::uint8_t* mask, index_t n, Real scale,
+                      GradWrite write) {
+  // in the forward pass this was: out = mask ? in * scale : 0; so din += dout * scale where kept.
+  // Overwriting starts from +0 instead of din: the bits of accumulating into zeros.
+  const bool accumulate = write == GradWrite::accumulate;
   detail::for_blocks(n, 8192, [=](index_t i0, index_t i1) {
     Real* __restrict d = din + i0;
     const Real* __restrict g = dout + i0;
     const std::uint8_t* __restrict m = mask + i0;
-    for (index_t i = 0; i < i1 - i0; ++i) d[i] = select_kept(m[i], d[i] + g[i] * scale, d[i]);
+    if (accumulate) {
+      for (index_t i = 0; i < i1 - i0; ++i) d[i] = select_kept(m[i], d[i] + g[i] * scale, d[i]);
+    } else {
+      for (index_t i = 0; i < i1 - i0; ++i)
+        d[i] = select_kept(m[i], Real(0) + g[i] * scale, Real(0));
+    }
   });
 }
 
 #define TEO_INSTANTIATE(Real)                                                                  \
   template Real dropout_scale<Real>(double);                                                   \
   template void dropout_forward<Real>(Real*, const Real*, const std::uint8_t*, index_t, Real); \
-  template void dropout_backward<Real>(Real*, const Real*, const std::uint8_t*, index_t, Real);
+  template void dropout_backward<Real>(Real*, const Real*, const std::uint8_t*, index_t, Real, \
+                                       GradWrite);
 TEO_INSTANTIATE(float)
 TEO_INSTANTIATE(double)
 

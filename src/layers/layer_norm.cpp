@@ -43,16 +43,18 @@ void layer_norm_forward(Real* out, Real* mean, Real* rstd, const Real* in, const
 template <class Real>
 void layer_norm_backward(Real* din, Real* dweight, Real* dbias, const Real* dout, const Real* in,
                          const Real* weight, const Real* mean, const Real* rstd, index_t rows,
-                         index_t cols) {
+                         index_t cols, GradWrite din_write) {
   // in the forward pass this was: y = norm * weight + bias, with norm = (x - mean) * rstd.
   // dnorm = g * weight; dx = rstd * (dnorm - mean(dnorm) - norm * mean(dnorm * norm))
+  // Overwriting adds the term to +0 instead of to din: the bits of accumulating into zeros.
+  const bool accumulate = din_write == GradWrite::accumulate;
   if (backend() != Backend::reference) {
     const auto& vk = detail::vector_kernels<Real>();
     if (din) {
       detail::for_blocks(rows, 16, [&](index_t r0, index_t r1) {
         for (index_t r = r0; r < r1; ++r)
           vk.layer_norm_backward_row(din + r * cols, dout + r * cols, in + r * cols, weight,
-                                     mean[r], rstd[r], cols);
+                                     mean[r], rstd[r], cols, accumulate);
       });
     }
     // Column blocks: each owns its columns and sums them over the rows in order.
@@ -81,7 +83,8 @@ void layer_norm_backward(Real* din, Real* dweight, Real* dbias, const Real* dout
         for (index_t c = 0; c < cols; ++c) {
           const Real norm = (x[c] - m) * s;
           const Real dnorm = g[c] * weight[c];
-          din[r * cols + c] += (dnorm - dnorm_mean - norm * dnorm_norm_mean) * s;
+          Real& dx = din[r * cols + c];
+          dx = (accumulate ? dx : Real(0)) + (dnorm - dnorm_mean - norm * dnorm_norm_mean) * s;
         }
       }
     });
@@ -99,12 +102,12 @@ void layer_norm_backward(Real* din, Real* dweight, Real* dbias, const Real* dout
   }
 }
 
-#define TEO_INSTANTIATE(Real)                                                             \
-  template void layer_norm_forward<Real>(Real*, Real*, Real*, const Real*, const Real*,   \
-                                         const Real*, index_t, index_t, Real);            \
-  template void layer_norm_backward<Real>(Real*, Real*, Real*, const Real*, const Real*,  \
-                                          const Real*, const Real*, const Real*, index_t, \
-                                          index_t);
+#define TEO_INSTANTIATE(Real)                                                                      \
+  template void layer_norm_forward<Real>(Real*, Real*, Real*, const Real*, const Real*,            \
+                                         const Real*, index_t, index_t, Real);                     \
+  template void layer_norm_backward<Real>(Real*, Real*, Real*, const Real*, const Real*,           \
+                                          const Real*, const Real*, const Real*, index_t, index_t, \
+                                          GradWrite);
 TEO_INSTANTIATE(float)
 TEO_INSTANTIATE(double)
 

@@ -182,7 +182,7 @@ std::vector<Real> run_all_raw(const IsaKernels& k) {
     out.insert(out.end(), y.begin(), y.end());
     out.push_back(mean);
     out.push_back(rstd);
-    v.layer_norm_backward_row(d.data(), p.data(), x.data(), w.data(), mean, rstd, n);
+    v.layer_norm_backward_row(d.data(), p.data(), x.data(), w.data(), mean, rstd, n, true);
     out.insert(out.end(), d.begin(), d.end());
     std::vector<Real> dw(n, Real(0)), db(n, Real(0));
     v.layer_norm_param_grads(dw.data(), db.data(), g.data(), x.data(), &mean, &rstd, 1, n, 0, n);

@@ -248,9 +248,15 @@ TYPED_TEST(VectorKernels, EveryIsaMatchesScalarBitForBit) {
       same(a, b, "layer_norm_forward_row");
       EXPECT_EQ(std::memcmp(&ma, &mb, sizeof ma) | std::memcmp(&ra, &rb, sizeof ra), 0);
       std::vector<Real> dxa(g), dxb(g);
-      k.layer_norm_backward_row(dxa.data(), p.data(), x.data(), w.data(), ma, ra, n);
-      s.layer_norm_backward_row(dxb.data(), p.data(), x.data(), w.data(), mb, rb, n);
+      k.layer_norm_backward_row(dxa.data(), p.data(), x.data(), w.data(), ma, ra, n, true);
+      s.layer_norm_backward_row(dxb.data(), p.data(), x.data(), w.data(), mb, rb, n, true);
       same(dxa, dxb, "layer_norm_backward_row");
+      // Overwriting a buffer of NaN gives the bits of accumulating into zeros.
+      std::vector<Real> zeros(static_cast<std::size_t>(n), Real(0));
+      std::vector<Real> nans(static_cast<std::size_t>(n), std::numeric_limits<Real>::quiet_NaN());
+      k.layer_norm_backward_row(zeros.data(), p.data(), x.data(), w.data(), ma, ra, n, true);
+      k.layer_norm_backward_row(nans.data(), p.data(), x.data(), w.data(), ma, ra, n, false);
+      same(zeros, nans, "layer_norm_backward_row overwriting");
     }
   }
 }

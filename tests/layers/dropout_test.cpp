@@ -1,4 +1,9 @@
 #include "teo/layers/dropout.hpp"
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+
 #include "support.hpp"
 
 namespace teo {
@@ -47,6 +52,28 @@ TYPED_TEST(Dropout, ForwardScalesKeptAndZeroesDropped) {
   std::vector<Real> dx(n, Real(0));
   dropout_backward(dx.data(), x.data(), m.data(), n, scale);
   EXPECT_EQ(dx, y);  // linear: the backward of the mask is the mask
+}
+
+// GradWrite::overwrite gives the bits of accumulating into zeros (+0 for a dropped element or a
+// -0 term) and never reads din.
+TYPED_TEST(Dropout, OverwriteGivesTheBitsOfAccumulatingIntoZeros) {
+  using Real = TypeParam;
+  const index_t n = 101;
+  auto g = test::uniform_vector<Real>(n, 1, "g");
+  g[0] = Real(-0.0);
+  g[1] = Real(-0.0);
+  std::vector<std::uint8_t> m(n);
+  dropout_mask(m.data(), n, 3, "s", 0.25);
+  m[0] = 1;
+  m[1] = 0;
+  const Real scale = dropout_scale<Real>(0.25);
+  std::vector<Real> acc(n, Real(0)), over(n, std::numeric_limits<Real>::quiet_NaN());
+  dropout_backward(acc.data(), g.data(), m.data(), n, scale);
+  dropout_backward(over.data(), g.data(), m.data(), n, scale, GradWrite::overwrite);
+  EXPECT_EQ(std::memcmp(acc.data(), over.data(), acc.size() * sizeof(Real)), 0);
+  EXPECT_FALSE(std::signbit(over[0]));
+  EXPECT_FALSE(std::signbit(over[1]));
+  EXPECT_NE(std::count(m.begin(), m.end(), 0), 0) << "some elements are dropped";
 }
 
 }  // namespace

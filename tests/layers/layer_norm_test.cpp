@@ -1,6 +1,9 @@
 #include <cmath>
+#include <cstring>
+#include <limits>
 
 #include "support.hpp"
+#include "teo/backend.hpp"
 #include "teo/layers/layer_norm.hpp"
 
 namespace teo {
@@ -71,6 +74,39 @@ TEST(LayerNorm, ConstantRowGivesBiasAndFiniteGradient) {
     EXPECT_EQ(dx[c], 0.0);
     EXPECT_EQ(dw[c], 0.0);
     EXPECT_EQ(db[c], 1.0);
+  }
+}
+
+// GradWrite::overwrite gives the bits of accumulating into zeros on every backend and never
+// reads din (a buffer of NaN); the weight and bias gradients accumulate either way.
+TYPED_TEST(LayerNorm, OverwriteGivesTheBitsOfAccumulatingIntoZeros) {
+  using Real = TypeParam;
+  const index_t rows = 5, cols = 37;  // a vector tail on every ISA
+  const auto x = test::uniform_vector<Real>(rows * cols, 1, "x", -2, 2);
+  const auto w = test::uniform_vector<Real>(cols, 2, "w", 0.5, 1.5);
+  const auto b = test::uniform_vector<Real>(cols, 3, "b");
+  auto g = test::uniform_vector<Real>(rows * cols, 4, "g");
+  for (index_t c = 0; c < cols; ++c) g[static_cast<std::size_t>(2 * cols + c)] = Real(-0.0);
+  std::vector<Real> y(x.size()), mean(rows), rstd(rows);
+  ScopedSettings restore;
+  for (Backend be : {Backend::reference, Backend::simd}) {
+    set_backend(be);
+    layer_norm_forward(y.data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(), rows, cols,
+                       Real(1e-5));
+    std::vector<Real> acc(x.size(), Real(0));
+    std::vector<Real> over(x.size(), std::numeric_limits<Real>::quiet_NaN());
+    std::vector<Real> dw1(cols, Real(1)), db1(cols, Real(2)), dw2(dw1), db2(db1);
+    layer_norm_backward(acc.data(), dw1.data(), db1.data(), g.data(), x.data(), w.data(),
+                        mean.data(), rstd.data(), rows, cols);
+    layer_norm_backward(over.data(), dw2.data(), db2.data(), g.data(), x.data(), w.data(),
+                        mean.data(), rstd.data(), rows, cols, GradWrite::overwrite);
+    EXPECT_EQ(std::memcmp(acc.data(), over.data(), acc.size() * sizeof(Real)), 0) << to_string(be);
+    EXPECT_EQ(dw1, dw2) << to_string(be);
+    EXPECT_EQ(db1, db2) << to_string(be);
+    EXPECT_NE(dw1, std::vector<Real>(cols, Real(1))) << "the weight gradient accumulated";
+    // a row of -0 gradients gives +0 (0 + -0), as accumulating into zeros does
+    for (index_t c = 0; c < cols; ++c)
+      EXPECT_FALSE(std::signbit(over[static_cast<std::size_t>(2 * cols + c)])) << c;
   }
 }
 

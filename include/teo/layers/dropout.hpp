@@ -5,6 +5,7 @@
 #include <string_view>
 
 #include "teo/errors.hpp"
+#include "teo/kernels.hpp"
 
 namespace teo {
 
@@ -20,8 +21,10 @@ Real dropout_scale(double p);
 template <class Real>
 void dropout_forward(Real* out, const Real* in, const std::uint8_t* mask, index_t n, Real scale);
 
-// Accumulates din[i] += mask[i] ? dout[i] * scale : 0.
+// Accumulates din[i] += mask[i] ? dout[i] * scale : 0. With write == overwrite,
+// din[i] = mask[i] ? 0 + dout[i] * scale : +0 (din is never read).
 template <class Real>
-void dropout_backward(Real* din, const Real* dout, const std::uint8_t* mask, index_t n, Real scale);
+void dropout_backward(Real* din, const Real* dout, const std::uint8_t* mask, index_t n, Real scale,
+                      GradWrite write = GradWrite::accumulate);
 
 }  // namespace teo

@@ -2,6 +2,7 @@
 #pragma once
 
 #include "teo/errors.hpp"
+#include "teo/kernels.hpp"
 
 namespace teo {
 
@@ -12,10 +13,12 @@ template <class Real>
 void layer_norm_forward(Real* out, Real* mean, Real* rstd, const Real* in, const Real* weight,
                         const Real* bias, index_t rows, index_t cols, Real eps);
 
-// Accumulates into din (rows, cols), dweight (cols), dbias (cols). din may be null.
+// Accumulates into din (rows, cols), dweight (cols), dbias (cols). din may be null. With
+// din_write == overwrite, din = 0 + its term (din is never read); the weight and bias gradients
+// always accumulate.
 template <class Real>
 void layer_norm_backward(Real* din, Real* dweight, Real* dbias, const Real* dout, const Real* in,
                          const Real* weight, const Real* mean, const Real* rstd, index_t rows,
-                         index_t cols);
+                         index_t cols, GradWrite din_write = GradWrite::accumulate);
 
 }  // namespace teo

@@ -54,7 +54,7 @@ struct VectorKernels {
   void (*layer_norm_forward_row)(Real* y, Real* mean, Real* rstd, const Real* x, const Real* w,
                                  const Real* b, index_t cols, Real eps);
   void (*layer_norm_backward_row)(Real* dx, const Real* g, const Real* x, const Real* w, Real mean,
-                                  Real rstd, index_t cols);
+                                  Real rstd, index_t cols, bool accumulate);
   void (*layer_norm_param_grads)(Real* dw, Real* db, const Real* g, const Real* x, const Real* mean,
                                  const Real* rstd, index_t rows, index_t cols, index_t c0,
                                  index_t c1);

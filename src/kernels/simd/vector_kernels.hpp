@@ -174,8 +174,9 @@ struct Kernels {
   }
 
   // dx += rstd * (dnorm - mean(dnorm) - norm * mean(dnorm * norm)), dnorm = g * w.
+  // dx += the row's input gradient; without `accumulate`, dx = +0 + it (dx is not read).
   static void layer_norm_backward_row(Real* dx, const Real* g, const Real* x, const Real* w, Real m,
-                                      Real s, index_t cols) {
+                                      Real s, index_t cols, bool accumulate) {
     const Real dmean =
         lane_sum<Real, Arch>(
             cols, [&]<class VV>(index_t j) { return VV::load(g + j) * VV::load(w + j); }) /
@@ -190,8 +191,8 @@ struct Kernels {
     for_each_vec<Real, Arch>(cols, [&]<class VV>(index_t j) {
       const auto norm = (VV::load(x + j) - VV::set1(m)) * VV::set1(s);
       const auto dnorm = VV::load(g + j) * VV::load(w + j);
-      VV::store(dx + j, VV::load(dx + j) +
-                            (dnorm - VV::set1(dmean) - norm * VV::set1(dnmean)) * VV::set1(s));
+      const auto base = accumulate ? VV::load(dx + j) : VV::set1(Real(0));
+      VV::store(dx + j, base + (dnorm - VV::set1(dmean) - norm * VV::set1(dnmean)) * VV::set1(s));
     });
   }
 

@@ -190,17 +190,25 @@ void check_replayed_masks(const EncoderConfig& cfg, const ForwardOptions& opts) 
   }
 }
 
+// Records the mask (n) of dropout site `site` when active and returns it; clears it and returns
+// null when inactive.
+const std::uint8_t* record_mask(std::vector<std::uint8_t>& mask, index_t n, const std::string& site,
+                                double p, bool active, const MaskSource& masks) {
+  if (!active) {
+    mask.clear();
+    return nullptr;
+  }
+  mask.assign(static_cast<std::size_t>(n), 0);
+  masks.draw(mask.data(), n, site, p);
+  return mask.data();
+}
+
 // Applies dropout site `site` to in (n), recording its mask, and returns where the result is:
 // out (which may alias in) when active; in itself, untouched and uncopied, when inactive.
 template <class Real>
 const Real* apply_dropout(Real* out, const Real* in, std::vector<std::uint8_t>& mask, index_t n,
                           const std::string& site, double p, bool active, const MaskSource& masks) {
-  if (!active) {
-    mask.clear();
-    return in;
-  }
-  mask.assign(static_cast<std::size_t>(n), 0);
-  masks.draw(mask.data(), n, site, p);
+  if (!record_mask(mask, n, site, p, active, masks)) return in;
   dropout_forward(out, in, mask.data(), n, dropout_scale<Real>(p));
   return out;
 }
@@ -449,22 +457,34 @@ void layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P, LayerAc
   }
   const Real* base = cfg.norm_first ? L.residual1.data() : L.norm1.data();
 
-  // ffn_out = fc2(dropout(act(fc1(ffn_in))))
+  // ffn_out = fc2(dropout(act(fc1(ffn_in)))). fc1's bias, the activation and the dropout run as
+  // one pass (ffn_hidden_forward, the same bits), unless each result is to be rounded to a reduced
+  // storage format before the next step reads it.
+  const bool fused = !store.stores_reduced();
   {
     profile::Scope stage(Stage::ffn_fc1);
-    linear_forward(L.ffn_pre.data(), ffn_in, P.fc1_weight.data(), P.fc1_bias.data(), d.N, d.D, d.F);
-    store(L.ffn_pre, name, "ffn_pre");
+    linear_forward(L.ffn_pre.data(), ffn_in, P.fc1_weight.data(),
+                   fused ? nullptr : P.fc1_bias.data(), d.N, d.D, d.F);
+    if (!fused) store(L.ffn_pre, name, "ffn_pre");
   }
   Tensor<Real> dropped_buf = drop ? Tensor<Real>::for_overwrite({d.B, d.S, d.F}) : Tensor<Real>();
   const Real* hidden_dropped = nullptr;  // dropout(ffn_hidden): the buffer, or ffn_hidden itself
   {
     profile::Scope stage(Stage::activation);
-    activation_forward(L.ffn_hidden.data(), L.ffn_pre.data(), L.ffn_pre.numel(), cfg.activation);
-    store(L.ffn_hidden, name, "ffn_hidden");
-    hidden_dropped = apply_dropout(dropped_buf.data(), L.ffn_hidden.data(), L.masks.ffn,
-                                   L.ffn_hidden.numel(), prefix + "ffn", p, drop, seed);
-    // The product reads the dropped hidden in the format: rounded (and checked) here, by name.
-    if (drop) store(dropped_buf, name, "ffn_hidden after dropout");
+    const index_t nh = L.ffn_hidden.numel();
+    if (fused) {
+      const std::uint8_t* mask = record_mask(L.masks.ffn, nh, prefix + "ffn", p, drop, seed);
+      ffn_hidden_forward(L.ffn_pre.data(), L.ffn_hidden.data(), dropped_buf.data(),
+                         P.fc1_bias.data(), mask, dropout_scale<Real>(p), d.N, d.F, cfg.activation);
+      hidden_dropped = mask ? dropped_buf.data() : L.ffn_hidden.data();
+    } else {
+      activation_forward(L.ffn_hidden.data(), L.ffn_pre.data(), nh, cfg.activation);
+      store(L.ffn_hidden, name, "ffn_hidden");
+      hidden_dropped = apply_dropout(dropped_buf.data(), L.ffn_hidden.data(), L.masks.ffn, nh,
+                                     prefix + "ffn", p, drop, seed);
+      // The product reads the dropped hidden in the format: rounded (and checked) here, by name.
+      if (drop) store(dropped_buf, name, "ffn_hidden after dropout");
+    }
   }
   {
     profile::Scope stage(Stage::ffn_fc2);
@@ -554,16 +574,24 @@ void layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P, const 
                     ffn_dropped ? hidden_dropped.data() : L.ffn_hidden.data(), P.fc2_weight.data(),
                     d.N, d.F, d.D, GradWrite::overwrite);
   }
-  // dL.ffn_pre is overwritten too: the activation is its only writer.
+  // dL.ffn_pre is overwritten too: the activation is its only writer. The dropout's and the
+  // activation's gradients run as one pass (ffn_hidden_backward) unless dL.ffn_hidden is rounded
+  // in between.
   {
     profile::Scope stage(Stage::bwd_activation);
-    if (ffn_dropped) {
-      dropout_grad(dL.ffn_hidden.data(), dhidden_dropped.data(), L.masks.ffn, dL.ffn_hidden.numel(),
-                   p, GradWrite::overwrite);
+    const std::uint8_t* mask = ffn_dropped ? L.masks.ffn.data() : nullptr;
+    if (!store.stores_reduced()) {
+      ffn_hidden_backward(dL.ffn_pre.data(), dL.ffn_hidden.data(), dhidden_dropped.data(), mask,
+                          scale, L.ffn_pre.data(), d.N, d.F, cfg.activation);
+    } else {
+      if (mask) {
+        dropout_backward(dL.ffn_hidden.data(), dhidden_dropped.data(), mask, dL.ffn_hidden.numel(),
+                         scale, GradWrite::overwrite);
+      }
+      store(dL.ffn_hidden, name, "ffn_hidden");
+      activation_backward(dL.ffn_pre.data(), dL.ffn_hidden.data(), L.ffn_pre.data(),
+                          L.ffn_pre.numel(), cfg.activation, GradWrite::overwrite);
     }
-    store(dL.ffn_hidden, name, "ffn_hidden");
-    activation_backward(dL.ffn_pre.data(), dL.ffn_hidden.data(), L.ffn_pre.data(),
-                        L.ffn_pre.numel(), cfg.activation, GradWrite::overwrite);
     store(dL.ffn_pre, name, "ffn_pre");
   }
   // ffn_pre = fc1(ffn_in); ffn_in = norm2 (pre), its only reader, or norm1 (post), also the

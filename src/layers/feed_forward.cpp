@@ -1,10 +1,13 @@
 #include "teo/layers/feed_forward.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <numbers>
 
 #include "kernels/kernels_internal.hpp"
 #include "kernels/parallel.hpp"
+#include "teo/layers/dropout.hpp"
+#include "teo/layers/linear.hpp"
 
 namespace teo {
 
@@ -89,10 +92,46 @@ void activation_backward(Real* din, const Real* dout, const Real* in, index_t n,
   });
 }
 
+namespace {
+// Rows per block of the fused passes: about 8 Ki values, which stay in L1/L2 from one step to the
+// next. Inside a block the passes run on the calling thread (nested kernels do not fork).
+index_t fused_rows(index_t cols) {
+  return std::max<index_t>(1, 8192 / std::max<index_t>(cols, 1));
+}
+}  // namespace
+
+template <class Real>
+void ffn_hidden_forward(Real* pre, Real* hidden, Real* dropped, const Real* bias,
+                        const std::uint8_t* mask, Real scale, index_t rows, index_t cols,
+                        Activation act) {
+  detail::for_blocks(rows, fused_rows(cols), [=](index_t r0, index_t r1) {
+    const index_t at = r0 * cols, n = (r1 - r0) * cols;
+    if (bias) add_bias(pre + at, bias, r1 - r0, cols);
+    activation_forward(hidden + at, pre + at, n, act);
+    if (mask) dropout_forward(dropped + at, hidden + at, mask + at, n, scale);
+  });
+}
+
+template <class Real>
+void ffn_hidden_backward(Real* dpre, Real* dhidden, const Real* ddropped, const std::uint8_t* mask,
+                         Real scale, const Real* pre, index_t rows, index_t cols, Activation act) {
+  detail::for_blocks(rows, fused_rows(cols), [=](index_t r0, index_t r1) {
+    const index_t at = r0 * cols, n = (r1 - r0) * cols;
+    if (mask) {
+      dropout_backward(dhidden + at, ddropped + at, mask + at, n, scale, GradWrite::overwrite);
+    }
+    activation_backward(dpre + at, dhidden + at, pre + at, n, act, GradWrite::overwrite);
+  });
+}
+
 #define TEO_INSTANTIATE(Real)                                                                   \
   template void activation_forward<Real>(Real*, const Real*, index_t, Activation);              \
   template void activation_backward<Real>(Real*, const Real*, const Real*, index_t, Activation, \
-                                          GradWrite);
+                                          GradWrite);                                           \
+  template void ffn_hidden_forward<Real>(Real*, Real*, Real*, const Real*, const std::uint8_t*, \
+                                         Real, index_t, index_t, Activation);                   \
+  template void ffn_hidden_backward<Real>(Real*, Real*, const Real*, const std::uint8_t*, Real, \
+                                          const Real*, index_t, index_t, Activation);
 TEO_INSTANTIATE(float)
 TEO_INSTANTIATE(double)
 

@@ -13,15 +13,18 @@ void linear_forward(Real* out, const Real* in, const Real* weight, const Real* b
   // out (rows, out_f) = in (rows, in_f) * weight^T (in_f, out_f)
   gemm<Real>(Trans::no, Trans::yes, rows, out_f, in_f, Real(1), in, in_f, weight, in_f, Real(0),
              out, out_f);
-  if (bias) {
-    detail::for_blocks(rows, 64, [=](index_t r0, index_t r1) {
-      const Real* __restrict bv = bias;
-      for (index_t r = r0; r < r1; ++r) {
-        Real* __restrict y = out + r * out_f;
-        for (index_t o = 0; o < out_f; ++o) y[o] += bv[o];
-      }
-    });
-  }
+  if (bias) add_bias(out, bias, rows, out_f);
+}
+
+template <class Real>
+void add_bias(Real* out, const Real* bias, index_t rows, index_t out_f) {
+  detail::for_blocks(rows, 64, [=](index_t r0, index_t r1) {
+    const Real* __restrict bv = bias;
+    for (index_t r = r0; r < r1; ++r) {
+      Real* __restrict y = out + r * out_f;
+      for (index_t o = 0; o < out_f; ++o) y[o] += bv[o];
+    }
+  });
 }
 
 template <class Real>
@@ -64,6 +67,7 @@ void linear_backward(Real* din, Real* dweight, Real* dbias, const Real* dout, co
 #define TEO_INSTANTIATE(Real)                                                                     \
   template void linear_forward<Real>(Real*, const Real*, const Real*, const Real*, index_t,       \
                                      index_t, index_t);                                           \
+  template void add_bias<Real>(Real*, const Real*, index_t, index_t);                             \
   template void linear_backward<Real>(Real*, Real*, Real*, const Real*, const Real*, const Real*, \
                                       index_t, index_t, index_t, GradWrite);
 TEO_INSTANTIATE(float)

@@ -4,7 +4,9 @@
 
 #include "support.hpp"
 #include "teo/backend.hpp"
+#include "teo/layers/dropout.hpp"
 #include "teo/layers/feed_forward.hpp"
+#include "teo/layers/linear.hpp"
 
 namespace teo {
 namespace {
@@ -80,6 +82,59 @@ TYPED_TEST(Activations, OverwriteGivesTheBitsOfAccumulatingIntoZeros) {
           << to_string(be) << " " << to_string(a);
       if (a == Activation::relu) {
         EXPECT_FALSE(std::signbit(over[3])) << "a -0 term adds to +0";
+      }
+    }
+  }
+}
+
+// The fused FFN middle gives the bits of its separate passes (add_bias, activation_forward,
+// dropout_forward; dropout_backward and activation_backward overwriting) on every backend and
+// activation, with and without a mask, over row blocks that do not divide the rows, and writes
+// every output element (each starts as NaN).
+TYPED_TEST(Activations, FusedHiddenPassGivesTheBitsOfTheSeparatePasses) {
+  using Real = TypeParam;
+  const index_t rows = 23, cols = 1000;  // 8 rows per fused block: the last is short
+  const auto n = static_cast<std::size_t>(rows * cols);
+  const Real nan = std::numeric_limits<Real>::quiet_NaN();
+  const auto product = test::uniform_vector<Real>(rows * cols, 1, "fc1 product", -4, 4);
+  const auto bias = test::uniform_vector<Real>(cols, 2, "bias");
+  const auto ddropped = test::uniform_vector<Real>(rows * cols, 3, "ddropped");
+  std::vector<std::uint8_t> mask(n);
+  dropout_mask(mask.data(), rows * cols, 4, "ffn", 0.25);
+  const Real scale = dropout_scale<Real>(0.25);
+  ScopedSettings restore;
+  for (Backend be : {Backend::reference, Backend::simd}) {
+    set_backend(be);
+    for (Activation a : {Activation::relu, Activation::gelu, Activation::gelu_tanh}) {
+      for (bool dropped : {false, true}) {
+        const std::uint8_t* m = dropped ? mask.data() : nullptr;
+        const std::string where = std::string(to_string(be)) + " " + to_string(a) +
+                                  (dropped ? " with dropout" : " without dropout");
+        // forward: the separate passes
+        std::vector<Real> pre1(product), hidden1(n), out1(n, nan);
+        add_bias(pre1.data(), bias.data(), rows, cols);
+        activation_forward(hidden1.data(), pre1.data(), rows * cols, a);
+        if (m) dropout_forward(out1.data(), hidden1.data(), m, rows * cols, scale);
+        // forward: fused
+        std::vector<Real> pre2(product), hidden2(n, nan), out2(n, nan);
+        ffn_hidden_forward(pre2.data(), hidden2.data(), out2.data(), bias.data(), m, scale, rows,
+                           cols, a);
+        EXPECT_EQ(std::memcmp(pre1.data(), pre2.data(), n * sizeof(Real)), 0) << where;
+        EXPECT_EQ(std::memcmp(hidden1.data(), hidden2.data(), n * sizeof(Real)), 0) << where;
+        EXPECT_EQ(std::memcmp(out1.data(), out2.data(), n * sizeof(Real)), 0) << where;
+        // backward: without a mask dhidden is the given gradient, read only
+        std::vector<Real> dh1(m ? std::vector<Real>(n, nan) : ddropped), dpre1(n, nan);
+        if (m)
+          dropout_backward(dh1.data(), ddropped.data(), m, rows * cols, scale,
+                           GradWrite::overwrite);
+        activation_backward(dpre1.data(), dh1.data(), pre1.data(), rows * cols, a,
+                            GradWrite::overwrite);
+        std::vector<Real> dh2(m ? std::vector<Real>(n, nan) : ddropped), dpre2(n, nan);
+        ffn_hidden_backward(dpre2.data(), dh2.data(), m ? ddropped.data() : nullptr, m, scale,
+                            pre2.data(), rows, cols, a);
+        EXPECT_EQ(std::memcmp(dh1.data(), dh2.data(), n * sizeof(Real)), 0) << where;
+        EXPECT_EQ(std::memcmp(dpre1.data(), dpre2.data(), n * sizeof(Real)), 0) << where;
+        EXPECT_FALSE(std::isnan(dpre2.back())) << where;
       }
     }
   }

@@ -1,6 +1,8 @@
 // The FFN's element-wise activations. The two Linear layers around them are linear.hpp.
 #pragma once
 
+#include <cstdint>
+
 #include "teo/config.hpp"
 #include "teo/kernels.hpp"
 
@@ -17,5 +19,22 @@ void activation_forward(Real* out, const Real* in, index_t n, Activation act);
 template <class Real>
 void activation_backward(Real* din, const Real* dout, const Real* in, index_t n, Activation act,
                          GradWrite write = GradWrite::accumulate);
+
+// The FFN's element-wise middle, fc1's bias, the activation and (in training) the dropout, as one
+// pass over the (rows, cols) hidden tensor, row block by row block, each block's values still in
+// cache from one step to the next. The bits are those of the three passes:
+//   pre += bias (add_bias);  hidden = act(pre);  dropped = dropout(hidden) when mask is not null.
+// bias may be null; dropped is not written without a mask.
+template <class Real>
+void ffn_hidden_forward(Real* pre, Real* hidden, Real* dropped, const Real* bias,
+                        const std::uint8_t* mask, Real scale, index_t rows, index_t cols,
+                        Activation act);
+
+// Its backward, the same way: with a mask, dhidden = dropout'(ddropped), overwritten; without one,
+// dhidden is the gradient given (ddropped is not read). Then dpre = act'(pre) * dhidden,
+// overwritten. The bits are those of dropout_backward and activation_backward overwriting.
+template <class Real>
+void ffn_hidden_backward(Real* dpre, Real* dhidden, const Real* ddropped, const std::uint8_t* mask,
+                         Real scale, const Real* pre, index_t rows, index_t cols, Activation act);
 
 }  // namespace teo

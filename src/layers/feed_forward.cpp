@@ -93,10 +93,12 @@ void activation_backward(Real* din, const Real* dout, const Real* in, index_t n,
 }
 
 namespace {
-// Rows per block of the fused passes: about 8 Ki values, which stay in L1/L2 from one step to the
-// next. Inside a block the passes run on the calling thread (nested kernels do not fork).
-index_t fused_rows(index_t cols) {
-  return std::max<index_t>(1, 8192 / std::max<index_t>(cols, 1));
+// Rows per task of the fused passes: one block per thread. Inside a block the steps run on the
+// calling thread (nested kernels do not fork), each over the whole block; on the small preset
+// that ran faster than blocks of 8 to 128 rows, for ReLU (memory-bound) as for GELU.
+index_t fused_rows(index_t rows) {
+  const auto threads = static_cast<index_t>(std::max(1, num_threads()));
+  return std::max<index_t>(1, (rows + threads - 1) / threads);
 }
 }  // namespace
 
@@ -104,7 +106,7 @@ template <class Real>
 void ffn_hidden_forward(Real* pre, Real* hidden, Real* dropped, const Real* bias,
                         const std::uint8_t* mask, Real scale, index_t rows, index_t cols,
                         Activation act) {
-  detail::for_blocks(rows, fused_rows(cols), [=](index_t r0, index_t r1) {
+  detail::for_blocks(rows, fused_rows(rows), [=](index_t r0, index_t r1) {
     const index_t at = r0 * cols, n = (r1 - r0) * cols;
     if (bias) add_bias(pre + at, bias, r1 - r0, cols);
     activation_forward(hidden + at, pre + at, n, act);
@@ -115,7 +117,7 @@ void ffn_hidden_forward(Real* pre, Real* hidden, Real* dropped, const Real* bias
 template <class Real>
 void ffn_hidden_backward(Real* dpre, Real* dhidden, const Real* ddropped, const std::uint8_t* mask,
                          Real scale, const Real* pre, index_t rows, index_t cols, Activation act) {
-  detail::for_blocks(rows, fused_rows(cols), [=](index_t r0, index_t r1) {
+  detail::for_blocks(rows, fused_rows(rows), [=](index_t r0, index_t r1) {
     const index_t at = r0 * cols, n = (r1 - r0) * cols;
     if (mask) {
       dropout_backward(dhidden + at, ddropped + at, mask + at, n, scale, GradWrite::overwrite);

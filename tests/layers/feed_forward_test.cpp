@@ -89,11 +89,11 @@ TYPED_TEST(Activations, OverwriteGivesTheBitsOfAccumulatingIntoZeros) {
 
 // The fused FFN middle gives the bits of its separate passes (add_bias, activation_forward,
 // dropout_forward; dropout_backward and activation_backward overwriting) on every backend and
-// activation, with and without a mask, over row blocks that do not divide the rows, and writes
+// activation, with and without a mask, over row blocks of unequal sizes, and writes
 // every output element (each starts as NaN).
 TYPED_TEST(Activations, FusedHiddenPassGivesTheBitsOfTheSeparatePasses) {
   using Real = TypeParam;
-  const index_t rows = 23, cols = 1000;  // 8 rows per fused block: the last is short
+  const index_t rows = 23, cols = 1000;  // on 2 threads, blocks of 12 and 11 rows
   const auto n = static_cast<std::size_t>(rows * cols);
   const Real nan = std::numeric_limits<Real>::quiet_NaN();
   const auto product = test::uniform_vector<Real>(rows * cols, 1, "fc1 product", -4, 4);

@@ -1,9 +1,12 @@
 // Google Benchmark: the non-GEMM stage kernels at bert-base's shapes (B*S = 1024 rows, D = 768,
-// F = 3072, 12 heads of 128 x 128 scores), simd backend against the reference loops in one run.
+// F = 3072, 12 heads of 128 x 128 scores), simd backend against the reference loops in one run;
+// the FFN's middle as separate passes and fused; and one thread's memcpy of 64 MiB, the memory
+// bandwidth the element-wise stages are bound by (GB/s counts the bytes read and written).
 // Run: build/bench/teo_microbench --benchmark_filter=Stage
 #include <benchmark/benchmark.h>
 
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "teo/backend.hpp"
@@ -12,6 +15,7 @@
 #include "teo/layers/embedding.hpp"
 #include "teo/layers/feed_forward.hpp"
 #include "teo/layers/layer_norm.hpp"
+#include "teo/layers/linear.hpp"
 #include "teo/rng.hpp"
 
 namespace {
@@ -23,7 +27,10 @@ enum class Stage {
   layer_norm_bwd,
   attention_fwd,
   dropout,
-  embedding
+  embedding,
+  ffn_separate,  // fc1's bias, GELU and dropout as three passes over (rows, F)
+  ffn_fused,     // the same as ffn_hidden_forward's one pass
+  memcpy_64mib
 };
 
 // Uniform on [-r, r].
@@ -48,7 +55,13 @@ void BM_Stage(benchmark::State& state, Stage stage, teo::Backend backend) {
   std::vector<float> q = data(b * heads * s * 64, 5), k = data(b * heads * s * 64, 6),
                      v = data(b * heads * s * 64, 7), scores(b * heads * s * s),
                      probs(b * heads * s * s), ctx(b * heads * s * 64);
+  std::vector<std::uint8_t> ffn_mask(rows * f);
+  teo::dropout_mask(ffn_mask.data(), rows * f, 1, "dropout.bench", 0.1);
+  std::vector<float> pre(rows * f), hidden(rows * f);
+  const std::size_t copy_bytes = stage == Stage::memcpy_64mib ? std::size_t{64} << 20 : 0;
+  std::vector<char> from(copy_bytes, 1), to(copy_bytes);
   teo::index_t elements = 0;
+  double bytes = 0;  // read and written per iteration, where it is the figure of merit
   for (auto _ : state) {
     switch (stage) {
       case Stage::gelu_fwd:
@@ -83,12 +96,33 @@ void BM_Stage(benchmark::State& state, Stage stage, teo::Backend backend) {
         teo::embedding_forward(y.data(), tokens.data(), x.data(), rows, d, 1.0f);
         elements = rows * d;
         break;
+      case Stage::ffn_separate:
+        teo::add_bias(pre.data(), bias.data(), rows, f);
+        teo::activation_forward(hidden.data(), pre.data(), rows * f, teo::Activation::gelu);
+        teo::dropout_forward(y.data(), hidden.data(), ffn_mask.data(), rows * f, 1.0f / 0.9f);
+        elements = rows * f;
+        break;
+      case Stage::ffn_fused:
+        teo::ffn_hidden_forward(pre.data(), hidden.data(), y.data(), bias.data(), ffn_mask.data(),
+                                1.0f / 0.9f, rows, f, teo::Activation::gelu);
+        elements = rows * f;
+        break;
+      case Stage::memcpy_64mib:
+        std::memcpy(to.data(), from.data(), copy_bytes);
+        benchmark::DoNotOptimize(to.data());
+        elements = static_cast<teo::index_t>(copy_bytes / sizeof(float));
+        bytes = 2.0 * static_cast<double>(copy_bytes);
+        break;
     }
     benchmark::DoNotOptimize(y.data());
     benchmark::ClobberMemory();
   }
   state.counters["Melem/s"] = benchmark::Counter(static_cast<double>(elements),
                                                  benchmark::Counter::kIsIterationInvariantRate);
+  if (bytes > 0) {
+    state.counters["GB/s"] = benchmark::Counter(
+        bytes, benchmark::Counter::kIsIterationInvariantRate, benchmark::Counter::kIs1000);
+  }
 }
 
 using teo::Backend;
@@ -102,5 +136,8 @@ TEO_STAGE_BENCH(layer_norm_bwd)
 TEO_STAGE_BENCH(attention_fwd)
 TEO_STAGE_BENCH(dropout)
 TEO_STAGE_BENCH(embedding)
+TEO_STAGE_BENCH(ffn_separate)
+TEO_STAGE_BENCH(ffn_fused)
+BENCHMARK_CAPTURE(BM_Stage, memcpy_64mib, Stage::memcpy_64mib, Backend::simd)->UseRealTime();
 
 }  // namespace

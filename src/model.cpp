@@ -208,22 +208,21 @@ const std::uint8_t* record_mask(std::vector<std::uint8_t>& mask, index_t n, cons
 template <class Real>
 const Real* apply_dropout(Real* out, const Real* in, std::vector<std::uint8_t>& mask, index_t n,
                           const std::string& site, double p, bool active, const MaskSource& masks) {
-  if (!record_mask(mask, n, site, p, active, masks)) return in;
+  record_mask(mask, n, site, p, active, masks);
+  if (!active) return in;
   dropout_forward(out, in, mask.data(), n, dropout_scale<Real>(p));
   return out;
 }
 
-// Accumulates din += dropout'(dout): masked and scaled, or passed through when inactive. With
-// write == overwrite, din = 0 + dropout'(dout), and din is not read.
+// Writes din = 0 + dropout'(dout), masked and scaled, or passed through when the site was
+// inactive (an empty mask); din is not read. Every dropout site's gradient has this one writer.
 template <class Real>
 void dropout_grad(Real* din, const Real* dout, const std::vector<std::uint8_t>& mask, index_t n,
-                  double p, GradWrite write) {
+                  double p) {
   if (!mask.empty()) {
-    dropout_backward(din, dout, mask.data(), n, dropout_scale<Real>(p), write);
-  } else if (write == GradWrite::overwrite) {
-    assign_sum(din, dout, n);
+    dropout_backward(din, dout, mask.data(), n, dropout_scale<Real>(p), GradWrite::overwrite);
   } else {
-    add(din, dout, n);
+    assign_sum(din, dout, n);
   }
 }
 
@@ -476,7 +475,7 @@ void layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P, LayerAc
       const std::uint8_t* mask = record_mask(L.masks.ffn, nh, prefix + "ffn", p, drop, seed);
       ffn_hidden_forward(L.ffn_pre.data(), L.ffn_hidden.data(), dropped_buf.data(),
                          P.fc1_bias.data(), mask, dropout_scale<Real>(p), d.N, d.F, cfg.activation);
-      hidden_dropped = mask ? dropped_buf.data() : L.ffn_hidden.data();
+      hidden_dropped = drop ? dropped_buf.data() : L.ffn_hidden.data();
     } else {
       activation_forward(L.ffn_hidden.data(), L.ffn_pre.data(), nh, cfg.activation);
       store(L.ffn_hidden, name, "ffn_hidden");
@@ -548,8 +547,7 @@ void layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P, const 
   Real* dbase = cfg.norm_first ? dL.residual1.data() : dL.norm1.data();
   {
     profile::Scope stage(Stage::bwd_residual);
-    dropout_grad(dL.ffn_out.data(), dL.residual2.data(), L.masks.residual2, nd, p,
-                 GradWrite::overwrite);
+    dropout_grad(dL.ffn_out.data(), dL.residual2.data(), L.masks.residual2, nd, p);
     store(dL.ffn_out, name, "ffn_out");
     assign_sum(dbase, dL.residual2.data(), nd);  // its first writer
   }
@@ -624,8 +622,7 @@ void layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P, const 
   {
     profile::Scope stage(Stage::bwd_residual);
     assign_sum(dx, dL.residual1.data(), nd);  // its first writer
-    dropout_grad(dL.attn_out.data(), dL.residual1.data(), L.masks.residual1, nd, p,
-                 GradWrite::overwrite);
+    dropout_grad(dL.attn_out.data(), dL.residual1.data(), L.masks.residual1, nd, p);
     store(dL.attn_out, name, "attn_out");
   }
   // attn_out = context * Wo^T + bo
@@ -805,8 +802,9 @@ void backward(const Params<Real>& params, const Batch& batch, const Activations<
   const Dims d = dims_of(cfg, batch);
   const Emulation<Real> store(opts.precision, "the gradient of ");
   {
-    // Every parameter gradient, and every activation gradient but those allocate_layer leaves to
-    // their single writer, starts at zero: Params::zeros, with the fill done by zero_fill.
+    // The gradients that accumulate from the start begin at zero (Params::zeros, with the fill
+    // done by zero_fill): every parameter's, and the few activation gradients allocate() lists.
+    // The first writer of every other one overwrites it.
     profile::Scope stage(Stage::bwd_zero_fill);
     ZeroList<Real> zero;
     grads = Params<Real>();
@@ -871,8 +869,7 @@ void backward(const Params<Real>& params, const Batch& batch, const Activations<
   // input = dropout(embedding + positional)
   profile::Scope stage(Stage::bwd_embedding);
   // d(embedding + positional) is the gradient of the embedding itself, written here first
-  dropout_grad(dacts.embedding.data(), dacts.input.data(), acts.input_mask, d.N * d.D, cfg.dropout,
-               GradWrite::overwrite);
+  dropout_grad(dacts.embedding.data(), dacts.input.data(), acts.input_mask, d.N * d.D, cfg.dropout);
   store(dacts.embedding, "", "embedding");
   add_positional_backward(dacts.positional.data(), dacts.embedding.data(), d.B, d.S, d.D);
   store(dacts.positional, "", "positional");

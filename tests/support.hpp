@@ -203,9 +203,10 @@ std::map<std::string, std::vector<double>> named(const Params<Real>& p) {
   return m;
 }
 
-// True when every element of every named tensor is bitwise identical.
-template <class Real>
-bool bitwise_equal(const Activations<Real>& a, const Activations<Real>& b) {
+// True when every element of every named tensor is bitwise identical: of two Activations, or of
+// two Params (gradients included).
+template <template <class> class Named, class Real>
+bool bitwise_equal(const Named<Real>& a, const Named<Real>& b) {
   std::vector<const Tensor<Real>*> ta, tb;
   a.visit([&](const std::string&, const Tensor<Real>& t) { ta.push_back(&t); });
   b.visit([&](const std::string&, const Tensor<Real>& t) { tb.push_back(&t); });

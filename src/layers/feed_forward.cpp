@@ -93,9 +93,11 @@ void activation_backward(Real* din, const Real* dout, const Real* in, index_t n,
 }
 
 namespace {
-// Rows per task of the fused passes: one block per thread. Inside a block the steps run on the
-// calling thread (nested kernels do not fork), each over the whole block; on the small preset
-// that ran faster than blocks of 8 to 128 rows, for ReLU (memory-bound) as for GELU.
+// Rows per task of the fused passes: one block per thread, so the pass forks and joins once
+// instead of once per step. Inside a block the steps run in turn on the calling thread (nested
+// kernels do not fork); at the small preset's shape that ran faster than blocks of 8 to 128 rows,
+// for ReLU (memory-bound) as for GELU. The block size depends on the thread count, the bits do not:
+// every step is element-wise.
 index_t fused_rows(index_t rows) {
   const auto threads = static_cast<index_t>(std::max(1, num_threads()));
   return std::max<index_t>(1, (rows + threads - 1) / threads);

@@ -1,6 +1,9 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <optional>
+#include <type_traits>
+#include <utility>
 
 #include "support.hpp"
 #include "teo/backend.hpp"
@@ -89,9 +92,10 @@ TYPED_TEST(Model, ForwardOverwritesEveryActivation) {
   }
 }
 
-// Backward leaves some gradient buffers unfilled for their single writer to overwrite
-// (allocate_layer): whatever a reused dacts held before, NaN included, the gradients are those of
-// a fresh one, on every backend, pre- and post-norm, with and without dropout and the causal mask.
+// Backward leaves every layer activation gradient unfilled for its first writer to overwrite
+// (allocate, allocate_layer): whatever a reused dacts held before, NaN included, the gradients are
+// those of a fresh one, on every backend, pre- and post-norm, with and without dropout and the
+// causal mask.
 TYPED_TEST(Model, BackwardOverwritesEveryGradientItDoesNotZero) {
   using Real = TypeParam;
   ScopedSettings restore;
@@ -133,6 +137,97 @@ TYPED_TEST(Model, BackwardOverwritesEveryGradientItDoesNotZero) {
         }
       }
     }
+  }
+}
+
+// The same as BackwardOverwritesEveryGradientItDoesNotZero, in the other shapes the first writers
+// depend on: no layer (the input's gradient is the top of the stack), one layer, grouped-query
+// attention with RoPE, bf16 storage (float only: it keeps the FFN's separate passes), the lean
+// backward; and a single layer (encoder_layer_backward), whose dx and layer gradients start as
+// NaN.
+TYPED_TEST(Model, BackwardOverwritesInEveryShapeOfTheStack) {
+  using Real = TypeParam;
+  const Real nan = std::numeric_limits<Real>::quiet_NaN();
+  struct Case {
+    const char* name;
+    index_t layers;
+    bool gqa_rope;
+    bool bf16;
+    bool lean;
+  };
+  for (const Case& k :
+       {Case{"no layer", 0, false, false, false}, Case{"one layer", 1, false, false, false},
+        Case{"gqa + rope", 2, true, false, false}, Case{"bf16", 2, false, true, false},
+        Case{"lean", 2, true, false, true}}) {
+    if (k.bf16 && !std::is_same_v<Real, float>) continue;
+    for (bool pre : {false, true}) {
+      EncoderConfig c = small_config();
+      c.num_layers = k.layers;
+      c.norm_first = pre;
+      c.dropout = 0.25;
+      if (k.gqa_rope) {
+        c.num_kv_heads = 1;
+        c.positional = Positional::rope;
+      }
+      const auto p = Params<Real>::init(c, 6);
+      const Batch batch = Batch::random(c, 3, 7, 9, {7, 0, 4});
+      const std::optional<Precision> prec =
+          k.bf16 ? std::optional<Precision>(Precision::bf16) : std::nullopt;
+      const ForwardOptions fo{.train = true, .dropout_seed = 4, .precision = prec};
+      const BackwardOptions bo{.precision = prec, .layer_activation_grads = !k.lean};
+      Activations<Real> a, da, fresh_da;
+      Params<Real> g, fresh_g;
+      forward(p, batch, a, fo);
+      backward(p, batch, a, g, da, bo);
+      da.visit([&](const std::string&, Tensor<Real>& t) { t.fill(nan); });
+      backward(p, batch, a, g, da, bo);
+      backward(p, batch, a, fresh_g, fresh_da, bo);
+      const std::string where = std::string(k.name) + (pre ? " pre-norm" : " post-norm");
+      EXPECT_TRUE(test::bitwise_equal(da, fresh_da)) << where;
+      EXPECT_EQ(test::named(da), test::named(fresh_da)) << where;
+      EXPECT_TRUE(test::bitwise_equal(g, fresh_g)) << where;
+    }
+  }
+  // One layer on its own: dx and every layer gradient of a reused dL start as NaN.
+  for (bool pre : {false, true}) {
+    EncoderConfig c = small_config();
+    c.norm_first = pre;
+    c.dropout = 0.25;
+    const auto all = Params<Real>::init(c, 7);
+    const LayerParams<Real>& P = all.layers[0];
+    const std::vector<std::int64_t> lengths = {5, 0, 3};
+    Tensor<Real> x({3, 5, c.d_model}), dy({3, 5, c.d_model});
+    for (index_t i = 0; i < x.numel(); ++i) {
+      x[i] = static_cast<Real>(std::sin(0.7 * static_cast<double>(i)));
+      dy[i] = static_cast<Real>(std::cos(0.3 * static_cast<double>(i)));
+    }
+    LayerActs<Real> L, dL, fresh_dL;
+    LayerParams<Real> G, fresh_G;
+    Tensor<Real> dx, fresh_dx;
+    encoder_layer_forward(c, P, x, lengths, L, {.train = true, .dropout_seed = 2});
+    encoder_layer_backward(c, P, x, lengths, L, dy, dx, G, dL);
+    dx.fill(nan);
+    for (Tensor<Real>* t : {&dL.norm1, &dL.attn_out, &dL.residual1, &dL.norm2, &dL.ffn_out,
+                            &dL.residual2, &dL.output, &dL.context, &dL.ffn_pre, &dL.ffn_hidden})
+      t->fill(nan);
+    encoder_layer_backward(c, P, x, lengths, L, dy, dx, G, dL);
+    encoder_layer_backward(c, P, x, lengths, L, dy, fresh_dx, fresh_G, fresh_dL);
+    const std::string where = pre ? "single layer, pre-norm" : "single layer, post-norm";
+    EXPECT_EQ(std::memcmp(dx.data(), fresh_dx.data(), sizeof(Real) * dx.numel()), 0) << where;
+    EXPECT_FALSE(std::isnan(dx[0])) << where;
+    for (auto [t, f] :
+         {std::pair{&dL.norm1, &fresh_dL.norm1}, std::pair{&dL.attn_out, &fresh_dL.attn_out},
+          std::pair{&dL.residual1, &fresh_dL.residual1}, std::pair{&dL.norm2, &fresh_dL.norm2},
+          std::pair{&dL.ffn_out, &fresh_dL.ffn_out}, std::pair{&dL.residual2, &fresh_dL.residual2},
+          std::pair{&dL.ffn_hidden, &fresh_dL.ffn_hidden}})
+      EXPECT_EQ(std::memcmp(t->data(), f->data(), sizeof(Real) * t->numel()), 0) << where;
+    std::vector<const Tensor<Real>*> gs, fs;
+    G.visit([&](const std::string&, const Tensor<Real>& t) { gs.push_back(&t); });
+    fresh_G.visit([&](const std::string&, const Tensor<Real>& t) { fs.push_back(&t); });
+    ASSERT_EQ(gs.size(), fs.size());
+    for (std::size_t i = 0; i < gs.size(); ++i)
+      EXPECT_EQ(std::memcmp(gs[i]->data(), fs[i]->data(), sizeof(Real) * gs[i]->numel()), 0)
+          << where << " parameter gradient " << i;
   }
 }
 

@@ -22,7 +22,8 @@ void activation_backward(Real* din, const Real* dout, const Real* in, index_t n,
 
 // The FFN's element-wise middle, fc1's bias, the activation and (in training) the dropout, as one
 // parallel pass over the (rows, cols) hidden tensor, each thread taking its block of rows through
-// the three steps. The bits are those of the three passes:
+// the three steps in turn (one fork and join instead of three). The bits are those of the three
+// passes:
 //   pre += bias (add_bias);  hidden = act(pre);  dropped = dropout(hidden) when mask is not null.
 // bias may be null; dropped is not written without a mask.
 template <class Real>

@@ -213,7 +213,10 @@ bool bitwise_equal(const Named<Real>& a, const Named<Real>& b) {
   if (ta.size() != tb.size()) return false;
   for (std::size_t i = 0; i < ta.size(); ++i) {
     if (!(ta[i]->shape() == tb[i]->shape())) return false;
-    if (std::memcmp(ta[i]->data(), tb[i]->data(), sizeof(Real) * ta[i]->numel()) != 0) return false;
+    // an empty tensor's data() may be null, which memcmp must not be given even for 0 bytes
+    if (ta[i]->numel() > 0 &&
+        std::memcmp(ta[i]->data(), tb[i]->data(), sizeof(Real) * ta[i]->numel()) != 0)
+      return false;
   }
   return true;
 }

@@ -8,7 +8,32 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh --test
 scripts/build.sh
 scripts/lint.sh build
-ctest --test-dir build --output-on-failure -j"$(nproc)" 2>&1 | tee build/ctest.log
+# Each ctest run writes a JUnit report beside its log; a failure is summarised at the end (below),
+# with each failed test's own output, so that the last screen of a CI log explains it.
+failed=0
+run_ctest() {  # DIR [ctest args...]; the environment given with `env` before it is the tests'
+  local dir=$1
+  shift
+  set +o pipefail
+  ctest --test-dir "$dir" --output-on-failure --output-junit ctest-junit.xml -j"$(nproc)" "$@" 2>&1 |
+    tee "$dir/ctest.log"
+  local rc=${PIPESTATUS[0]}
+  set -o pipefail
+  if [ "$rc" -ne 0 ]; then failed=1; fi
+}
+summarise_failures() {  # DIR
+  local names
+  names=$(sed -n 's/^ *[0-9]* - \(.*\) (Failed.*/\1/p; s/^ *[0-9]* - \(.*\) (Timeout.*/\1/p' "$1/ctest.log" || true)
+  [ -z "$names" ] && return 0
+  echo "==== failed in $1 (JUnit report: $1/ctest-junit.xml) ===="
+  while IFS= read -r n; do
+    echo "---- $n: its output ----"
+    # the test's block of the log, from its start line to its verdict, at most 200 lines
+    awk -v t="$n" 'index($0, "Start") && index($0, t) {on=1} on {print; if (++k > 200) exit}
+                   on && index($0, t) && /(Failed|Passed|Timeout)/ {exit}' "$1/ctest.log"
+  done <<< "$names"
+}
+run_ctest build
 
 # ASan + UBSan: one clang build (build-fuzz/) holds the unit tests and the libFuzzer harnesses.
 # The unit tests run there under both sanitizers, except the qemu NEON self-test, the PyTorch
@@ -16,9 +41,16 @@ ctest --test-dir build --output-on-failure -j"$(nproc)" 2>&1 | tee build/ctest.l
 # are slow under ASan, and the package test, whose consumer is built without the sanitizers'
 # runtime; then each harness runs for FUZZ_SECONDS (default 60) from its seed corpus.
 FUZZ_BUILD_ONLY=1 scripts/fuzz.sh
-ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-  ctest --test-dir build-fuzz --output-on-failure -j"$(nproc)" -E "IsaSelftest.NeonUnderQemu|Interop\.|Package\.|Rounding\.EveryFloat" 2>&1 | tee build-fuzz/ctest.log
-scripts/fuzz.sh "${FUZZ_SECONDS:-60}"
+export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+run_ctest build-fuzz -E "IsaSelftest.NeonUnderQemu|Interop\.|Package\.|Rounding\.EveryFloat"
+unset ASAN_OPTIONS UBSAN_OPTIONS
+scripts/fuzz.sh "${FUZZ_SECONDS:-60}" || failed=1
 # What did not run here (a missing tool or ISA), listed last so that no skip goes unseen.
 skipped=$(grep -E '\*\*\*Skipped|Skipped ' build/ctest.log build-fuzz/ctest.log 2>/dev/null || true)
 if [ -n "$skipped" ]; then echo "skipped tests:"; echo "$skipped"; fi
+if [ "$failed" != 0 ]; then
+  summarise_failures build
+  summarise_failures build-fuzz
+  echo "scripts/test.sh: FAILED"
+  exit 1
+fi

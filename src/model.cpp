@@ -10,6 +10,7 @@
 
 #include "kernels/parallel.hpp"
 #include "model_internal.hpp"
+#include "teo/contract.hpp"
 #include "teo/layers/attention.hpp"
 #include "teo/layers/cross_entropy.hpp"
 #include "teo/layers/dropout.hpp"
@@ -172,21 +173,29 @@ struct MaskSource {
   }
 };
 
-// ConfigError unless every replayed mask names a dropout site of cfg and dropout applies.
-void check_replayed_masks(const EncoderConfig& cfg, const ForwardOptions& opts) {
+// ConfigError unless every replayed mask names a dropout site of cfg (the contract's) and dropout
+// applies; ShapeError unless each has its site's element count. Called before anything changes.
+void check_replayed_masks(const EncoderConfig& cfg, const Batch& batch,
+                          const ForwardOptions& opts) {
   if (!opts.masks || opts.masks->empty()) return;
   if (!opts.train || cfg.dropout <= 0.0) {
     throw ConfigError(
         "dropout masks were given, but no dropout applies (train is off or the "
         "config's dropout is 0)");
   }
-  for (const auto& [site, m] : *opts.masks) {
-    bool known = site == "dropout.input";
-    for (index_t i = 0; i < cfg.num_layers && !known; ++i) {
-      const std::string p = "dropout.layers." + std::to_string(i) + ".";
-      for (const char* s : {"attn", "residual1", "ffn", "residual2"}) known |= site == p + s;
+  const auto sites = contract::masks(cfg, {batch.batch, batch.seq_len});
+  for (const auto& entry : *opts.masks) {
+    const std::string& site = entry.first;
+    const auto& m = entry.second;
+    const auto it = std::find_if(sites.begin(), sites.end(),
+                                 [&](const contract::TensorSpec& t) { return t.name == site; });
+    if (it == sites.end())
+      throw ConfigError("\"" + site + "\" is not a dropout site of this config");
+    const index_t n = Shape(it->shape).numel();
+    if (static_cast<index_t>(m.size()) != n) {
+      throw ShapeError("mask " + site + " has " + std::to_string(m.size()) +
+                       " elements, expected " + std::to_string(n) + " " + it->symbolic());
     }
-    if (!known) throw ConfigError("\"" + site + "\" is not a dropout site of this config");
   }
 }
 
@@ -709,7 +718,7 @@ void forward(const Params<Real>& params, const Batch& batch, Activations<Real>& 
   const EncoderConfig& cfg = params.config;
   validate_params(params);
   validate_batch(cfg, batch, sizeof(Real));
-  check_replayed_masks(cfg, opts);
+  check_replayed_masks(cfg, batch, opts);
   const Dims d = dims_of(cfg, batch);
   const Emulation<Real> store(opts.precision, "");
   allocate(acts, cfg, d, static_cast<ZeroList<Real>*>(nullptr));
@@ -788,7 +797,7 @@ void encoder_forward(const Params<Real>& params, const Batch& batch, Activations
   validate_params(params);
   validate_batch(params.config, batch, sizeof(Real));
   validate_activations(params.config, batch, acts);
-  check_replayed_masks(params.config, opts);
+  check_replayed_masks(params.config, batch, opts);
   run_encoder(params, batch, acts, opts, Emulation<Real>(opts.precision, ""));
 }
 
@@ -930,7 +939,7 @@ void encoder_layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P,
                            LayerActs<Real>& L, const ForwardOptions& opts) {
   Batch batch;
   const Dims d = layer_dims(cfg, P, x, lengths, batch);
-  check_replayed_masks(cfg, opts);
+  check_replayed_masks(cfg, batch, opts);
   const Emulation<Real> store(opts.precision, "");
   allocate_layer(L, d, static_cast<ZeroList<Real>*>(nullptr));
   layer_forward(cfg, P, L, x.data(), batch, d, "dropout.layers.0.", opts.train && cfg.dropout > 0.0,

@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "model_internal.hpp"
+#include "teo/contract.hpp"
 #include "teo/model.hpp"
 #include "teo/precision.hpp"
 #include "teo/rng.hpp"
@@ -87,22 +88,11 @@ void validate_batch(const EncoderConfig& cfg, const Batch& b, std::size_t real_s
 
 namespace detail {
 
-// The shape of parameter `name` under config c: the one place parameter shapes are defined.
+// The shape of parameter `name` under config c, from the contract's symbolic shape.
 Shape param_shape(const EncoderConfig& c, const std::string& name) {
-  const index_t d = c.d_model, f = c.d_ff;
-  if (name == "embedding.weight") return Shape({c.vocab_size, d});
-  if (name == "pos_embedding.weight") return Shape({c.max_len, d});
-  if (name == "head.weight") return Shape({c.num_classes, d});
-  if (name == "head.bias") return Shape({c.num_classes});
-  if (name.ends_with("fc1.weight")) return Shape({f, d});
-  if (name.ends_with("fc1.bias")) return Shape({f});
-  if (name.ends_with("fc2.weight")) return Shape({d, f});
-  const index_t kv = c.kv_heads() * c.d_head();
-  if (name.ends_with("attn.k.weight") || name.ends_with("attn.v.weight")) return Shape({kv, d});
-  if (name.ends_with("attn.k.bias") || name.ends_with("attn.v.bias")) return Shape({kv});
-  if (name.ends_with("attn.sinks")) return Shape({c.num_heads});
-  if (name.ends_with(".weight") && name.find(".attn.") != std::string::npos) return Shape({d, d});
-  return Shape({d});  // attention biases, LayerNorm weights and biases, fc2.bias
+  std::vector<index_t> dims;
+  for (const auto& d : contract::param_dims(name)) dims.push_back(contract::dim(d, c, {}));
+  return Shape(std::move(dims));
 }
 
 }  // namespace detail
@@ -194,45 +184,34 @@ void validate_params(const Params<Real>& p) {
 
 template <class Real>
 void validate_activations(const EncoderConfig& c, const Batch& b, const Activations<Real>& a) {
-  const index_t B = b.batch, S = b.seq_len, D = c.d_model, H = c.num_heads, N = B * S;
+  const index_t B = b.batch, S = b.seq_len, D = c.d_model, N = B * S;
   if (a.norm_first != c.norm_first || a.rotary != (c.positional == Positional::rope) ||
       a.layers.size() != static_cast<std::size_t>(c.num_layers)) {
     throw ShapeError(
         "activations were produced for a different config (norm_first, rope or num_layers)");
   }
+  const contract::Sizes sizes{B, S};
+  const auto shape_of = [&](const std::vector<std::string>& dims) {
+    std::vector<index_t> v;
+    for (const auto& d : dims) v.push_back(contract::dim(d, c, sizes));
+    return Shape(std::move(v));
+  };
   a.visit([&](const std::string& name, const Tensor<Real>& t) {
-    Shape want;
-    if (name == "positional")
-      want = Shape({S, D});
-    else if (name == "pooled")
-      want = Shape({B, D});
-    else if (name == "logits")
-      want = Shape({B, c.num_classes});
-    else if (name == "loss")
-      want = Shape(std::vector<index_t>{});
-    else if (name.ends_with(".q") || name.ends_with(".q_rot"))
-      want = Shape({B, H, S, c.d_head()});
-    else if (name.ends_with(".k") || name.ends_with(".v") || name.ends_with(".k_rot"))
-      want = Shape({B, c.kv_heads(), S, c.d_head()});
-    else if (name.ends_with(".scores") || name.ends_with(".probs"))
-      want = Shape({B, H, S, S});
-    else if (name.ends_with(".ffn_pre") || name.ends_with(".ffn_hidden"))
-      want = Shape({B, S, c.d_ff});
-    else
-      want = Shape({B, S, D});
-    expect_shape("activation " + name, t.shape(), want);
+    expect_shape("activation " + name, t.shape(), shape_of(contract::act_dims(name)));
   });
   for (std::size_t i = 0; i < a.layers.size(); ++i) {
     const auto& l = a.layers[i];
     const std::string p = "layers." + std::to_string(i) + ".";
     for (const auto* t : {&l.norm1_mean, &l.norm1_rstd, &l.norm2_mean, &l.norm2_rstd})
       expect_shape("statistic " + p + "norm mean/rstd", t->shape(), Shape({N}));
-    expect_size("mask " + p + "attn", l.masks.attn, B * H * S * S, true);
-    expect_size("mask " + p + "residual1", l.masks.residual1, N * D, true);
-    expect_size("mask " + p + "ffn", l.masks.ffn, N * c.d_ff, true);
-    expect_size("mask " + p + "residual2", l.masks.residual2, N * D, true);
+    const std::string site = "dropout.layers." + std::to_string(i) + ".";
+    for (const auto& [n, m] :
+         {std::pair{"attn", &l.masks.attn}, std::pair{"residual1", &l.masks.residual1},
+          std::pair{"ffn", &l.masks.ffn}, std::pair{"residual2", &l.masks.residual2}})
+      expect_size("mask " + site + n, *m, shape_of(contract::mask_dims(site + n)).numel(), true);
   }
-  expect_size("mask input", a.input_mask, N * D, true);
+  expect_size("mask dropout.input", a.input_mask,
+              shape_of(contract::mask_dims("dropout.input")).numel(), true);
   if (c.norm_first) {
     expect_shape("statistic final_norm mean", a.final_norm_mean.shape(), Shape({N}));
     expect_shape("statistic final_norm rstd", a.final_norm_rstd.shape(), Shape({N}));

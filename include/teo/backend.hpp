@@ -50,11 +50,13 @@ void parallel_tasks(std::int64_t n, const std::function<void(std::int64_t)>& tas
 // teo::ConfigError naming the variable on a bad value.
 void init_from_environment();
 
-// Restores the previous settings on destruction (for tests and scoped runs).
+// Restores the previous settings on destruction (for tests and scoped runs). The destructor never
+// throws: a setting that cannot be restored (from inside a parallel region) stays as it is, with a
+// line on standard error.
 class ScopedSettings {
  public:
   ScopedSettings();
-  ~ScopedSettings();
+  ~ScopedSettings() noexcept;
   ScopedSettings(const ScopedSettings&) = delete;
   ScopedSettings& operator=(const ScopedSettings&) = delete;
 

@@ -97,6 +97,14 @@ template <class Real>
 safetensors::File run_tensors(const Params<Real>& params, const Batch& batch,
                               const RunOptions& opts);
 
+// Checks a golden file, model or op case, against its contract before any of its values is read:
+// its metadata; every tensor the contract of its config (or spec) requires, present with the
+// contract's dtype and shape (a file written with --keep may leave out computed tensors); no
+// tensor the contract does not name; input.lengths equal to the case's and within seq_len, token
+// ids within the vocabulary, labels within the classes. FormatError naming the first tensor at
+// fault. check(), emulate(), run_op() and the Python module's load() call it first.
+void validate(const safetensors::File& golden);
+
 // The case a golden file was made from (its __metadata__ config and case); FormatError when they
 // are missing or malformed.
 Case case_of(const safetensors::File& golden);
@@ -193,9 +201,10 @@ struct CaseReport {
 CaseReport check(const safetensors::File& golden, const safetensors::File& candidate,
                  const CheckOptions& opts);
 
-// `golden` and `candidate` are both files or both directories; directories are matched by file
-// name (*.safetensors in the golden directory). A golden with no candidate file is reported with
-// every tensor not_checked.
+// `golden` and `candidate` are both files or both directories. A golden directory is searched with
+// its subdirectories (every *.safetensors under it), each golden matched by its relative path in
+// the candidate directory (golden/ops/x.safetensors by candidate/ops/x.safetensors) and reported
+// under that path. A golden with no candidate file is reported with every tensor not_checked.
 std::vector<CaseReport> check_paths(const std::string& golden, const std::string& candidate,
                                     const CheckOptions& opts);
 

@@ -26,7 +26,9 @@ class Shape {
   std::size_t rank() const { return dims_.size(); }
   index_t operator[](std::size_t i) const { return dims_[i]; }
   index_t numel() const { return numel_; }
-  bool operator==(const Shape& o) const { return dims_ == o.dims_; }
+  // Equal shapes hold equal element counts: Shape() (no tensor, 0 elements) is not Shape({}) (a
+  // scalar, 1 element).
+  bool operator==(const Shape& o) const { return dims_ == o.dims_ && numel_ == o.numel_; }
   std::string str() const {
     std::string s = "[";
     for (std::size_t i = 0; i < dims_.size(); ++i) s += (i ? ", " : "") + std::to_string(dims_[i]);

@@ -2,11 +2,14 @@
 
 #include <algorithm>
 #include <iomanip>
+#include <map>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
+#include "teo/contract.hpp"
 #include "teo/model.hpp"
 
 namespace teo::cli {
@@ -30,24 +33,37 @@ int run(const EncoderConfig& cfg, const ShapesOptions& o, std::ostream& out) {
       << " Dh=" << cfg.d_head() << " F=" << cfg.d_ff << " C=" << cfg.num_classes
       << " V=" << cfg.vocab_size << "  dtype=" << o.dtype << "  parameters=" << params.count()
       << "\n\n";
-  auto row = [&](const std::string& name, const std::string& sym, const Shape& s) {
-    out << "  " << std::left << std::setw(34) << name << std::setw(16) << sym << s.str() << "\n";
+  // Every row is the contract's; the shapes the run produced must be the ones it names.
+  const contract::Sizes sizes{o.batch, o.seq_len};
+  std::map<std::string, Shape> computed;
+  acts.visit(
+      [&](const std::string& n, const Tensor<Real>& t) { computed["act." + n] = t.shape(); });
+  dacts.visit(
+      [&](const std::string& n, const Tensor<Real>& t) { computed["grad.act." + n] = t.shape(); });
+  grads.visit(
+      [&](const std::string& n, const Tensor<Real>& t) { computed["grad." + n] = t.shape(); });
+  auto row = [&](const std::string& name, const contract::TensorSpec& t) {
+    const Shape s(t.shape);
+    if (const auto it = computed.find(name); it != computed.end() && !(it->second == s))
+      throw std::logic_error(name + " is " + it->second.str() + ", the contract says " + s.str());
+    out << "  " << std::left << std::setw(34) << name << std::setw(16) << t.symbolic() << s.str()
+        << "\n";
   };
   out << "forward\n";
-  row("input.tokens", "(B, S)", Shape({o.batch, o.seq_len}));
-  row("input.lengths", "(B)", Shape({o.batch}));
-  acts.visit([&](const std::string& n, const Tensor<Real>& t) {
-    row("act." + n, golden::symbolic_shape("act." + n), t.shape());
-  });
+  for (const auto& t : contract::model_case(cfg, sizes, false)) {
+    if (t.role == contract::Role::input) row(t.name, t);
+  }
+  const auto activations = contract::activations(cfg, sizes, /*in_golden=*/false);
+  for (const auto& t : activations) row("act." + t.name, t);
   out << "  loss = " << std::setprecision(17) << acts.loss[0] << "\n\nbackward\n";
-  std::vector<std::pair<std::string, Shape>> rev;
-  dacts.visit([&](const std::string& n, const Tensor<Real>& t) { rev.emplace_back(n, t.shape()); });
-  for (auto it = rev.rbegin(); it != rev.rend(); ++it)
-    row("grad.act." + it->first, golden::symbolic_shape("act." + it->first), it->second);
+  for (auto it = activations.rbegin(); it != activations.rend(); ++it)
+    row("grad.act." + it->name, *it);
   out << "\nparameter gradients\n";
-  grads.visit([&](const std::string& n, const Tensor<Real>& t) {
-    row("grad." + n, golden::symbolic_shape(n), t.shape());
-  });
+  for (const auto& t : contract::params(cfg)) row("grad." + t.name, t);
+  if (cfg.dropout > 0) {
+    out << "\ndropout masks (train mode)\n";
+    for (const auto& t : contract::masks(cfg, sizes)) row(t.name, t);
+  }
   return 0;
 }
 

@@ -234,6 +234,7 @@ std::set<std::string> optional_outputs_of(const File& golden, bool op) {
 
 CaseReport not_checked_report(const File& golden, const CheckOptions& opts,
                               const std::string& why) {
+  validate(golden);
   golden_is_f32(golden);
   const bool op = is_op_file(golden);
   const std::set<std::string> optional = optional_outputs_of(golden, op);
@@ -303,6 +304,7 @@ Precision judged_precision(const File& golden, const File& candidate, bool f32,
 }  // namespace
 
 CaseReport check(const File& golden, const File& candidate, const CheckOptions& opts) {
+  validate(golden);
   const bool f32 = golden_is_f32(golden);
   const Precision p = judged_precision(golden, candidate, f32, opts);
   // fp64, and fp32 against a float32 golden, are the plain checks; everything else is judged
@@ -407,32 +409,38 @@ std::vector<CaseReport> check_paths(const std::string& golden, const std::string
   std::error_code ec;
   if (!fs::exists(golden, ec)) throw FileError(golden + ": no such file or directory");
   if (!fs::exists(candidate, ec)) throw FileError(candidate + ": no such file or directory");
-  std::vector<std::pair<std::string, std::string>> pairs;  // golden file, candidate file
+  struct Pair {
+    std::string golden, candidate, name;  // name: the golden's path within the directory
+  };
+  std::vector<Pair> pairs;
   if (fs::is_directory(golden, ec)) {
     if (!fs::is_directory(candidate, ec)) {
       throw FileError(candidate + ": is a file, but the golden " + golden +
                       " is a directory; give a candidate directory");
     }
+    // Every golden under the directory, subdirectories included (golden/ holds the model cases
+    // and ops/ the op cases), matched by its path relative to it in the candidate directory.
     std::vector<std::string> names;
-    for (const auto& e : fs::directory_iterator(golden, ec)) {
-      if (e.is_regular_file() && e.path().extension() == ".safetensors") {
-        names.push_back(e.path().filename().string());
+    for (auto it = fs::recursive_directory_iterator(golden, ec);
+         !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
+      if (it->is_regular_file() && it->path().extension() == ".safetensors") {
+        names.push_back(fs::relative(it->path(), golden).string());
       }
     }
     if (ec) throw FileError(golden + ": cannot list the directory: " + ec.message());
     std::sort(names.begin(), names.end());
     if (names.empty()) throw FileError(golden + ": holds no .safetensors files");
-    for (const auto& n : names) {
-      pairs.emplace_back((fs::path(golden) / n).string(), (fs::path(candidate) / n).string());
-    }
+    for (const auto& n : names)
+      pairs.push_back({(fs::path(golden) / n).string(), (fs::path(candidate) / n).string(), n});
   } else {
     std::string c = candidate;
     if (fs::is_directory(candidate, ec))
       c = (fs::path(candidate) / fs::path(golden).filename()).string();
-    pairs.emplace_back(golden, c);
+    pairs.push_back({golden, c, fs::path(golden).filename().string()});
   }
   std::vector<CaseReport> reports;
-  for (const auto& [gp, cp] : pairs) {
+  for (const auto& pair : pairs) {
+    const std::string &gp = pair.golden, &cp = pair.candidate;
     if (opts.progress) {
       const auto size = fs::file_size(gp, ec);
       std::ostringstream what;
@@ -451,7 +459,7 @@ std::vector<CaseReport> check_paths(const std::string& golden, const std::string
       const File c = safetensors::map(cp, limits);
       rep = with_path(gp, [&] { return check(g, c, opts); });
     }
-    rep.name = fs::path(gp).filename().string();
+    rep.name = pair.name;
     rep.golden_path = gp;
     rep.candidate_path = cp;
     reports.push_back(std::move(rep));

@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "golden_internal.hpp"
+#include "teo/contract.hpp"
 #include "teo/files.hpp"
 #include "teo/golden_ops.hpp"
 #include "teo/model.hpp"
@@ -40,62 +41,6 @@ std::vector<std::int64_t> dims_of(const Shape& s) {
   return s.dims();
 }
 
-// The activation names of the golden contract, in pipeline order (the model also keeps ffn_pre
-// and residual2, which the contract leaves out).
-template <class Real>
-std::vector<std::pair<std::string, const Tensor<Real>*>> contract_acts(const Activations<Real>& a) {
-  std::vector<std::pair<std::string, const Tensor<Real>*>> out;
-  a.visit([&](const std::string& name, const Tensor<Real>& t) {
-    if (name.ends_with(".ffn_pre") || name.ends_with(".residual2")) return;
-    out.emplace_back("act." + name, &t);
-  });
-  return out;
-}
-
-// Parameter names of layer i in the order backward produces their gradients: the reverse of the
-// order in which forward uses them.
-std::vector<std::string> layer_params_backward(const EncoderConfig& cfg, index_t i) {
-  const std::string p = "layers." + std::to_string(i) + ".";
-  std::vector<std::string> used =
-      cfg.norm_first ? std::vector<std::string>{"norm1",  "attn.q", "attn.k",  "attn.v",
-                                                "attn.o", "norm2",  "ffn.fc1", "ffn.fc2"}
-                     : std::vector<std::string>{"attn.q", "attn.k",  "attn.v",  "attn.o",
-                                                "norm1",  "ffn.fc1", "ffn.fc2", "norm2"};
-  std::vector<std::string> out;
-  for (auto it = used.rbegin(); it != used.rend(); ++it) {
-    out.push_back(p + *it + ".weight");
-    out.push_back(p + *it + ".bias");
-  }
-  return out;
-}
-
-// The gradient tensors of the contract, in the order backward computes them.
-template <class Real>
-std::vector<std::pair<std::string, const Tensor<Real>*>> contract_grads(
-    const EncoderConfig& cfg, const Params<Real>& grads, const Activations<Real>& dacts) {
-  std::map<std::string, const Tensor<Real>*> by_name;
-  grads.visit([&](const std::string& n, const Tensor<Real>& t) { by_name[n] = &t; });
-  std::vector<std::pair<std::string, const Tensor<Real>*>> out;
-  auto param = [&](const std::string& n) { out.emplace_back("grad." + n, by_name.at(n)); };
-  out.emplace_back("grad.act.logits", &dacts.logits);
-  param("head.weight");
-  param("head.bias");
-  out.emplace_back("grad.act.pooled", &dacts.pooled);
-  if (cfg.norm_first) {
-    param("final_norm.weight");
-    param("final_norm.bias");
-  }
-  for (index_t i = cfg.num_layers - 1; i >= 0; --i) {
-    out.emplace_back("grad.act.layers." + std::to_string(i) + ".output",
-                     &dacts.layers[static_cast<std::size_t>(i)].output);
-    for (const auto& n : layer_params_backward(cfg, i)) param(n);
-  }
-  out.emplace_back("grad.act.input", &dacts.input);
-  if (cfg.positional == Positional::learned) param("pos_embedding.weight");
-  param("embedding.weight");
-  return out;
-}
-
 template <class Real>
 struct Run {
   Activations<Real> acts, dacts;
@@ -113,20 +58,62 @@ Run<Real> run_case(const Params<Real>& params, const Batch& batch, std::uint64_t
   return r;
 }
 
-// The dropout masks of a run, by their golden names.
+// A run's tensors under their golden names, in the contract's order: the activations, then (with
+// `backward`) the gradients. The contract names them; the run only supplies the values.
 template <class Real>
-std::vector<std::pair<std::string, const std::vector<std::uint8_t>*>> run_masks(
-    const EncoderConfig& cfg, const Activations<Real>& acts) {
-  std::vector<std::pair<std::string, const std::vector<std::uint8_t>*>> out;
+std::vector<std::pair<std::string, const Tensor<Real>*>> computed_tensors(const EncoderConfig& cfg,
+                                                                          const Batch& batch,
+                                                                          const Run<Real>& run,
+                                                                          bool backward) {
+  std::map<std::string, const Tensor<Real>*> by_name;
+  run.acts.visit([&](const std::string& n, const Tensor<Real>& t) { by_name["act." + n] = &t; });
+  if (backward) {
+    run.dacts.visit(
+        [&](const std::string& n, const Tensor<Real>& t) { by_name["grad.act." + n] = &t; });
+    run.grads.visit(
+        [&](const std::string& n, const Tensor<Real>& t) { by_name["grad." + n] = &t; });
+  }
+  const contract::Sizes sizes{batch.batch, batch.seq_len};
+  std::vector<std::pair<std::string, const Tensor<Real>*>> out;
+  const auto add = [&](const contract::TensorSpec& spec) {
+    const auto it = by_name.find(spec.name);
+    if (it == by_name.end() || it->second->shape().dims() != spec.shape) {
+      throw std::logic_error("the run holds no " + spec.name + " of the contract's shape " +
+                             spec.symbolic());
+    }
+    out.emplace_back(spec.name, it->second);
+  };
+  for (auto t : contract::activations(cfg, sizes)) {
+    t.name = "act." + t.name;
+    add(t);
+  }
+  if (backward) {
+    for (const auto& t : contract::gradients(cfg, sizes)) add(t);
+  }
+  return out;
+}
+
+// The dropout masks of a run, by their golden names (none when dropout is off).
+template <class Real>
+std::vector<std::pair<contract::TensorSpec, const std::vector<std::uint8_t>*>> run_masks(
+    const EncoderConfig& cfg, const Batch& batch, const Activations<Real>& acts) {
+  std::vector<std::pair<contract::TensorSpec, const std::vector<std::uint8_t>*>> out;
   if (cfg.dropout <= 0) return out;
-  out.emplace_back("dropout.input", &acts.input_mask);
-  for (index_t i = 0; i < cfg.num_layers; ++i) {
-    const auto& m = acts.layers[static_cast<std::size_t>(i)].masks;
+  std::map<std::string, const std::vector<std::uint8_t>*> by_site = {
+      {"dropout.input", &acts.input_mask}};
+  for (std::size_t i = 0; i < acts.layers.size(); ++i) {
+    const auto& m = acts.layers[i].masks;
     const std::string p = "dropout.layers." + std::to_string(i) + ".";
-    out.emplace_back(p + "attn", &m.attn);
-    out.emplace_back(p + "residual1", &m.residual1);
-    out.emplace_back(p + "ffn", &m.ffn);
-    out.emplace_back(p + "residual2", &m.residual2);
+    by_site[p + "attn"] = &m.attn;
+    by_site[p + "residual1"] = &m.residual1;
+    by_site[p + "ffn"] = &m.ffn;
+    by_site[p + "residual2"] = &m.residual2;
+  }
+  for (auto& t : contract::masks(cfg, {batch.batch, batch.seq_len})) {
+    const auto* m = by_site.at(t.name);
+    if (static_cast<index_t>(m->size()) != Shape(t.shape).numel())
+      throw std::logic_error("the run's " + t.name + " is not of the contract's shape");
+    out.emplace_back(std::move(t), m);
   }
   return out;
 }
@@ -155,24 +142,23 @@ Out out_of(std::string name, const Tensor<Real>& t) {
 template <class Real>
 std::vector<Out> run_outs(const EncoderConfig& cfg, const Batch& batch, const Run<Real>& run,
                           bool masks, bool with_backward, const std::string& prefix = "") {
-  const index_t B = batch.batch, S = batch.seq_len, D = cfg.d_model, H = cfg.num_heads,
-                F = cfg.d_ff;
   std::vector<Out> out;
   if (masks) {
-    for (const auto& [n, m] : run_masks(cfg, run.acts)) {
-      auto shape = n == "dropout.input"   ? std::vector<std::int64_t>{B, S, D}
-                   : n.ends_with(".attn") ? std::vector<std::int64_t>{B, H, S, S}
-                   : n.ends_with(".ffn")  ? std::vector<std::int64_t>{B, S, F}
-                                          : std::vector<std::int64_t>{B, S, D};
-      out.push_back(out_of(prefix + n, std::move(shape), m->data(), m->size()));
-    }
+    for (const auto& [t, m] : run_masks(cfg, batch, run.acts))
+      out.push_back(out_of(prefix + t.name, t.shape, m->data(), m->size()));
   }
-  for (const auto& [n, t] : contract_acts(run.acts)) out.push_back(out_of(prefix + n, *t));
-  if (with_backward) {
-    for (const auto& [n, t] : contract_grads(cfg, run.grads, run.dacts))
-      out.push_back(out_of(prefix + n, *t));
-  }
+  for (const auto& [n, t] : computed_tensors(cfg, batch, run, with_backward))
+    out.push_back(out_of(prefix + n, *t));
   return out;
+}
+
+// The header of a model case: every tensor of the contract in file order, its dtype rule resolved.
+std::vector<safetensors::Entry> header_entries(const EncoderConfig& cfg, const Batch& batch,
+                                               bool f32) {
+  std::vector<safetensors::Entry> entries;
+  for (const auto& t : contract::model_case(cfg, {batch.batch, batch.seq_len}, f32))
+    entries.push_back({t.name, detail::stored_dtype(t.dtype, f32), t.shape});
+  return entries;
 }
 
 void add_outs(File& f, const std::vector<Out>& outs) {
@@ -284,16 +270,8 @@ void generate_typed(const Case& c, Sink& sink, const GenerateOptions& opts) {
   const auto computed = run_outs(cfg, batch, *run, /*masks=*/true, /*with_backward=*/true);
   outs.insert(outs.end(), computed.begin(), computed.end());
 
-  // The header: every tensor of this run, and for float32 the float64 twin of each computed one.
-  std::vector<safetensors::Entry> entries;
-  entries.reserve(outs.size() + computed.size());
-  for (const auto& o : outs) entries.push_back({o.name, o.dtype, o.shape});
-  if constexpr (f32) {
-    for (const auto& o : computed) {
-      if (!o.name.starts_with("dropout."))
-        entries.push_back({"ref64." + o.name, DType::F64, o.shape});
-    }
-  }
+  // The header: every tensor of the contract, in its order; the run supplies the values.
+  std::vector<safetensors::Entry> entries = header_entries(cfg, batch, f32);
   if (!opts.keep.empty()) {
     std::vector<std::string> names;
     names.reserve(entries.size());
@@ -415,34 +393,11 @@ Case Case::from_file(const std::string& path) {
 }
 
 std::string symbolic_shape(const std::string& tensor_name) {
-  std::string n = tensor_name;
-  for (const char* prefix : {"grad.act.", "act.", "grad.", "param."}) {
-    if (n.starts_with(prefix)) {
-      const bool act = std::string(prefix).find("act.") != std::string::npos;
-      n = n.substr(std::string(prefix).size());
-      if (act) {
-        if (n == "positional") return "(S, D)";
-        if (n == "pooled") return "(B, D)";
-        if (n == "logits" || n == "class_probs") return "(B, C)";
-        if (n == "loss") return "()";
-        if (n.ends_with(".q") || n.ends_with(".k") || n.ends_with(".v")) return "(B, H, S, Dh)";
-        if (n.ends_with(".scores") || n.ends_with(".probs")) return "(B, H, S, S)";
-        if (n.ends_with(".ffn_pre") || n.ends_with(".ffn_hidden")) return "(B, S, F)";
-        if (n.ends_with("_mean") || n.ends_with("_rstd")) return "(B*S)";
-        return "(B, S, D)";
-      }
-      break;
-    }
+  try {
+    return contract::symbolic(contract::dims_of(tensor_name));
+  } catch (const std::invalid_argument&) {
+    return "?";
   }
-  if (n == "embedding.weight") return "(V, D)";
-  if (n == "pos_embedding.weight") return "(max_len, D)";
-  if (n == "head.weight") return "(C, D)";
-  if (n == "head.bias") return "(C)";
-  if (n.ends_with("fc1.weight")) return "(F, D)";
-  if (n.ends_with("fc1.bias")) return "(F)";
-  if (n.ends_with("fc2.weight")) return "(D, F)";
-  if (n.ends_with(".weight") && n.find("attn") != std::string::npos) return "(D, D)";
-  return "(D)";
 }
 
 Case Case::from_json(const json& j) {
@@ -607,6 +562,7 @@ Case case_of(const File& golden) {
 }
 
 std::map<std::string, std::vector<double>> emulate(const File& golden, Precision p) {
+  validate(golden);
   if (is_op_file(golden)) return run_op(golden, p);
   const Case c = case_of(golden);
   const EncoderConfig& cfg = c.config;
@@ -635,7 +591,8 @@ std::map<std::string, std::vector<double>> emulate(const File& golden, Precision
   }
   auto run = run_case(params, batch, c.seed, p);
   params = Params<float>();
-  for (const auto& [n, m] : run_masks(cfg, run.acts)) {
+  for (const auto& [spec, m] : run_masks(cfg, batch, run.acts)) {
+    const std::string& n = spec.name;
     const auto* t = golden.find(n);
     if (!t || t->dtype != DType::U8 || t->values<std::uint8_t>() != *m) {
       throw FormatError("the golden's " + n + " is not the mask its seed " +
@@ -651,8 +608,8 @@ std::map<std::string, std::vector<double>> emulate(const File& golden, Precision
     *const_cast<Tensor<float>*>(t) = Tensor<float>();  // run is this function's own
     memory::release_cached_memory();
   };
-  for (const auto& [n, t] : contract_grads(cfg, run.grads, run.dacts)) take(n, t);
-  for (const auto& [n, t] : contract_acts(run.acts)) take(n, t);
+  const auto computed = computed_tensors(cfg, batch, run, /*backward=*/true);
+  for (auto it = computed.rbegin(); it != computed.rend(); ++it) take(it->first, it->second);
   return out;
 }
 

@@ -10,6 +10,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "teo/contract.hpp"
 #include "teo/files.hpp"
 #include "teo/golden.hpp"
 
@@ -78,6 +79,45 @@ std::string float32_conditioning(const safetensors::File& f, index_t L,
 void precision_conditioning(const safetensors::File& f,
                             const std::map<std::string, std::vector<double>>& emu, Precision p,
                             const EncoderConfig* cfg);
+
+// How a contract dtype rule is stored in a case of dtype float32 (f32) or float64.
+inline safetensors::DType stored_dtype(contract::DTypeRule rule, bool f32) {
+  switch (rule) {
+    case contract::DTypeRule::i64:
+      return safetensors::DType::I64;
+    case contract::DTypeRule::u8:
+      return safetensors::DType::U8;
+    case contract::DTypeRule::real:
+      return f32 ? safetensors::DType::F32 : safetensors::DType::F64;
+    case contract::DTypeRule::f64:
+      return safetensors::DType::F64;
+  }
+  return safetensors::DType::F64;
+}
+
+// One tensor a golden file must hold: its name, dtype, shape, and the shape as the contract
+// writes it ("[B, H, S, S]"), for the error.
+struct ExpectedTensor {
+  std::string name;
+  safetensors::DType dtype;
+  std::vector<std::int64_t> shape;
+  std::string symbolic;
+};
+
+// FormatError naming the tensor unless f holds exactly `want`: each of them with its dtype and
+// shape (a file written with --keep may leave out judged tensors, with their ref64 twins), and
+// nothing else. `op` for an op case's names and messages.
+void expect_tensors(const safetensors::File& f, const std::vector<ExpectedTensor>& want, bool op);
+
+// FormatError unless every value of the I64 tensor `name` of f (when present) lies in [0, hi)
+// (or [0, hi] when inclusive); `bound` names hi in the message.
+void expect_in_range(const safetensors::File& f, const std::string& name, std::int64_t hi,
+                     bool inclusive, const std::string& bound);
+
+// validate() for an op case (ops.cpp). With inputs_only, the file holds what run_op reads: every
+// input, parameter and upstream gradient of the spec with its shape (float ones in any float
+// dtype), the results not required; others are not checked.
+void validate_op_file(const safetensors::File& f, bool inputs_only = false);
 
 // The corpus files (cases.json): an entry's plain file name, and its optional description (erased
 // from `entry`). ConfigError naming `path` otherwise.

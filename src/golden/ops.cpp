@@ -1144,7 +1144,48 @@ OpCase op_case_of(const File& file) {
   }
 }
 
+namespace detail {
+
+void validate_op_file(const File& f, bool inputs_only) {
+  const OpCase c = op_case_of(f);
+  const Spec s = spec_of(c);
+  const bool f32 = c.dtype == "float32";
+  std::vector<ExpectedTensor> want;
+  for (const auto& t : layout(s)) {
+    const DType d = t.dtype == DType::F64 ? (f32 ? DType::F32 : DType::F64) : t.dtype;
+    const std::string sym = safetensors::Tensor{t.name, d, t.shape, {}}.shape_str();
+    if (inputs_only) {
+      if (is_result(t.role)) continue;
+      const auto* g = f.find(t.name);
+      if (!g) throw FormatError("the op case has no " + t.name + " " + sym);
+      if (g->shape != t.shape)
+        throw FormatError("the op case's " + t.name + " has shape " + g->shape_str() +
+                          ", its spec's is " + sym);
+      if (t.dtype == DType::F64 ? !safetensors::is_float(g->dtype) : g->dtype != t.dtype) {
+        throw FormatError("the op case's " + t.name + " is " + safetensors::dtype_name(g->dtype) +
+                          ", expected " +
+                          (t.dtype == DType::F64 ? std::string("a float type")
+                                                 : safetensors::dtype_name(t.dtype)));
+      }
+      continue;
+    }
+    want.push_back({t.name, d, t.shape, sym});
+    if (f32 && is_result(t.role)) want.push_back({"ref64." + t.name, DType::F64, t.shape, sym});
+  }
+  if (!inputs_only) expect_tensors(f, want, /*op=*/true);
+  if (s.op == Op::embedding) expect_in_range(f, "input.tokens", s.vocab, false, "vocab_size");
+  if (s.op == Op::cross_entropy) expect_in_range(f, "input.labels", s.cols, false, "num_classes");
+  const char* lkey = lengths_key(s.op);
+  if (const auto* t = f.find("input.lengths"); t && lkey && s.op != Op::softmax) {
+    if (t->values<std::int64_t>() != s.lengths)
+      throw FormatError("the op case's input.lengths are not its spec's lengths");
+  }
+}
+
+}  // namespace detail
+
 std::map<std::string, std::vector<double>> run_op(const File& file, std::optional<Precision> p) {
+  detail::validate_op_file(file, /*inputs_only=*/true);
   const OpCase c = op_case_of(file);
   const Spec s = spec_of(c);
   Values v = values_of(file, s);

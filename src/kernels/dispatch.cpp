@@ -1,6 +1,7 @@
 // The execution settings and the only place that knows every ISA.
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <memory>
 #include <mutex>
@@ -187,10 +188,20 @@ void parallel_tasks(std::int64_t n, const std::function<void(std::int64_t)>& tas
 }
 
 ScopedSettings::ScopedSettings() : backend_(backend()), isa_(isa()), threads_(num_threads()) {}
-ScopedSettings::~ScopedSettings() {
-  set_backend(backend_);
-  set_isa(isa_);
-  set_num_threads(threads_);
+ScopedSettings::~ScopedSettings() noexcept {
+  // A destructor must not throw (that would be std::terminate). The values restored were valid
+  // when read, so a restore fails only inside a parallel region, where the setters refuse to run,
+  // or when the new arena cannot be allocated; the setting is then left as it is, and said so.
+  const auto restore = [](const char* what, const auto& set) {
+    try {
+      set();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "teo: %s not restored: %s\n", what, e.what());
+    }
+  };
+  restore("backend", [&] { set_backend(backend_); });
+  restore("isa", [&] { set_isa(isa_); });
+  restore("threads", [&] { set_num_threads(threads_); });
 }
 
 namespace detail {

@@ -79,6 +79,22 @@ Checkpoint read_checkpoint(const std::string& path) {
   } catch (const json::exception&) {
     throw FormatError(path + ": the checkpoint's position is malformed");
   }
+  // Resuming indexes the epoch's batch order with micro: every field must be a count, and a step
+  // takes at least one micro-batch.
+  const Position& q = ck.position;
+  for (const auto& [name, v] :
+       {std::pair{"epoch", q.epoch}, std::pair{"micro", q.micro}, std::pair{"step", q.step},
+        std::pair{"micro_total", q.micro_total}}) {
+    if (v < 0) {
+      throw FormatError(path + ": the checkpoint's position has " + name + " = " +
+                        std::to_string(v) + ", below 0");
+    }
+  }
+  if (q.step > q.micro_total || q.micro > q.micro_total) {
+    throw FormatError(path + ": the checkpoint's position is inconsistent: step " +
+                      std::to_string(q.step) + " and micro " + std::to_string(q.micro) +
+                      " cannot exceed micro_total " + std::to_string(q.micro_total));
+  }
   return ck;
 }
 

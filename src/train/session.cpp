@@ -53,6 +53,15 @@ Session<Real>::Session(const TrainOptions& options, const Checkpoint* ck)
       pos_(ck ? ck->position : Position{}),
       metrics_((std::filesystem::path(options.out_dir) / "metrics.csv").string()) {
   options_ = trainer_.options();
+  // A checkpoint from other data may stand past this data's epoch: refused before anything is
+  // written.
+  const index_t micro_per_epoch =
+      (static_cast<index_t>(data_.train.size()) + options_.batch_size - 1) / options_.batch_size;
+  if (pos_.micro > micro_per_epoch) {
+    throw FormatError("the checkpoint stands at micro-batch " + std::to_string(pos_.micro) +
+                      " of its epoch, but this data has " + std::to_string(micro_per_epoch) +
+                      " per epoch");
+  }
   start_ = window_start_ = now_seconds();
   std::filesystem::create_directories(options_.out_dir);
   if (ck) metrics_.load(pos_.step);

@@ -20,7 +20,7 @@ TEST(ShapesCli, PrintsEveryStageForwardAndBackward) {
                            "act.layers.1.ffn_hidden", "act.pooled", "act.logits", "act.loss",
                            "grad.act.input", "grad.layers.0.attn.q.weight", "grad.head.bias"})
     EXPECT_NE(r.out.find(line), std::string::npos) << line;
-  EXPECT_NE(r.out.find("(B, H, S, S)    [2, 2, 8, 8]"), std::string::npos);
+  EXPECT_NE(r.out.find("[B, H, S, S]    [2, 2, 8, 8]"), std::string::npos);
   // forward comes before backward, and the backward walks from the loss to the input
   EXPECT_LT(r.out.find("act.loss"), r.out.find("grad.act.loss"));
   EXPECT_LT(r.out.find("grad.act.logits"), r.out.find("grad.act.input"));
@@ -33,7 +33,25 @@ TEST(ShapesCli, ReadsAConfigFile) {
   const CliResult r = run_cli("shapes --config " + path + " --batch 3 --seq-len 4 --dtype float32");
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_NE(r.out.find("act.final_norm"), std::string::npos);
-  EXPECT_NE(r.out.find("(B, H, S, Dh)   [3, 3, 4, 2]"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("[B, H, S, Dh]   [3, 3, 4, 2]"), std::string::npos) << r.out;
+}
+
+// The contract's shapes for grouped-query attention with RoPE and sinks: q_rot has H heads, k and
+// its rotation Hkv, the sinks one logit per head.
+TEST(ShapesCli, PrintsTheContractsShapesForGqaRopeAndSinks) {
+  const std::string path = ::testing::TempDir() + "teo_shapes_gqa.json";
+  std::ofstream(path) << R"({"d_model": 24, "num_heads": 6, "num_kv_heads": 2, "num_layers": 1,
+                            "positional": "rope", "attn_sinks": true, "dropout": 0.1})";
+  const CliResult r = run_cli("shapes --config " + path + " --batch 2 --seq-len 5");
+  ASSERT_EQ(r.code, 0) << r.out;
+  for (const char* line : {"act.layers.0.q_rot                [B, H, S, Dh]   [2, 6, 5, 4]\n",
+                           "act.layers.0.k                    [B, Hkv, S, Dh] [2, 2, 5, 4]\n",
+                           "act.layers.0.k_rot                [B, Hkv, S, Dh] [2, 2, 5, 4]\n",
+                           "grad.act.layers.0.v               [B, Hkv, S, Dh] [2, 2, 5, 4]\n",
+                           "grad.layers.0.attn.sinks          [H]             [6]\n",
+                           "grad.layers.0.attn.k.weight       [Hkv*Dh, D]     [8, 24]\n",
+                           "dropout.layers.0.attn             [B, H, S, S]    [2, 6, 5, 5]\n"})
+    EXPECT_NE(r.out.find(line), std::string::npos) << line << r.out;
 }
 
 TEST(ShapesCli, DefaultSequenceLengthFitsASmallMaxLen) {
@@ -41,7 +59,7 @@ TEST(ShapesCli, DefaultSequenceLengthFitsASmallMaxLen) {
   std::ofstream(path) << R"({"max_len": 3})";
   const CliResult r = run_cli("shapes --config " + path);
   ASSERT_EQ(r.code, 0) << r.out;
-  EXPECT_NE(r.out.find("(S, D)          [3, 16]"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("[S, D]          [3, 16]"), std::string::npos) << r.out;
 }
 
 TEST(ShapesCli, HugeConfigFailsCleanlyNotWithACrash) {

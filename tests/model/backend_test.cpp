@@ -151,5 +151,26 @@ TYPED_TEST(Backends, SimdIsBitwiseIdenticalAcrossIsas) {
   }
 }
 
+// ScopedSettings restores on any path and never throws from its destructor: destroyed inside a
+// parallel region, where the setters refuse to run, it leaves the settings as they are.
+TEST(ScopedSettings, RestoresAndNeverThrowsFromItsDestructor) {
+  static_assert(std::is_nothrow_destructible_v<ScopedSettings>);
+  ScopedSettings outer;
+  set_backend(Backend::simd);
+  set_num_threads(2);
+  {
+    ScopedSettings inner;
+    set_backend(Backend::reference);
+    set_num_threads(3);
+  }
+  EXPECT_EQ(backend(), Backend::simd);
+  EXPECT_EQ(num_threads(), 2);
+  parallel_tasks(2, [](std::int64_t) {
+    ScopedSettings inside;  // its destructor runs in the region: no throw, no terminate
+  });
+  EXPECT_EQ(backend(), Backend::simd);
+  EXPECT_EQ(num_threads(), 2);
+}
+
 }  // namespace
 }  // namespace teo

@@ -469,6 +469,32 @@ TYPED_TEST(Model, BadInputIsRejectedByNameAndChangesNothing) {
   bad.batch = index_t{1} << 62;
   expect_error_naming<ShapeError>(run(bad), "overflows");
   EXPECT_TRUE(test::bitwise_equal(a, before));
+
+  // A replayed dropout mask of the wrong size is refused before the activations are reshaped for
+  // the new batch: they stay those of the last good call.
+  EncoderConfig cd = c;
+  cd.dropout = 0.2;
+  const auto pd = Params<Real>::init(cd, 3);
+  Activations<Real> ad;
+  forward(pd, good, ad, {.train = true, .dropout_seed = 1});
+  const Activations<Real> ad_before = ad;
+  const Batch other = Batch::random(cd, 3, 5, 4);
+  const std::map<std::string, std::vector<std::uint8_t>> masks = {
+      {"dropout.layers.0.ffn", std::vector<std::uint8_t>(7, 1)}};
+  expect_error_naming<ShapeError>(
+      [&] { forward(pd, other, ad, {.train = true, .dropout_seed = 1, .masks = &masks}); },
+      "mask dropout.layers.0.ffn has 7 elements, expected 300 [B, S, F]");
+  EXPECT_TRUE(test::bitwise_equal(ad, ad_before));
+}
+
+// Equal shapes hold equal element counts: no tensor (0 elements) is not a scalar (1).
+TEST(Shape, EqualShapesHoldEqualElementCounts) {
+  EXPECT_FALSE(Shape() == Shape(std::vector<index_t>{}));
+  EXPECT_EQ(Shape().numel(), 0);
+  EXPECT_EQ(Shape(std::vector<index_t>{}).numel(), 1);
+  EXPECT_TRUE(Shape({2, 0}) == Shape({2, 0}));
+  EXPECT_FALSE(Shape({2, 0}) == Shape({0, 2}));
+  EXPECT_TRUE(Shape() == Shape());
 }
 
 TYPED_TEST(Model, ParamsOrActivationsThatDisagreeWithTheConfigAreRejected) {

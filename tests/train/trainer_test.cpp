@@ -111,6 +111,19 @@ TEST(Trainer, ResumingFromACheckpointGivesTheSameBitsAsOneRun) {
   changed.given = {{"lr", 0.5}};
   EXPECT_THROW(tr::resume_options(ck, changed), teo::ConfigError);
   EXPECT_THROW(tr::load_state<double>(ck), teo::FormatError) << "a float32 checkpoint";
+  // A position that resuming would index with out of bounds is refused by name.
+  for (const auto& [bad, why] :
+       {std::pair{tr::Position{0, -1, 3, 6}, "micro = -1, below 0"},
+        std::pair{tr::Position{-2, 0, 3, 6}, "epoch = -2, below 0"},
+        std::pair{tr::Position{0, 3, 7, 6}, "cannot exceed micro_total 6"}}) {
+    tr::save_checkpoint(path, run.options, run.vocab, first.state(), bad);
+    try {
+      tr::read_checkpoint(path);
+      ADD_FAILURE() << why;
+    } catch (const teo::FormatError& e) {
+      EXPECT_NE(std::string(e.what()).find(why), std::string::npos) << e.what();
+    }
+  }
 }
 
 // Shards split each micro-batch for parallel passes. Their order of summation is fixed, so the

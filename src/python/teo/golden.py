@@ -47,7 +47,8 @@ class Golden:
 
 
 def load(path):
-    """Reads a golden file or op case (any safetensors file teo reads)."""
+    """Reads a golden file or op case (any safetensors file teo reads). A golden or op case is
+    validated against its contract first: a malformed one raises FormatError naming the tensor."""
     metadata, wire = _teo.read(os.fspath(path))
     g = Golden(metadata, arrays_of(wire), os.fspath(path))
     return g

@@ -1,0 +1,89 @@
+// The contract: every tensor of a model case, named once. Each entry has its golden name, its role,
+// its dtype rule and its symbolic shape ("[B, Hkv, S, Dh]"); everything else that lists tensors
+// derives from here: the parameter shapes (Params::zeros, validate_params), the activation shapes
+// (validate_activations), the replayed dropout masks (ForwardOptions::masks), the generator's
+// lists and --keep, the validation of a golden before it is read (golden::validate), `teo shapes`,
+// `teo golden list` and the tables of docs/golden-format.md (checked by a test).
+//
+// The names come from one place: Params::visit and Activations::visit, run on empty tensors, plus
+// one table of symbolic shapes and one table of the order a layer uses its parameters.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "teo/config.hpp"
+#include "teo/types.hpp"
+
+namespace teo::contract {
+
+enum class Role {
+  input,  // input.tokens, input.lengths, input.labels
+  param,  // param.<name>
+  mask,   // dropout.<site>: U8, 1 = kept
+  act,    // act.<name>: what forward computes
+  grad,   // grad.<param> and grad.act.<name>: what backward computes
+  ref64,  // ref64.<act or grad>: a float32 case's float64 twin
+};
+const char* to_string(Role r);
+
+// Which dtype a tensor has: integer ids, masks, the case's float type, or float64 in any case.
+enum class DTypeRule { i64, u8, real, f64 };
+const char* to_string(DTypeRule d);
+
+// The sizes a model case adds to its config.
+struct Sizes {
+  index_t batch = 0;
+  index_t seq_len = 0;
+};
+
+// One tensor of the contract.
+struct TensorSpec {
+  std::string name;  // as in a golden file: "act.layers.0.k", "grad.head.bias"
+  Role role = Role::act;
+  DTypeRule dtype = DTypeRule::real;
+  // Symbolic dimensions: B, S, D, H, Hkv, Dh, F, V, C, max_len, and Hkv*Dh for the key and value
+  // projections (Hkv = num_kv_heads, default H). The number of each comes from dim().
+  std::vector<std::string> dims;
+  std::vector<index_t> shape;    // dims resolved for the case
+  std::string symbolic() const;  // "[B, Hkv, S, Dh]", "[]" for a scalar
+};
+
+// The value of symbolic dimension `sym` under cfg and s; std::invalid_argument for an unknown one.
+index_t dim(const std::string& sym, const EncoderConfig& cfg, Sizes s);
+
+// The symbolic shape of a parameter (without "param."), of an activation (without "act."), of a
+// dropout site ("dropout.input", "dropout.layers.0.ffn") and of any golden name: "param.X",
+// "act.X", "grad.X", "grad.act.X", "ref64.<any of those>", "input.X". std::invalid_argument when
+// the name is none of the contract's.
+std::vector<std::string> param_dims(const std::string& name);
+std::vector<std::string> act_dims(const std::string& name);
+std::vector<std::string> mask_dims(const std::string& site);
+std::vector<std::string> dims_of(const std::string& golden_name);
+std::string symbolic(const std::vector<std::string>& dims);
+
+// The parameters present under cfg, in canonical order (Params::visit), named without "param.".
+std::vector<TensorSpec> params(const EncoderConfig& cfg);
+
+// Every activation forward keeps under cfg, in pipeline order (Activations::visit), named without
+// "act.". `in_golden` false leaves out ffn_pre and residual2, which the model keeps for backward
+// but a golden does not hold.
+std::vector<TensorSpec> activations(const EncoderConfig& cfg, Sizes s, bool in_golden = true);
+
+// The dropout sites of cfg ("dropout.input", "dropout.layers.{i}.attn", ...), whether or not
+// dropout applies.
+std::vector<TensorSpec> masks(const EncoderConfig& cfg, Sizes s);
+
+// The gradients a golden holds, in the order backward produces them: grad.act.logits, the head,
+// grad.act.pooled, the final norm, then from the last layer down its output's gradient and its
+// parameters' (the reverse of the order forward uses them, weight before bias), grad.act.input and
+// the embeddings. Every parameter has its grad.<name>.
+std::vector<TensorSpec> gradients(const EncoderConfig& cfg, Sizes s);
+
+// Every tensor of a model golden, in file order: the inputs, the parameters, the dropout masks
+// (when cfg.dropout > 0), the activations, the gradients, and for a float32 case the ref64 twin of
+// each activation and gradient. Shapes resolved; dtype rules as stored (real means F32 in a
+// float32 case, F64 in a float64 one).
+std::vector<TensorSpec> model_case(const EncoderConfig& cfg, Sizes s, bool float32);
+
+}  // namespace teo::contract

@@ -1,0 +1,348 @@
+#include "teo/contract.hpp"
+
+#include <algorithm>
+#include <map>
+#include <stdexcept>
+
+#include "teo/model.hpp"
+
+namespace teo::contract {
+
+namespace {
+
+using Dims = std::vector<std::string>;
+
+// A name of the form "layers.{i}.<rest>": <rest>, else the name itself.
+std::string without_layer(const std::string& name) {
+  if (!name.starts_with("layers.")) return name;
+  const auto dot = name.find('.', 7);
+  return dot == std::string::npos ? name : name.substr(dot + 1);
+}
+
+// The symbolic shape of every parameter, by its name within its layer (or at the top).
+const std::map<std::string, Dims>& param_table() {
+  static const std::map<std::string, Dims> t = {
+      {"embedding.weight", {"V", "D"}},
+      {"pos_embedding.weight", {"max_len", "D"}},
+      {"attn.q.weight", {"D", "D"}},
+      {"attn.q.bias", {"D"}},
+      {"attn.k.weight", {"Hkv*Dh", "D"}},
+      {"attn.k.bias", {"Hkv*Dh"}},
+      {"attn.v.weight", {"Hkv*Dh", "D"}},
+      {"attn.v.bias", {"Hkv*Dh"}},
+      {"attn.o.weight", {"D", "D"}},
+      {"attn.o.bias", {"D"}},
+      {"attn.sinks", {"H"}},
+      {"norm1.weight", {"D"}},
+      {"norm1.bias", {"D"}},
+      {"norm2.weight", {"D"}},
+      {"norm2.bias", {"D"}},
+      {"ffn.fc1.weight", {"F", "D"}},
+      {"ffn.fc1.bias", {"F"}},
+      {"ffn.fc2.weight", {"D", "F"}},
+      {"ffn.fc2.bias", {"D"}},
+      {"final_norm.weight", {"D"}},
+      {"final_norm.bias", {"D"}},
+      {"head.weight", {"C", "D"}},
+      {"head.bias", {"C"}},
+  };
+  return t;
+}
+
+// The symbolic shape of every activation, by its name within its layer (or at the top).
+const std::map<std::string, Dims>& act_table() {
+  static const std::map<std::string, Dims> t = {
+      {"embedding", {"B", "S", "D"}},
+      {"positional", {"S", "D"}},
+      {"input", {"B", "S", "D"}},
+      {"norm1", {"B", "S", "D"}},
+      {"q", {"B", "H", "S", "Dh"}},
+      {"k", {"B", "Hkv", "S", "Dh"}},
+      {"v", {"B", "Hkv", "S", "Dh"}},
+      {"q_rot", {"B", "H", "S", "Dh"}},
+      {"k_rot", {"B", "Hkv", "S", "Dh"}},
+      {"scores", {"B", "H", "S", "S"}},
+      {"probs", {"B", "H", "S", "S"}},
+      {"context", {"B", "S", "D"}},
+      {"attn_out", {"B", "S", "D"}},
+      {"residual1", {"B", "S", "D"}},
+      {"norm2", {"B", "S", "D"}},
+      {"ffn_pre", {"B", "S", "F"}},
+      {"ffn_hidden", {"B", "S", "F"}},
+      {"ffn_out", {"B", "S", "D"}},
+      {"residual2", {"B", "S", "D"}},
+      {"output", {"B", "S", "D"}},
+      {"final_norm", {"B", "S", "D"}},
+      {"pooled", {"B", "D"}},
+      {"logits", {"B", "C"}},
+      {"loss", {}},
+  };
+  return t;
+}
+
+// The dropout sites of a layer and the shapes of their masks.
+const std::vector<std::pair<std::string, Dims>>& layer_mask_table() {
+  static const std::vector<std::pair<std::string, Dims>> t = {
+      {"attn", {"B", "H", "S", "S"}},
+      {"residual1", {"B", "S", "D"}},
+      {"ffn", {"B", "S", "F"}},
+      {"residual2", {"B", "S", "D"}},
+  };
+  return t;
+}
+
+// The order in which a layer's forward pass uses its parameter groups; backward produces their
+// gradients in the reverse order.
+const std::vector<std::string>& layer_use_order(bool norm_first) {
+  static const std::vector<std::string> post = {
+      "attn.q", "attn.k", "attn.v", "attn.sinks", "attn.o", "norm1", "ffn.fc1", "ffn.fc2", "norm2"};
+  static const std::vector<std::string> pre = {
+      "norm1", "attn.q", "attn.k", "attn.v", "attn.sinks", "attn.o", "norm2", "ffn.fc1", "ffn.fc2"};
+  return norm_first ? pre : post;
+}
+
+// "attn.q" for "attn.q.weight" and "attn.q.bias"; a parameter without either suffix is its own
+// group ("attn.sinks").
+std::string group_of(const std::string& layer_param) {
+  for (const char* suffix : {".weight", ".bias"}) {
+    if (layer_param.ends_with(suffix))
+      return layer_param.substr(0, layer_param.size() - std::string(suffix).size());
+  }
+  return layer_param;
+}
+
+Dims lookup(const std::map<std::string, Dims>& table, const std::string& key,
+            const std::string& what, const std::string& name) {
+  const auto it = table.find(key);
+  if (it == table.end()) throw std::invalid_argument(name + " is not " + what + " of the contract");
+  return it->second;
+}
+
+TensorSpec spec(std::string name, Role role, DTypeRule dtype, Dims dims, const EncoderConfig& cfg,
+                Sizes s) {
+  TensorSpec t{std::move(name), role, dtype, std::move(dims), {}};
+  for (const auto& d : t.dims) t.shape.push_back(dim(d, cfg, s));
+  return t;
+}
+
+// The model's own structure on empty tensors: what Params::visit and Activations::visit name
+// for cfg, without allocating anything.
+Params<float> empty_params(const EncoderConfig& cfg) {
+  Params<float> p;
+  p.config = cfg;
+  p.layers.resize(static_cast<std::size_t>(std::max<index_t>(cfg.num_layers, 0)));
+  for (auto& l : p.layers) l.has_sinks = cfg.attn_sinks;
+  return p;
+}
+
+}  // namespace
+
+const char* to_string(Role r) {
+  switch (r) {
+    case Role::input:
+      return "input";
+    case Role::param:
+      return "param";
+    case Role::mask:
+      return "mask";
+    case Role::act:
+      return "act";
+    case Role::grad:
+      return "grad";
+    case Role::ref64:
+      return "ref64";
+  }
+  return "?";
+}
+
+const char* to_string(DTypeRule d) {
+  switch (d) {
+    case DTypeRule::i64:
+      return "I64";
+    case DTypeRule::u8:
+      return "U8";
+    case DTypeRule::real:
+      return "Real";
+    case DTypeRule::f64:
+      return "F64";
+  }
+  return "?";
+}
+
+std::string symbolic(const Dims& dims) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + dims[i];
+  return s + "]";
+}
+
+std::string TensorSpec::symbolic() const {
+  return contract::symbolic(dims);
+}
+
+index_t dim(const std::string& sym, const EncoderConfig& cfg, Sizes s) {
+  if (sym == "B") return s.batch;
+  if (sym == "S") return s.seq_len;
+  if (sym == "D") return cfg.d_model;
+  if (sym == "H") return cfg.num_heads;
+  if (sym == "Hkv") return cfg.kv_heads();
+  if (sym == "Dh") return cfg.d_head();
+  if (sym == "Hkv*Dh") return cfg.kv_heads() * cfg.d_head();
+  if (sym == "F") return cfg.d_ff;
+  if (sym == "V") return cfg.vocab_size;
+  if (sym == "C") return cfg.num_classes;
+  if (sym == "max_len") return cfg.max_len;
+  throw std::invalid_argument("unknown symbolic dimension \"" + sym + "\"");
+}
+
+Dims param_dims(const std::string& name) {
+  return lookup(param_table(), without_layer(name), "a parameter", name);
+}
+
+Dims act_dims(const std::string& name) {
+  return lookup(act_table(), without_layer(name), "an activation", name);
+}
+
+Dims mask_dims(const std::string& site) {
+  if (site == "dropout.input") return {"B", "S", "D"};
+  if (site.starts_with("dropout.layers.")) {
+    const std::string rest = without_layer(site.substr(8));
+    for (const auto& [n, d] : layer_mask_table())
+      if (rest == n) return d;
+  }
+  throw std::invalid_argument(site + " is not a dropout site of the contract");
+}
+
+Dims dims_of(const std::string& golden_name) {
+  std::string n = golden_name;
+  if (n.starts_with("ref64.")) n = n.substr(6);
+  if (n == "input.tokens") return {"B", "S"};
+  if (n == "input.lengths" || n == "input.labels") return {"B"};
+  if (n.starts_with("dropout.")) return mask_dims(n);
+  if (n.starts_with("grad.act.")) return act_dims(n.substr(9));
+  if (n.starts_with("act.")) return act_dims(n.substr(4));
+  if (n.starts_with("grad.")) return param_dims(n.substr(5));
+  if (n.starts_with("param.")) return param_dims(n.substr(6));
+  throw std::invalid_argument(golden_name + " is not a tensor name of the contract");
+}
+
+std::vector<TensorSpec> params(const EncoderConfig& cfg) {
+  std::vector<TensorSpec> out;
+  empty_params(cfg).visit([&](const std::string& n, const Tensor<float>&) {
+    out.push_back(spec(n, Role::param, DTypeRule::real, param_dims(n), cfg, {}));
+  });
+  return out;
+}
+
+std::vector<TensorSpec> activations(const EncoderConfig& cfg, Sizes s, bool in_golden) {
+  Activations<float> a;
+  a.norm_first = cfg.norm_first;
+  a.rotary = cfg.positional == Positional::rope;
+  a.layers.resize(static_cast<std::size_t>(std::max<index_t>(cfg.num_layers, 0)));
+  std::vector<TensorSpec> out;
+  a.visit([&](const std::string& n, const Tensor<float>&) {
+    if (in_golden && (n.ends_with(".ffn_pre") || n.ends_with(".residual2"))) return;
+    out.push_back(spec(n, Role::act, DTypeRule::real, act_dims(n), cfg, s));
+  });
+  return out;
+}
+
+std::vector<TensorSpec> masks(const EncoderConfig& cfg, Sizes s) {
+  std::vector<TensorSpec> out;
+  out.push_back(
+      spec("dropout.input", Role::mask, DTypeRule::u8, mask_dims("dropout.input"), cfg, s));
+  for (index_t i = 0; i < cfg.num_layers; ++i) {
+    for (const auto& [n, d] : layer_mask_table())
+      out.push_back(spec("dropout.layers." + std::to_string(i) + "." + n, Role::mask, DTypeRule::u8,
+                         d, cfg, s));
+  }
+  return out;
+}
+
+std::vector<TensorSpec> gradients(const EncoderConfig& cfg, Sizes s) {
+  // The parameters grouped by where forward uses them, in that order: the embeddings, each
+  // layer's groups in its use order, the final norm, the head; the activation gradients of the
+  // contract sit between the groups, where backward completes them.
+  std::vector<std::string> top_front, top_final, top_head;
+  std::vector<std::vector<std::string>> layers(static_cast<std::size_t>(cfg.num_layers));
+  for (const auto& p : params(cfg)) {
+    if (p.name.starts_with("layers.")) {
+      const auto dot = p.name.find('.', 7);
+      layers[std::stoul(p.name.substr(7, dot - 7))].push_back(p.name);
+    } else if (p.name.starts_with("final_norm.")) {
+      top_final.push_back(p.name);
+    } else if (p.name.starts_with("head.")) {
+      top_head.push_back(p.name);
+    } else {
+      top_front.push_back(p.name);
+    }
+  }
+  const auto param = [](const std::string& n) { return "grad." + n; };
+  const auto act = [](const std::string& n) { return "grad.act." + n; };
+  std::vector<std::vector<std::string>> groups;  // forward order, produced in reverse
+  const auto add_group = [&](std::vector<std::string> g) { groups.push_back(std::move(g)); };
+  for (const auto& n : top_front) add_group({param(n)});
+  add_group({act("input")});
+  const auto& order = layer_use_order(cfg.norm_first);
+  for (std::size_t i = 0; i < layers.size(); ++i) {
+    const std::string prefix = "layers." + std::to_string(i) + ".";
+    std::vector<std::vector<std::string>> by_group(order.size());
+    for (const auto& n : layers[i]) {
+      const auto it = std::find(order.begin(), order.end(), group_of(n.substr(prefix.size())));
+      if (it == order.end())
+        throw std::logic_error("parameter " + n + " has no place in the layer's use order");
+      by_group[static_cast<std::size_t>(it - order.begin())].push_back(param(n));
+    }
+    for (auto& g : by_group)
+      if (!g.empty()) add_group(std::move(g));
+    add_group({act(prefix + "output")});
+  }
+  if (!top_final.empty()) {
+    std::vector<std::string> g;
+    for (const auto& n : top_final) g.push_back(param(n));
+    add_group(std::move(g));
+  }
+  add_group({act("pooled")});
+  {
+    std::vector<std::string> g;
+    for (const auto& n : top_head) g.push_back(param(n));
+    add_group(std::move(g));
+  }
+  add_group({act("logits")});
+  std::vector<TensorSpec> out;
+  for (auto g = groups.rbegin(); g != groups.rend(); ++g) {
+    for (const auto& n : *g)
+      out.push_back(spec(n, Role::grad, DTypeRule::real, dims_of(n), cfg, s));
+  }
+  return out;
+}
+
+std::vector<TensorSpec> model_case(const EncoderConfig& cfg, Sizes s, bool float32) {
+  std::vector<TensorSpec> out;
+  for (const char* n : {"input.tokens", "input.lengths", "input.labels"})
+    out.push_back(spec(n, Role::input, DTypeRule::i64, dims_of(n), cfg, s));
+  for (auto t : params(cfg)) {
+    t.name = "param." + t.name;
+    out.push_back(std::move(t));
+  }
+  if (cfg.dropout > 0) {
+    for (auto& t : masks(cfg, s)) out.push_back(std::move(t));
+  }
+  std::vector<TensorSpec> computed;
+  for (auto t : activations(cfg, s)) {
+    t.name = "act." + t.name;
+    computed.push_back(std::move(t));
+  }
+  for (auto& t : gradients(cfg, s)) computed.push_back(std::move(t));
+  out.insert(out.end(), computed.begin(), computed.end());
+  if (float32) {
+    for (auto t : computed) {
+      t.name = "ref64." + t.name;
+      t.role = Role::ref64;
+      t.dtype = DTypeRule::f64;
+      out.push_back(std::move(t));
+    }
+  }
+  return out;
+}
+
+}  // namespace teo::contract

@@ -1,0 +1,105 @@
+// golden::validate: a golden file checked against its contract before any of its values is read.
+#include <set>
+
+#include "golden_internal.hpp"
+#include "teo/contract.hpp"
+#include "teo/golden.hpp"
+#include "teo/golden_ops.hpp"
+
+namespace teo::golden {
+
+using safetensors::DType;
+using safetensors::File;
+
+namespace detail {
+
+void expect_tensors(const File& f, const std::vector<ExpectedTensor>& want, bool op) {
+  const char* what = op ? "the op case" : "the golden";
+  const bool kept = f.meta("kept") != nullptr;
+  std::set<std::string> known;
+  for (const auto& w : want) {
+    known.insert(w.name);
+    const auto* t = f.find(w.name);
+    const std::string plain = w.name.starts_with("ref64.") ? w.name.substr(6) : w.name;
+    if (!t) {
+      // --keep leaves out computed tensors with their ref64 twins, and only those
+      if (kept && is_judged(plain, op)) {
+        if (plain != w.name && f.find(plain))
+          throw FormatError(std::string(what) + " holds " + plain + " without " + w.name);
+        continue;
+      }
+      throw FormatError(std::string(what) + " has no " + w.name + " " + w.symbolic +
+                        ", which its contract requires");
+    }
+    if (w.name.starts_with("ref64.") && !f.find(plain)) {
+      throw FormatError(std::string(what) + " holds " + w.name + " without " + plain);
+    }
+    if (t->dtype != w.dtype) {
+      throw FormatError(std::string(what) + "'s " + w.name + " is " +
+                        safetensors::dtype_name(t->dtype) + ", its contract's dtype is " +
+                        safetensors::dtype_name(w.dtype));
+    }
+    if (t->shape != w.shape) {
+      throw FormatError(std::string(what) + "'s " + w.name + " has shape " + t->shape_str() +
+                        ", its contract's is " + w.symbolic + " = " +
+                        safetensors::Tensor{w.name, w.dtype, w.shape, {}}.shape_str());
+    }
+  }
+  for (const auto& t : f.tensors) {
+    if (!known.contains(t.name)) {
+      throw FormatError(std::string(what) + " holds " + t.name +
+                        ", which is not in the contract of its " + (op ? "spec" : "config"));
+    }
+  }
+}
+
+void expect_in_range(const File& f, const std::string& name, std::int64_t hi, bool inclusive,
+                     const std::string& bound) {
+  const auto* t = f.find(name);
+  if (!t) return;
+  const auto v = t->values<std::int64_t>();
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    if (v[i] < 0 || v[i] > hi || (!inclusive && v[i] == hi)) {
+      throw FormatError("the golden's " + name + " holds " + std::to_string(v[i]) + " at [" +
+                        std::to_string(i) + "], outside [0, " + bound + " = " + std::to_string(hi) +
+                        (inclusive ? "]" : ")"));
+    }
+  }
+}
+
+}  // namespace detail
+
+namespace {
+
+void validate_model(const File& f) {
+  const Case c = case_of(f);
+  const bool f32 = c.dtype == "float32";
+  std::vector<detail::ExpectedTensor> want;
+  for (const auto& t : contract::model_case(c.config, {c.batch, c.seq_len}, f32))
+    want.push_back({t.name, detail::stored_dtype(t.dtype, f32), t.shape, t.symbolic()});
+  detail::expect_tensors(f, want, /*op=*/false);
+  detail::expect_in_range(f, "input.tokens", c.config.vocab_size, false, "vocab_size");
+  detail::expect_in_range(f, "input.labels", c.config.num_classes, false, "num_classes");
+  detail::expect_in_range(f, "input.lengths", c.seq_len, true, "seq_len");
+  const auto lengths = f.find("input.lengths")->values<std::int64_t>();
+  const auto case_lengths = c.case_json().at("lengths").get<std::vector<std::int64_t>>();
+  if (lengths != case_lengths)
+    throw FormatError("the golden's input.lengths are not its case's lengths");
+}
+
+}  // namespace
+
+void validate(const File& golden) {
+  const std::string* fmt = golden.meta("format");
+  if (!fmt || (*fmt != kFormat && *fmt != kOpFormat)) {
+    throw FormatError(std::string("not a teo golden file: __metadata__.format is ") +
+                      (fmt ? "\"" + *fmt + "\"" : "missing") + ", expected \"" + kFormat +
+                      "\" or \"" + kOpFormat + "\"");
+  }
+  if (*fmt == kOpFormat)
+    detail::validate_op_file(golden);
+  else
+    validate_model(golden);
+}
+
+}  // namespace teo::golden

@@ -52,6 +52,12 @@ void BM_Stage(benchmark::State& state, Stage stage, teo::Backend backend) {
   std::vector<float> y(rows * f), dx(rows * f), mean(rows), rstd(rows), dw(d), db(d);
   std::vector<std::uint8_t> mask(rows * d);
   std::vector<std::int64_t> tokens(rows), lengths(b, s);
+  teo::AttentionArgs<float> attn;
+  attn.batch = b;
+  attn.heads = heads;
+  attn.seq_len = s;
+  attn.d_head = 64;
+  attn.lengths = lengths.data();
   for (teo::index_t i = 0; i < rows; ++i) tokens[i] = i * 7 % 1000;
   std::vector<float> q = data(b * heads * s * 64, 5), k = data(b * heads * s * 64, 6),
                      v = data(b * heads * s * 64, 7), scores(b * heads * s * s),
@@ -90,8 +96,12 @@ void BM_Stage(benchmark::State& state, Stage stage, teo::Backend backend) {
         elements = rows * d;
         break;
       case Stage::attention_fwd:
-        teo::attention_forward(ctx.data(), scores.data(), probs.data(), q.data(), k.data(),
-                               v.data(), lengths.data(), nullptr, 1.0f, b, heads, s, 64, false);
+        teo::attention_forward(attn, {.context = ctx.data(),
+                                      .scores = scores.data(),
+                                      .probs = probs.data(),
+                                      .q = q.data(),
+                                      .k = k.data(),
+                                      .v = v.data()});
         elements = b * heads * s * s;
         break;
       case Stage::dropout:

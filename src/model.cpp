@@ -420,13 +420,18 @@ void layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P, LayerAc
       L.masks.attn.clear();
     }
     // context (B, S, D) is written with its heads merged, in place.
+    AttentionArgs<Real> args =
+        detail::attention_args(cfg, d.B, d.S, batch.lengths.data(), P.sinks.data());
+    args.drop_mask = drop_attn ? L.masks.attn.data() : nullptr;
+    args.drop_scale = dropout_scale<Real>(p);
+    args.merged_context = true;
     store.named(name, [&] {
-      attention_forward(L.context.data(), L.scores.data(), L.probs.data(),
-                        (d.rope ? L.q_rot : L.q).data(), (d.rope ? L.k_rot : L.k).data(),
-                        L.v.data(), batch.lengths.data(), drop_attn ? L.masks.attn.data() : nullptr,
-                        dropout_scale<Real>(p), d.B, d.H, d.S, d.Dh, cfg.causal,
-                        /*merged_context=*/true, std::nullopt,
-                        detail::attention_variant(cfg, P.sinks.data()));
+      attention_forward(args, {.context = L.context.data(),
+                               .scores = L.scores.data(),
+                               .probs = L.probs.data(),
+                               .q = (d.rope ? L.q_rot : L.q).data(),
+                               .k = (d.rope ? L.k_rot : L.k).data(),
+                               .v = L.v.data()});
     });
     store(L.context, name, "context");
   }
@@ -644,14 +649,23 @@ void layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P, const 
   // dcontext is read in its merged (B, S, D) layout, head by head.
   {
     profile::Scope stage(Stage::bwd_attention);
+    AttentionArgs<Real> args =
+        detail::attention_args(cfg, d.B, d.S, lengths, P.sinks.data(), G.sinks.data());
+    args.drop_mask = L.masks.attn.empty() ? nullptr : L.masks.attn.data();
+    args.drop_scale = scale;
+    args.merged_context = true;
+    args.qkv_write = GradWrite::overwrite;
     store.named(name, [&] {
-      attention_backward(
-          (d.rope ? dL.q_rot : dL.q).data(), (d.rope ? dL.k_rot : dL.k).data(), dL.v.data(),
-          dL.probs.data(), dL.scores.data(), dL.context.data(), (d.rope ? L.q_rot : L.q).data(),
-          (d.rope ? L.k_rot : L.k).data(), L.v.data(), L.probs.data(),
-          L.masks.attn.empty() ? nullptr : L.masks.attn.data(), scale, d.B, d.H, d.S, d.Dh,
-          /*merged_context=*/true, GradWrite::overwrite, std::nullopt,
-          detail::attention_variant(cfg, P.sinks.data(), G.sinks.data()), lengths, cfg.causal);
+      attention_backward(args, {.dq = (d.rope ? dL.q_rot : dL.q).data(),
+                                .dk = (d.rope ? dL.k_rot : dL.k).data(),
+                                .dv = dL.v.data(),
+                                .dprobs = dL.probs.data(),
+                                .dscores = dL.scores.data(),
+                                .dcontext = dL.context.data(),
+                                .q = (d.rope ? L.q_rot : L.q).data(),
+                                .k = (d.rope ? L.k_rot : L.k).data(),
+                                .v = L.v.data(),
+                                .probs = L.probs.data()});
     });
     if (d.rope) {
       // in the forward pass this was: q_rot, k_rot = RoPE(q), RoPE(k)

@@ -29,4 +29,21 @@ AttentionVariant<Real> attention_variant(const EncoderConfig& cfg, const Real* s
   return v;
 }
 
+// The attention call of cfg's layer on a batch of `batch` sequences of seq_len with these lengths:
+// its sizes, mask, variant and default scale; the caller sets the path's options.
+template <class Real>
+AttentionArgs<Real> attention_args(const EncoderConfig& cfg, index_t batch, index_t seq_len,
+                                   const std::int64_t* lengths, const Real* sinks,
+                                   Real* dsinks = nullptr) {
+  AttentionArgs<Real> a;
+  a.batch = batch;
+  a.heads = cfg.num_heads;
+  a.seq_len = seq_len;
+  a.d_head = cfg.d_head();
+  a.lengths = lengths;
+  a.causal = cfg.causal;
+  a.variant = attention_variant(cfg, sinks, dsinks);
+  return a;
+}
+
 }  // namespace teo::detail

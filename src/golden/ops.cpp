@@ -761,10 +761,14 @@ Results<Real> run(const Spec& s, const Values& v, std::uint64_t seed, std::optio
       const auto& len = lengths_of(v, s);
       const bool rope = s.cfg.positional == Positional::rope;
       const Tensor<Real> sinks = s.cfg.attn_sinks ? in("param.sinks") : Tensor<Real>();
-      // The op's config has one head: its K/V heads come from the spec.
-      AttentionVariant<Real> var = teo::detail::attention_variant(
-          s.cfg, sinks.data(), s.cfg.attn_sinks ? r["grad.param.sinks"].data() : nullptr);
-      var.kv_heads = s.kv_heads;
+      // The op's config has one head: its sizes and K/V heads come from the spec.
+      AttentionArgs<Real> args =
+          teo::detail::attention_args(s.cfg, s.batch, s.seq, len.data(), sinks.data(),
+                                      s.cfg.attn_sinks ? r["grad.param.sinks"].data() : nullptr);
+      args.heads = s.heads;
+      args.d_head = s.d_head;
+      args.scale = s.scale;
+      args.variant.kv_heads = s.kv_heads;
       // With RoPE, attention reads q_rot and k_rot, and its q and k gradients are rotated back.
       Tensor<Real> qr, kr, dqr, dkr, cs, sn;
       const index_t rd = s.cfg.rotary();
@@ -792,23 +796,27 @@ Results<Real> run(const Spec& s, const Values& v, std::uint64_t seed, std::optio
       Real* dq = rope ? dqr.data() : r["grad.input.q"].data();
       Real* dk = rope ? dkr.data() : r["grad.input.k"].data();
       Real* dv = r["grad.input.v"].data();
+      const AttentionBackward<Real> grads{
+          .dq = dq, .dk = dk, .dv = dv, .dcontext = dc.data(), .q = qa, .k = ka, .v = vv.data()};
       if (s.probs) {
-        attention_forward(r["output.context"].data(), r["output.scores"].data(),
-                          r["output.probs"].data(), qa, ka, vv.data(), len.data(), nullptr, Real(1),
-                          s.batch, s.heads, s.seq, s.d_head, s.cfg.causal, false, s.scale, var);
+        attention_forward(args, {.context = r["output.context"].data(),
+                                 .scores = r["output.scores"].data(),
+                                 .probs = r["output.probs"].data(),
+                                 .q = qa,
+                                 .k = ka,
+                                 .v = vv.data()});
         done("output.context");
         auto dprobs = zeros("output.probs"), dscores = zeros("output.scores");
-        attention_backward(dq, dk, dv, dprobs.data(), dscores.data(), dc.data(), qa, ka, vv.data(),
-                           r["output.probs"].data(), nullptr, Real(1), s.batch, s.heads, s.seq,
-                           s.d_head, false, GradWrite::accumulate, s.scale, var, len.data(),
-                           s.cfg.causal);
+        AttentionBackward<Real> g = grads;
+        g.dprobs = dprobs.data();
+        g.dscores = dscores.data();
+        g.probs = r["output.probs"].data();
+        attention_backward(args, g);
       } else {
-        attention_forward_rows(r["output.context"].data(), qa, ka, vv.data(), len.data(), s.batch,
-                               s.heads, s.seq, s.d_head, s.cfg.causal, s.scale, 0, var);
+        attention_forward_rows(
+            args, {.context = r["output.context"].data(), .q = qa, .k = ka, .v = vv.data()});
         done("output.context");
-        attention_backward_rows(dq, dk, dv, dc.data(), qa, ka, vv.data(), len.data(), s.batch,
-                                s.heads, s.seq, s.d_head, s.cfg.causal, GradWrite::accumulate,
-                                s.scale, 0, var);
+        attention_backward_rows(args, grads);
       }
       if (rope) {
         // in the forward pass this was: q_rot, k_rot = RoPE(q), RoPE(k)

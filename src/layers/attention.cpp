@@ -291,6 +291,30 @@ void add_sink_grads(Real* dsinks, const std::vector<Real>& part, index_t batch, 
     for (index_t b = 0; b < batch; ++b) dsinks[h] += part[static_cast<std::size_t>(b * heads + h)];
 }
 
+// ShapeError unless the arguments fit together: sizes >= 0, lengths given (and within the
+// sequence) when there is a batch, and the row-blocked path without dropout or merged heads.
+template <class Real>
+void check_args(const AttentionArgs<Real>& a, const char* what, bool rows) {
+  if (a.batch < 0 || a.heads < 0 || a.seq_len < 0 || a.d_head < 0) {
+    throw ShapeError(std::string(what) + ": negative size (batch " + std::to_string(a.batch) +
+                     ", heads " + std::to_string(a.heads) + ", seq_len " +
+                     std::to_string(a.seq_len) + ", d_head " + std::to_string(a.d_head) + ")");
+  }
+  if (a.batch > 0 && !a.lengths) throw ShapeError(std::string(what) + ": lengths are required");
+  if (rows && (a.drop_mask || a.merged_context)) {
+    throw ShapeError(std::string(what) +
+                     ": the row-blocked path takes no dropout mask and no merged context");
+  }
+}
+
+// ShapeError naming the tensors `which` unless `present`, when the call has any element.
+template <class Real>
+void require(bool present, const AttentionArgs<Real>& a, const char* what, const char* which) {
+  if (!present && a.batch > 0 && a.heads > 0 && a.seq_len > 0) {
+    throw ShapeError(std::string(what) + " needs " + which);
+  }
+}
+
 }  // namespace
 
 std::vector<double> alibi_slopes(index_t heads, double max_bias) {
@@ -306,12 +330,17 @@ std::vector<double> alibi_slopes(index_t heads, double max_bias) {
 }
 
 template <class Real>
-void attention_forward(Real* context, Real* scores, Real* probs, const Real* q, const Real* k,
-                       const Real* v, const std::int64_t* lengths, const std::uint8_t* drop_mask,
-                       Real drop_scale, index_t batch, index_t heads, index_t seq_len,
-                       index_t d_head, bool causal, bool merged_context,
-                       std::optional<double> scale, const AttentionVariant<Real>& variant) {
-  const Rules<Real> rules(variant, heads, d_head, causal, scale);
+void attention_forward(const AttentionArgs<Real>& a, const AttentionForward<Real>& t) {
+  check_args(a, "attention_forward", /*rows=*/false);
+  require(t.context && t.scores && t.probs && t.q && t.k && t.v, a, "attention_forward",
+          "context, scores, probs, q, k and v");
+  const index_t batch = a.batch, heads = a.heads, seq_len = a.seq_len, d_head = a.d_head;
+  const std::int64_t* lengths = a.lengths;
+  const std::uint8_t* drop_mask = a.drop_mask;
+  const Real drop_scale = a.drop_scale;
+  Real *context = t.context, *scores = t.scores, *probs = t.probs;
+  const Real *q = t.q, *k = t.k, *v = t.v;
+  const Rules<Real> rules(a.variant, heads, d_head, a.causal, a.scale);
   const index_t ss = seq_len * seq_len, kv = rules.kv_heads();
   // Each (batch, K/V head) block is one task's: its query heads' scores, probs and context rows
   // are its own.
@@ -334,7 +363,7 @@ void attention_forward(Real* context, Real* scores, Real* probs, const Real* q, 
         pv = dropped.data();
       }
       // context (S, Dh) = dropout(probs) (S, S) * v (S, Dh); the strides change no value
-      const auto [ch, ldc] = head_block(context, bh, heads, seq_len, d_head, merged_context);
+      const auto [ch, ldc] = head_block(context, bh, heads, seq_len, d_head, a.merged_context);
       gemm<Real>(Trans::no, Trans::no, seq_len, d_head, seq_len, Real(1), pv, seq_len, vh, d_head,
                  Real(0), ch, ldc);
     });
@@ -342,25 +371,27 @@ void attention_forward(Real* context, Real* scores, Real* probs, const Real* q, 
 }
 
 template <class Real>
-void attention_backward(Real* dq, Real* dk, Real* dv, Real* dprobs, Real* dscores,
-                        const Real* dcontext, const Real* q, const Real* k, const Real* v,
-                        const Real* probs, const std::uint8_t* drop_mask, Real drop_scale,
-                        index_t batch, index_t heads, index_t seq_len, index_t d_head,
-                        bool merged_context, GradWrite qkv_write, std::optional<double> scale,
-                        const AttentionVariant<Real>& variant, const std::int64_t* lengths,
-                        bool causal) {
-  const Rules<Real> rules(variant, heads, d_head, causal, scale);
+void attention_backward(const AttentionArgs<Real>& a, const AttentionBackward<Real>& t) {
+  check_args(a, "attention_backward", /*rows=*/false);
+  require(
+      t.dq && t.dk && t.dv && t.dprobs && t.dscores && t.dcontext && t.q && t.k && t.v && t.probs,
+      a, "attention_backward", "dq, dk, dv, dprobs, dscores, dcontext, q, k, v and probs");
+  const index_t batch = a.batch, heads = a.heads, seq_len = a.seq_len, d_head = a.d_head;
+  const std::int64_t* lengths = a.lengths;
+  const std::uint8_t* drop_mask = a.drop_mask;
+  const Real drop_scale = a.drop_scale;
+  Real *dq = t.dq, *dk = t.dk, *dv = t.dv, *dprobs = t.dprobs, *dscores = t.dscores;
+  const Real *dcontext = t.dcontext, *q = t.q, *k = t.k, *v = t.v, *probs = t.probs;
+  const AttentionVariant<Real>& variant = a.variant;
+  const Rules<Real> rules(variant, heads, d_head, a.causal, a.scale);
   const Real alpha = rules.alpha();
   const index_t ss = seq_len * seq_len, kv = rules.kv_heads();
-  if (rules.recompute() && batch > 0 && !lengths) {
-    throw ShapeError("attention_backward: a soft-cap or sinks need the lengths");
-  }
   if (rules.sunk() && !variant.dsinks) {
     throw ShapeError("attention_backward: sinks need dsinks");
   }
   // Each query head's dq is written by one product: beta = 0 overwrites it. A K/V head's dk and dv
   // are one fused chain over its group's query heads in order, the first starting from beta.
-  const Real beta = qkv_write == GradWrite::overwrite ? Real(0) : Real(1);
+  const Real beta = a.qkv_write == GradWrite::overwrite ? Real(0) : Real(1);
   std::vector<Real> sink_part = buffer<Real>(rules.sunk(), batch * heads);  // (B, H)
   detail::for_blocks(batch * kv, 1, [&](index_t bg0, index_t bg1) {
     std::vector<Real> dropped = buffer<Real>(drop_mask, ss);  // (S, S)
@@ -375,7 +406,7 @@ void attention_backward(Real* dq, Real* dk, Real* dv, Real* dprobs, Real* dscore
       const Real bkv = hg == 0 ? beta : Real(1);
       const HeadRule<Real> rule = rules(h);
       // this head's dcontext (S, Dh) and its row stride
-      const auto [dc, ldc] = head_block(dcontext, bh, heads, seq_len, d_head, merged_context);
+      const auto [dc, ldc] = head_block(dcontext, bh, heads, seq_len, d_head, a.merged_context);
       const Real* pr = probs + bh * ss;  // (S, S)
       Real* dp = dprobs + bh * ss;       // (S, S)
       Real* ds = dscores + bh * ss;      // (S, S)
@@ -411,13 +442,15 @@ void attention_backward(Real* dq, Real* dk, Real* dv, Real* dprobs, Real* dscore
 }
 
 template <class Real>
-void attention_forward_rows(Real* context, const Real* q, const Real* k, const Real* v,
-                            const std::int64_t* lengths, index_t batch, index_t heads,
-                            index_t seq_len, index_t d_head, bool causal,
-                            std::optional<double> scale, index_t block_rows,
-                            const AttentionVariant<Real>& variant) {
-  const Rules<Real> rules(variant, heads, d_head, causal, scale);
-  const index_t rb = rows_per_block(seq_len, block_rows), kv = rules.kv_heads();
+void attention_forward_rows(const AttentionArgs<Real>& a, const AttentionForward<Real>& t) {
+  check_args(a, "attention_forward_rows", /*rows=*/true);
+  require(t.context && t.q && t.k && t.v, a, "attention_forward_rows", "context, q, k and v");
+  const index_t batch = a.batch, heads = a.heads, seq_len = a.seq_len, d_head = a.d_head;
+  const std::int64_t* lengths = a.lengths;
+  Real* context = t.context;
+  const Real *q = t.q, *k = t.k, *v = t.v;
+  const Rules<Real> rules(a.variant, heads, d_head, a.causal, a.scale);
+  const index_t rb = rows_per_block(seq_len, a.block_rows), kv = rules.kv_heads();
   detail::for_blocks(batch * kv, 1, [&](index_t bg0, index_t bg1) {
     std::vector<Real> sc(static_cast<std::size_t>(rb * seq_len));  // (rows, S)
     std::vector<Real> pr(static_cast<std::size_t>(rb * seq_len));  // (rows, S)
@@ -440,15 +473,19 @@ void attention_forward_rows(Real* context, const Real* q, const Real* k, const R
 }
 
 template <class Real>
-void attention_backward_rows(Real* dq, Real* dk, Real* dv, const Real* dcontext, const Real* q,
-                             const Real* k, const Real* v, const std::int64_t* lengths,
-                             index_t batch, index_t heads, index_t seq_len, index_t d_head,
-                             bool causal, GradWrite qkv_write, std::optional<double> scale,
-                             index_t block_rows, const AttentionVariant<Real>& variant) {
-  const Rules<Real> rules(variant, heads, d_head, causal, scale);
+void attention_backward_rows(const AttentionArgs<Real>& a, const AttentionBackward<Real>& t) {
+  check_args(a, "attention_backward_rows", /*rows=*/true);
+  require(t.dq && t.dk && t.dv && t.dcontext && t.q && t.k && t.v, a, "attention_backward_rows",
+          "dq, dk, dv, dcontext, q, k and v");
+  const index_t batch = a.batch, heads = a.heads, seq_len = a.seq_len, d_head = a.d_head;
+  const std::int64_t* lengths = a.lengths;
+  Real *dq = t.dq, *dk = t.dk, *dv = t.dv;
+  const Real *dcontext = t.dcontext, *q = t.q, *k = t.k, *v = t.v;
+  const AttentionVariant<Real>& variant = a.variant;
+  const Rules<Real> rules(variant, heads, d_head, a.causal, a.scale);
   const Real alpha = rules.alpha();
-  const Real beta = qkv_write == GradWrite::overwrite ? Real(0) : Real(1);
-  const index_t rb = rows_per_block(seq_len, block_rows), kv = rules.kv_heads();
+  const Real beta = a.qkv_write == GradWrite::overwrite ? Real(0) : Real(1);
+  const index_t rb = rows_per_block(seq_len, a.block_rows), kv = rules.kv_heads();
   if (rules.sunk() && !variant.dsinks) {
     throw ShapeError("attention_backward_rows: sinks need dsinks");
   }
@@ -499,21 +536,14 @@ void attention_backward_rows(Real* dq, Real* dk, Real* dv, const Real* dcontext,
                                   const Real*);                                                    \
   template void merge_heads<Real>(Real*, const Real*, index_t, index_t, index_t, index_t,          \
                                   index_t);                                                        \
-  template void attention_forward<Real>(Real*, Real*, Real*, const Real*, const Real*,             \
-                                        const Real*, const std::int64_t*, const std::uint8_t*,     \
-                                        Real, index_t, index_t, index_t, index_t, bool, bool,      \
-                                        std::optional<double>, const AttentionVariant<Real>&);     \
-  template void attention_backward<Real>(                                                          \
-      Real*, Real*, Real*, Real*, Real*, const Real*, const Real*, const Real*, const Real*,       \
-      const Real*, const std::uint8_t*, Real, index_t, index_t, index_t, index_t, bool, GradWrite, \
-      std::optional<double>, const AttentionVariant<Real>&, const std::int64_t*, bool);            \
-  template void attention_forward_rows<Real>(                                                      \
-      Real*, const Real*, const Real*, const Real*, const std::int64_t*, index_t, index_t,         \
-      index_t, index_t, bool, std::optional<double>, index_t, const AttentionVariant<Real>&);      \
-  template void attention_backward_rows<Real>(                                                     \
-      Real*, Real*, Real*, const Real*, const Real*, const Real*, const Real*,                     \
-      const std::int64_t*, index_t, index_t, index_t, index_t, bool, GradWrite,                    \
-      std::optional<double>, index_t, const AttentionVariant<Real>&);
+  template void attention_forward<Real>(const AttentionArgs<Real>&,                                \
+                                        const AttentionForward<Real>&);                            \
+  template void attention_backward<Real>(const AttentionArgs<Real>&,                               \
+                                         const AttentionBackward<Real>&);                          \
+  template void attention_forward_rows<Real>(const AttentionArgs<Real>&,                           \
+                                             const AttentionForward<Real>&);                       \
+  template void attention_backward_rows<Real>(const AttentionArgs<Real>&,                          \
+                                              const AttentionBackward<Real>&);
 TEO_INSTANTIATE(float)
 TEO_INSTANTIATE(double)
 

@@ -279,16 +279,39 @@ std::array<AttentionResult<Real>, 2> both_paths(index_t B, index_t H, index_t S,
     x.dq = x.dk = x.dv = x.ctx;
   }
   std::vector<Real> sc(ss), pr(ss), dp(ss), ds(ss);
-  teo::attention_forward(r[0].ctx.data(), sc.data(), pr.data(), q.data(), k.data(), v.data(),
-                         lengths.data(), nullptr, Real(1), B, H, S, Dh, causal, false, scale);
-  teo::attention_backward(r[0].dq.data(), r[0].dk.data(), r[0].dv.data(), dp.data(), ds.data(),
-                          dc.data(), q.data(), k.data(), v.data(), pr.data(), nullptr, Real(1), B,
-                          H, S, Dh, false, teo::GradWrite::accumulate, scale);
-  teo::attention_forward_rows(r[1].ctx.data(), q.data(), k.data(), v.data(), lengths.data(), B, H,
-                              S, Dh, causal, scale, block_rows);
-  teo::attention_backward_rows(r[1].dq.data(), r[1].dk.data(), r[1].dv.data(), dc.data(), q.data(),
-                               k.data(), v.data(), lengths.data(), B, H, S, Dh, causal,
-                               teo::GradWrite::accumulate, scale, block_rows);
+  teo::AttentionArgs<Real> a{.batch = B,
+                             .heads = H,
+                             .seq_len = S,
+                             .d_head = Dh,
+                             .lengths = lengths.data(),
+                             .causal = causal,
+                             .scale = scale,
+                             .block_rows = block_rows};
+  teo::attention_forward(a, {.context = r[0].ctx.data(),
+                             .scores = sc.data(),
+                             .probs = pr.data(),
+                             .q = q.data(),
+                             .k = k.data(),
+                             .v = v.data()});
+  teo::attention_backward(a, {.dq = r[0].dq.data(),
+                              .dk = r[0].dk.data(),
+                              .dv = r[0].dv.data(),
+                              .dprobs = dp.data(),
+                              .dscores = ds.data(),
+                              .dcontext = dc.data(),
+                              .q = q.data(),
+                              .k = k.data(),
+                              .v = v.data(),
+                              .probs = pr.data()});
+  teo::attention_forward_rows(
+      a, {.context = r[1].ctx.data(), .q = q.data(), .k = k.data(), .v = v.data()});
+  teo::attention_backward_rows(a, {.dq = r[1].dq.data(),
+                                   .dk = r[1].dk.data(),
+                                   .dv = r[1].dv.data(),
+                                   .dcontext = dc.data(),
+                                   .q = q.data(),
+                                   .k = k.data(),
+                                   .v = v.data()});
   return r;
 }
 

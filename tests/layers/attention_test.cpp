@@ -20,6 +20,25 @@ struct Run {
   std::vector<Real> ctx, scores, probs;
 };
 
+// The attention call of case c: its sizes and lengths, the mask and dropout given.
+template <class Real>
+AttentionArgs<Real> args_of(const Case& c, bool causal, const std::uint8_t* drop_mask,
+                            Real drop_scale, bool merged = false,
+                            GradWrite w = GradWrite::accumulate) {
+  AttentionArgs<Real> a;
+  a.batch = c.b;
+  a.heads = c.h;
+  a.seq_len = c.s;
+  a.d_head = c.dh;
+  a.lengths = c.len.data();
+  a.causal = causal;
+  a.drop_mask = drop_mask;
+  a.drop_scale = drop_scale;
+  a.merged_context = merged;
+  a.qkv_write = w;
+  return a;
+}
+
 template <class Real>
 Run<Real> run_forward(const Case& c, const std::vector<Real>& q, const std::vector<Real>& k,
                       const std::vector<Real>& v, bool causal, const std::uint8_t* mask,
@@ -28,8 +47,12 @@ Run<Real> run_forward(const Case& c, const std::vector<Real>& q, const std::vect
   r.ctx.assign(c.b * c.h * c.s * c.dh, Real(-7));
   r.scores.assign(c.b * c.h * c.s * c.s, Real(-7));
   r.probs.assign(c.b * c.h * c.s * c.s, Real(-7));
-  attention_forward(r.ctx.data(), r.scores.data(), r.probs.data(), q.data(), k.data(), v.data(),
-                    c.len.data(), mask, scale, c.b, c.h, c.s, c.dh, causal);
+  attention_forward(args_of(c, causal, mask, scale), {.context = r.ctx.data(),
+                                                      .scores = r.scores.data(),
+                                                      .probs = r.probs.data(),
+                                                      .q = q.data(),
+                                                      .k = k.data(),
+                                                      .v = v.data()});
   return r;
 }
 
@@ -104,8 +127,16 @@ TYPED_TEST(Attention, FullyMaskedRowsGiveExactZeroAndNoNaN) {
   const auto g = test::uniform_vector<Real>(n, 4, "g");
   std::vector<Real> dq(n, Real(0)), dk(n, Real(0)), dv(n, Real(0));
   std::vector<Real> dp(r.probs.size()), ds(r.probs.size());
-  attention_backward(dq.data(), dk.data(), dv.data(), dp.data(), ds.data(), g.data(), q.data(),
-                     k.data(), v.data(), r.probs.data(), nullptr, Real(1), c.b, c.h, c.s, c.dh);
+  attention_backward(args_of(c, false, nullptr, Real(1)), {.dq = dq.data(),
+                                                           .dk = dk.data(),
+                                                           .dv = dv.data(),
+                                                           .dprobs = dp.data(),
+                                                           .dscores = ds.data(),
+                                                           .dcontext = g.data(),
+                                                           .q = q.data(),
+                                                           .k = k.data(),
+                                                           .v = v.data(),
+                                                           .probs = r.probs.data()});
   for (const auto* t : {&dq, &dk, &dv, &ds})
     for (Real x : *t) EXPECT_EQ(x, Real(0));
 }
@@ -125,8 +156,16 @@ TEST(Attention, BackwardMatchesFiniteDifferences) {
       const double scale = dropout_scale<double>(0.3);
       const auto r = run_forward(c, q, k, v, causal, m, scale);
       std::vector<double> dq(n, 0.0), dk(n, 0.0), dv(n, 0.0), dp(nss), ds(nss);
-      attention_backward(dq.data(), dk.data(), dv.data(), dp.data(), ds.data(), rc.data(), q.data(),
-                         k.data(), v.data(), r.probs.data(), m, scale, c.b, c.h, c.s, c.dh);
+      attention_backward(args_of(c, causal, m, scale), {.dq = dq.data(),
+                                                        .dk = dk.data(),
+                                                        .dv = dv.data(),
+                                                        .dprobs = dp.data(),
+                                                        .dscores = ds.data(),
+                                                        .dcontext = rc.data(),
+                                                        .q = q.data(),
+                                                        .k = k.data(),
+                                                        .v = v.data(),
+                                                        .probs = r.probs.data()});
       auto loss = [&] { return test::dot(run_forward(c, q, k, v, causal, m, scale).ctx, rc); };
       const std::string what =
           std::string(causal ? "causal" : "padding") + (drop ? "+dropout" : "");
@@ -159,8 +198,12 @@ TYPED_TEST(Attention, MergedContextLayoutGivesTheSameBits) {
                                   static_cast<const std::uint8_t*>(mask.data())}) {
       const auto split = run_forward(c, q, k, v, causal, m, scale);
       std::vector<Real> merged(n, Real(-7)), scores(nss), probs(nss), want(n);
-      attention_forward(merged.data(), scores.data(), probs.data(), q.data(), k.data(), v.data(),
-                        c.len.data(), m, scale, c.b, c.h, c.s, c.dh, causal, true);
+      attention_forward(args_of(c, causal, m, scale, /*merged=*/true), {.context = merged.data(),
+                                                                        .scores = scores.data(),
+                                                                        .probs = probs.data(),
+                                                                        .q = q.data(),
+                                                                        .k = k.data(),
+                                                                        .v = v.data()});
       merge_heads(want.data(), split.ctx.data(), c.b, c.s, c.h, c.dh);
       EXPECT_EQ(merged, want);
       EXPECT_EQ(probs, split.probs);
@@ -170,9 +213,17 @@ TYPED_TEST(Attention, MergedContextLayoutGivesTheSameBits) {
       std::vector<std::vector<Real>> grads[2];
       for (int layout = 0; layout < 2; ++layout) {
         std::vector<Real> dq(n, Real(0.5)), dk(n, Real(0.25)), dv(n, Real(-1)), dp(nss), ds(nss);
-        attention_backward(dq.data(), dk.data(), dv.data(), dp.data(), ds.data(),
-                           layout ? g_merged.data() : g.data(), q.data(), k.data(), v.data(),
-                           split.probs.data(), m, scale, c.b, c.h, c.s, c.dh, layout == 1);
+        attention_backward(args_of(c, causal, m, scale, /*merged=*/layout == 1),
+                           {.dq = dq.data(),
+                            .dk = dk.data(),
+                            .dv = dv.data(),
+                            .dprobs = dp.data(),
+                            .dscores = ds.data(),
+                            .dcontext = layout ? g_merged.data() : g.data(),
+                            .q = q.data(),
+                            .k = k.data(),
+                            .v = v.data(),
+                            .probs = split.probs.data()});
         grads[layout] = {dq, dk, dv, dp, ds};
       }
       EXPECT_EQ(grads[0], grads[1]);
@@ -202,9 +253,16 @@ TYPED_TEST(Attention, OverwritingDqDkDvGivesTheBitsOfAccumulatingIntoZeros) {
           const Real start =
               w == GradWrite::overwrite ? std::numeric_limits<Real>::quiet_NaN() : Real(0);
           std::vector<Real> dq(n, start), dk(n, start), dv(n, start), dp(nss), ds(nss);
-          attention_backward(dq.data(), dk.data(), dv.data(), dp.data(), ds.data(), g.data(),
-                             q.data(), k.data(), v.data(), fwd.probs.data(), m, scale, c.b, c.h,
-                             c.s, c.dh, false, w);
+          attention_backward(args_of(c, causal, m, scale, false, w), {.dq = dq.data(),
+                                                                      .dk = dk.data(),
+                                                                      .dv = dv.data(),
+                                                                      .dprobs = dp.data(),
+                                                                      .dscores = ds.data(),
+                                                                      .dcontext = g.data(),
+                                                                      .q = q.data(),
+                                                                      .k = k.data(),
+                                                                      .v = v.data(),
+                                                                      .probs = fwd.probs.data()});
           grads[w == GradWrite::overwrite] = {dq, dk, dv, dp, ds};
         }
         for (std::size_t t = 0; t < 5; ++t)
@@ -249,4 +307,38 @@ TYPED_TEST(Attention, SplitHeadsWithBiasIsTheSplitOfTheBiasedRows) {
 }
 
 }  // namespace
+// Arguments that do not fit together are refused by name before anything is written.
+TEST(Attention, ArgumentsThatDoNotFitAreRefusedByName) {
+  const Case c;
+  const Inputs<double> in(c);
+  std::vector<double> ctx(in.n, 5.0), sc(in.nss), pr(in.nss);
+  const AttentionForward<double> t{.context = ctx.data(),
+                                   .scores = sc.data(),
+                                   .probs = pr.data(),
+                                   .q = in.q.data(),
+                                   .k = in.k.data(),
+                                   .v = in.v.data()};
+  const auto refused = [&](AttentionArgs<double> a, AttentionForward<double> f, bool rows,
+                           const std::string& why) {
+    try {
+      rows ? attention_forward_rows(a, f) : attention_forward(a, f);
+      ADD_FAILURE() << why;
+    } catch (const ShapeError& e) {
+      EXPECT_NE(std::string(e.what()).find(why), std::string::npos) << e.what();
+    }
+    for (double x : ctx) EXPECT_EQ(x, 5.0);
+  };
+  AttentionArgs<double> no_lengths = args_of(c, false, nullptr, 1.0);
+  no_lengths.lengths = nullptr;
+  refused(no_lengths, t, false, "lengths are required");
+  AttentionForward<double> no_probs = t;
+  no_probs.probs = nullptr;
+  refused(args_of(c, false, nullptr, 1.0), no_probs, false, "needs context, scores, probs");
+  refused(args_of(c, false, in.mask.data(), in.scale), t, true, "takes no dropout mask");
+  refused(args_of(c, false, nullptr, 1.0, /*merged=*/true), t, true, "no merged context");
+  AttentionArgs<double> bad_kv = args_of(c, false, nullptr, 1.0);
+  bad_kv.variant.kv_heads = 3;
+  refused(bad_kv, t, false, "does not divide heads");
+}
+
 }  // namespace teo

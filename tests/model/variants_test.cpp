@@ -514,20 +514,44 @@ TEST(Variants, RowBlockedAttentionKeepsTheMaterialisedBits) {
       std::vector<double> ctx(q.size()), sc(B * H * S * S), pr(sc.size()), dp(sc.size()),
           ds(sc.size());
       std::vector<double> dq(q.size()), dk(k.size()), dvv(v.size());
-      attention_forward(ctx.data(), sc.data(), pr.data(), q.data(), k.data(), v.data(), len.data(),
-                        nullptr, 1.0, B, H, S, Dh, causal, false, std::nullopt, var);
-      attention_backward(dq.data(), dk.data(), dvv.data(), dp.data(), ds.data(), dc.data(),
-                         q.data(), k.data(), v.data(), pr.data(), nullptr, 1.0, B, H, S, Dh, false,
-                         GradWrite::overwrite, std::nullopt, var, len.data(), causal);
+      AttentionArgs<double> args{.batch = B,
+                                 .heads = H,
+                                 .seq_len = S,
+                                 .d_head = Dh,
+                                 .lengths = len.data(),
+                                 .causal = causal,
+                                 .variant = var,
+                                 .qkv_write = GradWrite::overwrite};
+      attention_forward(args, {.context = ctx.data(),
+                               .scores = sc.data(),
+                               .probs = pr.data(),
+                               .q = q.data(),
+                               .k = k.data(),
+                               .v = v.data()});
+      attention_backward(args, {.dq = dq.data(),
+                                .dk = dk.data(),
+                                .dv = dvv.data(),
+                                .dprobs = dp.data(),
+                                .dscores = ds.data(),
+                                .dcontext = dc.data(),
+                                .q = q.data(),
+                                .k = k.data(),
+                                .v = v.data(),
+                                .probs = pr.data()});
       for (index_t rows : {1, 3, 16, 0}) {
-        var.dsinks = dsink1.data();
+        args.variant.dsinks = dsink1.data();
+        args.block_rows = rows;
         std::fill(dsink1.begin(), dsink1.end(), 0.0);
         std::vector<double> ctx1(q.size()), dq1(q.size()), dk1(k.size()), dv1(v.size());
-        attention_forward_rows(ctx1.data(), q.data(), k.data(), v.data(), len.data(), B, H, S, Dh,
-                               causal, std::nullopt, rows, var);
-        attention_backward_rows(dq1.data(), dk1.data(), dv1.data(), dc.data(), q.data(), k.data(),
-                                v.data(), len.data(), B, H, S, Dh, causal, GradWrite::overwrite,
-                                std::nullopt, rows, var);
+        attention_forward_rows(
+            args, {.context = ctx1.data(), .q = q.data(), .k = k.data(), .v = v.data()});
+        attention_backward_rows(args, {.dq = dq1.data(),
+                                       .dk = dk1.data(),
+                                       .dv = dv1.data(),
+                                       .dcontext = dc.data(),
+                                       .q = q.data(),
+                                       .k = k.data(),
+                                       .v = v.data()});
         const std::string tag = std::string(to_string(isa)) + " rows " + std::to_string(rows);
         EXPECT_EQ(std::memcmp(ctx.data(), ctx1.data(), ctx.size() * 8), 0) << tag;
         EXPECT_EQ(std::memcmp(dq.data(), dq1.data(), dq.size() * 8), 0) << tag;

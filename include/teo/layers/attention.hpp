@@ -29,11 +29,11 @@ struct AttentionVariant {
   // h / (heads / kv_heads): contiguous groups. k, v, dk and dv are (B, kv_heads, S, Dh).
   index_t kv_heads = 0;
   // W >= 1: causal, key j is visible from query i iff i - j < W as well; otherwise iff |i - j| < W.
-  std::optional<index_t> window;
+  std::optional<index_t> window{};
   // c > 0: each scaled score s becomes c tanh(s / c), before the bias and the mask.
-  std::optional<double> softcap;
+  std::optional<double> softcap{};
   // ALiBi with this maximum bias: head h adds -slope_h (i - j) (causal) or -slope_h |i - j|.
-  std::optional<double> alibi_max_bias;
+  std::optional<double> alibi_max_bias{};
   // (H) learned sink logits: probs = softmax([scores, sink]) without the sink's column.
   const Real* sinks = nullptr;
   // (H), backward only: the sinks' gradient is accumulated here (required when sinks is set).
@@ -44,64 +44,92 @@ struct AttentionVariant {
 // h < m gets 2^(-max_bias (h + 1) / m) and head m + k gets 2^(-max_bias (2k + 1) / (2m)).
 std::vector<double> alibi_slopes(index_t heads, double max_bias);
 
-// Key j is visible from query i of sequence b iff j < lengths[b] and (!causal or j <= i) (and
-// within the variant's window).
-//   scores = scale q k^T, soft-capped and biased by the variant, on visible keys; -inf elsewhere
-//            (scale: 1 / sqrt(Dh) unless given, computed in double and rounded to Real);
+// What an attention call is: its sizes, mask, scale, variant and options, field by field, so that
+// no two of them can be swapped. Key j is visible from query i of sequence b iff j < lengths[b]
+// and (!causal or j <= i) (and within the variant's window).
+template <class Real>
+struct AttentionArgs {
+  index_t batch = 0;                      // B
+  index_t heads = 0;                      // H, query heads (the variant's kv_heads gives Hkv)
+  index_t seq_len = 0;                    // S
+  index_t d_head = 0;                     // Dh
+  const std::int64_t* lengths = nullptr;  // (B); required
+  bool causal = false;
+  // The score scale: 1 / sqrt(Dh) unless given, computed in double and rounded to Real.
+  std::optional<double> scale{};
+  AttentionVariant<Real> variant{};
+  // The materialised path only: dropout on probs, (B, H, S, S) with 1 = kept, or null for none;
+  // a kept probability is multiplied by drop_scale.
+  const std::uint8_t* drop_mask = nullptr;
+  Real drop_scale = 1;
+  // The materialised path only: context and dcontext are (B, S, H * Dh), heads merged as the
+  // output projection reads them (the same values, without a separate merge_heads pass).
+  bool merged_context = false;
+  // The row-blocked path only: query rows per block (0: about 2^20 score entries per block).
+  index_t block_rows = 0;
+  // Backward: dq, dk, dv accumulated, or overwritten without being read (the bits of accumulating
+  // into zeros).
+  GradWrite qkv_write = GradWrite::accumulate;
+};
+
+// The tensors of a forward call: outputs, then inputs. q (B, H, S, Dh); k, v (B, Hkv, S, Dh);
+// context (B, H, S, Dh) (or merged, above); scores and probs (B, H, S, S), the materialised path's.
+template <class Real>
+struct AttentionForward {
+  Real* context = nullptr;
+  Real* scores = nullptr;
+  Real* probs = nullptr;
+  const Real* q = nullptr;
+  const Real* k = nullptr;
+  const Real* v = nullptr;
+};
+
+// The tensors of a backward call: the gradients written, then what it reads. dq like q; dk, dv like
+// k; dprobs, dscores (B, H, S, S) and probs are the materialised path's.
+template <class Real>
+struct AttentionBackward {
+  Real* dq = nullptr;
+  Real* dk = nullptr;
+  Real* dv = nullptr;
+  Real* dprobs = nullptr;
+  Real* dscores = nullptr;
+  const Real* dcontext = nullptr;
+  const Real* q = nullptr;
+  const Real* k = nullptr;
+  const Real* v = nullptr;
+  const Real* probs = nullptr;
+};
+
+//   scores = scale q k^T, soft-capped and biased by the variant, on visible keys; -inf elsewhere;
 //   probs  = softmax over keys (and the sink); a row with no visible key is all 0 (never NaN);
 //   context = dropout(probs) v.
-// context (B, H, S, Dh), or (B, S, H * Dh) with merged_context (heads merged, as the output
-// projection reads it: the same values, written in place of a separate merge_heads pass); scores,
-// probs (B, H, S, S); q, k, v (B, H, S, Dh); lengths (B); drop_mask (B, H, S, S) or null when no
-// dropout.
+// ShapeError for arguments that do not fit together (a missing tensor, kv_heads that do not divide
+// heads, a non-finite variant parameter), before anything is written.
 template <class Real>
-void attention_forward(Real* context, Real* scores, Real* probs, const Real* q, const Real* k,
-                       const Real* v, const std::int64_t* lengths, const std::uint8_t* drop_mask,
-                       Real drop_scale, index_t batch, index_t heads, index_t seq_len,
-                       index_t d_head, bool causal, bool merged_context = false,
-                       std::optional<double> scale = std::nullopt,
-                       const AttentionVariant<Real>& variant = {});
+void attention_forward(const AttentionArgs<Real>& a, const AttentionForward<Real>& t);
 
-// Accumulates dq, dk, dv (B, H, S, Dh). dprobs and dscores (B, H, S, S) are overwritten with the
+// Accumulates (or overwrites, a.qkv_write) dq, dk, dv. dprobs and dscores are overwritten with the
 // gradients of the loss with respect to probs (before dropout) and scores. dscores is exactly 0 at
 // every masked position, so dq, dk, dv receive exactly 0 through masked entries; dprobs there is
 // the formal derivative dcontext . v (times the dropout factor), which the softmax then discards.
-// The mask needs no lengths here: it is carried by probs, whose masked entries are exactly 0. With
-// a soft-cap or sinks, each head's scores are recomputed from q and k (so `causal` and `lengths`
-// are needed then; they are ignored otherwise): dscores stays the gradient of the final logits,
-// the cap's derivative 1 - tanh^2 applies on the way to q and k.
-// dcontext is (B, H, S, Dh), or (B, S, H * Dh) with merged_context. With qkv_write == overwrite,
-// dq, dk and dv are written without being read (the bits of accumulating into zeros).
+// The mask is carried by probs, whose masked entries are exactly 0; with a soft-cap or sinks, each
+// head's scores are recomputed from q and k (with the lengths and causal flag): dscores stays the
+// gradient of the final logits, the cap's derivative 1 - tanh^2 applies on the way to q and k.
+// With sinks, their gradient is accumulated into a.variant.dsinks (required then).
 template <class Real>
-void attention_backward(Real* dq, Real* dk, Real* dv, Real* dprobs, Real* dscores,
-                        const Real* dcontext, const Real* q, const Real* k, const Real* v,
-                        const Real* probs, const std::uint8_t* drop_mask, Real drop_scale,
-                        index_t batch, index_t heads, index_t seq_len, index_t d_head,
-                        bool merged_context = false, GradWrite qkv_write = GradWrite::accumulate,
-                        std::optional<double> scale = std::nullopt,
-                        const AttentionVariant<Real>& variant = {},
-                        const std::int64_t* lengths = nullptr, bool causal = false);
+void attention_backward(const AttentionArgs<Real>& a, const AttentionBackward<Real>& t);
 
-// The row-blocked path for long sequences, without dropout: the same values as
-// attention_forward and attention_backward, computed `block_rows` query rows at a time (0: about
-// 2^20 score entries per block), so that (B, H, S, S) is never held; per task it holds four
-// (block_rows, S) buffers. context, dcontext, dq, dk, dv are (B, H, S, Dh). Backward recomputes
-// the scores and probabilities of each block from q and k. On the simd backend the results are
-// bitwise those of the materialised functions for any block_rows (every GEMM element is one fused
-// chain over k; dk and dv continue their chains across blocks); the reference and blas backends
-// sum in another order across blocks.
+// The row-blocked path for long sequences, without dropout (a.drop_mask must be null) and with
+// context (B, H, S, Dh) (a.merged_context false): the same values as attention_forward and
+// attention_backward, computed a.block_rows query rows at a time, so that (B, H, S, S) is never
+// held; per task it holds four (block_rows, S) buffers, and scores, probs, dprobs and dscores are
+// not used. Backward recomputes the scores and probabilities of each block from q and k. On the
+// simd backend the results are bitwise those of the materialised functions for any block_rows
+// (every GEMM element is one fused chain over k; dk and dv continue their chains across blocks);
+// the reference and blas backends sum in another order across blocks.
 template <class Real>
-void attention_forward_rows(Real* context, const Real* q, const Real* k, const Real* v,
-                            const std::int64_t* lengths, index_t batch, index_t heads,
-                            index_t seq_len, index_t d_head, bool causal,
-                            std::optional<double> scale = std::nullopt, index_t block_rows = 0,
-                            const AttentionVariant<Real>& variant = {});
+void attention_forward_rows(const AttentionArgs<Real>& a, const AttentionForward<Real>& t);
 template <class Real>
-void attention_backward_rows(Real* dq, Real* dk, Real* dv, const Real* dcontext, const Real* q,
-                             const Real* k, const Real* v, const std::int64_t* lengths,
-                             index_t batch, index_t heads, index_t seq_len, index_t d_head,
-                             bool causal, GradWrite qkv_write = GradWrite::accumulate,
-                             std::optional<double> scale = std::nullopt, index_t block_rows = 0,
-                             const AttentionVariant<Real>& variant = {});
+void attention_backward_rows(const AttentionArgs<Real>& a, const AttentionBackward<Real>& t);
 
 }  // namespace teo

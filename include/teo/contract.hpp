@@ -80,6 +80,11 @@ std::vector<TensorSpec> masks(const EncoderConfig& cfg, Sizes s);
 // the embeddings. Every parameter has its grad.<name>.
 std::vector<TensorSpec> gradients(const EncoderConfig& cfg, Sizes s);
 
+// Whether a golden tensor is 0 in exact arithmetic, so that it holds nothing but the rounding
+// noise of the sum that forms it: the key bias gradients grad.layers.{i}.attn.k.bias (softmax
+// ignores a shift shared by a whole row of scores, so the sum over rows of dK is 0).
+bool noise_only(const std::string& golden_name);
+
 // Every tensor of a model golden, in file order: the inputs, the parameters, the dropout masks
 // (when cfg.dropout > 0), the activations, the gradients, and for a float32 case the ref64 twin of
 // each activation and gradient. Shapes resolved; dtype rules as stored (real means F32 in a

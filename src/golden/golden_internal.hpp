@@ -33,6 +33,17 @@ std::vector<double> truth_of(const safetensors::File& golden, const safetensors:
 double scale_of(const safetensors::File& golden, const std::string& name,
                 const std::vector<double>& truth, bool f32);
 
+// The largest finite magnitude of what a case's computed tensors are formed from: an op case's
+// float inputs, parameters and upstream gradients, a model case's parameters. The scale of a
+// tensor whose truth is exactly 0.
+double inputs_scale(const safetensors::File& golden);
+
+// For a tensor that is 0 in exact arithmetic and holds nothing but the rounding noise of a sum
+// (contract::noise_only: the key bias gradients), the number of terms of that sum (B * S rows);
+// 0 for every other tensor. Its bound is at least noise_terms * u * scale: what any order of
+// summation may leave of terms no larger than the scale.
+std::int64_t noise_terms(const safetensors::File& golden, const std::string& name);
+
 // Gives back the memory of a mapped golden tensor and of what truth_of and scale_of read with it
 // (its ref64 twin, a bias gradient's weight gradient): safetensors::release on each.
 void release_judged(const safetensors::File& golden, const safetensors::Tensor& g);

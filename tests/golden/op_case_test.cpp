@@ -15,6 +15,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "golden/ops/op.hpp"
 #include "support.hpp"
 #include "teo/backend.hpp"
 #include "teo/golden.hpp"
@@ -208,49 +209,52 @@ void expect_backward_matches_fd(const golden::OpCase& c) {
   EXPECT_GT(checked, 0);
 }
 
+// Every op of the registry, through each of its samples: no op can be left out.
 TEST(OpCases, EveryOpsBackwardMatchesFiniteDifferencesThroughTheOpCasePath) {
   teo::ScopedSettings keep;
   teo::set_backend(teo::Backend::reference);
-  expect_backward_matches_fd(
-      spec("linear", {{"rows", 5}, {"in_features", 4}, {"out_features", 3}}));
-  expect_backward_matches_fd(spec("layer_norm", {{"rows", 4}, {"d_model", 7}}));
-  expect_backward_matches_fd(
-      spec("softmax", {{"rows", 4}, {"cols", 5}, {"visible", {5, 2, 0, 1}}}));
-  for (const char* act : {"relu", "gelu", "gelu_tanh"})
-    expect_backward_matches_fd(spec("activation", {{"rows", 3}, {"cols", 5}, {"activation", act}}));
-  expect_backward_matches_fd(spec("dropout", {{"rows", 3}, {"cols", 5}, {"dropout", 0.3}}));
-  for (bool probs : {true, false}) {
-    expect_backward_matches_fd(spec("attention", {{"batch", 2},
-                                                  {"num_heads", 2},
-                                                  {"seq_len", 4},
-                                                  {"d_head", 3},
-                                                  {"lengths", {4, 2}},
-                                                  {"causal", true},
-                                                  {"scale", 0.7},
-                                                  {"probs", probs}}));
+  ASSERT_EQ(teo::golden::ops::registry().size(), golden::op_names().size());
+  for (const auto* def : teo::golden::ops::registry()) {
+    ASSERT_FALSE(def->samples.empty()) << def->name << " has no sample spec";
+    for (const char* sample : def->samples)
+      expect_backward_matches_fd(spec(def->name, json::parse(sample)));
   }
-  expect_backward_matches_fd(spec("embedding", {{"batch", 2},
-                                                {"seq_len", 3},
-                                                {"vocab_size", 4},
-                                                {"d_model", 5},
-                                                {"positional", "learned"},
-                                                {"embed_scale", true}}));
-  for (const char* kind : {"mean", "cls", "max"}) {
-    expect_backward_matches_fd(spec(
-        "pooling",
-        {{"batch", 3}, {"seq_len", 4}, {"d_model", 3}, {"lengths", {4, 1, 0}}, {"pooling", kind}}));
-  }
-  expect_backward_matches_fd(
-      spec("cross_entropy", {{"batch", 4}, {"num_classes", 3}, {"label_smoothing", 0.1}}));
-  for (bool pre : {false, true}) {
-    expect_backward_matches_fd(spec("encoder_layer", {{"batch", 2},
-                                                      {"seq_len", 3},
-                                                      {"lengths", {3, 2}},
-                                                      {"d_model", 4},
-                                                      {"num_heads", 2},
-                                                      {"d_ff", 6},
-                                                      {"norm_first", pre},
-                                                      {"dropout", pre ? 0.2 : 0.0}}));
+}
+
+// Every op's samples with a key removed, an unknown key or a negative size: a named error or a
+// valid case (an optional key), never a crash; and the sample itself normalises to a spec that
+// reads back to itself.
+TEST(OpCases, EveryOpRefusesBrokenSamplesByName) {
+  for (const auto* def : teo::golden::ops::registry()) {
+    for (const char* sample : def->samples) {
+      const json good = json::parse(sample);
+      const auto c = spec(def->name, good);
+      EXPECT_EQ(golden::OpCase::from_json(json(c.spec)).spec, c.spec) << def->name;
+      json unknown = good;
+      unknown["bogus_key"] = 1;
+      try {
+        spec(def->name, unknown);
+        ADD_FAILURE() << def->name << " accepted an unknown key";
+      } catch (const teo::ConfigError& e) {
+        EXPECT_NE(std::string(e.what()).find("bogus_key"), std::string::npos) << e.what();
+      }
+      for (const auto& [key, value] : good.items()) {
+        json without = good;
+        without.erase(key);
+        try {
+          spec(def->name, without);  // an optional key: its default is valid
+        } catch (const teo::ConfigError& e) {
+          EXPECT_NE(std::string(e.what()).find(key), std::string::npos)
+              << def->name << ": " << e.what();
+        } catch (const teo::ShapeError&) {  // a key the others' sizes depend on
+        }
+        if (value.is_number_integer()) {
+          json negative = good;
+          negative[key] = -3;
+          EXPECT_THROW(spec(def->name, negative), teo::Error) << def->name << "." << key;
+        }
+      }
+    }
   }
 }
 

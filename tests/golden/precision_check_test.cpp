@@ -3,9 +3,11 @@
 // ties, and the refusal of ill-conditioned cases.
 #include <cmath>
 #include <cstring>
+#include <iostream>
 
 #include "support.hpp"
 #include "teo/golden.hpp"
+#include "teo/model.hpp"
 #include "teo/precision.hpp"
 
 namespace teo::golden {
@@ -195,6 +197,90 @@ TEST(PrecisionCheck, ReducedFloatDtypesReadExactly) {
         (void)bad.find("i")->float_values();
       },
       "not a float type");
+}
+
+// The key bias gradient is 0 in exact arithmetic: a backend leaves there the rounding noise of
+// its sum over the B * S rows of dK, whatever order it sums in. teo's own float32 dK summed in
+// reverse and pairwise order passes; a wrong gradient (the query bias's sum) fails at its tensor.
+TEST(NoiseBound, TheKeyBiasGradientPassesInAnyOrderOfSummation) {
+  Case c;
+  c.config.d_model = 32;
+  c.config.num_heads = 4;
+  c.config.d_ff = 64;
+  c.config.num_layers = 1;
+  c.config.max_len = 64;
+  c.batch = 4;
+  c.seq_len = 64;
+  c.dtype = "float32";
+  c.seed = 5;
+  const File g = make(c);
+  const Batch batch = Batch::random(c.config, c.batch, c.seq_len, c.seed, c.lengths);
+  const auto params = Params<float>::init(c.config, c.seed);
+  Activations<float> acts, dacts;
+  Params<float> grads;
+  forward(params, batch, acts, {.train = true, .dropout_seed = c.seed});
+  backward(params, batch, acts, grads, dacts);
+  const index_t B = c.batch, S = c.seq_len, H = c.config.num_heads, Dh = c.config.d_head();
+  // term n of output j = h Dh + d: the gradient of k at row n = (b, s)
+  const auto term = [&](const Tensor<float>& d, index_t n, index_t j) {
+    return d[((n / S * H + j / Dh) * S + n % S) * Dh + j % Dh];
+  };
+  const auto pairwise = [&](auto&& self, const Tensor<float>& d, index_t j, index_t lo,
+                            index_t hi) -> float {
+    if (hi - lo == 1) return term(d, lo, j);
+    const index_t mid = lo + (hi - lo) / 2;
+    return self(self, d, j, lo, mid) + self(self, d, j, mid, hi);
+  };
+  const auto with_bias = [&](const std::vector<float>& b) {
+    File cand = g;
+    for (auto& t : cand.tensors)
+      if (t.name == "grad.layers.0.attn.k.bias")
+        std::memcpy(t.bytes.data(), b.data(), b.size() * 4);
+    const CaseReport r = check(g, cand, {});
+    for (const auto& t : r.tensors)
+      if (t.name == "grad.layers.0.attn.k.bias") return t;
+    return TensorResult{};
+  };
+  std::vector<float> reverse(static_cast<std::size_t>(H * Dh)), tree = reverse, wrong = reverse;
+  for (index_t j = 0; j < H * Dh; ++j) {
+    float acc = 0;
+    for (index_t n = B * S; n-- > 0;) acc += term(dacts.layers[0].k, n, j);
+    reverse[static_cast<std::size_t>(j)] = acc;
+    tree[static_cast<std::size_t>(j)] = pairwise(pairwise, dacts.layers[0].k, j, 0, B * S);
+    wrong[static_cast<std::size_t>(j)] = pairwise(pairwise, dacts.layers[0].q, j, 0, B * S);
+  }
+  for (const auto& [what, b] : {std::pair{"reverse", &reverse}, std::pair{"pairwise", &tree}}) {
+    const TensorResult r = with_bias(*b);
+    EXPECT_EQ(r.status, Status::pass) << what << ": " << r.ratio << " " << r.message;
+    std::cout << what << " order: " << r.ratio << " of the bound\n";
+  }
+  const TensorResult bad = with_bias(wrong);
+  EXPECT_EQ(bad.status, Status::fail) << bad.ratio;
+}
+
+// A tensor whose truth is exactly 0 is judged against its inputs' scale, not against 0: with one
+// feature, LayerNorm's input gradient is 0, and a float32 kernel's rounding there passes the fp32
+// budget, while an error of the order of the inputs fails.
+TEST(NoiseBound, AZeroTruthIsJudgedAgainstItsInputsScale) {
+  const File g = safetensors::read(std::string(TEO_SOURCE_DIR) +
+                                   "/golden/ops/layer_norm_d1_large_eps_f64.safetensors");
+  const auto judged = [&](double noise) {
+    File cand = g;
+    for (auto& t : cand.tensors) {
+      if (t.name != "grad.input.x") continue;
+      auto v = t.float_values();
+      for (std::size_t i = 0; i < v.size(); ++i) v[i] = (i % 2 ? noise : -noise);
+      std::memcpy(t.bytes.data(), v.data(), v.size() * sizeof(double));
+    }
+    CheckOptions o;
+    o.precision = Precision::fp32;
+    for (const auto& t : check(g, cand, o).tensors)
+      if (t.name == "grad.input.x") return t.status;
+    return Status::not_checked;
+  };
+  EXPECT_EQ(judged(0.0), Status::pass);
+  EXPECT_EQ(judged(1e-7), Status::pass);
+  EXPECT_EQ(judged(1e-3), Status::fail);
 }
 
 }  // namespace

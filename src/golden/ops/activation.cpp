@@ -1,0 +1,67 @@
+// The activation op (docs/golden-format.md, "Op cases"): relu, gelu or tanh-gelu, element-wise.
+#include <cmath>
+
+#include "golden/ops/op.hpp"
+#include "teo/layers/feed_forward.hpp"
+
+namespace teo::golden::ops {
+
+namespace {
+
+void parse(Spec& s, Reader& r) {
+  s.rows = r.size("rows", 0);
+  s.cols = r.size("cols", 1);
+}
+
+void write_sizes(const Spec& s, ojson& j) {
+  j["rows"] = s.rows;
+  j["cols"] = s.cols;
+}
+
+void tensors(const Spec& s, OpTensors& t) {
+  auto& in = t.in;
+  auto& out = t.out;
+  const auto f = [](std::string n, Dims shape, Role role, double amp = 1, double offset = 0) {
+    return OpTensors::f(std::move(n), std::move(shape), role, amp, offset);
+  };
+  in.push_back(f("input.x", {s.rows, s.cols}, Role::input, 3));
+  out.push_back(f("output.y", {s.rows, s.cols}, Role::output));
+}
+
+// element-wise: no sums
+index_t longest_reduction(const Spec&) {
+  return 1;
+}
+
+template <class Real>
+void run(RunContext<Real>& c) {
+  const Spec& s = c.s;
+  auto& r = c.r;
+  const auto in = [&](const std::string& n) { return c.in(n); };
+  const auto done = [&](const std::string& n) { c.done(n); };
+  const auto x = in("input.x"), dy = in("grad.output.y");
+  activation_forward(r["output.y"].data(), x.data(), x.numel(), s.cfg.activation);
+  done("output.y");
+  activation_backward(r["grad.input.x"].data(), dy.data(), x.data(), x.numel(), s.cfg.activation);
+}
+
+}  // namespace
+
+const OpDef& activation_op() {
+  static const OpDef def{
+      .name = "activation",
+      .config_keys = {"activation"},
+      .parse = parse,
+      .write_sizes = write_sizes,
+      .tensors = tensors,
+      .longest_reduction = longest_reduction,
+      .run_float = run<float>,
+      .run_double = run<double>,
+      .samples = {R"({"rows": 3, "cols": 5, "activation": "relu"})",
+                  R"({"rows": 3, "cols": 5, "activation": "gelu"})",
+                  R"({"rows": 3, "cols": 5, "activation": "gelu_tanh"})"},
+  };
+  return def;
+}
+
+}  // namespace teo::golden::ops

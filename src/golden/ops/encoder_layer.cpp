@@ -1,0 +1,138 @@
+// The encoder_layer op (docs/golden-format.md, "Op cases"): one whole encoder layer, as the model
+// runs it.
+#include <cmath>
+
+#include "golden/ops/op.hpp"
+#include "model_internal.hpp"
+#include "teo/model.hpp"
+
+namespace teo::golden::ops {
+
+namespace {
+
+void parse(Spec& s, Reader& r) {
+  s.batch = r.size("batch", 0);
+  s.seq = r.size("seq_len", 1);
+  s.cols = s.cfg.d_model;
+  s.d_head = s.cfg.d_head();
+  attention_positions(s, "encoder_layer");
+}
+
+void write_sizes(const Spec& s, ojson& j) {
+  j["batch"] = s.batch;
+  j["seq_len"] = s.seq;
+}
+
+void tensors(const Spec& s, OpTensors& t) {
+  auto& in = t.in;
+  auto& out = t.out;
+  auto& fixed = t.fixed;
+  const auto f = [](std::string n, Dims shape, Role role, double amp = 1, double offset = 0) {
+    return OpTensors::f(std::move(n), std::move(shape), role, amp, offset);
+  };
+  const EncoderConfig& c = s.cfg;
+  const Dims bsd = {s.batch, s.seq, c.d_model};
+  in.push_back(f("input.x", bsd, Role::input));
+  fixed.push_back({"input.lengths", DType::I64, {s.batch}, Role::input});
+  if (c.dropout > 0) {
+    fixed.push_back(
+        {"input.mask.attn", DType::U8, {s.batch, c.num_heads, s.seq, s.seq}, Role::input});
+    fixed.push_back({"input.mask.residual1", DType::U8, bsd, Role::input});
+    fixed.push_back({"input.mask.ffn", DType::U8, {s.batch, s.seq, c.d_ff}, Role::input});
+    fixed.push_back({"input.mask.residual2", DType::U8, bsd, Role::input});
+  }
+  // The parameters' values come from the model's initialisation (make_op), not from amp.
+  LayerParams<double> shapes;
+  shapes.has_sinks = c.attn_sinks;
+  shapes.visit([&](const std::string& n, const Tensor<double>&) {
+    in.push_back(f("param." + n, teo::detail::param_shape(c, "layers.0." + n).dims(), Role::param));
+  });
+  out.push_back(f("output.y", bsd, Role::output));
+}
+
+index_t longest_reduction(const Spec& s) {
+  return std::max({s.cfg.d_model, s.cfg.d_ff, s.seq, s.batch * s.seq});
+}
+
+double working_bytes(const Spec& s) {
+  // the layer's kept activations and their gradients
+  const auto d = [](index_t x) { return static_cast<double>(x); };
+  const double bs = d(s.batch) * d(s.seq);
+  return (4 * bs * d(s.cfg.num_heads) * d(s.seq) + 16 * bs * d(s.cfg.d_model) +
+          4 * bs * d(s.cfg.d_ff)) *
+         8 * 2;
+}
+
+void draw(const Spec& s, const OpCase& c, Values& v) {
+  // The parameters are the model's initialisation of layer 0, as stored.
+  const auto layer = std::move(Params<double>::init(s.cfg, c.seed).layers.at(0));
+  layer.visit([&](const std::string& n, const Tensor<double>& t) {
+    auto& x = v.f.at("param." + n);
+    x.assign(t.begin(), t.end());
+    as_stored(x, c);
+  });
+}
+
+template <class Real>
+void run(RunContext<Real>& c) {
+  const Spec& s = c.s;
+  auto& r = c.r;
+  const auto in = [&](const std::string& n) { return c.in(n); };
+  const Values& v = c.v;
+  const auto p = c.p;
+  const std::uint64_t seed = c.seed;
+  const auto x = in("input.x"), dy = in("grad.output.y");
+  const auto& len = lengths_of(v, s);
+  LayerParams<Real> P, G;
+  P.has_sinks = s.cfg.attn_sinks;
+  P.visit([&](const std::string& n, Tensor<Real>& t) { t = in("param." + n); });
+  LayerActs<Real> L, dL;
+  const bool drop = s.cfg.dropout > 0;
+  encoder_layer_forward(s.cfg, P, x, len, L, {.train = drop, .dropout_seed = seed, .precision = p});
+  if (drop) {
+    for (const auto& [n, m] : {std::pair{"input.mask.attn", &L.masks.attn},
+                               std::pair{"input.mask.residual1", &L.masks.residual1},
+                               std::pair{"input.mask.ffn", &L.masks.ffn},
+                               std::pair{"input.mask.residual2", &L.masks.residual2}}) {
+      if (ints_of(v.u8, n, static_cast<std::int64_t>(m->size())) != *m) {
+        throw FormatError(std::string("the op case's ") + n + " is not the mask its seed " +
+                          std::to_string(seed) + " gives");
+      }
+    }
+  }
+  r["output.y"] = L.output;
+  Tensor<Real> dx;
+  encoder_layer_backward(s.cfg, P, x, len, L, dy, dx, G, dL, {.precision = p});
+  r["grad.input.x"] = std::move(dx);
+  G.visit([&](const std::string& n, Tensor<Real>& t) { r["grad.param." + n] = std::move(t); });
+}
+
+}  // namespace
+
+const OpDef& encoder_layer_op() {
+  // One layer of a model whose vocabulary and head are as small as they can be (unused).
+  static const OpDef def{
+      .name = "encoder_layer",
+      .config_keys = {"d_model", "num_heads", "d_ff", "activation", "norm_first", "causal",
+                      "layer_norm_eps", "dropout", "num_kv_heads", "positional", "rope_style",
+                      "rotary_dim", "rope_base", "rope_scaling", "alibi_max_bias",
+                      "position_offset", "sliding_window", "attn_logit_softcap", "attn_sinks"},
+      .base_config =
+          json{{"num_layers", 1}, {"vocab_size", 1}, {"num_classes", 1}, {"positional", "none"}},
+      .lengths_key = "lengths",
+      .parse = parse,
+      .write_sizes = write_sizes,
+      .tensors = tensors,
+      .longest_reduction = longest_reduction,
+      .working_bytes = working_bytes,
+      .draw = draw,
+      .run_float = run<float>,
+      .run_double = run<double>,
+      .samples =
+          {R"({"batch": 2, "seq_len": 3, "lengths": [3, 2], "d_model": 4, "num_heads": 2, "d_ff": 6, "norm_first": false, "dropout": 0.0})",
+           R"({"batch": 2, "seq_len": 3, "lengths": [3, 2], "d_model": 4, "num_heads": 2, "d_ff": 6, "norm_first": true, "dropout": 0.2})"},
+  };
+  return def;
+}
+
+}  // namespace teo::golden::ops

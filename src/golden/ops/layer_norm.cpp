@@ -1,0 +1,71 @@
+// The layer_norm op (docs/golden-format.md, "Op cases"): LayerNorm over the last dimension.
+#include <cmath>
+
+#include "golden/ops/op.hpp"
+#include "teo/layers/layer_norm.hpp"
+
+namespace teo::golden::ops {
+
+namespace {
+
+void parse(Spec& s, Reader& r) {
+  s.rows = r.size("rows", 0);
+  s.cols = r.size("d_model", 1);
+}
+
+void write_sizes(const Spec& s, ojson& j) {
+  j["rows"] = s.rows;
+  j["d_model"] = s.cols;
+}
+
+void tensors(const Spec& s, OpTensors& t) {
+  auto& in = t.in;
+  auto& out = t.out;
+  const auto f = [](std::string n, Dims shape, Role role, double amp = 1, double offset = 0) {
+    return OpTensors::f(std::move(n), std::move(shape), role, amp, offset);
+  };
+  in.push_back(f("input.x", {s.rows, s.cols}, Role::input, 2, 0.5));
+  in.push_back(f("param.weight", {s.cols}, Role::param, 0.5, 1));
+  in.push_back(f("param.bias", {s.cols}, Role::param, 0.5));
+  out.push_back(f("output.y", {s.rows, s.cols}, Role::output));
+}
+
+index_t longest_reduction(const Spec& s) {
+  return std::max(s.cols, s.rows);
+}
+
+template <class Real>
+void run(RunContext<Real>& c) {
+  const Spec& s = c.s;
+  auto& r = c.r;
+  const auto in = [&](const std::string& n) { return c.in(n); };
+  const auto done = [&](const std::string& n) { c.done(n); };
+  const auto x = in("input.x"), w = in("param.weight"), b = in("param.bias");
+  const auto dy = in("grad.output.y");
+  Tensor<Real> mean({s.rows}), rstd({s.rows});
+  layer_norm_forward(r["output.y"].data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(),
+                     s.rows, s.cols, static_cast<Real>(s.cfg.layer_norm_eps));
+  done("output.y");
+  layer_norm_backward(r["grad.input.x"].data(), r["grad.param.weight"].data(),
+                      r["grad.param.bias"].data(), dy.data(), x.data(), w.data(), mean.data(),
+                      rstd.data(), s.rows, s.cols);
+}
+
+}  // namespace
+
+const OpDef& layer_norm_op() {
+  static const OpDef def{
+      .name = "layer_norm",
+      .config_keys = {"layer_norm_eps"},
+      .parse = parse,
+      .write_sizes = write_sizes,
+      .tensors = tensors,
+      .longest_reduction = longest_reduction,
+      .run_float = run<float>,
+      .run_double = run<double>,
+      .samples = {R"({"rows": 4, "d_model": 7})"},
+  };
+  return def;
+}
+
+}  // namespace teo::golden::ops

@@ -1,0 +1,232 @@
+// Internal to the op cases: what an op declares (OpDef, one per file in this folder, listed once in
+// registry.cpp) and what every op shares: its parsed spec, the spec reader, its tensors and their
+// values, and the context its forward and backward run in. ops.cpp does everything else once for
+// every op: normalising a spec, laying out and drawing the tensors, running, writing a case.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "teo/config.hpp"
+#include "teo/golden_ops.hpp"
+#include "teo/precision.hpp"
+#include "teo/safetensors.hpp"
+#include "teo/tensor.hpp"
+
+namespace teo::golden::ops {
+
+using json = nlohmann::json;
+using ojson = nlohmann::ordered_json;
+using Dims = std::vector<std::int64_t>;
+using safetensors::DType;
+
+struct OpDef;
+
+// Attention stores scores and probs (B, H, S, S) by default up to this many entries each; beyond
+// it the case uses the row-blocked path and omits them.
+inline constexpr std::int64_t kProbsDefaultLimit = std::int64_t{1} << 22;
+// The largest size any one dimension may take.
+inline constexpr std::int64_t kMaxDim = std::int64_t{1} << 31;
+
+// The parsed spec of a case: the sizes and options its op reads (each op uses its own few).
+struct Spec {
+  const OpDef* def = nullptr;
+  index_t rows = 0, cols = 0, in_f = 0, out_f = 0;
+  index_t batch = 0, heads = 0, seq = 0, d_head = 0, kv_heads = 0;
+  std::vector<std::int64_t> lengths;  // per sequence (B), or per row (visible entries)
+  // Lengths not given: (count, value), filled in by fill_defaults once the size is accepted.
+  std::optional<std::pair<index_t, index_t>> full_lengths;
+  bool bias = true, probs = true;
+  std::optional<double> scale;
+  index_t vocab = 0, max_len = 0;
+  EncoderConfig cfg;  // the model-config keys of the op, spelled as the config spells them
+};
+
+// Reads a spec object key by key; finish() rejects the keys nobody asked for.
+class Reader {
+ public:
+  explicit Reader(const json& j) : j_(j) {}
+  Reader(const ojson&) = delete;
+  bool has(const char* key) const { return j_.contains(key); }
+  // An integer in [min, 2^31]; ConfigError naming the key otherwise, or when it is missing.
+  index_t size(const char* key, index_t min);
+  // true or false, `def` when absent.
+  bool flag(const char* key, bool def);
+  // (n) integers in [0, max], each named in an error. When the key is absent, returns nothing and
+  // records the default (n copies of max) in `full`, to be filled in once the case's size has
+  // been accepted.
+  std::vector<std::int64_t> prefix_lengths(const char* key, index_t n, index_t max,
+                                           std::optional<std::pair<index_t, index_t>>& full);
+  // A number in (0, 1e4], or nothing when absent or null.
+  std::optional<double> number(const char* key);
+  // The model-config keys among `keys`, read by EncoderConfig::from_json (its errors name them)
+  // on top of `base`.
+  EncoderConfig config(const std::vector<const char*>& keys, const json& base);
+  void finish() const;
+  void use(const char* key) { used_.insert(key); }
+
+ private:
+  const json& j_;
+  std::set<std::string> used_;
+};
+
+// The attention ops' positions: none, rope or alibi (default none). RoPE takes its rotary_dim from
+// d_head, and its scaling's original context from seq_len, unless given; both are then spelled out
+// in the normalised spec.
+void attention_positions(Spec& s, const char* op);
+
+enum class Role { input, param, output, grad_output, grad_input, grad_param };
+
+// One tensor of a case.
+struct Slot {
+  std::string name;
+  safetensors::DType dtype;  // F64 stands for the case's float dtype
+  Dims shape;
+  Role role;
+  double amp = 1;         // float inputs: values are drawn uniform in [-amp, amp)
+  double offset = 0;      // ... plus offset
+  bool optional = false;  // an output a fused kernel may omit
+};
+
+// What an op declares of its tensors; ops.cpp adds the upstream and input gradients and orders
+// them (layout()).
+struct OpTensors {
+  std::vector<Slot> in;     // the differentiable float inputs and parameters
+  std::vector<Slot> fixed;  // integer inputs and masks
+  std::vector<Slot> out;    // the outputs
+  // A float tensor of the case's dtype.
+  static Slot f(std::string n, Dims shape, Role role, double amp = 1, double offset = 0) {
+    return Slot{std::move(n), safetensors::DType::F64, std::move(shape), role, amp, offset};
+  }
+};
+
+// A case's values by name: float tensors (exact doubles), integers and masks.
+struct Values {
+  std::map<std::string, std::vector<double>> f;
+  std::map<std::string, std::vector<std::int64_t>> i64;
+  std::map<std::string, std::vector<std::uint8_t>> u8;
+};
+
+// The integers or mask `name` of n values; FormatError otherwise.
+template <class T>
+const std::vector<T>& ints_of(const std::map<std::string, std::vector<T>>& m,
+                              const std::string& name, std::int64_t n) {
+  const auto it = m.find(name);
+  if (it == m.end() || static_cast<std::int64_t>(it->second.size()) != n) {
+    throw FormatError("the op case has no " + name + " of " + std::to_string(n) + " values");
+  }
+  return it->second;
+}
+
+// A golden's token ids and labels must lie in [0, hi): FormatError otherwise.
+void check_range(const std::vector<std::int64_t>& v, std::int64_t hi, const std::string& what);
+
+// The case's input.lengths, which must be the spec's (FormatError otherwise).
+const std::vector<std::int64_t>& lengths_of(const Values& v, const Spec& s);
+
+// Rounds a result to p's storage format where a bf16 or fp16 backend stores it; RangeError
+// naming it on an fp16 overflow.
+template <class Real>
+void store(Tensor<Real>& t, std::optional<Precision> p, const std::string& name) {
+  if constexpr (std::is_same_v<Real, float>) {
+    if (p && (*p == Precision::bf16 || *p == Precision::fp16) && round_to(*p, t.data(), t.numel()))
+      throw RangeError(name + ": " + overflow_message(*p));
+  }
+}
+
+// Float values as the case's dtype (and precision) store them.
+void as_stored(std::vector<double>& x, const OpCase& c);
+
+// Where an op's forward and backward run: the spec, the inputs' values, the seed and the precision
+// emulated, and the results, each a zero tensor of its shape to begin with (the backward functions
+// accumulate).
+template <class Real>
+struct RunContext {
+  const Spec& s;
+  const Values& v;
+  std::uint64_t seed;
+  std::optional<Precision> p;
+  std::map<std::string, Dims> shape;
+  std::map<std::string, Tensor<Real>> r;
+
+  // Input `n` as a tensor of its shape, in Real.
+  Tensor<Real> in(const std::string& n) const {
+    const auto it = v.f.find(n);
+    if (it == v.f.end()) throw FormatError("the op case has no float " + n);
+    Tensor<Real> t = Tensor<Real>::for_overwrite(Shape(std::vector<index_t>(shape.at(n))));
+    if (static_cast<index_t>(it->second.size()) != t.numel()) {
+      throw FormatError("the op case's " + n + " has " + std::to_string(it->second.size()) +
+                        " values, expected " + std::to_string(t.numel()));
+    }
+    for (index_t i = 0; i < t.numel(); ++i) t[i] = static_cast<Real>(it->second[i]);
+    return t;
+  }
+  Tensor<Real> zeros(const std::string& n) const {
+    return Tensor<Real>(Shape(std::vector<index_t>(shape.at(n))));
+  }
+  // Result `n` is complete: rounded to the storage format the precision implies.
+  void done(const std::string& n) { store(r.at(n), p, n); }
+};
+
+// One op: everything that differs from one op to another. ops.cpp's generic code reads nothing
+// else, so an op is one file defining one of these, listed once in registry.cpp.
+struct OpDef {
+  const char* name = "";
+  // The model-config keys the spec takes (read, validated and written back as EncoderConfig spells
+  // them), and the config they are read on top of.
+  std::vector<const char*> config_keys{};
+  json base_config = json::object();
+  // The key of the op's lengths, or null: per sequence, (batch) values in [0, seq_len], or
+  // with lengths_per_row, (rows) values in [0, cols].
+  const char* lengths_key = nullptr;
+  bool lengths_per_row = false;
+  // Reads the op's sizes and options (after its config keys, which are in s.cfg).
+  void (*parse)(Spec& s, Reader& r) = nullptr;
+  // Writes the op's sizes, then (after the lengths and config keys) its options, normalised.
+  void (*write_sizes)(const Spec& s, ojson& j) = nullptr;
+  void (*write_options)(const Spec& s, ojson& j) = nullptr;
+  // Its tensors.
+  void (*tensors)(const Spec& s, OpTensors& t) = nullptr;
+  // The longest sum behind any one result: the float32 conditioning test's L.
+  index_t (*longest_reduction)(const Spec& s) = nullptr;
+  // The bytes of the run's working tensors beyond the generic estimate (the values as doubles,
+  // the results in Real and double), or null.
+  double (*working_bytes)(const Spec& s) = nullptr;
+  // Changes the drawn inputs (already as stored) where the op draws them otherwise, or null.
+  void (*draw)(const Spec& s, const OpCase& c, Values& v) = nullptr;
+  // Forward, then backward, into c.r.
+  void (*run_float)(RunContext<float>& c) = nullptr;
+  void (*run_double)(RunContext<double>& c) = nullptr;
+  // Small specs of the op (its keys without op, dtype and seed), as JSON, that the generic tests
+  // run through every op: finite differences of the backward, the bad-spec table. Together they
+  // reach every branch of the op's run (each option, each path).
+  std::vector<const char*> samples{};
+};
+
+// The ops, in the order the docs list them.
+const std::vector<const OpDef*>& registry();
+// The op named `name`; ConfigError listing the ops otherwise.
+const OpDef& op_named(const std::string& name);
+
+// Each op's definition, one per file.
+const OpDef& linear_op();
+const OpDef& layer_norm_op();
+const OpDef& softmax_op();
+const OpDef& activation_op();
+const OpDef& attention_op();
+const OpDef& embedding_op();
+const OpDef& pooling_op();
+const OpDef& cross_entropy_op();
+const OpDef& dropout_op();
+const OpDef& encoder_layer_op();
+
+}  // namespace teo::golden::ops

@@ -21,5 +21,5 @@ flags=(-std=c++20 -O2 -g0 -ffp-contract=off -static -Wall -Wextra
        -I"$root/include" -I"$root/src" -isystem "$out/include")
 aarch64-linux-gnu-g++ "${flags[@]}" -o "$out/isa_selftest" \
   "$root/tests/kernels/isa_selftest.cpp" \
-  "$root/src/kernels/simd/neon.cpp" "$root/src/kernels/simd/scalar.cpp" "$root/src/memory.cpp"
+  "$root/src/kernels/simd/neon.cpp" "$root/src/kernels/simd/scalar.cpp" "$root/src/core/memory.cpp"
 qemu-aarch64 "$out/isa_selftest"

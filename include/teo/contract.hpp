@@ -52,6 +52,9 @@ struct TensorSpec {
 // The value of symbolic dimension `sym` under cfg and s; std::invalid_argument for an unknown one.
 index_t dim(const std::string& sym, const EncoderConfig& cfg, Sizes s);
 
+// The symbolic dimensions `dims` resolved under cfg and s.
+std::vector<index_t> shape(const std::vector<std::string>& dims, const EncoderConfig& cfg, Sizes s);
+
 // The symbolic shape of a parameter (without "param."), of an activation (without "act."), of a
 // dropout site ("dropout.input", "dropout.layers.0.ffn") and of any golden name: "param.X",
 // "act.X", "grad.X", "grad.act.X", "ref64.<any of those>", "input.X". std::invalid_argument when

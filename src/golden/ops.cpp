@@ -12,7 +12,7 @@
 #include "golden/ops/op.hpp"
 #include "golden_internal.hpp"
 #include "kernels/parallel.hpp"
-#include "model_internal.hpp"
+#include "model/model_internal.hpp"
 #include "teo/files.hpp"
 #include "teo/golden.hpp"
 #include "teo/layers/dropout.hpp"
@@ -234,11 +234,11 @@ std::vector<Slot> layout(const Spec& s) {
   for (const auto& x : out) all.push_back(x);
   for (const auto& x : out) {
     if (x.optional) continue;  // no gradient flows into an optional output
-    all.push_back(OpTensors::f("grad." + x.name, x.shape, Role::grad_output));
+    all.push_back(float_slot("grad." + x.name, x.shape, Role::grad_output));
   }
   for (const auto& x : in) {
-    all.push_back(OpTensors::f("grad." + x.name, x.shape,
-                               x.role == Role::input ? Role::grad_input : Role::grad_param));
+    all.push_back(float_slot("grad." + x.name, x.shape,
+                             x.role == Role::input ? Role::grad_input : Role::grad_param));
   }
   return all;
 }

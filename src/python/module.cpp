@@ -333,14 +333,17 @@ PYBIND11_MODULE(_teo, m) {
     return std::make_pair(f.metadata, wire_of(f));
   });
 
-  m.def("read", [](const std::string& path) {
-    const auto f = teo::safetensors::read(path);
-    // A golden or op case is checked against its contract before anything reads it.
-    if (const auto* fmt = f.meta("format");
-        fmt && (*fmt == teo::golden::kFormat || *fmt == teo::golden::kOpFormat))
-      teo::golden::validate(f);
-    return std::make_pair(f.metadata, wire_of(f));
-  });
+  m.def(
+      "read",
+      [](const std::string& path, bool validate) {
+        const auto f = teo::safetensors::read(path);
+        // A golden or op case is checked against its contract before anything reads it.
+        if (const auto* fmt = f.meta("format");
+            validate && fmt && (*fmt == teo::golden::kFormat || *fmt == teo::golden::kOpFormat))
+          teo::golden::validate(f);
+        return std::make_pair(f.metadata, wire_of(f));
+      },
+      py::arg("path"), py::arg("validate") = true);
   m.def(
       "write",
       [](const std::string& path, const std::vector<std::pair<std::string, std::string>>& metadata,

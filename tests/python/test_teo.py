@@ -311,6 +311,16 @@ def test_error_mapping(tmp_path):
         teo.golden.load(junk)
     with pytest.raises(teo.FileError):
         teo.golden.load(tmp_path / "missing.safetensors")
+    # a golden is validated against its contract before it is read: a probs tensor of the wrong
+    # shape is named, never read past its end
+    g = teo.golden.load(os.path.join(GOLDEN, "post_gelu_mean_f64.safetensors"))
+    meta = dict(g.metadata)
+    short = dict(g.tensors, **{"act.layers.0.probs": g.tensors["act.layers.0.probs"][:1]})
+    teo.golden.save(tmp_path / "short.safetensors", short, meta)
+    with pytest.raises(teo.FormatError, match="act.layers.0.probs has shape"):
+        teo.golden.load(tmp_path / "short.safetensors")
+    with pytest.raises(teo.FormatError, match="act.layers.0.probs"):
+        teo.golden.check(tmp_path / "short.safetensors", g.tensors)
     with pytest.raises(teo.ConfigError, match="dtype complex128"):
         teo.golden.save(tmp_path / "c.safetensors", {"z": np.zeros(2, dtype=np.complex128)})
     with pytest.raises(teo.ConfigError, match="unknown op"):

@@ -3,7 +3,7 @@
 #include <cmath>
 
 #include "golden/ops/op.hpp"
-#include "model_internal.hpp"
+#include "model/model_internal.hpp"
 #include "teo/layers/attention.hpp"
 #include "teo/layers/rope.hpp"
 
@@ -48,31 +48,28 @@ void tensors(const Spec& s, OpTensors& t) {
   auto& in = t.in;
   auto& out = t.out;
   auto& fixed = t.fixed;
-  const auto f = [](std::string n, Dims shape, Role role, double amp = 1, double offset = 0) {
-    return OpTensors::f(std::move(n), std::move(shape), role, amp, offset);
-  };
   const Dims qkv = {s.batch, s.heads, s.seq, s.d_head};
   const Dims kv = {s.batch, s.kv_heads, s.seq, s.d_head};
-  in.push_back(f("input.q", qkv, Role::input));
-  in.push_back(f("input.k", kv, Role::input));
-  in.push_back(f("input.v", kv, Role::input));
+  in.push_back(float_slot("input.q", qkv, Role::input));
+  in.push_back(float_slot("input.k", kv, Role::input));
+  in.push_back(float_slot("input.v", kv, Role::input));
   fixed.push_back({"input.lengths", DType::I64, {s.batch}, Role::input});
-  if (s.cfg.attn_sinks) in.push_back(f("param.sinks", {s.heads}, Role::param));
+  if (s.cfg.attn_sinks) in.push_back(float_slot("param.sinks", {s.heads}, Role::param));
   // In pipeline order, so that a wrong score is named before the context it spoils. A fused
   // kernel may keep the rotated q and k to itself.
   if (s.cfg.positional == Positional::rope) {
-    out.push_back(f("output.q_rot", qkv, Role::output));
+    out.push_back(float_slot("output.q_rot", qkv, Role::output));
     out.back().optional = true;
-    out.push_back(f("output.k_rot", kv, Role::output));
+    out.push_back(float_slot("output.k_rot", kv, Role::output));
     out.back().optional = true;
   }
   if (s.probs) {
     for (const char* n : {"output.scores", "output.probs"}) {
-      out.push_back(f(n, {s.batch, s.heads, s.seq, s.seq}, Role::output));
+      out.push_back(float_slot(n, {s.batch, s.heads, s.seq, s.seq}, Role::output));
       out.back().optional = true;
     }
   }
-  out.push_back(f("output.context", qkv, Role::output));
+  out.push_back(float_slot("output.context", qkv, Role::output));
 }
 
 index_t longest_reduction(const Spec& s) {

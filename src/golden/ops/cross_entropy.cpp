@@ -22,12 +22,9 @@ void tensors(const Spec& s, OpTensors& t) {
   auto& in = t.in;
   auto& out = t.out;
   auto& fixed = t.fixed;
-  const auto f = [](std::string n, Dims shape, Role role, double amp = 1, double offset = 0) {
-    return OpTensors::f(std::move(n), std::move(shape), role, amp, offset);
-  };
-  in.push_back(f("input.logits", {s.rows, s.cols}, Role::input, 2));
+  in.push_back(float_slot("input.logits", {s.rows, s.cols}, Role::input, 2));
   fixed.push_back({"input.labels", DType::I64, {s.rows}, Role::input});
-  out.push_back(f("output.loss", {}, Role::output));
+  out.push_back(float_slot("output.loss", {}, Role::output));
 }
 
 index_t longest_reduction(const Spec& s) {

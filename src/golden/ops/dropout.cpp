@@ -22,12 +22,9 @@ void tensors(const Spec& s, OpTensors& t) {
   auto& in = t.in;
   auto& out = t.out;
   auto& fixed = t.fixed;
-  const auto f = [](std::string n, Dims shape, Role role, double amp = 1, double offset = 0) {
-    return OpTensors::f(std::move(n), std::move(shape), role, amp, offset);
-  };
-  in.push_back(f("input.x", {s.rows, s.cols}, Role::input));
+  in.push_back(float_slot("input.x", {s.rows, s.cols}, Role::input));
   fixed.push_back({"input.mask", DType::U8, {s.rows, s.cols}, Role::input});
-  out.push_back(f("output.y", {s.rows, s.cols}, Role::output));
+  out.push_back(float_slot("output.y", {s.rows, s.cols}, Role::output));
 }
 
 // element-wise: no sums

@@ -47,15 +47,12 @@ void tensors(const Spec& s, OpTensors& t) {
   auto& in = t.in;
   auto& out = t.out;
   auto& fixed = t.fixed;
-  const auto f = [](std::string n, Dims shape, Role role, double amp = 1, double offset = 0) {
-    return OpTensors::f(std::move(n), std::move(shape), role, amp, offset);
-  };
   fixed.push_back({"input.tokens", DType::I64, {s.batch, s.seq}, Role::input});
-  in.push_back(f("param.weight", {s.vocab, s.cols}, Role::param));
+  in.push_back(float_slot("param.weight", {s.vocab, s.cols}, Role::param));
   if (s.cfg.positional == Positional::learned) {
-    in.push_back(f("param.pos_weight", {s.max_len, s.cols}, Role::param, 0.5));
+    in.push_back(float_slot("param.pos_weight", {s.max_len, s.cols}, Role::param, 0.5));
   }
-  out.push_back(f("output.x", {s.batch, s.seq, s.cols}, Role::output));
+  out.push_back(float_slot("output.x", {s.batch, s.seq, s.cols}, Role::output));
 }
 
 index_t longest_reduction(const Spec& s) {

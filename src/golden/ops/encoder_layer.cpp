@@ -3,7 +3,7 @@
 #include <cmath>
 
 #include "golden/ops/op.hpp"
-#include "model_internal.hpp"
+#include "model/model_internal.hpp"
 #include "teo/model.hpp"
 
 namespace teo::golden::ops {
@@ -27,12 +27,9 @@ void tensors(const Spec& s, OpTensors& t) {
   auto& in = t.in;
   auto& out = t.out;
   auto& fixed = t.fixed;
-  const auto f = [](std::string n, Dims shape, Role role, double amp = 1, double offset = 0) {
-    return OpTensors::f(std::move(n), std::move(shape), role, amp, offset);
-  };
   const EncoderConfig& c = s.cfg;
   const Dims bsd = {s.batch, s.seq, c.d_model};
-  in.push_back(f("input.x", bsd, Role::input));
+  in.push_back(float_slot("input.x", bsd, Role::input));
   fixed.push_back({"input.lengths", DType::I64, {s.batch}, Role::input});
   if (c.dropout > 0) {
     fixed.push_back(
@@ -45,9 +42,10 @@ void tensors(const Spec& s, OpTensors& t) {
   LayerParams<double> shapes;
   shapes.has_sinks = c.attn_sinks;
   shapes.visit([&](const std::string& n, const Tensor<double>&) {
-    in.push_back(f("param." + n, teo::detail::param_shape(c, "layers.0." + n).dims(), Role::param));
+    in.push_back(
+        float_slot("param." + n, teo::detail::param_shape(c, "layers.0." + n).dims(), Role::param));
   });
-  out.push_back(f("output.y", bsd, Role::output));
+  out.push_back(float_slot("output.y", bsd, Role::output));
 }
 
 index_t longest_reduction(const Spec& s) {

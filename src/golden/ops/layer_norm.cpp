@@ -21,13 +21,10 @@ void write_sizes(const Spec& s, ojson& j) {
 void tensors(const Spec& s, OpTensors& t) {
   auto& in = t.in;
   auto& out = t.out;
-  const auto f = [](std::string n, Dims shape, Role role, double amp = 1, double offset = 0) {
-    return OpTensors::f(std::move(n), std::move(shape), role, amp, offset);
-  };
-  in.push_back(f("input.x", {s.rows, s.cols}, Role::input, 2, 0.5));
-  in.push_back(f("param.weight", {s.cols}, Role::param, 0.5, 1));
-  in.push_back(f("param.bias", {s.cols}, Role::param, 0.5));
-  out.push_back(f("output.y", {s.rows, s.cols}, Role::output));
+  in.push_back(float_slot("input.x", {s.rows, s.cols}, Role::input, 2, 0.5));
+  in.push_back(float_slot("param.weight", {s.cols}, Role::param, 0.5, 1));
+  in.push_back(float_slot("param.bias", {s.cols}, Role::param, 0.5));
+  out.push_back(float_slot("output.y", {s.rows, s.cols}, Role::output));
 }
 
 index_t longest_reduction(const Spec& s) {

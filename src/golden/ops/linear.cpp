@@ -28,14 +28,11 @@ void write_options(const Spec& s, ojson& j) {
 void tensors(const Spec& s, OpTensors& t) {
   auto& in = t.in;
   auto& out = t.out;
-  const auto f = [](std::string n, Dims shape, Role role, double amp = 1, double offset = 0) {
-    return OpTensors::f(std::move(n), std::move(shape), role, amp, offset);
-  };
   const double inv_sqrt_in = 1.0 / std::sqrt(static_cast<double>(std::max<index_t>(s.in_f, 1)));
-  in.push_back(f("input.x", {s.rows, s.in_f}, Role::input));
-  in.push_back(f("param.weight", {s.out_f, s.in_f}, Role::param, inv_sqrt_in));
-  if (s.bias) in.push_back(f("param.bias", {s.out_f}, Role::param, inv_sqrt_in));
-  out.push_back(f("output.y", {s.rows, s.out_f}, Role::output));
+  in.push_back(float_slot("input.x", {s.rows, s.in_f}, Role::input));
+  in.push_back(float_slot("param.weight", {s.out_f, s.in_f}, Role::param, inv_sqrt_in));
+  if (s.bias) in.push_back(float_slot("param.bias", {s.out_f}, Role::param, inv_sqrt_in));
+  out.push_back(float_slot("output.y", {s.rows, s.out_f}, Role::output));
 }
 
 index_t longest_reduction(const Spec& s) {

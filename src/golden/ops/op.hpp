@@ -103,11 +103,12 @@ struct OpTensors {
   std::vector<Slot> in;     // the differentiable float inputs and parameters
   std::vector<Slot> fixed;  // integer inputs and masks
   std::vector<Slot> out;    // the outputs
-  // A float tensor of the case's dtype.
-  static Slot f(std::string n, Dims shape, Role role, double amp = 1, double offset = 0) {
-    return Slot{std::move(n), safetensors::DType::F64, std::move(shape), role, amp, offset};
-  }
 };
+
+// A float tensor of the case's dtype, drawn uniform in [offset - amp, offset + amp).
+inline Slot float_slot(std::string n, Dims shape, Role role, double amp = 1, double offset = 0) {
+  return Slot{std::move(n), safetensors::DType::F64, std::move(shape), role, amp, offset};
+}
 
 // A case's values by name: float tensors (exact doubles), integers and masks.
 struct Values {

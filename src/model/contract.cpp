@@ -121,7 +121,7 @@ Dims lookup(const std::map<std::string, Dims>& table, const std::string& key,
 TensorSpec spec(std::string name, Role role, DTypeRule dtype, Dims dims, const EncoderConfig& cfg,
                 Sizes s) {
   TensorSpec t{std::move(name), role, dtype, std::move(dims), {}};
-  for (const auto& d : t.dims) t.shape.push_back(dim(d, cfg, s));
+  t.shape = shape(t.dims, cfg, s);
   return t;
 }
 
@@ -192,6 +192,13 @@ index_t dim(const std::string& sym, const EncoderConfig& cfg, Sizes s) {
   if (sym == "C") return cfg.num_classes;
   if (sym == "max_len") return cfg.max_len;
   throw std::invalid_argument("unknown symbolic dimension \"" + sym + "\"");
+}
+
+std::vector<index_t> shape(const Dims& dims, const EncoderConfig& cfg, Sizes s) {
+  std::vector<index_t> out;
+  out.reserve(dims.size());
+  for (const auto& d : dims) out.push_back(dim(d, cfg, s));
+  return out;
 }
 
 Dims param_dims(const std::string& name) {
@@ -296,17 +303,15 @@ std::vector<TensorSpec> gradients(const EncoderConfig& cfg, Sizes s) {
       if (!g.empty()) add_group(std::move(g));
     add_group({act(prefix + "output")});
   }
-  if (!top_final.empty()) {
+  const auto params_of = [&](const std::vector<std::string>& names) {
     std::vector<std::string> g;
-    for (const auto& n : top_final) g.push_back(param(n));
-    add_group(std::move(g));
-  }
+    g.reserve(names.size());
+    for (const auto& n : names) g.push_back(param(n));
+    return g;
+  };
+  if (!top_final.empty()) add_group(params_of(top_final));
   add_group({act("pooled")});
-  {
-    std::vector<std::string> g;
-    for (const auto& n : top_head) g.push_back(param(n));
-    add_group(std::move(g));
-  }
+  add_group(params_of(top_head));
   add_group({act("logits")});
   std::vector<TensorSpec> out;
   for (auto g = groups.rbegin(); g != groups.rend(); ++g) {

@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
-#include "model_internal.hpp"
+#include "model/model_internal.hpp"
 #include "teo/contract.hpp"
 #include "teo/model.hpp"
 #include "teo/precision.hpp"
@@ -90,9 +90,7 @@ namespace detail {
 
 // The shape of parameter `name` under config c, from the contract's symbolic shape.
 Shape param_shape(const EncoderConfig& c, const std::string& name) {
-  std::vector<index_t> dims;
-  for (const auto& d : contract::param_dims(name)) dims.push_back(contract::dim(d, c, {}));
-  return Shape(std::move(dims));
+  return Shape(contract::shape(contract::param_dims(name), c, {}));
 }
 
 }  // namespace detail
@@ -192,9 +190,7 @@ void validate_activations(const EncoderConfig& c, const Batch& b, const Activati
   }
   const contract::Sizes sizes{B, S};
   const auto shape_of = [&](const std::vector<std::string>& dims) {
-    std::vector<index_t> v;
-    for (const auto& d : dims) v.push_back(contract::dim(d, c, sizes));
-    return Shape(std::move(v));
+    return Shape(contract::shape(dims, c, sizes));
   };
   a.visit([&](const std::string& name, const Tensor<Real>& t) {
     expect_shape("activation " + name, t.shape(), shape_of(contract::act_dims(name)));

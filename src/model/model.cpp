@@ -1,0 +1,414 @@
+#include "teo/model.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <utility>
+
+#include "kernels/parallel.hpp"
+#include "model/model_internal.hpp"
+#include "model/pass.hpp"
+#include "teo/contract.hpp"
+#include "teo/layers/cross_entropy.hpp"
+#include "teo/layers/dropout.hpp"
+#include "teo/layers/embedding.hpp"
+#include "teo/layers/layer_norm.hpp"
+#include "teo/layers/linear.hpp"
+#include "teo/layers/pooling.hpp"
+#include "teo/layers/positional.hpp"
+#include "teo/precision.hpp"
+#include "teo/profile.hpp"
+#include "teo/rng.hpp"
+
+namespace teo {
+
+using detail::add;
+using detail::allocate_layer;
+using detail::apply_dropout;
+using detail::copy;
+using detail::Dims;
+using detail::dims_of;
+using detail::dropout_grad;
+using detail::Emulation;
+using detail::layer_backward;
+using detail::layer_forward;
+using detail::MaskSource;
+using detail::shape_as;
+using detail::ZeroList;
+using profile::Stage;
+
+// ---------------------------------------------------------------------------------------------
+// Forward and backward
+
+namespace {
+
+// ConfigError unless every replayed mask names a dropout site of cfg (the contract's) and dropout
+// applies; ShapeError unless each has its site's element count. Called before anything changes.
+void check_replayed_masks(const EncoderConfig& cfg, const Batch& batch,
+                          const ForwardOptions& opts) {
+  if (!opts.masks || opts.masks->empty()) return;
+  if (!opts.train || cfg.dropout <= 0.0) {
+    throw ConfigError(
+        "dropout masks were given, but no dropout applies (train is off or the "
+        "config's dropout is 0)");
+  }
+  const auto sites = contract::masks(cfg, {batch.batch, batch.seq_len});
+  for (const auto& entry : *opts.masks) {
+    const std::string& site = entry.first;
+    const auto& m = entry.second;
+    const auto it = std::find_if(sites.begin(), sites.end(),
+                                 [&](const contract::TensorSpec& t) { return t.name == site; });
+    if (it == sites.end())
+      throw ConfigError("\"" + site + "\" is not a dropout site of this config");
+    const index_t n = Shape(it->shape).numel();
+    if (static_cast<index_t>(m.size()) != n) {
+      throw ShapeError("mask " + site + " has " + std::to_string(m.size()) +
+                       " elements, expected " + std::to_string(n) + " " + it->symbolic());
+    }
+  }
+}
+
+// Zero-fills every tensor of the list, in pieces of 64 Ki values spread over the threads (it is
+// all memory traffic, and one thread does not saturate it).
+template <class Real>
+void zero_fill(const ZeroList<Real>& tensors) {
+  constexpr index_t kPiece = index_t{1} << 16;
+  std::vector<std::pair<Real*, index_t>> pieces;
+  for (Tensor<Real>* t : tensors)
+    for (index_t at = 0; at < t->numel(); at += kPiece)
+      pieces.emplace_back(t->data() + at, std::min(kPiece, t->numel() - at));
+  detail::for_blocks(static_cast<index_t>(pieces.size()), 1, [&](index_t i0, index_t i1) {
+    for (index_t i = i0; i < i1; ++i) {
+      const auto [p, n] = pieces[static_cast<std::size_t>(i)];
+      std::memset(p, 0, static_cast<std::size_t>(n) * sizeof(Real));
+    }
+  });
+}
+
+// Shapes every named activation of `acts` for this config and batch, with empty masks, reusing
+// the buffers of a previous pass where they are large enough. The forward pass (zero == null)
+// overwrites them all. For gradients, those that accumulate are added to `zero` for zero_fill:
+// the top of the stack (which pooling scatters into), the positional gradient, and the
+// statistics' gradients. backward() overwrites the rest.
+template <class Real>
+void allocate(Activations<Real>& a, const EncoderConfig& cfg, const Dims& d, ZeroList<Real>* zero,
+              bool layers_whole = true) {
+  a.norm_first = cfg.norm_first;
+  a.rotary = d.rope;
+  shape_as(a.embedding, {d.B, d.S, d.D}, nullptr);  // the input's dropout gradient overwrites it
+  shape_as(a.positional, {d.S, d.D}, zero);
+  // The gradient of a layer's input is overwritten by the layer; the top one accumulates.
+  shape_as(a.input, {d.B, d.S, d.D}, cfg.num_layers == 0 ? zero : nullptr);
+  a.input_mask.clear();
+  a.layers.resize(static_cast<std::size_t>(cfg.num_layers));
+  for (auto& l : a.layers) {
+    if (layers_whole) {
+      allocate_layer(l, d, zero);
+    } else {
+      l = LayerActs<Real>();
+      shape_as(l.output, {d.B, d.S, d.D}, nullptr);
+    }
+  }
+  if (zero && !a.layers.empty()) zero->push_back(&a.layers.back().output);
+  if (cfg.norm_first) {
+    shape_as(a.final_norm, {d.B, d.S, d.D}, zero);
+    shape_as(a.final_norm_mean, {d.N}, zero);
+    shape_as(a.final_norm_rstd, {d.N}, zero);
+  } else {
+    a.final_norm = a.final_norm_mean = a.final_norm_rstd = Tensor<Real>();
+  }
+  a.pooled.reset({d.B, d.D});
+  a.pool_argmax.clear();
+  if (cfg.pooling == Pooling::max) a.pool_argmax.assign(static_cast<std::size_t>(d.B * d.D), -1);
+  a.logits.reset({d.B, d.C});
+  a.class_probs.reset({d.B, d.C});
+  a.loss.reset(Shape(std::vector<index_t>{}));
+}
+
+template <class Real>
+void run_encoder(const Params<Real>& params, const Batch& batch, Activations<Real>& acts,
+                 const ForwardOptions& opts, const Emulation<Real>& store);
+}  // namespace
+
+template <class Real>
+void forward(const Params<Real>& params, const Batch& batch, Activations<Real>& acts,
+             const ForwardOptions& opts) {
+  const EncoderConfig& cfg = params.config;
+  validate_params(params);
+  validate_batch(cfg, batch, sizeof(Real));
+  check_replayed_masks(cfg, batch, opts);
+  const Dims d = dims_of(cfg, batch);
+  const Emulation<Real> store(opts.precision, "");
+  allocate(acts, cfg, d, static_cast<ZeroList<Real>*>(nullptr));
+
+  {
+    profile::Scope stage(Stage::embedding);
+    const Real scale =
+        cfg.embed_scale ? static_cast<Real>(std::sqrt(static_cast<double>(d.D))) : Real(1);
+    embedding_forward(acts.embedding.data(), batch.tokens.data(), params.embedding_weight.data(),
+                      d.N, d.D, scale);
+    store(acts.embedding, "", "embedding");
+    // rope, alibi and none add nothing here: their table is 0
+    if (cfg.positional == Positional::sinusoidal) {
+      sinusoidal_table(acts.positional.data(), d.S, d.D, cfg.position_offset);
+    } else if (cfg.positional == Positional::learned) {
+      copy(acts.positional.data(), params.pos_embedding_weight.data() + cfg.position_offset * d.D,
+           d.S * d.D);
+    } else {
+      acts.positional.zero();
+    }
+    store(acts.positional, "", "positional");
+    // input = dropout(embedding + positional), the dropout applied in place
+    add_positional_forward(acts.input.data(), acts.embedding.data(), acts.positional.data(), d.B,
+                           d.S, d.D);
+    apply_dropout(acts.input.data(), acts.input.data(), acts.input_mask, d.N * d.D, "dropout.input",
+                  cfg.dropout, opts.train && cfg.dropout > 0.0,
+                  MaskSource{opts.dropout_seed, opts.masks});
+    store(acts.input, "", "input");
+  }
+  run_encoder(params, batch, acts, opts, store);
+}
+
+namespace {
+
+// The stack, pooling, head and loss from acts.input; the caller has validated everything.
+template <class Real>
+void run_encoder(const Params<Real>& params, const Batch& batch, Activations<Real>& acts,
+                 const ForwardOptions& opts, const Emulation<Real>& store) {
+  const EncoderConfig& cfg = params.config;
+  const Dims d = dims_of(cfg, batch);
+  const bool drop = opts.train && cfg.dropout > 0.0;
+  const Real* x = acts.input.data();
+  for (std::size_t i = 0; i < acts.layers.size(); ++i) {
+    layer_forward(cfg, params.layers[i], acts.layers[i], x, batch, d,
+                  "dropout.layers." + std::to_string(i) + ".", drop,
+                  MaskSource{opts.dropout_seed, opts.masks}, store);
+    x = acts.layers[i].output.data();
+  }
+  profile::Scope stage(Stage::head);
+  if (cfg.norm_first) {
+    layer_norm_forward(acts.final_norm.data(), acts.final_norm_mean.data(),
+                       acts.final_norm_rstd.data(), x, params.final_norm_weight.data(),
+                       params.final_norm_bias.data(), d.N, d.D,
+                       static_cast<Real>(cfg.layer_norm_eps));
+    store(acts.final_norm, "", "final_norm");
+    x = acts.final_norm.data();
+  }
+  if (cfg.pooling == Pooling::max) acts.pool_argmax.assign(static_cast<std::size_t>(d.B * d.D), -1);
+  pooling_forward(acts.pooled.data(), acts.pool_argmax.data(), x, batch.lengths.data(), d.B, d.S,
+                  d.D, cfg.pooling);
+  store(acts.pooled, "", "pooled");
+  linear_forward(acts.logits.data(), acts.pooled.data(), params.head_weight.data(),
+                 params.head_bias.data(), d.B, d.D, d.C);
+  store(acts.logits, "", "logits");
+  acts.loss[0] =
+      cross_entropy_forward(acts.class_probs.data(), acts.logits.data(), batch.labels.data(), d.B,
+                            d.C, static_cast<Real>(cfg.label_smoothing));
+  store(acts.loss, "", "loss");
+}
+
+}  // namespace
+
+template <class Real>
+void encoder_forward(const Params<Real>& params, const Batch& batch, Activations<Real>& acts,
+                     const ForwardOptions& opts) {
+  validate_params(params);
+  validate_batch(params.config, batch, sizeof(Real));
+  validate_activations(params.config, batch, acts);
+  check_replayed_masks(params.config, batch, opts);
+  run_encoder(params, batch, acts, opts, Emulation<Real>(opts.precision, ""));
+}
+
+template <class Real>
+void backward(const Params<Real>& params, const Batch& batch, const Activations<Real>& acts,
+              Params<Real>& grads, Activations<Real>& dacts, const BackwardOptions& opts) {
+  const EncoderConfig& cfg = params.config;
+  validate_params(params);
+  validate_batch(cfg, batch, sizeof(Real));
+  validate_activations(cfg, batch, acts);
+  const Dims d = dims_of(cfg, batch);
+  const Emulation<Real> store(opts.precision, "the gradient of ");
+  {
+    // The gradients that accumulate from the start begin at zero (Params::zeros, with the fill
+    // done by zero_fill): every parameter's, and the few activation gradients allocate() lists.
+    // The first writer of every other one overwrites it.
+    profile::Scope stage(Stage::bwd_zero_fill);
+    ZeroList<Real> zero;
+    grads = Params<Real>();
+    grads.config = cfg;
+    grads.layers.resize(static_cast<std::size_t>(cfg.num_layers));
+    for (auto& l : grads.layers) l.has_sinks = cfg.attn_sinks;
+    grads.visit([&](const std::string& name, Tensor<Real>& t) {
+      shape_as(t, detail::param_shape(cfg, name), &zero);
+    });
+    allocate(dacts, cfg, d, &zero, opts.layer_activation_grads);
+    zero_fill(zero);
+  }
+
+  // loss = cross_entropy(logits); logits = pooled * head^T + b
+  {
+    profile::Scope stage(Stage::bwd_head);
+    dacts.loss[0] = Real(1);
+    cross_entropy_backward(dacts.logits.data(), acts.class_probs.data(), batch.labels.data(), d.B,
+                           d.C, static_cast<Real>(cfg.label_smoothing), dacts.loss[0]);
+    store(dacts.logits, "", "logits");
+    linear_backward(dacts.pooled.data(), grads.head_weight.data(), grads.head_bias.data(),
+                    dacts.logits.data(), acts.pooled.data(), params.head_weight.data(), d.B, d.D,
+                    d.C);
+    store(dacts.pooled, "", "pooled");
+    // pooled = pool(top); top = final_norm(last) (pre) or last
+    Tensor<Real>& dlast = cfg.num_layers > 0 ? dacts.layers.back().output : dacts.input;
+    const Real* last = cfg.num_layers > 0 ? acts.layers.back().output.data() : acts.input.data();
+    Real* dtop = cfg.norm_first ? dacts.final_norm.data() : dlast.data();
+    pooling_backward(dtop, dacts.pooled.data(), acts.pool_argmax.data(), batch.lengths.data(), d.B,
+                     d.S, d.D, cfg.pooling);
+    if (cfg.norm_first) {
+      store(dacts.final_norm, "", "final_norm");
+      layer_norm_backward(dlast.data(), grads.final_norm_weight.data(),
+                          grads.final_norm_bias.data(), dacts.final_norm.data(), last,
+                          params.final_norm_weight.data(), acts.final_norm_mean.data(),
+                          acts.final_norm_rstd.data(), d.N, d.D);
+    }
+    const std::string last_name =
+        cfg.num_layers > 0 ? "layers." + std::to_string(cfg.num_layers - 1) + ".output" : "input";
+    store(dlast, "", last_name.c_str());
+  }
+  LayerActs<Real> scratch;  // the layer's activation gradients when they are not all kept
+  for (std::size_t i = acts.layers.size(); i-- > 0;) {
+    Real* dx = i > 0 ? dacts.layers[i - 1].output.data() : dacts.input.data();
+    const Real* x = i > 0 ? acts.layers[i - 1].output.data() : acts.input.data();
+    const std::string name = "layers." + std::to_string(i) + ".";
+    LayerActs<Real>& dL = opts.layer_activation_grads ? dacts.layers[i] : scratch;
+    if (!opts.layer_activation_grads) {
+      // as allocate() would give them, around the layer's kept output gradient
+      ZeroList<Real> zero;
+      allocate_layer(scratch, d, &zero);
+      zero_fill(zero);
+      std::swap(scratch.output, dacts.layers[i].output);
+    }
+    layer_backward(cfg, params.layers[i], acts.layers[i], grads.layers[i], dL, dx, x,
+                   batch.lengths.data(), d, name, store);
+    if (!opts.layer_activation_grads) std::swap(scratch.output, dacts.layers[i].output);
+    // dx is complete: the gradient of the layer's input
+    store(dx, d.N * d.D, "",
+          i > 0 ? ("layers." + std::to_string(i - 1) + ".output").c_str() : "input");
+  }
+  // input = dropout(embedding + positional)
+  profile::Scope stage(Stage::bwd_embedding);
+  // d(embedding + positional) is the gradient of the embedding itself, written here first
+  dropout_grad(dacts.embedding.data(), dacts.input.data(), acts.input_mask, d.N * d.D, cfg.dropout);
+  store(dacts.embedding, "", "embedding");
+  add_positional_backward(dacts.positional.data(), dacts.embedding.data(), d.B, d.S, d.D);
+  store(dacts.positional, "", "positional");
+  if (cfg.positional == Positional::learned) {
+    add(grads.pos_embedding_weight.data() + cfg.position_offset * d.D, dacts.positional.data(),
+        d.S * d.D);
+  }
+  const Real scale =
+      cfg.embed_scale ? static_cast<Real>(std::sqrt(static_cast<double>(d.D))) : Real(1);
+  embedding_backward(grads.embedding_weight.data(), dacts.embedding.data(), batch.tokens.data(),
+                     d.N, d.D, scale);
+  if (store.stores_reduced()) {
+    grads.visit([&](const std::string& name, Tensor<Real>& g) { store(g, "", name.c_str()); });
+  }
+}
+
+namespace {
+
+// Checks the arguments of a single-layer pass (ShapeError) and returns its dimensions.
+template <class Real>
+Dims layer_dims(const EncoderConfig& cfg, const LayerParams<Real>& P, const Tensor<Real>& x,
+                const std::vector<std::int64_t>& lengths, Batch& batch) {
+  cfg.validate();
+  if (x.shape().rank() != 3 || x.dim(2) != cfg.d_model ||
+      x.dim(0) != static_cast<index_t>(lengths.size())) {
+    throw ShapeError("encoder layer: x is " + x.shape().str() + ", expected (" +
+                     std::to_string(lengths.size()) + ", S, " + std::to_string(cfg.d_model) + ")");
+  }
+  if (P.has_sinks != cfg.attn_sinks) {
+    throw ShapeError(std::string("encoder layer: parameter attn.sinks is ") +
+                     (cfg.attn_sinks ? "missing" : "present") + ", but attn_sinks is " +
+                     (cfg.attn_sinks ? "true" : "false"));
+  }
+  P.visit([&](const std::string& name, const Tensor<Real>& t) {
+    const Shape want = detail::param_shape(cfg, "layers.0." + name);
+    if (!(t.shape() == want)) {
+      throw ShapeError("encoder layer: parameter " + name + " is " + t.shape().str() +
+                       ", expected " + want.str());
+    }
+  });
+  batch.batch = x.dim(0);
+  batch.seq_len = x.dim(1);
+  batch.lengths = lengths;
+  for (auto len : lengths) {
+    if (len < 0 || len > batch.seq_len) {
+      throw ShapeError("encoder layer: length " + std::to_string(len) + " is outside [0, " +
+                       std::to_string(batch.seq_len) + "]");
+    }
+  }
+  return dims_of(cfg, batch);
+}
+
+}  // namespace
+
+template <class Real>
+void encoder_layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P,
+                           const Tensor<Real>& x, const std::vector<std::int64_t>& lengths,
+                           LayerActs<Real>& L, const ForwardOptions& opts) {
+  Batch batch;
+  const Dims d = layer_dims(cfg, P, x, lengths, batch);
+  check_replayed_masks(cfg, batch, opts);
+  const Emulation<Real> store(opts.precision, "");
+  allocate_layer(L, d, static_cast<ZeroList<Real>*>(nullptr));
+  layer_forward(cfg, P, L, x.data(), batch, d, "dropout.layers.0.", opts.train && cfg.dropout > 0.0,
+                MaskSource{opts.dropout_seed, opts.masks}, store);
+}
+
+template <class Real>
+void encoder_layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P,
+                            const Tensor<Real>& x, const std::vector<std::int64_t>& lengths,
+                            const LayerActs<Real>& L, const Tensor<Real>& dy, Tensor<Real>& dx,
+                            LayerParams<Real>& G, LayerActs<Real>& dL,
+                            const BackwardOptions& opts) {
+  Batch batch;
+  const Dims d = layer_dims(cfg, P, x, lengths, batch);
+  if (!(dy.shape() == x.shape()) || !(L.output.shape() == x.shape())) {
+    throw ShapeError("encoder layer: dy is " + dy.shape().str() + " and the kept output " +
+                     L.output.shape().str() + ", expected " + x.shape().str());
+  }
+  const Emulation<Real> store(opts.precision, "the gradient of ");
+  ZeroList<Real> zero;
+  G.has_sinks = cfg.attn_sinks;
+  G.visit([&](const std::string& name, Tensor<Real>& t) {
+    shape_as(t, detail::param_shape(cfg, "layers.0." + name), &zero);
+  });
+  allocate_layer(dL, d, &zero);
+  shape_as(dx, x.shape(), nullptr);  // layer_backward overwrites it
+  zero_fill(zero);
+  copy(dL.output.data(), dy.data(), dy.numel());
+  layer_backward(cfg, P, L, G, dL, dx.data(), x.data(), batch.lengths.data(), d, "layers.0.",
+                 store);
+  store(dx, "", "x");
+  if (store.stores_reduced()) {
+    G.visit([&](const std::string& name, Tensor<Real>& g) { store(g, "layers.0.", name.c_str()); });
+  }
+}
+
+#define TEO_INSTANTIATE(Real)                                                                      \
+  template void encoder_layer_forward<Real>(const EncoderConfig&, const LayerParams<Real>&,        \
+                                            const Tensor<Real>&, const std::vector<std::int64_t>&, \
+                                            LayerActs<Real>&, const ForwardOptions&);              \
+  template void encoder_layer_backward<Real>(                                                      \
+      const EncoderConfig&, const LayerParams<Real>&, const Tensor<Real>&,                         \
+      const std::vector<std::int64_t>&, const LayerActs<Real>&, const Tensor<Real>&,               \
+      Tensor<Real>&, LayerParams<Real>&, LayerActs<Real>&, const BackwardOptions&);                \
+  template void forward<Real>(const Params<Real>&, const Batch&, Activations<Real>&,               \
+                              const ForwardOptions&);                                              \
+  template void encoder_forward<Real>(const Params<Real>&, const Batch&, Activations<Real>&,       \
+                                      const ForwardOptions&);                                      \
+  template void backward<Real>(const Params<Real>&, const Batch&, const Activations<Real>&,        \
+                               Params<Real>&, Activations<Real>&, const BackwardOptions&);
+TEO_INSTANTIATE(float)
+TEO_INSTANTIATE(double)
+
+}  // namespace teo

@@ -11,6 +11,7 @@ scripts/lint.sh build
 # Each ctest run writes a JUnit report beside its log; a failure is summarised at the end (below),
 # with each failed test's own output, so that the last screen of a CI log explains it.
 failed=0
+failed_dirs=()
 run_ctest() {  # DIR [ctest args...]; the environment given with `env` before it is the tests'
   local dir=$1
   shift
@@ -19,19 +20,22 @@ run_ctest() {  # DIR [ctest args...]; the environment given with `env` before it
     tee "$dir/ctest.log"
   local rc=${PIPESTATUS[0]}
   set -o pipefail
-  if [ "$rc" -ne 0 ]; then failed=1; fi
+  if [ "$rc" -ne 0 ]; then
+    failed=1
+    failed_dirs+=("$dir")
+  fi
 }
 summarise_failures() {  # DIR
-  local names
-  names=$(sed -n 's/^ *[0-9]* - \(.*\) (Failed.*/\1/p; s/^ *[0-9]* - \(.*\) (Timeout.*/\1/p' "$1/ctest.log" || true)
-  [ -z "$names" ] && return 0
+  local list="$1/Testing/Temporary/LastTestsFailed.log"
+  [ -s "$list" ] || return 0
   echo "==== failed in $1 (JUnit report: $1/ctest-junit.xml) ===="
-  while IFS= read -r n; do
-    echo "---- $n: its output ----"
-    # the test's block of the log, from its start line to its verdict, at most 200 lines
-    awk -v t="$n" 'index($0, "Start") && index($0, t) {on=1} on {print; if (++k > 200) exit}
-                   on && index($0, t) && /(Failed|Passed|Timeout)/ {exit}' "$1/ctest.log"
-  done <<< "$names"
+  while IFS=: read -r num name; do
+    echo "---- $name: its output ----"
+    # its verdict line, then what --output-on-failure printed, up to the next test's line
+    awk -v n="$num" '$0 ~ ("Test +#" n ": ") {on=1; print; next}
+                     on && (/^ *[0-9]+\/[0-9]+ Test +#/ || /^ +Start +[0-9]+: /) {exit}
+                     on {print; if (++k > 200) exit}' "$1/ctest.log"
+  done < "$list"
 }
 run_ctest build
 
@@ -49,8 +53,7 @@ scripts/fuzz.sh "${FUZZ_SECONDS:-60}" || failed=1
 skipped=$(grep -E '\*\*\*Skipped|Skipped ' build/ctest.log build-fuzz/ctest.log 2>/dev/null || true)
 if [ -n "$skipped" ]; then echo "skipped tests:"; echo "$skipped"; fi
 if [ "$failed" != 0 ]; then
-  summarise_failures build
-  summarise_failures build-fuzz
+  for d in "${failed_dirs[@]}"; do summarise_failures "$d"; done
   echo "scripts/test.sh: FAILED"
   exit 1
 fi

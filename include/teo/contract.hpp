@@ -2,8 +2,9 @@
 // its dtype rule and its symbolic shape ("[B, Hkv, S, Dh]"); everything else that lists tensors
 // derives from here: the parameter shapes (Params::zeros, validate_params), the activation shapes
 // (validate_activations), the replayed dropout masks (ForwardOptions::masks), the generator's
-// lists and --keep, the validation of a golden before it is read (golden::validate), `teo shapes`,
-// `teo golden list` and the tables of docs/golden-format.md (checked by a test).
+// lists and --keep, the validation of a golden before it is read (golden::validate, which `teo
+// golden list` and every reader run first), `teo shapes` and the tables of docs/golden-format.md
+// (checked by a test).
 //
 // The names come from one place: Params::visit and Activations::visit, run on empty tensors, plus
 // one table of symbolic shapes and one table of the order a layer uses its parameters.
@@ -83,10 +84,13 @@ std::vector<TensorSpec> masks(const EncoderConfig& cfg, Sizes s);
 // the embeddings. Every parameter has its grad.<name>.
 std::vector<TensorSpec> gradients(const EncoderConfig& cfg, Sizes s);
 
-// Whether a golden tensor is 0 in exact arithmetic, so that it holds nothing but the rounding
-// noise of the sum that forms it: the key bias gradients grad.layers.{i}.attn.k.bias (softmax
-// ignores a shift shared by a whole row of scores, so the sum over rows of dK is 0).
-bool noise_only(const std::string& golden_name);
+// Whether a golden tensor of a model under cfg is 0 in exact arithmetic, so that it holds nothing
+// but the rounding noise of the sum that forms it: the key bias gradients
+// grad.layers.{i}.attn.k.bias, where the key bias shifts a whole row of scores by q_i . b, which
+// softmax ignores (so the sum over rows of dK is 0). Not so with RoPE (the bias is rotated by
+// position), sinks (the sink's logit is not shifted) or a soft-cap (tanh does not keep a shift):
+// there it is a real gradient.
+bool noise_only(const std::string& golden_name, const EncoderConfig& cfg);
 
 // Every tensor of a model golden, in file order: the inputs, the parameters, the dropout masks
 // (when cfg.dropout > 0), the activations, the gradients, and for a float32 case the ref64 twin of

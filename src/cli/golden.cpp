@@ -74,6 +74,11 @@ std::string dims_str(const std::vector<std::int64_t>& d) {
 // One case of `golden list`: its name, format or op, dtype, and the tensors a candidate writes.
 void list_one(const std::string& path, std::ostream& out) {
   const safetensors::File f = safetensors::read(path);
+  try {
+    golden::validate(f);  // what it lists is then its contract's
+  } catch (const FormatError& e) {
+    throw FormatError(path + ": " + e.what());
+  }
   const std::string name = std::filesystem::path(path).filename().string();
   if (golden::is_op_file(f)) {
     const golden::OpCase c = golden::op_case_of(f);

@@ -113,10 +113,8 @@ TensorResult check_tensor(const File& golden, const safetensors::Tensor& g,
   r.bound =
       f32 ? opts.k * teo_err + opts.floor_eps * FLT_EPSILON * scale : opts.rtol * scale + opts.atol;
   // A tensor of pure rounding noise: any order of summation of its n terms is right.
-  if (const auto n = detail::noise_terms(golden, g.name)) {
-    const double u = f32 ? FLT_EPSILON / 2 : DBL_EPSILON / 2;
-    r.bound = std::max(r.bound, static_cast<double>(n) * u * scale);
-  }
+  if (const auto n = detail::noise_terms(golden, g.name))
+    r.bound = std::max(r.bound, detail::noise_bound(n, !f32, scale));
   r.ratio = r.bound > 0 ? max_abs / r.bound : (max_abs > 0 ? INFINITY : 0);
   const bool ok = nonfinite_count == 0 && max_abs <= r.bound;
   r.status = ok ? Status::pass : Status::fail;
@@ -168,7 +166,7 @@ TensorResult judge_budget(const File& golden, const safetensors::Tensor& g,
   r.emulated_err = scale > 0 ? emu_err / scale : 0;
   r.bound = opts.budget_k * emu_err + opts.budget_floor * unit_roundoff(p) * scale;
   if (const auto n = detail::noise_terms(golden, g.name))
-    r.bound = std::max(r.bound, static_cast<double>(n) * unit_roundoff(p) * scale);
+    r.bound = std::max(r.bound, detail::noise_bound(n, p == Precision::fp64, scale));
   r.ratio = r.bound > 0 ? max_abs / r.bound : (max_abs > 0 ? INFINITY : 0);
   if (nonfinite_count > 0) {
     const auto i = static_cast<std::size_t>(nonfinite_at);
@@ -426,12 +424,19 @@ std::vector<CaseReport> check_paths(const std::string& golden, const std::string
                       " is a directory; give a candidate directory");
     }
     // Every golden under the directory, subdirectories included (golden/ holds the model cases
-    // and ops/ the op cases), matched by its path relative to it in the candidate directory.
+    // and ops/ the op cases), matched by its path relative to it in the candidate directory: the
+    // path as listed, never through a symlink's target (a golden linked from elsewhere is still
+    // matched by its own name). A candidate directory inside the golden one is not a golden.
     std::vector<std::string> names;
     for (auto it = fs::recursive_directory_iterator(golden, ec);
          !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
+      std::error_code same_ec;
+      if (it->is_directory() && fs::equivalent(it->path(), candidate, same_ec)) {
+        it.disable_recursion_pending();
+        continue;
+      }
       if (it->is_regular_file() && it->path().extension() == ".safetensors") {
-        names.push_back(fs::relative(it->path(), golden).string());
+        names.push_back(it->path().lexically_relative(golden).generic_string());
       }
     }
     if (ec) throw FileError(golden + ": cannot list the directory: " + ec.message());

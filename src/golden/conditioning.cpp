@@ -69,11 +69,24 @@ std::int64_t noise_terms(const File& golden, const std::string& name) {
   if (is_op_file(golden)) {
     if (name != "grad.param.attn.k.bias") return 0;
     const OpCase c = op_case_of(golden);
+    // the layer's attention options, as its spec spells them
+    EncoderConfig layer;
+    layer.positional =
+        c.spec.value("positional", "none") == "rope" ? Positional::rope : Positional::none;
+    layer.attn_sinks = c.spec.value("attn_sinks", false);
+    if (c.spec.contains("attn_logit_softcap") && !c.spec.at("attn_logit_softcap").is_null())
+      layer.attn_logit_softcap = c.spec.at("attn_logit_softcap").get<double>();
+    if (!contract::noise_only("grad.layers.0.attn.k.bias", layer)) return 0;
     return c.spec.at("batch").get<std::int64_t>() * c.spec.at("seq_len").get<std::int64_t>();
   }
-  if (!contract::noise_only(name)) return 0;
   const Case c = case_of(golden);
+  if (!contract::noise_only(name, c.config)) return 0;
   return c.batch * c.seq_len;
+}
+
+double noise_bound(std::int64_t n, bool fp64, double scale) {
+  const double u = fp64 ? DBL_EPSILON / 2 : FLT_EPSILON / 2;
+  return std::min(static_cast<double>(n) * u, kNoiseCap) * scale;
 }
 
 void release_judged(const File& golden, const safetensors::Tensor& g) {

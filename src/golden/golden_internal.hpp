@@ -39,10 +39,16 @@ double scale_of(const safetensors::File& golden, const std::string& name,
 double inputs_scale(const safetensors::File& golden);
 
 // For a tensor that is 0 in exact arithmetic and holds nothing but the rounding noise of a sum
-// (contract::noise_only: the key bias gradients), the number of terms of that sum (B * S rows);
-// 0 for every other tensor. Its bound is at least noise_terms * u * scale: what any order of
-// summation may leave of terms no larger than the scale.
+// (contract::noise_only: the key bias gradients, without RoPE, sinks or a soft-cap), the number of
+// terms of that sum (B * S rows); 0 for every other tensor.
 std::int64_t noise_terms(const safetensors::File& golden, const std::string& name);
+
+// The bound of a noise-only tensor of n terms is at least n * u * scale, u the unit roundoff of
+// the accumulation (float32 for every float format, float64 for fp64): what any order of
+// summation may leave of terms no larger than the scale; at most kNoiseCap * scale, so that a
+// wrong gradient, of the order of the scale, fails however many terms there are.
+inline constexpr double kNoiseCap = 0.01;
+double noise_bound(std::int64_t n, bool fp64, double scale);
 
 // Gives back the memory of a mapped golden tensor and of what truth_of and scale_of read with it
 // (its ref64 twin, a bias gradient's weight gradient): safetensors::release on each.

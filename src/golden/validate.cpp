@@ -74,6 +74,13 @@ namespace {
 void validate_model(const File& f) {
   const Case c = case_of(f);
   const bool f32 = c.dtype == "float32";
+  // Every layer holds at least its 16 parameters: a config of more layers than the file could
+  // describe is refused before its contract is listed (which would take memory in proportion).
+  if (c.config.num_layers > static_cast<index_t>(f.tensors.size()) / 16) {
+    throw FormatError("the golden's config has " + std::to_string(c.config.num_layers) +
+                      " layers, but the file holds only " + std::to_string(f.tensors.size()) +
+                      " tensors");
+  }
   std::vector<detail::ExpectedTensor> want;
   for (const auto& t : contract::model_case(c.config, {c.batch, c.seq_len}, f32))
     want.push_back({t.name, detail::stored_dtype(t.dtype, f32), t.shape, t.symbolic()});

@@ -291,8 +291,9 @@ void add_sink_grads(Real* dsinks, const std::vector<Real>& part, index_t batch, 
     for (index_t b = 0; b < batch; ++b) dsinks[h] += part[static_cast<std::size_t>(b * heads + h)];
 }
 
-// ShapeError unless the arguments fit together: sizes >= 0, lengths given (and within the
-// sequence) when there is a batch, and the row-blocked path without dropout or merged heads.
+// ShapeError unless the arguments fit together: sizes >= 0, lengths given when there is a batch,
+// and the row-blocked path without dropout or merged heads. (The lengths' values are the caller's
+// to check: the model and the op cases check them against the sequence.)
 template <class Real>
 void check_args(const AttentionArgs<Real>& a, const char* what, bool rows) {
   if (a.batch < 0 || a.heads < 0 || a.seq_len < 0 || a.d_head < 0) {

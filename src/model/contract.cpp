@@ -321,7 +321,8 @@ std::vector<TensorSpec> gradients(const EncoderConfig& cfg, Sizes s) {
   return out;
 }
 
-bool noise_only(const std::string& golden_name) {
+bool noise_only(const std::string& golden_name, const EncoderConfig& cfg) {
+  if (cfg.positional == Positional::rope || cfg.attn_sinks || cfg.attn_logit_softcap) return false;
   std::string n = golden_name;
   if (n.starts_with("ref64.")) n = n.substr(6);
   return n.starts_with("grad.layers.") && without_layer(n.substr(5)) == "attn.k.bias";

@@ -465,6 +465,31 @@ TEST(GoldenCli, CheckOfADirectoryDescendsIntoItsSubdirectories) {
   EXPECT_GE(passed.size(), 140u) << "every model and op case of the corpus";
 }
 
+// A golden directory of symlinks is matched by the links' own names, never through their
+// targets: a wrong candidate fails (it is not compared with the golden itself); and a candidate
+// directory inside the golden one is not searched for goldens.
+TEST(GoldenCli, SymlinkedGoldensAreMatchedByTheirOwnNames) {
+  const fs::path dir = fresh_dir("teo_golden_cli_links");
+  fs::create_directories(dir / "golden");
+  fs::create_directories(dir / "golden" / "mine");
+  const std::string name = "post_gelu_mean_f64.safetensors";
+  fs::create_symlink(kCorpus / name, dir / "golden" / name);
+  // the candidate: the golden with one activation doubled
+  st::File c = st::read((kCorpus / name).string());
+  for (auto& t : c.tensors) {
+    if (t.name != "act.layers.0.context") continue;
+    auto v = t.float_values();
+    for (auto& x : v) x *= 2;
+    std::memcpy(t.bytes.data(), v.data(), v.size() * sizeof(double));
+  }
+  teo::write_file_atomic((dir / "golden" / "mine" / name).string(), st::serialize(c), true);
+  CliResult r = run_cli("golden check --golden " + (dir / "golden").string() + " --candidate " +
+                        (dir / "golden" / "mine").string());
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_NE(r.out.find("first divergence: layers.0.context"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find(".."), std::string::npos) << "names are the links' own: " << r.out;
+}
+
 TEST(Cli, EveryBadInputIsOneLineAndExitCode2) {
   const std::string g = (kCorpus / "post_gelu_mean_f64.safetensors").string();
   for (const std::string& args : std::vector<std::string>{

@@ -1,10 +1,12 @@
 // Judging low-precision candidates (docs/golden-format.md, "Low-precision backends"): the budget
 // arithmetic, BF16/F16 candidates and the precision they imply, vacuous budgets behind max-pooling
 // ties, and the refusal of ill-conditioned cases.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <iostream>
 
+#include "golden/golden_internal.hpp"
 #include "support.hpp"
 #include "teo/golden.hpp"
 #include "teo/model.hpp"
@@ -256,6 +258,31 @@ TEST(NoiseBound, TheKeyBiasGradientPassesInAnyOrderOfSummation) {
   }
   const TensorResult bad = with_bias(wrong);
   EXPECT_EQ(bad.status, Status::fail) << bad.ratio;
+}
+
+// With RoPE or sinks the key bias gradient is a real gradient: it gets no noise bound, and a
+// backend that returns zeros for it fails, in float32 and in bf16.
+TEST(NoiseBound, OnlyWhereTheKeyBiasGradientIsZero) {
+  for (const char* name : {"rope_neox_f64", "sinks_masked_f64", "bf16_rope_gqa"}) {
+    const File g =
+        safetensors::read(std::string(TEO_SOURCE_DIR) + "/golden/" + name + ".safetensors");
+    EXPECT_EQ(detail::noise_terms(g, "grad.layers.0.attn.k.bias"), 0) << name;
+    File zeros = g;
+    for (auto& t : zeros.tensors)
+      if (t.name == "grad.layers.0.attn.k.bias") std::fill(t.bytes.begin(), t.bytes.end(), 0);
+    CheckOptions o;
+    if (std::string(name).starts_with("bf16")) o.precision = Precision::bf16;
+    for (const auto& t : check(g, zeros, o).tensors) {
+      if (t.name == "grad.layers.0.attn.k.bias") {
+        EXPECT_EQ(t.status, Status::fail) << name;
+      }
+    }
+  }
+  const File plain =
+      safetensors::read(std::string(TEO_SOURCE_DIR) + "/golden/post_gelu_mean_f64.safetensors");
+  EXPECT_EQ(detail::noise_terms(plain, "grad.layers.0.attn.k.bias"), 3 * 9);
+  EXPECT_EQ(detail::noise_terms(plain, "grad.layers.0.attn.q.bias"), 0);
+  EXPECT_DOUBLE_EQ(detail::noise_bound(std::int64_t{1} << 40, false, 2.0), 0.02);
 }
 
 // A tensor whose truth is exactly 0 is judged against its inputs' scale, not against 0: with one

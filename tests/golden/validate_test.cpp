@@ -7,6 +7,7 @@
 #include <string>
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include "teo/golden.hpp"
 #include "teo/golden_ops.hpp"
@@ -127,6 +128,29 @@ TEST(GoldenValidate, InputsOutsideTheirRangeAreNamed) {
   st::File k = corpus("post_gelu_mean_f64");
   set<std::int64_t>(k, "input.lengths", 0, 1);
   expect_refused(k, "input.lengths are not its case's lengths");
+}
+
+// A tiny file whose config claims 10^7 layers (of an empty batch, so that no memory limit refuses
+// it) is refused before its contract is listed.
+TEST(GoldenValidate, AConfigOfMoreLayersThanTheFileHoldsIsRefusedCheaply) {
+  st::File f = corpus("post_gelu_mean_f64");
+  for (auto& [k, v] : f.metadata) {
+    if (k != "config") continue;
+    auto j = nlohmann::json::parse(v);
+    j["num_layers"] = 10000000;
+    j["d_model"] = 2;
+    j["num_heads"] = 1;
+    j["d_ff"] = 1;
+    v = j.dump();
+  }
+  for (auto& [k, v] : f.metadata) {
+    if (k != "case") continue;
+    auto j = nlohmann::json::parse(v);  // an empty batch: no activation memory to refuse it
+    j["batch"] = 0;
+    j["lengths"] = nlohmann::json::array();
+    v = j.dump();
+  }
+  expect_refused(f, "layers, but the file holds only");
 }
 
 TEST(GoldenValidate, AFileWrittenWithKeepMayLeaveOutComputedTensorsOnly) {

@@ -1,7 +1,8 @@
 // Internal to the op cases: what an op declares (OpDef, one per file in this folder, listed once in
-// registry.cpp) and what every op shares: its parsed spec, the spec reader, its tensors and their
-// values, and the context its forward and backward run in. ops.cpp does everything else once for
-// every op: normalising a spec, laying out and drawing the tensors, running, writing a case.
+// registry() in ops.cpp) and what every op shares: its parsed spec, the spec reader, its tensors
+// and their values, and the context its forward and backward run in. ops.cpp does everything else
+// once for every op: normalising a spec, laying out and drawing the tensors, running, writing a
+// case.
 #pragma once
 
 #include <algorithm>
@@ -179,7 +180,7 @@ struct RunContext {
 };
 
 // One op: everything that differs from one op to another. ops.cpp's generic code reads nothing
-// else, so an op is one file defining one of these, listed once in registry.cpp.
+// else, so an op is one file defining one of these, listed once in registry() (ops.cpp).
 struct OpDef {
   const char* name = "";
   // The model-config keys the spec takes (read, validated and written back as EncoderConfig spells

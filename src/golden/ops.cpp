@@ -136,6 +136,16 @@ void Reader::finish() const {
 // The attention ops' positions: inside attention only (none, rope or alibi, default none). RoPE
 // takes its rotary_dim from d_head, and its scaling's original context from seq_len, unless given;
 // both are then spelled out in the normalised spec.
+void parse_rows_cols(Spec& s, Reader& r) {
+  s.rows = r.size("rows", 0);
+  s.cols = r.size("cols", 1);
+}
+
+void write_rows_cols(const Spec& s, ojson& j) {
+  j["rows"] = s.rows;
+  j["cols"] = s.cols;
+}
+
 void attention_positions(Spec& s, const char* op) {
   EncoderConfig& c = s.cfg;
   if (c.positional == Positional::sinusoidal || c.positional == Positional::learned) {

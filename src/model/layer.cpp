@@ -67,19 +67,18 @@ struct LayerForward {
   Real eps;
   double p;           // the dropout probability
   Tensor<Real>& tmp;  // (B, S, D) scratch for a dropped residual branch, or empty
+
+  // its stages: the attention block (which runs qkv_forward), then the FFN block (ffn_forward)
+  void qkv_forward(const Real* attn_in) const;
+  void attention_block_forward(const Real* x) const;
+  void ffn_forward(const Real* ffn_in) const;
+  void ffn_block_forward() const;
 };
 
 // q (B, H, S, Dh), k, v (B, Hkv, S, Dh) = split(attn_in * W^T + b), as one GEMM against
 // [Wq; Wk; Wv]. Each output element is the same dot product as with three separate products.
 template <class Real>
-void qkv_forward(const Real* attn_in, const LayerForward<Real>& s) {
-  const EncoderConfig& cfg = s.cfg;
-  const LayerParams<Real>& P = s.P;
-  LayerActs<Real>& L = s.L;
-  const Dims& d = s.d;
-  const std::string_view name = s.name;
-  const Emulation<Real>& store = s.store;
-
+void LayerForward<Real>::qkv_forward(const Real* attn_in) const {
   profile::Scope stage(Stage::qkv_proj);
   const QkvLayout lay(d);
   auto wqkv = Tensor<Real>::for_overwrite({lay.width, d.D});
@@ -115,39 +114,32 @@ void qkv_forward(const Real* attn_in, const LayerForward<Real>& s) {
 // The attention block, from the layer's input x (B, S, D) to L.residual1: norm1 (pre-norm), the
 // q/k/v projection, RoPE, attention, the output projection and the first residual.
 template <class Real>
-void attention_block_forward(const Real* x, const LayerForward<Real>& s) {
-  const EncoderConfig& cfg = s.cfg;
-  const LayerParams<Real>& P = s.P;
-  LayerActs<Real>& L = s.L;
-  const Dims& d = s.d;
-  const std::string_view name = s.name;
-  const Emulation<Real>& store = s.store;
-
+void LayerForward<Real>::attention_block_forward(const Real* x) const {
   const Real* attn_in = x;
   if (cfg.norm_first) {
     {
       profile::Scope stage(Stage::layer_norm);
       layer_norm_forward(L.norm1.data(), L.norm1_mean.data(), L.norm1_rstd.data(), x,
-                         P.norm1_weight.data(), P.norm1_bias.data(), d.N, d.D, s.eps);
+                         P.norm1_weight.data(), P.norm1_bias.data(), d.N, d.D, eps);
       store(L.norm1, name, "norm1");
     }
     attn_in = L.norm1.data();
   }
-  qkv_forward(attn_in, s);
+  qkv_forward(attn_in);
   {
     profile::Scope attention_scope(Stage::attention);
-    const bool drop_attn = s.drop;
+    const bool drop_attn = drop;
     if (drop_attn) {
       L.masks.attn.assign(static_cast<std::size_t>(L.probs.numel()), 0);
-      s.seed.draw(L.masks.attn.data(), L.probs.numel(), s.prefix + "attn", s.p);
+      seed.draw(L.masks.attn.data(), L.probs.numel(), prefix + "attn", p);
     } else {
       L.masks.attn.clear();
     }
     // context (B, S, D) is written with its heads merged, in place.
     AttentionArgs<Real> args =
-        detail::attention_args(cfg, d.B, d.S, s.batch.lengths.data(), P.sinks.data());
+        detail::attention_args(cfg, d.B, d.S, batch.lengths.data(), P.sinks.data());
     args.drop_mask = drop_attn ? L.masks.attn.data() : nullptr;
-    args.drop_scale = dropout_scale<Real>(s.p);
+    args.drop_scale = dropout_scale<Real>(p);
     args.merged_context = true;
     store.named(name, [&] {
       attention_forward(args, {.context = L.context.data(),
@@ -169,9 +161,9 @@ void attention_block_forward(const Real* x, const LayerForward<Real>& s) {
   {
     profile::Scope stage(Stage::residual);
     add3(L.residual1.data(), x,
-         apply_dropout(s.tmp.data(), L.attn_out.data(), L.masks.residual1, s.nd,
-                       s.prefix + "residual1", s.p, s.drop, s.seed),
-         s.nd);
+         apply_dropout(tmp.data(), L.attn_out.data(), L.masks.residual1, nd, prefix + "residual1",
+                       p, drop, seed),
+         nd);
     store(L.residual1, name, "residual1");
   }
 }
@@ -180,15 +172,7 @@ void attention_block_forward(const Real* x, const LayerForward<Real>& s) {
 // one pass (ffn_hidden_forward, the same bits), unless each result is to be rounded to a reduced
 // storage format before the next step reads it.
 template <class Real>
-void ffn_forward(const Real* ffn_in, const LayerForward<Real>& s) {
-  const EncoderConfig& cfg = s.cfg;
-  const LayerParams<Real>& P = s.P;
-  LayerActs<Real>& L = s.L;
-  const Dims& d = s.d;
-  const std::string_view name = s.name;
-  const Emulation<Real>& store = s.store;
-  const bool drop = s.drop;
-
+void LayerForward<Real>::ffn_forward(const Real* ffn_in) const {
   const bool fused = !store.stores_reduced();
   {
     profile::Scope stage(Stage::ffn_fc1);
@@ -202,16 +186,15 @@ void ffn_forward(const Real* ffn_in, const LayerForward<Real>& s) {
     profile::Scope stage(Stage::activation);
     const index_t nh = L.ffn_hidden.numel();
     if (fused) {
-      const std::uint8_t* mask = record_mask(L.masks.ffn, nh, s.prefix + "ffn", s.p, drop, s.seed);
+      const std::uint8_t* mask = record_mask(L.masks.ffn, nh, prefix + "ffn", p, drop, seed);
       ffn_hidden_forward(L.ffn_pre.data(), L.ffn_hidden.data(), dropped_buf.data(),
-                         P.fc1_bias.data(), mask, dropout_scale<Real>(s.p), d.N, d.F,
-                         cfg.activation);
+                         P.fc1_bias.data(), mask, dropout_scale<Real>(p), d.N, d.F, cfg.activation);
       hidden_dropped = drop ? dropped_buf.data() : L.ffn_hidden.data();
     } else {
       activation_forward(L.ffn_hidden.data(), L.ffn_pre.data(), nh, cfg.activation);
       store(L.ffn_hidden, name, "ffn_hidden");
       hidden_dropped = apply_dropout(dropped_buf.data(), L.ffn_hidden.data(), L.masks.ffn, nh,
-                                     s.prefix + "ffn", s.p, drop, s.seed);
+                                     prefix + "ffn", p, drop, seed);
       // The product reads the dropped hidden in the format: rounded (and checked) here, by name.
       if (drop) store(dropped_buf, name, "ffn_hidden after dropout");
     }
@@ -227,41 +210,33 @@ void ffn_forward(const Real* ffn_in, const LayerForward<Real>& s) {
 // The FFN block, from L.residual1 to L.output: the norm before the FFN (norm2 pre-norm, norm1
 // post-norm), the FFN, the second residual and the output (post-norm: through norm2).
 template <class Real>
-void ffn_block_forward(const LayerForward<Real>& s) {
-  const EncoderConfig& cfg = s.cfg;
-  const LayerParams<Real>& P = s.P;
-  LayerActs<Real>& L = s.L;
-  const Dims& d = s.d;
-  const std::string_view name = s.name;
-  const Emulation<Real>& store = s.store;
-  const index_t nd = s.nd;
-
+void LayerForward<Real>::ffn_block_forward() const {
   const Real* ffn_in;  // the FFN's input, and the second residual's base
   {
     profile::Scope norm_scope(Stage::layer_norm);
     if (cfg.norm_first) {
       layer_norm_forward(L.norm2.data(), L.norm2_mean.data(), L.norm2_rstd.data(),
                          L.residual1.data(), P.norm2_weight.data(), P.norm2_bias.data(), d.N, d.D,
-                         s.eps);
+                         eps);
       store(L.norm2, name, "norm2");
       ffn_in = L.norm2.data();
     } else {
       layer_norm_forward(L.norm1.data(), L.norm1_mean.data(), L.norm1_rstd.data(),
                          L.residual1.data(), P.norm1_weight.data(), P.norm1_bias.data(), d.N, d.D,
-                         s.eps);
+                         eps);
       store(L.norm1, name, "norm1");
       ffn_in = L.norm1.data();
     }
   }
   const Real* base = cfg.norm_first ? L.residual1.data() : L.norm1.data();
 
-  ffn_forward(ffn_in, s);
+  ffn_forward(ffn_in);
   // residual2 = base + dropout(ffn_out)
   {
     profile::Scope stage(Stage::residual);
     add3(L.residual2.data(), base,
-         apply_dropout(s.tmp.data(), L.ffn_out.data(), L.masks.residual2, nd,
-                       s.prefix + "residual2", s.p, s.drop, s.seed),
+         apply_dropout(tmp.data(), L.ffn_out.data(), L.masks.residual2, nd, prefix + "residual2", p,
+                       drop, seed),
          nd);
     store(L.residual2, name, "residual2");
   }
@@ -276,7 +251,7 @@ void ffn_block_forward(const LayerForward<Real>& s) {
       profile::Scope stage(Stage::layer_norm);
       layer_norm_forward(L.norm2.data(), L.norm2_mean.data(), L.norm2_rstd.data(),
                          L.residual2.data(), P.norm2_weight.data(), P.norm2_bias.data(), d.N, d.D,
-                         s.eps);
+                         eps);
       store(L.norm2, name, "norm2");
       copy(L.output.data(), L.norm2.data(), nd);
     }
@@ -312,8 +287,8 @@ void layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P, LayerAc
                              .eps = eps,
                              .p = p,
                              .tmp = tmp};
-  attention_block_forward(x, s);
-  ffn_block_forward(s);
+  s.attention_block_forward(x);
+  s.ffn_block_forward();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -336,23 +311,19 @@ struct LayerBackward {
   index_t nd;  // N * D
   double p;    // the dropout probability
   Real scale;  // the dropout's scale
+
+  // its stages: the attention block (which runs qkv_forward), then the FFN block (ffn_forward)
+  void ffn_backward(Real* dffn_in, const Real* ffn_in) const;
+  void ffn_block_backward() const;
+  void qkv_backward(Real* dattn_in, const Real* attn_in) const;
+  void attention_block_backward(Real* dx, const Real* x) const;
 };
 
 // dL.ffn_pre and the gradients of fc1 and fc2 from dL.ffn_out; dffn_in (B, S, D) is overwritten
 // (pre-norm: norm2, its only reader) or accumulated into (post-norm: norm1, also the second
 // residual's base).
 template <class Real>
-void ffn_backward(Real* dffn_in, const Real* ffn_in, const LayerBackward<Real>& s) {
-  const EncoderConfig& cfg = s.cfg;
-  const LayerParams<Real>& P = s.P;
-  const LayerActs<Real>& L = s.L;
-  LayerParams<Real>& G = s.G;
-  LayerActs<Real>& dL = s.dL;
-  const Dims& d = s.d;
-  const std::string_view name = s.name;
-  const Emulation<Real>& store = s.store;
-  const Real scale = s.scale;
-
+void LayerBackward<Real>::ffn_backward(Real* dffn_in, const Real* ffn_in) const {
   // ffn_out = fc2(hidden_dropped); hidden_dropped = dropout(ffn_hidden). Without a mask the
   // dropout is the identity: fc2 reads ffn_hidden and writes its gradient straight into
   // dL.ffn_hidden, overwriting it. With one, both go through a scratch buffer, and the dropout's
@@ -399,24 +370,14 @@ void ffn_backward(Real* dffn_in, const Real* ffn_in, const LayerBackward<Real>& 
     linear_backward(dffn_in, G.fc1_weight.data(), G.fc1_bias.data(), dL.ffn_pre.data(), ffn_in,
                     P.fc1_weight.data(), d.N, d.D, d.F,
                     cfg.norm_first ? GradWrite::overwrite : GradWrite::accumulate);
-    store(dffn_in, s.nd, name, cfg.norm_first ? "norm2" : "norm1");
+    store(dffn_in, nd, name, cfg.norm_first ? "norm2" : "norm1");
   }
 }
 
 // The FFN block in reverse, from dL.output to dL.residual1: the output, the second residual, the
 // FFN and the norm before it.
 template <class Real>
-void ffn_block_backward(const LayerBackward<Real>& s) {
-  const EncoderConfig& cfg = s.cfg;
-  const LayerParams<Real>& P = s.P;
-  const LayerActs<Real>& L = s.L;
-  LayerParams<Real>& G = s.G;
-  LayerActs<Real>& dL = s.dL;
-  const Dims& d = s.d;
-  const std::string_view name = s.name;
-  const Emulation<Real>& store = s.store;
-  const index_t nd = s.nd;
-
+void LayerBackward<Real>::ffn_block_backward() const {
   // in the forward pass this was: output = LN2(residual2) (post) or residual2 (pre)
   {
     profile::Scope stage(Stage::bwd_layer_norm);
@@ -434,7 +395,7 @@ void ffn_block_backward(const LayerBackward<Real>& s) {
   Real* dbase = cfg.norm_first ? dL.residual1.data() : dL.norm1.data();
   {
     profile::Scope stage(Stage::bwd_residual);
-    dropout_grad(dL.ffn_out.data(), dL.residual2.data(), L.masks.residual2, nd, s.p);
+    dropout_grad(dL.ffn_out.data(), dL.residual2.data(), L.masks.residual2, nd, p);
     store(dL.ffn_out, name, "ffn_out");
     assign_sum(dbase, dL.residual2.data(), nd);  // its first writer
   }
@@ -443,7 +404,7 @@ void ffn_block_backward(const LayerBackward<Real>& s) {
   // second residual's base
   const Real* ffn_in = cfg.norm_first ? L.norm2.data() : L.norm1.data();
   Real* dffn_in = cfg.norm_first ? dL.norm2.data() : dL.norm1.data();
-  ffn_backward(dffn_in, ffn_in, s);
+  ffn_backward(dffn_in, ffn_in);
 
   // the norm between the two residuals: LN2(residual1) (pre) or LN1(residual1) (post)
   {
@@ -465,13 +426,7 @@ void ffn_block_backward(const LayerBackward<Real>& s) {
 // accumulated into (post-norm: dx, which the first residual wrote), and the gradients of the
 // three projections accumulate.
 template <class Real>
-void qkv_backward(Real* dattn_in, const Real* attn_in, const LayerBackward<Real>& s) {
-  const EncoderConfig& cfg = s.cfg;
-  const LayerParams<Real>& P = s.P;
-  LayerParams<Real>& G = s.G;
-  LayerActs<Real>& dL = s.dL;
-  const Dims& d = s.d;
-
+void LayerBackward<Real>::qkv_backward(Real* dattn_in, const Real* attn_in) const {
   // One product against [Wq; Wk; Wv] as in the forward pass: d attn_in sums over all 3D outputs
   // in one dot product; the weight and bias gradients are the same sums as per projection.
   profile::Scope stage(Stage::bwd_qkv_proj);
@@ -501,22 +456,12 @@ void qkv_backward(Real* dattn_in, const Real* attn_in, const LayerBackward<Real>
 // input x: the first residual, the output projection, attention, RoPE, the q/k/v projection and
 // norm1 (pre-norm).
 template <class Real>
-void attention_block_backward(Real* dx, const Real* x, const LayerBackward<Real>& s) {
-  const EncoderConfig& cfg = s.cfg;
-  const LayerParams<Real>& P = s.P;
-  const LayerActs<Real>& L = s.L;
-  LayerParams<Real>& G = s.G;
-  LayerActs<Real>& dL = s.dL;
-  const Dims& d = s.d;
-  const std::string_view name = s.name;
-  const Emulation<Real>& store = s.store;
-  const index_t nd = s.nd;
-
+void LayerBackward<Real>::attention_block_backward(Real* dx, const Real* x) const {
   // residual1 = x + dropout(attn_out)
   {
     profile::Scope stage(Stage::bwd_residual);
     assign_sum(dx, dL.residual1.data(), nd);  // its first writer
-    dropout_grad(dL.attn_out.data(), dL.residual1.data(), L.masks.residual1, nd, s.p);
+    dropout_grad(dL.attn_out.data(), dL.residual1.data(), L.masks.residual1, nd, p);
     store(dL.attn_out, name, "attn_out");
   }
   // attn_out = context * Wo^T + bo
@@ -530,9 +475,9 @@ void attention_block_backward(Real* dx, const Real* x, const LayerBackward<Real>
   {
     profile::Scope stage(Stage::bwd_attention);
     AttentionArgs<Real> args =
-        detail::attention_args(cfg, d.B, d.S, s.lengths, P.sinks.data(), G.sinks.data());
+        detail::attention_args(cfg, d.B, d.S, lengths, P.sinks.data(), G.sinks.data());
     args.drop_mask = L.masks.attn.empty() ? nullptr : L.masks.attn.data();
-    args.drop_scale = s.scale;
+    args.drop_scale = scale;
     args.merged_context = true;
     args.qkv_write = GradWrite::overwrite;
     store.named(name, [&] {
@@ -565,7 +510,7 @@ void attention_block_backward(Real* dx, const Real* x, const LayerBackward<Real>
   const Real* attn_in = cfg.norm_first ? L.norm1.data() : x;
   Real* dattn_in = dx;
   if (cfg.norm_first) dattn_in = dL.norm1.data();
-  qkv_backward(dattn_in, attn_in, s);
+  qkv_backward(dattn_in, attn_in);
   if (cfg.norm_first) {
     profile::Scope stage(Stage::bwd_layer_norm);
     store(dL.norm1, name, "norm1");
@@ -597,8 +542,8 @@ void layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P, const 
                               .nd = nd,
                               .p = p,
                               .scale = scale};
-  ffn_block_backward(s);
-  attention_block_backward(dx, x, s);
+  s.ffn_block_backward();
+  s.attention_block_backward(dx, x);
 }
 
 #define TEO_INSTANTIATE(Real)                                                                      \

@@ -8,21 +8,9 @@ namespace teo::golden::ops {
 
 namespace {
 
-void parse(Spec& s, Reader& r) {
-  s.rows = r.size("rows", 0);
-  s.cols = r.size("cols", 1);
-}
-
-void write_sizes(const Spec& s, ojson& j) {
-  j["rows"] = s.rows;
-  j["cols"] = s.cols;
-}
-
 void tensors(const Spec& s, OpTensors& t) {
-  auto& in = t.in;
-  auto& out = t.out;
-  in.push_back(float_slot("input.x", {s.rows, s.cols}, Role::input, 3));
-  out.push_back(float_slot("output.y", {s.rows, s.cols}, Role::output));
+  t.in.push_back(float_slot("input.x", {s.rows, s.cols}, Role::input, 3));
+  t.out.push_back(float_slot("output.y", {s.rows, s.cols}, Role::output));
 }
 
 // element-wise: no sums
@@ -34,11 +22,9 @@ template <class Real>
 void run(RunContext<Real>& c) {
   const Spec& s = c.s;
   auto& r = c.r;
-  const auto in = [&](const std::string& n) { return c.in(n); };
-  const auto done = [&](const std::string& n) { c.done(n); };
-  const auto x = in("input.x"), dy = in("grad.output.y");
+  const auto x = c.in("input.x"), dy = c.in("grad.output.y");
   activation_forward(r["output.y"].data(), x.data(), x.numel(), s.cfg.activation);
-  done("output.y");
+  c.done("output.y");
   activation_backward(r["grad.input.x"].data(), dy.data(), x.data(), x.numel(), s.cfg.activation);
 }
 
@@ -48,8 +34,8 @@ const OpDef& activation_op() {
   static const OpDef def{
       .name = "activation",
       .config_keys = {"activation"},
-      .parse = parse,
-      .write_sizes = write_sizes,
+      .parse = parse_rows_cols,
+      .write_sizes = write_rows_cols,
       .tensors = tensors,
       .longest_reduction = longest_reduction,
       .run_float = run<float>,

@@ -45,31 +45,28 @@ void write_options(const Spec& s, ojson& j) {
 }
 
 void tensors(const Spec& s, OpTensors& t) {
-  auto& in = t.in;
-  auto& out = t.out;
-  auto& fixed = t.fixed;
   const Dims qkv = {s.batch, s.heads, s.seq, s.d_head};
   const Dims kv = {s.batch, s.kv_heads, s.seq, s.d_head};
-  in.push_back(float_slot("input.q", qkv, Role::input));
-  in.push_back(float_slot("input.k", kv, Role::input));
-  in.push_back(float_slot("input.v", kv, Role::input));
-  fixed.push_back({"input.lengths", DType::I64, {s.batch}, Role::input});
-  if (s.cfg.attn_sinks) in.push_back(float_slot("param.sinks", {s.heads}, Role::param));
+  t.in.push_back(float_slot("input.q", qkv, Role::input));
+  t.in.push_back(float_slot("input.k", kv, Role::input));
+  t.in.push_back(float_slot("input.v", kv, Role::input));
+  t.fixed.push_back({"input.lengths", DType::I64, {s.batch}, Role::input});
+  if (s.cfg.attn_sinks) t.in.push_back(float_slot("param.sinks", {s.heads}, Role::param));
   // In pipeline order, so that a wrong score is named before the context it spoils. A fused
   // kernel may keep the rotated q and k to itself.
   if (s.cfg.positional == Positional::rope) {
-    out.push_back(float_slot("output.q_rot", qkv, Role::output));
-    out.back().optional = true;
-    out.push_back(float_slot("output.k_rot", kv, Role::output));
-    out.back().optional = true;
+    t.out.push_back(float_slot("output.q_rot", qkv, Role::output));
+    t.out.back().optional = true;
+    t.out.push_back(float_slot("output.k_rot", kv, Role::output));
+    t.out.back().optional = true;
   }
   if (s.probs) {
     for (const char* n : {"output.scores", "output.probs"}) {
-      out.push_back(float_slot(n, {s.batch, s.heads, s.seq, s.seq}, Role::output));
-      out.back().optional = true;
+      t.out.push_back(float_slot(n, {s.batch, s.heads, s.seq, s.seq}, Role::output));
+      t.out.back().optional = true;
     }
   }
-  out.push_back(float_slot("output.context", qkv, Role::output));
+  t.out.push_back(float_slot("output.context", qkv, Role::output));
 }
 
 index_t longest_reduction(const Spec& s) {
@@ -87,16 +84,13 @@ template <class Real>
 void run(RunContext<Real>& c) {
   const Spec& s = c.s;
   auto& r = c.r;
-  const auto in = [&](const std::string& n) { return c.in(n); };
-  const auto zeros = [&](const std::string& n) { return c.zeros(n); };
-  const auto done = [&](const std::string& n) { c.done(n); };
   const Values& v = c.v;
   const auto p = c.p;
-  const auto q = in("input.q"), k = in("input.k"), vv = in("input.v");
-  const auto dc = in("grad.output.context");
+  const auto q = c.in("input.q"), k = c.in("input.k"), vv = c.in("input.v");
+  const auto dc = c.in("grad.output.context");
   const auto& len = lengths_of(v, s);
   const bool rope = s.cfg.positional == Positional::rope;
-  const Tensor<Real> sinks = s.cfg.attn_sinks ? in("param.sinks") : Tensor<Real>();
+  const Tensor<Real> sinks = s.cfg.attn_sinks ? c.in("param.sinks") : Tensor<Real>();
   // The op's config has one head: its sizes and K/V heads come from the spec.
   AttentionArgs<Real> args =
       teo::detail::attention_args(s.cfg, s.batch, s.seq, len.data(), sinks.data(),
@@ -112,20 +106,20 @@ void run(RunContext<Real>& c) {
     cs = Tensor<Real>({s.seq, rd / 2});
     sn = Tensor<Real>({s.seq, rd / 2});
     rope_table(cs.data(), sn.data(), s.cfg, s.seq);
-    qr = zeros("output.q_rot");
-    kr = zeros("output.k_rot");
+    qr = c.zeros("output.q_rot");
+    kr = c.zeros("output.k_rot");
     rope_forward(qr.data(), q.data(), cs.data(), sn.data(), s.batch * s.heads, s.seq, s.d_head, rd,
                  s.cfg.rope_style);
     rope_forward(kr.data(), k.data(), cs.data(), sn.data(), s.batch * s.kv_heads, s.seq, s.d_head,
                  rd, s.cfg.rope_style);
     r["output.q_rot"] = qr;
     r["output.k_rot"] = kr;
-    done("output.q_rot");
-    done("output.k_rot");
+    c.done("output.q_rot");
+    c.done("output.k_rot");
     qr = r["output.q_rot"];
     kr = r["output.k_rot"];
-    dqr = zeros("output.q_rot");
-    dkr = zeros("output.k_rot");
+    dqr = c.zeros("output.q_rot");
+    dkr = c.zeros("output.k_rot");
   }
   const Real* qa = rope ? qr.data() : q.data();
   const Real* ka = rope ? kr.data() : k.data();
@@ -141,8 +135,8 @@ void run(RunContext<Real>& c) {
                              .q = qa,
                              .k = ka,
                              .v = vv.data()});
-    done("output.context");
-    auto dprobs = zeros("output.probs"), dscores = zeros("output.scores");
+    c.done("output.context");
+    auto dprobs = c.zeros("output.probs"), dscores = c.zeros("output.scores");
     AttentionBackward<Real> g = grads;
     g.dprobs = dprobs.data();
     g.dscores = dscores.data();
@@ -151,7 +145,7 @@ void run(RunContext<Real>& c) {
   } else {
     attention_forward_rows(
         args, {.context = r["output.context"].data(), .q = qa, .k = ka, .v = vv.data()});
-    done("output.context");
+    c.done("output.context");
     attention_backward_rows(args, grads);
   }
   if (rope) {

@@ -19,12 +19,9 @@ void write_sizes(const Spec& s, ojson& j) {
 }
 
 void tensors(const Spec& s, OpTensors& t) {
-  auto& in = t.in;
-  auto& out = t.out;
-  auto& fixed = t.fixed;
-  in.push_back(float_slot("input.logits", {s.rows, s.cols}, Role::input, 2));
-  fixed.push_back({"input.labels", DType::I64, {s.rows}, Role::input});
-  out.push_back(float_slot("output.loss", {}, Role::output));
+  t.in.push_back(float_slot("input.logits", {s.rows, s.cols}, Role::input, 2));
+  t.fixed.push_back({"input.labels", DType::I64, {s.rows}, Role::input});
+  t.out.push_back(float_slot("output.loss", {}, Role::output));
 }
 
 index_t longest_reduction(const Spec& s) {
@@ -35,17 +32,15 @@ template <class Real>
 void run(RunContext<Real>& c) {
   const Spec& s = c.s;
   auto& r = c.r;
-  const auto in = [&](const std::string& n) { return c.in(n); };
-  const auto done = [&](const std::string& n) { c.done(n); };
   const Values& v = c.v;
-  const auto x = in("input.logits"), dy = in("grad.output.loss");
+  const auto x = c.in("input.logits"), dy = c.in("grad.output.loss");
   const auto& labels = ints_of(v.i64, "input.labels", s.rows);
   check_range(labels, s.cols, "input.labels");
   Tensor<Real> probs({s.rows, s.cols});
   const Real smoothing = static_cast<Real>(s.cfg.label_smoothing);
   r["output.loss"][0] =
       cross_entropy_forward(probs.data(), x.data(), labels.data(), s.rows, s.cols, smoothing);
-  done("output.loss");
+  c.done("output.loss");
   cross_entropy_backward(r["grad.input.logits"].data(), probs.data(), labels.data(), s.rows, s.cols,
                          smoothing, dy[0]);
 }

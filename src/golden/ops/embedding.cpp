@@ -44,15 +44,12 @@ void write_options(const Spec& s, ojson& j) {
 }
 
 void tensors(const Spec& s, OpTensors& t) {
-  auto& in = t.in;
-  auto& out = t.out;
-  auto& fixed = t.fixed;
-  fixed.push_back({"input.tokens", DType::I64, {s.batch, s.seq}, Role::input});
-  in.push_back(float_slot("param.weight", {s.vocab, s.cols}, Role::param));
+  t.fixed.push_back({"input.tokens", DType::I64, {s.batch, s.seq}, Role::input});
+  t.in.push_back(float_slot("param.weight", {s.vocab, s.cols}, Role::param));
   if (s.cfg.positional == Positional::learned) {
-    in.push_back(float_slot("param.pos_weight", {s.max_len, s.cols}, Role::param, 0.5));
+    t.in.push_back(float_slot("param.pos_weight", {s.max_len, s.cols}, Role::param, 0.5));
   }
-  out.push_back(float_slot("output.x", {s.batch, s.seq, s.cols}, Role::output));
+  t.out.push_back(float_slot("output.x", {s.batch, s.seq, s.cols}, Role::output));
 }
 
 index_t longest_reduction(const Spec& s) {
@@ -63,13 +60,11 @@ template <class Real>
 void run(RunContext<Real>& c) {
   const Spec& s = c.s;
   auto& r = c.r;
-  const auto in = [&](const std::string& n) { return c.in(n); };
-  const auto done = [&](const std::string& n) { c.done(n); };
   const Values& v = c.v;
   const auto p = c.p;
   const auto& tokens = ints_of(v.i64, "input.tokens", s.batch * s.seq);
   check_range(tokens, s.vocab, "input.tokens");
-  const auto w = in("param.weight"), dy = in("grad.output.x");
+  const auto w = c.in("param.weight"), dy = c.in("grad.output.x");
   const index_t n = s.batch * s.seq, D = s.cols;
   const Real scale =
       s.cfg.embed_scale ? static_cast<Real>(std::sqrt(static_cast<double>(D))) : Real(1);
@@ -79,14 +74,14 @@ void run(RunContext<Real>& c) {
   store(emb, p, "embedding");
   Tensor<Real> pw;
   if (s.cfg.positional == Positional::learned) {
-    pw = in("param.pos_weight");
+    pw = c.in("param.pos_weight");
     std::copy(pw.data(), pw.data() + s.seq * D, pos.data());
   } else {
     sinusoidal_table(pos.data(), s.seq, D);
   }
   store(pos, p, "positional");
   add_positional_forward(r["output.x"].data(), emb.data(), pos.data(), s.batch, s.seq, D);
-  done("output.x");
+  c.done("output.x");
   // in the forward pass this was: x = scale * weight[tokens] + pos
   embedding_backward(r["grad.param.weight"].data(), dy.data(), tokens.data(), n, D, scale);
   if (s.cfg.positional == Positional::learned) {

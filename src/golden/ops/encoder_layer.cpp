@@ -24,28 +24,25 @@ void write_sizes(const Spec& s, ojson& j) {
 }
 
 void tensors(const Spec& s, OpTensors& t) {
-  auto& in = t.in;
-  auto& out = t.out;
-  auto& fixed = t.fixed;
   const EncoderConfig& c = s.cfg;
   const Dims bsd = {s.batch, s.seq, c.d_model};
-  in.push_back(float_slot("input.x", bsd, Role::input));
-  fixed.push_back({"input.lengths", DType::I64, {s.batch}, Role::input});
+  t.in.push_back(float_slot("input.x", bsd, Role::input));
+  t.fixed.push_back({"input.lengths", DType::I64, {s.batch}, Role::input});
   if (c.dropout > 0) {
-    fixed.push_back(
+    t.fixed.push_back(
         {"input.mask.attn", DType::U8, {s.batch, c.num_heads, s.seq, s.seq}, Role::input});
-    fixed.push_back({"input.mask.residual1", DType::U8, bsd, Role::input});
-    fixed.push_back({"input.mask.ffn", DType::U8, {s.batch, s.seq, c.d_ff}, Role::input});
-    fixed.push_back({"input.mask.residual2", DType::U8, bsd, Role::input});
+    t.fixed.push_back({"input.mask.residual1", DType::U8, bsd, Role::input});
+    t.fixed.push_back({"input.mask.ffn", DType::U8, {s.batch, s.seq, c.d_ff}, Role::input});
+    t.fixed.push_back({"input.mask.residual2", DType::U8, bsd, Role::input});
   }
   // The parameters' values come from the model's initialisation (make_op), not from amp.
   LayerParams<double> shapes;
   shapes.has_sinks = c.attn_sinks;
   shapes.visit([&](const std::string& n, const Tensor<double>&) {
-    in.push_back(
+    t.in.push_back(
         float_slot("param." + n, teo::detail::param_shape(c, "layers.0." + n).dims(), Role::param));
   });
-  out.push_back(float_slot("output.y", bsd, Role::output));
+  t.out.push_back(float_slot("output.y", bsd, Role::output));
 }
 
 index_t longest_reduction(const Spec& s) {
@@ -75,15 +72,14 @@ template <class Real>
 void run(RunContext<Real>& c) {
   const Spec& s = c.s;
   auto& r = c.r;
-  const auto in = [&](const std::string& n) { return c.in(n); };
   const Values& v = c.v;
   const auto p = c.p;
   const std::uint64_t seed = c.seed;
-  const auto x = in("input.x"), dy = in("grad.output.y");
+  const auto x = c.in("input.x"), dy = c.in("grad.output.y");
   const auto& len = lengths_of(v, s);
   LayerParams<Real> P, G;
   P.has_sinks = s.cfg.attn_sinks;
-  P.visit([&](const std::string& n, Tensor<Real>& t) { t = in("param." + n); });
+  P.visit([&](const std::string& n, Tensor<Real>& t) { t = c.in("param." + n); });
   LayerActs<Real> L, dL;
   const bool drop = s.cfg.dropout > 0;
   encoder_layer_forward(s.cfg, P, x, len, L, {.train = drop, .dropout_seed = seed, .precision = p});

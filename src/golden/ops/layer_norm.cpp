@@ -19,12 +19,10 @@ void write_sizes(const Spec& s, ojson& j) {
 }
 
 void tensors(const Spec& s, OpTensors& t) {
-  auto& in = t.in;
-  auto& out = t.out;
-  in.push_back(float_slot("input.x", {s.rows, s.cols}, Role::input, 2, 0.5));
-  in.push_back(float_slot("param.weight", {s.cols}, Role::param, 0.5, 1));
-  in.push_back(float_slot("param.bias", {s.cols}, Role::param, 0.5));
-  out.push_back(float_slot("output.y", {s.rows, s.cols}, Role::output));
+  t.in.push_back(float_slot("input.x", {s.rows, s.cols}, Role::input, 2, 0.5));
+  t.in.push_back(float_slot("param.weight", {s.cols}, Role::param, 0.5, 1));
+  t.in.push_back(float_slot("param.bias", {s.cols}, Role::param, 0.5));
+  t.out.push_back(float_slot("output.y", {s.rows, s.cols}, Role::output));
 }
 
 index_t longest_reduction(const Spec& s) {
@@ -35,14 +33,12 @@ template <class Real>
 void run(RunContext<Real>& c) {
   const Spec& s = c.s;
   auto& r = c.r;
-  const auto in = [&](const std::string& n) { return c.in(n); };
-  const auto done = [&](const std::string& n) { c.done(n); };
-  const auto x = in("input.x"), w = in("param.weight"), b = in("param.bias");
-  const auto dy = in("grad.output.y");
+  const auto x = c.in("input.x"), w = c.in("param.weight"), b = c.in("param.bias");
+  const auto dy = c.in("grad.output.y");
   Tensor<Real> mean({s.rows}), rstd({s.rows});
   layer_norm_forward(r["output.y"].data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(),
                      s.rows, s.cols, static_cast<Real>(s.cfg.layer_norm_eps));
-  done("output.y");
+  c.done("output.y");
   layer_norm_backward(r["grad.input.x"].data(), r["grad.param.weight"].data(),
                       r["grad.param.bias"].data(), dy.data(), x.data(), w.data(), mean.data(),
                       rstd.data(), s.rows, s.cols);

@@ -26,13 +26,11 @@ void write_options(const Spec& s, ojson& j) {
 }
 
 void tensors(const Spec& s, OpTensors& t) {
-  auto& in = t.in;
-  auto& out = t.out;
   const double inv_sqrt_in = 1.0 / std::sqrt(static_cast<double>(std::max<index_t>(s.in_f, 1)));
-  in.push_back(float_slot("input.x", {s.rows, s.in_f}, Role::input));
-  in.push_back(float_slot("param.weight", {s.out_f, s.in_f}, Role::param, inv_sqrt_in));
-  if (s.bias) in.push_back(float_slot("param.bias", {s.out_f}, Role::param, inv_sqrt_in));
-  out.push_back(float_slot("output.y", {s.rows, s.out_f}, Role::output));
+  t.in.push_back(float_slot("input.x", {s.rows, s.in_f}, Role::input));
+  t.in.push_back(float_slot("param.weight", {s.out_f, s.in_f}, Role::param, inv_sqrt_in));
+  if (s.bias) t.in.push_back(float_slot("param.bias", {s.out_f}, Role::param, inv_sqrt_in));
+  t.out.push_back(float_slot("output.y", {s.rows, s.out_f}, Role::output));
 }
 
 index_t longest_reduction(const Spec& s) {
@@ -43,13 +41,11 @@ template <class Real>
 void run(RunContext<Real>& c) {
   const Spec& s = c.s;
   auto& r = c.r;
-  const auto in = [&](const std::string& n) { return c.in(n); };
-  const auto done = [&](const std::string& n) { c.done(n); };
-  const auto x = in("input.x"), w = in("param.weight"), dy = in("grad.output.y");
-  const Tensor<Real> b = s.bias ? in("param.bias") : Tensor<Real>();
+  const auto x = c.in("input.x"), w = c.in("param.weight"), dy = c.in("grad.output.y");
+  const Tensor<Real> b = s.bias ? c.in("param.bias") : Tensor<Real>();
   linear_forward(r["output.y"].data(), x.data(), w.data(), s.bias ? b.data() : nullptr, s.rows,
                  s.in_f, s.out_f);
-  done("output.y");
+  c.done("output.y");
   linear_backward(r["grad.input.x"].data(), r["grad.param.weight"].data(),
                   s.bias ? r["grad.param.bias"].data() : nullptr, dy.data(), x.data(), w.data(),
                   s.rows, s.in_f, s.out_f);

@@ -80,6 +80,10 @@ class Reader {
   std::set<std::string> used_;
 };
 
+// The sizes of an element-wise or row-wise op: rows >= 0 and cols >= 1, read and written back.
+void parse_rows_cols(Spec& s, Reader& r);
+void write_rows_cols(const Spec& s, ojson& j);
+
 // The attention ops' positions: none, rope or alibi (default none). RoPE takes its rotary_dim from
 // d_head, and its scaling's original context from seq_len, unless given; both are then spelled out
 // in the normalised spec.

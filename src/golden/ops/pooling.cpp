@@ -22,12 +22,9 @@ void write_sizes(const Spec& s, ojson& j) {
 }
 
 void tensors(const Spec& s, OpTensors& t) {
-  auto& in = t.in;
-  auto& out = t.out;
-  auto& fixed = t.fixed;
-  in.push_back(float_slot("input.x", {s.batch, s.seq, s.cols}, Role::input));
-  fixed.push_back({"input.lengths", DType::I64, {s.batch}, Role::input});
-  out.push_back(float_slot("output.pooled", {s.batch, s.cols}, Role::output));
+  t.in.push_back(float_slot("input.x", {s.batch, s.seq, s.cols}, Role::input));
+  t.fixed.push_back({"input.lengths", DType::I64, {s.batch}, Role::input});
+  t.out.push_back(float_slot("output.pooled", {s.batch, s.cols}, Role::output));
 }
 
 index_t longest_reduction(const Spec& s) {
@@ -38,15 +35,13 @@ template <class Real>
 void run(RunContext<Real>& c) {
   const Spec& s = c.s;
   auto& r = c.r;
-  const auto in = [&](const std::string& n) { return c.in(n); };
-  const auto done = [&](const std::string& n) { c.done(n); };
   const Values& v = c.v;
-  const auto x = in("input.x"), dy = in("grad.output.pooled");
+  const auto x = c.in("input.x"), dy = c.in("grad.output.pooled");
   const auto& len = lengths_of(v, s);
   std::vector<std::int64_t> argmax(static_cast<std::size_t>(s.batch * s.cols), -1);
   pooling_forward(r["output.pooled"].data(), argmax.data(), x.data(), len.data(), s.batch, s.seq,
                   s.cols, s.cfg.pooling);
-  done("output.pooled");
+  c.done("output.pooled");
   pooling_backward(r["grad.input.x"].data(), dy.data(), argmax.data(), len.data(), s.batch, s.seq,
                    s.cols, s.cfg.pooling);
 }

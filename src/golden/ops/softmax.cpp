@@ -9,21 +9,9 @@ namespace teo::golden::ops {
 
 namespace {
 
-void parse(Spec& s, Reader& r) {
-  s.rows = r.size("rows", 0);
-  s.cols = r.size("cols", 1);
-}
-
-void write_sizes(const Spec& s, ojson& j) {
-  j["rows"] = s.rows;
-  j["cols"] = s.cols;
-}
-
 void tensors(const Spec& s, OpTensors& t) {
-  auto& in = t.in;
-  auto& out = t.out;
-  in.push_back(float_slot("input.x", {s.rows, s.cols}, Role::input, 3));
-  out.push_back(float_slot("output.y", {s.rows, s.cols}, Role::output));
+  t.in.push_back(float_slot("input.x", {s.rows, s.cols}, Role::input, 3));
+  t.out.push_back(float_slot("output.y", {s.rows, s.cols}, Role::output));
 }
 
 index_t longest_reduction(const Spec& s) {
@@ -42,11 +30,9 @@ template <class Real>
 void run(RunContext<Real>& c) {
   const Spec& s = c.s;
   auto& r = c.r;
-  const auto in = [&](const std::string& n) { return c.in(n); };
-  const auto done = [&](const std::string& n) { c.done(n); };
-  const auto x = in("input.x"), dy = in("grad.output.y");
+  const auto x = c.in("input.x"), dy = c.in("grad.output.y");
   softmax_forward(r["output.y"].data(), x.data(), s.lengths.data(), s.rows, s.cols);
-  done("output.y");
+  c.done("output.y");
   softmax_backward(r["grad.input.x"].data(), dy.data(), r["output.y"].data(), s.rows, s.cols);
 }
 
@@ -58,8 +44,8 @@ const OpDef& softmax_op() {
       .config_keys = {},
       .lengths_key = "visible",
       .lengths_per_row = true,
-      .parse = parse,
-      .write_sizes = write_sizes,
+      .parse = parse_rows_cols,
+      .write_sizes = write_rows_cols,
       .tensors = tensors,
       .longest_reduction = longest_reduction,
       .draw = draw,

@@ -153,6 +153,10 @@ struct CheckOptions {
   std::optional<Precision> precision;
   double budget_k = 8.0;
   double budget_floor = 4.0;
+  // A candidate tensor whose name is in neither the golden nor its contract fails (a misspelled
+  // name must not pass unseen), and so, in directory mode, does a candidate file with no golden of
+  // its name; with allow_extra both are listed but accepted.
+  bool allow_extra = false;
   // For a progress display: called as check_paths starts each case ("checking NAME (i/N, SIZE)",
   // detail unless the golden file is 100 MB or more) and as check starts each tensor ("NAME
   // (i/N)", detail). A detail is worth showing on a terminal only.
@@ -174,6 +178,12 @@ struct TensorResult {
   // emulated run's errors at them of each other.
   double emulated_err = 0;
   std::string message;  // why it failed or was not checked; where the worst error is
+  // Whether the values were compared: false for a missing tensor, a dtype or shape mismatch, and a
+  // candidate tensor that is not in the golden (max_abs, max_rel, bound and ratio are then
+  // meaningless).
+  bool compared = false;
+  // When not compared: what differs, for the report's numeric columns ("shape [2, 4] vs [2, 3]").
+  std::string mismatch;
 };
 
 struct CaseReport {
@@ -191,10 +201,20 @@ struct CaseReport {
   // A golden written with --keep: the candidate's computed tensors the golden did not keep.
   // Neither passed nor failed, and never required.
   std::vector<std::string> not_in_golden;
+  // Candidate tensors in neither the golden nor its contract. Each is a failed entry of `tensors`
+  // ("not in the golden", with the closest golden name) unless allow_extra accepted it here.
+  int unknown = 0;
+  std::vector<std::string> extra;
+  // Directory mode: a candidate file with no golden of its name (golden_path empty; `suggestion`
+  // the closest golden's name, or ""). It fails the check unless allow_extra accepted it.
+  bool no_golden = false;
+  bool accepted = false;
+  std::string suggestion;
 };
 
 // Compares one candidate with one golden. The golden must be a teo golden (FormatError naming the
-// problem otherwise). Missing candidate tensors are not_checked; extra ones are ignored; a shape
+// problem otherwise). Missing candidate tensors are not_checked; one the golden's contract does
+// not name fails unless opts.allow_extra (see CaseReport::unknown); a shape
 // mismatch fails that tensor, and so does a dtype other than the golden's unless a reduced
 // precision is judged (then any float dtype is read). A precision the candidate's dtypes
 // contradict is a ConfigError.
@@ -204,11 +224,16 @@ CaseReport check(const safetensors::File& golden, const safetensors::File& candi
 // `golden` and `candidate` are both files or both directories. A golden directory is searched with
 // its subdirectories (every *.safetensors under it), each golden matched by its relative path in
 // the candidate directory (golden/ops/x.safetensors by candidate/ops/x.safetensors) and reported
-// under that path. A golden with no candidate file is reported with every tensor not_checked.
+// under that path. A golden with no candidate file is reported with every tensor not_checked; a
+// candidate file with no golden as a CaseReport with no_golden set.
 std::vector<CaseReport> check_paths(const std::string& golden, const std::string& candidate,
                                     const CheckOptions& opts);
 
-void print_text(const std::vector<CaseReport>& reports, std::ostream& out);
+struct TextOptions {
+  bool hide_unchecked = false;  // leave out the rows of tensors not checked (counted still)
+};
+void print_text(const std::vector<CaseReport>& reports, std::ostream& out,
+                const TextOptions& text = {});
 std::string junit_xml(const std::vector<CaseReport>& reports);
 std::string json_report(const std::vector<CaseReport>& reports);
 

@@ -48,8 +48,9 @@ struct GoldenCheckOptions {
   std::string golden, candidate;
   std::string only = "all";  // all | forward | backward
   std::string junit_path, json_path;
-  bool require_all = false;  // a tensor that is not checked counts as a failure
-  std::string precision;     // "" (implied) | fp64 | fp32 | tf32 | bf16 | fp16
+  bool require_all = false;     // a tensor that is not checked counts as a failure
+  bool hide_unchecked = false;  // the text report leaves out the rows of tensors not checked
+  std::string precision;        // "" (implied) | fp64 | fp32 | tf32 | bf16 | fp16
   golden::CheckOptions tolerances;
   bool progress = true;  // show the case and tensor being compared on standard error
 };

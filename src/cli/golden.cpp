@@ -103,6 +103,15 @@ void list_one(const std::string& path, std::ostream& out) {
       << (c.precision ? std::string(" ") + to_string(*c.precision) : "") << "  "
       << c.config.num_layers << " layer(s), batch " << c.batch << ", seq_len " << c.seq_len
       << ", d_model " << c.config.d_model << ", heads " << c.config.num_heads << "\n";
+  out << "  config " << c.config.to_json().dump() << "\n";
+  out << "  case " << c.case_json().dump() << "\n";
+  for (const auto& t : f.tensors) {
+    if (t.name.starts_with("input.") || t.name.starts_with("param.") ||
+        t.name.starts_with("dropout.")) {
+      out << "  reads  " << t.name << " " << dims_str(t.shape) << " "
+          << safetensors::dtype_name(t.dtype) << "\n";
+    }
+  }
   for (const auto& t : f.tensors) {
     if (t.name.starts_with("act.") || t.name.starts_with("grad.")) {
       out << "  writes " << t.name << " " << dims_str(t.shape) << "\n";
@@ -148,7 +157,7 @@ int run_golden_check(const GoldenCheckOptions& opts, std::ostream& out) {
   co.progress = [&](const std::string& what, bool detail) { progress.show(what, !detail); };
   const auto reports = golden::check_paths(opts.golden, opts.candidate, co);
   progress.clear();
-  golden::print_text(reports, out);
+  golden::print_text(reports, out, {.hide_unchecked = opts.hide_unchecked});
   // A report that cannot be written is an error on stderr, but the verdict stands: the exit code
   // says whether the candidate passed (docs/golden-format.md).
   for (const auto& [path, text] : {std::pair{opts.junit_path, golden::junit_xml(reports)},

@@ -6,6 +6,7 @@
 #include <new>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -13,6 +14,67 @@
 #include "cli/commands.hpp"
 #include "teo/backend.hpp"
 #include "teo/errors.hpp"
+#include "teo/suggest.hpp"
+
+namespace {
+
+// The names a user may type for app's options ("--candidate", "-h") and subcommands.
+std::vector<std::string> option_names(const CLI::App& app) {
+  std::vector<std::string> out;
+  for (const CLI::Option* o : app.get_options()) {
+    for (const auto& n : o->get_lnames()) out.push_back("--" + n);
+    for (const auto& n : o->get_snames()) out.push_back("-" + n);
+  }
+  return out;
+}
+
+// For a command line CLI11 refused: the first flag or command that does not exist, named with the
+// closest valid one ("unknown flag --candidte for `teo golden check`; did you mean
+// \"--candidate\"?"), or "" when every name exists (CLI11's own message then says what is wrong).
+// CLI11 alone would report a missing required flag first, or "A subcommand is required".
+std::string unknown_name(CLI::App& app, int argc, char** argv) {
+  CLI::App* cur = &app;
+  std::string path = "teo";
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--") break;
+    if (a.size() > 1 && a[0] == '-') {
+      const std::string name = a.substr(0, a.find('='));
+      const CLI::Option* opt = cur->get_option_no_throw(name);
+      if (!opt) {
+        for (const CLI::App* up = cur->get_parent(); up; up = up->get_parent()) {
+          if (up->get_option_no_throw(name)) {
+            return name + " is a flag of `" + up->get_name() + "`, not of `" + path +
+                   "`: give it before the subcommand";
+          }
+        }
+        return "unknown flag " + name + " for `" + path + "`" +
+               teo::did_you_mean(name, option_names(*cur)) + " (see `" + path + " --help`)";
+      }
+      if (a.find('=') == std::string::npos && opt->get_type_size_max() > 0) ++i;  // its value
+      continue;
+    }
+    const auto subs = cur->get_subcommands([](CLI::App*) { return true; });
+    if (subs.empty()) continue;  // a positional argument (predict's words)
+    CLI::App* next = nullptr;
+    std::vector<std::string> names;
+    for (CLI::App* sub : subs) {
+      names.push_back(sub->get_name());
+      if (sub->get_name() == a) next = sub;
+    }
+    if (!next) {
+      std::string all;
+      for (const auto& n : names) all += (all.empty() ? "" : ", ") + n;
+      return "unknown command \"" + a + "\" for `" + path + "`" + teo::did_you_mean(a, names) +
+             " (the commands are " + all + ")";
+    }
+    cur = next;
+    path += " " + a;
+  }
+  return "";
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   // Activations are freed and reallocated at every step with shapes that vary with the batch.
@@ -28,7 +90,8 @@ int main(int argc, char** argv) {
   // Execution settings for every command; TEO_BACKEND, TEO_ISA and TEO_NUM_THREADS set the same
   // things, and a flag wins over its variable.
   app.add_option("--backend", backend_flag,
-                 "reference | simd | blas (default: reference, or TEO_BACKEND)");
+                 "reference | simd | blas (default: TEO_BACKEND, else simd for train and bench "
+                 "and reference for the rest)");
   app.add_option("--isa", isa_flag,
                  "avx512 | avx2 | neon | scalar (default: best here, or TEO_ISA)");
   app.add_option("--threads", threads_flag,
@@ -115,6 +178,11 @@ int main(int argc, char** argv) {
   check->add_option("--json", check_opts.json_path, "also write a JSON report here");
   check->add_flag("--require-all", check_opts.require_all,
                   "fail when a golden tensor is missing from the candidate");
+  check->add_flag("--allow-extra", check_opts.tolerances.allow_extra,
+                  "accept candidate tensors (and, for directories, files) the golden does not "
+                  "name, instead of failing on them as misspellings");
+  check->add_flag("--hide-unchecked", check_opts.hide_unchecked,
+                  "leave the rows of tensors not in the candidate out of the text report");
   bool check_no_progress = false;
   check->add_flag("--no-progress", check_no_progress, "no progress on standard error");
   check->add_option("--rtol", check_opts.tolerances.rtol, "float64: relative tolerance (1e-9)")
@@ -167,8 +235,11 @@ int main(int argc, char** argv) {
       app.add_subcommand("predict", "Print each word's language probabilities from a checkpoint");
   predict->add_option("--checkpoint", predict_ckpt, "a teo train checkpoint")->required();
   predict->add_option("words", predict_words, "words to classify")->required();
-  for (CLI::App* sub : {shapes, bench, gen, op, check, train, predict}) {
-    sub->add_option("--backend", backend_flag, "reference | simd | blas");
+  for (CLI::App* sub : {shapes, bench, golden, gen, op, list, check, train, predict}) {
+    const bool fast = sub == bench || sub == train;  // they time or train: the fast path
+    sub->add_option("--backend", backend_flag,
+                    std::string("reference | simd | blas (default: TEO_BACKEND, else ") +
+                        (fast ? "simd)" : "reference)"));
     sub->add_option("--isa", isa_flag, "avx512 | avx2 | neon | scalar");
     sub->add_option("--threads", threads_flag, "thread count");
   }
@@ -176,7 +247,12 @@ int main(int argc, char** argv) {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     if (e.get_exit_code() == 0) return app.exit(e);  // --help: the help text, exit 0
-    // A bad, missing or conflicting flag: one line, exit 2.
+    // A bad, missing or conflicting flag: one line, exit 2. A name that does not exist is named
+    // first, with the closest one that does.
+    if (const std::string unknown = unknown_name(app, argc, argv); !unknown.empty()) {
+      std::cerr << "teo: error: " << unknown << "\n";
+      return 2;
+    }
     std::cerr << "teo: error: " << e.what() << " (see --help)\n";
     return 2;
   }

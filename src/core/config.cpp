@@ -1,5 +1,7 @@
 #include "teo/config.hpp"
 
+#include "teo/suggest.hpp"
+
 #include <unistd.h>
 
 #include <cerrno>
@@ -8,6 +10,7 @@
 
 #include <cmath>
 #include <fstream>
+#include <iterator>
 #include <limits>
 #include <sstream>
 
@@ -356,6 +359,17 @@ void EncoderConfig::validate() const {
   }
 }
 
+namespace {
+// Every key from_json reads, for the suggestion when a key is misspelled.
+const char* const kConfigKeys[] = {
+    "vocab_size",     "max_len",        "d_model",         "num_heads",      "d_ff",
+    "num_layers",     "num_classes",    "norm_first",      "embed_scale",    "causal",
+    "layer_norm_eps", "dropout",        "label_smoothing", "activation",     "positional",
+    "pooling",        "num_kv_heads",   "rope_style",      "rotary_dim",     "rope_base",
+    "rope_scaling",   "alibi_max_bias", "position_offset", "sliding_window", "attn_logit_softcap",
+    "attn_sinks"};
+}  // namespace
+
 EncoderConfig EncoderConfig::from_json(const nlohmann::json& j) {
   if (!j.is_object()) {
     throw ConfigError("config must be a JSON object, got " + std::string(j.type_name()));
@@ -459,7 +473,8 @@ EncoderConfig EncoderConfig::from_json(const nlohmann::json& j) {
     } else if (key == "attn_sinks") {
       c.attn_sinks = get_bool(v, key);
     } else {
-      throw ConfigError("unknown config key \"" + key + "\"");
+      const std::vector<std::string> keys(std::begin(kConfigKeys), std::end(kConfigKeys));
+      throw ConfigError("unknown config key \"" + key + "\"" + did_you_mean(key, keys));
     }
   }
   c.validate();

@@ -215,9 +215,29 @@ void File::add(const std::string& name, DType dtype, std::vector<std::int64_t> s
 
 namespace {
 
+// What a file that is not safetensors is, from its first bytes, or "" when it is not recognised.
+std::string other_format(std::string_view b) {
+  const auto starts = [&](std::string_view magic) { return b.substr(0, magic.size()) == magic; };
+  if (starts("PK\x03\x04") || starts("PK\x05\x06"))
+    return "a zip archive (numpy's .npz, or torch.save's .pt or .pth)";
+  if (starts("\x93NUMPY")) return "a numpy .npy array";
+  if (starts("\x80")) return "a Python pickle (torch.save's legacy format, or pickle.dump)";
+  if (starts("\x89HDF")) return "an HDF5 file (Keras .h5)";
+  if (starts("GGUF")) return "a GGUF file";
+  if (starts("{")) return "JSON text";
+  return "";
+}
+
 // parse(), with the tensors' bytes copied, or (view) pointing into `bytes`.
 File parse_bytes(std::string_view bytes, const std::string& source, const Limits& limits,
                  bool view) {
+  // A safetensors file is an 8-byte header length, then a JSON object: '{' (or a space of
+  // padding) at byte 8. A file of another format is named as such.
+  if (const auto other = other_format(bytes);
+      !other.empty() && (bytes.size() < 9 || (bytes[8] != '{' && bytes[8] != ' '))) {
+    throw FormatError(source + ": not a safetensors file: it is " + other +
+                      ". Write candidates with teo.golden.save or safetensors' save_file");
+  }
   if (bytes.size() < 8) {
     fail(source, "the file has " + std::to_string(bytes.size()) +
                      " bytes, fewer than the 8-byte header length");

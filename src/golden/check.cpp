@@ -12,6 +12,7 @@
 
 #include "golden_internal.hpp"
 #include "teo/golden_ops.hpp"
+#include "teo/suggest.hpp"
 
 namespace teo::golden {
 
@@ -48,6 +49,17 @@ bool same_nonfinite(double g, double c) {
   return g == c;  // +-inf must match exactly
 }
 
+// What to do about a candidate dtype the plain check cannot read.
+std::string dtype_hint(DType candidate, DType golden) {
+  if (candidate == DType::F32 && golden == DType::F64) {
+    return "; a float32 candidate is judged against a float64 golden with --precision fp32 "
+           "(precision=\"fp32\" in Python), or checked against the float32 case";
+  }
+  if (candidate == DType::F64 && golden == DType::F32)
+    return "; a float64 candidate is checked against the float64 case";
+  return "";
+}
+
 // The checks both rules share: a missing tensor is not checked; a dtype the rule cannot read
 // (any_float: any float dtype; else exactly the golden's) or another shape fails. Returns true
 // when r is already decided.
@@ -61,16 +73,20 @@ bool decided_before_values(TensorResult& r, const safetensors::Tensor& g,
   }
   if (any_float ? !safetensors::is_float(c->dtype) : c->dtype != g.dtype) {
     r.status = Status::fail;
+    r.mismatch =
+        std::string("dtype ") + safetensors::dtype_name(c->dtype) +
+        (any_float ? " (not a float)" : std::string(" vs ") + safetensors::dtype_name(g.dtype));
     r.message =
         any_float
             ? std::string("dtype ") + safetensors::dtype_name(c->dtype) + " is not a float type"
             : std::string("dtype mismatch: candidate ") + safetensors::dtype_name(c->dtype) +
-                  ", golden " + safetensors::dtype_name(g.dtype);
+                  ", golden " + safetensors::dtype_name(g.dtype) + dtype_hint(c->dtype, g.dtype);
     return true;
   }
   if (c->shape != g.shape) {
     r.status = Status::fail;
     r.message = "shape mismatch: candidate " + c->shape_str() + ", golden " + g.shape_str();
+    r.mismatch = r.message;
     return true;
   }
   return false;
@@ -80,6 +96,7 @@ TensorResult check_tensor(const File& golden, const safetensors::Tensor& g,
                           const safetensors::Tensor* c, bool f32, const CheckOptions& opts) {
   TensorResult r;
   if (decided_before_values(r, g, c, /*any_float=*/false)) return r;
+  r.compared = true;
   // Each mapped tensor's pages go back as soon as its values are copied out: at most one is
   // resident at a time.
   const auto gv = g.float_values();
@@ -139,6 +156,7 @@ TensorResult judge_budget(const File& golden, const safetensors::Tensor& g,
                           Precision p, const CheckOptions& opts, const std::string& behind_tie) {
   TensorResult r;
   if (decided_before_values(r, g, c, /*any_float=*/true)) return r;
+  r.compared = true;
   const auto truth = detail::truth_of(golden, g, f32);
   safetensors::release(g);
   const auto cv = c->float_values();
@@ -270,6 +288,39 @@ auto with_path(const std::string& path, Fn&& fn) -> decltype(fn()) {
   }
 }
 
+// The candidate's tensors the golden does not hold: computed tensors --keep left out are noted
+// (CaseReport::not_in_golden); a name its contract does not know fails, with the closest golden
+// name, unless opts.allow_extra.
+void judge_names(const File& golden, const File& candidate, const CheckOptions& opts, bool op,
+                 CaseReport& rep) {
+  std::set<std::string> contract;
+  std::vector<std::string> names;
+  for (const auto& t : candidate.tensors) {
+    if (golden.find(t.name)) continue;
+    if (names.empty()) {
+      for (const auto& g : golden.tensors) names.push_back(g.name);
+      if (golden.meta("kept")) contract = detail::contract_names(golden);
+    }
+    if (contract.contains(t.name)) {
+      if (wanted(t.name, opts.only, op)) rep.not_in_golden.push_back(t.name);
+      continue;
+    }
+    if (opts.allow_extra) {
+      rep.extra.push_back(t.name);
+      continue;
+    }
+    TensorResult r;
+    r.name = t.name;
+    r.status = Status::fail;
+    r.mismatch = "not in the golden";
+    r.message = "not in the golden" + did_you_mean(t.name, names) +
+                ". A misspelled name passes nothing: --allow-extra accepts extra tensors";
+    rep.tensors.push_back(std::move(r));
+    ++rep.failed;
+    ++rep.unknown;
+  }
+}
+
 }  // namespace
 
 namespace {
@@ -368,27 +419,43 @@ CaseReport check(const File& golden, const File& candidate, const CheckOptions& 
     if (r.status == Status::not_checked) ++rep.not_checked;
     if (r.status == Status::vacuous) ++rep.vacuous;
   }
-  if (golden.meta("kept")) {
-    for (const auto& t : candidate.tensors) {
-      if (wanted(t.name, opts.only, op) && !golden.find(t.name))
-        rep.not_in_golden.push_back(t.name);
-    }
-  }
+  judge_names(golden, candidate, opts, op, rep);
   return rep;
 }
 
 Verdict verdict(const std::vector<CaseReport>& reports, bool require_all) {
   int failed = 0, passed = 0, not_checked = 0, vacuous = 0;
+  std::string orphans, examined;
+  int examined_count = 0;
   for (const auto& r : reports) {
+    if (r.no_golden) {
+      if (!r.accepted) orphans += (orphans.empty() ? "" : ", ") + r.candidate_path;
+      continue;
+    }
     failed += r.failed;
     passed += r.passed;
     not_checked += r.not_checked;
     vacuous += r.vacuous;
+    const bool had_file =
+        r.tensors.empty() || r.tensors.front().message != "no candidate file" || r.passed > 0;
+    if (had_file && ++examined_count <= 3)
+      examined += (examined.empty() ? "" : ", ") + r.candidate_path;
   }
   if (failed > 0) return {1, ""};  // the report names them
+  if (!orphans.empty()) {
+    return {1, "candidate file(s) with no golden of their name: " + orphans +
+                   " (--allow-extra accepts them)"};
+  }
   if (passed == 0 && vacuous > 0) return {1, "every judged tensor's budget is vacuous"};
-  if (passed == 0)
-    return {1, "nothing was checked: the candidate holds none of the golden's tensors"};
+  if (passed == 0 && examined_count == 0)
+    return {1, "nothing was checked: no golden has a candidate file of its name"};
+  if (passed == 0) {
+    return {1, "nothing was checked: " +
+                   (examined_count == 1 ? "the candidate " + examined + " holds"
+                                        : "the candidate files " + examined +
+                                              (examined_count > 3 ? ", ..." : "") + " hold") +
+                   " none of the golden's tensors"};
+  }
   if (require_all && not_checked > 0) {
     return {1, std::to_string(not_checked) + " tensor(s) not checked, and --require-all was given"};
   }
@@ -406,6 +473,32 @@ Verdict verdict(const std::vector<CaseReport>& reports, bool require_all) {
 namespace {
 // A golden file at least this large is a large case: its progress is worth a line off a terminal.
 constexpr std::uintmax_t kLargeFile = 100'000'000;
+
+// The .safetensors files under the candidate directory (paths relative to it) that are not among
+// the golden directory's `names`; the golden directory is not searched if it lies inside.
+std::vector<std::string> candidates_without_golden(const std::string& golden,
+                                                   const std::string& candidate,
+                                                   const std::vector<std::string>& names) {
+  namespace fs = std::filesystem;
+  const std::set<std::string> known(names.begin(), names.end());
+  std::vector<std::string> out;
+  std::error_code ec;
+  for (auto it = fs::recursive_directory_iterator(candidate, ec);
+       !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
+    std::error_code same_ec;
+    if (it->is_directory() && fs::equivalent(it->path(), golden, same_ec)) {
+      it.disable_recursion_pending();
+      continue;
+    }
+    if (it->is_regular_file() && it->path().extension() == ".safetensors") {
+      auto n = it->path().lexically_relative(candidate).generic_string();
+      if (!known.contains(n)) out.push_back(std::move(n));
+    }
+  }
+  if (ec) throw FileError(candidate + ": cannot list the directory: " + ec.message());
+  std::sort(out.begin(), out.end());
+  return out;
+}
 }  // namespace
 
 std::vector<CaseReport> check_paths(const std::string& golden, const std::string& candidate,
@@ -418,6 +511,7 @@ std::vector<CaseReport> check_paths(const std::string& golden, const std::string
     std::string golden, candidate, name;  // name: the golden's path within the directory
   };
   std::vector<Pair> pairs;
+  std::vector<std::string> orphans;
   if (fs::is_directory(golden, ec)) {
     if (!fs::is_directory(candidate, ec)) {
       throw FileError(candidate + ": is a file, but the golden " + golden +
@@ -444,6 +538,7 @@ std::vector<CaseReport> check_paths(const std::string& golden, const std::string
     if (names.empty()) throw FileError(golden + ": holds no .safetensors files");
     for (const auto& n : names)
       pairs.push_back({(fs::path(golden) / n).string(), (fs::path(candidate) / n).string(), n});
+    orphans = candidates_without_golden(golden, candidate, names);
   } else {
     std::string c = candidate;
     if (fs::is_directory(candidate, ec))
@@ -474,6 +569,17 @@ std::vector<CaseReport> check_paths(const std::string& golden, const std::string
     rep.name = pair.name;
     rep.golden_path = gp;
     rep.candidate_path = cp;
+    reports.push_back(std::move(rep));
+  }
+  std::vector<std::string> names;
+  for (const auto& pair : pairs) names.push_back(pair.name);
+  for (const auto& n : orphans) {
+    CaseReport rep;
+    rep.name = n;
+    rep.candidate_path = (fs::path(candidate) / n).string();
+    rep.no_golden = true;
+    rep.accepted = opts.allow_extra;
+    rep.suggestion = closest_match(n, names);
     reports.push_back(std::move(rep));
   }
   return reports;

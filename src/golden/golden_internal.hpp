@@ -4,6 +4,7 @@
 #include <cstddef>
 #include <functional>
 #include <ostream>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -135,6 +136,11 @@ void expect_in_range(const safetensors::File& f, const std::string& name, std::i
 // input, parameter and upstream gradient of the spec with its shape (float ones in any float
 // dtype), the results not required; others are not checked.
 void validate_op_file(const safetensors::File& f, bool inputs_only = false);
+
+// Every name of a validated golden's contract, ref64 twins included (what the file holds, and
+// what --keep left out of it); op_contract_names for an op case.
+std::set<std::string> contract_names(const safetensors::File& golden);
+std::set<std::string> op_contract_names(const safetensors::File& op_case);
 
 // The corpus files (cases.json): an entry's plain file name, and its optional description (erased
 // from `entry`). ConfigError naming `path` otherwise.

@@ -18,6 +18,7 @@
 #include "teo/layers/dropout.hpp"
 #include "teo/model.hpp"
 #include "teo/rng.hpp"
+#include "teo/suggest.hpp"
 
 namespace teo::golden {
 
@@ -43,14 +44,17 @@ const OpDef& op_named(const std::string& name) {
     if (name == d->name) return *d;
   std::string all;
   for (const OpDef* d : registry()) all += (all.empty() ? "" : ", ") + std::string(d->name);
-  throw ConfigError("unknown op \"" + name + "\" (the ops are " + all + ")");
+  std::vector<std::string> names;
+  for (const OpDef* d : registry()) names.emplace_back(d->name);
+  throw ConfigError("unknown op \"" + name + "\"" + did_you_mean(name, names) + " (the ops are " +
+                    all + ")");
 }
 
 // ---- reading a spec ---------------------------------------------------------------------------
 
 index_t Reader::size(const char* key, index_t min) {
   used_.insert(key);
-  if (!j_.contains(key)) throw ConfigError(std::string("the spec needs \"") + key + "\"");
+  if (!j_.contains(key)) missing(key);
   const json& v = j_.at(key);
   if (!v.is_number_integer()) {
     throw ConfigError(std::string("spec.") + key + " must be an integer, got " + v.dump());
@@ -127,9 +131,22 @@ EncoderConfig Reader::config(const std::vector<const char*>& keys, const json& b
   }
 }
 
+void Reader::missing(const char* key) const {
+  // a key of the spec the op has not read yet may be the one misspelled
+  std::vector<std::string> unread;
+  for (const auto& [k, v] : j_.items())
+    if (!used_.contains(k)) unread.push_back(k);
+  const std::string near = closest_match(key, unread);
+  throw ConfigError(std::string("the spec needs \"") + key + "\"" +
+                    (near.empty() ? "" : " (it has \"" + near + "\": is that it?)"));
+}
+
 void Reader::finish() const {
+  const std::vector<std::string> known(used_.begin(), used_.end());
   for (const auto& [key, v] : j_.items()) {
-    if (!used_.contains(key)) throw ConfigError("the spec has the unknown key \"" + key + "\"");
+    if (!used_.contains(key)) {
+      throw ConfigError("the spec has the unknown key \"" + key + "\"" + did_you_mean(key, known));
+    }
   }
 }
 
@@ -522,6 +539,7 @@ OpCase OpCase::from_json(const json& j, const std::string& op, std::uint64_t max
 }
 
 OpCase OpCase::from_file(const std::string& path, const std::string& op) {
+  if (!op.empty()) op_named(op);  // a bad --op is the flag's fault, not the file's
   const json j = read_json_file(path);
   try {
     return from_json(j, op);
@@ -597,6 +615,16 @@ void validate_op_file(const File& f, bool inputs_only) {
     if (t->values<std::int64_t>() != s.lengths)
       throw FormatError("the op case's input.lengths are not its spec's lengths");
   }
+}
+
+std::set<std::string> op_contract_names(const File& f) {
+  const OpCase c = op_case_of(f);
+  std::set<std::string> out;
+  for (const auto& t : layout(spec_of(c))) {
+    out.insert(t.name);
+    if (c.dtype == "float32" && is_result(t.role)) out.insert("ref64." + t.name);
+  }
+  return out;
 }
 
 }  // namespace detail

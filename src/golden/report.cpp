@@ -61,9 +61,19 @@ std::string xml_escape(const std::string& s) {
 
 }  // namespace
 
-void print_text(const std::vector<CaseReport>& reports, std::ostream& out) {
+void print_text(const std::vector<CaseReport>& reports, std::ostream& out,
+                const TextOptions& text) {
   int passed = 0, failed = 0, not_checked = 0, cases_failed = 0;
+  std::vector<std::string> no_candidate, no_golden;
   for (const auto& rep : reports) {
+    if (rep.no_golden) {
+      out << "case " << rep.name << "  (candidate " << rep.candidate_path
+          << "): no golden of this name";
+      if (!rep.suggestion.empty()) out << "; did you mean " << rep.suggestion << "?";
+      out << (rep.accepted ? "  (accepted by --allow-extra)" : "  FAIL") << "\n\n";
+      no_golden.push_back(rep.candidate_path);
+      continue;
+    }
     out << "case " << rep.name << "  (golden " << rep.golden_path << ", candidate "
         << rep.candidate_path << ")\n";
     if (rep.budget) {
@@ -80,6 +90,7 @@ void print_text(const std::vector<CaseReport>& reports, std::ostream& out) {
     if (no_file) {
       out << "  no candidate file: " << rep.not_checked << " tensors not checked\n\n";
       not_checked += rep.not_checked;
+      no_candidate.push_back(rep.golden_path);
       continue;
     }
     out << "  " << std::left << std::setw(44) << "tensor" << std::right << std::setw(11)
@@ -87,27 +98,46 @@ void print_text(const std::vector<CaseReport>& reports, std::ostream& out) {
     if (rep.budget) out << std::setw(11) << "emulated";
     out << "  result\n";
     for (const auto& t : rep.tensors) {
+      if (text.hide_unchecked && t.status == Status::not_checked) continue;
       out << "  " << std::left << std::setw(44) << t.name << std::right;
+      const int columns = rep.budget ? 44 : 33;
       if (t.status == Status::not_checked) {
         out << std::setw(11) << "-" << std::setw(11) << "-" << std::setw(11) << "-";
+        if (rep.budget) out << std::setw(11) << "-";
+      } else if (!t.compared) {
+        // what differs, in the numbers' place: there are no numbers to compare
+        out << std::setw(columns) << t.mismatch;
       } else {
         out << std::setw(11) << sci(t.max_abs) << std::setw(11) << sci(t.max_rel) << std::setw(11)
             << sci(t.ratio);
         if (rep.budget) out << std::setw(11) << sci(t.emulated_err);
       }
       out << "  " << status_str(t.status);
-      if (!t.message.empty() && t.status != Status::pass) out << "  (" << t.message << ")";
+      if (!t.message.empty() && t.status != Status::pass && t.message != t.mismatch)
+        out << "  (" << t.message << ")";
       out << "\n";
     }
+    if (text.hide_unchecked && rep.not_checked > 0)
+      out << "  (" << rep.not_checked << " rows of tensors not checked hidden)\n";
     if (!rep.first_divergence.empty())
       out << "  first divergence: " << rep.first_divergence << "\n";
-    out << "  summary: " << rep.passed << " passed, " << rep.failed << " failed, "
-        << rep.not_checked << " not checked";
+    // Not checked leads: a candidate that holds few of the golden's tensors says so first.
+    out << "  summary: ";
+    if (rep.not_checked > 0) {
+      out << rep.not_checked << " of " << rep.tensors.size() - static_cast<std::size_t>(rep.unknown)
+          << " not checked (not in the candidate); " << rep.passed << " passed, " << rep.failed
+          << " failed";
+    } else {
+      out << rep.passed << " passed, " << rep.failed << " failed, 0 not checked";
+    }
+    if (rep.unknown > 0)
+      out << " (" << rep.unknown << " of them candidate names not in the golden)";
     if (rep.vacuous > 0) out << ", " << rep.vacuous << " vacuous (budget meaningless: not judged)";
     if (rep.budget) {
       double worst = 0;
       for (const auto& t : rep.tensors)
-        if (t.status == Status::pass || t.status == Status::fail) worst = std::max(worst, t.ratio);
+        if (t.compared && (t.status == Status::pass || t.status == Status::fail))
+          worst = std::max(worst, t.ratio);
       out << "; worst fraction of budget " << sci(worst);
     }
     out << "\n";
@@ -120,29 +150,51 @@ void print_text(const std::vector<CaseReport>& reports, std::ostream& out) {
       out << "  not in golden (not kept by --keep; neither passed nor failed): "
           << rep.not_in_golden.size() << " tensor(s)\n";
     }
+    if (!rep.extra.empty()) {
+      out << "  extra candidate tensors, accepted by --allow-extra:";
+      for (const auto& n : rep.extra) out << " " << n;
+      out << "\n";
+    }
     out << "\n";
     passed += rep.passed;
     failed += rep.failed;
     not_checked += rep.not_checked;
     cases_failed += rep.failed > 0;
   }
-  out << "total: " << reports.size() << " case(s), " << cases_failed
-      << " failing; tensors: " << passed << " passed, " << failed << " failed, " << not_checked
-      << " not checked\n";
+  const auto count = reports.size() - no_golden.size();
+  out << "total: " << count << " case(s), " << cases_failed << " failing; tensors: " << passed
+      << " passed, " << failed << " failed, " << not_checked << " not checked\n";
+  for (const auto& [what, list] : {std::pair{"goldens with no candidate file", &no_candidate},
+                                   std::pair{"candidate files with no golden", &no_golden}}) {
+    if (list->empty()) continue;
+    out << what << " (" << list->size() << "):";
+    for (const auto& p : *list) out << " " << p;
+    out << "\n";
+  }
 }
 
 std::string junit_xml(const std::vector<CaseReport>& reports) {
   std::ostringstream o;
   int tests = 0, failures = 0, skipped = 0;
   for (const auto& r : reports) {
-    tests += static_cast<int>(r.tensors.size());
-    failures += r.failed;
-    skipped += r.not_checked + r.vacuous;
+    tests += r.no_golden ? 1 : static_cast<int>(r.tensors.size());
+    failures += r.no_golden ? !r.accepted : r.failed;
+    skipped += r.no_golden ? r.accepted : r.not_checked + r.vacuous;
   }
   o << "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n";
   o << "<testsuites name=\"teo golden check\" tests=\"" << tests << "\" failures=\"" << failures
     << "\" skipped=\"" << skipped << "\">\n";
   for (const auto& r : reports) {
+    if (r.no_golden) {
+      const std::string why = "no golden of this name" +
+                              (r.suggestion.empty() ? "" : "; did you mean " + r.suggestion + "?");
+      o << "  <testsuite name=\"" << xml_escape(r.name) << "\" tests=\"1\" failures=\""
+        << (r.accepted ? 0 : 1) << "\" skipped=\"" << (r.accepted ? 1 : 0) << "\">\n"
+        << "    <testcase classname=\"" << xml_escape(r.name) << "\" name=\"candidate file\">"
+        << (r.accepted ? "<skipped message=\"" : "<failure message=\"") << xml_escape(why)
+        << "\"/></testcase>\n  </testsuite>\n";
+      continue;
+    }
     o << "  <testsuite name=\"" << xml_escape(r.name) << "\" tests=\"" << r.tensors.size()
       << "\" failures=\"" << r.failed << "\" skipped=\"" << r.not_checked + r.vacuous << "\">\n";
     if (!r.first_divergence.empty()) {
@@ -152,8 +204,10 @@ std::string junit_xml(const std::vector<CaseReport>& reports) {
     for (const auto& t : r.tensors) {
       o << "    <testcase classname=\"" << xml_escape(r.name) << "\" name=\"" << xml_escape(t.name)
         << "\">";
-      const std::string detail = "max_abs=" + sci(t.max_abs) + " max_rel=" + sci(t.max_rel) +
-                                 " bound=" + sci(t.bound) + " err/bound=" + sci(t.ratio);
+      const std::string detail = !t.compared
+                                     ? t.mismatch
+                                     : "max_abs=" + sci(t.max_abs) + " max_rel=" + sci(t.max_rel) +
+                                           " bound=" + sci(t.bound) + " err/bound=" + sci(t.ratio);
       if (t.status == Status::fail) {
         o << "<failure message=\"" << xml_escape(t.message.empty() ? detail : t.message) << "\">"
           << xml_escape(detail) << "</failure>";
@@ -178,6 +232,15 @@ std::string json_report(const std::vector<CaseReport>& reports) {
   for (const auto& r : reports) {
     nlohmann::ordered_json c;
     c["name"] = r.name;
+    if (r.no_golden) {
+      c["candidate"] = r.candidate_path;
+      c["no_golden"] = true;
+      c["accepted"] = r.accepted;
+      c["suggestion"] = r.suggestion.empty() ? nlohmann::ordered_json(nullptr)
+                                             : nlohmann::ordered_json(r.suggestion);
+      cases.push_back(std::move(c));
+      continue;
+    }
     c["golden"] = r.golden_path;
     c["candidate"] = r.candidate_path;
     c["first_divergence"] = r.first_divergence.empty() ? nlohmann::ordered_json(nullptr)
@@ -196,7 +259,11 @@ std::string json_report(const std::vector<CaseReport>& reports) {
                      : t.status == Status::fail    ? "fail"
                      : t.status == Status::vacuous ? "vacuous"
                                                    : "not_checked";
-      if (t.status != Status::not_checked) {
+      if (t.status != Status::not_checked && !t.compared) {
+        // nothing was compared: the numbers do not exist
+        for (const char* k : {"max_abs", "max_rel", "bound", "ratio"}) tj[k] = nullptr;
+        tj["mismatch"] = t.mismatch;
+      } else if (t.status != Status::not_checked) {
         tj["max_abs"] = number(t.max_abs);
         tj["max_rel"] = number(t.max_rel);
         tj["bound"] = number(t.bound);
@@ -210,6 +277,8 @@ std::string json_report(const std::vector<CaseReport>& reports) {
     c["tensors"] = std::move(ts);
     if (!r.optional_missing.empty()) c["optional_missing"] = r.optional_missing;
     if (!r.not_in_golden.empty()) c["not_in_golden"] = r.not_in_golden;
+    c["unknown"] = r.unknown;
+    if (!r.extra.empty()) c["extra"] = r.extra;
     cases.push_back(std::move(c));
     passed += r.passed;
     failed += r.failed;

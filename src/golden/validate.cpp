@@ -67,6 +67,15 @@ void expect_in_range(const File& f, const std::string& name, std::int64_t hi, bo
   }
 }
 
+std::set<std::string> contract_names(const File& golden) {
+  if (is_op_file(golden)) return op_contract_names(golden);
+  const Case c = case_of(golden);
+  std::set<std::string> out;
+  for (const auto& t : contract::model_case(c.config, {c.batch, c.seq_len}, c.dtype == "float32"))
+    out.insert(t.name);
+  return out;
+}
+
 }  // namespace detail
 
 namespace {

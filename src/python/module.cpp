@@ -7,10 +7,12 @@
 
 #include <cstring>
 #include <mutex>
+#include <set>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
 
+#include "golden/ops/op.hpp"  // the op registry, for op_keys
 #include "teo/backend.hpp"
 #include "teo/errors.hpp"
 #include "teo/files.hpp"
@@ -327,10 +329,32 @@ PYBIND11_MODULE(_teo, m) {
     for (const auto& t : teo::golden::op_contract(c)) out.emplace_back(t.name, t.shape, t.optional);
     return out;
   });
-  m.def("make_op", [](const std::string& op, const py::dict& spec) {
-    const auto c = teo::golden::OpCase::from_json(json::parse(to_text(spec)), op);
-    const auto f = compute([&] { return teo::golden::make_op(c); });
-    return std::make_pair(f.metadata, wire_of(f));
+  m.def(
+      "make_op",
+      [](const std::string& op, const py::dict& spec, const std::optional<std::string>& backend,
+         std::optional<int> threads) {
+        const auto c = teo::golden::OpCase::from_json(json::parse(to_text(spec)), op);
+        const auto f = compute([&] { return teo::golden::make_op(c); }, backend, threads);
+        return std::make_pair(f.metadata, wire_of(f));
+      },
+      py::arg("op"), py::arg("spec"), py::arg("backend") = py::none(),
+      py::arg("threads") = py::none());
+  // The keys an op's spec takes, from the registry: op, dtype, seed and precision, the op's config
+  // keys and lengths, and every key its samples' normalised specs spell out. An unknown op is a
+  // ConfigError listing the ops.
+  m.def("op_keys", [](const std::string& op) {
+    const auto& def = teo::golden::ops::op_named(op);
+    std::set<std::string> keys = {"op", "dtype", "seed", "precision"};
+    keys.insert(def.config_keys.begin(), def.config_keys.end());
+    if (def.lengths_key) keys.insert(def.lengths_key);
+    for (const char* sample : def.samples) {
+      json j = json::parse(sample);
+      j["dtype"] = "float64";
+      j["seed"] = 0;
+      const auto c = teo::golden::OpCase::from_json(j, op);
+      for (const auto& item : c.spec.items()) keys.insert(item.key());
+    }
+    return std::vector<std::string>(keys.begin(), keys.end());
   });
 
   m.def(
@@ -358,9 +382,11 @@ PYBIND11_MODULE(_teo, m) {
                     const std::vector<Wire>& gtensors, const std::vector<Wire>& ctensors,
                     const std::string& name, const std::string& golden_path,
                     const std::string& candidate_path, const std::optional<std::string>& precision,
-                    const std::string& only, bool require_all, const py::dict& tolerances) {
+                    const std::string& only, bool require_all, bool allow_extra,
+                    bool hide_unchecked, const py::dict& tolerances) {
     teo::golden::CheckOptions o;
     o.precision = precision_of(precision);
+    o.allow_extra = allow_extra;
     if (only == "forward")
       o.only = teo::golden::Only::forward;
     else if (only == "backward")
@@ -393,7 +419,7 @@ PYBIND11_MODULE(_teo, m) {
     rep.golden_path = golden_path;
     rep.candidate_path = candidate_path;
     std::ostringstream text;
-    teo::golden::print_text({rep}, text);
+    teo::golden::print_text({rep}, text, {.hide_unchecked = hide_unchecked});
     const auto v = teo::golden::verdict({rep}, require_all);
     return std::make_tuple(text.str(), teo::golden::json_report({rep}), v.exit_code, v.reason);
   });

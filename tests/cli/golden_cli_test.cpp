@@ -283,6 +283,11 @@ TEST(GoldenCli, CheckExitCodesAndReports) {
   teo::write_file_atomic((dir / "e.safetensors").string(), st::serialize(empty), true);
   r = run_cli("golden check --golden " + g + " --candidate " + (dir / "e.safetensors").string());
   EXPECT_EQ(r.code, 1);
+  EXPECT_NE(r.out.find("unrelated"), std::string::npos) << "a name not in the golden fails\n"
+                                                        << r.out;
+  r = run_cli("golden check --allow-extra --golden " + g + " --candidate " +
+              (dir / "e.safetensors").string());
+  EXPECT_EQ(r.code, 1);
   EXPECT_NE(r.out.find("nothing was checked"), std::string::npos) << r.out;
 
   // Bad input: exit 2 with the file named.
@@ -454,10 +459,18 @@ TEST(GoldenCli, CheckOfADirectoryDescendsIntoItsSubdirectories) {
   const std::string json = (dir / "report.json").string();
   CliResult r = run_cli("golden check --golden " + kCorpus.string() + " --candidate " +
                         dir.string() + " --json " + json);
-  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(r.code, 1) << "the misplaced file has no golden of its name\n" << r.out;
+  EXPECT_NE(r.out.find("did you mean ops/softmax_masked_f64.safetensors?"), std::string::npos)
+      << r.out;
   const auto report = nlohmann::json::parse(slurp(json));
   std::map<std::string, int> passed;
-  for (const auto& c : report.at("cases")) passed[c.at("name")] = c.at("passed").get<int>();
+  for (const auto& c : report.at("cases")) {
+    if (c.contains("no_golden")) {
+      EXPECT_EQ(c.at("name"), "softmax_masked_f64.safetensors");
+      continue;
+    }
+    passed[c.at("name")] = c.at("passed").get<int>();
+  }
   EXPECT_GT(passed.at("one_layer_f64.safetensors"), 0);
   EXPECT_GT(passed.at("ops/linear_f64.safetensors"), 0);
   EXPECT_EQ(passed.at("ops/softmax_masked_f64.safetensors"), 0);

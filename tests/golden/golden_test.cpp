@@ -519,14 +519,25 @@ TEST(GoldenCheck, Float32BoundFollowsTeosOwnErrorAgainstRef64) {
   EXPECT_EQ(result(golden::check(g, r, opts), name).status, golden::Status::pass);
 }
 
-TEST(GoldenCheck, MissingTensorsAreNotCheckedAndExtraOnesAreIgnored) {
+// A missing tensor is not checked; an extra one fails (a misspelling must not pass unseen),
+// unless allow_extra accepts it.
+TEST(GoldenCheck, MissingTensorsAreNotCheckedAndExtraOnesFailUnlessAllowed) {
   const st::File& g = committed("pre_gelu_mean_f64");
   st::File c = candidate_of(g);
   c.tensors.erase(c.tensors.begin() + 2);
   const std::vector<double> extra = {1, 2};
   c.add<double>("act.something_else", {2}, extra.data(), 2);
-  const auto rep = golden::check(g, c, {});
+  auto rep = golden::check(g, c, {});
+  EXPECT_EQ(rep.failed, 1);
+  EXPECT_EQ(rep.unknown, 1);
+  EXPECT_EQ(rep.first_divergence, "") << "a stray name is not a stage that diverged";
+  EXPECT_EQ(rep.tensors.back().name, "act.something_else");
+  EXPECT_FALSE(rep.tensors.back().compared);
+  golden::CheckOptions allow;
+  allow.allow_extra = true;
+  rep = golden::check(g, c, allow);
   EXPECT_EQ(rep.failed, 0);
+  EXPECT_EQ(rep.extra, std::vector<std::string>{"act.something_else"});
   EXPECT_EQ(rep.not_checked, 1);
   EXPECT_EQ(rep.passed + 1, static_cast<int>(rep.tensors.size()));
   EXPECT_EQ(rep.tensors[2].status, golden::Status::not_checked);

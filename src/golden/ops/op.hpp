@@ -74,6 +74,8 @@ class Reader {
   EncoderConfig config(const std::vector<const char*>& keys, const json& base);
   void finish() const;
   void use(const char* key) { used_.insert(key); }
+  // ConfigError: the spec lacks `key` (naming an unread key of the spec it may be misspelled as).
+  [[noreturn]] void missing(const char* key) const;
 
  private:
   const json& j_;

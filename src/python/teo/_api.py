@@ -3,20 +3,57 @@
 import numpy as np
 
 from . import _teo
-from ._wire import arrays_of
+from ._wire import arrays_of, as_array, real_array
+
+_BATCH_KEYS = ("tokens", "lengths", "labels")
+
+
+def config_of(cfg):
+    """cfg as a teo.EncoderConfig: one as it is, a dict of its keys or JSON text converted (a bad
+    key or value is a ConfigError naming it)."""
+    if isinstance(cfg, _teo.EncoderConfig):
+        return cfg
+    if isinstance(cfg, (dict, str)):
+        return _teo.EncoderConfig.from_json(cfg)
+    raise TypeError("cfg must be a teo.EncoderConfig, a dict of its keys or JSON text, got %s"
+                    % type(cfg).__name__)
 
 
 def init_params(cfg, seed, dtype="float64"):
     """The deterministic initialisation of every parameter (the bits of C++ Params::init), by
-    its contract name: {"embedding.weight": (V, D) array, "layers.0.attn.q.weight": ...}."""
-    return _teo.init_params(cfg, int(seed), str(dtype))
+    its contract name: {"embedding.weight": (V, D) array, "layers.0.attn.q.weight": ...}.
+    cfg: a teo.EncoderConfig or a dict of its keys."""
+    return _teo.init_params(config_of(cfg), int(seed), str(dtype))
 
 
 def random_batch(cfg, batch, seq_len, seed, lengths=None):
     """{"tokens" (B, S), "lengths" (B), "labels" (B)}, int64, drawn from seed as C++
     Batch::random draws them; lengths default to seq_len."""
-    return _teo.random_batch(cfg, int(batch), int(seq_len), int(seed),
-                             None if lengths is None else [int(x) for x in lengths])
+    return _teo.random_batch(config_of(cfg), int(batch), int(seq_len), int(seed),
+                             None if lengths is None
+                             else [int(x) for x in as_array(lengths).reshape(-1)])
+
+
+def _golden_names(params, batch, masks):
+    """ConfigError for a golden's prefixed names, which teo.run takes without the prefix."""
+    from . import ConfigError
+    for name in params:
+        if isinstance(name, str) and name.startswith("param."):
+            raise ConfigError(
+                "params has \"%s\": teo.run names parameters without the \"param.\" prefix "
+                "(\"%s\"); Golden.params() gives a golden's parameters so" % (name, name[6:]))
+    for name in batch:
+        if isinstance(name, str) and name.startswith("input.") and name[6:] not in batch:
+            raise ConfigError(
+                "batch has \"%s\": teo.run takes the batch as {\"tokens\", \"lengths\", "
+                "\"labels\"}, without the \"input.\" prefix; Golden.batch() gives a golden's "
+                "batch so" % name)
+    for name in masks or {}:
+        if not (isinstance(name, str) and name.startswith("dropout.")):
+            raise ConfigError(
+                "masks has \"%s\": masks are named by their dropout site as in a golden "
+                "(\"dropout.input\", \"dropout.layers.0.attn\", ...); Golden.masks() gives a "
+                "golden's masks so" % (name,))
 
 
 def run(cfg, params, batch, *, train=False, dropout_seed=0, masks=None, precision=None,
@@ -24,16 +61,31 @@ def run(cfg, params, batch, *, train=False, dropout_seed=0, masks=None, precisio
     """Forward (and backward, from the mean loss) on params and batch.
 
     Returns every act.* tensor of the golden contract, every grad.* tensor when backward is set,
-    and the dropout.* masks when train mode applies dropout, as numpy arrays. params are all
-    float32 or all float64 (the run's dtype). precision emulates tf32, bf16 or fp16 in a float32
-    run. backend ("reference", "simd", "blas") and threads apply to this call only.
+    and the dropout.* masks when train mode applies dropout, as numpy arrays. cfg is a
+    teo.EncoderConfig or a dict of its keys. params ({"embedding.weight": ...}) are all float32
+    or all float64 (the run's dtype); batch is {"tokens", "lengths", "labels"}; masks
+    ({"dropout.input": ...}) replay dropout masks in train mode instead of drawing them from
+    dropout_seed. Arrays may be numpy arrays or torch tensors. A golden's Golden.params(),
+    Golden.batch() and Golden.masks() give its own. precision emulates tf32, bf16 or fp16 in a
+    float32 run. backend ("reference", "simd", "blas") and threads apply to this call only.
     """
-    dtypes = {np.asarray(a).dtype for a in params.values()}
+    from . import ConfigError
+    cfg = config_of(cfg)
+    for what, d in (("params", params), ("batch", batch), ("masks", masks)):
+        if d is not None and not isinstance(d, dict):
+            raise ConfigError("%s must be a dict of name -> array, got %s"
+                              % (what, type(d).__name__))
+    _golden_names(params, batch, masks)
+    params = {n: real_array(a, "params[%r]" % n, "teo.run") for n, a in params.items()}
+    batch = {n: as_array(a) for n, a in batch.items() if n in _BATCH_KEYS}
+    if masks is not None:
+        masks = {n: as_array(a) for n, a in masks.items()}
+    dtypes = {a.dtype for a in params.values()}
     if len(dtypes) != 1 or next(iter(dtypes)) not in (np.float32, np.float64):
-        from . import ConfigError
         raise ConfigError("params must be all float32 or all float64 arrays, got %s"
                           % sorted(str(d) for d in dtypes))
     dtype = str(next(iter(dtypes)))
     wire = _teo.run(cfg, params, batch, bool(train), int(dropout_seed), precision, bool(backward),
-                    backend, threads, dtype, None if masks is None else dict(masks))
+                    backend, threads, dtype, masks)
     return arrays_of(wire)
+

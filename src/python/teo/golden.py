@@ -4,22 +4,24 @@ import json
 import os
 
 from . import _teo
-from ._wire import arrays_of, wire_of
+from ._wire import arrays_of, bits_of, check_keywords, json_value, wire_of
 
 
 class Golden:
     """A loaded golden file or op case.
 
-    tensors: name -> ndarray (BF16 as ml_dtypes.bfloat16, F16 as numpy.float16);
-    metadata: the __metadata__ strings; config and case (model cases) or op and spec (op
-    cases) parsed from it; path: where it was read from (None when made in memory).
+    tensors: name -> ndarray (BF16 as ml_dtypes.bfloat16, or uint16 bit patterns where ml_dtypes
+    is not installed; F16 as numpy.float16); metadata: the __metadata__ strings; config and case
+    (model cases) or op and spec (op cases) parsed from it; path: where it was read from (None
+    when made in memory). A model golden's params(), batch() and masks() are what teo.run takes.
     """
 
-    def __init__(self, metadata, tensors, path=None):
+    def __init__(self, metadata, tensors, path=None, bits=None):
         self.metadata = dict(metadata)
         self.tensors = tensors
         self.path = path
         self._wire = None
+        self._bits = dict(bits or {})  # name -> "BF16" for tensors held as uint16 bit patterns
         fmt = self.metadata.get("format")
         self.format = fmt
         self.config = self.case = self.op = self.spec = None
@@ -32,13 +34,40 @@ class Golden:
 
     def wire(self):
         if self._wire is None:
-            self._wire = wire_of(self.tensors)
+            bits = {n: b for n, b in self._bits.items()
+                    if n in self.tensors and self.tensors[n].dtype == "uint16"}
+            self._wire = wire_of(self.tensors, bits)
         return self._wire
 
     def inputs(self):
         """The tensors a backend reads: input.*, param.*, grad.output.* and dropout.* masks."""
         return {n: t for n, t in self.tensors.items()
                 if n.startswith(("input.", "param.", "grad.output.", "dropout."))}
+
+    def _model_case(self, what):
+        from . import ConfigError
+        if self.format != _teo.kFormat:
+            kind = ("an op case (op %s)" % self.op if self.op
+                    else "not a golden (no \"format\": \"%s\" metadata)" % _teo.kFormat)
+            raise ConfigError("Golden.%s() is for a model golden; %s is %s: use .tensors or "
+                              ".inputs()" % (what, self.path or "this file", kind))
+
+    def params(self):
+        """The parameters as teo.run takes them: {"embedding.weight": ..., ...} (the param.*
+        tensors without the prefix). A model golden's only: ConfigError otherwise."""
+        self._model_case("params")
+        return {n[len("param."):]: t for n, t in self.tensors.items() if n.startswith("param.")}
+
+    def batch(self):
+        """The batch as teo.run takes it: {"tokens", "lengths", "labels"} (input.*)."""
+        self._model_case("batch")
+        return {k: self.tensors["input." + k] for k in ("tokens", "lengths", "labels")}
+
+    def masks(self):
+        """The dropout masks as teo.run(masks=) takes them (with train=True):
+        {"dropout.input": ..., "dropout.layers.0.attn": ...}; {} without dropout."""
+        self._model_case("masks")
+        return {n: t for n, t in self.tensors.items() if n.startswith("dropout.")}
 
     def __repr__(self):
         what = ("op %s" % self.op) if self.op else "model case"
@@ -54,21 +83,48 @@ def load(path):
 
 def _load(path, validate):
     metadata, wire = _teo.read(os.fspath(path), validate)
-    return Golden(metadata, arrays_of(wire), os.fspath(path))
+    return Golden(metadata, arrays_of(wire), os.fspath(path), bits_of(wire))
 
 
 def save(path, tensors, metadata=None, *, force=False, bits=None):
-    """Writes name -> array as safetensors, atomically (a temporary file renamed into place).
-    An existing file is a FileError unless force. bits: see teo.golden.check."""
+    """Writes name -> array as safetensors, atomically (a temporary file renamed into place),
+    creating the folders it goes in. An existing file is a FileError unless force. Arrays are
+    numpy arrays (ml_dtypes.bfloat16 included) or torch tensors of any dtype teo reads
+    (bfloat16 as BF16, float16 as F16; requires_grad is fine). bits: see teo.golden.check."""
+    from . import FileError
+    path = os.fspath(path)
     meta = [(str(k), str(v)) for k, v in (metadata or {}).items()]
-    _teo.write(os.fspath(path), meta, wire_of(tensors, bits), bool(force))
+    wire = wire_of(tensors, bits)
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        raise FileError("cannot create the folder %s for %s: %s"
+                        % (folder, path, e.strerror or e)) from None
+    _teo.write(path, meta, wire, bool(force))
 
 
-def op_case(op, **spec):
+def op_case(op, *, backend=None, threads=None, **spec):
     """Generates an op case in memory, as `teo golden op` writes it (spec: the keys of
-    docs/golden-format.md, with dtype and seed)."""
-    metadata, wire = _teo.make_op(op, spec)
-    return Golden(metadata, arrays_of(wire))
+    docs/golden-format.md, with dtype and seed; numpy and torch values are fine). It runs on
+    backend ("reference", "simd", "blas"): by default the TEO_BACKEND environment variable's,
+    as for `teo golden op`, else the process's (reference); threads sets the thread count for
+    the call. An unknown op is a ConfigError listing the ops; a key the op does not take a
+    TypeError naming the closest one."""
+    from . import ConfigError
+    keys = [k for k in _teo.op_keys(op) if k != "op"]
+    check_keywords("teo.golden.op_case", spec, keys)
+    source = "backend"
+    if backend is None and os.environ.get("TEO_BACKEND"):
+        backend, source = os.environ["TEO_BACKEND"], "TEO_BACKEND"
+    try:
+        metadata, wire = _teo.make_op(op, json_value(spec), backend,
+                                      None if threads is None else int(threads))
+    except ConfigError as e:
+        if source != "backend" and str(e).startswith("backend must be"):
+            raise ConfigError(source + str(e)[len("backend"):]) from None
+        raise
+    return Golden(metadata, arrays_of(wire), bits=bits_of(wire))
 
 
 class TensorReport:
@@ -83,6 +139,7 @@ class TensorReport:
         self.bound = d.get("bound")
         self.ratio = d.get("ratio")
         self.message = d.get("message", "")
+        self.mismatch = d.get("mismatch")  # what differs when no values were compared
 
     def __repr__(self):
         return "<%s %s ratio=%s>" % (self.name, self.status, self.ratio)
@@ -101,6 +158,9 @@ class Report:
         self.precision = case["precision"]
         self.tensors = [TensorReport(t) for t in case["tensors"]]
         self.optional_missing = case.get("optional_missing", [])
+        # candidate names the golden does not hold: failures, or accepted with allow_extra
+        self.unknown = [t.name for t in self.tensors if t.mismatch == "not in the golden"]
+        self.extra = case.get("extra", [])
         self.counts = {k: case[k] for k in ("passed", "failed", "not_checked", "vacuous")}
 
     @property
@@ -116,15 +176,26 @@ class Report:
     def __bool__(self):
         return self.passed
 
+    def __repr__(self):
+        c = self.counts
+        vacuous = ", %d vacuous" % c["vacuous"] if c.get("vacuous") else ""
+        return ("<teo.golden.Report %s %d passed, %d failed, %d not checked%s, "
+                "first divergence: %s>" % ("PASS" if self.passed else "FAIL", c["passed"],
+                                           c["failed"], c["not_checked"], vacuous,
+                                           self.first_divergence))
 
-def check(golden, candidate, *, precision=None, only=None, require_all=False, bits=None,
-          rtol=None, atol=None, k=None, floor_eps=None, budget_k=None, budget_floor=None):
+
+def check(golden, candidate, *, precision=None, only=None, require_all=False, allow_extra=False,
+          hide_unchecked=False, bits=None, rtol=None, atol=None, k=None, floor_eps=None,
+          budget_k=None, budget_floor=None):
     """Judges candidate against golden by `teo golden check`'s rules and returns a Report.
 
     golden: a path or a loaded Golden. candidate: a path, a Golden, or a dict name -> array
     (numpy, ml_dtypes.bfloat16, float16, or torch tensors; uint16 bit patterns with
     bits={name: "BF16" or "F16"}). precision: what the candidate computed in (fp64, fp32,
     tf32, bf16, fp16; default implied by its dtypes). only: "forward" or "backward".
+    A candidate tensor the golden does not name fails (a misspelling), unless allow_extra;
+    hide_unchecked leaves the rows of tensors not in the candidate out of str(report).
     """
     g = golden if isinstance(golden, Golden) else load(golden)
     if isinstance(candidate, (str, os.PathLike)):
@@ -143,5 +214,5 @@ def check(golden, candidate, *, precision=None, only=None, require_all=False, bi
     g_path = g.path or ("<%s op case>" % g.op if g.op else "<golden>")
     text, json_text, code, reason = _teo.check(
         list(g.metadata.items()), g.wire(), c_wire, os.path.basename(g_path), g_path, c_name,
-        precision, only or "all", bool(require_all), tol)
+        precision, only or "all", bool(require_all), bool(allow_extra), bool(hide_unchecked), tol)
     return Report(text, json_text, code, reason)

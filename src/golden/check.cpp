@@ -572,6 +572,7 @@ std::vector<CaseReport> check_paths(const std::string& golden, const std::string
     reports.push_back(std::move(rep));
   }
   std::vector<std::string> names;
+  names.reserve(pairs.size());
   for (const auto& pair : pairs) names.push_back(pair.name);
   for (const auto& n : orphans) {
     CaseReport rep;

@@ -335,3 +335,46 @@ def test_bf16_without_ml_dtypes_loads_as_bits_with_one_warning(tmp_path, no_ml_d
     # read back as bit patterns, it is written back as BF16
     teo.golden.save(tmp_path / "again.safetensors", g.tensors, bits={"x": "BF16", "y": "BF16"})
     assert header(tmp_path / "again.safetensors")["x"]["dtype"] == "BF16"
+
+
+# ---- no silent passes ---------------------------------------------------------------------------
+
+def test_a_misspelled_candidate_name_fails_with_the_closest_golden_name():
+    g = case("causal_post_f64")
+    c = {n: a for n, a in g.tensors.items() if n.startswith("act.layers.")}
+    c["act.layer.0.output"] = c.pop("act.layers.0.output") * 2  # a typo, and a wrong value
+    r = teo.golden.check(g, c)
+    assert not r.passed and r.exit_code == 1
+    assert r.unknown == ["act.layer.0.output"]
+    bad = [t for t in r.tensors if t.name == "act.layer.0.output"][0]
+    assert bad.status == "fail" and bad.ratio is None and bad.mismatch == "not in the golden"
+    assert 'did you mean "act.layers.0.output"?' in bad.message
+    assert 'did you mean "act.layers.0.output"?' in str(r)
+    assert r.first_divergence is None
+    ok = teo.golden.check(g, c, allow_extra=True)
+    assert ok.passed and ok.extra == ["act.layer.0.output"] and ok.unknown == []
+    assert "accepted by --allow-extra: act.layer.0.output" in str(ok)
+
+
+def test_hide_unchecked_leaves_only_the_checked_rows():
+    g = case("causal_post_f64")
+    c = {n: g.tensors[n] for n in ("act.layers.0.output", "act.layers.1.output", "act.loss")}
+    rows = [line for line in str(teo.golden.check(g, c, hide_unchecked=True)).splitlines()
+            if line.startswith("  act.") or line.startswith("  grad.")]
+    assert len(rows) == 3, rows
+    assert "69 rows of tensors not checked hidden" in str(teo.golden.check(g, c,
+                                                                           hide_unchecked=True))
+
+
+def test_a_shape_or_dtype_mismatch_has_no_ratio_and_says_what_differs():
+    g = case("causal_post_f64")
+    probs = g.tensors["act.layers.0.probs"]
+    r = teo.golden.check(g, {"act.layers.0.probs": probs[..., :-1],
+                             "act.layers.0.output": g.tensors["act.layers.0.output"].astype(
+                                 np.float32)})
+    by = {t.name: t for t in r.tensors}
+    assert by["act.layers.0.probs"].ratio is None
+    assert by["act.layers.0.probs"].mismatch.startswith("shape mismatch: candidate [")
+    assert by["act.layers.0.output"].ratio is None
+    assert "--precision fp32" in by["act.layers.0.output"].message
+    assert 'precision="fp32"' in by["act.layers.0.output"].message

@@ -76,11 +76,27 @@ def transformer_encoder(cfg, params):
                   if cfg.norm_first else None)
     encoder = nn.TransformerEncoder(layer, cfg.num_layers, norm=final_norm,
                                     enable_nested_tensor=False)
+    for layer in encoder.layers:
+        explicit_attention_weights(layer.self_attn)
     theirs = dict(encoder.named_parameters())
     with torch.no_grad():
         for ours, (name, rows) in torch_names(cfg).items():
             theirs[name][rows].copy_(torch.from_numpy(params[ours]))
     return encoder.train()  # train mode: dropout runs (replayed below)
+
+
+def explicit_attention_weights(attn):
+    """Makes the layer's nn.MultiheadAttention compute its probabilities explicitly, so that
+    their dropout goes through F.dropout (replayed below). The layer asks for need_weights=False,
+    which in PyTorch 2 runs a fused scaled_dot_product_attention that draws its own mask."""
+    forward = attn.forward
+
+    def with_weights(*args, **kwargs):
+        kwargs["need_weights"] = True
+        kwargs["average_attn_weights"] = False
+        return forward(*args, **kwargs)
+
+    attn.forward = with_weights
 
 
 def sinusoidal(S, D):

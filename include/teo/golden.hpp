@@ -184,6 +184,8 @@ struct TensorResult {
   bool compared = false;
   // When not compared: what differs, for the report's numeric columns ("shape [2, 4] vs [2, 3]").
   std::string mismatch;
+  // A candidate name not in the golden: the closest golden name, or "".
+  std::string suggestion;
 };
 
 struct CaseReport {
@@ -209,6 +211,8 @@ struct CaseReport {
   // the closest golden's name, or ""). It fails the check unless allow_extra accepted it.
   bool no_golden = false;
   bool accepted = false;
+  // Directory mode: a golden with no candidate file of its name (every tensor not checked).
+  bool no_candidate = false;
   std::string suggestion;
 };
 

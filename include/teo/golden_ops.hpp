@@ -80,6 +80,14 @@ struct ContractTensor {
 };
 std::vector<ContractTensor> op_contract(const OpCase& c);
 
+// Every key an op's spec may hold (op, dtype, seed, precision, the op's config keys and every key
+// its normalised specs spell out), sorted; ConfigError listing the ops for an unknown op.
+std::vector<std::string> op_spec_keys(const std::string& op);
+
+// Every optional output an op may write under some spec (attention's scores, probs, lse, q_rot
+// and k_rot), whether or not a given case holds it.
+std::vector<std::string> op_optional_outputs(const std::string& op);
+
 // One entry of golden/ops/cases.json: {"cases": [{"name", "description", "op", <spec keys>}]}.
 struct OpCorpusEntry {
   std::string name;

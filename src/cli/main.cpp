@@ -44,14 +44,14 @@ std::string unknown_name(CLI::App& app, int argc, char** argv) {
       if (!opt) {
         for (const CLI::App* up = cur->get_parent(); up; up = up->get_parent()) {
           if (up->get_option_no_throw(name)) {
-            return name + " is a flag of `" + up->get_name() + "`, not of `" + path +
-                   "`: give it before the subcommand";
+            return name + " is a flag of `" + (up->get_parent() ? up->get_name() : "teo") +
+                   "`, not of `" + path + "`: give it before the subcommand";
           }
         }
         return "unknown flag " + name + " for `" + path + "`" +
                teo::did_you_mean(name, option_names(*cur)) + " (see `" + path + " --help`)";
       }
-      if (a.find('=') == std::string::npos && opt->get_type_size_max() > 0) ++i;  // its value
+      if (a.find('=') == std::string::npos && opt->get_items_expected_max() > 0) ++i;  // value
       continue;
     }
     const auto subs = cur->get_subcommands([](CLI::App*) { return true; });

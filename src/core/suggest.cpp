@@ -55,16 +55,27 @@ bool same_words(std::string_view a, std::string_view b) {
   return true;
 }
 
+// The part of a name a typo is measured against: without leading dashes (a flag) and without a
+// ".safetensors" extension (a file).
+std::string_view stem(std::string_view s) {
+  while (!s.empty() && s.front() == '-') s.remove_prefix(1);
+  constexpr std::string_view ext = ".safetensors";
+  if (s.size() > ext.size() && s.substr(s.size() - ext.size()) == ext) s.remove_suffix(ext.size());
+  return s;
+}
+
 }  // namespace
 
 std::string closest_match(std::string_view word, const std::vector<std::string>& candidates) {
-  const std::size_t limit = std::max<std::size_t>(2, word.size() / 3);
+  // At most one edit in three of the word's stem, and fewer edits than the shorter stem has
+  // characters ("-v" is not a typo of "-h", nor "p" of "op").
+  const std::size_t limit = std::max<std::size_t>(1, stem(word).size() / 3);
   const std::string* best = nullptr;
   std::size_t best_d = limit + 1;
   for (const auto& c : candidates) {
     if (c == word) continue;
     const std::size_t d = edit_distance(word, c);
-    if (d < best_d) {
+    if (d < best_d && d < std::min(stem(word).size(), stem(c).size())) {
       best_d = d;
       best = &c;
     }

@@ -293,15 +293,19 @@ auto with_path(const std::string& path, Fn&& fn) -> decltype(fn()) {
 // name, unless opts.allow_extra.
 void judge_names(const File& golden, const File& candidate, const CheckOptions& opts, bool op,
                  CaseReport& rep) {
-  std::set<std::string> contract;
+  std::set<std::string> contract, optional;
   std::vector<std::string> names;
   for (const auto& t : candidate.tensors) {
     if (golden.find(t.name)) continue;
     if (names.empty()) {
       for (const auto& g : golden.tensors) names.push_back(g.name);
       if (golden.meta("kept")) contract = detail::contract_names(golden);
+      // an optional output this case's spec turned off (probs: false, no RoPE) is the op's
+      if (op) {
+        for (auto& n : op_optional_outputs(op_case_of(golden).op)) optional.insert(std::move(n));
+      }
     }
-    if (contract.contains(t.name)) {
+    if (contract.contains(t.name) || optional.contains(t.name)) {
       if (wanted(t.name, opts.only, op)) rep.not_in_golden.push_back(t.name);
       continue;
     }
@@ -313,8 +317,11 @@ void judge_names(const File& golden, const File& candidate, const CheckOptions& 
     r.name = t.name;
     r.status = Status::fail;
     r.mismatch = "not in the golden";
-    r.message = "not in the golden" + did_you_mean(t.name, names) +
-                ". A misspelled name passes nothing: --allow-extra accepts extra tensors";
+    r.suggestion = closest_match(t.name, names);
+    r.message = (r.suggestion.empty() ? std::string("no golden tensor is close")
+                                      : "did you mean \"" + r.suggestion + "\"?") +
+                " A misspelled name passes nothing: --allow-extra (allow_extra=True in Python) "
+                "accepts extra tensors";
     rep.tensors.push_back(std::move(r));
     ++rep.failed;
     ++rep.unknown;
@@ -436,9 +443,7 @@ Verdict verdict(const std::vector<CaseReport>& reports, bool require_all) {
     passed += r.passed;
     not_checked += r.not_checked;
     vacuous += r.vacuous;
-    const bool had_file =
-        r.tensors.empty() || r.tensors.front().message != "no candidate file" || r.passed > 0;
-    if (had_file && ++examined_count <= 3)
+    if (!r.no_candidate && ++examined_count <= 3)
       examined += (examined.empty() ? "" : ", ") + r.candidate_path;
   }
   if (failed > 0) return {1, ""};  // the report names them
@@ -483,7 +488,8 @@ std::vector<std::string> candidates_without_golden(const std::string& golden,
   const std::set<std::string> known(names.begin(), names.end());
   std::vector<std::string> out;
   std::error_code ec;
-  for (auto it = fs::recursive_directory_iterator(candidate, ec);
+  for (auto it = fs::recursive_directory_iterator(
+           candidate, fs::directory_options::skip_permission_denied, ec);
        !ec && it != fs::recursive_directory_iterator(); it.increment(ec)) {
     std::error_code same_ec;
     if (it->is_directory() && fs::equivalent(it->path(), golden, same_ec)) {
@@ -562,6 +568,7 @@ std::vector<CaseReport> check_paths(const std::string& golden, const std::string
     CaseReport rep;
     if (!fs::exists(cp, ec)) {
       rep = with_path(gp, [&] { return not_checked_report(g, opts, "no candidate file"); });
+      rep.no_candidate = true;
     } else {
       const File c = safetensors::map(cp, limits);
       rep = with_path(gp, [&] { return check(g, c, opts); });

@@ -131,18 +131,41 @@ EncoderConfig Reader::config(const std::vector<const char*>& keys, const json& b
   }
 }
 
+std::string Reader::choice(const char* key, const std::vector<std::string>& options,
+                           const std::string& def) {
+  used_.insert(key);
+  if (!j_.contains(key)) return def;
+  const json& v = j_.at(key);
+  std::string all;
+  for (const auto& o : options) all += (all.empty() ? "\"" : ", \"") + o + "\"";
+  if (v.is_string()) {
+    for (const auto& o : options)
+      if (v.get<std::string>() == o) return o;
+    throw ConfigError(std::string("spec.") + key + " must be one of " + all + ", got " + v.dump() +
+                      did_you_mean(v.get<std::string>(), options));
+  }
+  throw ConfigError(std::string("spec.") + key + " must be one of " + all + ", got " + v.dump());
+}
+
 void Reader::missing(const char* key) const {
-  // a key of the spec the op has not read yet may be the one misspelled
+  // a key of the spec the op does not know may be the one misspelled
+  std::set<std::string> known;
+  if (def_) {
+    for (auto& k : op_spec_keys(def_->name)) known.insert(std::move(k));
+  }
   std::vector<std::string> unread;
   for (const auto& [k, v] : j_.items())
-    if (!used_.contains(k)) unread.push_back(k);
+    if (!used_.contains(k) && !known.contains(k)) unread.push_back(k);
   const std::string near = closest_match(key, unread);
   throw ConfigError(std::string("the spec needs \"") + key + "\"" +
                     (near.empty() ? "" : " (it has \"" + near + "\": is that it?)"));
 }
 
 void Reader::finish() const {
-  const std::vector<std::string> known(used_.begin(), used_.end());
+  // the keys the op read, less those the spec already holds: what a stray key may misspell
+  std::vector<std::string> known;
+  for (const auto& k : used_)
+    if (!j_.contains(k)) known.push_back(k);
   for (const auto& [key, v] : j_.items()) {
     if (!used_.contains(key)) {
       throw ConfigError("the spec has the unknown key \"" + key + "\"" + did_you_mean(key, known));
@@ -182,7 +205,7 @@ void attention_positions(Spec& s, const char* op) {
   c.rotary_dim = r;
   const auto t = c.rope_scaling.type;
   if ((t == RopeScalingType::ntk || t == RopeScalingType::yarn) && !c.rope_scaling.original_max_len)
-    c.rope_scaling.original_max_len = s.seq;
+    c.rope_scaling.original_max_len = std::max(s.seq, s.kv_seq);
 }
 
 namespace {
@@ -190,9 +213,10 @@ namespace {
 Spec parse_spec(const OpDef& def, Reader& r) {
   Spec s;
   s.def = &def;
+  r.for_op(&def);
   s.cfg = r.config(def.config_keys, def.base_config);
   def.parse(s, r);
-  if (def.lengths_key) {
+  if (def.lengths_key && !s.own_lengths) {
     // visible entries per row, else lengths per sequence
     const bool rows = def.lengths_per_row;
     s.lengths = r.prefix_lengths(def.lengths_key, rows ? s.rows : s.batch, rows ? s.cols : s.seq,
@@ -206,6 +230,11 @@ void fill_defaults(Spec& s) {
     s.lengths.assign(static_cast<std::size_t>(s.full_lengths->first), s.full_lengths->second);
     s.full_lengths.reset();
   }
+  if (s.full_kv_lengths) {
+    s.kv_lengths.assign(static_cast<std::size_t>(s.full_kv_lengths->first),
+                        s.full_kv_lengths->second);
+    s.full_kv_lengths.reset();
+  }
 }
 
 // The normalised spec: every key of the op spelled out, as the metadata records it: the sizes,
@@ -215,7 +244,7 @@ ojson spec_json(const Spec& s, const OpCase& c) {
   ojson j;
   j["op"] = c.op;
   def.write_sizes(s, j);
-  if (def.lengths_key) j[def.lengths_key] = s.lengths;
+  if (def.lengths_key && !s.own_lengths) j[def.lengths_key] = s.lengths;
   const json cfg = s.cfg.to_json();
   // The variants' keys are spelled out when in use, as the model config writes them; so is the
   // positional of the ops whose default is none.
@@ -316,6 +345,12 @@ void check_range(const std::vector<std::int64_t>& v, std::int64_t hi, const std:
   }
 }
 
+const std::vector<std::int64_t>* spec_lengths(const Spec& s, const std::string& name) {
+  if (name == "input.lengths" || name == "input.q_lengths") return &s.lengths;
+  if (name == "input.kv_lengths") return &s.kv_lengths;
+  return nullptr;
+}
+
 const std::vector<std::int64_t>& lengths_of(const Values& v, const Spec& s) {
   const auto& len = ints_of(v.i64, "input.lengths", s.batch);
   if (len != s.lengths) throw FormatError("the op case's input.lengths are not its spec's lengths");
@@ -371,8 +406,8 @@ Values draw_inputs(const Spec& s, const OpCase& c) {
     const std::int64_t n = numel(t.shape);
     if (t.dtype == DType::I64) {
       std::vector<std::int64_t> x(static_cast<std::size_t>(n));
-      if (t.name == "input.lengths") {
-        x = s.lengths;
+      if (const auto* given = spec_lengths(s, t.name)) {
+        x = *given;
       } else {
         const index_t hi = t.name == "input.tokens" ? s.vocab : s.cols;  // tokens, labels
         for (std::int64_t i = 0; i < n; ++i) {
@@ -611,9 +646,12 @@ void validate_op_file(const File& f, bool inputs_only) {
     expect_in_range(f, "input.tokens", s.vocab, false, "vocab_size");
   if (ints.contains("input.labels"))
     expect_in_range(f, "input.labels", s.cols, false, "num_classes");
-  if (const auto* t = f.find("input.lengths"); t && ints.contains("input.lengths")) {
-    if (t->values<std::int64_t>() != s.lengths)
-      throw FormatError("the op case's input.lengths are not its spec's lengths");
+  for (const char* name : {"input.lengths", "input.q_lengths", "input.kv_lengths"}) {
+    if (const auto* t = f.find(name); t && ints.contains(name)) {
+      if (t->values<std::int64_t>() != *spec_lengths(s, name))
+        throw FormatError(std::string("the op case's ") + name + " are not its spec's " +
+                          std::string(name).substr(6));
+    }
   }
 }
 
@@ -651,6 +689,40 @@ std::map<std::string, std::vector<double>> run_op(const File& file, std::optiona
     collect(run<float>(s, v, c.seed, p));
   }
   return out;
+}
+
+namespace {
+
+// The op's sample specs, normalised (dtype float64, seed 0).
+std::vector<OpCase> samples_of(const std::string& op) {
+  std::vector<OpCase> out;
+  for (const char* sample : op_named(op).samples) {
+    json j = json::parse(sample);
+    j["dtype"] = "float64";
+    j["seed"] = 0;
+    out.push_back(OpCase::from_json(j, op));
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<std::string> op_spec_keys(const std::string& op) {
+  const OpDef& def = op_named(op);
+  std::set<std::string> keys = {"op", "dtype", "seed", "precision"};
+  keys.insert(def.config_keys.begin(), def.config_keys.end());
+  if (def.lengths_key) keys.insert(def.lengths_key);
+  for (const auto& c : samples_of(op))
+    for (const auto& item : c.spec.items()) keys.insert(item.key());
+  return {keys.begin(), keys.end()};
+}
+
+std::vector<std::string> op_optional_outputs(const std::string& op) {
+  std::set<std::string> names;
+  for (const auto& c : samples_of(op))
+    for (const auto& t : op_contract(c))
+      if (t.optional) names.insert(t.name);
+  return {names.begin(), names.end()};
 }
 
 std::vector<ContractTensor> op_contract(const OpCase& c) {

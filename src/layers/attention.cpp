@@ -157,90 +157,129 @@ class Rules {
   std::vector<double> slopes_;
 };
 
-// Keys [lo, hi) are visible from query i; the range is empty (lo == hi) when none is.
-std::pair<index_t, index_t> visible_keys(index_t i, index_t length, bool causal, index_t window) {
-  index_t hi = causal ? std::min(length, i + 1) : length;
+// Keys [lo, hi) of the `length` keys are visible from the query at position p (negative for a
+// bottom-right query before the first key); the range is empty (lo == hi) when none is.
+std::pair<index_t, index_t> visible_keys(index_t p, index_t length, bool causal, index_t window) {
+  index_t hi = causal ? std::min(length, p + 1) : length;
   index_t lo = 0;
   if (window > 0) {
-    lo = std::max<index_t>(0, i - window + 1);
-    // i + window only when it may bind: a window of up to 2^63 - 1 must not overflow
-    if (!causal && window < length) hi = std::min(hi, i + window);
+    lo = std::max<index_t>(0, p - window + 1);
+    // p + window only when it may bind: a window of up to 2^63 - 1 must not overflow
+    if (!causal && window < length) hi = std::min(hi, p + window);
   }
+  lo = std::min(lo, std::max<index_t>(length, 0));
   return {lo, std::max(lo, hi)};
 }
 
-// Scratch for the rows of one task: a sink's extended row (in and out), S + 1 each.
+// One sequence of a call: its keys, and the position of its query 0 (docs/semantics.md).
+struct SeqRule {
+  index_t keys = 0;
+  index_t shift = 0;
+};
+
+// The sizes of a call: query rows, key rows, the q/k and the v head sizes.
+struct Sizes {
+  index_t sq = 0, skv = 0, dh = 0, dv = 0;
+};
+
+template <class Real>
+Sizes sizes_of(const AttentionArgs<Real>& a) {
+  return {a.seq_len, a.kv_len.value_or(a.seq_len), a.d_head,
+          a.d_head_v > 0 ? a.d_head_v : a.d_head};
+}
+
+template <class Real>
+SeqRule seq_rule(const AttentionArgs<Real>& a, index_t b) {
+  const index_t lq = a.lengths[b], lk = a.kv_lengths ? a.kv_lengths[b] : lq;
+  return {lk, a.causal_align == CausalAlign::bottom_right ? lk - lq : 0};
+}
+
+// Scratch for the rows of one task: a sink's extended row (in and out), Skv + 1 each.
 template <class Real>
 struct SinkRow {
   std::vector<Real> in, out;
-  explicit SinkRow(bool used, index_t seq_len)
-      : in(static_cast<std::size_t>(used ? seq_len + 1 : 0)),
-        out(static_cast<std::size_t>(used ? seq_len + 1 : 0)) {}
+  explicit SinkRow(bool used, index_t skv)
+      : in(static_cast<std::size_t>(used ? skv + 1 : 0)),
+        out(static_cast<std::size_t>(used ? skv + 1 : 0)) {}
 };
 
-// Query rows [i0, i1) of one head: scores (rows, S) = the final logits (alpha q k^T, capped,
-// biased, masked keys -inf) and probs (rows, S) their softmax (with the sink), each rounded where
-// it is stored under bf16 or fp16 emulation; raw (rows, S), when not null, gets alpha q k^T before
-// the cap, and psink (rows), when not null, the sink's share of each row. The materialised and the
-// row-blocked paths both compute every row here, so they agree bit for bit.
+// log(sum_j exp(s_j) + exp(sink)) over the n visible logits s of a row (the sink when the rule has
+// one), from their maximum, in one order; -inf when there is nothing to sum.
 template <class Real>
-void score_rows(Real* sc, Real* pr, Real* raw, Real* psink, const Real* qh, const Real* kh,
-                index_t len, index_t i0, index_t i1, index_t seq_len, index_t d_head,
+Real log_sum_exp(const Real* s, index_t n, const HeadRule<Real>& rule) {
+  Real m = rule.sunk ? rule.sink : -std::numeric_limits<Real>::infinity();
+  for (index_t j = 0; j < n; ++j) m = std::max(m, s[j]);
+  if (m == -std::numeric_limits<Real>::infinity()) return m;
+  Real sum = rule.sunk ? std::exp(rule.sink - m) : Real(0);
+  for (index_t j = 0; j < n; ++j) sum += std::exp(s[j] - m);
+  return m + std::log(sum);
+}
+
+// Query rows [i0, i1) of one head: scores (rows, Skv) = the final logits (alpha q k^T, capped,
+// biased, masked keys -inf) and probs (rows, Skv) their softmax (with the sink), each rounded
+// where it is stored under bf16 or fp16 emulation; raw (rows, Skv), when not null, gets alpha q k^T
+// before the cap, psink (rows), when not null, the sink's share of each row, and lse (rows), when
+// not null, each row's log-sum-exp. The materialised and the row-blocked paths both compute every
+// row here, so they agree bit for bit.
+template <class Real>
+void score_rows(Real* sc, Real* pr, Real* raw, Real* psink, Real* lse, const Real* qh,
+                const Real* kh, SeqRule seq, index_t i0, index_t i1, index_t skv, index_t d_head,
                 const HeadRule<Real>& rule, SinkRow<Real>& ext) {
   const Real neg_inf = -std::numeric_limits<Real>::infinity();
-  // scores (rows, S) = q (rows, Dh) * k^T (Dh, S) * alpha
-  gemm<Real>(Trans::no, Trans::yes, i1 - i0, seq_len, d_head, rule.alpha, qh + i0 * d_head, d_head,
-             kh, d_head, Real(0), sc, seq_len);
-  if (raw) std::copy(sc, sc + (i1 - i0) * seq_len, raw);
+  // scores (rows, Skv) = q (rows, Dh) * k^T (Dh, Skv) * alpha
+  gemm<Real>(Trans::no, Trans::yes, i1 - i0, skv, d_head, rule.alpha, qh + i0 * d_head, d_head, kh,
+             d_head, Real(0), sc, skv);
+  if (raw) std::copy(sc, sc + (i1 - i0) * skv, raw);
   for (index_t i = i0; i < i1; ++i) {
-    Real* srow = sc + (i - i0) * seq_len;
-    Real* prow = pr + (i - i0) * seq_len;
-    const auto [lo, hi] = visible_keys(i, len, rule.causal, rule.window);
+    Real* srow = sc + (i - i0) * skv;
+    Real* prow = pr + (i - i0) * skv;
+    const index_t p = i + seq.shift;  // the query's position among the keys
+    const auto [lo, hi] = visible_keys(p, seq.keys, rule.causal, rule.window);
     const index_t n = hi - lo;
     for (index_t j = lo; j < hi; ++j) {
       if (rule.capped) srow[j] = rule.cap * std::tanh(srow[j] / rule.cap);
       if (rule.biased) {
-        const index_t dist = rule.causal ? i - j : (i > j ? i - j : j - i);
+        const index_t dist = rule.causal ? p - j : (p > j ? p - j : j - p);
         srow[j] += static_cast<Real>(-rule.slope * static_cast<double>(dist));
       }
     }
     for (index_t j = 0; j < lo; ++j) srow[j] = neg_inf;
-    for (index_t j = hi; j < seq_len; ++j) srow[j] = neg_inf;
-    store_rows(srow, seq_len, "scores");
+    for (index_t j = hi; j < skv; ++j) srow[j] = neg_inf;
+    store_rows(srow, skv, "scores");
+    if (lse) lse[i - i0] = log_sum_exp(srow + lo, n, rule);
     if (rule.sunk) {
       // softmax over [visible scores, sink]; the sink's column is dropped
       std::copy(srow + lo, srow + hi, ext.in.begin());
       ext.in[static_cast<std::size_t>(n)] = rule.sink;
       const index_t n1 = n + 1;
       softmax_forward(ext.out.data(), ext.in.data(), &n1, 1, n1);
-      std::fill(prow, prow + seq_len, Real(0));
+      std::fill(prow, prow + skv, Real(0));
       std::copy(ext.out.begin(), ext.out.begin() + n, prow + lo);
       psink[i - i0] = ext.out[static_cast<std::size_t>(n)];
     } else {
       std::fill(prow, prow + lo, Real(0));
-      softmax_forward(prow + lo, srow + lo, &n, 1, seq_len - lo);
+      softmax_forward(prow + lo, srow + lo, &n, 1, skv - lo);
     }
   }
-  store_rows(pr, (i1 - i0) * seq_len, "probs");
+  store_rows(pr, (i1 - i0) * skv, "probs");
 }
 
-// dscores (rows, S) for query rows whose probs (rows, S) are pr, from dcontext rows dc (stride
+// dscores (rows, Skv) for query rows whose probs (rows, Skv) are pr, from dcontext rows dc (stride
 // ldc): dprobs = dcontext v^T (through the dropout when there is one), then the softmax's backward.
 template <class Real>
 void score_grad_rows(Real* dp, Real* ds, const Real* pr, const Real* dc, index_t ldc,
                      const Real* vh, const std::uint8_t* m, Real drop_scale, index_t rows,
-                     index_t seq_len, index_t d_head) {
-  // dpv (rows, S) = dcontext (rows, Dh) * v^T (Dh, S); then through the dropout
-  gemm<Real>(Trans::no, Trans::yes, rows, seq_len, d_head, Real(1), dc, ldc, vh, d_head, Real(0),
-             dp, seq_len);
+                     index_t skv, index_t d_v) {
+  // dpv (rows, Skv) = dcontext (rows, Dv) * v^T (Dv, Skv); then through the dropout
+  gemm<Real>(Trans::no, Trans::yes, rows, skv, d_v, Real(1), dc, ldc, vh, d_v, Real(0), dp, skv);
   if (m) {
-    for (index_t j = 0; j < rows * seq_len; ++j) dp[j] = m[j] ? dp[j] * drop_scale : Real(0);
+    for (index_t j = 0; j < rows * skv; ++j) dp[j] = m[j] ? dp[j] * drop_scale : Real(0);
   }
-  store_rows(dp, rows * seq_len, "probs");
+  store_rows(dp, rows * skv, "probs");
   // in the forward pass this was: probs = softmax(scores)
   // dscores = probs * (dprobs - sum_j probs * dprobs); 0 wherever probs is 0 (masked).
-  softmax_backward(ds, dp, pr, rows, seq_len);
-  store_rows(ds, rows * seq_len, "scores");
+  softmax_backward(ds, dp, pr, rows, skv);
+  store_rows(ds, rows * skv, "scores");
 }
 
 // The variant's part of the backward for `rows` rows: adds the sinks' gradient of these rows to
@@ -250,16 +289,16 @@ void score_grad_rows(Real* dp, Real* ds, const Real* pr, const Real* dc, index_t
 template <class Real>
 const Real* variant_grad_rows(Real* dsr, Real* dsink, const Real* ds, const Real* dp,
                               const Real* pr, const Real* raw, const Real* psink, index_t rows,
-                              index_t seq_len, const HeadRule<Real>& rule) {
+                              index_t cols, const HeadRule<Real>& rule) {
   if (rule.sunk) {
     for (index_t i = 0; i < rows; ++i) {
       Real dot = 0;
-      for (index_t j = 0; j < seq_len; ++j) dot += pr[i * seq_len + j] * dp[i * seq_len + j];
+      for (index_t j = 0; j < cols; ++j) dot += pr[i * cols + j] * dp[i * cols + j];
       *dsink -= psink[i] * dot;
     }
   }
   if (!rule.capped) return ds;
-  for (index_t j = 0; j < rows * seq_len; ++j) {
+  for (index_t j = 0; j < rows * cols; ++j) {
     if (ds[j] == Real(0)) {
       dsr[j] = Real(0);  // masked (raw may be anything there)
       continue;
@@ -267,15 +306,15 @@ const Real* variant_grad_rows(Real* dsr, Real* dsink, const Real* ds, const Real
     const Real t = std::tanh(raw[j] / rule.cap);
     dsr[j] = ds[j] * (Real(1) - t * t);
   }
-  store_rows(dsr, rows * seq_len, "scores");
+  store_rows(dsr, rows * cols, "scores");
   return dsr;
 }
 
 // Query rows per block of the row-blocked path: about 2^20 score entries per buffer.
-index_t rows_per_block(index_t seq_len, index_t block_rows) {
-  if (block_rows > 0) return std::min(block_rows, std::max<index_t>(seq_len, 1));
-  return std::clamp<index_t>((index_t{1} << 20) / std::max<index_t>(seq_len, 1), 1,
-                             std::max<index_t>(seq_len, 1));
+index_t rows_per_block(index_t sq, index_t skv, index_t block_rows) {
+  if (block_rows > 0) return std::min(block_rows, std::max<index_t>(sq, 1));
+  return std::clamp<index_t>((index_t{1} << 20) / std::max<index_t>(skv, 1), 1,
+                             std::max<index_t>(sq, 1));
 }
 
 template <class Real>
@@ -296,10 +335,13 @@ void add_sink_grads(Real* dsinks, const std::vector<Real>& part, index_t batch, 
 // to check: the model and the op cases check them against the sequence.)
 template <class Real>
 void check_args(const AttentionArgs<Real>& a, const char* what, bool rows) {
-  if (a.batch < 0 || a.heads < 0 || a.seq_len < 0 || a.d_head < 0) {
+  if (a.batch < 0 || a.heads < 0 || a.seq_len < 0 || a.d_head < 0 || a.kv_len.value_or(0) < 0 ||
+      a.d_head_v < 0) {
     throw ShapeError(std::string(what) + ": negative size (batch " + std::to_string(a.batch) +
                      ", heads " + std::to_string(a.heads) + ", seq_len " +
-                     std::to_string(a.seq_len) + ", d_head " + std::to_string(a.d_head) + ")");
+                     std::to_string(a.seq_len) + ", kv_len " +
+                     std::to_string(a.kv_len.value_or(a.seq_len)) + ", d_head " +
+                     std::to_string(a.d_head) + ", d_head_v " + std::to_string(a.d_head_v) + ")");
   }
   if (a.batch > 0 && !a.lengths) throw ShapeError(std::string(what) + ": lengths are required");
   if (rows && (a.drop_mask || a.merged_context)) {
@@ -311,7 +353,7 @@ void check_args(const AttentionArgs<Real>& a, const char* what, bool rows) {
 // ShapeError naming the tensors `which` unless `present`, when the call has any element.
 template <class Real>
 void require(bool present, const AttentionArgs<Real>& a, const char* what, const char* which) {
-  if (!present && a.batch > 0 && a.heads > 0 && a.seq_len > 0) {
+  if (!present && a.batch > 0 && a.heads > 0 && (a.seq_len > 0 || a.kv_len.value_or(0) > 0)) {
     throw ShapeError(std::string(what) + " needs " + which);
   }
 }
@@ -335,38 +377,39 @@ void attention_forward(const AttentionArgs<Real>& a, const AttentionForward<Real
   check_args(a, "attention_forward", /*rows=*/false);
   require(t.context && t.scores && t.probs && t.q && t.k && t.v, a, "attention_forward",
           "context, scores, probs, q, k and v");
-  const index_t batch = a.batch, heads = a.heads, seq_len = a.seq_len, d_head = a.d_head;
-  const std::int64_t* lengths = a.lengths;
+  const Sizes z = sizes_of(a);  // (named: a lambda may not capture a structured binding)
+  const index_t sq = z.sq, skv = z.skv, dh = z.dh, d_v = z.dv;
+  const index_t heads = a.heads;
   const std::uint8_t* drop_mask = a.drop_mask;
   const Real drop_scale = a.drop_scale;
   Real *context = t.context, *scores = t.scores, *probs = t.probs;
   const Real *q = t.q, *k = t.k, *v = t.v;
-  const Rules<Real> rules(a.variant, heads, d_head, a.causal, a.scale);
-  const index_t ss = seq_len * seq_len, kv = rules.kv_heads();
+  const Rules<Real> rules(a.variant, heads, dh, a.causal, a.scale);
+  const index_t ss = sq * skv, kv = rules.kv_heads();
   // Each (batch, K/V head) block is one task's: its query heads' scores, probs and context rows
   // are its own.
-  detail::for_blocks(batch * kv, 1, [&](index_t bg0, index_t bg1) {
-    std::vector<Real> dropped = buffer<Real>(drop_mask, ss);        // (S, S)
-    std::vector<Real> psink = buffer<Real>(rules.sunk(), seq_len);  // (S)
-    SinkRow<Real> ext(rules.sunk(), seq_len);
+  detail::for_blocks(a.batch * kv, 1, [&](index_t bg0, index_t bg1) {
+    std::vector<Real> dropped = buffer<Real>(drop_mask, ss);   // (Sq, Skv)
+    std::vector<Real> psink = buffer<Real>(rules.sunk(), sq);  // (Sq)
+    SinkRow<Real> ext(rules.sunk(), skv);
     rules.each_head(bg0, bg1, [&](index_t bg, index_t, index_t h, index_t bh) {
-      const Real* kh = k + bg * seq_len * d_head;  // (S, Dh)
-      const Real* vh = v + bg * seq_len * d_head;  // (S, Dh)
-      const Real* qh = q + bh * seq_len * d_head;  // (S, Dh)
-      Real* sc = scores + bh * ss;                 // (S, S)
-      Real* pr = probs + bh * ss;                  // (S, S)
-      score_rows(sc, pr, static_cast<Real*>(nullptr), psink.data(), qh, kh, lengths[bh / heads], 0,
-                 seq_len, seq_len, d_head, rules(h), ext);
+      const Real* kh = k + bg * skv * dh;   // (Skv, Dh)
+      const Real* vh = v + bg * skv * d_v;  // (Skv, Dv)
+      const Real* qh = q + bh * sq * dh;    // (Sq, Dh)
+      Real* sc = scores + bh * ss;          // (Sq, Skv)
+      Real* pr = probs + bh * ss;           // (Sq, Skv)
+      score_rows(sc, pr, static_cast<Real*>(nullptr), psink.data(),
+                 t.lse ? t.lse + bh * sq : nullptr, qh, kh, seq_rule(a, bh / heads), 0, sq, skv, dh,
+                 rules(h), ext);
       const Real* pv = pr;
       if (drop_mask) {
         const std::uint8_t* m = drop_mask + bh * ss;
         for (index_t j = 0; j < ss; ++j) dropped[j] = m[j] ? pr[j] * drop_scale : Real(0);
         pv = dropped.data();
       }
-      // context (S, Dh) = dropout(probs) (S, S) * v (S, Dh); the strides change no value
-      const auto [ch, ldc] = head_block(context, bh, heads, seq_len, d_head, a.merged_context);
-      gemm<Real>(Trans::no, Trans::no, seq_len, d_head, seq_len, Real(1), pv, seq_len, vh, d_head,
-                 Real(0), ch, ldc);
+      // context (Sq, Dv) = dropout(probs) (Sq, Skv) * v (Skv, Dv); the strides change no value
+      const auto [ch, ldc] = head_block(context, bh, heads, sq, d_v, a.merged_context);
+      gemm<Real>(Trans::no, Trans::no, sq, d_v, skv, Real(1), pv, skv, vh, d_v, Real(0), ch, ldc);
     });
   });
 }
@@ -377,16 +420,17 @@ void attention_backward(const AttentionArgs<Real>& a, const AttentionBackward<Re
   require(
       t.dq && t.dk && t.dv && t.dprobs && t.dscores && t.dcontext && t.q && t.k && t.v && t.probs,
       a, "attention_backward", "dq, dk, dv, dprobs, dscores, dcontext, q, k, v and probs");
-  const index_t batch = a.batch, heads = a.heads, seq_len = a.seq_len, d_head = a.d_head;
-  const std::int64_t* lengths = a.lengths;
+  const Sizes z = sizes_of(a);  // (named: a lambda may not capture a structured binding)
+  const index_t sq = z.sq, skv = z.skv, dh = z.dh, d_v = z.dv;
+  const index_t batch = a.batch, heads = a.heads;
   const std::uint8_t* drop_mask = a.drop_mask;
   const Real drop_scale = a.drop_scale;
   Real *dq = t.dq, *dk = t.dk, *dv = t.dv, *dprobs = t.dprobs, *dscores = t.dscores;
   const Real *dcontext = t.dcontext, *q = t.q, *k = t.k, *v = t.v, *probs = t.probs;
   const AttentionVariant<Real>& variant = a.variant;
-  const Rules<Real> rules(variant, heads, d_head, a.causal, a.scale);
+  const Rules<Real> rules(variant, heads, dh, a.causal, a.scale);
   const Real alpha = rules.alpha();
-  const index_t ss = seq_len * seq_len, kv = rules.kv_heads();
+  const index_t ss = sq * skv, kv = rules.kv_heads();
   if (rules.sunk() && !variant.dsinks) {
     throw ShapeError("attention_backward: sinks need dsinks");
   }
@@ -395,22 +439,21 @@ void attention_backward(const AttentionArgs<Real>& a, const AttentionBackward<Re
   const Real beta = a.qkv_write == GradWrite::overwrite ? Real(0) : Real(1);
   std::vector<Real> sink_part = buffer<Real>(rules.sunk(), batch * heads);  // (B, H)
   detail::for_blocks(batch * kv, 1, [&](index_t bg0, index_t bg1) {
-    std::vector<Real> dropped = buffer<Real>(drop_mask, ss);  // (S, S)
+    std::vector<Real> dropped = buffer<Real>(drop_mask, ss);  // (Sq, Skv)
     // the recomputed scores and probs, with the raw scores and the sinks' shares
     std::vector<Real> sc = buffer<Real>(rules.recompute(), ss), pr2 = sc;
     std::vector<Real> raw = buffer<Real>(rules.capped(), ss), dsr = raw;
-    std::vector<Real> psink = buffer<Real>(rules.sunk(), seq_len);
-    SinkRow<Real> ext(rules.sunk(), seq_len);
+    std::vector<Real> psink = buffer<Real>(rules.sunk(), sq);
+    SinkRow<Real> ext(rules.sunk(), skv);
     rules.each_head(bg0, bg1, [&](index_t bg, index_t hg, index_t h, index_t bh) {
-      const index_t koff = bg * seq_len * d_head;
-      const index_t off = bh * seq_len * d_head;
+      const index_t koff = bg * skv * dh, voff = bg * skv * d_v, off = bh * sq * dh;
       const Real bkv = hg == 0 ? beta : Real(1);
       const HeadRule<Real> rule = rules(h);
-      // this head's dcontext (S, Dh) and its row stride
-      const auto [dc, ldc] = head_block(dcontext, bh, heads, seq_len, d_head, a.merged_context);
-      const Real* pr = probs + bh * ss;  // (S, S)
-      Real* dp = dprobs + bh * ss;       // (S, S)
-      Real* ds = dscores + bh * ss;      // (S, S)
+      // this head's dcontext (Sq, Dv) and its row stride
+      const auto [dc, ldc] = head_block(dcontext, bh, heads, sq, d_v, a.merged_context);
+      const Real* pr = probs + bh * ss;  // (Sq, Skv)
+      Real* dp = dprobs + bh * ss;       // (Sq, Skv)
+      Real* ds = dscores + bh * ss;      // (Sq, Skv)
       const std::uint8_t* m = drop_mask ? drop_mask + bh * ss : nullptr;
       const Real* pv = pr;
       if (m) {
@@ -418,25 +461,26 @@ void attention_backward(const AttentionArgs<Real>& a, const AttentionBackward<Re
         pv = dropped.data();
       }
       // in the forward pass this was: context = pv * v, with pv = dropout(probs)
-      // dv (S, Dh) += pv^T (S, S) * dcontext (S, Dh)
-      gemm<Real>(Trans::yes, Trans::no, seq_len, d_head, seq_len, Real(1), pv, seq_len, dc, ldc,
-                 bkv, dv + koff, d_head);
-      score_grad_rows(dp, ds, pr, dc, ldc, v + koff, m, drop_scale, seq_len, seq_len, d_head);
+      // dv (Skv, Dv) += pv^T (Skv, Sq) * dcontext (Sq, Dv)
+      gemm<Real>(Trans::yes, Trans::no, skv, d_v, sq, Real(1), pv, skv, dc, ldc, bkv, dv + voff,
+                 d_v);
+      score_grad_rows(dp, ds, pr, dc, ldc, v + voff, m, drop_scale, sq, skv, d_v);
       if (rules.recompute()) {
-        score_rows(sc.data(), pr2.data(), rule.capped ? raw.data() : nullptr, psink.data(), q + off,
-                   k + koff, lengths[bh / heads], 0, seq_len, seq_len, d_head, rule, ext);
+        score_rows(sc.data(), pr2.data(), rule.capped ? raw.data() : nullptr, psink.data(),
+                   static_cast<Real*>(nullptr), q + off, k + koff, seq_rule(a, bh / heads), 0, sq,
+                   skv, dh, rule, ext);
       }
       Real dsink = 0;
       const Real* dsq = variant_grad_rows(dsr.data(), &dsink, ds, dp, pr, raw.data(), psink.data(),
-                                          seq_len, seq_len, rule);
+                                          sq, skv, rule);
       if (rule.sunk) sink_part[static_cast<std::size_t>(bh)] = dsink;
       // in the forward pass this was: scores = alpha * q * k^T
-      // dq (S, Dh) += alpha * dscores (S, S) * k (S, Dh)
-      gemm<Real>(Trans::no, Trans::no, seq_len, d_head, seq_len, alpha, dsq, seq_len, k + koff,
-                 d_head, beta, dq + off, d_head);
-      // dk (S, Dh) += alpha * dscores^T (S, S) * q (S, Dh)
-      gemm<Real>(Trans::yes, Trans::no, seq_len, d_head, seq_len, alpha, dsq, seq_len, q + off,
-                 d_head, bkv, dk + koff, d_head);
+      // dq (Sq, Dh) += alpha * dscores (Sq, Skv) * k (Skv, Dh)
+      gemm<Real>(Trans::no, Trans::no, sq, dh, skv, alpha, dsq, skv, k + koff, dh, beta, dq + off,
+                 dh);
+      // dk (Skv, Dh) += alpha * dscores^T (Skv, Sq) * q (Sq, Dh)
+      gemm<Real>(Trans::yes, Trans::no, skv, dh, sq, alpha, dsq, skv, q + off, dh, bkv, dk + koff,
+                 dh);
     });
   });
   if (rules.sunk()) add_sink_grads(variant.dsinks, sink_part, batch, heads);
@@ -446,28 +490,29 @@ template <class Real>
 void attention_forward_rows(const AttentionArgs<Real>& a, const AttentionForward<Real>& t) {
   check_args(a, "attention_forward_rows", /*rows=*/true);
   require(t.context && t.q && t.k && t.v, a, "attention_forward_rows", "context, q, k and v");
-  const index_t batch = a.batch, heads = a.heads, seq_len = a.seq_len, d_head = a.d_head;
-  const std::int64_t* lengths = a.lengths;
+  const Sizes z = sizes_of(a);  // (named: a lambda may not capture a structured binding)
+  const index_t sq = z.sq, skv = z.skv, dh = z.dh, d_v = z.dv;
+  const index_t heads = a.heads;
   Real* context = t.context;
   const Real *q = t.q, *k = t.k, *v = t.v;
-  const Rules<Real> rules(a.variant, heads, d_head, a.causal, a.scale);
-  const index_t rb = rows_per_block(seq_len, a.block_rows), kv = rules.kv_heads();
-  detail::for_blocks(batch * kv, 1, [&](index_t bg0, index_t bg1) {
-    std::vector<Real> sc(static_cast<std::size_t>(rb * seq_len));  // (rows, S)
-    std::vector<Real> pr(static_cast<std::size_t>(rb * seq_len));  // (rows, S)
-    std::vector<Real> psink = buffer<Real>(rules.sunk(), rb);      // (rows)
-    SinkRow<Real> ext(rules.sunk(), seq_len);
+  const Rules<Real> rules(a.variant, heads, dh, a.causal, a.scale);
+  const index_t rb = rows_per_block(sq, skv, a.block_rows), kv = rules.kv_heads();
+  detail::for_blocks(a.batch * kv, 1, [&](index_t bg0, index_t bg1) {
+    std::vector<Real> sc(static_cast<std::size_t>(rb * skv));  // (rows, Skv)
+    std::vector<Real> pr(static_cast<std::size_t>(rb * skv));  // (rows, Skv)
+    std::vector<Real> psink = buffer<Real>(rules.sunk(), rb);  // (rows)
+    SinkRow<Real> ext(rules.sunk(), skv);
     rules.each_head(bg0, bg1, [&](index_t bg, index_t, index_t h, index_t bh) {
-      const index_t koff = bg * seq_len * d_head;
-      const index_t off = bh * seq_len * d_head;
+      const index_t koff = bg * skv * dh, voff = bg * skv * d_v, off = bh * sq * dh;
       const HeadRule<Real> rule = rules(h);
-      for (index_t i0 = 0; i0 < seq_len; i0 += rb) {
-        const index_t i1 = std::min(seq_len, i0 + rb);
-        score_rows(sc.data(), pr.data(), static_cast<Real*>(nullptr), psink.data(), q + off,
-                   k + koff, lengths[bh / heads], i0, i1, seq_len, d_head, rule, ext);
-        // context rows (rows, Dh) = probs (rows, S) * v (S, Dh)
-        gemm<Real>(Trans::no, Trans::no, i1 - i0, d_head, seq_len, Real(1), pr.data(), seq_len,
-                   v + koff, d_head, Real(0), context + off + i0 * d_head, d_head);
+      for (index_t i0 = 0; i0 < sq; i0 += rb) {
+        const index_t i1 = std::min(sq, i0 + rb);
+        score_rows(sc.data(), pr.data(), static_cast<Real*>(nullptr), psink.data(),
+                   t.lse ? t.lse + bh * sq + i0 : nullptr, q + off, k + koff,
+                   seq_rule(a, bh / heads), i0, i1, skv, dh, rule, ext);
+        // context rows (rows, Dv) = probs (rows, Skv) * v (Skv, Dv)
+        gemm<Real>(Trans::no, Trans::no, i1 - i0, d_v, skv, Real(1), pr.data(), skv, v + voff, d_v,
+                   Real(0), context + bh * sq * d_v + i0 * d_v, d_v);
       }
     });
   });
@@ -478,53 +523,54 @@ void attention_backward_rows(const AttentionArgs<Real>& a, const AttentionBackwa
   check_args(a, "attention_backward_rows", /*rows=*/true);
   require(t.dq && t.dk && t.dv && t.dcontext && t.q && t.k && t.v, a, "attention_backward_rows",
           "dq, dk, dv, dcontext, q, k and v");
-  const index_t batch = a.batch, heads = a.heads, seq_len = a.seq_len, d_head = a.d_head;
-  const std::int64_t* lengths = a.lengths;
+  const Sizes z = sizes_of(a);  // (named: a lambda may not capture a structured binding)
+  const index_t sq = z.sq, skv = z.skv, dh = z.dh, d_v = z.dv;
+  const index_t batch = a.batch, heads = a.heads;
   Real *dq = t.dq, *dk = t.dk, *dv = t.dv;
   const Real *dcontext = t.dcontext, *q = t.q, *k = t.k, *v = t.v;
   const AttentionVariant<Real>& variant = a.variant;
-  const Rules<Real> rules(variant, heads, d_head, a.causal, a.scale);
+  const Rules<Real> rules(variant, heads, dh, a.causal, a.scale);
   const Real alpha = rules.alpha();
   const Real beta = a.qkv_write == GradWrite::overwrite ? Real(0) : Real(1);
-  const index_t rb = rows_per_block(seq_len, a.block_rows), kv = rules.kv_heads();
+  const index_t rb = rows_per_block(sq, skv, a.block_rows), kv = rules.kv_heads();
   if (rules.sunk() && !variant.dsinks) {
     throw ShapeError("attention_backward_rows: sinks need dsinks");
   }
   std::vector<Real> sink_part = buffer<Real>(rules.sunk(), batch * heads);  // (B, H)
   detail::for_blocks(batch * kv, 1, [&](index_t bg0, index_t bg1) {
-    std::vector<Real> sc(static_cast<std::size_t>(rb * seq_len));  // (rows, S)
-    std::vector<Real> pr(static_cast<std::size_t>(rb * seq_len));  // (rows, S)
-    std::vector<Real> dp(static_cast<std::size_t>(rb * seq_len));  // (rows, S)
-    std::vector<Real> ds(static_cast<std::size_t>(rb * seq_len));  // (rows, S)
-    std::vector<Real> raw = buffer<Real>(rules.capped(), rb * seq_len), dsr = raw;
+    std::vector<Real> sc(static_cast<std::size_t>(rb * skv));  // (rows, Skv)
+    std::vector<Real> pr(static_cast<std::size_t>(rb * skv));  // (rows, Skv)
+    std::vector<Real> dp(static_cast<std::size_t>(rb * skv));  // (rows, Skv)
+    std::vector<Real> ds(static_cast<std::size_t>(rb * skv));  // (rows, Skv)
+    std::vector<Real> raw = buffer<Real>(rules.capped(), rb * skv), dsr = raw;
     std::vector<Real> psink = buffer<Real>(rules.sunk(), rb);  // (rows)
-    SinkRow<Real> ext(rules.sunk(), seq_len);
+    SinkRow<Real> ext(rules.sunk(), skv);
     rules.each_head(bg0, bg1, [&](index_t bg, index_t hg, index_t h, index_t bh) {
-      const index_t koff = bg * seq_len * d_head;
-      const index_t off = bh * seq_len * d_head;
+      const index_t koff = bg * skv * dh, voff = bg * skv * d_v, off = bh * sq * dh;
       const HeadRule<Real> rule = rules(h);
       Real dsink = 0;
-      for (index_t i0 = 0; i0 < seq_len; i0 += rb) {
-        const index_t i1 = std::min(seq_len, i0 + rb), rows = i1 - i0;
+      for (index_t i0 = 0; i0 < sq; i0 += rb) {
+        const index_t i1 = std::min(sq, i0 + rb), rows = i1 - i0;
         // The first block of the group's first head starts dk and dv from beta; later ones
         // continue the same fused chains, so every element is the materialised product's chain.
         const Real b = hg == 0 && i0 == 0 ? beta : Real(1);
-        const Real* dc = dcontext + off + i0 * d_head;  // (rows, Dh)
-        score_rows(sc.data(), pr.data(), rule.capped ? raw.data() : nullptr, psink.data(), q + off,
-                   k + koff, lengths[bh / heads], i0, i1, seq_len, d_head, rule, ext);
-        // dv (S, Dh) += probs^T (S, rows) * dcontext (rows, Dh)
-        gemm<Real>(Trans::yes, Trans::no, seq_len, d_head, rows, Real(1), pr.data(), seq_len, dc,
-                   d_head, b, dv + koff, d_head);
-        score_grad_rows(dp.data(), ds.data(), pr.data(), dc, d_head, v + koff,
-                        static_cast<const std::uint8_t*>(nullptr), Real(1), rows, seq_len, d_head);
+        const Real* dc = dcontext + bh * sq * d_v + i0 * d_v;  // (rows, Dv)
+        score_rows(sc.data(), pr.data(), rule.capped ? raw.data() : nullptr, psink.data(),
+                   static_cast<Real*>(nullptr), q + off, k + koff, seq_rule(a, bh / heads), i0, i1,
+                   skv, dh, rule, ext);
+        // dv (Skv, Dv) += probs^T (Skv, rows) * dcontext (rows, Dv)
+        gemm<Real>(Trans::yes, Trans::no, skv, d_v, rows, Real(1), pr.data(), skv, dc, d_v, b,
+                   dv + voff, d_v);
+        score_grad_rows(dp.data(), ds.data(), pr.data(), dc, d_v, v + voff,
+                        static_cast<const std::uint8_t*>(nullptr), Real(1), rows, skv, d_v);
         const Real* dsq = variant_grad_rows(dsr.data(), &dsink, ds.data(), dp.data(), pr.data(),
-                                            raw.data(), psink.data(), rows, seq_len, rule);
-        // dq rows (rows, Dh) += alpha * dscores (rows, S) * k (S, Dh)
-        gemm<Real>(Trans::no, Trans::no, rows, d_head, seq_len, alpha, dsq, seq_len, k + koff,
-                   d_head, beta, dq + off + i0 * d_head, d_head);
-        // dk (S, Dh) += alpha * dscores^T (S, rows) * q (rows, Dh)
-        gemm<Real>(Trans::yes, Trans::no, seq_len, d_head, rows, alpha, dsq, seq_len,
-                   q + off + i0 * d_head, d_head, b, dk + koff, d_head);
+                                            raw.data(), psink.data(), rows, skv, rule);
+        // dq rows (rows, Dh) += alpha * dscores (rows, Skv) * k (Skv, Dh)
+        gemm<Real>(Trans::no, Trans::no, rows, dh, skv, alpha, dsq, skv, k + koff, dh, beta,
+                   dq + off + i0 * dh, dh);
+        // dk (Skv, Dh) += alpha * dscores^T (Skv, rows) * q (rows, Dh)
+        gemm<Real>(Trans::yes, Trans::no, skv, dh, rows, alpha, dsq, skv, q + off + i0 * dh, dh, b,
+                   dk + koff, dh);
       }
       if (rule.sunk) sink_part[static_cast<std::size_t>(bh)] = dsink;
     });

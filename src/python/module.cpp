@@ -12,7 +12,6 @@
 
 #include <nlohmann/json.hpp>
 
-#include "golden/ops/op.hpp"  // the op registry, for op_keys
 #include "teo/backend.hpp"
 #include "teo/errors.hpp"
 #include "teo/files.hpp"
@@ -342,20 +341,7 @@ PYBIND11_MODULE(_teo, m) {
   // The keys an op's spec takes, from the registry: op, dtype, seed and precision, the op's config
   // keys and lengths, and every key its samples' normalised specs spell out. An unknown op is a
   // ConfigError listing the ops.
-  m.def("op_keys", [](const std::string& op) {
-    const auto& def = teo::golden::ops::op_named(op);
-    std::set<std::string> keys = {"op", "dtype", "seed", "precision"};
-    keys.insert(def.config_keys.begin(), def.config_keys.end());
-    if (def.lengths_key) keys.insert(def.lengths_key);
-    for (const char* sample : def.samples) {
-      json j = json::parse(sample);
-      j["dtype"] = "float64";
-      j["seed"] = 0;
-      const auto c = teo::golden::OpCase::from_json(j, op);
-      for (const auto& item : c.spec.items()) keys.insert(item.key());
-    }
-    return std::vector<std::string>(keys.begin(), keys.end());
-  });
+  m.def("op_keys", [](const std::string& op) { return teo::golden::op_spec_keys(op); });
 
   m.def(
       "read",

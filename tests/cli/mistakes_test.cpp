@@ -69,6 +69,13 @@ TEST(Suggest, FindsTheMisspelledNameAndNothingFarAway) {
   EXPECT_EQ(teo::closest_match("act.logits", names), "") << "never the word itself";
   EXPECT_EQ(teo::did_you_mean("goldn", {"golden", "train"}), "; did you mean \"golden\"?");
   EXPECT_EQ(teo::did_you_mean("xyzzy", {"golden", "train"}), "");
+  // nothing is a typo of a word as short as the edits it takes
+  EXPECT_EQ(teo::closest_match("-v", {"-h", "--help"}), "");
+  EXPECT_EQ(teo::closest_match("p", {"op", "dropout", "seed"}), "");
+  EXPECT_EQ(teo::closest_match("layer.safetensors", {"model.safetensors"}), "");
+  EXPECT_EQ(teo::closest_match("one_layr_f64.safetensors", {"one_layer_f64.safetensors"}),
+            "one_layer_f64.safetensors");
+  EXPECT_EQ(teo::closest_match("--candidte", {"--golden", "--candidate"}), "--candidate");
 }
 
 // The typo candidate: act.layers.0.output, doubled, under a misspelled name. It must fail, be
@@ -191,6 +198,33 @@ TEST(Mistakes, DirectoryModeNamesFilesWithoutAPartner) {
   EXPECT_NE(r.out.find("nothing was checked: the candidate " + odd + " holds none"),
             std::string::npos)
       << r.out;
+}
+
+// An optional output the case's spec turned off (scores and probs of a row-blocked case) is the
+// op's own name, not a misspelling: listed as not in the golden, never failed.
+TEST(Mistakes, AnOptionalOutputTheCaseDoesNotHoldIsNotAMisspelling) {
+  const fs::path dir = fresh_dir("teo_mistakes_optional");
+  const std::string g = (kCorpus / "ops" / "attention_rows_f64.safetensors").string();
+  const st::File golden = st::read(g);
+  st::File c;
+  for (const auto& t : golden.tensors)
+    if (t.name == "output.context") c.tensors.push_back(t);
+  st::Tensor scores = c.tensors.front();
+  scores.name = "output.scores";
+  c.tensors.push_back(scores);
+  st::Tensor typo = c.tensors.front();
+  typo.name = "output.contxt";
+  const std::string ok = (dir / "ok.safetensors").string();
+  teo::write_file_atomic(ok, st::serialize(c), true);
+  CliResult r = run_cli("golden check --golden " + g + " --candidate " + ok);
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("not in golden"), std::string::npos) << r.out;
+  c.tensors.push_back(typo);
+  const std::string bad = (dir / "bad.safetensors").string();
+  teo::write_file_atomic(bad, st::serialize(c), true);
+  r = run_cli("golden check --only backward --golden " + g + " --candidate " + bad);
+  EXPECT_EQ(r.code, 1) << "--only does not hide a misspelled name\n" << r.out;
+  EXPECT_NE(r.out.find("did you mean \"output.context\"?"), std::string::npos) << r.out;
 }
 
 struct Mistake {

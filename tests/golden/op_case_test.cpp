@@ -83,6 +83,7 @@ TEST(OpCorpus, CoversEveryOpDtypePrecisionAndEdgeCase) {
   bool len0 = false, len1 = false, s1 = false, dh1 = false, odd_dh = false, one_head = false,
        masked_row = false, c1 = false, c2 = false, rows_path = false, odd_rows = false,
        empty_in_layer = false;
+  bool decode = false, chunk = false, top_left = false, mla = false, head256 = false, gqa8 = false;
   for (const auto& e : op_corpus()) {
     const auto& s = e.spec.spec;
     ops.insert(e.spec.op);
@@ -98,7 +99,15 @@ TEST(OpCorpus, CoversEveryOpDtypePrecisionAndEdgeCase) {
       }
     }
     if (e.spec.op == "attention") {
-      s1 |= s["seq_len"] == 1;
+      s1 |= s.value("seq_len", 0) == 1;
+      // inference attention: decode, chunked prefill, both alignments, MLA, head 256, GQA 8
+      const int sq = s.value("q_len", 0), skv = s.value("kv_len", 0);
+      decode |= sq == 1 && skv > 1;
+      chunk |= sq > 1 && skv > sq;
+      top_left |= s.value("causal_align", "") == "top_left";
+      mla |= s.value("d_head_v", 0) == 128 && s["d_head"] == 192;
+      head256 |= s["d_head"] == 256;
+      gqa8 |= s["num_heads"].get<int>() == 8 * s.value("num_kv_heads", s["num_heads"].get<int>());
       dh1 |= s["d_head"] == 1;
       odd_dh |= s["d_head"].get<int>() % 2 == 1 && s["d_head"].get<int>() > 1;
       one_head |= s["num_heads"] == 1;
@@ -123,6 +132,12 @@ TEST(OpCorpus, CoversEveryOpDtypePrecisionAndEdgeCase) {
                             {"C = 1", c1},
                             {"C = 2", c2},
                             {"the row-blocked attention", rows_path},
+                            {"decode (one query, many keys)", decode},
+                            {"chunked prefill", chunk},
+                            {"top-left alignment", top_left},
+                            {"MLA head sizes (192, 128)", mla},
+                            {"head size 256", head256},
+                            {"GQA ratio 8", gqa8},
                             {"an empty sequence in a layer", empty_in_layer},
                             {"N off every register tile", odd_rows}}) {
     EXPECT_TRUE(seen) << "no op case has " << what;

@@ -79,6 +79,10 @@ MUTANTS = {
                            "the soft-cap applied after the mask (-inf becomes -c)"),
     "sink_column_kept": ("attention_softcap_sinks_f64", "output.probs",
                          "softmax([scores, sink]) sliced [1:]: the sink's share kept"),
+    # inference attention (docs/semantics.md, "Queries and keys of different lengths")
+    "attention_top_left_alignment": ("attention_chunked_prefill_f64", "output.scores",
+                                     "top-left causal alignment where bottom-right is asked"),
+    "lse_base_2": ("attention_decode_f64", "output.lse", "the log-sum-exp in base 2"),
 }
 
 # float64 cases not also run in float32, and why.
@@ -220,34 +224,52 @@ def op_dropout(spec, T, mode):
     return {"output.y": mode.store(torch.where(m, x * scale, torch.zeros_like(x)))}
 
 
-def attention_rope(spec, q, k, mode):
+def attention_rope(spec, q, k, mode, q_pos=None):
     """q and k rotated by RoPE, with Hugging Face's frequencies
-    (torch_backend.rope_inv_freq) for positions offset .. offset + S - 1."""
-    S = q.shape[2]
+    (torch_backend.rope_inv_freq): key j at position offset + j, query i of sequence b at
+    offset + q_pos[b, i] (default i)."""
+    B, _, Sq, _ = q.shape
+    Skv = k.shape[2]
     dim, offset = spec["rotary_dim"], spec.get("position_offset", 0)
-    cfg = dict(tb.CONFIG_DEFAULTS, max_len=S)
+    cfg = dict(tb.CONFIG_DEFAULTS, max_len=max(Sq, Skv))
     cfg.update(spec)
-    inv_freq, factor = tb.rope_inv_freq(cfg, dim, offset + S)
-    pos = torch.arange(offset, offset + S, dtype=torch.float64)
-    if mode.mutant == "rope_bf16_positions":
-        pos = pos.to(torch.bfloat16).to(torch.float64)
-    freqs = pos[:, None] * inv_freq[None, :]
-    cos = (freqs.cos() * factor).to(q.dtype)
-    sin = (freqs.sin() * factor).to(q.dtype)
+    if q_pos is None:
+        q_pos = torch.arange(Sq)[None, :].expand(B, Sq)
+    end = max(Skv, int(q_pos.max()) + 1 if q_pos.numel() else 0)
+    inv_freq, factor = tb.rope_inv_freq(cfg, dim, offset + end)
+
+    def table(pos):
+        pos = (pos + offset).to(torch.float64)
+        if mode.mutant == "rope_bf16_positions":
+            pos = pos.to(torch.bfloat16).to(torch.float64)
+        freqs = pos[..., None] * inv_freq
+        return (freqs.cos() * factor).to(q.dtype), (freqs.sin() * factor).to(q.dtype)
+
     style = spec["rope_style"]
     if mode.mutant == "rope_other_convention":
         style = "interleaved" if style == "neox" else "neox"
-    return (mode.store(tb.rope_rotate(q, cos, sin, style, dim)),
-            mode.store(tb.rope_rotate(k, cos, sin, style, dim)))
+    kc, ks = table(torch.arange(Skv))
+    qc, qs = table(q_pos)                                          # (B, Sq, dim / 2)
+    return (mode.store(tb.rope_rotate(q, qc[:, None], qs[:, None], style, dim)),
+            mode.store(tb.rope_rotate(k, kc, ks, style, dim)))
 
 
 def op_attention(spec, T, mode):
+    """teo's attention (docs/semantics.md): sequence b has q_lengths[b] queries and kv_lengths[b]
+    keys (both lengths[b] with seq_len); query i sits at position i + kv_lengths[b] - q_lengths[b]
+    (bottom-right) or i (top-left)."""
     q, k, v = T["input.q"], T["input.k"], T["input.v"]
-    B, H, S, Dh = q.shape
-    lengths = T["input.lengths"]
-    i = torch.arange(S)[:, None]
-    j = torch.arange(S)[None, :]
-    visible = j < lengths[:, None, None]                           # (B, S, S)
+    B, H, Sq, Dh = q.shape
+    Skv = k.shape[2]
+    q_len = T.get("input.q_lengths", T.get("input.lengths"))
+    kv_len = T.get("input.kv_lengths", q_len)
+    shift = kv_len - q_len
+    if spec.get("causal_align", "bottom_right") == "top_left" or \
+            mode.mutant == "attention_top_left_alignment":
+        shift = torch.zeros_like(shift)
+    i = torch.arange(Sq)[None, :, None] + shift[:, None, None]    # (B, Sq, 1): positions
+    j = torch.arange(Skv)[None, None, :]
+    visible = j < kv_len[:, None, None]                            # (B, Sq, Skv)
     if mode.mutant == "attention_padding_ignored":
         visible = torch.ones_like(visible)
     if spec["causal"]:
@@ -256,10 +278,10 @@ def op_attention(spec, T, mode):
     if window is not None:
         window += 1 if mode.mutant == "window_one_wider" else 0
         visible = visible & ((i - j).abs() < window)
-    visible = visible[:, None, :, :].expand(B, H, S, S)
+    visible = visible[:, None, :, :].expand(B, H, Sq, Skv)
     out = {}
     if spec.get("positional") == "rope":
-        q, k = attention_rope(spec, q, k, mode)
+        q, k = attention_rope(spec, q, k, mode, i[:, :, 0])
         out["output.q_rot"], out["output.k_rot"] = q, k
     # K/V head g serves query heads g*G .. g*G+G-1 (Hugging Face's repeat_kv)
     group = H // k.shape[1]
@@ -275,10 +297,10 @@ def op_attention(spec, T, mode):
         cap = torch.tensor(cap, dtype=torch.float64).to(q.dtype)
     bias = torch.zeros((), dtype=q.dtype)
     if spec.get("positional") == "alibi":
-        d = i - j if spec["causal"] else (i - j).abs()
+        d = (i - j if spec["causal"] else (i - j).abs())[:, None]   # (B, 1, Sq, Skv)
         sign = 1.0 if mode.mutant == "alibi_sign_flipped" else -1.0
         slopes = tb.alibi_slopes(H, spec.get("alibi_max_bias", 8.0))
-        bias = (sign * slopes[:, None, None] * d.to(torch.float64)).to(q.dtype)
+        bias = (sign * slopes[None, :, None, None] * d.to(torch.float64)).to(q.dtype)
     if mode.mutant == "softcap_after_mask" and cap is not None:
         # the cap applied to the masked logits: -inf becomes -c, a visible key
         z = (raw + bias).masked_fill(~visible, float("-inf"))
@@ -288,17 +310,24 @@ def op_attention(spec, T, mode):
         z = (cap * torch.tanh(raw / cap) if cap is not None else raw) + bias
     z = mode.store(z)
     scores = z.masked_fill(~visible, float("-inf"))
+    logits = scores
     if spec.get("attn_sinks"):
         # softmax([scores, sink]) without the sink's column
-        sink = T["param.sinks"].to(z.dtype)[None, :, None, None].expand(B, H, S, 1)
-        both = tb.softmax(torch.cat([scores, sink], dim=-1))
-        probs = mode.store(both[..., 1:] if mode.mutant == "sink_column_kept" else both[..., :S])
+        sink = T["param.sinks"].to(z.dtype)[None, :, None, None].expand(B, H, Sq, 1)
+        logits = torch.cat([scores, sink], dim=-1)
+        both = tb.softmax(logits)
+        probs = mode.store(both[..., 1:] if mode.mutant == "sink_column_kept" else both[..., :Skv])
     else:
         probs = masked_softmax(z, visible, mode)
     out["output.context"] = mode.matmul(probs, v)
     if spec["probs"]:
         out["output.scores"] = scores
         out["output.probs"] = probs
+    if spec.get("lse"):
+        lse = torch.logsumexp(logits, dim=-1)
+        if mode.mutant == "lse_base_2":
+            lse = lse / math.log(2.0)
+        out["output.lse"] = lse
     return out
 
 

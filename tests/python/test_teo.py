@@ -149,9 +149,13 @@ def _op_args(g):
                                                  "grad_y": t["grad.output.y"]}
     variants = {k: s[k] for k in teo.ops.ATTENTION_VARIANT_KEYS if k in s}
     if op == "attention":
-        return ((t["input.q"], t["input.k"], t["input.v"], t["input.lengths"]),
-                dict(variants, causal=s["causal"], scale=s["scale"], probs=s["probs"],
-                     sinks=t.get("param.sinks"), grad_context=t["grad.output.context"]))
+        kw = dict(variants, causal=s["causal"], scale=s["scale"], probs=s["probs"],
+                  sinks=t.get("param.sinks"), grad_context=t["grad.output.context"])
+        if "q_len" in s:  # queries and keys of their own lengths
+            kw.update(kv_lengths=t["input.kv_lengths"], causal_align=s["causal_align"],
+                      lse=s["lse"])
+        lengths = t["input.q_lengths"] if "q_len" in s else t["input.lengths"]
+        return (t["input.q"], t["input.k"], t["input.v"], lengths), kw
     if op == "embedding":
         return ((t["input.tokens"], t["param.weight"], t.get("param.pos_weight")),
                 {"positional": s["positional"], "embed_scale": s["embed_scale"],

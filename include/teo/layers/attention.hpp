@@ -44,16 +44,31 @@ struct AttentionVariant {
 // h < m gets 2^(-max_bias (h + 1) / m) and head m + k gets 2^(-max_bias (2k + 1) / (2m)).
 std::vector<double> alibi_slopes(index_t heads, double max_bias);
 
+// Where a causal mask's diagonal lies when a sequence has fewer queries than keys
+// (docs/semantics.md, "Queries and keys of different lengths"): bottom-right puts the last query on
+// the last key (FlashAttention 2.1 and later, decode and chunked prefill), top-left the first on
+// the first (PyTorch's is_causal). They agree when a sequence has as many queries as keys.
+enum class CausalAlign { bottom_right, top_left };
+
 // What an attention call is: its sizes, mask, scale, variant and options, field by field, so that
-// no two of them can be swapped. Key j is visible from query i of sequence b iff j < lengths[b]
-// and (!causal or j <= i) (and within the variant's window).
+// no two of them can be swapped. Sequence b has Lq = lengths[b] queries and Lk = kv_lengths[b]
+// keys; query i sits at position p = i + (Lk - Lq) (bottom-right) or p = i (top-left). Key j is
+// visible from it iff j < Lk and (!causal or j <= p) (and within the variant's window of p, whose
+// ALiBi distance is p - j). With kv_lengths null, Lk = Lq and p = i: the encoder's attention.
 template <class Real>
 struct AttentionArgs {
   index_t batch = 0;                      // B
   index_t heads = 0;                      // H, query heads (the variant's kv_heads gives Hkv)
-  index_t seq_len = 0;                    // S
-  index_t d_head = 0;                     // Dh
+  index_t seq_len = 0;                    // S, the query rows Sq
+  index_t d_head = 0;                     // Dh, of q and k
   const std::int64_t* lengths = nullptr;  // (B); required
+  // The key rows Skv (unset: seq_len), the keys of each sequence (B) (null: lengths), and the
+  // value head size Dv (0: d_head): k is (B, Hkv, Skv, Dh), v (B, Hkv, Skv, Dv), context
+  // (B, H, Sq, Dv), scores and probs (B, H, Sq, Skv).
+  std::optional<index_t> kv_len{};
+  const std::int64_t* kv_lengths = nullptr;
+  index_t d_head_v = 0;
+  CausalAlign causal_align = CausalAlign::bottom_right;
   bool causal = false;
   // The score scale: 1 / sqrt(Dh) unless given, computed in double and rounded to Real.
   std::optional<double> scale{};
@@ -72,13 +87,18 @@ struct AttentionArgs {
   GradWrite qkv_write = GradWrite::accumulate;
 };
 
-// The tensors of a forward call: outputs, then inputs. q (B, H, S, Dh); k, v (B, Hkv, S, Dh);
-// context (B, H, S, Dh) (or merged, above); scores and probs (B, H, S, S), the materialised path's.
+// The tensors of a forward call: outputs, then inputs. q (B, H, Sq, Dh); k (B, Hkv, Skv, Dh);
+// v (B, Hkv, Skv, Dv); context (B, H, Sq, Dv) (or merged, above); scores and probs
+// (B, H, Sq, Skv), the materialised path's.
 template <class Real>
 struct AttentionForward {
   Real* context = nullptr;
   Real* scores = nullptr;
   Real* probs = nullptr;
+  // (B, H, Sq), optional on either path: each row's log-sum-exp of its final logits (the sink's
+  // included), log of the softmax's denominator, so that probs = exp(scores - lse); -inf for a
+  // row with nothing visible.
+  Real* lse = nullptr;
   const Real* q = nullptr;
   const Real* k = nullptr;
   const Real* v = nullptr;

@@ -1,6 +1,10 @@
 // The attention op (docs/golden-format.md, "Op cases"): scaled dot-product attention over heads
 // with every variant, materialised or row-blocked.
+#include <algorithm>
 #include <cmath>
+#include <optional>
+#include <string>
+#include <vector>
 
 #include "golden/ops/op.hpp"
 #include "model/model_internal.hpp"
@@ -14,71 +18,181 @@ namespace {
 void parse(Spec& s, Reader& r) {
   s.batch = r.size("batch", 0);
   s.heads = r.size("num_heads", 1);
-  s.seq = r.size("seq_len", 1);
+  // seq_len (queries and keys of one length, lengths for both), or q_len and kv_len (q_lengths
+  // and kv_lengths, their own tensors)
+  const bool split = r.has("q_len") || r.has("kv_len");
+  if (split) {
+    if (r.has("seq_len")) {
+      throw ConfigError(
+          "the spec gives seq_len and q_len/kv_len: seq_len sets both, give one or "
+          "the other");
+    }
+    if (r.has("lengths")) {
+      throw ConfigError(
+          "spec.lengths goes with seq_len: with q_len and kv_len, give q_lengths "
+          "and kv_lengths");
+    }
+    s.seq = r.size("q_len", 1);
+    s.kv_seq = r.size("kv_len", 1);
+  } else {
+    for (const char* k : {"q_lengths", "kv_lengths"}) {
+      if (r.has(k)) {
+        throw ConfigError(std::string("spec.") + k +
+                          " goes with q_len and kv_len; with seq_len, give lengths");
+      }
+    }
+    s.seq = r.size("seq_len", 1);
+    s.kv_seq = s.seq;
+  }
   s.d_head = r.size("d_head", 1);
+  s.d_head_v = r.has("d_head_v") ? r.size("d_head_v", 1) : s.d_head;
   s.kv_heads = r.has("num_kv_heads") ? r.size("num_kv_heads", 1) : s.heads;
   if (s.heads % s.kv_heads != 0) {
     throw ConfigError("spec.num_kv_heads must divide num_heads = " + std::to_string(s.heads) +
                       ", got " + std::to_string(s.kv_heads));
   }
   s.scale = r.number("scale");
+  s.top_left = r.choice("causal_align", {"bottom_right", "top_left"}, "bottom_right") == "top_left";
   attention_positions(s, "attention");
+  if (split && s.cfg.positional == Positional::rope &&
+      s.cfg.rope_scaling.type == RopeScalingType::ntk) {
+    throw ConfigError(
+        "spec.rope_scaling \"ntk\" (dynamic) needs seq_len: its base follows the "
+        "sequence's end, which q_len and kv_len leave to the backend");
+  }
   {
     const std::int64_t ss =
         checked_mul(checked_mul(checked_mul(s.batch, s.heads, "attention scores"), s.seq, "scores"),
-                    s.seq, "attention scores");
+                    s.kv_seq, "attention scores");
     s.probs = r.flag("probs", ss <= kProbsDefaultLimit);
   }
+  s.lse = r.flag("lse", split);
+  if (split) {
+    s.own_lengths = true;
+    s.lengths = r.prefix_lengths("q_lengths", s.batch, s.seq, s.full_lengths);
+    s.kv_lengths = r.prefix_lengths("kv_lengths", s.batch, s.kv_seq, s.full_kv_lengths);
+  }
+}
+
+bool split_lengths(const Spec& s) {
+  return s.own_lengths;
 }
 
 void write_sizes(const Spec& s, ojson& j) {
   j["batch"] = s.batch;
   j["num_heads"] = s.heads;
-  j["seq_len"] = s.seq;
+  if (split_lengths(s)) {
+    j["q_len"] = s.seq;
+    j["kv_len"] = s.kv_seq;
+  } else {
+    j["seq_len"] = s.seq;
+  }
   j["d_head"] = s.d_head;
+  if (s.d_head_v != s.d_head) j["d_head_v"] = s.d_head_v;
   if (s.kv_heads != s.heads) j["num_kv_heads"] = s.kv_heads;
+  if (split_lengths(s)) {
+    j["q_lengths"] = s.lengths;
+    j["kv_lengths"] = s.kv_lengths;
+  }
 }
 
 void write_options(const Spec& s, ojson& j) {
   j["scale"] = s.scale ? *s.scale : 1.0 / std::sqrt(static_cast<double>(s.d_head));
   j["probs"] = s.probs;
+  if (split_lengths(s)) j["causal_align"] = s.top_left ? "top_left" : "bottom_right";
+  if (s.lse || split_lengths(s)) j["lse"] = s.lse;
 }
 
 void tensors(const Spec& s, OpTensors& t) {
-  const Dims qkv = {s.batch, s.heads, s.seq, s.d_head};
-  const Dims kv = {s.batch, s.kv_heads, s.seq, s.d_head};
-  t.in.push_back(float_slot("input.q", qkv, Role::input));
-  t.in.push_back(float_slot("input.k", kv, Role::input));
-  t.in.push_back(float_slot("input.v", kv, Role::input));
-  t.fixed.push_back({"input.lengths", DType::I64, {s.batch}, Role::input});
+  const Dims q = {s.batch, s.heads, s.seq, s.d_head};
+  const Dims k = {s.batch, s.kv_heads, s.kv_seq, s.d_head};
+  const Dims v = {s.batch, s.kv_heads, s.kv_seq, s.d_head_v};
+  t.in.push_back(float_slot("input.q", q, Role::input));
+  t.in.push_back(float_slot("input.k", k, Role::input));
+  t.in.push_back(float_slot("input.v", v, Role::input));
+  if (split_lengths(s)) {
+    t.fixed.push_back({"input.q_lengths", DType::I64, {s.batch}, Role::input});
+    t.fixed.push_back({"input.kv_lengths", DType::I64, {s.batch}, Role::input});
+  } else {
+    t.fixed.push_back({"input.lengths", DType::I64, {s.batch}, Role::input});
+  }
   if (s.cfg.attn_sinks) t.in.push_back(float_slot("param.sinks", {s.heads}, Role::param));
   // In pipeline order, so that a wrong score is named before the context it spoils. A fused
   // kernel may keep the rotated q and k to itself.
   if (s.cfg.positional == Positional::rope) {
-    t.out.push_back(float_slot("output.q_rot", qkv, Role::output));
+    t.out.push_back(float_slot("output.q_rot", q, Role::output));
     t.out.back().optional = true;
-    t.out.push_back(float_slot("output.k_rot", kv, Role::output));
+    t.out.push_back(float_slot("output.k_rot", k, Role::output));
     t.out.back().optional = true;
   }
   if (s.probs) {
     for (const char* n : {"output.scores", "output.probs"}) {
-      t.out.push_back(float_slot(n, {s.batch, s.heads, s.seq, s.seq}, Role::output));
+      t.out.push_back(float_slot(n, {s.batch, s.heads, s.seq, s.kv_seq}, Role::output));
       t.out.back().optional = true;
     }
   }
-  t.out.push_back(float_slot("output.context", qkv, Role::output));
+  if (s.lse) {
+    t.out.push_back(float_slot("output.lse", {s.batch, s.heads, s.seq}, Role::output));
+    t.out.back().optional = true;
+  }
+  t.out.push_back(
+      float_slot("output.context", {s.batch, s.heads, s.seq, s.d_head_v}, Role::output));
 }
 
 index_t longest_reduction(const Spec& s) {
-  return std::max(s.seq, s.d_head);
+  return std::max({s.seq, s.kv_seq, s.d_head, s.d_head_v});
 }
 
 double working_bytes(const Spec& s) {
   // the materialised gradients of scores and probs
   if (!s.probs) return 0;
   const auto d = [](index_t x) { return static_cast<double>(x); };
-  return 2 * d(s.batch) * d(s.heads) * d(s.seq) * d(s.seq) * 8;
+  return 2 * d(s.batch) * d(s.heads) * d(s.seq) * d(s.kv_seq) * 8;
 }
+
+// RoPE of the op: q and k rotated at their positions (docs/semantics.md): key j at j, query i of
+// sequence b at i + shift_b (shift_b = kv_lengths[b] - q_lengths[b] bottom-right, else 0), plus
+// the position offset; the table covers every position used.
+template <class Real>
+struct Rotary {
+  Tensor<Real> cos, sin;
+  std::vector<index_t> shift;  // per sequence
+  index_t rd = 0;
+  Rotary(const Spec& s, const std::vector<std::int64_t>& q_len,
+         const std::vector<std::int64_t>& kv_len)
+      : rd(s.cfg.rotary()) {
+    index_t end = s.kv_seq;
+    for (index_t b = 0; b < s.batch; ++b) {
+      const auto i = static_cast<std::size_t>(b);
+      const index_t sh = s.top_left ? 0 : kv_len[i] - q_len[i];
+      if (sh < 0) {
+        throw ConfigError("spec: with RoPE and bottom-right alignment, sequence " +
+                          std::to_string(b) + " has more queries (" + std::to_string(q_len[i]) +
+                          ") than keys (" + std::to_string(kv_len[i]) +
+                          "): its first queries would sit before position 0");
+      }
+      shift.push_back(sh);
+      end = std::max(end, sh + s.seq);
+    }
+    cos = Tensor<Real>({end, rd / 2});
+    sin = Tensor<Real>({end, rd / 2});
+    rope_table(cos.data(), sin.data(), s.cfg, end);
+  }
+  // Rotates (dir > 0) or rotates back (the gradient) q-shaped x into out, sequence by sequence.
+  void queries(Real* out, const Real* x, const Spec& s, bool back) const {
+    const index_t per = s.heads * s.seq * s.d_head;
+    for (index_t b = 0; b < s.batch; ++b) {
+      const index_t at = shift[static_cast<std::size_t>(b)] * (rd / 2);
+      if (back) {
+        rope_backward(out + b * per, x + b * per, cos.data() + at, sin.data() + at, s.heads, s.seq,
+                      s.d_head, rd, s.cfg.rope_style);
+      } else {
+        rope_forward(out + b * per, x + b * per, cos.data() + at, sin.data() + at, s.heads, s.seq,
+                     s.d_head, rd, s.cfg.rope_style);
+      }
+    }
+  }
+};
 
 template <class Real>
 void run(RunContext<Real>& c) {
@@ -88,7 +202,11 @@ void run(RunContext<Real>& c) {
   const auto p = c.p;
   const auto q = c.in("input.q"), k = c.in("input.k"), vv = c.in("input.v");
   const auto dc = c.in("grad.output.context");
-  const auto& len = lengths_of(v, s);
+  const bool split = split_lengths(s);
+  const auto& len = split ? ints_of(v.i64, "input.q_lengths", s.batch) : lengths_of(v, s);
+  const auto& kv_len = split ? ints_of(v.i64, "input.kv_lengths", s.batch) : len;
+  if (split && (len != s.lengths || kv_len != s.kv_lengths))
+    throw FormatError("the op case's input.q_lengths and input.kv_lengths are not its spec's");
   const bool rope = s.cfg.positional == Positional::rope;
   const Tensor<Real> sinks = s.cfg.attn_sinks ? c.in("param.sinks") : Tensor<Real>();
   // The op's config has one head: its sizes and K/V heads come from the spec.
@@ -99,19 +217,24 @@ void run(RunContext<Real>& c) {
   args.d_head = s.d_head;
   args.scale = s.scale;
   args.variant.kv_heads = s.kv_heads;
+  if (split) {
+    args.kv_len = s.kv_seq;
+    args.kv_lengths = kv_len.data();
+    args.d_head_v = s.d_head_v;
+    args.causal_align = s.top_left ? CausalAlign::top_left : CausalAlign::bottom_right;
+  } else {
+    args.d_head_v = s.d_head_v;
+  }
   // With RoPE, attention reads q_rot and k_rot, and its q and k gradients are rotated back.
-  Tensor<Real> qr, kr, dqr, dkr, cs, sn;
-  const index_t rd = s.cfg.rotary();
+  Tensor<Real> qr, kr, dqr, dkr;
+  std::optional<Rotary<Real>> rot;
   if (rope) {
-    cs = Tensor<Real>({s.seq, rd / 2});
-    sn = Tensor<Real>({s.seq, rd / 2});
-    rope_table(cs.data(), sn.data(), s.cfg, s.seq);
+    rot.emplace(s, len, kv_len);
     qr = c.zeros("output.q_rot");
     kr = c.zeros("output.k_rot");
-    rope_forward(qr.data(), q.data(), cs.data(), sn.data(), s.batch * s.heads, s.seq, s.d_head, rd,
-                 s.cfg.rope_style);
-    rope_forward(kr.data(), k.data(), cs.data(), sn.data(), s.batch * s.kv_heads, s.seq, s.d_head,
-                 rd, s.cfg.rope_style);
+    rot->queries(qr.data(), q.data(), s, /*back=*/false);
+    rope_forward(kr.data(), k.data(), rot->cos.data(), rot->sin.data(), s.batch * s.kv_heads,
+                 s.kv_seq, s.d_head, rot->rd, s.cfg.rope_style);
     r["output.q_rot"] = qr;
     r["output.k_rot"] = kr;
     c.done("output.q_rot");
@@ -128,13 +251,16 @@ void run(RunContext<Real>& c) {
   Real* dv = r["grad.input.v"].data();
   const AttentionBackward<Real> grads{
       .dq = dq, .dk = dk, .dv = dv, .dcontext = dc.data(), .q = qa, .k = ka, .v = vv.data()};
+  Real* lse = s.lse ? r["output.lse"].data() : nullptr;
   if (s.probs) {
     attention_forward(args, {.context = r["output.context"].data(),
                              .scores = r["output.scores"].data(),
                              .probs = r["output.probs"].data(),
+                             .lse = lse,
                              .q = qa,
                              .k = ka,
                              .v = vv.data()});
+    if (s.lse) c.done("output.lse");
     c.done("output.context");
     auto dprobs = c.zeros("output.probs"), dscores = c.zeros("output.scores");
     AttentionBackward<Real> g = grads;
@@ -144,7 +270,9 @@ void run(RunContext<Real>& c) {
     attention_backward(args, g);
   } else {
     attention_forward_rows(
-        args, {.context = r["output.context"].data(), .q = qa, .k = ka, .v = vv.data()});
+        args,
+        {.context = r["output.context"].data(), .lse = lse, .q = qa, .k = ka, .v = vv.data()});
+    if (s.lse) c.done("output.lse");
     c.done("output.context");
     attention_backward_rows(args, grads);
   }
@@ -152,10 +280,9 @@ void run(RunContext<Real>& c) {
     // in the forward pass this was: q_rot, k_rot = RoPE(q), RoPE(k)
     store(dqr, p, "the gradient of output.q_rot");
     store(dkr, p, "the gradient of output.k_rot");
-    rope_backward(r["grad.input.q"].data(), dqr.data(), cs.data(), sn.data(), s.batch * s.heads,
-                  s.seq, s.d_head, rd, s.cfg.rope_style);
-    rope_backward(r["grad.input.k"].data(), dkr.data(), cs.data(), sn.data(), s.batch * s.kv_heads,
-                  s.seq, s.d_head, rd, s.cfg.rope_style);
+    rot->queries(r["grad.input.q"].data(), dqr.data(), s, /*back=*/true);
+    rope_backward(r["grad.input.k"].data(), dkr.data(), rot->cos.data(), rot->sin.data(),
+                  s.batch * s.kv_heads, s.kv_seq, s.d_head, rot->rd, s.cfg.rope_style);
   }
 }
 
@@ -189,7 +316,10 @@ const OpDef& attention_op() {
       .samples =
           {R"({"batch": 2, "num_heads": 2, "seq_len": 4, "d_head": 3, "lengths": [4, 2], "causal": true, "scale": 0.7, "probs": true})",
            R"({"batch": 2, "num_heads": 2, "seq_len": 4, "d_head": 3, "lengths": [4, 2], "causal": true, "scale": 0.7, "probs": false})",
-           R"({"batch": 2, "num_heads": 4, "num_kv_heads": 2, "seq_len": 5, "d_head": 4, "lengths": [5, 3], "positional": "rope", "attn_sinks": true, "sliding_window": 3, "attn_logit_softcap": 2.0})"},
+           R"({"batch": 2, "num_heads": 4, "num_kv_heads": 2, "seq_len": 5, "d_head": 4, "lengths": [5, 3], "positional": "rope", "attn_sinks": true, "sliding_window": 3, "attn_logit_softcap": 2.0})",
+           R"({"batch": 2, "num_heads": 2, "q_len": 3, "kv_len": 6, "d_head": 4, "d_head_v": 3, "q_lengths": [3, 2], "kv_lengths": [6, 4], "causal": true, "probs": true})",
+           R"({"batch": 3, "num_heads": 4, "num_kv_heads": 2, "q_len": 4, "kv_len": 5, "d_head": 4, "d_head_v": 5, "q_lengths": [4, 1, 0], "kv_lengths": [5, 3, 2], "causal": true, "positional": "rope", "attn_sinks": true, "sliding_window": 2, "probs": false})",
+           R"({"batch": 2, "num_heads": 2, "q_len": 5, "kv_len": 3, "d_head": 2, "q_lengths": [5, 2], "kv_lengths": [3, 3], "causal": true, "causal_align": "top_left", "positional": "alibi", "attn_logit_softcap": 3.0})"},
   };
   return def;
 }

@@ -47,6 +47,15 @@ struct Spec {
   // Lengths not given: (count, value), filled in by fill_defaults once the size is accepted.
   std::optional<std::pair<index_t, index_t>> full_lengths;
   bool bias = true, probs = true;
+  // Attention with queries and keys of different lengths (q_len, kv_len): the key rows, the keys
+  // of each sequence (and their default, as full_lengths), the value head size, the alignment of
+  // the causal diagonal, and whether the log-sum-exp is an output. own_lengths: the op reads its
+  // lengths itself (q_lengths, kv_lengths) instead of through its lengths_key.
+  bool own_lengths = false;
+  index_t kv_seq = 0, d_head_v = 0;
+  std::vector<std::int64_t> kv_lengths;
+  std::optional<std::pair<index_t, index_t>> full_kv_lengths;
+  bool top_left = false, lse = false;
   std::optional<double> scale;
   index_t vocab = 0, max_len = 0;
   EncoderConfig cfg;  // the model-config keys of the op, spelled as the config spells them
@@ -69,17 +78,23 @@ class Reader {
                                            std::optional<std::pair<index_t, index_t>>& full);
   // A number in (0, 1e4], or nothing when absent or null.
   std::optional<double> number(const char* key);
+  // One of `options` (a string), `def` when absent; ConfigError naming them otherwise.
+  std::string choice(const char* key, const std::vector<std::string>& options,
+                     const std::string& def);
   // The model-config keys among `keys`, read by EncoderConfig::from_json (its errors name them)
   // on top of `base`.
   EncoderConfig config(const std::vector<const char*>& keys, const json& base);
   void finish() const;
   void use(const char* key) { used_.insert(key); }
+  // The op the spec is for, whose keys a missing key's suggestion leaves out.
+  void for_op(const OpDef* def) { def_ = def; }
   // ConfigError: the spec lacks `key` (naming an unread key of the spec it may be misspelled as).
   [[noreturn]] void missing(const char* key) const;
 
  private:
   const json& j_;
   std::set<std::string> used_;
+  const OpDef* def_ = nullptr;
 };
 
 // The sizes of an element-wise or row-wise op: rows >= 0 and cols >= 1, read and written back.
@@ -140,6 +155,9 @@ void check_range(const std::vector<std::int64_t>& v, std::int64_t hi, const std:
 
 // The case's input.lengths, which must be the spec's (FormatError otherwise).
 const std::vector<std::int64_t>& lengths_of(const Values& v, const Spec& s);
+// The spec's values of an I64 lengths tensor of a case (input.lengths and input.q_lengths: the
+// lengths; input.kv_lengths: the keys'), or null for any other name.
+const std::vector<std::int64_t>* spec_lengths(const Spec& s, const std::string& name);
 
 // Rounds a result to p's storage format where a bf16 or fp16 backend stores it; RangeError
 // naming it on an fp16 overflow.

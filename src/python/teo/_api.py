@@ -3,7 +3,7 @@
 import numpy as np
 
 from . import _teo
-from ._wire import arrays_of, as_array, real_array
+from ._wire import arrays_of, as_array, backend_of, real_array
 
 _BATCH_KEYS = ("tokens", "lengths", "labels")
 
@@ -67,7 +67,8 @@ def run(cfg, params, batch, *, train=False, dropout_seed=0, masks=None, precisio
     ({"dropout.input": ...}) replay dropout masks in train mode instead of drawing them from
     dropout_seed. Arrays may be numpy arrays or torch tensors. A golden's Golden.params(),
     Golden.batch() and Golden.masks() give its own. precision emulates tf32, bf16 or fp16 in a
-    float32 run. backend ("reference", "simd", "blas") and threads apply to this call only.
+    float32 run. backend ("reference", "simd", "blas"; default TEO_BACKEND's, else reference)
+    and threads apply to this call only.
     """
     from . import ConfigError
     cfg = config_of(cfg)
@@ -86,6 +87,6 @@ def run(cfg, params, batch, *, train=False, dropout_seed=0, masks=None, precisio
                           % sorted(str(d) for d in dtypes))
     dtype = str(next(iter(dtypes)))
     wire = _teo.run(cfg, params, batch, bool(train), int(dropout_seed), precision, bool(backward),
-                    backend, threads, dtype, masks)
+                    backend_of(backend), threads, dtype, masks)
     return arrays_of(wire)
 

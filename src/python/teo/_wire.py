@@ -3,6 +3,7 @@ as numpy arrays and as (name, dtype, shape, bytes) tuples, spec values as JSON v
 check of a public function's keywords."""
 
 import difflib
+import os
 import sys
 import warnings
 
@@ -89,6 +90,18 @@ def check_keywords(function, given, valid):
                      or [v for v in valid if key in v.split("_")][:1])  # "eps": layer_norm_eps
             raise TypeError("%s() got an unexpected keyword argument %r%s" % (
                 function, key, "; did you mean %r?" % close[0] if close else ""))
+
+
+def backend_of(backend):
+    """The backend a call runs on: backend when given, else the TEO_BACKEND environment
+    variable's (as the teo command reads it), else None (the process's: reference)."""
+    if backend is not None or not os.environ.get("TEO_BACKEND"):
+        return backend
+    value = os.environ["TEO_BACKEND"]
+    if value not in ("reference", "simd", "blas"):
+        from . import ConfigError
+        raise ConfigError("TEO_BACKEND must be reference, simd or blas, got %r" % value)
+    return value
 
 
 def _outside_teo():

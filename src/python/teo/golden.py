@@ -4,7 +4,7 @@ import json
 import os
 
 from . import _teo
-from ._wire import arrays_of, bits_of, check_keywords, json_value, wire_of
+from ._wire import arrays_of, backend_of, bits_of, check_keywords, json_value, wire_of
 
 
 class Golden:
@@ -111,19 +111,10 @@ def op_case(op, *, backend=None, threads=None, **spec):
     as for `teo golden op`, else the process's (reference); threads sets the thread count for
     the call. An unknown op is a ConfigError listing the ops; a key the op does not take a
     TypeError naming the closest one."""
-    from . import ConfigError
     keys = [k for k in _teo.op_keys(op) if k != "op"]
     check_keywords("teo.golden.op_case", spec, keys)
-    source = "backend"
-    if backend is None and os.environ.get("TEO_BACKEND"):
-        backend, source = os.environ["TEO_BACKEND"], "TEO_BACKEND"
-    try:
-        metadata, wire = _teo.make_op(op, json_value(spec), backend,
-                                      None if threads is None else int(threads))
-    except ConfigError as e:
-        if source != "backend" and str(e).startswith("backend must be"):
-            raise ConfigError(source + str(e)[len("backend"):]) from None
-        raise
+    metadata, wire = _teo.make_op(op, json_value(spec), backend_of(backend),
+                                  None if threads is None else int(threads))
     return Golden(metadata, arrays_of(wire), bits=bits_of(wire))
 
 
@@ -140,6 +131,7 @@ class TensorReport:
         self.ratio = d.get("ratio")
         self.message = d.get("message", "")
         self.mismatch = d.get("mismatch")  # what differs when no values were compared
+        self.suggestion = d.get("suggestion")  # a name not in the golden: the closest golden name
 
     def __repr__(self):
         return "<%s %s ratio=%s>" % (self.name, self.status, self.ratio)

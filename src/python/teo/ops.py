@@ -14,7 +14,7 @@ import inspect
 import numpy as np
 
 from . import _teo
-from ._wire import as_array, check_keywords, json_value, real_array, wire_of
+from ._wire import as_array, backend_of, check_keywords, json_value, real_array, wire_of
 
 # The keywords of every op: how it runs (as in teo.run).
 RUN_KEYS = ("precision", "backend", "threads")
@@ -63,7 +63,7 @@ def _call(op, spec, inputs, upstream, precision=None, backend=None, threads=None
                                   else real_array(g, "grad_" + name[len("output."):], what))
     if precision is None and dtype == "float32":
         precision = "fp32"
-    return _teo.run_op(op, spec, wire_of(arrays), precision, backend, threads)
+    return _teo.run_op(op, spec, wire_of(arrays), precision, backend_of(backend), threads)
 
 
 def _rows(x):
@@ -137,17 +137,36 @@ ATTENTION_VARIANT_KEYS = ("positional", "rope_style", "rotary_dim", "rope_base",
 
 
 @_public(*ATTENTION_VARIANT_KEYS)
-def attention(q, k, v, lengths=None, *, causal=False, scale=None, probs=None, sinks=None,
-              grad_context=None, **kw):
-    """k and v may have fewer heads than q (grouped-query attention); sinks (H) adds a learned
-    sink logit per head; the other variants are keywords: positional ("none", "rope", "alibi"),
-    rope_style, rotary_dim, rope_base, rope_scaling, alibi_max_bias, position_offset,
-    sliding_window, attn_logit_softcap."""
+def attention(q, k, v, lengths=None, *, kv_lengths=None, causal=False, causal_align=None,
+              scale=None, probs=None, lse=None, sinks=None, grad_context=None, **kw):
+    """q (B, H, Sq, Dh), k (B, Hkv, Skv, Dh), v (B, Hkv, Skv, Dv): k and v may have fewer heads
+    than q (grouped-query attention), fewer or more rows (decode, chunked prefill: Sq != Skv) and
+    v another head size (MLA). lengths are the queries of each sequence (and its keys, unless
+    kv_lengths); causal_align "bottom_right" (the default) or "top_left" places the causal
+    diagonal when a sequence has fewer queries than keys; lse=True also returns output.lse (the
+    default with Sq != Skv). sinks (H) adds a learned sink logit per head; the other variants are
+    keywords: positional ("none", "rope", "alibi"), rope_style, rotary_dim, rope_base,
+    rope_scaling, alibi_max_bias, position_offset, sliding_window, attn_logit_softcap."""
     q, k, v = (_real(a, n, "attention") for a, n in ((q, "q"), (k, "k"), (v, "v")))
     b, h, s, dh = q.shape
+    s_kv = k.shape[2] if k.ndim == 4 else s
+    dv = v.shape[3] if v.ndim == 4 else dh
     lengths = [s] * b if lengths is None else _ints(lengths)
-    spec = {"batch": b, "num_heads": h, "seq_len": s, "d_head": dh, "lengths": lengths,
-            "causal": causal}
+    split = s_kv != s or kv_lengths is not None or causal_align is not None
+    spec = {"batch": b, "num_heads": h, "d_head": dh, "causal": causal}
+    inputs = {"input.q": q, "input.k": k, "input.v": v, "param.sinks": sinks}
+    if split:
+        kv_lengths = [s_kv] * b if kv_lengths is None else _ints(kv_lengths)
+        spec.update(q_len=s, kv_len=int(s_kv), q_lengths=lengths, kv_lengths=kv_lengths)
+        if causal_align is not None:
+            spec["causal_align"] = causal_align
+        inputs["input.q_lengths"] = np.asarray(lengths, dtype=np.int64)
+        inputs["input.kv_lengths"] = np.asarray(kv_lengths, dtype=np.int64)
+    else:
+        spec.update(seq_len=s, lengths=lengths)
+        inputs["input.lengths"] = np.asarray(lengths, dtype=np.int64)
+    if dv != dh:
+        spec["d_head_v"] = int(dv)
     kv_heads = k.shape[1] if k.ndim == 4 else h
     if kv_heads != h:
         spec["num_kv_heads"] = int(kv_heads)
@@ -160,10 +179,9 @@ def attention(q, k, v, lengths=None, *, causal=False, scale=None, probs=None, si
         spec["scale"] = scale
     if probs is not None:
         spec["probs"] = probs
-    return _call("attention", spec,
-                 {"input.q": q, "input.k": k, "input.v": v,
-                  "input.lengths": np.asarray(lengths, dtype=np.int64), "param.sinks": sinks},
-                 {"output.context": grad_context}, **kw)
+    if lse is not None:
+        spec["lse"] = bool(lse)
+    return _call("attention", spec, inputs, {"output.context": grad_context}, **kw)
 
 
 @_public()

@@ -1,6 +1,8 @@
 // Shared test helpers: deterministic random fills, per-dtype tolerances, finite differences.
 #pragma once
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -19,6 +21,16 @@
 #include "teo/rng.hpp"
 
 namespace teo::test {
+
+// An empty folder under the test temporary directory, one per process (two runs of the suite on
+// one machine never share it).
+inline std::filesystem::path fresh_dir(const std::string& name) {
+  const auto d =
+      std::filesystem::path(::testing::TempDir()) / (name + "_" + std::to_string(::getpid()));
+  std::filesystem::remove_all(d);
+  std::filesystem::create_directories(d);
+  return d;
+}
 
 // A whole file's bytes ("" when it cannot be read).
 inline std::string slurp(const std::filesystem::path& p) {

@@ -351,9 +351,12 @@ const std::vector<std::int64_t>* spec_lengths(const Spec& s, const std::string& 
   return nullptr;
 }
 
-const std::vector<std::int64_t>& lengths_of(const Values& v, const Spec& s) {
-  const auto& len = ints_of(v.i64, "input.lengths", s.batch);
-  if (len != s.lengths) throw FormatError("the op case's input.lengths are not its spec's lengths");
+const std::vector<std::int64_t>& lengths_of(const Values& v, const Spec& s,
+                                            const std::string& name) {
+  const auto& len = ints_of(v.i64, name, s.batch);
+  if (len != *spec_lengths(s, name)) {
+    throw FormatError("the op case's " + name + " are not its spec's " + name.substr(6));
+  }
   return len;
 }
 

@@ -37,13 +37,7 @@ using teo::test::slurp;
 
 const fs::path kCorpus = fs::path(TEO_SOURCE_DIR) / "golden";
 
-fs::path fresh_dir(const std::string& name) {
-  // one folder per process: two runs of the suite on one machine never share it
-  const fs::path d = fs::path(::testing::TempDir()) / (name + "_" + std::to_string(::getpid()));
-  fs::remove_all(d);
-  fs::create_directories(d);
-  return d;
-}
+using teo::test::fresh_dir;
 
 // CASE.json of the committed corpus entry `name`: its config keys and case, without name and
 // description; null when there is no such entry.

@@ -30,12 +30,7 @@ using teo::test::slurp;
 const fs::path kCorpus = fs::path(TEO_SOURCE_DIR) / "golden";
 const std::string kGolden = (kCorpus / "causal_post_f64.safetensors").string();
 
-fs::path fresh_dir(const std::string& name) {
-  const fs::path d = fs::path(::testing::TempDir()) / (name + "_" + std::to_string(::getpid()));
-  fs::remove_all(d);
-  fs::create_directories(d);
-  return d;
-}
+using teo::test::fresh_dir;
 
 // The golden's act.* tensors, edited by `edit`, written to `path`: a candidate.
 template <class Edit>

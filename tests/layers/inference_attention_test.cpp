@@ -11,9 +11,10 @@
 #include <rapidcheck.h>
 #include <rapidcheck/gtest.h>
 
+#include "rc_support.hpp"
+#include "support.hpp"
 #include "teo/backend.hpp"
 #include "teo/layers/attention.hpp"
-#include "teo/rng.hpp"
 
 namespace teo {
 namespace {
@@ -30,9 +31,7 @@ struct Problem {
 };
 
 std::vector<double> draw(std::size_t n, std::uint64_t seed, const char* what) {
-  std::vector<double> x(n);
-  for (std::size_t i = 0; i < n; ++i) x[i] = 2 * rng::uniform01(seed, rng::stream_id(what), i) - 1;
-  return x;
+  return test::uniform_vector<double>(static_cast<index_t>(n), seed, what);
 }
 
 // The sizes and variant of a problem (the caller sets the rows and lengths).
@@ -106,13 +105,7 @@ Out run(const Problem& p, CausalAlign align, bool rows, bool split = true) {
   return o;
 }
 
-std::unique_ptr<ScopedSettings> gen_backend() {
-  auto keep = std::make_unique<ScopedSettings>();
-  const Backend be = *rc::gen::element(Backend::reference, Backend::simd, Backend::blas);
-  RC_TAG(to_string(be));
-  set_backend(be);
-  return keep;
-}
+using test::gen_backend;
 
 // A sequence run in one pass, and its last rows run again as a chunk against all its keys
 // (bottom-right): the chunk's rows are the pass's rows, bitwise on simd and reference (every

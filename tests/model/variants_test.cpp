@@ -11,6 +11,7 @@
 #include <rapidcheck.h>
 #include <rapidcheck/gtest.h>
 
+#include "rc_support.hpp"
 #include "support.hpp"
 #include "teo/backend.hpp"
 #include "teo/layers/attention.hpp"
@@ -74,11 +75,7 @@ Batch gen_batch(const EncoderConfig& c) {
   return Batch::random(c, b, s, *rc::gen::arbitrary<std::uint32_t>(), len);
 }
 
-std::unique_ptr<ScopedSettings> gen_backend() {
-  auto keep = std::make_unique<ScopedSettings>();
-  set_backend(*rc::gen::element(Backend::reference, Backend::simd, Backend::blas));
-  return keep;
-}
+using test::gen_backend;
 
 RC_GTEST_PROP(Variants, KvHeadsEqualToHeadsGiveThePlainBits, ()) {
   const auto keep = gen_backend();

@@ -9,6 +9,7 @@
 #include <rapidcheck/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "rc_support.hpp"
 #include "support.hpp"
 #include "teo/backend.hpp"
 #include "teo/layers/layer_norm.hpp"
@@ -37,14 +38,7 @@ EncoderConfig gen_config() {
   return c;
 }
 
-// One of the three backends, set for the rest of the property (restored by the returned guard).
-std::unique_ptr<ScopedSettings> gen_backend() {
-  auto keep = std::make_unique<ScopedSettings>();
-  const Backend be = *rc::gen::element(Backend::reference, Backend::simd, Backend::blas);
-  RC_TAG(to_string(be));
-  set_backend(be);
-  return keep;
-}
+using test::gen_backend;
 
 Batch gen_batch(const EncoderConfig& c, index_t min_batch = 0) {
   const index_t b = *rc::gen::inRange<index_t>(min_batch, 5);

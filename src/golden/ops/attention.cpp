@@ -74,14 +74,10 @@ void parse(Spec& s, Reader& r) {
   }
 }
 
-bool split_lengths(const Spec& s) {
-  return s.own_lengths;
-}
-
 void write_sizes(const Spec& s, ojson& j) {
   j["batch"] = s.batch;
   j["num_heads"] = s.heads;
-  if (split_lengths(s)) {
+  if (s.own_lengths) {
     j["q_len"] = s.seq;
     j["kv_len"] = s.kv_seq;
   } else {
@@ -90,7 +86,7 @@ void write_sizes(const Spec& s, ojson& j) {
   j["d_head"] = s.d_head;
   if (s.d_head_v != s.d_head) j["d_head_v"] = s.d_head_v;
   if (s.kv_heads != s.heads) j["num_kv_heads"] = s.kv_heads;
-  if (split_lengths(s)) {
+  if (s.own_lengths) {
     j["q_lengths"] = s.lengths;
     j["kv_lengths"] = s.kv_lengths;
   }
@@ -99,8 +95,8 @@ void write_sizes(const Spec& s, ojson& j) {
 void write_options(const Spec& s, ojson& j) {
   j["scale"] = s.scale ? *s.scale : 1.0 / std::sqrt(static_cast<double>(s.d_head));
   j["probs"] = s.probs;
-  if (split_lengths(s)) j["causal_align"] = s.top_left ? "top_left" : "bottom_right";
-  if (s.lse || split_lengths(s)) j["lse"] = s.lse;
+  if (s.own_lengths) j["causal_align"] = s.top_left ? "top_left" : "bottom_right";
+  if (s.lse || s.own_lengths) j["lse"] = s.lse;
 }
 
 void tensors(const Spec& s, OpTensors& t) {
@@ -110,7 +106,7 @@ void tensors(const Spec& s, OpTensors& t) {
   t.in.push_back(float_slot("input.q", q, Role::input));
   t.in.push_back(float_slot("input.k", k, Role::input));
   t.in.push_back(float_slot("input.v", v, Role::input));
-  if (split_lengths(s)) {
+  if (s.own_lengths) {
     t.fixed.push_back({"input.q_lengths", DType::I64, {s.batch}, Role::input});
     t.fixed.push_back({"input.kv_lengths", DType::I64, {s.batch}, Role::input});
   } else {
@@ -202,11 +198,9 @@ void run(RunContext<Real>& c) {
   const auto p = c.p;
   const auto q = c.in("input.q"), k = c.in("input.k"), vv = c.in("input.v");
   const auto dc = c.in("grad.output.context");
-  const bool split = split_lengths(s);
-  const auto& len = split ? ints_of(v.i64, "input.q_lengths", s.batch) : lengths_of(v, s);
-  const auto& kv_len = split ? ints_of(v.i64, "input.kv_lengths", s.batch) : len;
-  if (split && (len != s.lengths || kv_len != s.kv_lengths))
-    throw FormatError("the op case's input.q_lengths and input.kv_lengths are not its spec's");
+  const bool split = s.own_lengths;
+  const auto& len = lengths_of(v, s, split ? "input.q_lengths" : "input.lengths");
+  const auto& kv_len = split ? lengths_of(v, s, "input.kv_lengths") : len;
   const bool rope = s.cfg.positional == Positional::rope;
   const Tensor<Real> sinks = s.cfg.attn_sinks ? c.in("param.sinks") : Tensor<Real>();
   // The op's config has one head: its sizes and K/V heads come from the spec.
@@ -217,13 +211,11 @@ void run(RunContext<Real>& c) {
   args.d_head = s.d_head;
   args.scale = s.scale;
   args.variant.kv_heads = s.kv_heads;
+  args.d_head_v = s.d_head_v;
   if (split) {
     args.kv_len = s.kv_seq;
     args.kv_lengths = kv_len.data();
-    args.d_head_v = s.d_head_v;
     args.causal_align = s.top_left ? CausalAlign::top_left : CausalAlign::bottom_right;
-  } else {
-    args.d_head_v = s.d_head_v;
   }
   // With RoPE, attention reads q_rot and k_rot, and its q and k gradients are rotated back.
   Tensor<Real> qr, kr, dqr, dkr;

@@ -154,10 +154,12 @@ const std::vector<T>& ints_of(const std::map<std::string, std::vector<T>>& m,
 void check_range(const std::vector<std::int64_t>& v, std::int64_t hi, const std::string& what);
 
 // The case's input.lengths, which must be the spec's (FormatError otherwise).
-const std::vector<std::int64_t>& lengths_of(const Values& v, const Spec& s);
 // The spec's values of an I64 lengths tensor of a case (input.lengths and input.q_lengths: the
 // lengths; input.kv_lengths: the keys'), or null for any other name.
 const std::vector<std::int64_t>* spec_lengths(const Spec& s, const std::string& name);
+// The case's lengths tensor `name` (B values), FormatError unless it holds the spec's lengths.
+const std::vector<std::int64_t>& lengths_of(const Values& v, const Spec& s,
+                                            const std::string& name = "input.lengths");
 
 // Rounds a result to p's storage format where a bf16 or fp16 backend stores it; RangeError
 // naming it on an fp16 overflow.

@@ -1,5 +1,6 @@
 """Golden files and op cases: load, save, generate an op case, and check a candidate."""
 
+import functools
 import json
 import os
 
@@ -104,6 +105,13 @@ def save(path, tensors, metadata=None, *, force=False, bits=None):
     _teo.write(path, meta, wire, bool(force))
 
 
+@functools.lru_cache(maxsize=None)
+def _spec_keys(op):
+    """The keys op_case takes for op (the registry's, less "op"): computed once per op, from the
+    op's normalised sample specs."""
+    return tuple(k for k in _teo.op_keys(op) if k != "op")
+
+
 def op_case(op, *, backend=None, threads=None, **spec):
     """Generates an op case in memory, as `teo golden op` writes it (spec: the keys of
     docs/golden-format.md, with dtype and seed; numpy and torch values are fine). It runs on
@@ -111,8 +119,7 @@ def op_case(op, *, backend=None, threads=None, **spec):
     as for `teo golden op`, else the process's (reference); threads sets the thread count for
     the call. An unknown op is a ConfigError listing the ops; a key the op does not take a
     TypeError naming the closest one."""
-    keys = [k for k in _teo.op_keys(op) if k != "op"]
-    check_keywords("teo.golden.op_case", spec, keys)
+    check_keywords("teo.golden.op_case", spec, _spec_keys(op))
     metadata, wire = _teo.make_op(op, json_value(spec), backend_of(backend),
                                   None if threads is None else int(threads))
     return Golden(metadata, arrays_of(wire), bits=bits_of(wire))

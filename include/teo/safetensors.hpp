@@ -1,7 +1,7 @@
 // A small, strict reader and writer of the public safetensors format: an 8-byte little-endian
 // header length N, N bytes of JSON header, then the tensors' bytes back to back. teo writes F32,
-// F64, I64 and U8; it also reads the reduced float formats a low-precision candidate may store:
-// BF16, F16, F8_E4M3 (OCP "fn": no infinities) and F8_E5M2.
+// F64, I64, I32 and U8; it also reads the reduced float formats a low-precision candidate may
+// store: BF16, F16, F8_E4M3 (OCP "fn": no infinities) and F8_E5M2.
 #pragma once
 
 #include <cstddef>
@@ -20,7 +20,7 @@
 
 namespace teo::safetensors {
 
-enum class DType { F32, F64, I64, U8, BF16, F16, F8_E4M3, F8_E5M2 };
+enum class DType { F32, F64, I64, U8, BF16, F16, F8_E4M3, F8_E5M2, I32 };
 
 const char* dtype_name(DType d);
 std::size_t dtype_size(DType d);
@@ -34,6 +34,8 @@ constexpr DType dtype_of() {
     return DType::F64;
   else if constexpr (std::is_same_v<T, std::int64_t>)
     return DType::I64;
+  else if constexpr (std::is_same_v<T, std::int32_t>)
+    return DType::I32;
   else {
     static_assert(std::is_same_v<T, std::uint8_t>, "safetensors: unsupported element type");
     return DType::U8;

@@ -14,6 +14,7 @@
 #include "cli/commands.hpp"
 #include "teo/backend.hpp"
 #include "teo/errors.hpp"
+#include "teo/golden_ops.hpp"
 #include "teo/suggest.hpp"
 
 namespace {
@@ -152,9 +153,10 @@ int main(int argc, char** argv) {
   teo::cli::GoldenOpOptions op_opts;
   CLI::App* op = golden->add_subcommand(
       "op", "Write one op case: a single operator's inputs, outputs and exact backward");
-  op->add_option("--op", op_opts.op,
-                 "linear | layer_norm | softmax | activation | attention | embedding | pooling | "
-                 "cross_entropy | dropout | encoder_layer (or the spec's \"op\")");
+  std::string ops_help;
+  for (const auto& name : teo::golden::op_names())
+    ops_help += (ops_help.empty() ? "" : " | ") + name;
+  op->add_option("--op", op_opts.op, ops_help + " (or the spec's \"op\")");
   op->add_option("--spec", op_opts.spec_path, "SPEC.json: shapes, options, dtype, seed")
       ->required();
   op->add_option("--out", op_opts.out_path, "the .safetensors file to write")->required();

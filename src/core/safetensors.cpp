@@ -29,8 +29,8 @@ using nlohmann::json;
   throw FormatError(source + ": not a valid safetensors file: " + what);
 }
 
-constexpr DType kDTypes[] = {DType::F32,  DType::F64, DType::I64,     DType::U8,
-                             DType::BF16, DType::F16, DType::F8_E4M3, DType::F8_E5M2};
+constexpr DType kDTypes[] = {DType::F32, DType::F64,     DType::I64,     DType::U8, DType::BF16,
+                             DType::F16, DType::F8_E4M3, DType::F8_E5M2, DType::I32};
 
 bool parse_dtype(const std::string& s, DType& d) {
   for (DType t : kDTypes) {
@@ -88,6 +88,8 @@ const char* dtype_name(DType d) {
       return "F64";
     case DType::I64:
       return "I64";
+    case DType::I32:
+      return "I32";
     case DType::U8:
       return "U8";
     case DType::BF16:
@@ -105,6 +107,7 @@ const char* dtype_name(DType d) {
 std::size_t dtype_size(DType d) {
   switch (d) {
     case DType::F32:
+    case DType::I32:
       return 4;
     case DType::F64:
     case DType::I64:
@@ -121,7 +124,7 @@ std::size_t dtype_size(DType d) {
 }
 
 bool is_float(DType d) {
-  return d != DType::I64 && d != DType::U8;
+  return d != DType::I64 && d != DType::I32 && d != DType::U8;
 }
 
 std::vector<double> Tensor::float_values() const {
@@ -158,6 +161,7 @@ std::vector<double> Tensor::float_values() const {
       return out;
     }
     case DType::I64:
+    case DType::I32:
     case DType::U8:
       break;
   }
@@ -305,7 +309,7 @@ File parse_bytes(std::string_view bytes, const std::string& source, const Limits
     if (!v["dtype"].is_string()) fail(source, what + " has a dtype that is not a string");
     if (!parse_dtype(v["dtype"].get<std::string>(), e.dtype)) {
       fail(source, what + " has the unsupported dtype '" + v["dtype"].get<std::string>() +
-                       "' (teo reads F32, F64, BF16, F16, F8_E4M3, F8_E5M2, I64 and U8)");
+                       "' (teo reads F32, F64, BF16, F16, F8_E4M3, F8_E5M2, I64, I32 and U8)");
     }
     const json& shape = v["shape"];
     if (!shape.is_array()) fail(source, what + " has a shape that is not an array");

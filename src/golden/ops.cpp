@@ -33,9 +33,9 @@ const std::vector<const OpDef*>& registry() {
   // The ops, in the order the docs list them. A new op is one file in this folder and one line
   // here.
   static const std::vector<const OpDef*> ops = {
-      &linear_op(),    &layer_norm_op(),   &softmax_op(), &activation_op(),
-      &attention_op(), &embedding_op(),    &pooling_op(), &cross_entropy_op(),
-      &dropout_op(),   &encoder_layer_op()};
+      &linear_op(),    &layer_norm_op(),        &softmax_op(),         &activation_op(),
+      &attention_op(), &attention_kvcache_op(), &attention_merge_op(), &embedding_op(),
+      &pooling_op(),   &cross_entropy_op(),     &dropout_op(),         &encoder_layer_op()};
   return ops;
 }
 
@@ -235,6 +235,7 @@ void fill_defaults(Spec& s) {
                         s.full_kv_lengths->second);
     s.full_kv_lengths.reset();
   }
+  if (s.def->fill) s.def->fill(s);
 }
 
 // The normalised spec: every key of the op spelled out, as the metadata records it: the sizes,
@@ -288,6 +289,7 @@ std::vector<Slot> layout(const Spec& s) {
   for (const auto& x : in)
     if (x.role == Role::param) all.push_back(x);
   for (const auto& x : out) all.push_back(x);
+  if (s.def->forward_only) return all;
   for (const auto& x : out) {
     if (x.optional) continue;  // no gradient flows into an optional output
     all.push_back(float_slot("grad." + x.name, x.shape, Role::grad_output));
@@ -345,19 +347,22 @@ void check_range(const std::vector<std::int64_t>& v, std::int64_t hi, const std:
   }
 }
 
-const std::vector<std::int64_t>* spec_lengths(const Spec& s, const std::string& name) {
+const std::vector<std::int64_t>* spec_ints(const Spec& s, const std::string& name) {
   if (name == "input.lengths" || name == "input.q_lengths") return &s.lengths;
   if (name == "input.kv_lengths") return &s.kv_lengths;
+  if (name == "input.cache_lengths") return &s.kv.cache_lengths;
+  if (name == "input.block_table") return &s.kv.block_table;
   return nullptr;
 }
 
-const std::vector<std::int64_t>& lengths_of(const Values& v, const Spec& s,
-                                            const std::string& name) {
-  const auto& len = ints_of(v.i64, name, s.batch);
-  if (len != *spec_lengths(s, name)) {
+const std::vector<std::int64_t>& spec_ints_of(const Values& v, const Spec& s,
+                                              const std::string& name) {
+  const auto* want = spec_ints(s, name);
+  const auto& got = ints_of(v.i64, name, static_cast<std::int64_t>(want->size()));
+  if (got != *want) {
     throw FormatError("the op case's " + name + " are not its spec's " + name.substr(6));
   }
-  return len;
+  return got;
 }
 
 void as_stored(std::vector<double>& x, const OpCase& c) {
@@ -407,9 +412,9 @@ Values draw_inputs(const Spec& s, const OpCase& c) {
   const std::uint64_t seed = c.seed;
   for (const auto& t : layout(s)) {
     const std::int64_t n = numel(t.shape);
-    if (t.dtype == DType::I64) {
+    if (t.dtype == DType::I64 || t.dtype == DType::I32) {
       std::vector<std::int64_t> x(static_cast<std::size_t>(n));
-      if (const auto* given = spec_lengths(s, t.name)) {
+      if (const auto* given = spec_ints(s, t.name)) {
         x = *given;
       } else {
         const index_t hi = t.name == "input.tokens" ? s.vocab : s.cols;  // tokens, labels
@@ -455,6 +460,9 @@ Values values_of(const File& f, const Spec& s) {
     }
     if (t.dtype == DType::I64) {
       v.i64[t.name] = g->values<std::int64_t>();
+    } else if (t.dtype == DType::I32) {
+      const auto x = g->values<std::int32_t>();
+      v.i64[t.name].assign(x.begin(), x.end());
     } else if (t.dtype == DType::U8) {
       v.u8[t.name] = g->values<std::uint8_t>();
     } else {
@@ -489,6 +497,10 @@ File make_typed(const OpCase& c, const Spec& s) {
     if (t.dtype == DType::I64) {
       const auto& x = v.i64.at(t.name);
       f.add<std::int64_t>(t.name, t.shape, x.data(), x.size());
+    } else if (t.dtype == DType::I32) {
+      const auto& x = v.i64.at(t.name);
+      const std::vector<std::int32_t> y(x.begin(), x.end());  // in range: the spec checked it
+      f.add<std::int32_t>(t.name, t.shape, y.data(), y.size());
     } else if (t.dtype == DType::U8) {
       const auto& x = v.u8.at(t.name);
       f.add<std::uint8_t>(t.name, t.shape, x.data(), x.size());
@@ -641,20 +653,27 @@ void validate_op_file(const File& f, bool inputs_only) {
     if (f32 && is_result(t.role)) want.push_back({"ref64." + t.name, DType::F64, t.shape, sym});
   }
   if (!inputs_only) expect_tensors(f, want, /*op=*/true);
-  // the integer inputs an op may have: token ids, labels and lengths
+  // the integer inputs an op may have: token ids, labels, lengths and block tables
   std::set<std::string> ints;
   for (const auto& t : layout(s))
-    if (t.dtype == DType::I64) ints.insert(t.name);
+    if (t.dtype == DType::I64 || t.dtype == DType::I32) ints.insert(t.name);
   if (ints.contains("input.tokens"))
     expect_in_range(f, "input.tokens", s.vocab, false, "vocab_size");
   if (ints.contains("input.labels"))
     expect_in_range(f, "input.labels", s.cols, false, "num_classes");
-  for (const char* name : {"input.lengths", "input.q_lengths", "input.kv_lengths"}) {
-    if (const auto* t = f.find(name); t && ints.contains(name)) {
-      if (t->values<std::int64_t>() != *spec_lengths(s, name))
-        throw FormatError(std::string("the op case's ") + name + " are not its spec's " +
-                          std::string(name).substr(6));
+  for (const auto& name : ints) {
+    const auto* expected = spec_ints(s, name);
+    const auto* t = f.find(name);
+    if (!expected || !t) continue;
+    std::vector<std::int64_t> got;
+    if (t->dtype == DType::I32) {
+      const auto x = t->values<std::int32_t>();
+      got.assign(x.begin(), x.end());
+    } else {
+      got = t->values<std::int64_t>();
     }
+    if (got != *expected)
+      throw FormatError("the op case's " + name + " are not its spec's " + name.substr(6));
   }
 }
 

@@ -8,9 +8,10 @@ Usage:
 
 The first form reads one op case, runs its op in PyTorch (autograd for the
 backward, from the case's grad.output.* tensors) and writes the candidate:
-output.* and grad.input.* / grad.param.*, in the case's dtype or the one
-given. bfloat16 runs torch's own bf16 kernels (softmax, LayerNorm and the
-loss in float32, rounded back, as autocast does); float16 rounds every
+output.* and grad.input.* / grad.param.* (none for a forward-only case,
+one without grad.output.*), in the case's dtype or the one given. bfloat16
+runs torch's own bf16 kernels (softmax, LayerNorm, the loss and the merge's
+weights in float32, rounded back, as autocast does); float16 rounds every
 stored tensor to float16 around float32 arithmetic (torch 1.13 has few CPU
 Half kernels); tf32 rounds the operands of every product.
 
@@ -31,7 +32,6 @@ import sys
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch_backend as tb  # noqa: E402  (the model backend: I/O and shared layers)
@@ -83,6 +83,21 @@ MUTANTS = {
     "attention_top_left_alignment": ("attention_chunked_prefill_f64", "output.scores",
                                      "top-left causal alignment where bottom-right is asked"),
     "lse_base_2": ("attention_decode_f64", "output.lse", "the log-sum-exp in base 2"),
+    # KV caches and merged partial attention
+    "append_one_late": ("kvcache_decode_contiguous_f64", "output.k_cache",
+                        "new token i written at cache_length + i + 1"),
+    "page_index_mod_128": ("kvcache_page1_f64", "output.k_pages",
+                           "the physical page index taken modulo 128"),
+    "block_table_next_row": ("kvcache_unused_entries_f64", "output.k_pages",
+                             "sequence b reads and writes through block_table row b + 1"),
+    "v_read_with_d_head": ("kvcache_mla_paged_f64", "output.context",
+                           "V read with d_head's row stride, not d_head_v's"),
+    "rope_key_at_i": ("kvcache_chunked_prefill_rope_f64", "output.k_pages",
+                      "RoPE on new key i at position i, not cache_length + i"),
+    "gqa_group_paged": ("kvcache_gqa8_rope_interleaved_f64", "output.lse",
+                        "paged caches only: query head h reads K/V head h % Hkv"),
+    "merge_without_rescale": ("merge_three_parts_f32", "output.context",
+                              "context = sum_p c_p, without exp(lse_p - lse)"),
 }
 
 # float64 cases not also run in float32, and why.
@@ -224,10 +239,10 @@ def op_dropout(spec, T, mode):
     return {"output.y": mode.store(torch.where(m, x * scale, torch.zeros_like(x)))}
 
 
-def attention_rope(spec, q, k, mode, q_pos=None):
+def attention_rope(spec, q, k, mode, q_pos=None, k_pos=None):
     """q and k rotated by RoPE, with Hugging Face's frequencies
-    (torch_backend.rope_inv_freq): key j at position offset + j, query i of sequence b at
-    offset + q_pos[b, i] (default i)."""
+    (torch_backend.rope_inv_freq): query i of sequence b at offset + q_pos[b, i] (default i),
+    key j at offset + k_pos[b, j] (default j)."""
     B, _, Sq, _ = q.shape
     Skv = k.shape[2]
     dim, offset = spec["rotary_dim"], spec.get("position_offset", 0)
@@ -235,7 +250,9 @@ def attention_rope(spec, q, k, mode, q_pos=None):
     cfg.update(spec)
     if q_pos is None:
         q_pos = torch.arange(Sq)[None, :].expand(B, Sq)
-    end = max(Skv, int(q_pos.max()) + 1 if q_pos.numel() else 0)
+    if k_pos is None:
+        k_pos = torch.arange(Skv)[None, :].expand(B, Skv)
+    end = max(int(p.max()) + 1 if p.numel() else 0 for p in (q_pos, k_pos))
     inv_freq, factor = tb.rope_inv_freq(cfg, dim, offset + end)
 
     def table(pos):
@@ -248,10 +265,10 @@ def attention_rope(spec, q, k, mode, q_pos=None):
     style = spec["rope_style"]
     if mode.mutant == "rope_other_convention":
         style = "interleaved" if style == "neox" else "neox"
-    kc, ks = table(torch.arange(Skv))
+    kc, ks = table(k_pos)                                          # (B, Skv, dim / 2)
     qc, qs = table(q_pos)                                          # (B, Sq, dim / 2)
     return (mode.store(tb.rope_rotate(q, qc[:, None], qs[:, None], style, dim)),
-            mode.store(tb.rope_rotate(k, kc, ks, style, dim)))
+            mode.store(tb.rope_rotate(k, kc[:, None], ks[:, None], style, dim)))
 
 
 def op_attention(spec, T, mode):
@@ -329,6 +346,101 @@ def op_attention(spec, T, mode):
             lse = lse / math.log(2.0)
         out["output.lse"] = lse
     return out
+
+
+def cache_index(spec, T, t, heads, mode):
+    """Where cache token t[b, s] of sequence b lies, for K/V heads 0 .. heads - 1: index
+    tensors (broadcast to (B, S, heads)) into (B, Hkv, max_len, D) or (num_pages, page_size,
+    Hkv, D)."""
+    B, S = t.shape
+    g = torch.arange(heads)[None, None, :]
+    if spec["layout"] != "paged":
+        idx = (torch.arange(B)[:, None, None], g, t[:, :, None])
+    else:
+        table, size = T["input.block_table"].long(), spec["page_size"]
+        rows = torch.arange(B)
+        if mode.mutant == "block_table_next_row":
+            rows = (rows + 1) % B
+        page = table[rows[:, None], (t // size).clamp(max=table.shape[1] - 1)]
+        if mode.mutant == "page_index_mod_128":
+            page = page % 128
+        idx = (page[:, :, None], (t % size)[:, :, None], g)
+    return tuple(i.expand(B, S, heads) for i in idx)
+
+
+def op_attention_kvcache(spec, T, mode):
+    """One step on a KV cache: new token i of sequence b sits at position cache_lengths[b] + i
+    (RoPE on its query and key there), its K/V is written to that cache slot, and the queries
+    attend bottom-right to the first cache_lengths[b] + Sq tokens of the updated cache."""
+    q, k_new, v_new = T["input.q"], T["input.k_new"], T["input.v_new"]
+    B, H, Sq, Dh = q.shape
+    Hkv, Dv = k_new.shape[1], v_new.shape[3]
+    cache = T["input.cache_lengths"].long()
+    paged = spec["layout"] == "paged"
+    kind = "pages" if paged else "cache"
+    kc, vc = T["input.k_" + kind], T["input.v_" + kind]
+    capacity = T["input.block_table"].shape[1] * spec["page_size"] if paged else spec["max_len"]
+    pos = cache[:, None] + torch.arange(Sq)[None, :]               # (B, Sq)
+    out = {}
+    rope = spec.get("positional") == "rope"
+    if rope:
+        k_pos = torch.arange(Sq)[None, :].expand(B, Sq) if mode.mutant == "rope_key_at_i" else pos
+        q, k_new = attention_rope(dict(spec, max_len=capacity), q, k_new, mode, pos, k_pos)
+        out["output.q_rot"] = q
+    # the append: the new tokens' slots, an out-of-range one (a mutant's) dropped
+    t = pos + (1 if mode.mutant == "append_one_late" else 0)
+    ok = t < capacity
+    idx = tuple(i[ok] for i in cache_index(spec, T, t.clamp(max=capacity - 1), Hkv, mode))
+    kc = kc.index_put(idx, k_new.transpose(1, 2)[ok])
+    vc = vc.index_put(idx, v_new.transpose(1, 2)[ok])
+    out["output.k_" + kind], out["output.v_" + kind] = kc, vc
+    # the gather: sequence b's first cache_lengths[b] + Sq tokens, contiguous, zero beyond
+    kv_len = cache + Sq
+    t = torch.arange(int(kv_len.max()))[None, :].expand(B, -1)
+    valid = t < kv_len[:, None]
+    idx = cache_index(spec, T, torch.where(valid, t, torch.zeros_like(t)), Hkv, mode)
+    if mode.mutant == "v_read_with_d_head":
+        # the same memory read in rows of Dh elements, the first Dv of each
+        rows = vc.numel() // Dv
+        flat = torch.cat([vc.reshape(-1), vc.new_zeros(rows * Dh)])[:rows * Dh]
+        vc = flat.view(*vc.shape[:-1], Dh)[..., :Dv]
+    keep = valid[:, None, :, None]
+    K = torch.where(keep, kc[idx].transpose(1, 2), torch.zeros((), dtype=kc.dtype))
+    V = torch.where(keep, vc[idx].transpose(1, 2), torch.zeros((), dtype=vc.dtype))
+    if mode.mutant == "gqa_group_paged" and paged:
+        K, V = K[:, torch.arange(H) % Hkv], V[:, torch.arange(H) % Hkv]
+    A = {"input.q": q, "input.k": K, "input.v": V,
+         "input.q_lengths": torch.full((B,), Sq, dtype=torch.long), "input.kv_lengths": kv_len}
+    if spec.get("attn_sinks"):
+        A["param.sinks"] = T["param.sinks"]
+    aspec = dict(spec, causal=spec.get("causal", True), causal_align="bottom_right",
+                 probs=False, positional=None if rope else spec.get("positional"))
+    att = op_attention(aspec, A, mode)
+    if spec.get("lse"):
+        out["output.lse"] = att["output.lse"]
+    out["output.context"] = att["output.context"]
+    return out
+
+
+def op_attention_merge(spec, T, mode):
+    """Partial attention results over disjoint key sets, merged through their log-sum-exps:
+    lse = log sum_p exp(lse_p), context = sum_p exp(lse_p - lse) c_p; a part with lse_p = -inf
+    weighs 0 and a row with none has lse -inf and context 0. The weights in float32 for the
+    16-bit formats, as softmax."""
+    c, lse_p = T["input.context_parts"], T["input.lse_parts"]
+    work = torch.float32 if c.dtype in (torch.bfloat16, torch.float16) else c.dtype
+    valid = lse_p > float("-inf")
+    has = valid.any(dim=0)
+    # masked before any exp: no -inf - -inf, so no NaN in the gradients
+    z = torch.where(valid, lse_p, torch.zeros_like(lse_p)).to(work)
+    z = z.masked_fill(~valid, float("-inf")).masked_fill(~has, 0.0)
+    total = torch.logsumexp(z, dim=0)
+    w = torch.where(valid, torch.exp(z - total), torch.zeros_like(z))
+    if mode.mutant == "merge_without_rescale":
+        w = valid.to(work)
+    lse = torch.where(has, total, torch.full_like(total, float("-inf")))
+    ctx = (w.to(c.dtype)[..., None] * c).sum(dim=0)
+    return {"output.lse": mode.store(lse.to(c.dtype)), "output.context": mode.store(ctx)}
 
 
 def op_embedding(spec, T, mode):
@@ -409,8 +521,9 @@ def run_op(path, dtype=None, mutant=None):
     if total is not None and total.requires_grad:
         total.backward()
     cand = {n: y.detach() for n, y in out.items()}
-    for name, t in leaves.items():
-        cand["grad." + name] = t.grad if t.grad is not None else torch.zeros_like(t)
+    if total is not None:  # a forward-only case has no upstream gradient and no gradients
+        for name, t in leaves.items():
+            cand["grad." + name] = t.grad if t.grad is not None else torch.zeros_like(t)
     return cand, spec
 
 

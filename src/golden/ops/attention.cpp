@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "golden/ops/op.hpp"
+#include "golden/ops/rotary.hpp"
 #include "model/model_internal.hpp"
 #include "teo/layers/attention.hpp"
 #include "teo/layers/rope.hpp"
@@ -146,49 +147,27 @@ double working_bytes(const Spec& s) {
   return 2 * d(s.batch) * d(s.heads) * d(s.seq) * d(s.kv_seq) * 8;
 }
 
-// RoPE of the op: q and k rotated at their positions (docs/semantics.md): key j at j, query i of
-// sequence b at i + shift_b (shift_b = kv_lengths[b] - q_lengths[b] bottom-right, else 0), plus
-// the position offset; the table covers every position used.
+// RoPE of the op: key j at position j, query i of sequence b at i + shift_b (shift_b =
+// kv_lengths[b] - q_lengths[b] bottom-right, else 0); the table covers every position used.
 template <class Real>
-struct Rotary {
-  Tensor<Real> cos, sin;
-  std::vector<index_t> shift;  // per sequence
-  index_t rd = 0;
-  Rotary(const Spec& s, const std::vector<std::int64_t>& q_len,
-         const std::vector<std::int64_t>& kv_len)
-      : rd(s.cfg.rotary()) {
-    index_t end = s.kv_seq;
-    for (index_t b = 0; b < s.batch; ++b) {
-      const auto i = static_cast<std::size_t>(b);
-      const index_t sh = s.top_left ? 0 : kv_len[i] - q_len[i];
-      if (sh < 0) {
-        throw ConfigError("spec: with RoPE and bottom-right alignment, sequence " +
-                          std::to_string(b) + " has more queries (" + std::to_string(q_len[i]) +
-                          ") than keys (" + std::to_string(kv_len[i]) +
-                          "): its first queries would sit before position 0");
-      }
-      shift.push_back(sh);
-      end = std::max(end, sh + s.seq);
+Rotary<Real> rotary(const Spec& s, const std::vector<std::int64_t>& q_len,
+                    const std::vector<std::int64_t>& kv_len) {
+  std::vector<index_t> shift;
+  index_t end = s.kv_seq;
+  for (index_t b = 0; b < s.batch; ++b) {
+    const auto i = static_cast<std::size_t>(b);
+    const index_t sh = s.top_left ? 0 : kv_len[i] - q_len[i];
+    if (sh < 0) {
+      throw ConfigError("spec: with RoPE and bottom-right alignment, sequence " +
+                        std::to_string(b) + " has more queries (" + std::to_string(q_len[i]) +
+                        ") than keys (" + std::to_string(kv_len[i]) +
+                        "): its first queries would sit before position 0");
     }
-    cos = Tensor<Real>({end, rd / 2});
-    sin = Tensor<Real>({end, rd / 2});
-    rope_table(cos.data(), sin.data(), s.cfg, end);
+    shift.push_back(sh);
+    end = std::max(end, sh + s.seq);
   }
-  // Rotates (dir > 0) or rotates back (the gradient) q-shaped x into out, sequence by sequence.
-  void queries(Real* out, const Real* x, const Spec& s, bool back) const {
-    const index_t per = s.heads * s.seq * s.d_head;
-    for (index_t b = 0; b < s.batch; ++b) {
-      const index_t at = shift[static_cast<std::size_t>(b)] * (rd / 2);
-      if (back) {
-        rope_backward(out + b * per, x + b * per, cos.data() + at, sin.data() + at, s.heads, s.seq,
-                      s.d_head, rd, s.cfg.rope_style);
-      } else {
-        rope_forward(out + b * per, x + b * per, cos.data() + at, sin.data() + at, s.heads, s.seq,
-                     s.d_head, rd, s.cfg.rope_style);
-      }
-    }
-  }
-};
+  return Rotary<Real>(s.cfg, std::move(shift), end);
+}
 
 template <class Real>
 void run(RunContext<Real>& c) {
@@ -199,8 +178,8 @@ void run(RunContext<Real>& c) {
   const auto q = c.in("input.q"), k = c.in("input.k"), vv = c.in("input.v");
   const auto dc = c.in("grad.output.context");
   const bool split = s.own_lengths;
-  const auto& len = lengths_of(v, s, split ? "input.q_lengths" : "input.lengths");
-  const auto& kv_len = split ? lengths_of(v, s, "input.kv_lengths") : len;
+  const auto& len = spec_ints_of(v, s, split ? "input.q_lengths" : "input.lengths");
+  const auto& kv_len = split ? spec_ints_of(v, s, "input.kv_lengths") : len;
   const bool rope = s.cfg.positional == Positional::rope;
   const Tensor<Real> sinks = s.cfg.attn_sinks ? c.in("param.sinks") : Tensor<Real>();
   // The op's config has one head: its sizes and K/V heads come from the spec.
@@ -221,10 +200,10 @@ void run(RunContext<Real>& c) {
   Tensor<Real> qr, kr, dqr, dkr;
   std::optional<Rotary<Real>> rot;
   if (rope) {
-    rot.emplace(s, len, kv_len);
+    rot.emplace(rotary<Real>(s, len, kv_len));
     qr = c.zeros("output.q_rot");
     kr = c.zeros("output.k_rot");
-    rot->queries(qr.data(), q.data(), s, /*back=*/false);
+    rot->apply(qr.data(), q.data(), s.heads, s.seq, s.d_head, /*back=*/false);
     rope_forward(kr.data(), k.data(), rot->cos.data(), rot->sin.data(), s.batch * s.kv_heads,
                  s.kv_seq, s.d_head, rot->rd, s.cfg.rope_style);
     r["output.q_rot"] = qr;
@@ -272,7 +251,7 @@ void run(RunContext<Real>& c) {
     // in the forward pass this was: q_rot, k_rot = RoPE(q), RoPE(k)
     store(dqr, p, "the gradient of output.q_rot");
     store(dkr, p, "the gradient of output.k_rot");
-    rot->queries(r["grad.input.q"].data(), dqr.data(), s, /*back=*/true);
+    rot->apply(r["grad.input.q"].data(), dqr.data(), s.heads, s.seq, s.d_head, /*back=*/true);
     rope_backward(r["grad.input.k"].data(), dkr.data(), rot->cos.data(), rot->sin.data(),
                   s.batch * s.kv_heads, s.kv_seq, s.d_head, rot->rd, s.cfg.rope_style);
   }

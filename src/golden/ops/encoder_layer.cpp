@@ -76,7 +76,7 @@ void run(RunContext<Real>& c) {
   const auto p = c.p;
   const std::uint64_t seed = c.seed;
   const auto x = c.in("input.x"), dy = c.in("grad.output.y");
-  const auto& len = lengths_of(v, s);
+  const auto& len = spec_ints_of(v, s);
   LayerParams<Real> P, G;
   P.has_sinks = s.cfg.attn_sinks;
   P.visit([&](const std::string& n, Tensor<Real>& t) { t = c.in("param." + n); });

@@ -57,6 +57,19 @@ struct Spec {
   std::optional<std::pair<index_t, index_t>> full_kv_lengths;
   bool top_left = false, lse = false;
   std::optional<double> scale;
+  // attention_kvcache: each sequence's cached tokens, and the cache (contiguous: max_len rows per
+  // sequence; paged: num_pages pages of page_size rows, and the block table (B, max_pages), row
+  // by row).
+  struct KvCache {
+    std::vector<std::int64_t> cache_lengths;
+    bool paged = false;
+    index_t page_size = 0, num_pages = 0, max_pages = 0;
+    std::string page_order;  // in_order, reversed or shuffled; empty: the spec gives the table
+    std::vector<std::int64_t> block_table;
+  } kv;
+  // attention_merge: the parts, and those that are empty (lse -inf, context 0)
+  index_t parts = 0;
+  std::vector<std::int64_t> empty_parts;
   index_t vocab = 0, max_len = 0;
   EncoderConfig cfg;  // the model-config keys of the op, spelled as the config spells them
 };
@@ -86,6 +99,8 @@ class Reader {
   EncoderConfig config(const std::vector<const char*>& keys, const json& base);
   void finish() const;
   void use(const char* key) { used_.insert(key); }
+  // The value of a key the caller has checked is present.
+  const json& value(const char* key) const { return j_.at(key); }
   // The op the spec is for, whose keys a missing key's suggestion leaves out.
   void for_op(const OpDef* def) { def_ = def; }
   // ConfigError: the spec lacks `key` (naming an unread key of the spec it may be misspelled as).
@@ -153,13 +168,14 @@ const std::vector<T>& ints_of(const std::map<std::string, std::vector<T>>& m,
 // A golden's token ids and labels must lie in [0, hi): FormatError otherwise.
 void check_range(const std::vector<std::int64_t>& v, std::int64_t hi, const std::string& what);
 
-// The case's input.lengths, which must be the spec's (FormatError otherwise).
-// The spec's values of an I64 lengths tensor of a case (input.lengths and input.q_lengths: the
-// lengths; input.kv_lengths: the keys'), or null for any other name.
-const std::vector<std::int64_t>* spec_lengths(const Spec& s, const std::string& name);
-// The case's lengths tensor `name` (B values), FormatError unless it holds the spec's lengths.
-const std::vector<std::int64_t>& lengths_of(const Values& v, const Spec& s,
-                                            const std::string& name = "input.lengths");
+// The spec's values of an integer tensor of a case that the spec determines (input.lengths and
+// input.q_lengths: the lengths; input.kv_lengths: the keys'; input.cache_lengths and
+// input.block_table: the KV cache's), or null for any other name.
+const std::vector<std::int64_t>* spec_ints(const Spec& s, const std::string& name);
+// The case's integer tensor `name` that the spec determines, FormatError unless it holds the
+// spec's values.
+const std::vector<std::int64_t>& spec_ints_of(const Values& v, const Spec& s,
+                                              const std::string& name = "input.lengths");
 
 // Rounds a result to p's storage format where a bf16 or fp16 backend stores it; RangeError
 // naming it on an fp16 overflow.
@@ -219,6 +235,9 @@ struct OpDef {
   bool lengths_per_row = false;
   // Reads the op's sizes and options (after its config keys, which are in s.cfg).
   void (*parse)(Spec& s, Reader& r) = nullptr;
+  // Completes the spec once its size has been accepted (what is too big to build before), or
+  // null.
+  void (*fill)(Spec& s) = nullptr;
   // Writes the op's sizes, then (after the lengths and config keys) its options, normalised.
   void (*write_sizes)(const Spec& s, ojson& j) = nullptr;
   void (*write_options)(const Spec& s, ojson& j) = nullptr;
@@ -234,6 +253,8 @@ struct OpDef {
   // Forward, then backward, into c.r.
   void (*run_float)(RunContext<float>& c) = nullptr;
   void (*run_double)(RunContext<double>& c) = nullptr;
+  // Forward only (serving has no backward): the case has no upstream or input gradients.
+  bool forward_only = false;
   // Small specs of the op (its keys without op, dtype and seed), as JSON, that the generic tests
   // run through every op: finite differences of the backward, the bad-spec table. Together they
   // reach every branch of the op's run (each option, each path).
@@ -251,6 +272,8 @@ const OpDef& layer_norm_op();
 const OpDef& softmax_op();
 const OpDef& activation_op();
 const OpDef& attention_op();
+const OpDef& attention_kvcache_op();
+const OpDef& attention_merge_op();
 const OpDef& embedding_op();
 const OpDef& pooling_op();
 const OpDef& cross_entropy_op();

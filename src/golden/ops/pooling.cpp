@@ -37,7 +37,7 @@ void run(RunContext<Real>& c) {
   auto& r = c.r;
   const Values& v = c.v;
   const auto x = c.in("input.x"), dy = c.in("grad.output.pooled");
-  const auto& len = lengths_of(v, s);
+  const auto& len = spec_ints_of(v, s);
   std::vector<std::int64_t> argmax(static_cast<std::size_t>(s.batch * s.cols), -1);
   pooling_forward(r["output.pooled"].data(), argmax.data(), x.data(), len.data(), s.batch, s.seq,
                   s.cols, s.cfg.pooling);

@@ -17,7 +17,7 @@ except ImportError:  # pragma: no cover - depends on the environment
     BFLOAT16 = None
 
 _NUMPY = {"F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
-          "I64": np.dtype("<i8"), "U8": np.dtype("u1"), "BF16": np.dtype("<u2"),
+          "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "U8": np.dtype("u1"), "BF16": np.dtype("<u2"),
           "F8_E4M3": np.dtype("u1"), "F8_E5M2": np.dtype("u1")}
 
 _bf16_warned = False  # the warning that BF16 loads as uint16 is given once per process
@@ -146,12 +146,13 @@ def st_dtype(name, a):
     if BFLOAT16 is not None and d == BFLOAT16:
         return "BF16"
     table = {np.dtype(np.float64): "F64", np.dtype(np.float32): "F32",
-             np.dtype(np.float16): "F16", np.dtype(np.int64): "I64", np.dtype(np.uint8): "U8",
+             np.dtype(np.float16): "F16", np.dtype(np.int64): "I64", np.dtype(np.int32): "I32",
+             np.dtype(np.uint8): "U8",
              np.dtype(np.bool_): "U8"}
     if d.newbyteorder("=") in table:
         return table[d.newbyteorder("=")]
     raise ConfigError("tensor %s has dtype %s; teo reads float64, float32, float16, bfloat16 "
-                      "(ml_dtypes or torch), int64 and uint8" % (name, d))
+                      "(ml_dtypes or torch), int64, int32 and uint8" % (name, d))
 
 
 def wire_of(tensors, bits=None):

@@ -55,8 +55,9 @@ def _call(op, spec, inputs, upstream, precision=None, backend=None, threads=None
         raise ConfigError("the inputs of %s are %s; teo.ops takes float32 or float64" % (op, dtype))
     spec = json_value(dict(spec, dtype=dtype, seed=0))
     contract = _teo.op_contract(op, spec)
+    backward = any(name.startswith("grad.") for name, _, _ in contract)  # else forward only
     for name, shape, optional in contract:
-        if optional or not name.startswith("output."):
+        if optional or not backward or not name.startswith("output."):
             continue
         g = upstream.get(name)
         arrays["grad." + name] = (np.ones(shape, dtype=dtype) if g is None
@@ -182,6 +183,82 @@ def attention(q, k, v, lengths=None, *, kv_lengths=None, causal=False, causal_al
     if lse is not None:
         spec["lse"] = bool(lse)
     return _call("attention", spec, inputs, {"output.context": grad_context}, **kw)
+
+
+@_public(*ATTENTION_VARIANT_KEYS)
+def attention_kvcache(q, k_new, v_new, cache_lengths, *, k_cache=None, v_cache=None,
+                      k_pages=None, v_pages=None, block_table=None, causal=True, scale=None,
+                      lse=True, sinks=None, **kw):
+    """One serving step, forward only: k_new and v_new (B, Hkv, Sq, Dh|Dv) are appended to each
+    sequence's cache at position cache_lengths[b] + i, RoPE (when positional="rope") rotates the
+    new q (B, H, Sq, Dh) and keys at those positions, and the queries attend bottom-right to the
+    cache_lengths[b] + Sq tokens. The cache is contiguous, k_cache and v_cache (B, Hkv, max_len,
+    Dh|Dv), or paged, k_pages and v_pages (num_pages, page_size, Hkv, Dh|Dv) with block_table
+    (B, max_pages) of page indices. Returns output.context, output.lse (unless lse=False), the
+    updated cache (output.k_cache/v_cache or output.k_pages/v_pages) and, with RoPE,
+    output.q_rot. The attention variants are keywords, as in attention()."""
+    from . import ConfigError
+    what = "attention_kvcache"
+    paged = k_pages is not None or v_pages is not None or block_table is not None
+    if paged and (k_cache is not None or v_cache is not None):
+        raise ConfigError("teo.ops.attention_kvcache takes k_cache and v_cache (contiguous) or "
+                          "k_pages, v_pages and block_table (paged), not both")
+    q, k_new, v_new = (_real(a, n, what) for a, n in ((q, "q"), (k_new, "k_new"),
+                                                        (v_new, "v_new")))
+    b, h, s, dh = q.shape
+    kv_heads, dv = k_new.shape[1], v_new.shape[3]
+    cache_lengths = _ints(cache_lengths)
+    spec = {"batch": b, "num_heads": h, "q_len": s, "d_head": dh, "causal": causal,
+            "cache_lengths": cache_lengths, "lse": bool(lse)}
+    inputs = {"input.q": q, "input.k_new": k_new, "input.v_new": v_new,
+              "input.cache_lengths": np.asarray(cache_lengths, dtype=np.int64),
+              "param.sinks": sinks}
+    if paged:
+        if k_pages is None or v_pages is None or block_table is None:
+            raise ConfigError("a paged cache needs k_pages, v_pages and block_table")
+        k_pages, v_pages = _real(k_pages, "k_pages", what), _real(v_pages, "v_pages", what)
+        table = as_array(block_table).astype(np.int64)
+        if table.ndim != 2:
+            from . import ShapeError
+            raise ShapeError("block_table must be (batch, max_pages), got shape %s"
+                             % (table.shape,))
+        spec.update(layout="paged", page_size=int(k_pages.shape[1]),
+                    num_pages=int(k_pages.shape[0]), block_table=table.tolist())
+        inputs.update({"input.k_pages": k_pages, "input.v_pages": v_pages,
+                       "input.block_table": table.astype(np.int32)})
+    else:
+        if k_cache is None or v_cache is None:
+            raise ConfigError("teo.ops.attention_kvcache needs k_cache and v_cache, or "
+                              "k_pages, v_pages and block_table")
+        k_cache, v_cache = _real(k_cache, "k_cache", what), _real(v_cache, "v_cache", what)
+        spec["max_len"] = int(k_cache.shape[2])
+        inputs.update({"input.k_cache": k_cache, "input.v_cache": v_cache})
+    if dv != dh:
+        spec["d_head_v"] = int(dv)
+    if kv_heads != h:
+        spec["num_kv_heads"] = int(kv_heads)
+    for key in ATTENTION_VARIANT_KEYS:
+        if key in kw:
+            spec[key] = kw.pop(key)
+    if sinks is not None:
+        spec["attn_sinks"] = True
+    if scale is not None:
+        spec["scale"] = scale
+    return _call(what, spec, inputs, {}, **kw)
+
+
+@_public()
+def attention_merge(context_parts, lse_parts, *, grad_context=None, grad_lse=None, **kw):
+    """The split-KV combine: context_parts (P, B, H, Sq, Dv) and lse_parts (P, B, H, Sq), each
+    part's attention over its share of the keys, merge into output.lse = log sum_p exp(lse_p)
+    and output.context = sum_p exp(lse_p - lse) context_p; a part with lse -inf contributes
+    nothing. The backward gives grad.input.context_parts and grad.input.lse_parts."""
+    what = "attention_merge"
+    c, l = _real(context_parts, "context_parts", what), _real(lse_parts, "lse_parts", what)
+    p, b, h, s, dv = c.shape
+    spec = {"num_parts": p, "batch": b, "num_heads": h, "q_len": s, "d_head_v": dv}
+    return _call(what, spec, {"input.context_parts": c, "input.lse_parts": l},
+                 {"output.context": grad_context, "output.lse": grad_lse}, **kw)
 
 
 @_public()

@@ -1,0 +1,396 @@
+// The attention_kvcache op (docs/golden-format.md, "Op cases"): one serving step. The new tokens'
+// keys and values are appended to a contiguous or paged KV cache at each sequence's cache length,
+// RoPE rotates the new queries and keys at those positions, and the queries attend to everything
+// cached so far, bottom-right causal. Forward only.
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "golden/ops/op.hpp"
+#include "golden/ops/rotary.hpp"
+#include "model/model_internal.hpp"
+#include "teo/layers/attention.hpp"
+#include "teo/rng.hpp"
+
+namespace teo::golden::ops {
+
+namespace {
+
+index_t pages_for(index_t tokens, index_t page_size) {
+  return (tokens + page_size - 1) / page_size;
+}
+
+// The pages each sequence uses once the step's tokens are appended.
+std::vector<index_t> pages_used(const Spec& s) {
+  std::vector<index_t> used;
+  used.reserve(s.kv.cache_lengths.size());
+  for (auto c : s.kv.cache_lengths) used.push_back(pages_for(c + s.seq, s.kv.page_size));
+  return used;
+}
+
+// An explicit block table: B rows of max_pages entries in [0, num_pages) (num_pages: the given
+// one, else the largest entry + 1); each sequence's used entries are pages no other entry in use
+// names.
+void parse_block_table(Spec& s, Reader& r, const json& t) {
+  auto& kv = s.kv;
+  if (!t.is_array() || static_cast<index_t>(t.size()) != s.batch) {
+    throw ShapeError("spec.block_table must be an array of batch = " + std::to_string(s.batch) +
+                     " rows");
+  }
+  kv.max_pages = -1;
+  std::int64_t top = -1;
+  for (const auto& row : t) {
+    if (!row.is_array() || row.empty() ||
+        (kv.max_pages >= 0 && static_cast<index_t>(row.size()) != kv.max_pages)) {
+      throw ShapeError("spec.block_table's rows must be non-empty arrays of one length");
+    }
+    kv.max_pages = static_cast<index_t>(row.size());
+    for (const auto& e : row) {
+      if (!e.is_number_integer() || e.get<std::int64_t>() < 0 ||
+          e.get<std::int64_t>() >= (std::int64_t{1} << 31) - 1) {
+        throw ConfigError("spec.block_table must hold page indices in [0, 2^31 - 1), got " +
+                          e.dump());
+      }
+      kv.block_table.push_back(e.get<std::int64_t>());
+      top = std::max(top, e.get<std::int64_t>());
+    }
+  }
+  if (kv.max_pages < 0) kv.max_pages = 1;  // no sequences
+  kv.num_pages = r.has("num_pages") ? r.size("num_pages", 1) : top + 1;
+  if (top >= kv.num_pages) {
+    throw ShapeError("spec.block_table names page " + std::to_string(top) +
+                     ", beyond num_pages = " + std::to_string(kv.num_pages));
+  }
+}
+
+// The block table of a page order: sequence by sequence, its used entries take the next pages of
+// the order (0, 1, ... in order; num_pages - 1, ... reversed; a fixed permutation of the pages,
+// shuffled), and its unused entries page 0.
+void order_block_table(Spec& s) {
+  auto& kv = s.kv;
+  std::vector<index_t> order(static_cast<std::size_t>(kv.num_pages));
+  std::iota(order.begin(), order.end(), index_t{0});
+  if (kv.page_order == "reversed") std::reverse(order.begin(), order.end());
+  if (kv.page_order == "shuffled") {
+    // Fisher-Yates from the end, drawn from the generator's stream "block_table" at seed 0: the
+    // table is the spec's, whatever the case's seed
+    for (std::size_t i = order.size(); i > 1; --i) {
+      const double u = rng::uniform01(0, rng::stream_id("block_table"), i);
+      const auto j = std::min(i - 1, static_cast<std::size_t>(u * static_cast<double>(i)));
+      std::swap(order[i - 1], order[j]);
+    }
+  }
+  kv.block_table.assign(static_cast<std::size_t>(s.batch * kv.max_pages), 0);
+  std::size_t next = 0;
+  const auto used = pages_used(s);
+  for (index_t b = 0; b < s.batch; ++b)
+    for (index_t p = 0; p < used[static_cast<std::size_t>(b)]; ++p)
+      kv.block_table[static_cast<std::size_t>(b * kv.max_pages + p)] = order[next++];
+}
+
+void parse(Spec& s, Reader& r) {
+  auto& kv = s.kv;
+  s.batch = r.size("batch", 0);
+  s.heads = r.size("num_heads", 1);
+  s.seq = r.size("q_len", 1);
+  s.d_head = r.size("d_head", 1);
+  s.d_head_v = r.has("d_head_v") ? r.size("d_head_v", 1) : s.d_head;
+  s.kv_heads = r.has("num_kv_heads") ? r.size("num_kv_heads", 1) : s.heads;
+  if (s.heads % s.kv_heads != 0) {
+    throw ConfigError("spec.num_kv_heads must divide num_heads = " + std::to_string(s.heads) +
+                      ", got " + std::to_string(s.kv_heads));
+  }
+  s.scale = r.number("scale");
+  kv.paged = r.choice("layout", {"contiguous", "paged"}, "contiguous") == "paged";
+  for (const char* k : kv.paged ? std::vector<const char*>{"max_len"}
+                                : std::vector<const char*>{"page_size", "num_pages", "max_pages",
+                                                           "page_order", "block_table"}) {
+    if (r.has(k)) {
+      throw ConfigError(std::string("spec.") + k + " goes with layout \"" +
+                        (kv.paged ? "contiguous" : "paged") + "\"");
+    }
+  }
+  if (!r.has("cache_lengths")) r.missing("cache_lengths");
+  std::optional<std::pair<index_t, index_t>> unused;
+  if (!kv.paged) {
+    s.max_len = r.size("max_len", s.seq);
+    kv.cache_lengths = r.prefix_lengths("cache_lengths", s.batch, s.max_len - s.seq, unused);
+  } else {
+    kv.page_size = r.size("page_size", 1);
+    kv.cache_lengths = r.prefix_lengths("cache_lengths", s.batch, kMaxDim - s.seq, unused);
+    const auto used = pages_used(s);
+    const index_t most = used.empty() ? 1 : *std::max_element(used.begin(), used.end());
+    if (r.has("block_table")) {
+      if (r.has("page_order") || r.has("max_pages")) {
+        throw ConfigError(
+            "spec.block_table gives the table: page_order and max_pages go without one");
+      }
+      r.use("block_table");
+      parse_block_table(s, r, r.value("block_table"));
+    } else {
+      kv.page_order = r.choice("page_order", {"shuffled", "in_order", "reversed"}, "shuffled");
+      kv.max_pages = r.has("max_pages") ? r.size("max_pages", 1) : std::max<index_t>(most, 1);
+      index_t total = 0;
+      for (auto u : used) total += u;
+      kv.num_pages = r.has("num_pages") ? r.size("num_pages", 1) : std::max<index_t>(total, 1);
+      if (total > kv.num_pages) {
+        throw ShapeError("spec.num_pages = " + std::to_string(kv.num_pages) +
+                         " is fewer than the " + std::to_string(total) + " pages in use");
+      }
+    }
+    for (index_t b = 0; b < s.batch; ++b) {
+      const auto i = static_cast<std::size_t>(b);
+      if (used[i] > kv.max_pages) {
+        throw ShapeError("spec: sequence " + std::to_string(b) + " needs " +
+                         std::to_string(used[i]) + " pages for its " +
+                         std::to_string(kv.cache_lengths[i] + s.seq) +
+                         " tokens, and its block table row has " + std::to_string(kv.max_pages));
+      }
+    }
+    if (!kv.block_table.empty()) {
+      // the used entries of an explicit table: distinct pages
+      std::vector<index_t> owner(static_cast<std::size_t>(kv.num_pages), -1);
+      for (index_t b = 0; b < s.batch; ++b) {
+        for (index_t p = 0; p < used[static_cast<std::size_t>(b)]; ++p) {
+          const auto page = kv.block_table[static_cast<std::size_t>(b * kv.max_pages + p)];
+          auto& o = owner[static_cast<std::size_t>(page)];
+          if (o >= 0) {
+            throw ConfigError("spec.block_table gives page " + std::to_string(page) +
+                              " to two entries in use (sequences " + std::to_string(o) + " and " +
+                              std::to_string(b) + ")");
+          }
+          o = b;
+        }
+      }
+    }
+    s.max_len = checked_mul(kv.max_pages, kv.page_size, "the paged cache's capacity");
+  }
+  // the keys: each sequence's cached tokens and the new ones
+  s.kv_seq = s.seq;
+  for (auto c : kv.cache_lengths) s.kv_seq = std::max(s.kv_seq, c + s.seq);
+  attention_positions(s, "attention_kvcache");
+  if (s.cfg.positional == Positional::rope && s.cfg.rope_scaling.type == RopeScalingType::ntk) {
+    throw ConfigError(
+        "spec.rope_scaling \"ntk\" (dynamic) is not defined for a KV cache step: its base "
+        "follows the sequence's end");
+  }
+  s.lse = r.flag("lse", true);
+}
+
+void fill(Spec& s) {
+  if (s.kv.paged && s.kv.block_table.empty()) order_block_table(s);
+}
+
+void write_sizes(const Spec& s, ojson& j) {
+  const auto& kv = s.kv;
+  j["batch"] = s.batch;
+  j["num_heads"] = s.heads;
+  j["q_len"] = s.seq;
+  j["d_head"] = s.d_head;
+  if (s.d_head_v != s.d_head) j["d_head_v"] = s.d_head_v;
+  if (s.kv_heads != s.heads) j["num_kv_heads"] = s.kv_heads;
+  j["layout"] = kv.paged ? "paged" : "contiguous";
+  if (kv.paged) {
+    j["page_size"] = kv.page_size;
+    j["num_pages"] = kv.num_pages;
+  } else {
+    j["max_len"] = s.max_len;
+  }
+  j["cache_lengths"] = kv.cache_lengths;
+}
+
+void write_options(const Spec& s, ojson& j) {
+  const auto& kv = s.kv;
+  if (kv.paged && !kv.page_order.empty()) {
+    j["max_pages"] = kv.max_pages;
+    j["page_order"] = kv.page_order;
+  } else if (kv.paged) {
+    ojson t = ojson::array();
+    for (index_t b = 0; b < s.batch; ++b) {
+      const auto* row = kv.block_table.data() + b * kv.max_pages;
+      t.push_back(std::vector<std::int64_t>(row, row + kv.max_pages));
+    }
+    j["block_table"] = t;
+  }
+  j["scale"] = s.scale ? *s.scale : 1.0 / std::sqrt(static_cast<double>(s.d_head));
+  j["lse"] = s.lse;
+}
+
+// The cache's shape for a head size d: (B, Hkv, max_len, d) or (num_pages, page_size, Hkv, d).
+Dims cache_dims(const Spec& s, index_t d) {
+  if (s.kv.paged) return {s.kv.num_pages, s.kv.page_size, s.kv_heads, d};
+  return {s.batch, s.kv_heads, s.max_len, d};
+}
+
+void tensors(const Spec& s, OpTensors& t) {
+  const bool paged = s.kv.paged;
+  const Dims q = {s.batch, s.heads, s.seq, s.d_head};
+  t.in.push_back(float_slot("input.q", q, Role::input));
+  t.in.push_back(float_slot("input.k_new", {s.batch, s.kv_heads, s.seq, s.d_head}, Role::input));
+  t.in.push_back(float_slot("input.v_new", {s.batch, s.kv_heads, s.seq, s.d_head_v}, Role::input));
+  const std::string k = paged ? "k_pages" : "k_cache", v = paged ? "v_pages" : "v_cache";
+  t.in.push_back(float_slot("input." + k, cache_dims(s, s.d_head), Role::input));
+  t.in.push_back(float_slot("input." + v, cache_dims(s, s.d_head_v), Role::input));
+  t.fixed.push_back({"input.cache_lengths", DType::I64, {s.batch}, Role::input});
+  if (paged) {
+    t.fixed.push_back({"input.block_table", DType::I32, {s.batch, s.kv.max_pages}, Role::input});
+  }
+  if (s.cfg.attn_sinks) t.in.push_back(float_slot("param.sinks", {s.heads}, Role::param));
+  // In pipeline order: the rotated queries, the append, then the attention.
+  if (s.cfg.positional == Positional::rope) {
+    t.out.push_back(float_slot("output.q_rot", q, Role::output));
+    t.out.back().optional = true;
+  }
+  t.out.push_back(float_slot("output." + k, cache_dims(s, s.d_head), Role::output));
+  t.out.push_back(float_slot("output." + v, cache_dims(s, s.d_head_v), Role::output));
+  if (s.lse) {
+    t.out.push_back(float_slot("output.lse", {s.batch, s.heads, s.seq}, Role::output));
+    t.out.back().optional = true;
+  }
+  t.out.push_back(
+      float_slot("output.context", {s.batch, s.heads, s.seq, s.d_head_v}, Role::output));
+}
+
+index_t longest_reduction(const Spec& s) {
+  return std::max({s.kv_seq, s.d_head, s.d_head_v});
+}
+
+double working_bytes(const Spec& s) {
+  // the keys and values gathered per sequence (unless the contiguous cache is read in place), and
+  // the rotated new keys
+  const auto d = [](index_t x) { return static_cast<double>(x); };
+  const bool gather = s.kv.paged || s.kv_seq != s.max_len;
+  const double kv =
+      gather ? d(s.batch) * d(s.kv_heads) * d(s.kv_seq) * d(s.d_head + s.d_head_v) : 0.0;
+  return 8 * (kv + d(s.batch) * d(s.kv_heads) * d(s.seq) * d(s.d_head));
+}
+
+// Where row t of sequence b, K/V head g, sits in a cache of head size d.
+struct CacheIndex {
+  const Spec& s;
+  const std::int64_t* table;
+  index_t operator()(index_t b, index_t g, index_t t, index_t d) const {
+    const auto& kv = s.kv;
+    if (!kv.paged) return ((b * s.kv_heads + g) * s.max_len + t) * d;
+    const index_t page = table[b * kv.max_pages + t / kv.page_size];
+    return ((page * kv.page_size + t % kv.page_size) * s.kv_heads + g) * d;
+  }
+};
+
+template <class Real>
+void run(RunContext<Real>& c) {
+  const Spec& s = c.s;
+  auto& r = c.r;
+  const bool paged = s.kv.paged;
+  const std::string k_in = paged ? "input.k_pages" : "input.k_cache";
+  const std::string v_in = paged ? "input.v_pages" : "input.v_cache";
+  const std::string k_out = paged ? "output.k_pages" : "output.k_cache";
+  const std::string v_out = paged ? "output.v_pages" : "output.v_cache";
+  const auto q = c.in("input.q"), k_new = c.in("input.k_new"), v_new = c.in("input.v_new");
+  const auto& cache = spec_ints_of(c.v, s, "input.cache_lengths");
+  const CacheIndex at{s, paged ? spec_ints_of(c.v, s, "input.block_table").data() : nullptr};
+  const index_t B = s.batch, Hkv = s.kv_heads, Sq = s.seq, Dh = s.d_head, Dv = s.d_head_v;
+  // RoPE: new token i of sequence b at position cache_lengths[b] + i
+  const bool rope = s.cfg.positional == Positional::rope;
+  Tensor<Real> k_rot;
+  if (rope) {
+    const Rotary<Real> rot(s.cfg, std::vector<index_t>(cache.begin(), cache.end()), s.kv_seq);
+    rot.apply(r.at("output.q_rot").data(), q.data(), s.heads, Sq, Dh, /*back=*/false);
+    c.done("output.q_rot");
+    k_rot = c.zeros("input.k_new");
+    rot.apply(k_rot.data(), k_new.data(), Hkv, Sq, Dh, /*back=*/false);
+  }
+  // The append: new token i of sequence b is row cache_lengths[b] + i of its cache.
+  r.at(k_out) = c.in(k_in);
+  r.at(v_out) = c.in(v_in);
+  Real* kc = r.at(k_out).data();
+  Real* vc = r.at(v_out).data();
+  const Real* kn = rope ? k_rot.data() : k_new.data();
+  for (index_t b = 0; b < B; ++b)
+    for (index_t g = 0; g < Hkv; ++g)
+      for (index_t i = 0; i < Sq; ++i) {
+        const index_t t = cache[static_cast<std::size_t>(b)] + i, n = (b * Hkv + g) * Sq + i;
+        std::copy_n(kn + n * Dh, Dh, kc + at(b, g, t, Dh));
+        std::copy_n(v_new.data() + n * Dv, Dv, vc + at(b, g, t, Dv));
+      }
+  c.done(k_out);
+  c.done(v_out);
+  // The attention reads each sequence's first cache_lengths[b] + Sq rows: in place from a
+  // contiguous cache as long as the longest, else gathered into (B, Hkv, L, D), zero past them.
+  const index_t L = s.kv_seq;
+  std::vector<std::int64_t> q_len(static_cast<std::size_t>(B), Sq), kv_len;
+  kv_len.reserve(static_cast<std::size_t>(B));
+  for (auto x : cache) kv_len.push_back(x + Sq);
+  Tensor<Real> kg, vg;
+  const Real *keys = kc, *values = vc;
+  if (paged || L != s.max_len) {
+    kg = Tensor<Real>({B, Hkv, L, Dh});
+    vg = Tensor<Real>({B, Hkv, L, Dv});
+    for (index_t b = 0; b < B; ++b)
+      for (index_t g = 0; g < Hkv; ++g)
+        for (index_t t = 0; t < kv_len[static_cast<std::size_t>(b)]; ++t) {
+          const index_t n = (b * Hkv + g) * L + t;
+          std::copy_n(kc + at(b, g, t, Dh), Dh, kg.data() + n * Dh);
+          std::copy_n(vc + at(b, g, t, Dv), Dv, vg.data() + n * Dv);
+        }
+    keys = kg.data();
+    values = vg.data();
+  }
+  const Tensor<Real> sinks = s.cfg.attn_sinks ? c.in("param.sinks") : Tensor<Real>();
+  AttentionArgs<Real> args = teo::detail::attention_args(s.cfg, B, Sq, q_len.data(), sinks.data(),
+                                                         static_cast<Real*>(nullptr));
+  args.heads = s.heads;
+  args.d_head = Dh;
+  args.d_head_v = Dv;
+  args.scale = s.scale;
+  args.variant.kv_heads = Hkv;
+  args.kv_len = L;
+  args.kv_lengths = kv_len.data();
+  args.causal_align = CausalAlign::bottom_right;
+  attention_forward_rows(args, {.context = r.at("output.context").data(),
+                                .lse = s.lse ? r.at("output.lse").data() : nullptr,
+                                .q = rope ? r.at("output.q_rot").data() : q.data(),
+                                .k = keys,
+                                .v = values});
+  if (s.lse) c.done("output.lse");
+  c.done("output.context");
+}
+
+}  // namespace
+
+const OpDef& attention_kvcache_op() {
+  static const OpDef def{
+      .name = "attention_kvcache",
+      .config_keys = {"causal", "positional", "rope_style", "rotary_dim", "rope_base",
+                      "rope_scaling", "alibi_max_bias", "position_offset", "sliding_window",
+                      "attn_logit_softcap", "attn_sinks"},
+      .base_config = json{{"num_layers", 0},
+                          {"vocab_size", 1},
+                          {"num_classes", 1},
+                          {"d_ff", 1},
+                          {"max_len", 1},
+                          {"num_heads", 1},
+                          {"d_model", 32768},
+                          {"positional", "none"},
+                          {"causal", true}},
+      .parse = parse,
+      .fill = fill,
+      .write_sizes = write_sizes,
+      .write_options = write_options,
+      .tensors = tensors,
+      .longest_reduction = longest_reduction,
+      .working_bytes = working_bytes,
+      .run_float = run<float>,
+      .run_double = run<double>,
+      .forward_only = true,
+      .samples =
+          {R"({"batch": 2, "num_heads": 2, "q_len": 2, "d_head": 3, "max_len": 6, "cache_lengths": [4, 1]})",
+           R"({"batch": 3, "num_heads": 4, "num_kv_heads": 2, "q_len": 3, "d_head": 4, "d_head_v": 3, "layout": "paged", "page_size": 2, "cache_lengths": [0, 5, 2], "positional": "rope", "attn_sinks": true, "sliding_window": 4, "attn_logit_softcap": 2.0})",
+           R"({"batch": 2, "num_heads": 2, "q_len": 1, "d_head": 2, "layout": "paged", "page_size": 3, "num_pages": 5, "block_table": [[4, 0], [2, 2]], "cache_lengths": [3, 0], "positional": "alibi", "causal": false, "lse": false})"},
+  };
+  return def;
+}
+
+}  // namespace teo::golden::ops

@@ -21,7 +21,7 @@ namespace teo::golden {
 inline constexpr const char* kOpFormat = "teo-op/1";
 
 // The ops, in the order the docs list them: linear, layer_norm, softmax, activation, attention,
-// embedding, pooling, cross_entropy, dropout, encoder_layer.
+// attention_kvcache, attention_merge, embedding, pooling, cross_entropy, dropout, encoder_layer.
 const std::vector<std::string>& op_names();
 
 // One op case: the op and its spec. The spec holds the shapes, the op's options, dtype
@@ -85,7 +85,7 @@ std::vector<ContractTensor> op_contract(const OpCase& c);
 std::vector<std::string> op_spec_keys(const std::string& op);
 
 // Every optional output an op may write under some spec (attention's scores, probs, lse, q_rot
-// and k_rot), whether or not a given case holds it.
+// and k_rot; attention_kvcache's q_rot and lse), whether or not a given case holds it.
 std::vector<std::string> op_optional_outputs(const std::string& op);
 
 // One entry of golden/ops/cases.json: {"cases": [{"name", "description", "op", <spec keys>}]}.

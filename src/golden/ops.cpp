@@ -316,21 +316,22 @@ std::int64_t numel(const Dims& d) {
 std::uint64_t bytes_of(const Spec& s, bool f32) {
   // In double: an estimate for a limit, which must not wrap around for absurd sizes.
   const double real = f32 ? 4 : 8;
-  double file = 0, floats = 0;
+  double file = 0, given = 0, results = 0;
   for (const auto& t : layout(s)) {
     const auto n = static_cast<double>(numel(t.shape));
     if (t.dtype == DType::F64) {
       file += n * (real + (real == 4 && is_result(t.role) ? 8 : 0));
-      floats += n;
+      (is_result(t.role) ? results : given) += n;
     } else {
       file += n * static_cast<double>(safetensors::dtype_size(t.dtype));
     }
   }
-  // The run's working tensors: the values as doubles, the results in Real and in double, plus
-  // what the op holds beyond them.
-  double work = floats * 8 * 3;
+  // The run's working tensors: the drawn values as doubles, and in each run (Real; a float32
+  // case's float64 run too) the op's copies of them and its results; plus what the op holds
+  // beyond them. Writing the file out holds it twice.
+  double work = given * 8 + (given + results) * (f32 ? 4 + 8 : 8);
   if (s.def->working_bytes) work += s.def->working_bytes(s);
-  const double total = file + work;
+  const double total = std::max(file + work, 2 * file);
   return total >= 0x1p64 ? ~std::uint64_t{0} : static_cast<std::uint64_t>(total);
 }
 

@@ -265,11 +265,12 @@ void score_rows(Real* sc, Real* pr, Real* raw, Real* psink, Real* lse, const Rea
 }
 
 // dscores (rows, Skv) for query rows whose probs (rows, Skv) are pr, from dcontext rows dc (stride
-// ldc): dprobs = dcontext v^T (through the dropout when there is one), then the softmax's backward.
+// ldc): dprobs = dcontext v^T (through the dropout when there is one), then the softmax's backward,
+// plus probs * dlse when the rows' lse has an upstream gradient dlse (rows).
 template <class Real>
 void score_grad_rows(Real* dp, Real* ds, const Real* pr, const Real* dc, index_t ldc,
                      const Real* vh, const std::uint8_t* m, Real drop_scale, index_t rows,
-                     index_t skv, index_t d_v) {
+                     index_t skv, index_t d_v, const Real* dlse) {
   // dpv (rows, Skv) = dcontext (rows, Dv) * v^T (Dv, Skv); then through the dropout
   gemm<Real>(Trans::no, Trans::yes, rows, skv, d_v, Real(1), dc, ldc, vh, d_v, Real(0), dp, skv);
   if (m) {
@@ -279,22 +280,29 @@ void score_grad_rows(Real* dp, Real* ds, const Real* pr, const Real* dc, index_t
   // in the forward pass this was: probs = softmax(scores)
   // dscores = probs * (dprobs - sum_j probs * dprobs); 0 wherever probs is 0 (masked).
   softmax_backward(ds, dp, pr, rows, skv);
+  // and lse = log sum exp(scores): dscores += probs * dlse (0 where masked)
+  if (dlse) {
+    for (index_t i = 0; i < rows; ++i)
+      for (index_t j = 0; j < skv; ++j) ds[i * skv + j] += pr[i * skv + j] * dlse[i];
+  }
   store_rows(ds, rows * skv, "scores");
 }
 
 // The variant's part of the backward for `rows` rows: adds the sinks' gradient of these rows to
-// *dsink (the sink's dprobs is 0, so each row gives -psink * sum_j probs dprobs), and returns the
+// *dsink (the sink's dprobs is 0, so each row gives -psink * sum_j probs dprobs, and psink * dlse
+// through the lse when dlse is not null), and returns the
 // gradient of the scaled scores before the cap: dscores (1 - tanh^2(raw / c)) in dsr, or dscores
 // itself without a cap.
 template <class Real>
 const Real* variant_grad_rows(Real* dsr, Real* dsink, const Real* ds, const Real* dp,
                               const Real* pr, const Real* raw, const Real* psink, index_t rows,
-                              index_t cols, const HeadRule<Real>& rule) {
+                              index_t cols, const HeadRule<Real>& rule, const Real* dlse) {
   if (rule.sunk) {
     for (index_t i = 0; i < rows; ++i) {
       Real dot = 0;
       for (index_t j = 0; j < cols; ++j) dot += pr[i * cols + j] * dp[i * cols + j];
       *dsink -= psink[i] * dot;
+      if (dlse) *dsink += psink[i] * dlse[i];  // the sink is in lse's sum
     }
   }
   if (!rule.capped) return ds;
@@ -464,7 +472,8 @@ void attention_backward(const AttentionArgs<Real>& a, const AttentionBackward<Re
       // dv (Skv, Dv) += pv^T (Skv, Sq) * dcontext (Sq, Dv)
       gemm<Real>(Trans::yes, Trans::no, skv, d_v, sq, Real(1), pv, skv, dc, ldc, bkv, dv + voff,
                  d_v);
-      score_grad_rows(dp, ds, pr, dc, ldc, v + voff, m, drop_scale, sq, skv, d_v);
+      const Real* dl = t.dlse ? t.dlse + bh * sq : nullptr;  // (Sq)
+      score_grad_rows(dp, ds, pr, dc, ldc, v + voff, m, drop_scale, sq, skv, d_v, dl);
       if (rules.recompute()) {
         score_rows(sc.data(), pr2.data(), rule.capped ? raw.data() : nullptr, psink.data(),
                    static_cast<Real*>(nullptr), q + off, k + koff, seq_rule(a, bh / heads), 0, sq,
@@ -472,7 +481,7 @@ void attention_backward(const AttentionArgs<Real>& a, const AttentionBackward<Re
       }
       Real dsink = 0;
       const Real* dsq = variant_grad_rows(dsr.data(), &dsink, ds, dp, pr, raw.data(), psink.data(),
-                                          sq, skv, rule);
+                                          sq, skv, rule, dl);
       if (rule.sunk) sink_part[static_cast<std::size_t>(bh)] = dsink;
       // in the forward pass this was: scores = alpha * q * k^T
       // dq (Sq, Dh) += alpha * dscores (Sq, Skv) * k (Skv, Dh)
@@ -561,10 +570,11 @@ void attention_backward_rows(const AttentionArgs<Real>& a, const AttentionBackwa
         // dv (Skv, Dv) += probs^T (Skv, rows) * dcontext (rows, Dv)
         gemm<Real>(Trans::yes, Trans::no, skv, d_v, rows, Real(1), pr.data(), skv, dc, d_v, b,
                    dv + voff, d_v);
+        const Real* dl = t.dlse ? t.dlse + bh * sq + i0 : nullptr;  // (rows)
         score_grad_rows(dp.data(), ds.data(), pr.data(), dc, d_v, v + voff,
-                        static_cast<const std::uint8_t*>(nullptr), Real(1), rows, skv, d_v);
+                        static_cast<const std::uint8_t*>(nullptr), Real(1), rows, skv, d_v, dl);
         const Real* dsq = variant_grad_rows(dsr.data(), &dsink, ds.data(), dp.data(), pr.data(),
-                                            raw.data(), psink.data(), rows, skv, rule);
+                                            raw.data(), psink.data(), rows, skv, rule, dl);
         // dq rows (rows, Dh) += alpha * dscores (rows, Skv) * k (Skv, Dh)
         gemm<Real>(Trans::no, Trans::no, rows, dh, skv, alpha, dsq, skv, k + koff, dh, beta,
                    dq + off + i0 * dh, dh);

@@ -254,7 +254,29 @@ RC_GTEST_PROP(KvCache, ChunkedPrefillEqualsOnePass, ()) {
 
 struct Parts {
   std::vector<Values> context, lse;
+  std::vector<Values> k, v;  // each part's keys and values (B, Hkv, its keys, D)
 };
+
+// The non-causal attention of one part over its keys kp, vp (its kv_lengths part_len).
+AttentionArgs<double> part_args(index_t b, index_t h, index_t hkv, index_t sq, index_t dh,
+                                index_t dv, index_t keys, const std::vector<std::int64_t>& q_len,
+                                const std::vector<std::int64_t>& part_len,
+                                std::optional<double> cap) {
+  AttentionArgs<double> a{.batch = b, .heads = h, .seq_len = sq, .d_head = dh};
+  a.lengths = q_len.data();
+  a.kv_len = keys;
+  a.kv_lengths = part_len.data();
+  a.d_head_v = dv;
+  a.variant.kv_heads = hkv;
+  a.variant.softcap = cap;
+  return a;
+}
+
+std::vector<std::int64_t> share(const std::vector<std::int64_t>& kv_len, index_t lo, index_t hi) {
+  std::vector<std::int64_t> out;
+  for (auto l : kv_len) out.push_back(std::clamp<std::int64_t>(l - lo, 0, hi - lo));
+  return out;
+}
 
 // Non-causal attention of q over keys [lo, hi) of k and v (with each sequence's kv_lengths):
 // its context (B, H, Sq, Dv) and lse (B, H, Sq); an empty range gives -inf and 0.
@@ -263,26 +285,20 @@ void attend(Parts& out, const Values& q, const Values& k, const Values& v, index
             const std::vector<std::int64_t>& kv_len, index_t lo, index_t hi,
             std::optional<double> cap) {
   Values ctx(at(b * h * sq * dv), 0.0), lse(at(b * h * sq), -INFINITY);
+  Values kp, vp;
+  for (index_t bg = 0; bg < b * hkv; ++bg)
+    for (index_t j = lo; j < hi; ++j) {
+      for (index_t e = 0; e < dh; ++e) kp.push_back(k[at((bg * skv + j) * dh + e)]);
+      for (index_t e = 0; e < dv; ++e) vp.push_back(v[at((bg * skv + j) * dv + e)]);
+    }
   if (hi > lo) {
-    Values kp, vp;
-    for (index_t bg = 0; bg < b * hkv; ++bg)
-      for (index_t j = lo; j < hi; ++j) {
-        for (index_t e = 0; e < dh; ++e) kp.push_back(k[at((bg * skv + j) * dh + e)]);
-        for (index_t e = 0; e < dv; ++e) vp.push_back(v[at((bg * skv + j) * dv + e)]);
-      }
-    std::vector<std::int64_t> q_len(at(b), sq), part_len;
-    for (auto l : kv_len) part_len.push_back(std::clamp<std::int64_t>(l - lo, 0, hi - lo));
-    AttentionArgs<double> a{.batch = b, .heads = h, .seq_len = sq, .d_head = dh};
-    a.lengths = q_len.data();
-    a.kv_len = hi - lo;
-    a.kv_lengths = part_len.data();
-    a.d_head_v = dv;
-    a.variant.kv_heads = hkv;
-    a.variant.softcap = cap;
+    const std::vector<std::int64_t> q_len(at(b), sq), part_len = share(kv_len, lo, hi);
     attention_forward_rows(
-        a,
+        part_args(b, h, hkv, sq, dh, dv, hi - lo, q_len, part_len, cap),
         {.context = ctx.data(), .lse = lse.data(), .q = q.data(), .k = kp.data(), .v = vp.data()});
   }
+  out.k.push_back(std::move(kp));
+  out.v.push_back(std::move(vp));
   out.context.push_back(std::move(ctx));
   out.lse.push_back(std::move(lse));
 }
@@ -371,6 +387,75 @@ RC_GTEST_PROP(KvCache, MergeOfAnySplitIsTheUnsplitAttention, ()) {
     g2.erase(first, first + static_cast<std::ptrdiff_t>(per));
     RC_ASSERT(g2 == g1);
   }
+}
+
+// The backward of split-KV in pieces: the merge's backward gives each part the upstream gradients
+// of its context and its lse, and each part's attention backward (through its lse) then gives its
+// share of dq, and its keys' and values' dk and dv. Summed over the parts, dq is the unsplit
+// attention's, and each part's dk and dv are the unsplit ones' rows of its keys (to rounding).
+RC_GTEST_PROP(KvCache, SplitKvBackwardInPiecesIsTheUnsplitBackward, ()) {
+  const auto keep = test::gen_backend();
+  const index_t hkv = *rc::gen::inRange<index_t>(1, 3);
+  const index_t h = hkv * *rc::gen::inRange<index_t>(1, 3);
+  const index_t b = *rc::gen::inRange<index_t>(1, 3), sq = *rc::gen::inRange<index_t>(1, 4);
+  const index_t skv = *rc::gen::inRange<index_t>(2, 13), dh = *rc::gen::inRange<index_t>(1, 5);
+  const index_t dv = *rc::gen::inRange<index_t>(1, 5);
+  std::vector<std::int64_t> kv_len;
+  for (index_t i = 0; i < b; ++i) kv_len.push_back(*rc::gen::inRange<std::int64_t>(0, skv + 1));
+  const std::optional<double> cap =
+      *rc::gen::arbitrary<bool>() ? std::optional<double>(3.0) : std::nullopt;
+  const auto seed = *rc::gen::arbitrary<std::uint32_t>();
+  const Values q = test::uniform_vector<double>(b * h * sq * dh, seed, "q");
+  const Values k = test::uniform_vector<double>(b * hkv * skv * dh, seed, "k");
+  const Values v = test::uniform_vector<double>(b * hkv * skv * dv, seed, "v");
+  const Values dctx = test::uniform_vector<double>(b * h * sq * dv, seed, "dcontext");
+  const std::vector<std::int64_t> q_len(at(b), sq);
+  // the unsplit backward
+  Values dq(q.size(), 0.0), dk(k.size(), 0.0), dvv(v.size(), 0.0);
+  attention_backward_rows(part_args(b, h, hkv, sq, dh, dv, skv, q_len, kv_len, cap),
+                          {.dq = dq.data(),
+                           .dk = dk.data(),
+                           .dv = dvv.data(),
+                           .dcontext = dctx.data(),
+                           .q = q.data(),
+                           .k = k.data(),
+                           .v = v.data()});
+  // the parts, merged, and their backward from the merge's gradients
+  const index_t cut = *rc::gen::inRange<index_t>(1, skv);
+  Parts parts;
+  attend(parts, q, k, v, b, h, hkv, sq, skv, dh, dv, kv_len, 0, cut, cap);
+  attend(parts, q, k, v, b, h, hkv, sq, skv, dh, dv, kv_len, cut, skv, cap);
+  const std::map<std::string, Values> up = {{"grad.output.context", dctx},
+                                            {"grad.output.lse", Values(at(b * h * sq), 0.0)}};
+  const auto m = merge(parts, b, h, sq, dv, &up);
+  const Values& dc = m.at("grad.input.context_parts");
+  const Values& dl = m.at("grad.input.lse_parts");
+  Values dq_sum(q.size(), 0.0);
+  for (index_t p = 0; p < 2; ++p) {
+    const index_t lo = p == 0 ? 0 : cut, hi = p == 0 ? cut : skv;
+    const auto part_len = share(kv_len, lo, hi);
+    Values dqp(q.size(), 0.0), dkp(parts.k[at(p)].size(), 0.0), dvp(parts.v[at(p)].size(), 0.0);
+    attention_backward_rows(part_args(b, h, hkv, sq, dh, dv, hi - lo, q_len, part_len, cap),
+                            {.dq = dqp.data(),
+                             .dk = dkp.data(),
+                             .dv = dvp.data(),
+                             .dcontext = dc.data() + p * b * h * sq * dv,
+                             .q = q.data(),
+                             .k = parts.k[at(p)].data(),
+                             .v = parts.v[at(p)].data(),
+                             .dlse = dl.data() + p * b * h * sq});
+    for (std::size_t i = 0; i < dq.size(); ++i) dq_sum[i] += dqp[i];
+    for (index_t bg = 0; bg < b * hkv; ++bg)
+      for (index_t j = lo; j < hi; ++j) {
+        for (index_t e = 0; e < dh; ++e)
+          RC_ASSERT(std::abs(dkp[at((bg * (hi - lo) + j - lo) * dh + e)] -
+                             dk[at((bg * skv + j) * dh + e)]) <= 1e-12);
+        for (index_t e = 0; e < dv; ++e)
+          RC_ASSERT(std::abs(dvp[at((bg * (hi - lo) + j - lo) * dv + e)] -
+                             dvv[at((bg * skv + j) * dv + e)]) <= 1e-12);
+      }
+  }
+  for (std::size_t i = 0; i < dq.size(); ++i) RC_ASSERT(std::abs(dq_sum[i] - dq[i]) <= 1e-12);
 }
 
 }  // namespace

@@ -84,6 +84,10 @@ TEST(OpCorpus, CoversEveryOpDtypePrecisionAndEdgeCase) {
        masked_row = false, c1 = false, c2 = false, rows_path = false, odd_rows = false,
        empty_in_layer = false;
   bool decode = false, chunk = false, top_left = false, mla = false, head256 = false, gqa8 = false;
+  bool kv_len0 = false, kv_len1 = false, kv_boundary = false, kv_chunk = false, kv_unused = false,
+       kv_gqa8 = false, kv_mqa = false, kv_head256 = false, kv_mla = false, merge_empty = false;
+  std::set<int> page_sizes, merge_parts;
+  std::set<std::string> orders, kv_precisions;
   for (const auto& e : op_corpus()) {
     const auto& s = e.spec.spec;
     ops.insert(e.spec.op);
@@ -113,6 +117,32 @@ TEST(OpCorpus, CoversEveryOpDtypePrecisionAndEdgeCase) {
       one_head |= s["num_heads"] == 1;
       rows_path |= s["probs"] == false;
     }
+    if (e.spec.op == "attention_kvcache") {
+      // serving steps: the cache's edges, the page sizes and orders, the head shapes
+      const int sq = s["q_len"], ps = s.value("page_size", 0);
+      const int h = s["num_heads"], hkv = s.value("num_kv_heads", h);
+      int most = 0;
+      for (const auto& c : s["cache_lengths"]) {
+        kv_len0 |= sq == 1 && c == 0;
+        kv_len1 |= sq == 1 && c == 1;
+        kv_boundary |= ps > 0 && (c.get<int>() + sq) % ps == 0;
+        kv_chunk |= sq == 7 && c == 50;
+        most = std::max(most, ps > 0 ? (c.get<int>() + sq + ps - 1) / ps : 0);
+      }
+      if (ps > 0) page_sizes.insert(ps);
+      if (s.contains("page_order")) orders.insert(s["page_order"].get<std::string>());
+      if (s.contains("block_table")) orders.insert("explicit");
+      kv_unused |= s.value("max_pages", 0) > most || s.contains("block_table");
+      kv_gqa8 |= h == 8 * hkv;
+      kv_mqa |= hkv == 1 && h > 1;
+      kv_head256 |= s["d_head"] == 256;
+      kv_mla |= s["d_head"] == 192 && s.value("d_head_v", 0) == 128;
+      if (e.spec.precision) kv_precisions.insert(teo::to_string(*e.spec.precision));
+    }
+    if (e.spec.op == "attention_merge") {
+      merge_parts.insert(s["num_parts"].get<int>());
+      merge_empty |= !s["empty_parts"].empty() && s["empty_parts"].size() < s["num_parts"];
+    }
     if (e.spec.op == "cross_entropy") {
       c1 |= s["num_classes"] == 1;
       c2 |= s["num_classes"] == 2;
@@ -138,10 +168,24 @@ TEST(OpCorpus, CoversEveryOpDtypePrecisionAndEdgeCase) {
                             {"MLA head sizes (192, 128)", mla},
                             {"head size 256", head256},
                             {"GQA ratio 8", gqa8},
+                            {"decode on an empty cache", kv_len0},
+                            {"decode on a cache of 1", kv_len1},
+                            {"an append ending on a page boundary", kv_boundary},
+                            {"chunked prefill of 7 on a cache of 50", kv_chunk},
+                            {"a block table with unused entries", kv_unused},
+                            {"GQA 8 on a cache", kv_gqa8},
+                            {"MQA on a cache", kv_mqa},
+                            {"head size 256 on a cache", kv_head256},
+                            {"MLA (192, 128) on a cache", kv_mla},
+                            {"a merge with an empty split", merge_empty},
                             {"an empty sequence in a layer", empty_in_layer},
                             {"N off every register tile", odd_rows}}) {
     EXPECT_TRUE(seen) << "no op case has " << what;
   }
+  for (int ps : {1, 16, 128, 256}) EXPECT_TRUE(page_sizes.contains(ps)) << "page size " << ps;
+  EXPECT_EQ(orders, (std::set<std::string>{"explicit", "in_order", "reversed", "shuffled"}));
+  for (const char* p : {"bf16", "fp16"}) EXPECT_TRUE(kv_precisions.contains(p)) << p << " cache";
+  for (int n : {1, 3}) EXPECT_TRUE(merge_parts.contains(n)) << "a merge of " << n << " parts";
 }
 
 TEST(OpCorpus, EveryCasePassesAgainstItselfAndItsEmulatedRuns) {
@@ -477,6 +521,54 @@ TEST(OpCases, BadSpecsGiveNamedErrorsBeforeAllocation) {
   EXPECT_LT(c.bytes_needed(), std::uint64_t{4} << 30);
   long_attn["probs"] = true;
   expect_bad_spec<ShapeError>(long_attn, "MiB");
+  // The serving ops: the cache's sizes, the block table and the merge's parts, by name, before
+  // a page is allocated.
+  const json kv = {{"op", "attention_kvcache"},
+                   {"batch", 2},
+                   {"num_heads", 2},
+                   {"q_len", 2},
+                   {"d_head", 4},
+                   {"layout", "paged"},
+                   {"page_size", 4},
+                   {"cache_lengths", {5, 1}}};
+  auto kv_with = [&](const json& patch) {
+    json j = kv;
+    j.update(patch);
+    return j;
+  };
+  expect_bad_spec<ConfigError>(kv_with({{"cache_lengths", nullptr}}), "cache_lengths");
+  expect_bad_spec<ConfigError>(kv_with({{"layout", "contiguous"}}),
+                               "spec.page_size goes with layout \"paged\"");
+  expect_bad_spec<ConfigError>(kv_with({{"layout", "pagd"}}), "did you mean \"paged\"");
+  expect_bad_spec<ShapeError>(kv_with({{"max_pages", 1}}), "sequence 0 needs 2 pages");
+  expect_bad_spec<ShapeError>(kv_with({{"num_pages", 2}}), "fewer than the 3 pages in use");
+  expect_bad_spec<ConfigError>(kv_with({{"block_table", {{0, 1}, {1, 0}}}}),
+                               "gives page 1 to two entries in use (sequences 0 and 1)");
+  expect_bad_spec<ConfigError>(
+      kv_with({{"block_table", {{0, 1}, {2, 0}}}, {"page_order", "reversed"}}),
+      "page_order and max_pages go without one");
+  expect_bad_spec<ShapeError>(kv_with({{"block_table", {{0, 1}, {2, 0}}}, {"num_pages", 2}}),
+                              "names page 2, beyond num_pages = 2");
+  expect_bad_spec<ShapeError>(kv_with({{"block_table", {{0, 1}}}}), "batch = 2 rows");
+  expect_bad_spec<ConfigError>(kv_with({{"block_table", {{0, -1}, {2, 0}}}}),
+                               "page indices in [0, 2^31 - 1)");
+  expect_bad_spec<ShapeError>(kv_with({{"block_table", {{0, 1}, {2, 0}}}, {"num_pages", huge}}),
+                              "MiB");
+  expect_bad_spec<ShapeError>(kv_with({{"page_size", huge}}), "MiB");
+  json contiguous = kv_with({{"max_len", 6}});
+  contiguous.erase("layout");
+  contiguous.erase("page_size");
+  expect_bad_spec<ShapeError>(contiguous, "spec.cache_lengths has 5, outside [0, 4]");
+  expect_bad_spec<ConfigError>(
+      kv_with({{"positional", "rope"}, {"rope_scaling", {{"type", "ntk"}, {"factor", 2.0}}}}),
+      "not defined for a KV cache step");
+  const json merge = {{"op", "attention_merge"}, {"num_parts", 2}, {"batch", 1},
+                      {"num_heads", 1},          {"q_len", 1},     {"d_head_v", 2}};
+  json bad_part = merge;
+  bad_part["empty_parts"] = {2};
+  expect_bad_spec<ConfigError>(bad_part, "part indices in [0, num_parts = 2), got 2");
+  bad_part["empty_parts"] = {1, 1};
+  expect_bad_spec<ConfigError>(bad_part, "names a part twice");
 }
 
 // ---- the checker on op cases -------------------------------------------------------------------

@@ -82,6 +82,8 @@ MUTANTS = {
     # inference attention (docs/semantics.md, "Queries and keys of different lengths")
     "attention_top_left_alignment": ("attention_chunked_prefill_f64", "output.scores",
                                      "top-left causal alignment where bottom-right is asked"),
+    "lse_grad_ignored": ("attention_split_kv_backward_f64", "grad.input.q",
+                         "a split-KV part's backward without the merge's gradient of its lse"),
     "lse_base_2": ("attention_decode_f64", "output.lse", "the log-sum-exp in base 2"),
     # KV caches and merged partial attention
     "append_one_late": ("kvcache_decode_contiguous_f64", "output.k_cache",
@@ -341,7 +343,13 @@ def op_attention(spec, T, mode):
         out["output.scores"] = scores
         out["output.probs"] = probs
     if spec.get("lse"):
-        lse = torch.logsumexp(logits, dim=-1)
+        # a row with nothing visible has lse -inf; its logits are swapped for zeros first, so that
+        # a gradient into lse (lse_grad) gives 0 there, not NaN
+        seen = torch.isfinite(logits).any(dim=-1)
+        lse = torch.logsumexp(torch.where(seen[..., None], logits, torch.zeros_like(logits)),
+                              dim=-1).masked_fill(~seen, float("-inf"))
+        if mode.mutant == "lse_grad_ignored":
+            lse = lse.detach()
         if mode.mutant == "lse_base_2":
             lse = lse / math.log(2.0)
         out["output.lse"] = lse

@@ -66,7 +66,8 @@ FUNCTIONS = dict({"run": teo.run, "init_params": teo.init_params,
                   "assert_matches_golden": teo.testing.assert_matches_golden},
                  **{n: getattr(teo.ops, n) for n in
                     ("linear", "layer_norm", "softmax", "activation", "dropout", "attention",
-                     "embedding", "pooling", "cross_entropy", "encoder_layer")})
+                     "attention_kvcache", "attention_merge", "embedding", "pooling",
+                     "cross_entropy", "encoder_layer")})
 # One parameter as the doc writes it: name, name=default (the default may be left out), *, **name.
 PARAM = r"(?:\*\*?\w+|\*|\w+(?:=[^,()]*)?)"
 SIGNATURE = re.compile(r"`(?:teo\.(?:golden\.|ops\.|testing\.)?)?(\w+)\((%s(?:, %s)*)?\)`"

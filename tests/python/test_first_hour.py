@@ -274,7 +274,8 @@ def test_the_keywords_are_the_op_registrys():
     # every spec key of the attention op is an argument of teo.ops.attention, or set by it
     by_function = {"op", "dtype", "seed", "precision", "batch", "num_heads", "seq_len", "d_head",
                    "lengths", "causal", "num_kv_heads", "attn_sinks", "scale", "probs",
-                   "q_len", "kv_len", "q_lengths", "kv_lengths", "d_head_v", "causal_align", "lse"}
+                   "q_len", "kv_len", "q_lengths", "kv_lengths", "d_head_v", "causal_align", "lse",
+                   "lse_grad"}
     assert set(_teo.op_keys("attention")) == by_function | set(teo.ops.ATTENTION_VARIANT_KEYS)
     assert {"num_heads", "d_ff", "norm_first", "sliding_window", "attn_sinks"} \
         <= set(teo.ops.ENCODER_LAYER_OPTIONS)

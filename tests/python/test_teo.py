@@ -154,8 +154,22 @@ def _op_args(g):
         if "q_len" in s:  # queries and keys of their own lengths
             kw.update(kv_lengths=t["input.kv_lengths"], causal_align=s["causal_align"],
                       lse=s["lse"])
+        if s.get("lse_grad"):  # one part of a split-KV backward
+            kw.update(grad_lse=t["grad.output.lse"])
         lengths = t["input.q_lengths"] if "q_len" in s else t["input.lengths"]
         return (t["input.q"], t["input.k"], t["input.v"], lengths), kw
+    if op == "attention_kvcache":  # forward only: no upstream gradient
+        kw = dict(variants, causal=s["causal"], scale=s["scale"], lse=s["lse"],
+                  sinks=t.get("param.sinks"))
+        if s["layout"] == "paged":
+            kw.update(k_pages=t["input.k_pages"], v_pages=t["input.v_pages"],
+                      block_table=t["input.block_table"])
+        else:
+            kw.update(k_cache=t["input.k_cache"], v_cache=t["input.v_cache"])
+        return (t["input.q"], t["input.k_new"], t["input.v_new"], t["input.cache_lengths"]), kw
+    if op == "attention_merge":
+        return ((t["input.context_parts"], t["input.lse_parts"]),
+                {"grad_context": t["grad.output.context"], "grad_lse": t["grad.output.lse"]})
     if op == "embedding":
         return ((t["input.tokens"], t["param.weight"], t.get("param.pos_weight")),
                 {"positional": s["positional"], "embed_scale": s["embed_scale"],

@@ -118,6 +118,10 @@ struct AttentionBackward {
   const Real* k = nullptr;
   const Real* v = nullptr;
   const Real* probs = nullptr;
+  // (B, H, Sq), or null: the upstream gradient of the forward's lse (a split-KV kernel's backward
+  // through its merge). Its derivative is each row's probabilities (and the sink's share): it
+  // adds probs * dlse to dscores.
+  const Real* dlse = nullptr;
 };
 
 //   scores = scale q k^T, soft-capped and biased by the variant, on visible keys; -inf elsewhere;

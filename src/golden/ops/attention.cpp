@@ -67,7 +67,9 @@ void parse(Spec& s, Reader& r) {
                     s.kv_seq, "attention scores");
     s.probs = r.flag("probs", ss <= kProbsDefaultLimit);
   }
-  s.lse = r.flag("lse", split);
+  s.lse_grad = r.flag("lse_grad", false);
+  s.lse = r.flag("lse", split || s.lse_grad);
+  if (s.lse_grad && !s.lse) throw ConfigError("spec.lse_grad needs lse: true");
   if (split) {
     s.own_lengths = true;
     s.lengths = r.prefix_lengths("q_lengths", s.batch, s.seq, s.full_lengths);
@@ -98,6 +100,7 @@ void write_options(const Spec& s, ojson& j) {
   j["probs"] = s.probs;
   if (s.own_lengths) j["causal_align"] = s.top_left ? "top_left" : "bottom_right";
   if (s.lse || s.own_lengths) j["lse"] = s.lse;
+  if (s.lse_grad) j["lse_grad"] = true;
 }
 
 void tensors(const Spec& s, OpTensors& t) {
@@ -129,8 +132,9 @@ void tensors(const Spec& s, OpTensors& t) {
     }
   }
   if (s.lse) {
+    // optional unless an upstream gradient flows into it
     t.out.push_back(float_slot("output.lse", {s.batch, s.heads, s.seq}, Role::output));
-    t.out.back().optional = true;
+    t.out.back().optional = !s.lse_grad;
   }
   t.out.push_back(
       float_slot("output.context", {s.batch, s.heads, s.seq, s.d_head_v}, Role::output));
@@ -220,8 +224,15 @@ void run(RunContext<Real>& c) {
   Real* dq = rope ? dqr.data() : r["grad.input.q"].data();
   Real* dk = rope ? dkr.data() : r["grad.input.k"].data();
   Real* dv = r["grad.input.v"].data();
-  const AttentionBackward<Real> grads{
-      .dq = dq, .dk = dk, .dv = dv, .dcontext = dc.data(), .q = qa, .k = ka, .v = vv.data()};
+  const Tensor<Real> dlse = s.lse_grad ? c.in("grad.output.lse") : Tensor<Real>();
+  const AttentionBackward<Real> grads{.dq = dq,
+                                      .dk = dk,
+                                      .dv = dv,
+                                      .dcontext = dc.data(),
+                                      .q = qa,
+                                      .k = ka,
+                                      .v = vv.data(),
+                                      .dlse = s.lse_grad ? dlse.data() : nullptr};
   Real* lse = s.lse ? r["output.lse"].data() : nullptr;
   if (s.probs) {
     attention_forward(args, {.context = r["output.context"].data(),
@@ -290,7 +301,9 @@ const OpDef& attention_op() {
            R"({"batch": 2, "num_heads": 4, "num_kv_heads": 2, "seq_len": 5, "d_head": 4, "lengths": [5, 3], "positional": "rope", "attn_sinks": true, "sliding_window": 3, "attn_logit_softcap": 2.0})",
            R"({"batch": 2, "num_heads": 2, "q_len": 3, "kv_len": 6, "d_head": 4, "d_head_v": 3, "q_lengths": [3, 2], "kv_lengths": [6, 4], "causal": true, "probs": true})",
            R"({"batch": 3, "num_heads": 4, "num_kv_heads": 2, "q_len": 4, "kv_len": 5, "d_head": 4, "d_head_v": 5, "q_lengths": [4, 1, 0], "kv_lengths": [5, 3, 2], "causal": true, "positional": "rope", "attn_sinks": true, "sliding_window": 2, "probs": false})",
-           R"({"batch": 2, "num_heads": 2, "q_len": 5, "kv_len": 3, "d_head": 2, "q_lengths": [5, 2], "kv_lengths": [3, 3], "causal": true, "causal_align": "top_left", "positional": "alibi", "attn_logit_softcap": 3.0})"},
+           R"({"batch": 2, "num_heads": 2, "q_len": 5, "kv_len": 3, "d_head": 2, "q_lengths": [5, 2], "kv_lengths": [3, 3], "causal": true, "causal_align": "top_left", "positional": "alibi", "attn_logit_softcap": 3.0})",
+           R"({"batch": 2, "num_heads": 4, "num_kv_heads": 2, "q_len": 3, "kv_len": 5, "d_head": 3, "d_head_v": 2, "kv_lengths": [5, 0], "lse_grad": true, "attn_sinks": true, "attn_logit_softcap": 2.0, "probs": true})",
+           R"({"batch": 2, "num_heads": 2, "q_len": 3, "kv_len": 5, "d_head": 3, "kv_lengths": [4, 0], "causal": true, "lse_grad": true, "probs": false})"},
   };
   return def;
 }

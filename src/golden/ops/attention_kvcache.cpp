@@ -4,6 +4,7 @@
 // cached so far, bottom-right causal. Forward only.
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -151,17 +152,16 @@ void parse(Spec& s, Reader& r) {
     }
     if (!kv.block_table.empty()) {
       // the used entries of an explicit table: distinct pages
-      std::vector<index_t> owner(static_cast<std::size_t>(kv.num_pages), -1);
+      std::map<std::int64_t, index_t> owner;  // by page: the spec is not yet accepted by size
       for (index_t b = 0; b < s.batch; ++b) {
         for (index_t p = 0; p < used[static_cast<std::size_t>(b)]; ++p) {
           const auto page = kv.block_table[static_cast<std::size_t>(b * kv.max_pages + p)];
-          auto& o = owner[static_cast<std::size_t>(page)];
-          if (o >= 0) {
+          const auto [it, fresh] = owner.emplace(page, b);
+          if (!fresh) {
             throw ConfigError("spec.block_table gives page " + std::to_string(page) +
-                              " to two entries in use (sequences " + std::to_string(o) + " and " +
-                              std::to_string(b) + ")");
+                              " to two entries in use (sequences " + std::to_string(it->second) +
+                              " and " + std::to_string(b) + ")");
           }
-          o = b;
         }
       }
     }

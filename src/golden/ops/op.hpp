@@ -56,6 +56,7 @@ struct Spec {
   std::vector<std::int64_t> kv_lengths;
   std::optional<std::pair<index_t, index_t>> full_kv_lengths;
   bool top_left = false, lse = false;
+  bool lse_grad = false;  // the lse takes an upstream gradient (a split-KV backward's)
   std::optional<double> scale;
   // attention_kvcache: each sequence's cached tokens, and the cache (contiguous: max_len rows per
   // sequence; paged: num_pages pages of page_size rows, and the block table (B, max_pages), row

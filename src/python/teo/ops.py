@@ -64,7 +64,12 @@ def _call(op, spec, inputs, upstream, precision=None, backend=None, threads=None
                                   else real_array(g, "grad_" + name[len("output."):], what))
     if precision is None and dtype == "float32":
         precision = "fp32"
-    return _teo.run_op(op, spec, wire_of(arrays), precision, backend_of(backend), threads)
+    from . import FormatError, ShapeError
+    try:
+        return _teo.run_op(op, spec, wire_of(arrays), precision, backend_of(backend), threads)
+    except FormatError as e:
+        # arrays that do not fit together: the op case built from them names the tensor
+        raise ShapeError("%s: %s" % (what, str(e).replace("the op case's ", ""))) from None
 
 
 def _rows(x):
@@ -79,9 +84,23 @@ def _real(a, name, op):
     return real_array(a, name, "teo.ops." + op)
 
 
-def _ints(v):
-    """A list of Python ints from a list, array or tensor of integers."""
-    return [int(x) for x in as_array(v).reshape(-1)]
+def _ints(v, name, op):
+    """A list of Python ints from a list, array or tensor of integers; ConfigError naming the
+    argument for anything else (a float is not truncated)."""
+    a = as_array(v)
+    if a.size and a.dtype.kind not in "iu":
+        from . import ConfigError
+        raise ConfigError("teo.ops.%s: %s must hold integers, got %s" % (op, name, a.dtype))
+    return [int(x) for x in a.reshape(-1)]
+
+
+def _dims(a, n, layout, name, op):
+    """a's shape when it has n dimensions; ShapeError naming the argument and its layout
+    otherwise."""
+    if a.ndim != n:
+        from . import ShapeError
+        raise ShapeError("teo.ops.%s: %s must be %s, got shape %s" % (op, name, layout, a.shape))
+    return a.shape
 
 
 @_public()
@@ -110,7 +129,7 @@ def softmax(x, *, visible=None, grad_y=None, **kw):
     n, c = _rows(x)
     spec = {"rows": n, "cols": c}
     if visible is not None:
-        spec["visible"] = _ints(visible)
+        spec["visible"] = _ints(visible, "visible", "softmax")
     return _call("softmax", spec, {"input.x": x}, {"output.y": grad_y}, **kw)
 
 
@@ -139,25 +158,28 @@ ATTENTION_VARIANT_KEYS = ("positional", "rope_style", "rotary_dim", "rope_base",
 
 @_public(*ATTENTION_VARIANT_KEYS)
 def attention(q, k, v, lengths=None, *, kv_lengths=None, causal=False, causal_align=None,
-              scale=None, probs=None, lse=None, sinks=None, grad_context=None, **kw):
+              scale=None, probs=None, lse=None, sinks=None, grad_context=None, grad_lse=None,
+              **kw):
     """q (B, H, Sq, Dh), k (B, Hkv, Skv, Dh), v (B, Hkv, Skv, Dv): k and v may have fewer heads
     than q (grouped-query attention), fewer or more rows (decode, chunked prefill: Sq != Skv) and
     v another head size (MLA). lengths are the queries of each sequence (and its keys, unless
     kv_lengths); causal_align "bottom_right" (the default) or "top_left" places the causal
     diagonal when a sequence has fewer queries than keys; lse=True also returns output.lse (the
-    default with Sq != Skv). sinks (H) adds a learned sink logit per head; the other variants are
+    default with Sq != Skv); grad_lse (B, H, Sq) is an upstream gradient for it, as a split-KV
+    backward gets from attention_merge (and implies lse=True). sinks (H) adds a learned sink logit per head; the other variants are
     keywords: positional ("none", "rope", "alibi"), rope_style, rotary_dim, rope_base,
     rope_scaling, alibi_max_bias, position_offset, sliding_window, attn_logit_softcap."""
     q, k, v = (_real(a, n, "attention") for a, n in ((q, "q"), (k, "k"), (v, "v")))
-    b, h, s, dh = q.shape
+    b, h, s, dh = _dims(q, 4, "(B, H, Sq, Dh)", "q", "attention")
     s_kv = k.shape[2] if k.ndim == 4 else s
     dv = v.shape[3] if v.ndim == 4 else dh
-    lengths = [s] * b if lengths is None else _ints(lengths)
+    lengths = [s] * b if lengths is None else _ints(lengths, "lengths", "attention")
     split = s_kv != s or kv_lengths is not None or causal_align is not None
     spec = {"batch": b, "num_heads": h, "d_head": dh, "causal": causal}
     inputs = {"input.q": q, "input.k": k, "input.v": v, "param.sinks": sinks}
     if split:
-        kv_lengths = [s_kv] * b if kv_lengths is None else _ints(kv_lengths)
+        kv_lengths = [s_kv] * b if kv_lengths is None else _ints(kv_lengths, "kv_lengths",
+                                                                    "attention")
         spec.update(q_len=s, kv_len=int(s_kv), q_lengths=lengths, kv_lengths=kv_lengths)
         if causal_align is not None:
             spec["causal_align"] = causal_align
@@ -182,7 +204,10 @@ def attention(q, k, v, lengths=None, *, kv_lengths=None, causal=False, causal_al
         spec["probs"] = probs
     if lse is not None:
         spec["lse"] = bool(lse)
-    return _call("attention", spec, inputs, {"output.context": grad_context}, **kw)
+    if grad_lse is not None:
+        spec["lse_grad"] = True
+    return _call("attention", spec, inputs,
+                 {"output.context": grad_context, "output.lse": grad_lse}, **kw)
 
 
 @_public(*ATTENTION_VARIANT_KEYS)
@@ -205,9 +230,10 @@ def attention_kvcache(q, k_new, v_new, cache_lengths, *, k_cache=None, v_cache=N
                           "k_pages, v_pages and block_table (paged), not both")
     q, k_new, v_new = (_real(a, n, what) for a, n in ((q, "q"), (k_new, "k_new"),
                                                         (v_new, "v_new")))
-    b, h, s, dh = q.shape
-    kv_heads, dv = k_new.shape[1], v_new.shape[3]
-    cache_lengths = _ints(cache_lengths)
+    b, h, s, dh = _dims(q, 4, "(B, H, Sq, Dh)", "q", what)
+    kv_heads = _dims(k_new, 4, "(B, Hkv, Sq, Dh)", "k_new", what)[1]
+    dv = _dims(v_new, 4, "(B, Hkv, Sq, Dv)", "v_new", what)[3]
+    cache_lengths = _ints(cache_lengths, "cache_lengths", what)
     spec = {"batch": b, "num_heads": h, "q_len": s, "d_head": dh, "causal": causal,
             "cache_lengths": cache_lengths, "lse": bool(lse)}
     inputs = {"input.q": q, "input.k_new": k_new, "input.v_new": v_new,
@@ -217,11 +243,10 @@ def attention_kvcache(q, k_new, v_new, cache_lengths, *, k_cache=None, v_cache=N
         if k_pages is None or v_pages is None or block_table is None:
             raise ConfigError("a paged cache needs k_pages, v_pages and block_table")
         k_pages, v_pages = _real(k_pages, "k_pages", what), _real(v_pages, "v_pages", what)
-        table = as_array(block_table).astype(np.int64)
-        if table.ndim != 2:
-            from . import ShapeError
-            raise ShapeError("block_table must be (batch, max_pages), got shape %s"
-                             % (table.shape,))
+        _dims(k_pages, 4, "(num_pages, page_size, Hkv, Dh)", "k_pages", what)
+        table = np.asarray(_ints(block_table, "block_table", what), dtype=np.int64)
+        table = table.reshape(_dims(as_array(block_table), 2, "(B, max_pages)", "block_table",
+                                    what))
         spec.update(layout="paged", page_size=int(k_pages.shape[1]),
                     num_pages=int(k_pages.shape[0]), block_table=table.tolist())
         inputs.update({"input.k_pages": k_pages, "input.v_pages": v_pages,
@@ -231,7 +256,7 @@ def attention_kvcache(q, k_new, v_new, cache_lengths, *, k_cache=None, v_cache=N
             raise ConfigError("teo.ops.attention_kvcache needs k_cache and v_cache, or "
                               "k_pages, v_pages and block_table")
         k_cache, v_cache = _real(k_cache, "k_cache", what), _real(v_cache, "v_cache", what)
-        spec["max_len"] = int(k_cache.shape[2])
+        spec["max_len"] = int(_dims(k_cache, 4, "(B, Hkv, max_len, Dh)", "k_cache", what)[2])
         inputs.update({"input.k_cache": k_cache, "input.v_cache": v_cache})
     if dv != dh:
         spec["d_head_v"] = int(dv)
@@ -255,7 +280,7 @@ def attention_merge(context_parts, lse_parts, *, grad_context=None, grad_lse=Non
     nothing. The backward gives grad.input.context_parts and grad.input.lse_parts."""
     what = "attention_merge"
     c, l = _real(context_parts, "context_parts", what), _real(lse_parts, "lse_parts", what)
-    p, b, h, s, dv = c.shape
+    p, b, h, s, dv = _dims(c, 5, "(P, B, H, Sq, Dv)", "context_parts", what)
     spec = {"num_parts": p, "batch": b, "num_heads": h, "q_len": s, "d_head_v": dv}
     return _call(what, spec, {"input.context_parts": c, "input.lse_parts": l},
                  {"output.context": grad_context, "output.lse": grad_lse}, **kw)
@@ -283,7 +308,7 @@ def embedding(tokens, weight, pos_weight=None, *, positional="sinusoidal", embed
 def pooling(x, lengths, *, pooling="mean", grad_pooled=None, **kw):
     x = _real(x, "x", "pooling")
     b, s, d = x.shape
-    lengths = _ints(lengths)
+    lengths = _ints(lengths, "lengths", "pooling")
     return _call("pooling", {"batch": b, "seq_len": s, "d_model": d, "lengths": lengths,
                              "pooling": pooling},
                  {"input.x": x, "input.lengths": np.asarray(lengths, dtype=np.int64)},
@@ -316,7 +341,7 @@ def encoder_layer(x, lengths, params, *, masks=None, grad_y=None, **options):
     ones the seed 0 draws (teo.golden.op_case gives them)."""
     x = _real(x, "x", "encoder_layer")
     b, s, d = x.shape
-    lengths = _ints(lengths)
+    lengths = _ints(lengths, "lengths", "encoder_layer")
     run_kw = {k: options.pop(k) for k in RUN_KEYS if k in options}
     spec = dict(options, batch=b, seq_len=s, lengths=lengths, d_model=d)
     inputs = {"input.x": x, "input.lengths": np.asarray(lengths, dtype=np.int64)}

@@ -316,7 +316,7 @@ std::int64_t numel(const Dims& d) {
 std::uint64_t bytes_of(const Spec& s, bool f32) {
   // In double: an estimate for a limit, which must not wrap around for absurd sizes.
   const double real = f32 ? 4 : 8;
-  double file = 0, given = 0, results = 0;
+  double file = 0, given = 0, results = 0, ints = 0;
   for (const auto& t : layout(s)) {
     const auto n = static_cast<double>(numel(t.shape));
     if (t.dtype == DType::F64) {
@@ -324,12 +324,15 @@ std::uint64_t bytes_of(const Spec& s, bool f32) {
       (is_result(t.role) ? results : given) += n;
     } else {
       file += n * static_cast<double>(safetensors::dtype_size(t.dtype));
+      ints += n;
     }
   }
   // The run's working tensors: the drawn values as doubles, and in each run (Real; a float32
   // case's float64 run too) the op's copies of them and its results; plus what the op holds
   // beyond them. Writing the file out holds it twice.
   double work = given * 8 + (given + results) * (f32 ? 4 + 8 : 8);
+  // integers and masks: held as int64 in the spec and the drawn values, and as stored
+  work += ints * (8 + 8 + 8);
   if (s.def->working_bytes) work += s.def->working_bytes(s);
   const double total = std::max(file + work, 2 * file);
   return total >= 0x1p64 ? ~std::uint64_t{0} : static_cast<std::uint64_t>(total);

@@ -558,7 +558,23 @@ TEST(OpCases, BadSpecsGiveNamedErrorsBeforeAllocation) {
   json contiguous = kv_with({{"max_len", 6}});
   contiguous.erase("layout");
   contiguous.erase("page_size");
-  expect_bad_spec<ShapeError>(contiguous, "spec.cache_lengths has 5, outside [0, 4]");
+  expect_bad_spec<ShapeError>(
+      contiguous, "sequence 0 has 5 cached tokens and q_len = 2 new ones, beyond max_len = 6");
+  // no sequences: an empty table, a table with one page, and RoPE over no positions
+  for (const json& empty :
+       {kv_with({{"batch", 0}, {"cache_lengths", json::array()}, {"block_table", json::array()}}),
+        kv_with({{"batch", 0},
+                 {"cache_lengths", json::array()},
+                 {"q_len", huge},
+                 {"positional", "rope"}})}) {
+    json j = empty;
+    j["dtype"] = "float64";
+    j["seed"] = 0;
+    const auto c = golden::OpCase::from_json(j, "", std::uint64_t{8} << 20);
+    EXPECT_EQ(golden::OpCase::from_json(json(c.spec)).spec, c.spec);
+    const st::File f = golden::make_op(c);
+    EXPECT_EQ(golden::check(f, f, {}).failed, 0);
+  }
   expect_bad_spec<ConfigError>(
       kv_with({{"positional", "rope"}, {"rope_scaling", {{"type", "ntk"}, {"factor", 2.0}}}}),
       "not defined for a KV cache step");

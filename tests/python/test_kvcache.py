@@ -215,3 +215,22 @@ def test_a_wrong_rank_or_mismatched_cache_is_a_shape_error_naming_it():
         teo.ops.attention_merge(np.zeros((1, 1, 1, 1)), np.zeros((1, 1, 1)))
     with pytest.raises(teo.ShapeError, match="teo.ops.attention_kvcache: input.v_pages"):
         teo.ops.attention_kvcache(*args, **dict(pages, v_pages=np.zeros((6, 2, HKV, DV))))
+
+
+def test_rows_past_a_sequences_keys_are_never_read():
+    # a contiguous cache that the longest sequence fills, NaN past the shorter one's keys (an
+    # uninitialised cache): its context is finite and the paged cache's
+    rng = np.random.default_rng(3)
+    q, k_new, v_new = new_tokens(rng, 1)
+    k_cache, v_cache = rand(rng, B, HKV, 6, DH), rand(rng, B, HKV, 6, DV)
+    lengths = [5, 2, 0]
+    for b, n in enumerate(lengths):
+        k_cache[b, :, n + 1:] = np.nan
+        v_cache[b, :, n + 1:] = np.nan
+    out = teo.ops.attention_kvcache(q, k_new, v_new, lengths, k_cache=k_cache, v_cache=v_cache)
+    assert np.isfinite(out["output.context"]).all() and np.isfinite(out["output.lse"]).all()
+    table = np.arange(B * 2).reshape(B, 2).astype(np.int32)
+    paged = teo.ops.attention_kvcache(q, k_new, v_new, lengths, block_table=table,
+                                      k_pages=paged_copy(k_cache, table, 3, B * 2, rng),
+                                      v_pages=paged_copy(v_cache, table, 3, B * 2, rng))
+    assert np.array_equal(out["output.context"], paged["output.context"])

@@ -145,10 +145,13 @@ index_t longest_reduction(const Spec& s) {
 }
 
 double working_bytes(const Spec& s) {
-  // the materialised gradients of scores and probs
-  if (!s.probs) return 0;
   const auto d = [](index_t x) { return static_cast<double>(x); };
-  return 2 * d(s.batch) * d(s.heads) * d(s.seq) * d(s.kv_seq) * 8;
+  // RoPE's table of cos and sin, over every position used
+  const double table =
+      s.cfg.positional == Positional::rope ? 8 * d(s.kv_seq + s.seq) * d(s.cfg.rotary()) : 0;
+  // the materialised gradients of scores and probs
+  if (!s.probs) return table;
+  return table + 2 * d(s.batch) * d(s.heads) * d(s.seq) * d(s.kv_seq) * 8;
 }
 
 // RoPE of the op: key j at position j, query i of sequence b at i + shift_b (shift_b =

@@ -59,7 +59,7 @@ void parse_block_table(Spec& s, Reader& r, const json& t) {
     }
   }
   if (kv.max_pages < 0) kv.max_pages = 1;  // no sequences
-  kv.num_pages = r.has("num_pages") ? r.size("num_pages", 1) : top + 1;
+  kv.num_pages = r.has("num_pages") ? r.size("num_pages", 1) : std::max<index_t>(top + 1, 1);
   if (top >= kv.num_pages) {
     throw ShapeError("spec.block_table names page " + std::to_string(top) +
                      ", beyond num_pages = " + std::to_string(kv.num_pages));
@@ -117,7 +117,15 @@ void parse(Spec& s, Reader& r) {
   std::optional<std::pair<index_t, index_t>> unused;
   if (!kv.paged) {
     s.max_len = r.size("max_len", s.seq);
-    kv.cache_lengths = r.prefix_lengths("cache_lengths", s.batch, s.max_len - s.seq, unused);
+    kv.cache_lengths = r.prefix_lengths("cache_lengths", s.batch, kMaxDim - s.seq, unused);
+    for (std::size_t b = 0; b < kv.cache_lengths.size(); ++b) {
+      if (kv.cache_lengths[b] + s.seq > s.max_len) {
+        throw ShapeError("spec.cache_lengths: sequence " + std::to_string(b) + " has " +
+                         std::to_string(kv.cache_lengths[b]) +
+                         " cached tokens and q_len = " + std::to_string(s.seq) +
+                         " new ones, beyond max_len = " + std::to_string(s.max_len));
+      }
+    }
   } else {
     kv.page_size = r.size("page_size", 1);
     kv.cache_lengths = r.prefix_lengths("cache_lengths", s.batch, kMaxDim - s.seq, unused);
@@ -168,7 +176,7 @@ void parse(Spec& s, Reader& r) {
     s.max_len = checked_mul(kv.max_pages, kv.page_size, "the paged cache's capacity");
   }
   // the keys: each sequence's cached tokens and the new ones
-  s.kv_seq = s.seq;
+  s.kv_seq = 0;  // no sequences: no keys
   for (auto c : kv.cache_lengths) s.kv_seq = std::max(s.kv_seq, c + s.seq);
   attention_positions(s, "attention_kvcache");
   if (s.cfg.positional == Positional::rope && s.cfg.rope_scaling.type == RopeScalingType::ntk) {
@@ -257,14 +265,24 @@ index_t longest_reduction(const Spec& s) {
   return std::max({s.kv_seq, s.d_head, s.d_head_v});
 }
 
+// The attention reads a contiguous cache in place when every sequence fills it; otherwise it
+// gathers each sequence's keys, leaving out the rows past them, which it must never read (they
+// may hold anything, NaN included).
+bool in_place(const Spec& s) {
+  if (s.kv.paged) return false;
+  for (auto c : s.kv.cache_lengths)
+    if (c + s.seq != s.max_len) return false;
+  return true;
+}
+
 double working_bytes(const Spec& s) {
-  // the keys and values gathered per sequence (unless the contiguous cache is read in place), and
-  // the rotated new keys
+  // the keys and values gathered per sequence (unless the contiguous cache is read in place),
+  // the rotated new keys, and RoPE's table of cos and sin
   const auto d = [](index_t x) { return static_cast<double>(x); };
-  const bool gather = s.kv.paged || s.kv_seq != s.max_len;
   const double kv =
-      gather ? d(s.batch) * d(s.kv_heads) * d(s.kv_seq) * d(s.d_head + s.d_head_v) : 0.0;
-  return 8 * (kv + d(s.batch) * d(s.kv_heads) * d(s.seq) * d(s.d_head));
+      in_place(s) ? 0.0 : d(s.batch) * d(s.kv_heads) * d(s.kv_seq) * d(s.d_head + s.d_head_v);
+  const double table = s.cfg.positional == Positional::rope ? d(s.kv_seq) * d(s.cfg.rotary()) : 0;
+  return 8 * (kv + d(s.batch) * d(s.kv_heads) * d(s.seq) * d(s.d_head) + table);
 }
 
 // Where row t of sequence b, K/V head g, sits in a cache of head size d.
@@ -318,14 +336,14 @@ void run(RunContext<Real>& c) {
   c.done(k_out);
   c.done(v_out);
   // The attention reads each sequence's first cache_lengths[b] + Sq rows: in place from a
-  // contiguous cache as long as the longest, else gathered into (B, Hkv, L, D), zero past them.
+  // contiguous cache they all fill, else gathered into (B, Hkv, L, D), zero past them.
   const index_t L = s.kv_seq;
   std::vector<std::int64_t> q_len(static_cast<std::size_t>(B), Sq), kv_len;
   kv_len.reserve(static_cast<std::size_t>(B));
   for (auto x : cache) kv_len.push_back(x + Sq);
   Tensor<Real> kg, vg;
   const Real *keys = kc, *values = vc;
-  if (paged || L != s.max_len) {
+  if (!in_place(s)) {
     kg = Tensor<Real>({B, Hkv, L, Dh});
     vg = Tensor<Real>({B, Hkv, L, Dv});
     for (index_t b = 0; b < B; ++b)

@@ -234,3 +234,24 @@ def test_rows_past_a_sequences_keys_are_never_read():
                                       k_pages=paged_copy(k_cache, table, 3, B * 2, rng),
                                       v_pages=paged_copy(v_cache, table, 3, B * 2, rng))
     assert np.array_equal(out["output.context"], paged["output.context"])
+
+
+def test_attentions_keys_past_kv_lengths_are_never_read():
+    # NaN in the padding of k and v (an uninitialised buffer): the results and gradients are those
+    # of zeros there, bit for bit
+    rng = np.random.default_rng(4)
+    q = rand(rng, B, H, 2, DH)
+    k, v = rand(rng, B, HKV, 7, DH), rand(rng, B, HKV, 7, DV)
+    kv_lengths = [7, 3, 0]
+    clean_k, clean_v, bad_k, bad_v = k.copy(), v.copy(), k.copy(), v.copy()
+    for b, n in enumerate(kv_lengths):
+        clean_k[b, :, n:] = clean_v[b, :, n:] = 0
+        bad_k[b, :, n:] = bad_v[b, :, n:] = np.nan
+    for probs in (True, False):
+        clean = teo.ops.attention(q, clean_k, clean_v, kv_lengths=kv_lengths, causal=True,
+                                  probs=probs)
+        bad = teo.ops.attention(q, bad_k, bad_v, kv_lengths=kv_lengths, causal=True, probs=probs)
+        for name in ("output.context", "output.lse", "grad.input.q"):
+            assert np.array_equal(clean[name], bad[name]), name
+        for name in ("grad.input.k", "grad.input.v"):
+            assert np.isfinite(bad[name]).all() and np.array_equal(clean[name], bad[name]), name

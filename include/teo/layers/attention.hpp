@@ -55,6 +55,8 @@ enum class CausalAlign { bottom_right, top_left };
 // keys; query i sits at position p = i + (Lk - Lq) (bottom-right) or p = i (top-left). Key j is
 // visible from it iff j < Lk and (!causal or j <= p) (and within the variant's window of p, whose
 // ALiBi distance is p - j). With kv_lengths null, Lk = Lq and p = i: the encoder's attention.
+// The rows of k and v past Lk enter the products with weight 0, so they must be finite (the op
+// cases zero them first, so that an uninitialised buffer's NaN reaches no result).
 template <class Real>
 struct AttentionArgs {
   index_t batch = 0;                      // B

@@ -146,9 +146,11 @@ index_t longest_reduction(const Spec& s) {
 
 double working_bytes(const Spec& s) {
   const auto d = [](index_t x) { return static_cast<double>(x); };
-  // RoPE's table of cos and sin, over every position used
+  // RoPE's table of cos and sin, over every position used, and k and v with their padding
+  // zeroed
   const double table =
-      s.cfg.positional == Positional::rope ? 8 * d(s.kv_seq + s.seq) * d(s.cfg.rotary()) : 0;
+      (s.cfg.positional == Positional::rope ? 8 * d(s.kv_seq + s.seq) * d(s.cfg.rotary()) : 0) +
+      8 * d(s.batch) * d(s.kv_heads) * d(s.kv_seq) * d(s.d_head + s.d_head_v);
   // the materialised gradients of scores and probs
   if (!s.probs) return table;
   return table + 2 * d(s.batch) * d(s.heads) * d(s.seq) * d(s.kv_seq) * 8;
@@ -174,6 +176,22 @@ Rotary<Real> rotary(const Spec& s, const std::vector<std::int64_t>& q_len,
     end = std::max(end, sh + s.seq);
   }
   return Rotary<Real>(s.cfg, std::move(shift), end);
+}
+
+// Whether some sequence has fewer keys than the case's rows.
+bool padded(const Spec& s, const std::vector<std::int64_t>& kv_len) {
+  return std::any_of(kv_len.begin(), kv_len.end(), [&](std::int64_t l) { return l < s.kv_seq; });
+}
+
+// Zeroes the rows of x (B, heads, rows, d) past each sequence's length.
+template <class Real>
+void zero_past(Tensor<Real>& x, const std::vector<std::int64_t>& len, index_t heads, index_t rows,
+               index_t d) {
+  for (std::size_t b = 0; b < len.size(); ++b)
+    for (index_t g = 0; g < heads; ++g) {
+      Real* block = x.data() + (static_cast<index_t>(b) * heads + g) * rows * d;
+      std::fill(block + len[b] * d, block + rows * d, Real(0));
+    }
 }
 
 template <class Real>
@@ -224,6 +242,18 @@ void run(RunContext<Real>& c) {
   }
   const Real* qa = rope ? qr.data() : q.data();
   const Real* ka = rope ? kr.data() : k.data();
+  // Keys past a sequence's kv_lengths are never visible: they enter the products only with weight
+  // 0, and are zeroed first, so that whatever they hold (an uninitialised cache's NaN) reaches no
+  // result.
+  Tensor<Real> kz, vz;
+  if (padded(s, kv_len)) {
+    kz = rope ? kr : k;
+    vz = vv;
+    zero_past(kz, kv_len, s.kv_heads, s.kv_seq, s.d_head);
+    zero_past(vz, kv_len, s.kv_heads, s.kv_seq, s.d_head_v);
+    ka = kz.data();
+  }
+  const Real* va = vz.empty() ? vv.data() : vz.data();
   Real* dq = rope ? dqr.data() : r["grad.input.q"].data();
   Real* dk = rope ? dkr.data() : r["grad.input.k"].data();
   Real* dv = r["grad.input.v"].data();
@@ -234,7 +264,7 @@ void run(RunContext<Real>& c) {
                                       .dcontext = dc.data(),
                                       .q = qa,
                                       .k = ka,
-                                      .v = vv.data(),
+                                      .v = va,
                                       .dlse = s.lse_grad ? dlse.data() : nullptr};
   Real* lse = s.lse ? r["output.lse"].data() : nullptr;
   if (s.probs) {
@@ -244,7 +274,7 @@ void run(RunContext<Real>& c) {
                              .lse = lse,
                              .q = qa,
                              .k = ka,
-                             .v = vv.data()});
+                             .v = va});
     if (s.lse) c.done("output.lse");
     c.done("output.context");
     auto dprobs = c.zeros("output.probs"), dscores = c.zeros("output.scores");
@@ -255,8 +285,7 @@ void run(RunContext<Real>& c) {
     attention_backward(args, g);
   } else {
     attention_forward_rows(
-        args,
-        {.context = r["output.context"].data(), .lse = lse, .q = qa, .k = ka, .v = vv.data()});
+        args, {.context = r["output.context"].data(), .lse = lse, .q = qa, .k = ka, .v = va});
     if (s.lse) c.done("output.lse");
     c.done("output.context");
     attention_backward_rows(args, grads);

@@ -20,8 +20,9 @@ namespace teo::golden {
 
 inline constexpr const char* kOpFormat = "teo-op/1";
 
-// The ops, in the order the docs list them: linear, layer_norm, softmax, activation, attention,
-// attention_kvcache, attention_merge, embedding, pooling, cross_entropy, dropout, encoder_layer.
+// The ops, in the order the docs list them: linear, layer_norm, rms_norm, softmax, activation,
+// attention, attention_kvcache, attention_merge, embedding, pooling, cross_entropy, dropout,
+// encoder_layer.
 const std::vector<std::string>& op_names();
 
 // One op case: the op and its spec. The spec holds the shapes, the op's options, dtype

@@ -82,6 +82,8 @@ MUTANTS = {
     # inference attention (docs/semantics.md, "Queries and keys of different lengths")
     "attention_top_left_alignment": ("attention_chunked_prefill_f64", "output.scores",
                                      "top-left causal alignment where bottom-right is asked"),
+    "rms_norm_mean_subtracted": ("rms_norm_f64", "output.y",
+                                 "RMSNorm that subtracts the mean, as LayerNorm does"),
     "lse_grad_ignored": ("attention_split_kv_backward_f64", "grad.input.q",
                          "a split-KV part's backward without the merge's gradient of its lse"),
     "lse_base_2": ("attention_decode_f64", "output.lse", "the log-sum-exp in base 2"),
@@ -216,6 +218,18 @@ def op_linear(spec, T, mode):
 def op_layer_norm(spec, T, mode):
     return {"output.y": layer_norm(T["input.x"], T["param.weight"], T["param.bias"],
                                    spec["layer_norm_eps"], mode)}
+
+
+def op_rms_norm(spec, T, mode):
+    """RMSNorm, x / sqrt(mean(x^2) + eps) * weight, in float32 at least (as autocast runs
+    norms)."""
+    x, w = T["input.x"], T["param.weight"]
+    work = torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
+    xf = x.to(work)
+    if mode.mutant == "rms_norm_mean_subtracted":
+        xf = xf - xf.mean(-1, keepdim=True)
+    y = xf * torch.rsqrt((xf * xf).mean(-1, keepdim=True) + spec["layer_norm_eps"]) * w.to(work)
+    return {"output.y": mode.store(y.to(x.dtype))}
 
 
 def op_softmax(spec, T, mode):

@@ -140,6 +140,9 @@ def _op_args(g):
     if op == "layer_norm":
         return ((t["input.x"], t["param.weight"], t["param.bias"]),
                 {"layer_norm_eps": s["layer_norm_eps"], "grad_y": t["grad.output.y"]})
+    if op == "rms_norm":
+        return ((t["input.x"], t["param.weight"]),
+                {"layer_norm_eps": s["layer_norm_eps"], "grad_y": t["grad.output.y"]})
     if op == "softmax":
         return (t["input.x"],), {"visible": s["visible"], "grad_y": t["grad.output.y"]}
     if op == "activation":

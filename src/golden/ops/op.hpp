@@ -270,6 +270,7 @@ const OpDef& op_named(const std::string& name);
 // Each op's definition, one per file.
 const OpDef& linear_op();
 const OpDef& layer_norm_op();
+const OpDef& rms_norm_op();
 const OpDef& softmax_op();
 const OpDef& activation_op();
 const OpDef& attention_op();

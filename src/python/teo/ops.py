@@ -124,6 +124,15 @@ def layer_norm(x, weight, bias, *, layer_norm_eps=1e-5, grad_y=None, **kw):
 
 
 @_public()
+def rms_norm(x, weight, *, layer_norm_eps=1e-5, grad_y=None, **kw):
+    """RMSNorm over the last dimension: x / sqrt(mean(x^2) + eps) * weight (no bias)."""
+    x = _real(x, "x", "rms_norm")
+    n, d = _rows(x)
+    return _call("rms_norm", {"rows": n, "d_model": d, "layer_norm_eps": layer_norm_eps},
+                 {"input.x": x, "param.weight": weight}, {"output.y": grad_y}, **kw)
+
+
+@_public()
 def softmax(x, *, visible=None, grad_y=None, **kw):
     x = _real(x, "x", "softmax")
     n, c = _rows(x)

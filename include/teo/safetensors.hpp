@@ -70,6 +70,9 @@ struct Tensor {
   // The elements of a float tensor (any float dtype) as doubles, exactly; FormatError otherwise.
   std::vector<double> float_values() const;
 
+  // The elements of an integer tensor (I64 or I32) as int64; FormatError otherwise.
+  std::vector<std::int64_t> int_values() const;
+
   // The elements as T; FormatError when T is not this tensor's dtype.
   template <class T>
   std::vector<T> values() const {

@@ -168,6 +168,14 @@ std::vector<double> Tensor::float_values() const {
   throw FormatError("tensor " + name + " has dtype " + dtype_name(dtype) + ", not a float type");
 }
 
+std::vector<std::int64_t> Tensor::int_values() const {
+  if (dtype == DType::I32) {
+    const auto v = values<std::int32_t>();
+    return {v.begin(), v.end()};
+  }
+  return values<std::int64_t>();
+}
+
 std::int64_t Tensor::numel() const {
   std::int64_t n = 1;
   for (auto d : shape) n *= d;

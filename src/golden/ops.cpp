@@ -187,6 +187,31 @@ void write_rows_cols(const Spec& s, ojson& j) {
   j["cols"] = s.cols;
 }
 
+void parse_rows_d_model(Spec& s, Reader& r) {
+  s.rows = r.size("rows", 0);
+  s.cols = r.size("d_model", 1);
+}
+
+void write_rows_d_model(const Spec& s, ojson& j) {
+  j["rows"] = s.rows;
+  j["d_model"] = s.cols;
+}
+
+const std::vector<const char*>& attention_config_keys() {
+  static const std::vector<const char*> keys = {
+      "causal",         "positional",         "rope_style",     "rotary_dim",
+      "rope_base",      "rope_scaling",       "alibi_max_bias", "position_offset",
+      "sliding_window", "attn_logit_softcap", "attn_sinks"};
+  return keys;
+}
+
+json attention_base_config(bool causal) {
+  // one head of a width that admits any rotary_dim the spec's d_head can (checked against d_head)
+  return json{{"num_layers", 0},  {"vocab_size", 1},      {"num_classes", 1},
+              {"d_ff", 1},        {"max_len", 1},         {"num_heads", 1},
+              {"d_model", 32768}, {"positional", "none"}, {"causal", causal}};
+}
+
 void attention_positions(Spec& s, const char* op) {
   EncoderConfig& c = s.cfg;
   if (c.positional == Positional::sinusoidal || c.positional == Positional::learned) {
@@ -463,11 +488,8 @@ Values values_of(const File& f, const Spec& s) {
       throw FormatError("the op case's " + t.name + " is " + g->shape_str() + ", expected " +
                         safetensors::Tensor{t.name, t.dtype, t.shape, {}}.shape_str());
     }
-    if (t.dtype == DType::I64) {
-      v.i64[t.name] = g->values<std::int64_t>();
-    } else if (t.dtype == DType::I32) {
-      const auto x = g->values<std::int32_t>();
-      v.i64[t.name].assign(x.begin(), x.end());
+    if (t.dtype == DType::I64 || t.dtype == DType::I32) {
+      v.i64[t.name] = g->int_values();
     } else if (t.dtype == DType::U8) {
       v.u8[t.name] = g->values<std::uint8_t>();
     } else {
@@ -670,14 +692,7 @@ void validate_op_file(const File& f, bool inputs_only) {
     const auto* expected = spec_ints(s, name);
     const auto* t = f.find(name);
     if (!expected || !t) continue;
-    std::vector<std::int64_t> got;
-    if (t->dtype == DType::I32) {
-      const auto x = t->values<std::int32_t>();
-      got.assign(x.begin(), x.end());
-    } else {
-      got = t->values<std::int64_t>();
-    }
-    if (got != *expected)
+    if (t->int_values() != *expected)
       throw FormatError("the op case's " + name + " are not its spec's " + name.substr(6));
   }
 }

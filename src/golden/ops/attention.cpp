@@ -303,21 +303,10 @@ void run(RunContext<Real>& c) {
 }  // namespace
 
 const OpDef& attention_op() {
-  // The config only carries the options: one head of a width that admits any rotary_dim the
-  // spec's d_head can (checked against d_head).
   static const OpDef def{
       .name = "attention",
-      .config_keys = {"causal", "positional", "rope_style", "rotary_dim", "rope_base",
-                      "rope_scaling", "alibi_max_bias", "position_offset", "sliding_window",
-                      "attn_logit_softcap", "attn_sinks"},
-      .base_config = json{{"num_layers", 0},
-                          {"vocab_size", 1},
-                          {"num_classes", 1},
-                          {"d_ff", 1},
-                          {"max_len", 1},
-                          {"num_heads", 1},
-                          {"d_model", 32768},
-                          {"positional", "none"}},
+      .config_keys = attention_config_keys(),
+      .base_config = attention_base_config(/*causal=*/false),
       .lengths_key = "lengths",
       .parse = parse,
       .write_sizes = write_sizes,

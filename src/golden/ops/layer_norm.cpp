@@ -8,16 +8,6 @@ namespace teo::golden::ops {
 
 namespace {
 
-void parse(Spec& s, Reader& r) {
-  s.rows = r.size("rows", 0);
-  s.cols = r.size("d_model", 1);
-}
-
-void write_sizes(const Spec& s, ojson& j) {
-  j["rows"] = s.rows;
-  j["d_model"] = s.cols;
-}
-
 void tensors(const Spec& s, OpTensors& t) {
   t.in.push_back(float_slot("input.x", {s.rows, s.cols}, Role::input, 2, 0.5));
   t.in.push_back(float_slot("param.weight", {s.cols}, Role::param, 0.5, 1));
@@ -50,8 +40,8 @@ const OpDef& layer_norm_op() {
   static const OpDef def{
       .name = "layer_norm",
       .config_keys = {"layer_norm_eps"},
-      .parse = parse,
-      .write_sizes = write_sizes,
+      .parse = parse_rows_d_model,
+      .write_sizes = write_rows_d_model,
       .tensors = tensors,
       .longest_reduction = longest_reduction,
       .run_float = run<float>,

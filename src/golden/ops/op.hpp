@@ -116,6 +116,14 @@ class Reader {
 // The sizes of an element-wise or row-wise op: rows >= 0 and cols >= 1, read and written back.
 void parse_rows_cols(Spec& s, Reader& r);
 void write_rows_cols(const Spec& s, ojson& j);
+// The sizes of a norm: rows >= 0 and d_model >= 1 (in s.cols).
+void parse_rows_d_model(Spec& s, Reader& r);
+void write_rows_d_model(const Spec& s, ojson& j);
+
+// The attention ops' model-config keys (the variants of semantics section 14 and causal), and the
+// config they are read on top of: one head, no positions, causal as given.
+const std::vector<const char*>& attention_config_keys();
+json attention_base_config(bool causal);
 
 // The attention ops' positions: none, rope or alibi (default none). RoPE takes its rotary_dim from
 // d_head, and its scaling's original context from seq_len, unless given; both are then spelled out

@@ -165,6 +165,22 @@ ATTENTION_VARIANT_KEYS = ("positional", "rope_style", "rotary_dim", "rope_base",
                           "attn_logit_softcap")
 
 
+def _heads_and_variants(spec, h, kv_heads, dh, dv, sinks, scale, kw):
+    """The attention ops' spec keys beyond the sizes: the K/V heads and value head size when
+    they differ from q's, the variants given as keywords (taken out of kw), sinks and scale."""
+    if dv != dh:
+        spec["d_head_v"] = int(dv)
+    if kv_heads != h:
+        spec["num_kv_heads"] = int(kv_heads)
+    for key in ATTENTION_VARIANT_KEYS:
+        if key in kw:
+            spec[key] = kw.pop(key)
+    if sinks is not None:
+        spec["attn_sinks"] = True
+    if scale is not None:
+        spec["scale"] = scale
+
+
 @_public(*ATTENTION_VARIANT_KEYS)
 def attention(q, k, v, lengths=None, *, kv_lengths=None, causal=False, causal_align=None,
               scale=None, probs=None, lse=None, sinks=None, grad_context=None, grad_lse=None,
@@ -197,18 +213,7 @@ def attention(q, k, v, lengths=None, *, kv_lengths=None, causal=False, causal_al
     else:
         spec.update(seq_len=s, lengths=lengths)
         inputs["input.lengths"] = np.asarray(lengths, dtype=np.int64)
-    if dv != dh:
-        spec["d_head_v"] = int(dv)
-    kv_heads = k.shape[1] if k.ndim == 4 else h
-    if kv_heads != h:
-        spec["num_kv_heads"] = int(kv_heads)
-    for key in ATTENTION_VARIANT_KEYS:
-        if key in kw:
-            spec[key] = kw.pop(key)
-    if sinks is not None:
-        spec["attn_sinks"] = True
-    if scale is not None:
-        spec["scale"] = scale
+    _heads_and_variants(spec, h, k.shape[1] if k.ndim == 4 else h, dh, dv, sinks, scale, kw)
     if probs is not None:
         spec["probs"] = probs
     if lse is not None:
@@ -267,17 +272,7 @@ def attention_kvcache(q, k_new, v_new, cache_lengths, *, k_cache=None, v_cache=N
         k_cache, v_cache = _real(k_cache, "k_cache", what), _real(v_cache, "v_cache", what)
         spec["max_len"] = int(_dims(k_cache, 4, "(B, Hkv, max_len, Dh)", "k_cache", what)[2])
         inputs.update({"input.k_cache": k_cache, "input.v_cache": v_cache})
-    if dv != dh:
-        spec["d_head_v"] = int(dv)
-    if kv_heads != h:
-        spec["num_kv_heads"] = int(kv_heads)
-    for key in ATTENTION_VARIANT_KEYS:
-        if key in kw:
-            spec[key] = kw.pop(key)
-    if sinks is not None:
-        spec["attn_sinks"] = True
-    if scale is not None:
-        spec["scale"] = scale
+    _heads_and_variants(spec, h, kv_heads, dh, dv, sinks, scale, kw)
     return _call(what, spec, inputs, {}, **kw)
 
 

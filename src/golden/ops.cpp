@@ -197,21 +197,6 @@ void write_rows_d_model(const Spec& s, ojson& j) {
   j["d_model"] = s.cols;
 }
 
-const std::vector<const char*>& attention_config_keys() {
-  static const std::vector<const char*> keys = {
-      "causal",         "positional",         "rope_style",     "rotary_dim",
-      "rope_base",      "rope_scaling",       "alibi_max_bias", "position_offset",
-      "sliding_window", "attn_logit_softcap", "attn_sinks"};
-  return keys;
-}
-
-json attention_base_config(bool causal) {
-  // one head of a width that admits any rotary_dim the spec's d_head can (checked against d_head)
-  return json{{"num_layers", 0},  {"vocab_size", 1},      {"num_classes", 1},
-              {"d_ff", 1},        {"max_len", 1},         {"num_heads", 1},
-              {"d_model", 32768}, {"positional", "none"}, {"causal", causal}};
-}
-
 void attention_positions(Spec& s, const char* op) {
   EncoderConfig& c = s.cfg;
   if (c.positional == Positional::sinusoidal || c.positional == Positional::learned) {

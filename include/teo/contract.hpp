@@ -70,8 +70,8 @@ std::string symbolic(const std::vector<std::string>& dims);
 std::vector<TensorSpec> params(const EncoderConfig& cfg);
 
 // Every activation forward keeps under cfg, in pipeline order (Activations::visit), named without
-// "act.". `in_golden` false leaves out ffn_pre and residual2, which the model keeps for backward
-// but a golden does not hold.
+// "act.". With `in_golden` (the default) it leaves out ffn_gate, ffn_pre and residual2, which the
+// model keeps for backward but a golden does not hold.
 std::vector<TensorSpec> activations(const EncoderConfig& cfg, Sizes s, bool in_golden = true);
 
 // The dropout sites of cfg ("dropout.input", "dropout.layers.{i}.attn", ...), whether or not

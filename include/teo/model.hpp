@@ -37,9 +37,33 @@ struct LayerParams {
   Tensor<Real> k_weight, k_bias, v_weight, v_bias;                  // (Hkv Dh, D), (Hkv Dh)
   Tensor<Real> sinks;                                               // (H); attn_sinks only
   Tensor<Real> norm1_weight, norm1_bias, norm2_weight, norm2_bias;  // (D)
+  Tensor<Real> gate_weight, gate_bias;                              // (F, D), (F); gated only
   Tensor<Real> fc1_weight, fc1_bias;                                // (F, D), (F)
   Tensor<Real> fc2_weight, fc2_bias;                                // (D, F), (D)
-  bool has_sinks = false;  // whether `sinks` is a parameter (the config's attn_sinks)
+  // Which parameters are present: the config's attn_sinks, attn_bias, norm (layernorm: the norms
+  // have biases), ffn (gated: the gate) and ffn_bias. A bias that is absent stays empty.
+  bool has_sinks = false;
+  bool has_attn_bias = true;
+  bool has_norm_bias = true;
+  bool gated = false;
+  bool has_ffn_bias = true;
+
+  // Sets the presence flags from a config.
+  void configure(const EncoderConfig& c) {
+    has_sinks = c.attn_sinks;
+    has_attn_bias = c.attn_bias;
+    has_norm_bias = c.norm == Norm::layernorm;
+    gated = c.gated();
+    has_ffn_bias = c.ffn_bias;
+  }
+  // Whether the flags are those of c.
+  bool configured_for(const EncoderConfig& c) const {
+    LayerParams<Real> want;
+    want.configure(c);
+    return has_sinks == want.has_sinks && has_attn_bias == want.has_attn_bias &&
+           has_norm_bias == want.has_norm_bias && gated == want.gated &&
+           has_ffn_bias == want.has_ffn_bias;
+  }
 
   // Calls f(name, tensor) for every parameter, named as in the model without "layers.{i}.".
   template <class F>
@@ -54,23 +78,28 @@ struct LayerParams {
  private:
   template <class Self, class F>
   static void visit_impl(Self& l, F& f) {
+    const bool ab = l.has_attn_bias, nb = l.has_norm_bias, fb = l.has_ffn_bias;
     f("attn.q.weight", l.q_weight);
-    f("attn.q.bias", l.q_bias);
+    if (ab) f("attn.q.bias", l.q_bias);
     f("attn.k.weight", l.k_weight);
-    f("attn.k.bias", l.k_bias);
+    if (ab) f("attn.k.bias", l.k_bias);
     f("attn.v.weight", l.v_weight);
-    f("attn.v.bias", l.v_bias);
+    if (ab) f("attn.v.bias", l.v_bias);
     f("attn.o.weight", l.o_weight);
-    f("attn.o.bias", l.o_bias);
+    if (ab) f("attn.o.bias", l.o_bias);
     if (l.has_sinks) f("attn.sinks", l.sinks);
     f("norm1.weight", l.norm1_weight);
-    f("norm1.bias", l.norm1_bias);
+    if (nb) f("norm1.bias", l.norm1_bias);
     f("norm2.weight", l.norm2_weight);
-    f("norm2.bias", l.norm2_bias);
+    if (nb) f("norm2.bias", l.norm2_bias);
+    if (l.gated) {
+      f("ffn.gate.weight", l.gate_weight);
+      if (fb) f("ffn.gate.bias", l.gate_bias);
+    }
     f("ffn.fc1.weight", l.fc1_weight);
-    f("ffn.fc1.bias", l.fc1_bias);
+    if (fb) f("ffn.fc1.bias", l.fc1_bias);
     f("ffn.fc2.weight", l.fc2_weight);
-    f("ffn.fc2.bias", l.fc2_bias);
+    if (fb) f("ffn.fc2.bias", l.fc2_bias);
   }
 };
 
@@ -82,8 +111,8 @@ struct Params {
   Tensor<Real> embedding_weight;      // (V, D)
   Tensor<Real> pos_embedding_weight;  // (max_len, D); learned positional only
   std::vector<LayerParams<Real>> layers;
-  Tensor<Real> final_norm_weight, final_norm_bias;  // (D); pre-norm only
-  Tensor<Real> head_weight, head_bias;              // (C, D), (C)
+  Tensor<Real> final_norm_weight, final_norm_bias;  // (D); pre-norm only, the bias layernorm only
+  Tensor<Real> head_weight, head_bias;              // (C, D), (C); the bias head_bias only
 
   // Every parameter present for this config, all zero. Validates the config first.
   static Params zeros(const EncoderConfig& cfg);
@@ -117,10 +146,10 @@ struct Params {
     }
     if (self.config.norm_first) {
       f("final_norm.weight", self.final_norm_weight);
-      f("final_norm.bias", self.final_norm_bias);
+      if (self.config.norm == Norm::layernorm) f("final_norm.bias", self.final_norm_bias);
     }
     f("head.weight", self.head_weight);
-    f("head.bias", self.head_bias);
+    if (self.config.head_bias) f("head.bias", self.head_bias);
   }
 };
 
@@ -142,8 +171,10 @@ struct LayerActs {
   Tensor<Real> attn_out;                       // (B, S, D), after the output projection
   Tensor<Real> residual1;                      // (B, S, D)
   Tensor<Real> norm2, norm2_mean, norm2_rstd;  // (B, S, D), (B*S), (B*S)
-  Tensor<Real> ffn_pre;                        // (B, S, F), before the activation
-  Tensor<Real> ffn_hidden;                     // (B, S, F), after the activation
+  Tensor<Real> ffn_gate;                       // (B, S, F), gate(x); gated only
+  Tensor<Real> ffn_pre;                        // (B, S, F), fc1(x): the activation's input, or
+                                               // the up projection of a gated FFN
+  Tensor<Real> ffn_hidden;                     // (B, S, F), act(ffn_pre) or act(gate) * ffn_pre
   Tensor<Real> ffn_out;                        // (B, S, D)
   Tensor<Real> residual2;                      // (B, S, D)
   Tensor<Real> output;                         // (B, S, D)
@@ -157,6 +188,7 @@ template <class Real>
 struct Activations {
   bool norm_first = false;
   bool rotary = false;                   // positional "rope": q_rot and k_rot are kept
+  bool gated = false;                    // a gated FFN: ffn_gate is kept
   Tensor<Real> embedding;                // (B, S, D), scaled token embeddings
   Tensor<Real> positional;               // (S, D), the positional table rows used
   Tensor<Real> input;                    // (B, S, D), dropout(embedding + positional)
@@ -204,6 +236,7 @@ struct Activations {
       f(p + "residual1", l.residual1);
       if (!self.norm_first) f(p + "norm1", l.norm1);
       if (self.norm_first) f(p + "norm2", l.norm2);
+      if (self.gated) f(p + "ffn_gate", l.ffn_gate);
       f(p + "ffn_pre", l.ffn_pre);
       f(p + "ffn_hidden", l.ffn_hidden);
       f(p + "ffn_out", l.ffn_out);

@@ -8,8 +8,9 @@ namespace teo {
 
 using index_t = std::int64_t;  // sizes, indices and strides
 
-// The feed-forward activation: relu, exact gelu (erf), or gelu with the tanh approximation.
-enum class Activation { relu, gelu, gelu_tanh };
+// The feed-forward activation: relu, exact gelu (erf), gelu with the tanh approximation, or silu
+// (x sigmoid(x), SwiGLU's).
+enum class Activation { relu, gelu, gelu_tanh, silu };
 
 // The elementary functions the vector kernels implement, as the accuracy tests call them.
 enum class MathFn { exp, erf, tanh };

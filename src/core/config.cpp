@@ -26,6 +26,8 @@ const char* to_string(Activation a) {
       return "gelu";
     case Activation::gelu_tanh:
       return "gelu_tanh";
+    case Activation::silu:
+      return "silu";
   }
   return "?";
 }
@@ -57,6 +59,20 @@ const char* to_string(RopeScalingType t) {
       return "ntk";
     case RopeScalingType::yarn:
       return "yarn";
+  }
+  return "?";
+}
+const char* to_string(Norm n) {
+  return n == Norm::layernorm ? "layernorm" : "rmsnorm";
+}
+const char* to_string(FfnKind f) {
+  switch (f) {
+    case FfnKind::mlp:
+      return "mlp";
+    case FfnKind::swiglu:
+      return "swiglu";
+    case FfnKind::geglu:
+      return "geglu";
   }
   return "?";
 }
@@ -238,6 +254,21 @@ void validate_variants(const EncoderConfig& c) {
   }
 }
 
+// The block variants' keys (docs/semantics.md, "Block variants").
+void validate_block(const EncoderConfig& c) {
+  const Activation a = c.activation;
+  if (c.ffn == FfnKind::swiglu && a != Activation::gelu && a != Activation::silu) {
+    throw ConfigError(std::string("ffn \"swiglu\" gates with silu: activation must be left out or "
+                                  "\"silu\", got \"") +
+                      to_string(a) + "\"");
+  }
+  if (c.ffn == FfnKind::geglu && a != Activation::gelu && a != Activation::gelu_tanh) {
+    throw ConfigError(std::string("ffn \"geglu\" gates with gelu: activation must be \"gelu\" or "
+                                  "\"gelu_tanh\", got \"") +
+                      to_string(a) + "\"");
+  }
+}
+
 // rope_scaling: {"type": ..., "factor": ..., "original_max_len": ..., "beta_fast": ...,
 // "beta_slow": ...}.
 RopeScaling rope_scaling_from_json(const nlohmann::json& j) {
@@ -324,6 +355,7 @@ void EncoderConfig::validate() const {
     throw ConfigError("label_smoothing must be in [0, 1], got " + fmt(label_smoothing));
   }
   validate_variants(*this);
+  validate_block(*this);
   // Every parameter tensor, and all of them together, must have an element and byte count that
   // fits in 64 bits (double is the widest dtype).
   const index_t d = d_model;
@@ -331,9 +363,12 @@ void EncoderConfig::validate() const {
   const index_t pos = checked_mul(max_len, d, "pos_embedding.weight");
   const index_t attn = checked_add(checked_mul(checked_mul(d, d, "attn weight"), 4, "attn weights"),
                                    checked_mul(d, 8, "attn and norm biases"), "attention");
-  const index_t ffn = checked_add(checked_mul(checked_mul(d_ff, d, "ffn weight"), 2, "ffn weights"),
-                                  checked_add(d_ff, d, "ffn biases"), "ffn");
-  const index_t layers = checked_mul(checked_add(attn, ffn, "layer"), num_layers, "all layers");
+  // a gated FFN's three weights (and biases) bound a plain one's two
+  const index_t ffn_params =
+      checked_add(checked_mul(checked_mul(d_ff, d, "ffn weight"), 3, "ffn weights"),
+                  checked_add(checked_mul(d_ff, 2, "ffn biases"), d, "ffn biases"), "ffn");
+  const index_t layers =
+      checked_mul(checked_add(attn, ffn_params, "layer"), num_layers, "all layers");
   const index_t head = checked_add(checked_mul(num_classes, d, "head.weight"), num_classes, "head");
   const index_t total =
       checked_add(checked_add(checked_add(embed, pos, "embeddings"),
@@ -361,13 +396,37 @@ void EncoderConfig::validate() const {
 
 namespace {
 // Every key from_json reads, for the suggestion when a key is misspelled.
-const char* const kConfigKeys[] = {
-    "vocab_size",     "max_len",        "d_model",         "num_heads",      "d_ff",
-    "num_layers",     "num_classes",    "norm_first",      "embed_scale",    "causal",
-    "layer_norm_eps", "dropout",        "label_smoothing", "activation",     "positional",
-    "pooling",        "num_kv_heads",   "rope_style",      "rotary_dim",     "rope_base",
-    "rope_scaling",   "alibi_max_bias", "position_offset", "sliding_window", "attn_logit_softcap",
-    "attn_sinks"};
+const char* const kConfigKeys[] = {"vocab_size",
+                                   "max_len",
+                                   "d_model",
+                                   "num_heads",
+                                   "d_ff",
+                                   "num_layers",
+                                   "num_classes",
+                                   "norm_first",
+                                   "embed_scale",
+                                   "causal",
+                                   "layer_norm_eps",
+                                   "dropout",
+                                   "label_smoothing",
+                                   "activation",
+                                   "positional",
+                                   "pooling",
+                                   "num_kv_heads",
+                                   "rope_style",
+                                   "rotary_dim",
+                                   "rope_base",
+                                   "rope_scaling",
+                                   "alibi_max_bias",
+                                   "position_offset",
+                                   "sliding_window",
+                                   "attn_logit_softcap",
+                                   "attn_sinks",
+                                   "norm",
+                                   "ffn",
+                                   "ffn_bias",
+                                   "attn_bias",
+                                   "head_bias"};
 }  // namespace
 
 EncoderConfig EncoderConfig::from_json(const nlohmann::json& j) {
@@ -410,9 +469,11 @@ EncoderConfig EncoderConfig::from_json(const nlohmann::json& j) {
         c.activation = Activation::gelu;
       else if (s == "gelu_tanh")
         c.activation = Activation::gelu_tanh;
+      else if (s == "silu")
+        c.activation = Activation::silu;
       else
-        throw ConfigError("activation must be \"relu\", \"gelu\" or \"gelu_tanh\", got \"" + s +
-                          "\"");
+        throw ConfigError(
+            "activation must be \"relu\", \"gelu\", \"gelu_tanh\" or \"silu\", got \"" + s + "\"");
     } else if (key == "positional") {
       const std::string s = get_string(v, key);
       if (s == "sinusoidal")
@@ -472,6 +533,30 @@ EncoderConfig EncoderConfig::from_json(const nlohmann::json& j) {
         c.attn_logit_softcap = get_real(v, key);
     } else if (key == "attn_sinks") {
       c.attn_sinks = get_bool(v, key);
+    } else if (key == "norm") {
+      const std::string s = get_string(v, key);
+      if (s == "layernorm")
+        c.norm = Norm::layernorm;
+      else if (s == "rmsnorm")
+        c.norm = Norm::rmsnorm;
+      else
+        throw ConfigError("norm must be \"layernorm\" or \"rmsnorm\", got \"" + s + "\"");
+    } else if (key == "ffn") {
+      const std::string s = get_string(v, key);
+      if (s == "mlp")
+        c.ffn = FfnKind::mlp;
+      else if (s == "swiglu")
+        c.ffn = FfnKind::swiglu;
+      else if (s == "geglu")
+        c.ffn = FfnKind::geglu;
+      else
+        throw ConfigError("ffn must be \"mlp\", \"swiglu\" or \"geglu\", got \"" + s + "\"");
+    } else if (key == "ffn_bias") {
+      c.ffn_bias = get_bool(v, key);
+    } else if (key == "attn_bias") {
+      c.attn_bias = get_bool(v, key);
+    } else if (key == "head_bias") {
+      c.head_bias = get_bool(v, key);
     } else {
       const std::vector<std::string> keys(std::begin(kConfigKeys), std::end(kConfigKeys));
       throw ConfigError("unknown config key \"" + key + "\"" + did_you_mean(key, keys));
@@ -534,6 +619,11 @@ nlohmann::json EncoderConfig::to_json() const {
   if (sliding_window) j["sliding_window"] = *sliding_window;
   if (attn_logit_softcap) j["attn_logit_softcap"] = *attn_logit_softcap;
   if (attn_sinks) j["attn_sinks"] = true;
+  if (norm != Norm::layernorm) j["norm"] = to_string(norm);
+  if (ffn != FfnKind::mlp) j["ffn"] = to_string(ffn);
+  if (!ffn_bias) j["ffn_bias"] = false;
+  if (!attn_bias) j["attn_bias"] = false;
+  if (!head_bias) j["head_bias"] = false;
   return j;
 }
 

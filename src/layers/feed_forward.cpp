@@ -46,6 +46,9 @@ void activation_forward(Real* out, const Real* in, index_t n, Activation act) {
         case Activation::gelu_tanh:
           out[i] = half * x * (Real(1) + std::tanh(gelu_tanh_inner(x)));
           break;
+        case Activation::silu:
+          out[i] = x / (Real(1) + std::exp(-x));
+          break;
       }
     }
   });
@@ -86,9 +89,35 @@ void activation_backward(Real* din, const Real* dout, const Real* in, index_t n,
           g = half * (Real(1) + t) + half * x * (Real(1) - t * t) * k0 * (Real(1) + k1 * x * x);
           break;
         }
+        case Activation::silu: {
+          // d/dx [x s(x)] = s(x) (1 + x (1 - s(x))), s the logistic sigmoid
+          const Real sig = Real(1) / (Real(1) + std::exp(-x));
+          g = sig * (Real(1) + x * (Real(1) - sig));
+          break;
+        }
       }
       din[i] = (accumulate ? din[i] : Real(0)) + g * dout[i];
     }
+  });
+}
+
+template <class Real>
+void gated_forward(Real* hidden, const Real* gate, const Real* up, index_t n, Activation act) {
+  detail::for_blocks(n, 4096, [=](index_t i0, index_t i1) {
+    activation_forward(hidden + i0, gate + i0, i1 - i0, act);
+    for (index_t i = i0; i < i1; ++i) hidden[i] = hidden[i] * up[i];
+  });
+}
+
+template <class Real>
+void gated_backward(Real* dgate, Real* dup, const Real* dhidden, const Real* gate, const Real* up,
+                    index_t n, Activation act) {
+  detail::for_blocks(n, 4096, [=](index_t i0, index_t i1) {
+    for (index_t i = i0; i < i1; ++i) dgate[i] = dhidden[i] * up[i];
+    // in place: element i of the upstream gradient is read before element i is written
+    activation_backward(dgate + i0, dgate + i0, gate + i0, i1 - i0, act, GradWrite::overwrite);
+    activation_forward(dup + i0, gate + i0, i1 - i0, act);
+    for (index_t i = i0; i < i1; ++i) dup[i] = dup[i] * dhidden[i];
   });
 }
 
@@ -128,13 +157,16 @@ void ffn_hidden_backward(Real* dpre, Real* dhidden, const Real* ddropped, const 
   });
 }
 
-#define TEO_INSTANTIATE(Real)                                                                   \
-  template void activation_forward<Real>(Real*, const Real*, index_t, Activation);              \
-  template void activation_backward<Real>(Real*, const Real*, const Real*, index_t, Activation, \
-                                          GradWrite);                                           \
-  template void ffn_hidden_forward<Real>(Real*, Real*, Real*, const Real*, const std::uint8_t*, \
-                                         Real, index_t, index_t, Activation);                   \
-  template void ffn_hidden_backward<Real>(Real*, Real*, const Real*, const std::uint8_t*, Real, \
+#define TEO_INSTANTIATE(Real)                                                                      \
+  template void activation_forward<Real>(Real*, const Real*, index_t, Activation);                 \
+  template void activation_backward<Real>(Real*, const Real*, const Real*, index_t, Activation,    \
+                                          GradWrite);                                              \
+  template void gated_forward<Real>(Real*, const Real*, const Real*, index_t, Activation);         \
+  template void gated_backward<Real>(Real*, Real*, const Real*, const Real*, const Real*, index_t, \
+                                     Activation);                                                  \
+  template void ffn_hidden_forward<Real>(Real*, Real*, Real*, const Real*, const std::uint8_t*,    \
+                                         Real, index_t, index_t, Activation);                      \
+  template void ffn_hidden_backward<Real>(Real*, Real*, const Real*, const std::uint8_t*, Real,    \
                                           const Real*, index_t, index_t, Activation);
 TEO_INSTANTIATE(float)
 TEO_INSTANTIATE(double)

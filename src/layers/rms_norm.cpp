@@ -25,7 +25,9 @@ void rms_norm_forward(Real* out, Real* rstd, const Real* in, const Real* weight,
 
 template <class Real>
 void rms_norm_backward(Real* din, Real* dweight, const Real* dout, const Real* in,
-                       const Real* weight, const Real* rstd, index_t rows, index_t cols) {
+                       const Real* weight, const Real* rstd, index_t rows, index_t cols,
+                       GradWrite din_write) {
+  const bool accumulate = din_write == GradWrite::accumulate;
   // in the forward pass this was: y = norm * weight, with norm = x * rstd
   detail::for_blocks(rows, 16, [&](index_t r0, index_t r1) {
     for (index_t r = r0; r < r1; ++r) {
@@ -37,7 +39,8 @@ void rms_norm_backward(Real* din, Real* dweight, const Real* dout, const Real* i
       dnorm_norm_mean = dnorm_norm_mean / static_cast<Real>(cols);
       for (index_t c = 0; c < cols; ++c) {
         const Real norm = x[c] * s;
-        din[r * cols + c] += (g[c] * weight[c] - norm * dnorm_norm_mean) * s;
+        Real& d = din[r * cols + c];
+        d = (accumulate ? d : Real(0)) + (g[c] * weight[c] - norm * dnorm_norm_mean) * s;
       }
     }
   });
@@ -53,7 +56,7 @@ void rms_norm_backward(Real* din, Real* dweight, const Real* dout, const Real* i
   template void rms_norm_forward<Real>(Real*, Real*, const Real*, const Real*, index_t, index_t, \
                                        Real);                                                    \
   template void rms_norm_backward<Real>(Real*, Real*, const Real*, const Real*, const Real*,     \
-                                        const Real*, index_t, index_t);
+                                        const Real*, index_t, index_t, GradWrite);
 TEO_INSTANTIATE(float)
 TEO_INSTANTIATE(double)
 

@@ -37,6 +37,8 @@ const std::map<std::string, Dims>& param_table() {
       {"norm1.bias", {"D"}},
       {"norm2.weight", {"D"}},
       {"norm2.bias", {"D"}},
+      {"ffn.gate.weight", {"F", "D"}},
+      {"ffn.gate.bias", {"F"}},
       {"ffn.fc1.weight", {"F", "D"}},
       {"ffn.fc1.bias", {"F"}},
       {"ffn.fc2.weight", {"D", "F"}},
@@ -67,6 +69,7 @@ const std::map<std::string, Dims>& act_table() {
       {"attn_out", {"B", "S", "D"}},
       {"residual1", {"B", "S", "D"}},
       {"norm2", {"B", "S", "D"}},
+      {"ffn_gate", {"B", "S", "F"}},
       {"ffn_pre", {"B", "S", "F"}},
       {"ffn_hidden", {"B", "S", "F"}},
       {"ffn_out", {"B", "S", "D"}},
@@ -94,10 +97,12 @@ const std::vector<std::pair<std::string, Dims>>& layer_mask_table() {
 // The order in which a layer's forward pass uses its parameter groups; backward produces their
 // gradients in the reverse order.
 const std::vector<std::string>& layer_use_order(bool norm_first) {
-  static const std::vector<std::string> post = {
-      "attn.q", "attn.k", "attn.v", "attn.sinks", "attn.o", "norm1", "ffn.fc1", "ffn.fc2", "norm2"};
-  static const std::vector<std::string> pre = {
-      "norm1", "attn.q", "attn.k", "attn.v", "attn.sinks", "attn.o", "norm2", "ffn.fc1", "ffn.fc2"};
+  static const std::vector<std::string> post = {"attn.q",  "attn.k", "attn.v",   "attn.sinks",
+                                                "attn.o",  "norm1",  "ffn.gate", "ffn.fc1",
+                                                "ffn.fc2", "norm2"};
+  static const std::vector<std::string> pre = {"norm1",      "attn.q", "attn.k", "attn.v",
+                                               "attn.sinks", "attn.o", "norm2",  "ffn.gate",
+                                               "ffn.fc1",    "ffn.fc2"};
   return norm_first ? pre : post;
 }
 
@@ -131,7 +136,7 @@ Params<float> empty_params(const EncoderConfig& cfg) {
   Params<float> p;
   p.config = cfg;
   p.layers.resize(static_cast<std::size_t>(std::max<index_t>(cfg.num_layers, 0)));
-  for (auto& l : p.layers) l.has_sinks = cfg.attn_sinks;
+  for (auto& l : p.layers) l.configure(cfg);
   return p;
 }
 
@@ -244,10 +249,13 @@ std::vector<TensorSpec> activations(const EncoderConfig& cfg, Sizes s, bool in_g
   Activations<float> a;
   a.norm_first = cfg.norm_first;
   a.rotary = cfg.positional == Positional::rope;
+  a.gated = cfg.gated();
   a.layers.resize(static_cast<std::size_t>(std::max<index_t>(cfg.num_layers, 0)));
   std::vector<TensorSpec> out;
   a.visit([&](const std::string& n, const Tensor<float>&) {
-    if (in_golden && (n.ends_with(".ffn_pre") || n.ends_with(".residual2"))) return;
+    if (in_golden &&
+        (n.ends_with(".ffn_gate") || n.ends_with(".ffn_pre") || n.ends_with(".residual2")))
+      return;
     out.push_back(spec(n, Role::act, DTypeRule::real, act_dims(n), cfg, s));
   });
   return out;

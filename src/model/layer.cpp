@@ -11,7 +11,6 @@
 #include "teo/layers/attention.hpp"
 #include "teo/layers/dropout.hpp"
 #include "teo/layers/feed_forward.hpp"
-#include "teo/layers/layer_norm.hpp"
 #include "teo/layers/linear.hpp"
 #include "teo/layers/rope.hpp"
 #include "teo/profile.hpp"
@@ -42,6 +41,11 @@ void allocate_layer(LayerActs<Real>& l, const Dims& d, ZeroList<Real>* zero) {
   }
   for (Tensor<Real>* t : {&l.scores, &l.probs}) shape_as(*t, {d.B, d.H, d.S, d.S}, nullptr);
   for (Tensor<Real>* t : {&l.ffn_pre, &l.ffn_hidden}) shape_as(*t, {d.B, d.S, d.F}, nullptr);
+  if (d.gated) {
+    shape_as(l.ffn_gate, {d.B, d.S, d.F}, nullptr);
+  } else {
+    l.ffn_gate = Tensor<Real>();
+  }
   for (auto* m : {&l.masks.attn, &l.masks.residual1, &l.masks.ffn, &l.masks.residual2}) m->clear();
 }
 
@@ -63,8 +67,7 @@ struct LayerForward {
   bool drop;                  // dropout applies
   const MaskSource& seed;
   const Emulation<Real>& store;
-  index_t nd;  // N * D
-  Real eps;
+  index_t nd;         // N * D
   double p;           // the dropout probability
   Tensor<Real>& tmp;  // (B, S, D) scratch for a dropped residual branch, or empty
 
@@ -94,7 +97,7 @@ void LayerForward<Real>::qkv_forward(const Real* attn_in) const {
   if (qkv.numel() > 0) {
     for (int i = 0; i < 3; ++i)
       split_heads(heads[i]->data(), qkv.data() + lay.at[i], d.B, d.S, lay.heads[i], d.Dh, lay.width,
-                  bqkv.data() + lay.at[i]);
+                  P.has_attn_bias ? bqkv.data() + lay.at[i] : nullptr);
   }
   store(L.q, name, "q");
   store(L.k, name, "k");
@@ -119,8 +122,8 @@ void LayerForward<Real>::attention_block_forward(const Real* x) const {
   if (cfg.norm_first) {
     {
       profile::Scope stage(Stage::layer_norm);
-      layer_norm_forward(L.norm1.data(), L.norm1_mean.data(), L.norm1_rstd.data(), x,
-                         P.norm1_weight.data(), P.norm1_bias.data(), d.N, d.D, eps);
+      norm_forward(cfg, L.norm1.data(), L.norm1_mean.data(), L.norm1_rstd.data(), x,
+                   P.norm1_weight.data(), data_or_null(P.norm1_bias), d.N, d.D);
       store(L.norm1, name, "norm1");
     }
     attn_in = L.norm1.data();
@@ -153,8 +156,8 @@ void LayerForward<Real>::attention_block_forward(const Real* x) const {
   }
   {
     profile::Scope stage(Stage::out_proj);
-    linear_forward(L.attn_out.data(), L.context.data(), P.o_weight.data(), P.o_bias.data(), d.N,
-                   d.D, d.D);
+    linear_forward(L.attn_out.data(), L.context.data(), P.o_weight.data(), data_or_null(P.o_bias),
+                   d.N, d.D, d.D);
     store(L.attn_out, name, "attn_out");
   }
   // residual1 = x + dropout(attn_out)
@@ -173,11 +176,19 @@ void LayerForward<Real>::attention_block_forward(const Real* x) const {
 // storage format before the next step reads it.
 template <class Real>
 void LayerForward<Real>::ffn_forward(const Real* ffn_in) const {
-  const bool fused = !store.stores_reduced();
+  // A gated FFN runs its steps as separate passes: gate and fc1 with their biases, then
+  // act(gate) * fc1 and the dropout.
+  const bool fused = !store.stores_reduced() && !d.gated;
+  const Real* fc1_bias = data_or_null(P.fc1_bias);
   {
     profile::Scope stage(Stage::ffn_fc1);
-    linear_forward(L.ffn_pre.data(), ffn_in, P.fc1_weight.data(),
-                   fused ? nullptr : P.fc1_bias.data(), d.N, d.D, d.F);
+    if (d.gated) {
+      linear_forward(L.ffn_gate.data(), ffn_in, P.gate_weight.data(), data_or_null(P.gate_bias),
+                     d.N, d.D, d.F);
+      store(L.ffn_gate, name, "ffn_gate");
+    }
+    linear_forward(L.ffn_pre.data(), ffn_in, P.fc1_weight.data(), fused ? nullptr : fc1_bias, d.N,
+                   d.D, d.F);
     if (!fused) store(L.ffn_pre, name, "ffn_pre");
   }
   Tensor<Real> dropped_buf = drop ? Tensor<Real>::for_overwrite({d.B, d.S, d.F}) : Tensor<Real>();
@@ -187,11 +198,16 @@ void LayerForward<Real>::ffn_forward(const Real* ffn_in) const {
     const index_t nh = L.ffn_hidden.numel();
     if (fused) {
       const std::uint8_t* mask = record_mask(L.masks.ffn, nh, prefix + "ffn", p, drop, seed);
-      ffn_hidden_forward(L.ffn_pre.data(), L.ffn_hidden.data(), dropped_buf.data(),
-                         P.fc1_bias.data(), mask, dropout_scale<Real>(p), d.N, d.F, cfg.activation);
+      ffn_hidden_forward(L.ffn_pre.data(), L.ffn_hidden.data(), dropped_buf.data(), fc1_bias, mask,
+                         dropout_scale<Real>(p), d.N, d.F, cfg.ffn_activation());
       hidden_dropped = drop ? dropped_buf.data() : L.ffn_hidden.data();
     } else {
-      activation_forward(L.ffn_hidden.data(), L.ffn_pre.data(), nh, cfg.activation);
+      if (d.gated) {
+        gated_forward(L.ffn_hidden.data(), L.ffn_gate.data(), L.ffn_pre.data(), nh,
+                      cfg.ffn_activation());
+      } else {
+        activation_forward(L.ffn_hidden.data(), L.ffn_pre.data(), nh, cfg.ffn_activation());
+      }
       store(L.ffn_hidden, name, "ffn_hidden");
       hidden_dropped = apply_dropout(dropped_buf.data(), L.ffn_hidden.data(), L.masks.ffn, nh,
                                      prefix + "ffn", p, drop, seed);
@@ -201,8 +217,8 @@ void LayerForward<Real>::ffn_forward(const Real* ffn_in) const {
   }
   {
     profile::Scope stage(Stage::ffn_fc2);
-    linear_forward(L.ffn_out.data(), hidden_dropped, P.fc2_weight.data(), P.fc2_bias.data(), d.N,
-                   d.F, d.D);
+    linear_forward(L.ffn_out.data(), hidden_dropped, P.fc2_weight.data(), data_or_null(P.fc2_bias),
+                   d.N, d.F, d.D);
     store(L.ffn_out, name, "ffn_out");
   }
 }
@@ -215,15 +231,13 @@ void LayerForward<Real>::ffn_block_forward() const {
   {
     profile::Scope norm_scope(Stage::layer_norm);
     if (cfg.norm_first) {
-      layer_norm_forward(L.norm2.data(), L.norm2_mean.data(), L.norm2_rstd.data(),
-                         L.residual1.data(), P.norm2_weight.data(), P.norm2_bias.data(), d.N, d.D,
-                         eps);
+      norm_forward(cfg, L.norm2.data(), L.norm2_mean.data(), L.norm2_rstd.data(),
+                   L.residual1.data(), P.norm2_weight.data(), data_or_null(P.norm2_bias), d.N, d.D);
       store(L.norm2, name, "norm2");
       ffn_in = L.norm2.data();
     } else {
-      layer_norm_forward(L.norm1.data(), L.norm1_mean.data(), L.norm1_rstd.data(),
-                         L.residual1.data(), P.norm1_weight.data(), P.norm1_bias.data(), d.N, d.D,
-                         eps);
+      norm_forward(cfg, L.norm1.data(), L.norm1_mean.data(), L.norm1_rstd.data(),
+                   L.residual1.data(), P.norm1_weight.data(), data_or_null(P.norm1_bias), d.N, d.D);
       store(L.norm1, name, "norm1");
       ffn_in = L.norm1.data();
     }
@@ -249,9 +263,8 @@ void LayerForward<Real>::ffn_block_forward() const {
   } else {
     {
       profile::Scope stage(Stage::layer_norm);
-      layer_norm_forward(L.norm2.data(), L.norm2_mean.data(), L.norm2_rstd.data(),
-                         L.residual2.data(), P.norm2_weight.data(), P.norm2_bias.data(), d.N, d.D,
-                         eps);
+      norm_forward(cfg, L.norm2.data(), L.norm2_mean.data(), L.norm2_rstd.data(),
+                   L.residual2.data(), P.norm2_weight.data(), data_or_null(P.norm2_bias), d.N, d.D);
       store(L.norm2, name, "norm2");
       copy(L.output.data(), L.norm2.data(), nd);
     }
@@ -267,7 +280,6 @@ void layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P, LayerAc
   const index_t nd = d.N * d.D;
   const std::string_view name = std::string_view(prefix).substr(8);  // "layers.{i}."
 
-  const Real eps = static_cast<Real>(cfg.layer_norm_eps);
   const double p = cfg.dropout;
   // (B, S, D) scratch for a dropped residual branch; without dropout the branch is used as is.
   // Scratch that is overwritten entirely before it is read.
@@ -284,7 +296,6 @@ void layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P, LayerAc
                              .seed = seed,
                              .store = store,
                              .nd = nd,
-                             .eps = eps,
                              .p = p,
                              .tmp = tmp};
   s.attention_block_forward(x);
@@ -340,7 +351,7 @@ void LayerBackward<Real>::ffn_backward(Real* dffn_in, const Real* ffn_in) const 
                       L.ffn_hidden.numel(), scale);
     }
     linear_backward(ffn_dropped ? dhidden_dropped.data() : dL.ffn_hidden.data(),
-                    G.fc2_weight.data(), G.fc2_bias.data(), dL.ffn_out.data(),
+                    G.fc2_weight.data(), data_or_null(G.fc2_bias), dL.ffn_out.data(),
                     ffn_dropped ? hidden_dropped.data() : L.ffn_hidden.data(), P.fc2_weight.data(),
                     d.N, d.F, d.D, GradWrite::overwrite);
   }
@@ -350,9 +361,18 @@ void LayerBackward<Real>::ffn_backward(Real* dffn_in, const Real* ffn_in) const 
   {
     profile::Scope stage(Stage::bwd_activation);
     const std::uint8_t* mask = ffn_dropped ? L.masks.ffn.data() : nullptr;
-    if (!store.stores_reduced()) {
+    if (d.gated) {
+      if (mask) {
+        dropout_backward(dL.ffn_hidden.data(), dhidden_dropped.data(), mask, dL.ffn_hidden.numel(),
+                         scale, GradWrite::overwrite);
+      }
+      store(dL.ffn_hidden, name, "ffn_hidden");
+      gated_backward(dL.ffn_gate.data(), dL.ffn_pre.data(), dL.ffn_hidden.data(), L.ffn_gate.data(),
+                     L.ffn_pre.data(), L.ffn_pre.numel(), cfg.ffn_activation());
+      store(dL.ffn_gate, name, "ffn_gate");
+    } else if (!store.stores_reduced()) {
       ffn_hidden_backward(dL.ffn_pre.data(), dL.ffn_hidden.data(), dhidden_dropped.data(), mask,
-                          scale, L.ffn_pre.data(), d.N, d.F, cfg.activation);
+                          scale, L.ffn_pre.data(), d.N, d.F, cfg.ffn_activation());
     } else {
       if (mask) {
         dropout_backward(dL.ffn_hidden.data(), dhidden_dropped.data(), mask, dL.ffn_hidden.numel(),
@@ -360,16 +380,21 @@ void LayerBackward<Real>::ffn_backward(Real* dffn_in, const Real* ffn_in) const 
       }
       store(dL.ffn_hidden, name, "ffn_hidden");
       activation_backward(dL.ffn_pre.data(), dL.ffn_hidden.data(), L.ffn_pre.data(),
-                          L.ffn_pre.numel(), cfg.activation, GradWrite::overwrite);
+                          L.ffn_pre.numel(), cfg.ffn_activation(), GradWrite::overwrite);
     }
     store(dL.ffn_pre, name, "ffn_pre");
   }
-  // ffn_pre = fc1(ffn_in)
+  // ffn_pre = fc1(ffn_in), and ffn_gate = gate(ffn_in): the gate's term first
   {
     profile::Scope stage(Stage::bwd_ffn_fc1);
-    linear_backward(dffn_in, G.fc1_weight.data(), G.fc1_bias.data(), dL.ffn_pre.data(), ffn_in,
-                    P.fc1_weight.data(), d.N, d.D, d.F,
-                    cfg.norm_first ? GradWrite::overwrite : GradWrite::accumulate);
+    GradWrite write = cfg.norm_first ? GradWrite::overwrite : GradWrite::accumulate;
+    if (d.gated) {
+      linear_backward(dffn_in, G.gate_weight.data(), data_or_null(G.gate_bias), dL.ffn_gate.data(),
+                      ffn_in, P.gate_weight.data(), d.N, d.D, d.F, write);
+      write = GradWrite::accumulate;
+    }
+    linear_backward(dffn_in, G.fc1_weight.data(), data_or_null(G.fc1_bias), dL.ffn_pre.data(),
+                    ffn_in, P.fc1_weight.data(), d.N, d.D, d.F, write);
     store(dffn_in, nd, name, cfg.norm_first ? "norm2" : "norm1");
   }
 }
@@ -385,9 +410,9 @@ void LayerBackward<Real>::ffn_block_backward() const {
       copy(dL.residual2.data(), dL.output.data(), nd);
     } else {
       copy(dL.norm2.data(), dL.output.data(), nd);
-      layer_norm_backward(dL.residual2.data(), G.norm2_weight.data(), G.norm2_bias.data(),
-                          dL.norm2.data(), L.residual2.data(), P.norm2_weight.data(),
-                          L.norm2_mean.data(), L.norm2_rstd.data(), d.N, d.D, GradWrite::overwrite);
+      norm_backward(cfg, dL.residual2.data(), G.norm2_weight.data(), data_or_null(G.norm2_bias),
+                    dL.norm2.data(), L.residual2.data(), P.norm2_weight.data(), L.norm2_mean.data(),
+                    L.norm2_rstd.data(), d.N, d.D, GradWrite::overwrite);
       store(dL.residual2, name, "residual2");
     }
   }
@@ -410,13 +435,13 @@ void LayerBackward<Real>::ffn_block_backward() const {
   {
     profile::Scope stage(Stage::bwd_layer_norm);
     if (cfg.norm_first) {
-      layer_norm_backward(dL.residual1.data(), G.norm2_weight.data(), G.norm2_bias.data(),
-                          dL.norm2.data(), L.residual1.data(), P.norm2_weight.data(),
-                          L.norm2_mean.data(), L.norm2_rstd.data(), d.N, d.D);
+      norm_backward(cfg, dL.residual1.data(), G.norm2_weight.data(), data_or_null(G.norm2_bias),
+                    dL.norm2.data(), L.residual1.data(), P.norm2_weight.data(), L.norm2_mean.data(),
+                    L.norm2_rstd.data(), d.N, d.D);
     } else {
-      layer_norm_backward(dL.residual1.data(), G.norm1_weight.data(), G.norm1_bias.data(),
-                          dL.norm1.data(), L.residual1.data(), P.norm1_weight.data(),
-                          L.norm1_mean.data(), L.norm1_rstd.data(), d.N, d.D, GradWrite::overwrite);
+      norm_backward(cfg, dL.residual1.data(), G.norm1_weight.data(), data_or_null(G.norm1_bias),
+                    dL.norm1.data(), L.residual1.data(), P.norm1_weight.data(), L.norm1_mean.data(),
+                    L.norm1_rstd.data(), d.N, d.D, GradWrite::overwrite);
     }
     store(dL.residual1, name, "residual1");
   }
@@ -442,13 +467,14 @@ void LayerBackward<Real>::qkv_backward(Real* dattn_in, const Real* attn_in) cons
                   lay.width);
   }
   Tensor<Real> gw({lay.width, d.D}), gb({lay.width});
-  linear_backward(dattn_in, gw.data(), gb.data(), dqkv.data(), attn_in, wqkv.data(), d.N, d.D,
-                  lay.width, cfg.norm_first ? GradWrite::overwrite : GradWrite::accumulate);
+  linear_backward(dattn_in, gw.data(), P.has_attn_bias ? gb.data() : nullptr, dqkv.data(), attn_in,
+                  wqkv.data(), d.N, d.D, lay.width,
+                  cfg.norm_first ? GradWrite::overwrite : GradWrite::accumulate);
   Tensor<Real>* gws[3] = {&G.q_weight, &G.k_weight, &G.v_weight};
   Tensor<Real>* gbs[3] = {&G.q_bias, &G.k_bias, &G.v_bias};
   for (int i = 0; i < 3; ++i) {
     add(gws[i]->data(), gw.data() + lay.at[i] * d.D, lay.rows[i] * d.D);
-    add(gbs[i]->data(), gb.data() + lay.at[i], lay.rows[i]);
+    if (P.has_attn_bias) add(gbs[i]->data(), gb.data() + lay.at[i], lay.rows[i]);
   }
 }
 
@@ -467,8 +493,9 @@ void LayerBackward<Real>::attention_block_backward(Real* dx, const Real* x) cons
   // attn_out = context * Wo^T + bo
   {
     profile::Scope stage(Stage::bwd_out_proj);
-    linear_backward(dL.context.data(), G.o_weight.data(), G.o_bias.data(), dL.attn_out.data(),
-                    L.context.data(), P.o_weight.data(), d.N, d.D, d.D, GradWrite::overwrite);
+    linear_backward(dL.context.data(), G.o_weight.data(), data_or_null(G.o_bias),
+                    dL.attn_out.data(), L.context.data(), P.o_weight.data(), d.N, d.D, d.D,
+                    GradWrite::overwrite);
     store(dL.context, name, "context");
   }
   // dcontext is read in its merged (B, S, D) layout, head by head.
@@ -514,8 +541,8 @@ void LayerBackward<Real>::attention_block_backward(Real* dx, const Real* x) cons
   if (cfg.norm_first) {
     profile::Scope stage(Stage::bwd_layer_norm);
     store(dL.norm1, name, "norm1");
-    layer_norm_backward(dx, G.norm1_weight.data(), G.norm1_bias.data(), dL.norm1.data(), x,
-                        P.norm1_weight.data(), L.norm1_mean.data(), L.norm1_rstd.data(), d.N, d.D);
+    norm_backward(cfg, dx, G.norm1_weight.data(), data_or_null(G.norm1_bias), dL.norm1.data(), x,
+                  P.norm1_weight.data(), L.norm1_mean.data(), L.norm1_rstd.data(), d.N, d.D);
   }
 }
 

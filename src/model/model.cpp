@@ -95,6 +95,7 @@ void allocate(Activations<Real>& a, const EncoderConfig& cfg, const Dims& d, Zer
               bool layers_whole = true) {
   a.norm_first = cfg.norm_first;
   a.rotary = d.rope;
+  a.gated = d.gated;
   shape_as(a.embedding, {d.B, d.S, d.D}, nullptr);  // the input's dropout gradient overwrites it
   shape_as(a.positional, {d.S, d.D}, zero);
   // The gradient of a layer's input is overwritten by the layer; the top one accumulates.
@@ -187,10 +188,9 @@ void run_encoder(const Params<Real>& params, const Batch& batch, Activations<Rea
   }
   profile::Scope stage(Stage::head);
   if (cfg.norm_first) {
-    layer_norm_forward(acts.final_norm.data(), acts.final_norm_mean.data(),
-                       acts.final_norm_rstd.data(), x, params.final_norm_weight.data(),
-                       params.final_norm_bias.data(), d.N, d.D,
-                       static_cast<Real>(cfg.layer_norm_eps));
+    detail::norm_forward(cfg, acts.final_norm.data(), acts.final_norm_mean.data(),
+                         acts.final_norm_rstd.data(), x, params.final_norm_weight.data(),
+                         detail::data_or_null(params.final_norm_bias), d.N, d.D);
     store(acts.final_norm, "", "final_norm");
     x = acts.final_norm.data();
   }
@@ -199,7 +199,7 @@ void run_encoder(const Params<Real>& params, const Batch& batch, Activations<Rea
                   d.D, cfg.pooling);
   store(acts.pooled, "", "pooled");
   linear_forward(acts.logits.data(), acts.pooled.data(), params.head_weight.data(),
-                 params.head_bias.data(), d.B, d.D, d.C);
+                 detail::data_or_null(params.head_bias), d.B, d.D, d.C);
   store(acts.logits, "", "logits");
   acts.loss[0] =
       cross_entropy_forward(acts.class_probs.data(), acts.logits.data(), batch.labels.data(), d.B,
@@ -237,7 +237,7 @@ void backward(const Params<Real>& params, const Batch& batch, const Activations<
     grads = Params<Real>();
     grads.config = cfg;
     grads.layers.resize(static_cast<std::size_t>(cfg.num_layers));
-    for (auto& l : grads.layers) l.has_sinks = cfg.attn_sinks;
+    for (auto& l : grads.layers) l.configure(cfg);
     grads.visit([&](const std::string& name, Tensor<Real>& t) {
       shape_as(t, detail::param_shape(cfg, name), &zero);
     });
@@ -252,9 +252,9 @@ void backward(const Params<Real>& params, const Batch& batch, const Activations<
     cross_entropy_backward(dacts.logits.data(), acts.class_probs.data(), batch.labels.data(), d.B,
                            d.C, static_cast<Real>(cfg.label_smoothing), dacts.loss[0]);
     store(dacts.logits, "", "logits");
-    linear_backward(dacts.pooled.data(), grads.head_weight.data(), grads.head_bias.data(),
-                    dacts.logits.data(), acts.pooled.data(), params.head_weight.data(), d.B, d.D,
-                    d.C);
+    linear_backward(dacts.pooled.data(), grads.head_weight.data(),
+                    detail::data_or_null(grads.head_bias), dacts.logits.data(), acts.pooled.data(),
+                    params.head_weight.data(), d.B, d.D, d.C);
     store(dacts.pooled, "", "pooled");
     // pooled = pool(top); top = final_norm(last) (pre) or last
     Tensor<Real>& dlast = cfg.num_layers > 0 ? dacts.layers.back().output : dacts.input;
@@ -264,10 +264,10 @@ void backward(const Params<Real>& params, const Batch& batch, const Activations<
                      d.S, d.D, cfg.pooling);
     if (cfg.norm_first) {
       store(dacts.final_norm, "", "final_norm");
-      layer_norm_backward(dlast.data(), grads.final_norm_weight.data(),
-                          grads.final_norm_bias.data(), dacts.final_norm.data(), last,
-                          params.final_norm_weight.data(), acts.final_norm_mean.data(),
-                          acts.final_norm_rstd.data(), d.N, d.D);
+      detail::norm_backward(cfg, dlast.data(), grads.final_norm_weight.data(),
+                            detail::data_or_null(grads.final_norm_bias), dacts.final_norm.data(),
+                            last, params.final_norm_weight.data(), acts.final_norm_mean.data(),
+                            acts.final_norm_rstd.data(), d.N, d.D);
     }
     const std::string last_name =
         cfg.num_layers > 0 ? "layers." + std::to_string(cfg.num_layers - 1) + ".output" : "input";
@@ -325,10 +325,11 @@ Dims layer_dims(const EncoderConfig& cfg, const LayerParams<Real>& P, const Tens
     throw ShapeError("encoder layer: x is " + x.shape().str() + ", expected (" +
                      std::to_string(lengths.size()) + ", S, " + std::to_string(cfg.d_model) + ")");
   }
-  if (P.has_sinks != cfg.attn_sinks) {
-    throw ShapeError(std::string("encoder layer: parameter attn.sinks is ") +
-                     (cfg.attn_sinks ? "missing" : "present") + ", but attn_sinks is " +
-                     (cfg.attn_sinks ? "true" : "false"));
+  if (!P.configured_for(cfg)) {
+    throw ShapeError(
+        "encoder layer: the parameters' presence flags (has_sinks, has_attn_bias, "
+        "has_norm_bias, gated, has_ffn_bias) are not those of the config: call "
+        "LayerParams::configure(cfg)");
   }
   P.visit([&](const std::string& name, const Tensor<Real>& t) {
     const Shape want = detail::param_shape(cfg, "layers.0." + name);
@@ -378,7 +379,7 @@ void encoder_layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P
   }
   const Emulation<Real> store(opts.precision, "the gradient of ");
   ZeroList<Real> zero;
-  G.has_sinks = cfg.attn_sinks;
+  G.configure(cfg);
   G.visit([&](const std::string& name, Tensor<Real>& t) {
     shape_as(t, detail::param_shape(cfg, "layers.0." + name), &zero);
   });

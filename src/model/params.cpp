@@ -101,7 +101,7 @@ Params<Real> Params<Real>::zeros(const EncoderConfig& cfg) {
   Params p;
   p.config = cfg;
   p.layers.resize(static_cast<std::size_t>(cfg.num_layers));
-  for (auto& l : p.layers) l.has_sinks = cfg.attn_sinks;
+  for (auto& l : p.layers) l.configure(cfg);
   p.visit([&](const std::string& name, Tensor<Real>& t) {
     t = Tensor<Real>(detail::param_shape(cfg, name));
   });
@@ -174,6 +174,11 @@ void validate_params(const Params<Real>& p) {
                        (c.attn_sinks ? "missing" : "present") + ", but config.attn_sinks is " +
                        (c.attn_sinks ? "true" : "false"));
     }
+    if (!p.layers[i].configured_for(c)) {
+      throw ShapeError("the parameters of layers." + std::to_string(i) +
+                       " are not those of the config (its attn_bias, norm, ffn or ffn_bias): "
+                       "build them with Params::zeros or LayerParams::configure");
+    }
   }
   p.visit([&](const std::string& name, const Tensor<Real>& t) {
     expect_shape("parameter " + name, t.shape(), detail::param_shape(c, name));
@@ -184,9 +189,10 @@ template <class Real>
 void validate_activations(const EncoderConfig& c, const Batch& b, const Activations<Real>& a) {
   const index_t B = b.batch, S = b.seq_len, D = c.d_model, N = B * S;
   if (a.norm_first != c.norm_first || a.rotary != (c.positional == Positional::rope) ||
-      a.layers.size() != static_cast<std::size_t>(c.num_layers)) {
+      a.gated != c.gated() || a.layers.size() != static_cast<std::size_t>(c.num_layers)) {
     throw ShapeError(
-        "activations were produced for a different config (norm_first, rope or num_layers)");
+        "activations were produced for a different config (norm_first, rope, ffn or "
+        "num_layers)");
   }
   const contract::Sizes sizes{B, S};
   const auto shape_of = [&](const std::vector<std::string>& dims) {

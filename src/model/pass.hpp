@@ -16,6 +16,8 @@
 #include "kernels/parallel.hpp"
 #include "teo/errors.hpp"
 #include "teo/layers/dropout.hpp"
+#include "teo/layers/layer_norm.hpp"
+#include "teo/layers/rms_norm.hpp"
 #include "teo/layers/rope.hpp"
 #include "teo/model.hpp"
 #include "teo/precision.hpp"
@@ -26,6 +28,7 @@ struct Dims {
   index_t B, S, D, H, Dh, F, C, N;  // N = B * S rows
   index_t K, Dkv;                   // K/V heads, and their width K * Dh
   bool rope;                        // q and k are rotated (q_rot, k_rot)
+  bool gated;                       // the FFN is gated (ffn_gate)
 };
 
 inline Dims dims_of(const EncoderConfig& c, const Batch& b) {
@@ -39,7 +42,18 @@ inline Dims dims_of(const EncoderConfig& c, const Batch& b) {
           b.batch * b.seq_len,
           c.kv_heads(),
           c.kv_heads() * c.d_head(),
-          c.positional == Positional::rope};
+          c.positional == Positional::rope,
+          c.gated()};
+}
+
+// A parameter that may be absent (an optional bias): its data, or null when it is empty.
+template <class Real>
+Real* data_or_null(Tensor<Real>& t) {
+  return t.numel() > 0 ? t.data() : nullptr;
+}
+template <class Real>
+const Real* data_or_null(const Tensor<Real>& t) {
+  return t.numel() > 0 ? t.data() : nullptr;
 }
 
 // RoPE's cos and sin tables (S, r / 2) for cfg and a sequence length.
@@ -198,6 +212,31 @@ void dropout_grad(Real* din, const Real* dout, const std::vector<std::uint8_t>& 
   }
 }
 
+// The config's norm over N rows of D: LayerNorm, or RMSNorm (which writes no mean and has no bias:
+// b and db are not read).
+template <class Real>
+void norm_forward(const EncoderConfig& cfg, Real* out, Real* mean, Real* rstd, const Real* x,
+                  const Real* w, const Real* b, index_t N, index_t D) {
+  const Real eps = static_cast<Real>(cfg.layer_norm_eps);
+  if (cfg.norm == Norm::rmsnorm) {
+    rms_norm_forward(out, rstd, x, w, N, D, eps);
+  } else {
+    layer_norm_forward(out, mean, rstd, x, w, b, N, D, eps);
+  }
+}
+
+// Its backward: dx accumulated into (or overwritten), dw and db accumulated into.
+template <class Real>
+void norm_backward(const EncoderConfig& cfg, Real* dx, Real* dw, Real* db, const Real* dy,
+                   const Real* x, const Real* w, const Real* mean, const Real* rstd, index_t N,
+                   index_t D, GradWrite write = GradWrite::accumulate) {
+  if (cfg.norm == Norm::rmsnorm) {
+    rms_norm_backward(dx, dw, dy, x, w, rstd, N, D, write);
+  } else {
+    layer_norm_backward(dx, dw, db, dy, x, w, mean, rstd, N, D, write);
+  }
+}
+
 // The three projections as one Linear of D + 2 Dkv outputs: where each starts, how many outputs
 // it has, and into how many heads it splits.
 struct QkvLayout {
@@ -210,14 +249,14 @@ struct QkvLayout {
         heads{d.H, d.K, d.K} {}
 };
 
-// [Wq; Wk; Wv] (D + 2 Dkv, D) and [bq; bk; bv] (D + 2 Dkv).
+// [Wq; Wk; Wv] (D + 2 Dkv, D) and [bq; bk; bv] (D + 2 Dkv); b is not written without attn_bias.
 template <class Real>
 void stack_qkv(Real* w, Real* b, const LayerParams<Real>& P, const QkvLayout& l, index_t dm) {
   const Tensor<Real>* ws[3] = {&P.q_weight, &P.k_weight, &P.v_weight};
   const Tensor<Real>* bs[3] = {&P.q_bias, &P.k_bias, &P.v_bias};
   for (int i = 0; i < 3; ++i) {
     copy(w + l.at[i] * dm, ws[i]->data(), l.rows[i] * dm);
-    copy(b + l.at[i], bs[i]->data(), l.rows[i]);
+    if (P.has_attn_bias) copy(b + l.at[i], bs[i]->data(), l.rows[i]);
   }
 }
 

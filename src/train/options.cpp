@@ -41,7 +41,7 @@ const std::vector<TrainKey>& train_keys() {
       {"d_ff", "int", "feed-forward width"},
       {"num_layers", "int", "encoder layers"},
       {"norm_first", "bool", "pre-norm (true) or post-norm (false)"},
-      {"activation", "string", "relu | gelu | gelu_tanh"},
+      {"activation", "string", "relu | gelu | gelu_tanh | silu"},
       {"layer_norm_eps", "real", "LayerNorm epsilon"},
       {"positional", "string", "sinusoidal | learned | none | rope | alibi"},
       {"num_kv_heads", "int", "K/V heads for grouped-query attention (1: multi-query)"},

@@ -165,6 +165,7 @@ const double kSqrt2OverPi = std::sqrt(2.0 / M_PI);
 
 double activation(double x, Activation a, Mutation m) {
   if (a == Activation::relu) return x > 0 ? x : 0;
+  if (a == Activation::silu) return x / (1 + std::exp(-x));
   if (!tanh_form(a, m)) return 0.5 * x * (1 + std::erf(x / std::sqrt(2.0)));
   const double u = kSqrt2OverPi * (x + 0.044715 * x * x * x);
   return 0.5 * x * (1 + std::tanh(u));
@@ -174,6 +175,11 @@ double activation(double x, Activation a, Mutation m) {
 double activation_grad(double x, Activation a, Mutation m) {
   // relu: y = x > 0 ? x : 0
   if (a == Activation::relu) return x > 0 ? 1 : 0;
+  if (a == Activation::silu) {
+    // y = x s(x), s = 1 / (1 + exp(-x)):  y' = s + x s (1 - s)
+    const double s = 1 / (1 + std::exp(-x));
+    return s + x * s * (1 - s);
+  }
   if (!tanh_form(a, m)) {
     // y = x Phi(x), Phi(x) = (1 + erf(x / sqrt 2)) / 2:  y' = Phi(x) + x phi(x),
     // phi(x) = exp(-x^2 / 2) / sqrt(2 pi)

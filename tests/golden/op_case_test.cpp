@@ -87,7 +87,8 @@ TEST(OpCorpus, CoversEveryOpDtypePrecisionAndEdgeCase) {
   bool kv_len0 = false, kv_len1 = false, kv_boundary = false, kv_chunk = false, kv_unused = false,
        kv_gqa8 = false, kv_mqa = false, kv_head256 = false, kv_mla = false, merge_empty = false;
   std::set<int> page_sizes, merge_parts;
-  std::set<std::string> orders, kv_precisions;
+  std::set<std::string> orders, kv_precisions, ffn_kinds;
+  bool ffn_no_bias = false;
   for (const auto& e : op_corpus()) {
     const auto& s = e.spec.spec;
     ops.insert(e.spec.op);
@@ -143,6 +144,10 @@ TEST(OpCorpus, CoversEveryOpDtypePrecisionAndEdgeCase) {
       merge_parts.insert(s["num_parts"].get<int>());
       merge_empty |= !s["empty_parts"].empty() && s["empty_parts"].size() < s["num_parts"];
     }
+    if (e.spec.op == "ffn") {
+      ffn_kinds.insert(s.value("ffn", "mlp"));
+      ffn_no_bias |= !s.value("ffn_bias", true);
+    }
     if (e.spec.op == "cross_entropy") {
       c1 |= s["num_classes"] == 1;
       c2 |= s["num_classes"] == 2;
@@ -179,13 +184,15 @@ TEST(OpCorpus, CoversEveryOpDtypePrecisionAndEdgeCase) {
                             {"MLA (192, 128) on a cache", kv_mla},
                             {"a merge with an empty split", merge_empty},
                             {"an empty sequence in a layer", empty_in_layer},
-                            {"N off every register tile", odd_rows}}) {
+                            {"N off every register tile", odd_rows},
+                            {"an FFN without biases", ffn_no_bias}}) {
     EXPECT_TRUE(seen) << "no op case has " << what;
   }
   for (int ps : {1, 16, 128, 256}) EXPECT_TRUE(page_sizes.contains(ps)) << "page size " << ps;
   EXPECT_EQ(orders, (std::set<std::string>{"explicit", "in_order", "reversed", "shuffled"}));
   for (const char* p : {"bf16", "fp16"}) EXPECT_TRUE(kv_precisions.contains(p)) << p << " cache";
   for (int n : {1, 3}) EXPECT_TRUE(merge_parts.contains(n)) << "a merge of " << n << " parts";
+  EXPECT_EQ(ffn_kinds, (std::set<std::string>{"geglu", "mlp", "swiglu"}));
 }
 
 TEST(OpCorpus, EveryCasePassesAgainstItselfAndItsEmulatedRuns) {

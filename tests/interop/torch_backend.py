@@ -443,6 +443,8 @@ def activation_fn(name):
         return F.relu
     if name == "gelu":
         return F.gelu
+    if name == "silu":
+        return F.silu
     return lambda x: F.gelu(x, approximate="tanh")
 
 

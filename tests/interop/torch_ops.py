@@ -84,6 +84,8 @@ MUTANTS = {
                                      "top-left causal alignment where bottom-right is asked"),
     "rms_norm_mean_subtracted": ("rms_norm_f64", "output.y",
                                  "RMSNorm that subtracts the mean, as LayerNorm does"),
+    "swiglu_gate_up_swapped": ("ffn_swiglu_f64", "output.hidden",
+                               "SwiGLU as silu(up(x)) * gate(x): the two projections swapped"),
     "lse_grad_ignored": ("attention_split_kv_backward_f64", "grad.input.q",
                          "a split-KV part's backward without the merge's gradient of its lse"),
     "lse_base_2": ("attention_decode_f64", "output.lse", "the log-sum-exp in base 2"),
@@ -230,6 +232,25 @@ def op_rms_norm(spec, T, mode):
         xf = xf - xf.mean(-1, keepdim=True)
     y = xf * torch.rsqrt((xf * xf).mean(-1, keepdim=True) + spec["layer_norm_eps"]) * w.to(work)
     return {"output.y": mode.store(y.to(x.dtype))}
+
+
+def op_ffn(spec, T, mode):
+    """fc2(act(fc1(x))), or gated: fc2(act(gate(x)) * fc1(x)), act silu for swiglu, gelu for
+    geglu (the tanh form when the spec's activation asks)."""
+    x = T["input.x"]
+    kind = spec.get("ffn", "mlp")
+    act = tb.activation_fn("silu" if kind == "swiglu" else spec.get("activation", "gelu"))
+    up = mode.linear(x, T["param.fc1.weight"], T.get("param.fc1.bias"))
+    if kind == "mlp":
+        hidden = act(up)
+    else:
+        gate = mode.linear(x, T["param.gate.weight"], T.get("param.gate.bias"))
+        if mode.mutant == "swiglu_gate_up_swapped":
+            gate, up = up, gate
+        hidden = act(gate) * up
+    hidden = mode.store(hidden)
+    y = mode.linear(hidden, T["param.fc2.weight"], T.get("param.fc2.bias"))
+    return {"output.hidden": hidden, "output.y": mode.store(y)}
 
 
 def op_softmax(spec, T, mode):

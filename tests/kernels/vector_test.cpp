@@ -273,7 +273,8 @@ TYPED_TEST(VectorKernels, StagesMatchTheReference) {
   auto run = [&](Backend be) {
     set_backend(be);
     std::vector<std::vector<double>> out;
-    for (Activation act : {Activation::relu, Activation::gelu, Activation::gelu_tanh}) {
+    for (Activation act :
+         {Activation::relu, Activation::gelu, Activation::gelu_tanh, Activation::silu}) {
       std::vector<Real> y(x.size()), dx(x.size(), Real(0));
       activation_forward(y.data(), x.data(), rows * cols, act);
       activation_backward(dx.data(), g.data(), x.data(), rows * cols, act);

@@ -47,7 +47,8 @@ TEST(Activations, BackwardMatchesFiniteDifferences) {
     if (std::abs(v) < 0.05) v = v < 0 ? -0.5 : 0.5;
   for (double v : x) ASSERT_GE(std::abs(v), 0.05);
   const auto r = test::uniform_vector<double>(n, 2, "r");
-  for (Activation a : {Activation::relu, Activation::gelu, Activation::gelu_tanh}) {
+  for (Activation a :
+       {Activation::relu, Activation::gelu, Activation::gelu_tanh, Activation::silu}) {
     std::vector<double> dx(n, 0.0);
     activation_backward(dx.data(), r.data(), x.data(), n, a);
     auto loss = [&] {
@@ -74,7 +75,8 @@ TYPED_TEST(Activations, OverwriteGivesTheBitsOfAccumulatingIntoZeros) {
   ScopedSettings restore;
   for (Backend be : {Backend::reference, Backend::simd}) {
     set_backend(be);
-    for (Activation a : {Activation::relu, Activation::gelu, Activation::gelu_tanh}) {
+    for (Activation a :
+         {Activation::relu, Activation::gelu, Activation::gelu_tanh, Activation::silu}) {
       std::vector<Real> acc(n, Real(0)), over(n, Real(1e30));
       activation_backward(acc.data(), g.data(), x.data(), n, a);
       activation_backward(over.data(), g.data(), x.data(), n, a, GradWrite::overwrite);
@@ -105,7 +107,8 @@ TYPED_TEST(Activations, FusedHiddenPassGivesTheBitsOfTheSeparatePasses) {
   ScopedSettings restore;
   for (Backend be : {Backend::reference, Backend::simd}) {
     set_backend(be);
-    for (Activation a : {Activation::relu, Activation::gelu, Activation::gelu_tanh}) {
+    for (Activation a :
+         {Activation::relu, Activation::gelu, Activation::gelu_tanh, Activation::silu}) {
       for (bool dropped : {false, true}) {
         const std::uint8_t* m = dropped ? mask.data() : nullptr;
         const std::string where = std::string(to_string(be)) + " " + to_string(a) +

@@ -28,7 +28,8 @@ EncoderConfig backend_config(bool pre) {
 }
 
 // The plain post- and pre-norm layers, and two with every attention variant: GQA with RoPE
-// (partial, YaRN, an offset), a window, a soft-cap and sinks; MQA with ALiBi and a window.
+// (partial, YaRN, an offset), a window, a soft-cap and sinks, in a LLaMA block (RMSNorm, SwiGLU,
+// no biases); MQA with ALiBi and a window, with a GeGLU FFN and RMSNorm after the residuals.
 std::vector<EncoderConfig> backend_configs() {
   EncoderConfig rope = backend_config(true);
   rope.num_kv_heads = 2;
@@ -39,10 +40,16 @@ std::vector<EncoderConfig> backend_configs() {
   rope.sliding_window = 9;
   rope.attn_logit_softcap = 2.0;
   rope.attn_sinks = true;
+  rope.norm = Norm::rmsnorm;
+  rope.ffn = FfnKind::swiglu;
+  rope.activation = Activation::silu;
+  rope.attn_bias = rope.ffn_bias = rope.head_bias = false;
   EncoderConfig alibi = backend_config(false);
   alibi.num_kv_heads = 1;
   alibi.positional = Positional::alibi;
   alibi.sliding_window = 17;
+  alibi.norm = Norm::rmsnorm;
+  alibi.ffn = FfnKind::geglu;
   return {backend_config(false), backend_config(true), rope, alibi};
 }
 

@@ -179,6 +179,34 @@ std::vector<GradCase> cases() {
     c.attn_logit_softcap = 0.6;
     c.attn_sinks = true;
   });
+  // The block variants (docs/semantics.md, "Block variants").
+  add("LlamaBlockRmsSwigluNoBiasesGqaRope", {4, 1, 3}, [](EncoderConfig& c) {
+    c.norm = Norm::rmsnorm;
+    c.ffn = FfnKind::swiglu;
+    c.ffn_bias = c.attn_bias = c.head_bias = false;
+    c.num_heads = 4;
+    c.num_kv_heads = 2;
+    c.positional = Positional::rope;
+    c.norm_first = true;
+    c.causal = true;
+  });
+  add("PostNormRmsGegluTanhDropout", {4, 0, 2}, [](EncoderConfig& c) {
+    c.norm = Norm::rmsnorm;
+    c.ffn = FfnKind::geglu;
+    c.activation = Activation::gelu_tanh;
+    c.dropout = 0.2;
+  });
+  add("PreNormSwigluNoAttnOrHeadBias", {4, 3, 1}, [](EncoderConfig& c) {
+    c.norm_first = true;
+    c.ffn = FfnKind::swiglu;
+    c.head_bias = false;
+    c.attn_bias = false;
+    c.pooling = Pooling::cls;
+  });
+  add("PostNormMlpSiluNoFfnBias", {4, 2, 4}, [](EncoderConfig& c) {
+    c.activation = Activation::silu;
+    c.ffn_bias = false;
+  });
   return out;
 }
 

@@ -592,7 +592,8 @@ TYPED_TEST(Model, ForwardIsDeterministicAndDropoutFollowsTheSeed) {
 // two layers of LayerNorm, softmax and GEMMs of length <= 20 amplify it by well under 1e3 here.
 TEST(Model, FloatAgreesWithDouble) {
   for (bool pre : {false, true}) {
-    for (Activation act : {Activation::relu, Activation::gelu, Activation::gelu_tanh}) {
+    for (Activation act :
+         {Activation::relu, Activation::gelu, Activation::gelu_tanh, Activation::silu}) {
       EncoderConfig c = small_config();
       c.norm_first = pre;
       c.activation = act;

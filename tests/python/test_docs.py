@@ -65,7 +65,8 @@ FUNCTIONS = dict({"run": teo.run, "init_params": teo.init_params,
                   "check": teo.golden.check,
                   "assert_matches_golden": teo.testing.assert_matches_golden},
                  **{n: getattr(teo.ops, n) for n in
-                    ("linear", "layer_norm", "rms_norm", "softmax", "activation", "dropout", "attention",
+                    ("linear", "layer_norm", "rms_norm", "softmax", "activation", "ffn", "dropout",
+                     "attention",
                      "attention_kvcache", "attention_merge", "embedding", "pooling",
                      "cross_entropy", "encoder_layer")})
 # One parameter as the doc writes it: name, name=default (the default may be left out), *, **name.

@@ -143,6 +143,12 @@ def _op_args(g):
     if op == "rms_norm":
         return ((t["input.x"], t["param.weight"]),
                 {"layer_norm_eps": s["layer_norm_eps"], "grad_y": t["grad.output.y"]})
+    if op == "ffn":
+        names = ("gate_weight", "gate_bias", "fc1_bias", "fc2_bias")
+        kw = {n: t.get("param." + n.replace("_", ".")) for n in names}
+        return ((t["input.x"], t["param.fc1.weight"], t["param.fc2.weight"]),
+                dict(kw, ffn=s.get("ffn", "mlp"), activation=s["activation"],
+                     grad_y=t["grad.output.y"]))
     if op == "softmax":
         return (t["input.x"],), {"visible": s["visible"], "grad_y": t["grad.output.y"]}
     if op == "activation":

@@ -20,6 +20,16 @@ template <class Real>
 void activation_backward(Real* din, const Real* dout, const Real* in, index_t n, Activation act,
                          GradWrite write = GradWrite::accumulate);
 
+// The gated FFN's middle (SwiGLU, GeGLU): hidden[i] = act(gate[i]) * up[i].
+template <class Real>
+void gated_forward(Real* hidden, const Real* gate, const Real* up, index_t n, Activation act);
+
+// Its backward, both overwritten: dgate[i] = act'(gate[i]) * (dhidden[i] * up[i]) (the bits of
+// activation_backward overwriting, given dhidden * up) and dup[i] = act(gate[i]) * dhidden[i].
+template <class Real>
+void gated_backward(Real* dgate, Real* dup, const Real* dhidden, const Real* gate, const Real* up,
+                    index_t n, Activation act);
+
 // The FFN's element-wise middle, fc1's bias, the activation and (in training) the dropout, as one
 // parallel pass over the (rows, cols) hidden tensor, each thread taking its block of rows through
 // the three steps in turn (one fork and join instead of three). The bits are those of the three

@@ -1,4 +1,4 @@
-// The activation op (docs/golden-format.md, "Op cases"): relu, gelu or tanh-gelu, element-wise.
+// The activation op (docs/golden-format.md, "Op cases"): relu, gelu, tanh-gelu or silu, element-wise.
 #include <cmath>
 
 #include "golden/ops/op.hpp"
@@ -42,7 +42,8 @@ const OpDef& activation_op() {
       .run_double = run<double>,
       .samples = {R"({"rows": 3, "cols": 5, "activation": "relu"})",
                   R"({"rows": 3, "cols": 5, "activation": "gelu"})",
-                  R"({"rows": 3, "cols": 5, "activation": "gelu_tanh"})"},
+                  R"({"rows": 3, "cols": 5, "activation": "gelu_tanh"})",
+                  R"({"rows": 3, "cols": 5, "activation": "silu"})"},
   };
   return def;
 }

@@ -37,7 +37,7 @@ void tensors(const Spec& s, OpTensors& t) {
   }
   // The parameters' values come from the model's initialisation (make_op), not from amp.
   LayerParams<double> shapes;
-  shapes.has_sinks = c.attn_sinks;
+  shapes.configure(c);
   shapes.visit([&](const std::string& n, const Tensor<double>&) {
     t.in.push_back(
         float_slot("param." + n, teo::detail::param_shape(c, "layers.0." + n).dims(), Role::param));
@@ -78,7 +78,7 @@ void run(RunContext<Real>& c) {
   const auto x = c.in("input.x"), dy = c.in("grad.output.y");
   const auto& len = spec_ints_of(v, s);
   LayerParams<Real> P, G;
-  P.has_sinks = s.cfg.attn_sinks;
+  P.configure(s.cfg);
   P.visit([&](const std::string& n, Tensor<Real>& t) { t = c.in("param." + n); });
   LayerActs<Real> L, dL;
   const bool drop = s.cfg.dropout > 0;
@@ -107,10 +107,14 @@ const OpDef& encoder_layer_op() {
   // One layer of a model whose vocabulary and head are as small as they can be (unused).
   static const OpDef def{
       .name = "encoder_layer",
-      .config_keys = {"d_model", "num_heads", "d_ff", "activation", "norm_first", "causal",
-                      "layer_norm_eps", "dropout", "num_kv_heads", "positional", "rope_style",
-                      "rotary_dim", "rope_base", "rope_scaling", "alibi_max_bias",
-                      "position_offset", "sliding_window", "attn_logit_softcap", "attn_sinks"},
+      .config_keys = {"d_model",         "num_heads",      "d_ff",
+                      "activation",      "norm_first",     "causal",
+                      "layer_norm_eps",  "dropout",        "num_kv_heads",
+                      "positional",      "rope_style",     "rotary_dim",
+                      "rope_base",       "rope_scaling",   "alibi_max_bias",
+                      "position_offset", "sliding_window", "attn_logit_softcap",
+                      "attn_sinks",      "norm",           "ffn",
+                      "ffn_bias",        "attn_bias"},
       .base_config =
           json{{"num_layers", 1}, {"vocab_size", 1}, {"num_classes", 1}, {"positional", "none"}},
       .lengths_key = "lengths",

@@ -281,6 +281,7 @@ const OpDef& layer_norm_op();
 const OpDef& rms_norm_op();
 const OpDef& softmax_op();
 const OpDef& activation_op();
+const OpDef& ffn_op();
 const OpDef& attention_op();
 const OpDef& attention_kvcache_op();
 const OpDef& attention_merge_op();

@@ -74,6 +74,8 @@ struct Kernels {
         y = VV::select(VV::isnan(x), x, VV::select(x > VV::set1(Real(0)), x, VV::set1(Real(0))));
       } else if (act == Activation::gelu) {
         y = half * x * (one + M<VV>::erf(x * VV::set1(static_cast<Real>(0.70710678118654752440))));
+      } else if (act == Activation::silu) {
+        y = VV::div(x, one + M<VV>::exp(-x));
       } else {
         const B inner = VV::set1(static_cast<Real>(0.79788456080286535588)) *
                         (x + VV::set1(static_cast<Real>(0.044715)) * x * x * x);
@@ -100,6 +102,9 @@ struct Kernels {
         const B pdf =
             VV::set1(static_cast<Real>(0.39894228040143267794)) * M<VV>::exp(-(half * x * x));
         g = cdf + x * pdf;
+      } else if (act == Activation::silu) {
+        const B sig = VV::div(one, one + M<VV>::exp(-x));
+        g = sig * (one + x * (one - sig));
       } else {
         const B k0 = VV::set1(static_cast<Real>(0.79788456080286535588));
         const B t = M<VV>::tanh(k0 * (x + VV::set1(static_cast<Real>(0.044715)) * x * x * x));

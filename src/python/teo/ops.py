@@ -151,6 +151,37 @@ def activation(x, *, activation="gelu", grad_y=None, **kw):
 
 
 @_public()
+def ffn(x, fc1_weight, fc2_weight, *, gate_weight=None, fc1_bias=None, fc2_bias=None,
+        gate_bias=None, ffn="mlp", activation="gelu", grad_y=None, **kw):
+    """The feed-forward network: fc2(act(fc1(x))) (ffn "mlp"), or gated, fc2(act(gate(x)) *
+    fc1(x)) with act silu ("swiglu") or gelu ("geglu"). The biases are all given or all left out;
+    gate_weight (and gate_bias) only for a gated FFN."""
+    from . import ConfigError
+    x = _real(x, "x", "ffn")
+    n, d = _rows(x)
+    w1 = _dims(_real(fc1_weight, "fc1_weight", "ffn"), 2, "(d_ff, d_model)", "fc1_weight", "ffn")
+    gated = ffn in ("swiglu", "geglu")
+    if gated != (gate_weight is not None):
+        raise ConfigError("teo.ops.ffn: ffn=%r %s gate_weight" %
+                          (ffn, "needs" if gated else "takes no"))
+    biases = {"fc1_bias": fc1_bias, "fc2_bias": fc2_bias}
+    if gated:
+        biases["gate_bias"] = gate_bias
+    elif gate_bias is not None:
+        raise ConfigError("teo.ops.ffn: ffn=%r takes no gate_bias" % (ffn,))
+    given = [k for k, b in biases.items() if b is not None]
+    if given and len(given) != len(biases):
+        raise ConfigError("teo.ops.ffn: the biases are all given or all left out; got only %s"
+                          % ", ".join(given))
+    spec = {"rows": n, "d_model": d, "d_ff": w1[0], "ffn": ffn, "ffn_bias": bool(given),
+            "activation": activation}
+    inputs = {"input.x": x, "param.gate.weight": gate_weight, "param.gate.bias": gate_bias,
+              "param.fc1.weight": fc1_weight, "param.fc1.bias": fc1_bias,
+              "param.fc2.weight": fc2_weight, "param.fc2.bias": fc2_bias}
+    return _call("ffn", spec, inputs, {"output.y": grad_y}, **kw)
+
+
+@_public()
 def dropout(x, mask, *, dropout, grad_y=None, **kw):
     x = _real(x, "x", "dropout")
     n, c = _rows(x)

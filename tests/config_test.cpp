@@ -109,6 +109,43 @@ TEST(Config, InvalidVariantValuesAreNamedErrors) {
                       "ntk");
 }
 
+// The block variants and decoders: their keys round-trip, appear only when used, and a decoder is
+// causal unless its JSON says otherwise (which is refused).
+TEST(Config, BlockAndDecoderKeysRoundTripAndAppearOnlyWhenUsed) {
+  EncoderConfig c;
+  c.norm = Norm::rmsnorm;
+  c.ffn = FfnKind::swiglu;
+  c.activation = Activation::silu;
+  c.ffn_bias = c.attn_bias = c.head_bias = false;
+  EXPECT_EQ(EncoderConfig::from_json(c.to_json()), c);
+  c.architecture = Architecture::decoder;
+  c.causal = true;
+  c.tie_embeddings = true;
+  EXPECT_EQ(EncoderConfig::from_json(c.to_json()), c);
+  EXPECT_FALSE(c.to_json().contains("pooling"));
+  EXPECT_FALSE(c.to_json().contains("num_classes"));
+  EXPECT_FALSE(EncoderConfig{}.to_json().contains("architecture"));
+  EXPECT_TRUE(EncoderConfig::from_json_text(R"({"architecture": "decoder"})").causal);
+  EXPECT_EQ(EncoderConfig::from_json_text(R"({"ffn": "geglu", "activation": "gelu_tanh"})")
+                .ffn_activation(),
+            Activation::gelu_tanh);
+  EXPECT_EQ(EncoderConfig::from_json_text(R"({"ffn": "swiglu"})").ffn_activation(),
+            Activation::silu);
+}
+
+TEST(Config, InvalidBlockAndDecoderValuesAreNamedErrors) {
+  expect_config_error(R"({"norm": "batchnorm"})", "norm");
+  expect_config_error(R"({"ffn": "moe"})", "ffn");
+  expect_config_error(R"({"ffn": "swiglu", "activation": "relu"})", "silu");
+  expect_config_error(R"({"ffn": "geglu", "activation": "silu"})", "gelu_tanh");
+  expect_config_error(R"({"ffn_bias": 0})", "ffn_bias");
+  expect_config_error(R"({"architecture": "encoder_only"})", "architecture");
+  expect_config_error(R"({"architecture": "decoder", "causal": false})", "causal");
+  expect_config_error(R"({"architecture": "decoder", "num_classes": 7})", "num_classes");
+  expect_config_error(R"({"architecture": "decoder", "pooling": "cls"})", "pooling");
+  expect_config_error(R"({"tie_embeddings": true})", "tie_embeddings");
+}
+
 TEST(Config, LearnedPositionsWithAnOffsetMustFitTheTable) {
   EncoderConfig c;
   c.positional = Positional::learned;

@@ -18,6 +18,9 @@ enum class Pooling { mean, cls, max };
 // Which dimensions RoPE rotates together: neox pairs (i, i + r/2), interleaved pairs (2i, 2i + 1).
 enum class RopeStyle { neox, interleaved };
 enum class RopeScalingType { none, linear, ntk, yarn };
+// What the model is: an encoder with a pooled classifier head (the default), or a decoder-only
+// language model (causal self-attention, an LM head over the vocabulary, next-token loss).
+enum class Architecture { encoder, decoder };
 // The layers' norm: LayerNorm (mean and variance, weight and bias) or RMSNorm (no mean, no bias).
 enum class Norm { layernorm, rmsnorm };
 // The feed-forward network: fc2(act(fc1(x))), or gated, fc2(act(gate(x)) * fc1(x)) with act silu
@@ -29,6 +32,7 @@ const char* to_string(Positional p);
 const char* to_string(Pooling p);
 const char* to_string(RopeStyle s);
 const char* to_string(RopeScalingType t);
+const char* to_string(Architecture a);
 const char* to_string(Norm n);
 const char* to_string(FfnKind f);
 
@@ -44,6 +48,7 @@ struct RopeScaling {
 };
 
 struct EncoderConfig {
+  Architecture architecture = Architecture::encoder;
   index_t vocab_size = 64;
   index_t max_len = 32;
   index_t d_model = 16;
@@ -73,17 +78,20 @@ struct EncoderConfig {
   std::optional<double> attn_logit_softcap{};  // c: logits c tanh(s / c)
   bool attn_sinks = false;                     // a learned sink logit per head
 
-  // Block variants (docs/semantics.md, "Block variants"); the defaults are the original layer.
+  // Block variants (docs/semantics.md, section 17.1); the defaults are the original layer.
   Norm norm = Norm::layernorm;  // every norm of the model, final_norm included
   FfnKind ffn = FfnKind::mlp;
   bool ffn_bias = true;   // the FFN's linear maps have biases
   bool attn_bias = true;  // the q, k, v and output projections have biases
-  bool head_bias = true;  // the classifier head has a bias
+  bool head_bias = true;  // the head (the classifier's, or a decoder's LM head) has a bias
+  // decoder only: the LM head is the embedding matrix (its gradient summed into the embedding's)
+  bool tie_embeddings = false;
 
   index_t d_head() const { return d_model / num_heads; }
   index_t kv_heads() const { return num_kv_heads.value_or(num_heads); }
   index_t rotary() const { return rotary_dim.value_or(d_head()); }
   bool gated() const { return ffn != FfnKind::mlp; }
+  bool decoder() const { return architecture == Architecture::decoder; }
   // The FFN's activation: silu for swiglu, else `activation` (gelu or gelu_tanh for geglu).
   Activation ffn_activation() const {
     return ffn == FfnKind::swiglu ? Activation::silu : activation;

@@ -19,7 +19,7 @@
 namespace teo::contract {
 
 enum class Role {
-  input,  // input.tokens, input.lengths, input.labels
+  input,  // input.tokens, input.lengths, input.labels (an encoder's)
   param,  // param.<name>
   mask,   // dropout.<site>: U8, 1 = kept
   act,    // act.<name>: what forward computes
@@ -79,9 +79,10 @@ std::vector<TensorSpec> activations(const EncoderConfig& cfg, Sizes s, bool in_g
 std::vector<TensorSpec> masks(const EncoderConfig& cfg, Sizes s);
 
 // The gradients a golden holds, in the order backward produces them: grad.act.logits, the head,
-// grad.act.pooled, the final norm, then from the last layer down its output's gradient and its
-// parameters' (the reverse of the order forward uses them, weight before bias), grad.act.input and
-// the embeddings. Every parameter has its grad.<name>.
+// grad.act.pooled (a decoder: grad.act.lm_logits, the LM head), the final norm, then from the last
+// layer down its output's gradient and its parameters' (the reverse of the order forward uses
+// them, weight before bias), grad.act.input and the embeddings. Every parameter has its
+// grad.<name>; a tied LM head's is in grad.embedding.weight.
 std::vector<TensorSpec> gradients(const EncoderConfig& cfg, Sizes s);
 
 // Whether a golden tensor of a model under cfg is 0 in exact arithmetic, so that it holds nothing

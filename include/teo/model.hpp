@@ -14,6 +14,7 @@ namespace teo {
 
 // Token ids (B, S), one length per sequence (B) and one label per sequence (B). Positions
 // s >= lengths[b] are padding: their ids must still be valid, but they influence no real output.
+// A decoder reads no labels: position t's target is token t + 1 of its sequence.
 struct Batch {
   index_t batch = 0;
   index_t seq_len = 0;
@@ -21,8 +22,8 @@ struct Batch {
   std::vector<std::int64_t> lengths;  // (B)
   std::vector<std::int64_t> labels;   // (B)
 
-  // A batch whose tokens and labels are drawn from `seed` with the counter-based generator;
-  // lengths default to seq_len.
+  // A batch whose tokens and labels (none for a decoder) are drawn from `seed` with the
+  // counter-based generator; lengths default to seq_len.
   static Batch random(const EncoderConfig& cfg, index_t batch, index_t seq_len, std::uint64_t seed,
                       std::vector<std::int64_t> lengths = {});
 };
@@ -113,6 +114,7 @@ struct Params {
   std::vector<LayerParams<Real>> layers;
   Tensor<Real> final_norm_weight, final_norm_bias;  // (D); pre-norm only, the bias layernorm only
   Tensor<Real> head_weight, head_bias;              // (C, D), (C); the bias head_bias only
+  Tensor<Real> lm_head_weight, lm_head_bias;        // decoder: (V, D) unless tied, (V) head_bias
 
   // Every parameter present for this config, all zero. Validates the config first.
   static Params zeros(const EncoderConfig& cfg);
@@ -147,6 +149,11 @@ struct Params {
     if (self.config.norm_first) {
       f("final_norm.weight", self.final_norm_weight);
       if (self.config.norm == Norm::layernorm) f("final_norm.bias", self.final_norm_bias);
+    }
+    if (self.config.decoder()) {
+      if (!self.config.tie_embeddings) f("lm_head.weight", self.lm_head_weight);
+      if (self.config.head_bias) f("lm_head.bias", self.lm_head_bias);
+      return;
     }
     f("head.weight", self.head_weight);
     if (self.config.head_bias) f("head.bias", self.head_bias);
@@ -189,6 +196,7 @@ struct Activations {
   bool norm_first = false;
   bool rotary = false;                   // positional "rope": q_rot and k_rot are kept
   bool gated = false;                    // a gated FFN: ffn_gate is kept
+  bool decoder = false;                  // a decoder: lm_logits, not pooled and logits
   Tensor<Real> embedding;                // (B, S, D), scaled token embeddings
   Tensor<Real> positional;               // (S, D), the positional table rows used
   Tensor<Real> input;                    // (B, S, D), dropout(embedding + positional)
@@ -199,10 +207,13 @@ struct Activations {
   std::vector<std::int64_t> pool_argmax;                      // (B, D), max pooling only
   Tensor<Real> logits;                                        // (B, C)
   Tensor<Real> class_probs;  // (B, C), softmax(logits), saved for backward
+  Tensor<Real> lm_logits;    // decoder: (B, S, V)
+  Tensor<Real> lm_probs;     // decoder: (B, S, V), softmax(lm_logits), saved for backward
   Tensor<Real> loss;         // [] (a scalar)
 
   // Calls f(name, tensor) for every named activation in pipeline order: embedding, positional,
-  // input, layers.{i}.{...} in the order they are computed, final_norm, pooled, logits, loss.
+  // input, layers.{i}.{...} in the order they are computed, final_norm, pooled, logits (a decoder:
+  // lm_logits), loss.
   template <class F>
   void visit(F&& f) {
     visit_impl(*this, f);
@@ -245,8 +256,12 @@ struct Activations {
       f(p + "output", l.output);
     }
     if (self.norm_first) f("final_norm", self.final_norm);
-    f("pooled", self.pooled);
-    f("logits", self.logits);
+    if (self.decoder) {
+      f("lm_logits", self.lm_logits);
+    } else {
+      f("pooled", self.pooled);
+      f("logits", self.logits);
+    }
     f("loss", self.loss);
   }
 };

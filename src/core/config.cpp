@@ -62,6 +62,9 @@ const char* to_string(RopeScalingType t) {
   }
   return "?";
 }
+const char* to_string(Architecture a) {
+  return a == Architecture::encoder ? "encoder" : "decoder";
+}
 const char* to_string(Norm n) {
   return n == Norm::layernorm ? "layernorm" : "rmsnorm";
 }
@@ -254,13 +257,26 @@ void validate_variants(const EncoderConfig& c) {
   }
 }
 
-// The block variants' keys (docs/semantics.md, "Block variants").
+// The block variants' keys (docs/semantics.md, section 17.1).
 void validate_block(const EncoderConfig& c) {
   const Activation a = c.activation;
   if (c.ffn == FfnKind::swiglu && a != Activation::gelu && a != Activation::silu) {
     throw ConfigError(std::string("ffn \"swiglu\" gates with silu: activation must be left out or "
                                   "\"silu\", got \"") +
                       to_string(a) + "\"");
+  }
+  if (c.decoder() && !c.causal) {
+    throw ConfigError(
+        "a decoder's self-attention is causal: causal must be true (or left out) with architecture "
+        "\"decoder\"");
+  }
+  if (c.decoder() && (c.pooling != Pooling::mean || c.num_classes != 4)) {
+    throw ConfigError(
+        "pooling and num_classes apply only to architecture \"encoder\" (a decoder's head is its "
+        "LM head over the vocabulary)");
+  }
+  if (c.tie_embeddings && !c.decoder()) {
+    throw ConfigError("tie_embeddings applies only to architecture \"decoder\" (its LM head)");
   }
   if (c.ffn == FfnKind::geglu && a != Activation::gelu && a != Activation::gelu_tanh) {
     throw ConfigError(std::string("ffn \"geglu\" gates with gelu: activation must be \"gelu\" or "
@@ -426,7 +442,9 @@ const char* const kConfigKeys[] = {"vocab_size",
                                    "ffn",
                                    "ffn_bias",
                                    "attn_bias",
-                                   "head_bias"};
+                                   "head_bias",
+                                   "architecture",
+                                   "tie_embeddings"};
 }  // namespace
 
 EncoderConfig EncoderConfig::from_json(const nlohmann::json& j) {
@@ -557,11 +575,23 @@ EncoderConfig EncoderConfig::from_json(const nlohmann::json& j) {
       c.attn_bias = get_bool(v, key);
     } else if (key == "head_bias") {
       c.head_bias = get_bool(v, key);
+    } else if (key == "architecture") {
+      const std::string s = get_string(v, key);
+      if (s == "encoder")
+        c.architecture = Architecture::encoder;
+      else if (s == "decoder")
+        c.architecture = Architecture::decoder;
+      else
+        throw ConfigError("architecture must be \"encoder\" or \"decoder\", got \"" + s + "\"");
+    } else if (key == "tie_embeddings") {
+      c.tie_embeddings = get_bool(v, key);
     } else {
       const std::vector<std::string> keys(std::begin(kConfigKeys), std::end(kConfigKeys));
       throw ConfigError("unknown config key \"" + key + "\"" + did_you_mean(key, keys));
     }
   }
+  // A decoder is causal unless the config says otherwise (which validate() refuses).
+  if (c.decoder() && !j.contains("causal")) c.causal = true;
   c.validate();
   return c;
 }
@@ -606,6 +636,11 @@ nlohmann::json EncoderConfig::to_json() const {
                    {"dropout", dropout},
                    {"label_smoothing", label_smoothing},
                    {"causal", causal}};
+  if (decoder()) {
+    j["architecture"] = to_string(architecture);
+    j.erase("pooling");
+    j.erase("num_classes");
+  }
   // The variants' keys appear only when they are in use, so a plain config reads as before.
   if (num_kv_heads) j["num_kv_heads"] = *num_kv_heads;
   if (positional == Positional::rope) {
@@ -624,6 +659,7 @@ nlohmann::json EncoderConfig::to_json() const {
   if (!ffn_bias) j["ffn_bias"] = false;
   if (!attn_bias) j["attn_bias"] = false;
   if (!head_bias) j["head_bias"] = false;
+  if (tie_embeddings) j["tie_embeddings"] = true;
   return j;
 }
 
@@ -655,18 +691,24 @@ void validate_batch_shape(const EncoderConfig& cfg, const BatchShape& s, std::si
   check_tensor_elements(checked_mul(tokens, cfg.d_ff, "act"), "a (batch, seq_len, d_ff) activation",
                         lim);
   check_tensor_elements(scores, "a (batch, heads, seq_len, seq_len) activation", lim);
+  // a decoder's LM logits and their softmax, (B, S, V) each
+  const index_t lm =
+      cfg.decoder() ? checked_mul(tokens, cfg.vocab_size, "batch x seq_len x vocab") : 0;
+  check_tensor_elements(lm, "a (batch, seq_len, vocab_size) activation", lim);
   // Everything the forward keeps, all layers together: a loose upper bound of 16 (B,S,D)-sized,
-  // 4 (B,S,F)-sized and 3 (B,H,S,S)-sized buffers per layer.
+  // 5 (B,S,F)-sized and 3 (B,H,S,S)-sized buffers per layer, and the LM logits.
   const index_t per_layer = [&] {
     index_t a = checked_mul(checked_mul(tokens, cfg.d_model, "act"), 16, "layer activations");
-    index_t b = checked_mul(checked_mul(tokens, cfg.d_ff, "act"), 4, "layer activations");
+    index_t b = checked_mul(checked_mul(tokens, cfg.d_ff, "act"), 5, "layer activations");
     index_t c = checked_mul(scores, 3, "layer activations");
     if (a > INT64_MAX - b || a + b > INT64_MAX - c)
       throw ShapeError("layer activations overflow 64 bits");
     return a + b + c;
   }();
   const index_t act_bytes = checked_mul(
-      checked_mul(per_layer, checked_add(cfg.num_layers, 1, "num_layers + 1"), "all activations"),
+      checked_add(checked_mul(per_layer, checked_add(cfg.num_layers, 1, "num_layers + 1"),
+                              "all activations"),
+                  checked_mul(lm, 2, "LM logits"), "all activations"),
       bytes, "all activation bytes");
   if (act_bytes > kAddressSpaceBytes) {
     throw ShapeError("batch " + std::to_string(s.batch) + " x seq_len " +

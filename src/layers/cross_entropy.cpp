@@ -9,6 +9,7 @@ template <class Real>
 Real cross_entropy_forward(Real* probs, const Real* logits, const std::int64_t* labels,
                            index_t batch, index_t classes, Real smoothing) {
   Real total = 0;
+  index_t counted = 0;
   const Real on_target = Real(1) - smoothing;
   const Real uniform = smoothing / static_cast<Real>(classes);
   for (index_t b = 0; b < batch; ++b) {
@@ -28,10 +29,12 @@ Real cross_entropy_forward(Real* probs, const Real* logits, const std::int64_t* 
       p[c] *= inv;
       sum_logp += z[c] - mx - log_sum;
     }
+    if (labels[b] == kIgnoreIndex) continue;
     const Real logp_y = z[labels[b]] - mx - log_sum;
     total += -on_target * logp_y - uniform * sum_logp;
+    ++counted;
   }
-  return batch == 0 ? Real(0) : total / static_cast<Real>(batch);
+  return counted == 0 ? Real(0) : total / static_cast<Real>(counted);
 }
 
 template <class Real>
@@ -40,8 +43,11 @@ void cross_entropy_backward(Real* dlogits, const Real* probs, const std::int64_t
   // in the forward pass this was: loss = mean_b [-(1 - eps) logp[y] - eps / C sum_c logp[c]]
   const Real on_target = Real(1) - smoothing;
   const Real uniform = smoothing / static_cast<Real>(classes);
-  const Real scale = batch == 0 ? Real(0) : dloss / static_cast<Real>(batch);
+  index_t counted = 0;
+  for (index_t b = 0; b < batch; ++b) counted += labels[b] != kIgnoreIndex;
+  const Real scale = counted == 0 ? Real(0) : dloss / static_cast<Real>(counted);
   for (index_t b = 0; b < batch; ++b) {
+    if (labels[b] == kIgnoreIndex) continue;
     for (index_t c = 0; c < classes; ++c) {
       const Real target = (c == labels[b] ? on_target : Real(0)) + uniform;
       dlogits[b * classes + c] += (probs[b * classes + c] - target) * scale;

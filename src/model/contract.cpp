@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <map>
 #include <stdexcept>
+#include <string_view>
 
 #include "teo/model.hpp"
 
@@ -47,6 +48,8 @@ const std::map<std::string, Dims>& param_table() {
       {"final_norm.bias", {"D"}},
       {"head.weight", {"C", "D"}},
       {"head.bias", {"C"}},
+      {"lm_head.weight", {"V", "D"}},
+      {"lm_head.bias", {"V"}},
   };
   return t;
 }
@@ -78,6 +81,7 @@ const std::map<std::string, Dims>& act_table() {
       {"final_norm", {"B", "S", "D"}},
       {"pooled", {"B", "D"}},
       {"logits", {"B", "C"}},
+      {"lm_logits", {"B", "S", "V"}},
       {"loss", {}},
   };
   return t;
@@ -250,6 +254,7 @@ std::vector<TensorSpec> activations(const EncoderConfig& cfg, Sizes s, bool in_g
   a.norm_first = cfg.norm_first;
   a.rotary = cfg.positional == Positional::rope;
   a.gated = cfg.gated();
+  a.decoder = cfg.decoder();
   a.layers.resize(static_cast<std::size_t>(std::max<index_t>(cfg.num_layers, 0)));
   std::vector<TensorSpec> out;
   a.visit([&](const std::string& n, const Tensor<float>&) {
@@ -285,7 +290,7 @@ std::vector<TensorSpec> gradients(const EncoderConfig& cfg, Sizes s) {
       layers[std::stoul(p.name.substr(7, dot - 7))].push_back(p.name);
     } else if (p.name.starts_with("final_norm.")) {
       top_final.push_back(p.name);
-    } else if (p.name.starts_with("head.")) {
+    } else if (p.name.starts_with("head.") || p.name.starts_with("lm_head.")) {
       top_head.push_back(p.name);
     } else {
       top_front.push_back(p.name);
@@ -318,9 +323,15 @@ std::vector<TensorSpec> gradients(const EncoderConfig& cfg, Sizes s) {
     return g;
   };
   if (!top_final.empty()) add_group(params_of(top_final));
-  add_group({act("pooled")});
-  add_group(params_of(top_head));
-  add_group({act("logits")});
+  if (cfg.decoder()) {
+    // a tied head's weight gradient is in grad.embedding.weight, the first group
+    if (!top_head.empty()) add_group(params_of(top_head));
+    add_group({act("lm_logits")});
+  } else {
+    add_group({act("pooled")});
+    add_group(params_of(top_head));
+    add_group({act("logits")});
+  }
   std::vector<TensorSpec> out;
   for (auto g = groups.rbegin(); g != groups.rend(); ++g) {
     for (const auto& n : *g)
@@ -338,8 +349,10 @@ bool noise_only(const std::string& golden_name, const EncoderConfig& cfg) {
 
 std::vector<TensorSpec> model_case(const EncoderConfig& cfg, Sizes s, bool float32) {
   std::vector<TensorSpec> out;
-  for (const char* n : {"input.tokens", "input.lengths", "input.labels"})
+  for (const char* n : {"input.tokens", "input.lengths", "input.labels"}) {
+    if (cfg.decoder() && std::string_view(n) == "input.labels") continue;  // the next tokens
     out.push_back(spec(n, Role::input, DTypeRule::i64, dims_of(n), cfg, s));
+  }
   for (auto t : params(cfg)) {
     t.name = "param." + t.name;
     out.push_back(std::move(t));

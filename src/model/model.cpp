@@ -96,6 +96,7 @@ void allocate(Activations<Real>& a, const EncoderConfig& cfg, const Dims& d, Zer
   a.norm_first = cfg.norm_first;
   a.rotary = d.rope;
   a.gated = d.gated;
+  a.decoder = cfg.decoder();
   shape_as(a.embedding, {d.B, d.S, d.D}, nullptr);  // the input's dropout gradient overwrites it
   shape_as(a.positional, {d.S, d.D}, zero);
   // The gradient of a layer's input is overwritten by the layer; the top one accumulates.
@@ -118,12 +119,40 @@ void allocate(Activations<Real>& a, const EncoderConfig& cfg, const Dims& d, Zer
   } else {
     a.final_norm = a.final_norm_mean = a.final_norm_rstd = Tensor<Real>();
   }
-  a.pooled.reset({d.B, d.D});
   a.pool_argmax.clear();
-  if (cfg.pooling == Pooling::max) a.pool_argmax.assign(static_cast<std::size_t>(d.B * d.D), -1);
-  a.logits.reset({d.B, d.C});
-  a.class_probs.reset({d.B, d.C});
+  if (cfg.decoder()) {
+    a.pooled = a.logits = a.class_probs = Tensor<Real>();
+    // zero-filled: the loss's gradient accumulates into lm_logits'
+    a.lm_logits.reset({d.B, d.S, cfg.vocab_size});
+    a.lm_probs.reset({d.B, d.S, cfg.vocab_size});
+  } else {
+    a.lm_logits = a.lm_probs = Tensor<Real>();
+    a.pooled.reset({d.B, d.D});
+    if (cfg.pooling == Pooling::max) a.pool_argmax.assign(static_cast<std::size_t>(d.B * d.D), -1);
+    a.logits.reset({d.B, d.C});
+    a.class_probs.reset({d.B, d.C});
+  }
   a.loss.reset(Shape(std::vector<index_t>{}));
+}
+
+// A decoder's targets (B * S): position t of sequence b predicts its token t + 1; the last real
+// position and the padding are kIgnoreIndex.
+std::vector<std::int64_t> next_token_targets(const Batch& batch) {
+  const index_t S = batch.seq_len;
+  std::vector<std::int64_t> y(static_cast<std::size_t>(batch.batch * S), kIgnoreIndex);
+  for (index_t b = 0; b < batch.batch; ++b) {
+    const index_t len = batch.lengths[static_cast<std::size_t>(b)];
+    for (index_t t = 0; t + 1 < len; ++t)
+      y[static_cast<std::size_t>(b * S + t)] =
+          batch.tokens[static_cast<std::size_t>(b * S + t + 1)];
+  }
+  return y;
+}
+
+// The LM head's weight (V, D): its own, or the embedding matrix when tied.
+template <class Real>
+const Tensor<Real>& lm_head_weight(const Params<Real>& p) {
+  return p.config.tie_embeddings ? p.embedding_weight : p.lm_head_weight;
 }
 
 template <class Real>
@@ -194,6 +223,18 @@ void run_encoder(const Params<Real>& params, const Batch& batch, Activations<Rea
     store(acts.final_norm, "", "final_norm");
     x = acts.final_norm.data();
   }
+  if (cfg.decoder()) {
+    // lm_logits = top W^T + b; the loss: cross-entropy of each position against the next token
+    const index_t V = cfg.vocab_size;
+    linear_forward(acts.lm_logits.data(), x, lm_head_weight(params).data(),
+                   detail::data_or_null(params.lm_head_bias), d.N, d.D, V);
+    store(acts.lm_logits, "", "lm_logits");
+    acts.loss[0] = cross_entropy_forward(acts.lm_probs.data(), acts.lm_logits.data(),
+                                         next_token_targets(batch).data(), d.N, V,
+                                         static_cast<Real>(cfg.label_smoothing));
+    store(acts.loss, "", "loss");
+    return;
+  }
   if (cfg.pooling == Pooling::max) acts.pool_argmax.assign(static_cast<std::size_t>(d.B * d.D), -1);
   pooling_forward(acts.pooled.data(), acts.pool_argmax.data(), x, batch.lengths.data(), d.B, d.S,
                   d.D, cfg.pooling);
@@ -245,23 +286,37 @@ void backward(const Params<Real>& params, const Batch& batch, const Activations<
     zero_fill(zero);
   }
 
-  // loss = cross_entropy(logits); logits = pooled * head^T + b
+  // loss = cross_entropy(logits); logits = pooled * head^T + b (a decoder: loss =
+  // cross_entropy(lm_logits, next tokens); lm_logits = top * W^T + b)
   {
     profile::Scope stage(Stage::bwd_head);
     dacts.loss[0] = Real(1);
-    cross_entropy_backward(dacts.logits.data(), acts.class_probs.data(), batch.labels.data(), d.B,
-                           d.C, static_cast<Real>(cfg.label_smoothing), dacts.loss[0]);
-    store(dacts.logits, "", "logits");
-    linear_backward(dacts.pooled.data(), grads.head_weight.data(),
-                    detail::data_or_null(grads.head_bias), dacts.logits.data(), acts.pooled.data(),
-                    params.head_weight.data(), d.B, d.D, d.C);
-    store(dacts.pooled, "", "pooled");
-    // pooled = pool(top); top = final_norm(last) (pre) or last
     Tensor<Real>& dlast = cfg.num_layers > 0 ? dacts.layers.back().output : dacts.input;
     const Real* last = cfg.num_layers > 0 ? acts.layers.back().output.data() : acts.input.data();
     Real* dtop = cfg.norm_first ? dacts.final_norm.data() : dlast.data();
-    pooling_backward(dtop, dacts.pooled.data(), acts.pool_argmax.data(), batch.lengths.data(), d.B,
-                     d.S, d.D, cfg.pooling);
+    if (cfg.decoder()) {
+      const index_t V = cfg.vocab_size;
+      cross_entropy_backward(dacts.lm_logits.data(), acts.lm_probs.data(),
+                             next_token_targets(batch).data(), d.N, V,
+                             static_cast<Real>(cfg.label_smoothing), dacts.loss[0]);
+      store(dacts.lm_logits, "", "lm_logits");
+      // a tied head's weight gradient goes into the embedding's, before the lookup's
+      Real* dw = cfg.tie_embeddings ? grads.embedding_weight.data() : grads.lm_head_weight.data();
+      linear_backward(dtop, dw, detail::data_or_null(grads.lm_head_bias), dacts.lm_logits.data(),
+                      cfg.norm_first ? acts.final_norm.data() : last, lm_head_weight(params).data(),
+                      d.N, d.D, V);
+    } else {
+      cross_entropy_backward(dacts.logits.data(), acts.class_probs.data(), batch.labels.data(), d.B,
+                             d.C, static_cast<Real>(cfg.label_smoothing), dacts.loss[0]);
+      store(dacts.logits, "", "logits");
+      linear_backward(dacts.pooled.data(), grads.head_weight.data(),
+                      detail::data_or_null(grads.head_bias), dacts.logits.data(),
+                      acts.pooled.data(), params.head_weight.data(), d.B, d.D, d.C);
+      store(dacts.pooled, "", "pooled");
+      // pooled = pool(top); top = final_norm(last) (pre) or last
+      pooling_backward(dtop, dacts.pooled.data(), acts.pool_argmax.data(), batch.lengths.data(),
+                       d.B, d.S, d.D, cfg.pooling);
+    }
     if (cfg.norm_first) {
       store(dacts.final_norm, "", "final_norm");
       detail::norm_backward(cfg, dlast.data(), grads.final_norm_weight.data(),

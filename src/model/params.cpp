@@ -43,7 +43,7 @@ Batch Batch::random(const EncoderConfig& cfg, index_t batch, index_t seq_len, st
   b.lengths = lengths.empty() ? std::vector<std::int64_t>(static_cast<std::size_t>(batch), seq_len)
                               : std::move(lengths);
   b.tokens.resize(static_cast<std::size_t>(batch * seq_len));
-  b.labels.resize(static_cast<std::size_t>(batch));
+  b.labels.resize(cfg.decoder() ? 0 : static_cast<std::size_t>(batch));  // a decoder has none
   const auto tok_stream = rng::stream_id("input.tokens");
   const auto lab_stream = rng::stream_id("input.labels");
   for (std::size_t i = 0; i < b.tokens.size(); ++i)
@@ -63,7 +63,7 @@ void validate_batch(const EncoderConfig& cfg, const Batch& b, std::size_t real_s
     throw ShapeError("tokens has " + std::to_string(b.tokens.size()) +
                      " elements, expected batch x seq_len = " + std::to_string(n));
   }
-  if (b.labels.size() != static_cast<std::size_t>(b.batch)) {
+  if (!cfg.decoder() && b.labels.size() != static_cast<std::size_t>(b.batch)) {
     throw ShapeError("labels has " + std::to_string(b.labels.size()) +
                      " elements, expected batch = " + std::to_string(b.batch));
   }
@@ -75,7 +75,7 @@ void validate_batch(const EncoderConfig& cfg, const Batch& b, std::size_t real_s
                        " is outside [0, vocab_size = " + std::to_string(cfg.vocab_size) + ")");
     }
   }
-  for (std::size_t i = 0; i < b.labels.size(); ++i) {
+  for (std::size_t i = 0; i < (cfg.decoder() ? 0 : b.labels.size()); ++i) {
     if (b.labels[i] < 0 || b.labels[i] >= cfg.num_classes) {
       throw InputError("labels[" + std::to_string(i) + "] = " + std::to_string(b.labels[i]) +
                        " is outside [0, num_classes = " + std::to_string(cfg.num_classes) + ")");
@@ -189,10 +189,11 @@ template <class Real>
 void validate_activations(const EncoderConfig& c, const Batch& b, const Activations<Real>& a) {
   const index_t B = b.batch, S = b.seq_len, D = c.d_model, N = B * S;
   if (a.norm_first != c.norm_first || a.rotary != (c.positional == Positional::rope) ||
-      a.gated != c.gated() || a.layers.size() != static_cast<std::size_t>(c.num_layers)) {
+      a.gated != c.gated() || a.decoder != c.decoder() ||
+      a.layers.size() != static_cast<std::size_t>(c.num_layers)) {
     throw ShapeError(
-        "activations were produced for a different config (norm_first, rope, ffn or "
-        "num_layers)");
+        "activations were produced for a different config (architecture, norm_first, rope, ffn "
+        "or num_layers)");
   }
   const contract::Sizes sizes{B, S};
   const auto shape_of = [&](const std::vector<std::string>& dims) {
@@ -217,6 +218,10 @@ void validate_activations(const EncoderConfig& c, const Batch& b, const Activati
   if (c.norm_first) {
     expect_shape("statistic final_norm mean", a.final_norm_mean.shape(), Shape({N}));
     expect_shape("statistic final_norm rstd", a.final_norm_rstd.shape(), Shape({N}));
+  }
+  if (c.decoder()) {
+    expect_shape("lm_probs", a.lm_probs.shape(), Shape({B, S, c.vocab_size}));
+    return;
   }
   expect_shape("class_probs", a.class_probs.shape(), Shape({B, c.num_classes}));
   if (c.pooling == Pooling::max) {

@@ -148,8 +148,16 @@ teo::Batch batch_from(const teo::EncoderConfig& cfg, const py::dict& d) {
   b.seq_len = tokens.shape(1);
   b.tokens = ints_from(d, "tokens");
   b.lengths = ints_from(d, "lengths");
-  b.labels = ints_from(d, "labels");
-  (void)cfg;
+  if (cfg.decoder()) {
+    // its targets are its next tokens: labels given to a decoder would be silently unused
+    if (d.contains("labels")) {
+      throw teo::ConfigError(
+          "the batch has \"labels\", but a decoder reads none (position t's target is token t + "
+          "1)");
+    }
+  } else {
+    b.labels = ints_from(d, "labels");
+  }
   return b;
 }
 
@@ -258,8 +266,10 @@ PYBIND11_MODULE(_teo, m) {
         out["tokens"] = tokens;
         out["lengths"] =
             py::array_t<std::int64_t>(static_cast<py::ssize_t>(b.lengths.size()), b.lengths.data());
-        out["labels"] =
-            py::array_t<std::int64_t>(static_cast<py::ssize_t>(b.labels.size()), b.labels.data());
+        if (!cfg.decoder()) {
+          out["labels"] =
+              py::array_t<std::int64_t>(static_cast<py::ssize_t>(b.labels.size()), b.labels.data());
+        }
         return out;
       },
       py::arg("cfg"), py::arg("batch"), py::arg("seq_len"), py::arg("seed"),

@@ -272,6 +272,23 @@ TEST(GoldenCorpus, CoversEveryFeature) {
     if (c.num_kv_heads && c.positional == teo::Positional::rope && c.sliding_window &&
         c.attn_logit_softcap && c.attn_sinks)
       seen.insert("every_variant");
+    // the block variants and decoders (docs/semantics.md, section 17)
+    seen.insert(std::string("norm:") + teo::to_string(c.norm));
+    seen.insert(std::string("ffn:") + teo::to_string(c.ffn));
+    if (!c.attn_bias && !c.ffn_bias && !c.head_bias) seen.insert("no_biases");
+    if (c.decoder()) {
+      seen.insert(c.tie_embeddings ? "decoder:tied" : "decoder:untied");
+      seen.insert(c.norm_first ? "decoder:pre" : "decoder:post");
+      if (e.spec.precision)
+        seen.insert(std::string("decoder:") + teo::to_string(*e.spec.precision));
+      // a sequence of length 0 or 1 has no target; a batch may have none at all
+      if (std::any_of(lens.begin(), lens.end(), [](auto l) { return l <= 1; }))
+        seen.insert("decoder:no_target_sequence");
+      if (std::all_of(lens.begin(), lens.end(), [](auto l) { return l <= 1; }))
+        seen.insert("decoder:no_target_at_all");
+    } else if (c.norm == teo::Norm::rmsnorm) {
+      seen.insert("encoder:rmsnorm");
+    }
   }
   for (const char* want : {"float32",
                            "float64",
@@ -326,7 +343,22 @@ TEST(GoldenCorpus, CoversEveryFeature) {
                            "window:bidirectional",
                            "softcap",
                            "sinks",
-                           "every_variant"}) {
+                           "every_variant",
+                           "norm:layernorm",
+                           "norm:rmsnorm",
+                           "ffn:mlp",
+                           "ffn:swiglu",
+                           "ffn:geglu",
+                           "no_biases",
+                           "decoder:tied",
+                           "decoder:untied",
+                           "decoder:pre",
+                           "decoder:post",
+                           "decoder:bf16",
+                           "decoder:fp16",
+                           "decoder:no_target_sequence",
+                           "decoder:no_target_at_all",
+                           "encoder:rmsnorm"}) {
     EXPECT_TRUE(seen.count(want)) << "no case covers " << want;
   }
 }
@@ -773,6 +805,28 @@ TEST(GoldenMutants, EachFailsAtTheStageWhereItsBugLives) {
       {M::sink_column_kept, "sinks_masked", "layers.0.probs"},
   };
   for (const auto& m : mutants) expect_mutant_fails_at_its_stage(m, /*backward=*/false);
+}
+
+// The decoders' bugs, each on one case (its full name): the forward ones at their activation, the
+// tied head's at the embedding's gradient, the last gradient backward writes.
+TEST(GoldenMutants, DecoderMutantsFailWhereTheirBugLives) {
+  using M = teo::testing::Mutation;
+  const std::vector<Mutant> mutants = {
+      {M::decoder_not_causal, "llama_block_f64", "layers.0.scores"},
+      {M::decoder_not_causal, "gpt2_post_tied_f32", "layers.0.scores"},
+      {M::labels_not_shifted, "llama_block_f32", "loss"},
+      {M::labels_not_shifted, "gpt2_pre_tied_f64", "loss"},
+      {M::tied_head_grad_dropped, "gpt2_pre_tied_f64", "grad.embedding.weight"},
+      {M::tied_head_grad_dropped, "fp16_gpt2_tied", "grad.embedding.weight"},
+  };
+  for (const auto& m : mutants) {
+    const std::string what =
+        std::string(teo::testing::mutation_name(m.mutation)) + " on " + m.case_name;
+    const st::File& g = committed(m.case_name);
+    const auto rep = golden::check(g, teo::testing::naive_candidate(g, m.mutation), {});
+    EXPECT_GT(rep.failed, 0) << what;
+    EXPECT_EQ(rep.first_divergence, m.stage) << what;
+  }
 }
 
 }  // namespace

@@ -99,10 +99,44 @@ void linear_backward(const Vec& gy, const Vec& x, const Vec& w, std::int64_t row
   }
 }
 
-// A LayerNorm's output and the per-row statistics its backward needs.
+// A LayerNorm's (or RMSNorm's) output and the per-row statistics its backward needs.
 struct Norm {
   Vec y, mean, rstd;  // y (rows x d); mean, rstd (rows); rstd = 1 / the forward's denominator
 };
+
+// RMSNorm: y_c = x_c * rstd * w_c, rstd = (mean_c x_c^2 + eps)^(-1/2); no mean, no bias.
+Norm rms_norm(const Vec& x, std::int64_t rows, std::int64_t d, const Vec& w, double eps) {
+  Norm n{Vec(x.size()), Vec(ix(rows), 0.0), Vec(ix(rows))};
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const double* row = x.data() + r * d;
+    double ms = 0;
+    for (std::int64_t c = 0; c < d; ++c) ms += row[c] * row[c];
+    const double rstd = 1.0 / std::sqrt(ms / static_cast<double>(d) + eps);
+    for (std::int64_t c = 0; c < d; ++c) n.y[ix(r * d + c)] = row[c] * rstd * w[ix(c)];
+    n.rstd[ix(r)] = rstd;
+  }
+  return n;
+}
+
+// Backward of y_c = n_c * w_c, n_c = x_c * rstd: only rstd depends on every x_c' (no mean), so
+//   gw_c += g_c * n_c;  dn_c = g_c * w_c;  gx_c += rstd * (dn_c - n_c * (1/d) sum_c' dn_c' * n_c')
+void rms_norm_backward(const Vec& g, const Vec& x, const Norm& n, std::int64_t rows, std::int64_t d,
+                       const Vec& w, Vec& gx, Vec& gw) {
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const double rstd = n.rstd[ix(r)];
+    double sum_dn_n = 0;
+    for (std::int64_t c = 0; c < d; ++c) {
+      const double gc = g[ix(r * d + c)], nc = x[ix(r * d + c)] * rstd;
+      gw[ix(c)] += gc * nc;
+      sum_dn_n += gc * w[ix(c)] * nc;
+    }
+    for (std::int64_t c = 0; c < d; ++c) {
+      const double nc = x[ix(r * d + c)] * rstd;
+      gx[ix(r * d + c)] +=
+          rstd * (g[ix(r * d + c)] * w[ix(c)] - nc * sum_dn_n / static_cast<double>(d));
+    }
+  }
+}
 
 Norm layer_norm(const Vec& x, std::int64_t rows, std::int64_t d, const Vec& w, const Vec& b,
                 double eps, Mutation m) {
@@ -334,6 +368,7 @@ struct LayerSaved {
   Mask r1_mask;        // dropout.layers.{i}.residual1
   Vec residual1;       // x + drop_r1(attn_out)
   Vec ffn_in;          // norm1 (post) or norm2 (pre)
+  Vec ffn_gate;        // ffn_in Wg^T + bg (B, S, F); a gated FFN only
   Vec ffn_pre;         // ffn_in W1^T + b1 (B, S, F)
   Mask ffn_mask;       // dropout.layers.{i}.ffn
   Vec dropped_hidden;  // drop_ffn(act(ffn_pre))
@@ -354,7 +389,11 @@ File run(const File& golden, Mutation mut, bool with_backward) {
   const bool pre = cfg.norm_first;
   const auto tokens = ints(golden, "input.tokens");
   const auto lengths = ints(golden, "input.lengths");
-  const auto labels = ints(golden, "input.labels");
+  const bool decoder = cfg.decoder();
+  const auto labels = decoder ? std::vector<std::int64_t>() : ints(golden, "input.labels");
+  const std::int64_t V = cfg.vocab_size;
+  const bool rms = cfg.norm == teo::Norm::rmsnorm, gated = cfg.gated();
+  const Activation act_fn = cfg.ffn_activation();
   const double p = cfg.dropout;
   const double keep_scale = p > 0 && mut != Mutation::dropout_scale_missing ? 1.0 / (1.0 - p) : 1.0;
   // out = mask ? in * scale : 0
@@ -364,6 +403,16 @@ File run(const File& golden, Mutation mut, bool with_backward) {
     return y;
   };
   auto param = [&](const std::string& n) { return doubles(golden, "param." + n); };
+  // A bias the config may leave out: its values, or n zeros.
+  auto bias = [&](const std::string& n, std::int64_t size) {
+    return golden.find("param." + n) ? param(n) : Vec(ix(size), 0.0);
+  };
+  // The config's norm of rows of D under parameters `pfx`.weight (and .bias).
+  auto norm = [&](const Vec& xin, const std::string& pfx) {
+    if (rms) return rms_norm(xin, N, D, param(pfx + ".weight"), cfg.layer_norm_eps);
+    return layer_norm(xin, N, D, param(pfx + ".weight"), param(pfx + ".bias"), cfg.layer_norm_eps,
+                      mut);
+  };
   auto at = [](Vec& v, std::int64_t i) -> double& { return v[ix(i)]; };
 
   Out out{File{}, cj.at("dtype") == "float32"};
@@ -435,7 +484,9 @@ File run(const File& golden, Mutation mut, bool with_backward) {
   };
 
   // The attention variants (docs/semantics.md section 14).
-  const Variants var(cfg, S, mut);
+  EncoderConfig attn_cfg = cfg;
+  if (mut == Mutation::decoder_not_causal) attn_cfg.causal = false;
+  const Variants var(attn_cfg, S, mut);
   const bool rope = cfg.positional == Positional::rope;
   std::vector<LayerSaved> saved(ix(L));
   Vec x = input;
@@ -446,14 +497,15 @@ File run(const File& golden, Mutation mut, bool with_backward) {
     sv.x = x;
     sv.attn_in = x;
     if (pre) {
-      sv.norm1 = layer_norm(x, N, D, lp("norm1.weight"), lp("norm1.bias"), cfg.layer_norm_eps, mut);
+      sv.norm1 = norm(x, pl + "norm1");
       sv.attn_in = sv.norm1.y;
       out.act(pl + "norm1", {B, S, D}, sv.attn_in);
     }
     const bool tq = mut == Mutation::transposed_weight;
-    sv.q = heads(linear(sv.attn_in, N, D, lp("attn.q.weight"), lp("attn.q.bias"), D, tq));
-    sv.k = heads(linear(sv.attn_in, N, D, lp("attn.k.weight"), lp("attn.k.bias"), Dkv), K);
-    sv.v = heads(linear(sv.attn_in, N, D, lp("attn.v.weight"), lp("attn.v.bias"), Dkv), K);
+    auto lb = [&](const std::string& n, std::int64_t size) { return bias(pl + n, size); };
+    sv.q = heads(linear(sv.attn_in, N, D, lp("attn.q.weight"), lb("attn.q.bias", D), D, tq));
+    sv.k = heads(linear(sv.attn_in, N, D, lp("attn.k.weight"), lb("attn.k.bias", Dkv), Dkv), K);
+    sv.v = heads(linear(sv.attn_in, N, D, lp("attn.v.weight"), lb("attn.v.bias", Dkv), Dkv), K);
     if (rope) {
       sv.q_rot = var.rotate(sv.q, B * H, Dh, false);
       sv.k_rot = var.rotate(sv.k, B * K, Dh, false);
@@ -529,7 +581,7 @@ File run(const File& golden, Mutation mut, bool with_backward) {
         }
       }
     }
-    const Vec attn_out = linear(sv.context, N, D, lp("attn.o.weight"), lp("attn.o.bias"), D);
+    const Vec attn_out = linear(sv.context, N, D, lp("attn.o.weight"), lb("attn.o.bias", D), D);
     sv.r1_mask = mask(golden, "dropout." + pl + "residual1", attn_out.size());
     const Vec r1d = apply(attn_out, sv.r1_mask);
     sv.residual1.resize(x.size());
@@ -547,25 +599,27 @@ File run(const File& golden, Mutation mut, bool with_backward) {
     out.act(pl + "attn_out", {B, S, D}, attn_out);
     out.act(pl + "residual1", {B, S, D}, sv.residual1);
     if (pre) {
-      sv.norm2 = layer_norm(sv.residual1, N, D, lp("norm2.weight"), lp("norm2.bias"),
-                            cfg.layer_norm_eps, mut);
+      sv.norm2 = norm(sv.residual1, pl + "norm2");
       sv.ffn_in = sv.norm2.y;
       out.act(pl + "norm2", {B, S, D}, sv.ffn_in);
     } else {
-      sv.norm1 = layer_norm(sv.residual1, N, D, lp("norm1.weight"), lp("norm1.bias"),
-                            cfg.layer_norm_eps, mut);
+      sv.norm1 = norm(sv.residual1, pl + "norm1");
       sv.ffn_in = sv.norm1.y;
       out.act(pl + "norm1", {B, S, D}, sv.ffn_in);
     }
-    sv.ffn_pre = linear(sv.ffn_in, N, D, lp("ffn.fc1.weight"), lp("ffn.fc1.bias"), F);
+    // hidden = act(fc1(ffn_in)), or gated: act(gate(ffn_in)) * fc1(ffn_in)
+    if (gated)
+      sv.ffn_gate = linear(sv.ffn_in, N, D, lp("ffn.gate.weight"), lb("ffn.gate.bias", F), F);
+    sv.ffn_pre = linear(sv.ffn_in, N, D, lp("ffn.fc1.weight"), lb("ffn.fc1.bias", F), F);
     Vec hidden(sv.ffn_pre.size());
     for (std::size_t i = 0; i < hidden.size(); ++i) {
-      hidden[i] = activation(sv.ffn_pre[i], cfg.activation, mut);
+      hidden[i] = gated ? activation(sv.ffn_gate[i], act_fn, mut) * sv.ffn_pre[i]
+                        : activation(sv.ffn_pre[i], act_fn, mut);
     }
     sv.ffn_mask = mask(golden, "dropout." + pl + "ffn", hidden.size());
     sv.dropped_hidden = apply(hidden, sv.ffn_mask);
     const Vec ffn_out =
-        linear(sv.dropped_hidden, N, F, lp("ffn.fc2.weight"), lp("ffn.fc2.bias"), D);
+        linear(sv.dropped_hidden, N, F, lp("ffn.fc2.weight"), lb("ffn.fc2.bias", D), D);
     sv.r2_mask = mask(golden, "dropout." + pl + "residual2", ffn_out.size());
     const Vec r2d = apply(ffn_out, sv.r2_mask);
     const Vec& res_base = pre ? sv.residual1 : sv.ffn_in;
@@ -576,8 +630,7 @@ File run(const File& golden, Mutation mut, bool with_backward) {
     if (pre) {
       x = sv.residual2;
     } else {
-      sv.norm2 = layer_norm(sv.residual2, N, D, lp("norm2.weight"), lp("norm2.bias"),
-                            cfg.layer_norm_eps, mut);
+      sv.norm2 = norm(sv.residual2, pl + "norm2");
       x = sv.norm2.y;
       out.act(pl + "norm2", {B, S, D}, x);
     }
@@ -586,62 +639,96 @@ File run(const File& golden, Mutation mut, bool with_backward) {
   const Vec last = x;  // layers.{L-1}.output, or input when L = 0
   Norm final_norm;
   if (pre) {
-    final_norm = layer_norm(last, N, D, param("final_norm.weight"), param("final_norm.bias"),
-                            cfg.layer_norm_eps, mut);
+    final_norm = norm(last, "final_norm");
     x = final_norm.y;
     out.act("final_norm", {B, S, D}, x);
   }
   const Vec& top = x;
 
-  // Pooling over the real tokens; for max, the first maximum (or the first NaN) of each column.
-  Vec pooled(ix(B * D), 0.0);
-  std::vector<std::int64_t> argmax(ix(B * D), -1);
-  for (std::int64_t b = 0; b < B; ++b) {
-    const std::int64_t len = lengths[ix(b)];
-    if (len == 0) continue;
-    for (std::int64_t c = 0; c < D; ++c) {
-      auto tp = [&](std::int64_t s) { return top[ix((b * S + s) * D + c)]; };
-      double r = 0;
-      if (cfg.pooling == Pooling::cls) {
-        r = tp(0);
-      } else if (cfg.pooling == Pooling::max) {
-        std::int64_t best = 0;
-        for (std::int64_t s = 1; s < len; ++s) {
-          if (tp(s) > tp(best) || (std::isnan(tp(s)) && !std::isnan(tp(best)))) best = s;
-        }
-        argmax[ix(b * D + c)] = best;
-        r = tp(best);
-      } else {
-        const std::int64_t n = mut == Mutation::mean_pool_includes_padding ? S : len;
-        for (std::int64_t s = 0; s < n; ++s) r += tp(s);
-        r /= static_cast<double>(n);
-      }
-      at(pooled, b * D + c) = r;
-    }
-  }
-  const Vec head_w = param("head.weight");
-  const Vec logits = linear(pooled, B, D, head_w, param("head.bias"), C);
   const double eps = mut == Mutation::label_smoothing_ignored ? 0.0 : cfg.label_smoothing;
-  Vec class_probs(ix(B * C));
   double loss = 0;
-  for (std::int64_t b = 0; b < B; ++b) {
-    const double* z = logits.data() + b * C;
-    double mx = z[0];
-    for (std::int64_t c = 1; c < C; ++c) mx = std::max(mx, z[c]);
-    double total = 0;
-    for (std::int64_t c = 0; c < C; ++c) total += std::exp(z[c] - mx);
-    const double lse = mx + std::log(total);
-    double sum_logp = 0;
-    for (std::int64_t c = 0; c < C; ++c) {
-      sum_logp += z[c] - lse;
-      at(class_probs, b * C + c) = std::exp(z[c] - lse);
+  // an encoder's pooling and classifier head
+  Vec pooled(ix(B * D), 0.0), head_w, logits, class_probs;
+  std::vector<std::int64_t> argmax(ix(B * D), -1);
+  // a decoder's LM head and next-token loss: position t of sequence b predicts token t + 1
+  // (-1: ignored, the last real position and the padding); lm_w is the embedding when tied
+  Vec lm_w, lm_logits, lm_probs;
+  std::vector<std::int64_t> targets;
+  std::int64_t counted = 0;
+  if (decoder) {
+    lm_w = cfg.tie_embeddings ? emb_w : param("lm_head.weight");
+    lm_logits = linear(top, N, D, lm_w, bias("lm_head.bias", V), V);
+    lm_probs.assign(lm_logits.size(), 0.0);
+    targets.assign(ix(N), -1);
+    const std::int64_t shift = mut == Mutation::labels_not_shifted ? 0 : 1;
+    for (std::int64_t b = 0; b < B; ++b)
+      for (std::int64_t t = 0; t + 1 < lengths[ix(b)]; ++t)
+        targets[ix(b * S + t)] = tokens[ix(b * S + t + shift)];
+    for (std::int64_t r = 0; r < N; ++r) {
+      const double* z = lm_logits.data() + r * V;
+      double mx = z[0];
+      for (std::int64_t c = 1; c < V; ++c) mx = std::max(mx, z[c]);
+      double total = 0;
+      for (std::int64_t c = 0; c < V; ++c) total += std::exp(z[c] - mx);
+      const double lse = mx + std::log(total);
+      double sum_logp = 0;
+      for (std::int64_t c = 0; c < V; ++c) {
+        sum_logp += z[c] - lse;
+        at(lm_probs, r * V + c) = std::exp(z[c] - lse);
+      }
+      if (targets[ix(r)] < 0) continue;
+      loss += -(1 - eps) * (z[targets[ix(r)]] - lse) - eps / static_cast<double>(V) * sum_logp;
+      ++counted;
     }
-    const double logp_y = z[labels[ix(b)]] - lse;
-    loss += -(1 - eps) * logp_y - eps / static_cast<double>(C) * sum_logp;
+    if (counted > 0) loss /= static_cast<double>(counted);
+    out.act("lm_logits", {B, S, V}, lm_logits);
+  } else {
+    // Pooling over the real tokens; for max, the first maximum (or the first NaN) of each column.
+    for (std::int64_t b = 0; b < B; ++b) {
+      const std::int64_t len = lengths[ix(b)];
+      if (len == 0) continue;
+      for (std::int64_t c = 0; c < D; ++c) {
+        auto tp = [&](std::int64_t s) { return top[ix((b * S + s) * D + c)]; };
+        double r = 0;
+        if (cfg.pooling == Pooling::cls) {
+          r = tp(0);
+        } else if (cfg.pooling == Pooling::max) {
+          std::int64_t best = 0;
+          for (std::int64_t s = 1; s < len; ++s) {
+            if (tp(s) > tp(best) || (std::isnan(tp(s)) && !std::isnan(tp(best)))) best = s;
+          }
+          argmax[ix(b * D + c)] = best;
+          r = tp(best);
+        } else {
+          const std::int64_t n = mut == Mutation::mean_pool_includes_padding ? S : len;
+          for (std::int64_t s = 0; s < n; ++s) r += tp(s);
+          r /= static_cast<double>(n);
+        }
+        at(pooled, b * D + c) = r;
+      }
+    }
+    head_w = param("head.weight");
+    logits = linear(pooled, B, D, head_w, bias("head.bias", C), C);
+    class_probs.assign(ix(B * C), 0.0);
+    for (std::int64_t b = 0; b < B; ++b) {
+      const double* z = logits.data() + b * C;
+      double mx = z[0];
+      for (std::int64_t c = 1; c < C; ++c) mx = std::max(mx, z[c]);
+      double total = 0;
+      for (std::int64_t c = 0; c < C; ++c) total += std::exp(z[c] - mx);
+      const double lse = mx + std::log(total);
+      double sum_logp = 0;
+      for (std::int64_t c = 0; c < C; ++c) {
+        sum_logp += z[c] - lse;
+        at(class_probs, b * C + c) = std::exp(z[c] - lse);
+      }
+      const double logp_y = z[labels[ix(b)]] - lse;
+      loss += -(1 - eps) * logp_y - eps / static_cast<double>(C) * sum_logp;
+    }
+    if (B > 0) loss /= static_cast<double>(B);
+    out.act("pooled", {B, D}, pooled);
+    out.act("logits", {B, C}, logits);
   }
-  if (B > 0) loss /= static_cast<double>(B);
-  out.act("pooled", {B, D}, pooled);
-  out.act("logits", {B, C}, logits);
   out.act("loss", {}, Vec{loss});
   if (!with_backward) return out.file;
 
@@ -658,6 +745,21 @@ File run(const File& golden, Mutation mut, bool with_backward) {
       it = grads.emplace(name, Vec(doubles(golden, "param." + name).size(), 0.0)).first;
     return it->second;
   };
+  // The gradient of a bias the config may leave out: a scratch vector when it is absent.
+  std::map<std::string, Vec> absent;
+  auto bgrad = [&](const std::string& name, std::int64_t size) -> Vec& {
+    if (golden.find("param." + name)) return grad(name);
+    return absent.emplace(name, Vec(ix(size), 0.0)).first->second;
+  };
+  auto norm_backward = [&](const Vec& g, const Vec& xin, const Norm& n, const std::string& pfx,
+                           Vec& gx) {
+    if (rms) {
+      rms_norm_backward(g, xin, n, N, D, param(pfx + ".weight"), gx, grad(pfx + ".weight"));
+    } else {
+      layer_norm_backward(g, xin, n, N, D, param(pfx + ".weight"), gx, grad(pfx + ".weight"),
+                          grad(pfx + ".bias"), mut);
+    }
+  };
   auto keep = [&](const std::string& name, Shape shape, const Vec& g) {
     act_grads.emplace_back(name, g);
     act_shapes[name] = std::move(shape);
@@ -665,38 +767,60 @@ File run(const File& golden, Mutation mut, bool with_backward) {
   // Backward of out = mask ? in * scale : 0:  gin = mask ? gout * scale : 0
   auto unapply = [&](const Vec& g, const Mask& mk) { return apply(g, mk); };
 
-  // loss = (1/B) sum_b loss_b,  loss_b = -(1 - eps) logp[y] - (eps/C) sum_c logp[c],
-  // logp = z - logsumexp(z):  d loss_b / d z_c = class_probs[c] - ((c == y ? 1 - eps : 0) + eps/C)
-  Vec g_logits(ix(B * C), 0.0);
-  for (std::int64_t b = 0; b < B; ++b) {
-    for (std::int64_t c = 0; c < C; ++c) {
-      const double target = (c == labels[ix(b)] ? 1 - eps : 0.0) + eps / static_cast<double>(C);
-      at(g_logits, b * C + c) = (at(class_probs, b * C + c) - target) / static_cast<double>(B);
-    }
-  }
-  keep("logits", {B, C}, g_logits);
-
-  // logits = pooled Wh^T + bh
-  Vec g_pooled(ix(B * D), 0.0);
-  linear_backward(g_logits, pooled, head_w, B, D, C, g_pooled, grad("head.weight"),
-                  grad("head.bias"));
-  keep("pooled", {B, D}, g_pooled);
-
-  // pooled[b,c] = mean_{s < len} top[b,s,c] | top[b,0,c] | top[b,argmax[b,c],c]; 0 if len == 0
   Vec g_top(ix(N * D), 0.0);
-  for (std::int64_t b = 0; b < B; ++b) {
-    const std::int64_t len = lengths[ix(b)];
-    if (len == 0) continue;  // pooled = 0: no dependence on top
-    for (std::int64_t c = 0; c < D; ++c) {
-      const double g = at(g_pooled, b * D + c);
-      if (cfg.pooling == Pooling::cls) {
-        at(g_top, (b * S) * D + c) += g;
-      } else if (cfg.pooling == Pooling::max) {
-        at(g_top, (b * S + argmax[ix(b * D + c)]) * D + c) += g;
-      } else {
-        const std::int64_t n = mut == Mutation::mean_pool_includes_padding ? S : len;
-        for (std::int64_t s = 0; s < n; ++s)
-          at(g_top, (b * S + s) * D + c) += g / static_cast<double>(n);
+  if (decoder) {
+    // loss = (1/n) sum over the n counted rows of -(1 - eps) logp[y] - (eps/V) sum_c logp[c]:
+    //   d loss / d z_c = (lm_probs[c] - ((c == y ? 1 - eps : 0) + eps/V)) / n; 0 on ignored rows
+    Vec g_lm(lm_logits.size(), 0.0);
+    for (std::int64_t r = 0; r < N; ++r) {
+      if (targets[ix(r)] < 0) continue;
+      for (std::int64_t c = 0; c < V; ++c) {
+        const double target = (c == targets[ix(r)] ? 1 - eps : 0.0) + eps / static_cast<double>(V);
+        at(g_lm, r * V + c) = (at(lm_probs, r * V + c) - target) / static_cast<double>(counted);
+      }
+    }
+    keep("lm_logits", {B, S, V}, g_lm);
+    // lm_logits = top W^T + b, W = embedding.weight when tied: its gradient adds to the
+    // embedding's (the mutant drops it)
+    Vec dropped_w(lm_w.size(), 0.0);
+    Vec& g_w = !cfg.tie_embeddings                       ? grad("lm_head.weight")
+               : mut == Mutation::tied_head_grad_dropped ? dropped_w
+                                                         : grad("embedding.weight");
+    linear_backward(g_lm, top, lm_w, N, D, V, g_top, g_w, bgrad("lm_head.bias", V));
+  } else {
+    // loss = (1/B) sum_b loss_b,  loss_b = -(1 - eps) logp[y] - (eps/C) sum_c logp[c],
+    // logp = z - logsumexp(z):  d loss_b / d z_c = class_probs[c] - ((c == y ? 1 - eps : 0) +
+    // eps/C)
+    Vec g_logits(ix(B * C), 0.0);
+    for (std::int64_t b = 0; b < B; ++b) {
+      for (std::int64_t c = 0; c < C; ++c) {
+        const double target = (c == labels[ix(b)] ? 1 - eps : 0.0) + eps / static_cast<double>(C);
+        at(g_logits, b * C + c) = (at(class_probs, b * C + c) - target) / static_cast<double>(B);
+      }
+    }
+    keep("logits", {B, C}, g_logits);
+
+    // logits = pooled Wh^T + bh
+    Vec g_pooled(ix(B * D), 0.0);
+    linear_backward(g_logits, pooled, head_w, B, D, C, g_pooled, grad("head.weight"),
+                    bgrad("head.bias", C));
+    keep("pooled", {B, D}, g_pooled);
+
+    // pooled[b,c] = mean_{s < len} top[b,s,c] | top[b,0,c] | top[b,argmax[b,c],c]; 0 if len == 0
+    for (std::int64_t b = 0; b < B; ++b) {
+      const std::int64_t len = lengths[ix(b)];
+      if (len == 0) continue;  // pooled = 0: no dependence on top
+      for (std::int64_t c = 0; c < D; ++c) {
+        const double g = at(g_pooled, b * D + c);
+        if (cfg.pooling == Pooling::cls) {
+          at(g_top, (b * S) * D + c) += g;
+        } else if (cfg.pooling == Pooling::max) {
+          at(g_top, (b * S + argmax[ix(b * D + c)]) * D + c) += g;
+        } else {
+          const std::int64_t n = mut == Mutation::mean_pool_includes_padding ? S : len;
+          for (std::int64_t s = 0; s < n; ++s)
+            at(g_top, (b * S + s) * D + c) += g / static_cast<double>(n);
+        }
       }
     }
   }
@@ -705,8 +829,7 @@ File run(const File& golden, Mutation mut, bool with_backward) {
   Vec g_x;
   if (pre) {
     g_x.assign(ix(N * D), 0.0);
-    layer_norm_backward(g_top, last, final_norm, N, D, param("final_norm.weight"), g_x,
-                        grad("final_norm.weight"), grad("final_norm.bias"), mut);
+    norm_backward(g_top, last, final_norm, "final_norm", g_x);
   } else {
     g_x = g_top;
   }
@@ -725,40 +848,48 @@ File run(const File& golden, Mutation mut, bool with_backward) {
       g_residual2 = g_output;
     } else {
       g_residual2.assign(ix(N * D), 0.0);
-      layer_norm_backward(g_output, sv.residual2, sv.norm2, N, D, lp("norm2.weight"), g_residual2,
-                          lg("norm2.weight"), lg("norm2.bias"), mut);
+      norm_backward(g_output, sv.residual2, sv.norm2, pl + "norm2", g_residual2);
     }
     // residual2 = base + drop_r2(ffn_out), base = norm1 (post) or residual1 (pre)
     const Vec g_ffn_out = unapply(g_residual2, sv.r2_mask);
     const Vec& g_base = g_residual2;
     // ffn_out = dropped_hidden W2^T + b2
     Vec g_dropped(ix(N * F), 0.0);
+    auto lbg = [&](const std::string& n, std::int64_t size) -> Vec& { return bgrad(pl + n, size); };
     linear_backward(g_ffn_out, sv.dropped_hidden, lp("ffn.fc2.weight"), N, F, D, g_dropped,
-                    lg("ffn.fc2.weight"), lg("ffn.fc2.bias"));
+                    lg("ffn.fc2.weight"), lbg("ffn.fc2.bias", D));
     // dropped_hidden = drop_ffn(ffn_hidden)
     const Vec g_hidden = unapply(g_dropped, sv.ffn_mask);
-    // ffn_hidden = act(ffn_pre)
-    Vec g_pre(g_hidden.size());
+    // ffn_hidden = act(ffn_pre), or gated: act(ffn_gate) * ffn_pre
+    Vec g_pre(g_hidden.size()), g_gate(gated ? g_hidden.size() : 0);
     for (std::size_t i = 0; i < g_pre.size(); ++i) {
-      g_pre[i] = activation_grad(sv.ffn_pre[i], cfg.activation, mut) * g_hidden[i];
+      if (gated) {
+        g_gate[i] = activation_grad(sv.ffn_gate[i], act_fn, mut) * sv.ffn_pre[i] * g_hidden[i];
+        g_pre[i] = activation(sv.ffn_gate[i], act_fn, mut) * g_hidden[i];
+      } else {
+        g_pre[i] = activation_grad(sv.ffn_pre[i], act_fn, mut) * g_hidden[i];
+      }
     }
-    // ffn_pre = ffn_in W1^T + b1, ffn_in = norm1 (post) or norm2 (pre)
+    // ffn_pre = ffn_in W1^T + b1 (and ffn_gate = ffn_in Wg^T + bg), ffn_in = norm1 (post) or
+    // norm2 (pre)
     Vec g_ffn_in(ix(N * D), 0.0);
+    if (gated) {
+      linear_backward(g_gate, sv.ffn_in, lp("ffn.gate.weight"), N, D, F, g_ffn_in,
+                      lg("ffn.gate.weight"), lbg("ffn.gate.bias", F));
+    }
     linear_backward(g_pre, sv.ffn_in, lp("ffn.fc1.weight"), N, D, F, g_ffn_in, lg("ffn.fc1.weight"),
-                    lg("ffn.fc1.bias"));
+                    lbg("ffn.fc1.bias", F));
     Vec g_residual1;
     if (pre) {
       // residual2 = residual1 + ...: the base term;  ffn_in = norm2 = LN2(residual1)
       g_residual1 = g_base;
-      layer_norm_backward(g_ffn_in, sv.residual1, sv.norm2, N, D, lp("norm2.weight"), g_residual1,
-                          lg("norm2.weight"), lg("norm2.bias"), mut);
+      norm_backward(g_ffn_in, sv.residual1, sv.norm2, pl + "norm2", g_residual1);
     } else {
       // norm1 feeds both the FFN (ffn_in) and residual2 (base); norm1 = LN1(residual1)
       Vec g_norm1(g_ffn_in.size());
       for (std::size_t i = 0; i < g_norm1.size(); ++i) g_norm1[i] = g_base[i] + g_ffn_in[i];
       g_residual1.assign(ix(N * D), 0.0);
-      layer_norm_backward(g_norm1, sv.residual1, sv.norm1, N, D, lp("norm1.weight"), g_residual1,
-                          lg("norm1.weight"), lg("norm1.bias"), mut);
+      norm_backward(g_norm1, sv.residual1, sv.norm1, pl + "norm1", g_residual1);
     }
     // residual1 = x + drop_r1(attn_out)
     Vec g_in = g_residual1;
@@ -766,7 +897,7 @@ File run(const File& golden, Mutation mut, bool with_backward) {
     // attn_out = context Wo^T + bo
     Vec g_context(ix(N * D), 0.0);
     linear_backward(g_attn_out, sv.context, lp("attn.o.weight"), N, D, D, g_context,
-                    lg("attn.o.weight"), lg("attn.o.bias"));
+                    lg("attn.o.weight"), lbg("attn.o.bias", D));
 
     // Attention, per (b, h), in the (B, H, S, Dh) layout.
     const Vec gctx = heads(g_context);
@@ -823,15 +954,14 @@ File run(const File& golden, Mutation mut, bool with_backward) {
     }
     Vec g_attn_in(ix(N * D), 0.0);
     linear_backward(merge(gq), sv.attn_in, lp("attn.q.weight"), N, D, D, g_attn_in,
-                    lg("attn.q.weight"), lg("attn.q.bias"));
+                    lg("attn.q.weight"), lbg("attn.q.bias", D));
     linear_backward(merge(gk, K), sv.attn_in, lp("attn.k.weight"), N, D, Dkv, g_attn_in,
-                    lg("attn.k.weight"), lg("attn.k.bias"));
+                    lg("attn.k.weight"), lbg("attn.k.bias", Dkv));
     linear_backward(merge(gv, K), sv.attn_in, lp("attn.v.weight"), N, D, Dkv, g_attn_in,
-                    lg("attn.v.weight"), lg("attn.v.bias"));
+                    lg("attn.v.weight"), lbg("attn.v.bias", Dkv));
     if (pre) {
       // attn_in = norm1 = LN1(x)
-      layer_norm_backward(g_attn_in, sv.x, sv.norm1, N, D, lp("norm1.weight"), g_in,
-                          lg("norm1.weight"), lg("norm1.bias"), mut);
+      norm_backward(g_attn_in, sv.x, sv.norm1, pl + "norm1", g_in);
     } else {
       // attn_in = x
       for (std::size_t i = 0; i < g_in.size(); ++i) g_in[i] += g_attn_in[i];
@@ -935,6 +1065,12 @@ const char* mutation_name(Mutation m) {
       return "alibi_sign_flipped";
     case Mutation::softcap_after_mask:
       return "softcap_after_mask";
+    case Mutation::decoder_not_causal:
+      return "decoder_not_causal";
+    case Mutation::labels_not_shifted:
+      return "labels_not_shifted";
+    case Mutation::tied_head_grad_dropped:
+      return "tied_head_grad_dropped";
     case Mutation::sink_column_kept:
       return "sink_column_kept";
   }

@@ -34,9 +34,12 @@ enum class Mutation {
   alibi_sign_flipped,          // +slope (i - j) instead of -slope (i - j)
   softcap_after_mask,          // the cap applied after the bias and the mask: -inf becomes -c
   sink_column_kept,            // the extended row sliced one column late: the sink's share kept
+  decoder_not_causal,          // a decoder's self-attention without its causal mask
+  labels_not_shifted,          // a decoder's position t predicts token t, not t + 1
   // backward (the forward is untouched)
   layer_norm_backward_no_mean,  // gx = (dn - n * mean(dn * n)) * rstd: no "- mean(dn)" term
   softmax_backward_no_row_sum,  // gscores = probs * gprobs: no "- sum_j probs * gprobs" term
+  tied_head_grad_dropped,       // a tied LM head's weight gradient not added to the embedding's
 };
 
 const char* mutation_name(Mutation m);

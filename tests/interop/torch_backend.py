@@ -157,6 +157,9 @@ CONFIG_DEFAULTS = {
     "rotary_dim": None, "rope_base": 10000.0, "rope_scaling": {"type": "none"},
     "alibi_max_bias": 8.0, "sliding_window": None, "attn_logit_softcap": None,
     "attn_sinks": False,
+    # the block variants and decoders (docs/semantics.md, section 17)
+    "norm": "layernorm", "ffn": "mlp", "ffn_bias": True, "attn_bias": True,
+    "head_bias": True, "architecture": "encoder", "tie_embeddings": False,
 }
 TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -178,7 +181,7 @@ def load_case(path):
         raise Unsupported("unknown config keys %s" % ", ".join(unknown))
     cfg = dict(CONFIG_DEFAULTS)
     cfg.update(cfg_in)
-    if cfg["activation"] not in ("relu", "gelu", "gelu_tanh"):
+    if cfg["activation"] not in ("relu", "gelu", "gelu_tanh", "silu"):
         raise Unsupported("activation %r" % cfg["activation"])
     if cfg["positional"] not in ("sinusoidal", "learned", "none", "rope",
                                  "alibi"):
@@ -189,6 +192,8 @@ def load_case(path):
     if dtype_name not in TORCH_DTYPES:
         raise Unsupported("dtype %r" % dtype_name)
     for key in ("input.tokens", "input.lengths", "input.labels"):
+        if key == "input.labels" and cfg["architecture"] == "decoder":
+            continue  # a decoder's targets are its next tokens
         if key not in tensors:
             raise BadInput("%s: missing tensor %s" % (path, key))
     return cfg, case, tensors, meta
@@ -201,26 +206,42 @@ def param_names(cfg):
     for i in range(cfg["num_layers"]):
         p = "layers.%d." % i
         for proj in ("q", "k", "v", "o"):
-            names += [p + "attn.%s.weight" % proj, p + "attn.%s.bias" % proj]
+            names += [p + "attn.%s.weight" % proj]
+            if cfg["attn_bias"]:
+                names += [p + "attn.%s.bias" % proj]
         if cfg["attn_sinks"]:
             names.append(p + "attn.sinks")
-        names += [p + "norm1.weight", p + "norm1.bias",
-                  p + "norm2.weight", p + "norm2.bias",
-                  p + "ffn.fc1.weight", p + "ffn.fc1.bias",
-                  p + "ffn.fc2.weight", p + "ffn.fc2.bias"]
+        for n in ("norm1", "norm2"):
+            names += [p + n + ".weight"]
+            if cfg["norm"] == "layernorm":
+                names += [p + n + ".bias"]
+        for n in (("ffn.gate", "ffn.fc1", "ffn.fc2") if cfg["ffn"] != "mlp"
+                  else ("ffn.fc1", "ffn.fc2")):
+            names += [p + n + ".weight"]
+            if cfg["ffn_bias"]:
+                names += [p + n + ".bias"]
     if cfg["norm_first"]:
-        names += ["final_norm.weight", "final_norm.bias"]
-    names += ["head.weight", "head.bias"]
+        names += ["final_norm.weight"]
+        if cfg["norm"] == "layernorm":
+            names += ["final_norm.bias"]
+    head = "lm_head" if cfg["architecture"] == "decoder" else "head"
+    if head == "head" or not cfg["tie_embeddings"]:
+        names += [head + ".weight"]
+    if cfg["head_bias"]:
+        names += [head + ".bias"]
     return names
 
 
 def case_inputs(tensors):
-    """tokens (B, S), lengths (B) and labels (B) as int64 tensors."""
+    """tokens (B, S), lengths (B) and labels (B) as int64 tensors; a
+    decoder's case has no labels (None)."""
     tokens = torch.from_numpy(tensors["input.tokens"].astype(np.int64))
     lengths = torch.from_numpy(tensors["input.lengths"].astype(np.int64))
-    labels = torch.from_numpy(tensors["input.labels"].astype(np.int64))
+    labels = None
+    if "input.labels" in tensors:
+        labels = torch.from_numpy(tensors["input.labels"].astype(np.int64))
     if tokens.dim() != 2 or lengths.shape != (tokens.shape[0],) \
-            or labels.shape != (tokens.shape[0],):
+            or (labels is not None and labels.shape != (tokens.shape[0],)):
         raise BadInput("inconsistent input shapes")
     return tokens, lengths, labels
 
@@ -268,7 +289,8 @@ class Variant:
         are rounded and the bias is added to the float32 product."""
         if not self.tf32:
             return F.linear(x, weight, bias)
-        return tf32_gemm(F.linear, x, weight) + bias
+        y = tf32_gemm(F.linear, x, weight)
+        return y if bias is None else y + bias
 
     def matmul(self, a, b):
         if not self.tf32:
@@ -568,6 +590,20 @@ def attention(q, k, v, visible, alpha, drop, site, variant=AS_GOLDEN,
     return scores, probs, context
 
 
+def norm(x, prefix, P, cfg):
+    """The config's norm: LayerNorm, or RMSNorm (x / sqrt(mean(x^2) + eps) *
+    weight, Hugging Face's LlamaRMSNorm), in float32 for bfloat16 and
+    float16 as autocast runs norms."""
+    eps = cfg["layer_norm_eps"]
+    if cfg["norm"] == "layernorm":
+        return layer_norm(x, prefix, P, eps)
+    w = P[prefix + ".weight"]
+    work = torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
+    xf = x.to(work)
+    y = xf * torch.rsqrt((xf * xf).mean(-1, keepdim=True) + eps) * w.to(work)
+    return y.to(x.dtype)
+
+
 def layer_norm(x, prefix, P, eps):
     """LayerNorm over the last dimension. In bfloat16 or float16 it runs in
     float32 and rounds its output back, as autocast does: torch 1.13's CPU
@@ -588,7 +624,6 @@ def encoder_layer(x, i, cfg, P, visible, drop, acts, variant=AS_GOLDEN,
     Dh = D // H
     Hkv = cfg["num_kv_heads"] or H
     p = "layers.%d." % i
-    eps = cfg["layer_norm_eps"]
     root = Dh if variant.mutant == "scores_1_over_dh" else math.sqrt(Dh)
     alpha = torch.tensor(1.0 / root, dtype=torch.float64).to(x.dtype)
     linear = variant.linear
@@ -599,13 +634,13 @@ def encoder_layer(x, i, cfg, P, visible, drop, acts, variant=AS_GOLDEN,
         return y.reshape(B, S, n, Dh).transpose(1, 2)
 
     if cfg["norm_first"]:
-        attn_in = acts[p + "norm1"] = layer_norm(x, p + "norm1", P, eps)
+        attn_in = acts[p + "norm1"] = norm(x, p + "norm1", P, cfg)
     else:
         attn_in = x
-    q = heads(linear(attn_in, P[p + "attn.q.weight"], P[p + "attn.q.bias"]))
-    k = heads(linear(attn_in, P[p + "attn.k.weight"], P[p + "attn.k.bias"]),
+    q = heads(linear(attn_in, P[p + "attn.q.weight"], P.get(p + "attn.q.bias")))
+    k = heads(linear(attn_in, P[p + "attn.k.weight"], P.get(p + "attn.k.bias")),
               Hkv)
-    v = heads(linear(attn_in, P[p + "attn.v.weight"], P[p + "attn.v.bias"]),
+    v = heads(linear(attn_in, P[p + "attn.v.weight"], P.get(p + "attn.v.bias")),
               Hkv)
     qa, ka = q, k
     if rope is not None:
@@ -631,30 +666,37 @@ def encoder_layer(x, i, cfg, P, visible, drop, acts, variant=AS_GOLDEN,
                                    "dropout." + p + "attn", variant,
                                    cap=cap, bias=bias, sink=sink)
     context = ctx.transpose(1, 2).reshape(B, S, D)
-    attn_out = linear(context, P[p + "attn.o.weight"], P[p + "attn.o.bias"])
+    attn_out = linear(context, P[p + "attn.o.weight"], P.get(p + "attn.o.bias"))
     residual1 = x + drop("dropout." + p + "residual1", attn_out)
     acts.update({p + "q": q, p + "k": k, p + "v": v, p + "scores": scores,
                  p + "probs": probs, p + "context": context,
                  p + "attn_out": attn_out, p + "residual1": residual1})
 
     if cfg["norm_first"]:
-        ffn_in = acts[p + "norm2"] = layer_norm(residual1, p + "norm2", P, eps)
+        ffn_in = acts[p + "norm2"] = norm(residual1, p + "norm2", P, cfg)
         base = residual1
     else:
-        ffn_in = acts[p + "norm1"] = layer_norm(residual1, p + "norm1", P, eps)
+        ffn_in = acts[p + "norm1"] = norm(residual1, p + "norm1", P, cfg)
         base = ffn_in
-    ffn_pre = linear(ffn_in, P[p + "ffn.fc1.weight"], P[p + "ffn.fc1.bias"])
-    if variant.mutant == "gelu_tanh_grad":
+    ffn_pre = linear(ffn_in, P[p + "ffn.fc1.weight"], P.get(p + "ffn.fc1.bias"))
+    if cfg["ffn"] != "mlp":
+        # LLaMA's MLP: down(act(gate(x)) * up(x)), act silu (swiglu) or gelu
+        gate = linear(ffn_in, P[p + "ffn.gate.weight"],
+                      P.get(p + "ffn.gate.bias"))
+        act = activation_fn("silu" if cfg["ffn"] == "swiglu"
+                            else cfg["activation"])
+        ffn_hidden = act(gate) * ffn_pre
+    elif variant.mutant == "gelu_tanh_grad":
         ffn_hidden = _GeluTanhGrad.apply(ffn_pre)
     else:
         ffn_hidden = activation_fn(cfg["activation"])(ffn_pre)
     ffn_out = linear(drop("dropout." + p + "ffn", ffn_hidden),
-                     P[p + "ffn.fc2.weight"], P[p + "ffn.fc2.bias"])
+                     P[p + "ffn.fc2.weight"], P.get(p + "ffn.fc2.bias"))
     residual2 = base + drop("dropout." + p + "residual2", ffn_out)
     if cfg["norm_first"]:
         output = residual2
     else:
-        output = acts[p + "norm2"] = layer_norm(residual2, p + "norm2", P, eps)
+        output = acts[p + "norm2"] = norm(residual2, p + "norm2", P, cfg)
     acts.update({p + "ffn_pre": ffn_pre, p + "ffn_hidden": ffn_hidden,
                  p + "ffn_out": ffn_out, p + "residual2": residual2,
                  p + "output": output})
@@ -697,6 +739,25 @@ def loss_fn(logits, labels, smoothing):
         return F.cross_entropy(logits.float(), labels,
                                label_smoothing=smoothing).to(logits.dtype)
     return F.cross_entropy(logits, labels, label_smoothing=smoothing)
+
+
+def lm_loss_fn(lm_logits, tokens, lengths, smoothing):
+    """Next-token cross-entropy: position t of sequence b predicts token
+    t + 1 when t + 1 < lengths[b]; the rest are ignore_index (-100), and
+    the mean is over the counted positions (0 when there are none, where
+    PyTorch gives NaN)."""
+    B, S, V = lm_logits.shape
+    t = torch.arange(S)[None, :]
+    nxt = torch.cat([tokens[:, 1:], tokens[:, :1]], dim=1)
+    targets = torch.where(t + 1 < lengths[:, None], nxt,
+                          torch.full_like(tokens, -100)).reshape(-1)
+    logits = lm_logits.reshape(B * S, V)
+    if not bool((targets != -100).any()):
+        return logits.sum() * 0
+    if logits.dtype in (torch.bfloat16, torch.float16):
+        return F.cross_entropy(logits.float(), targets,
+                               label_smoothing=smoothing).to(logits.dtype)
+    return F.cross_entropy(logits, targets, label_smoothing=smoothing)
 
 
 def visibility(cfg, lengths, S, off_by_one=False):
@@ -792,16 +853,21 @@ def run_case(cfg, case, tensors, variant=AS_GOLDEN):
     for i in range(cfg["num_layers"]):
         x = encoder_layer(x, i, cfg, P, visible, drop, acts, variant, rope)
     if cfg["norm_first"]:
-        x = acts["final_norm"] = layer_norm(
-            x, "final_norm", P, cfg["layer_norm_eps"])
-    if variant.mutant == "mean_pool_padding":
+        x = acts["final_norm"] = norm(x, "final_norm", P, cfg)
+    if cfg["architecture"] == "decoder":
+        w = P["embedding.weight"] if cfg["tie_embeddings"] else P["lm_head.weight"]
+        lm_logits = acts["lm_logits"] = variant.linear(x, w, P.get("lm_head.bias"))
+        loss = acts["loss"] = lm_loss_fn(lm_logits, tokens, lengths,
+                                         cfg["label_smoothing"])
+    elif variant.mutant == "mean_pool_padding":
         pooled = pool(x, torch.full_like(lengths, S), cfg["pooling"])
     else:
         pooled = pool(x, lengths, cfg["pooling"])
-    acts["pooled"] = pooled
-    logits = acts["logits"] = variant.linear(pooled, P["head.weight"],
-                                             P["head.bias"])
-    loss = acts["loss"] = loss_fn(logits, labels, cfg["label_smoothing"])
+    if cfg["architecture"] != "decoder":
+        acts["pooled"] = pooled
+        logits = acts["logits"] = variant.linear(pooled, P["head.weight"],
+                                                 P.get("head.bias"))
+        loss = acts["loss"] = loss_fn(logits, labels, cfg["label_smoothing"])
 
     for t in acts.values():
         if t.requires_grad and not t.is_leaf:
@@ -828,13 +894,16 @@ def required_act_names(cfg):
             names += [p + "q_rot", p + "k_rot"]
     if cfg["norm_first"]:
         names.append("final_norm")
+    if cfg["architecture"] == "decoder":
+        return names + ["lm_logits", "loss"]
     return names + ["pooled", "logits", "loss"]
 
 
 def required_grad_act_names(cfg):
+    head = (["lm_logits"] if cfg["architecture"] == "decoder"
+            else ["pooled", "logits"])
     return (["input"] + ["layers.%d.output" % i
-                         for i in range(cfg["num_layers"])]
-            + ["pooled", "logits"])
+                         for i in range(cfg["num_layers"])] + head)
 
 
 # ---------------------------------------------------------------------------
@@ -924,7 +993,8 @@ def has_variants(cfg):
     cannot express (it has no GQA, RoPE, ALiBi, window, cap or sink)."""
     return any(cfg[k] != CONFIG_DEFAULTS[k] for k in (
         "num_kv_heads", "sliding_window", "attn_logit_softcap",
-        "attn_sinks")) or cfg["positional"] in ("rope", "alibi")
+        "attn_sinks", "norm", "ffn", "ffn_bias", "attn_bias")) \
+        or cfg["positional"] in ("rope", "alibi") or cfg["activation"] == "silu"
 
 
 def transformer_layer_outputs(cfg, acts, extra):

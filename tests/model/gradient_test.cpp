@@ -179,7 +179,7 @@ std::vector<GradCase> cases() {
     c.attn_logit_softcap = 0.6;
     c.attn_sinks = true;
   });
-  // The block variants (docs/semantics.md, "Block variants").
+  // The block variants (docs/semantics.md, section 17.1).
   add("LlamaBlockRmsSwigluNoBiasesGqaRope", {4, 1, 3}, [](EncoderConfig& c) {
     c.norm = Norm::rmsnorm;
     c.ffn = FfnKind::swiglu;
@@ -206,6 +206,35 @@ std::vector<GradCase> cases() {
   add("PostNormMlpSiluNoFfnBias", {4, 2, 4}, [](EncoderConfig& c) {
     c.activation = Activation::silu;
     c.ffn_bias = false;
+  });
+  // Decoders: next-token loss over the real positions, the LM head tied or its own.
+  add("DecoderPreNormTiedLearnedSmoothingDropout", {4, 1, 0}, [](EncoderConfig& c) {
+    c.architecture = Architecture::decoder;
+    c.num_classes = EncoderConfig{}.num_classes;  // a decoder has no classifier
+    c.causal = true;
+    c.norm_first = true;
+    c.tie_embeddings = true;
+    c.head_bias = false;
+    c.positional = Positional::learned;
+    c.label_smoothing = 0.1;
+    c.dropout = 0.1;
+  });
+  add("DecoderLlamaRmsSwigluGqaRope", {4, 3, 2}, [](EncoderConfig& c) {
+    c.architecture = Architecture::decoder;
+    c.num_classes = EncoderConfig{}.num_classes;  // a decoder has no classifier
+    c.causal = true;
+    c.norm_first = true;
+    c.norm = Norm::rmsnorm;
+    c.ffn = FfnKind::swiglu;
+    c.attn_bias = c.ffn_bias = c.head_bias = false;
+    c.num_heads = 4;
+    c.num_kv_heads = 2;
+    c.positional = Positional::rope;
+  });
+  add("DecoderPostNormOwnHeadWithBias", {4, 4, 2}, [](EncoderConfig& c) {
+    c.architecture = Architecture::decoder;
+    c.num_classes = EncoderConfig{}.num_classes;  // a decoder has no classifier
+    c.causal = true;
   });
   return out;
 }

@@ -53,7 +53,8 @@ def test_config_errors_name_the_field(keys, field):
     assert isinstance(e.value, ValueError)
 
 
-@pytest.mark.parametrize("name", ["post_gelu_mean_f64", "learned_pe_f32", "dropout_post_f64"])
+@pytest.mark.parametrize("name", ["post_gelu_mean_f64", "learned_pe_f32", "dropout_post_f64",
+                                  "gpt2_dropout_smoothing_f64", "llama_block_f32"])
 def test_init_params_and_random_batch_are_the_goldens_bits(name):
     g = case(name)
     dtype = g.case["dtype"]
@@ -63,18 +64,21 @@ def test_init_params_and_random_batch_are_the_goldens_bits(name):
         assert same_bits(a, g.tensors["param." + n]), n
     batch = teo.random_batch(g.config, g.case["batch"], g.case["seq_len"], g.case["seed"],
                              g.case["lengths"])
-    for k in ("tokens", "lengths", "labels"):
+    assert set(batch) == {n[len("input."):] for n in g.tensors if n.startswith("input.")}
+    for k in batch:
         assert same_bits(batch[k], g.tensors["input." + k]), k
 
 
 # ---- run: bit identity with the corpus ------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["post_gelu_mean_f64", "causal_pre_f32", "dropout_post_f64",
-                                  "pre_gelu_tanh_max_f32", "lengths_zero_f64"])
+                                  "pre_gelu_tanh_max_f32", "lengths_zero_f64",
+                                  "gpt2_dropout_smoothing_f64", "llama_block_f32",
+                                  "decoder_no_targets_f64", "encoder_rms_geglu_nobias_f64"])
 def test_run_reproduces_the_goldens_bytes_on_the_reference_backend(name):
     g = case(name)
     params = {n[len("param."):]: a for n, a in g.tensors.items() if n.startswith("param.")}
-    batch = {k: g.tensors["input." + k] for k in ("tokens", "lengths", "labels")}
+    batch = g.batch()  # a decoder's has no labels
     out = teo.run(g.config, params, batch, train=True, dropout_seed=g.case["seed"],
                   backend="reference")
     expected = {n for n in g.tensors if n.startswith(("act.", "grad.", "dropout."))}
@@ -118,6 +122,18 @@ def test_run_replays_given_masks():
         teo.run(g.config, params, batch, train=True, masks={"dropout.layers.9.attn": np.ones(3)})
     with pytest.raises(teo.ConfigError, match="no dropout applies"):
         teo.run(g.config, params, batch, train=False, masks=masks)
+
+
+def test_a_decoder_reads_no_labels_and_refuses_them():
+    cfg = teo.EncoderConfig(architecture="decoder", vocab_size=16, d_model=8, num_heads=2,
+                            num_layers=1, tie_embeddings=True, head_bias=False)
+    batch = teo.random_batch(cfg, 2, 5, 3)
+    assert set(batch) == {"tokens", "lengths"}
+    out = teo.run(cfg, teo.init_params(cfg, 1), batch)
+    assert out["act.lm_logits"].shape == (2, 5, 16)
+    assert "grad.lm_head.weight" not in out  # tied: its gradient is in the embedding's
+    with pytest.raises(teo.ConfigError, match="a decoder reads none"):
+        teo.run(cfg, teo.init_params(cfg, 1), dict(batch, labels=np.zeros(2, dtype=np.int64)))
 
 
 def test_a_zero_size_batch():

@@ -60,9 +60,11 @@ class Golden:
         return {n[len("param."):]: t for n, t in self.tensors.items() if n.startswith("param.")}
 
     def batch(self):
-        """The batch as teo.run takes it: {"tokens", "lengths", "labels"} (input.*)."""
+        """The batch as teo.run takes it: {"tokens", "lengths", "labels"} (input.*); a decoder's
+        has no labels (its targets are its next tokens)."""
         self._model_case("batch")
-        return {k: self.tensors["input." + k] for k in ("tokens", "lengths", "labels")}
+        return {k: self.tensors["input." + k] for k in ("tokens", "lengths", "labels")
+                if "input." + k in self.tensors}
 
     def masks(self):
         """The dropout masks as teo.run(masks=) takes them (with train=True):

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <filesystem>
 #include <iomanip>
 #include <numeric>
@@ -88,8 +89,13 @@ int train_typed(const TrainOptions& opts, const Checkpoint* ck, std::ostream& ou
       if (tty) out << "\n";
       const auto [v, saved_at] = session.end_epoch();
       out << "epoch " << session.position().epoch << ": validation loss " << std::fixed
-          << std::setprecision(4) << v.loss << ", accuracy " << v.accuracy << "  (saved "
-          << saved_at << ")\n";
+          << std::setprecision(4) << v.loss;
+      if (o.model.decoder()) {
+        out << " (perplexity " << std::exp(v.loss) << "), next-token accuracy " << v.accuracy;
+      } else {
+        out << ", accuracy " << v.accuracy;
+      }
+      out << "  (saved " << saved_at << ")\n";
       out.unsetf(std::ios::floatfield);
     }
   }
@@ -104,15 +110,22 @@ int train_typed(const TrainOptions& opts, const Checkpoint* ck, std::ostream& ou
   if (!o.trace.empty()) out << "trace: " << o.trace << "\n";
 
   const Summary sum = session.finish();
-  out << "\ntest accuracy: " << std::fixed << std::setprecision(4) << sum.test.accuracy
-      << "   (character-trigram naive Bayes on the same split: " << sum.naive_bayes_accuracy
-      << ")\nconfusion matrix (rows: true language, columns: predicted)\n      ";
-  for (const auto& l : languages()) out << std::setw(7) << l.code;
-  out << "\n";
-  for (std::size_t t = 0; t < sum.test.confusion.size(); ++t) {
-    out << "  " << std::setw(4) << std::left << languages()[t].code << std::right;
-    for (index_t n : sum.test.confusion[t]) out << std::setw(7) << n;
+  if (o.model.decoder()) {
+    out << "\ntest perplexity: " << std::fixed << std::setprecision(4) << sum.test_perplexity
+        << " per character   (character-trigram model on the same split: " << sum.trigram_perplexity
+        << ")\nnext-token accuracy " << sum.test.accuracy << " over " << sum.test.predictions
+        << " test tokens\n";
+  } else {
+    out << "\ntest accuracy: " << std::fixed << std::setprecision(4) << sum.test.accuracy
+        << "   (character-trigram naive Bayes on the same split: " << sum.naive_bayes_accuracy
+        << ")\nconfusion matrix (rows: true language, columns: predicted)\n      ";
+    for (const auto& l : languages()) out << std::setw(7) << l.code;
     out << "\n";
+    for (std::size_t t = 0; t < sum.test.confusion.size(); ++t) {
+      out << "  " << std::setw(4) << std::left << languages()[t].code << std::right;
+      for (index_t n : sum.test.confusion[t]) out << std::setw(7) << n;
+      out << "\n";
+    }
   }
   out << "training time " << duration(seconds_since(t_start)) << "\n";
   const std::string csv = session.metrics().path(),
@@ -144,6 +157,11 @@ int run_predict(const std::string& checkpoint, const std::vector<std::string>& w
                 std::ostream& out) {
   const Checkpoint ck = read_checkpoint(checkpoint);
   const auto& langs = languages();
+  if (ck.options.model.decoder()) {
+    throw ConfigError(checkpoint +
+                      ": the checkpoint is a language model (architecture \"decoder\"); teo "
+                      "predict classifies words with an encoder's checkpoint");
+  }
   if (ck.options.model.num_classes != static_cast<index_t>(langs.size())) {
     throw FormatError(checkpoint + ": the checkpoint has " +
                       std::to_string(ck.options.model.num_classes) + " classes");

@@ -1,6 +1,7 @@
 #include "teo/train/data.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -341,6 +342,105 @@ double NaiveBayes::accuracy(const std::vector<Example>& set) const {
   index_t correct = 0;
   for (const auto& e : set) correct += predict(e.word) == e.label;
   return static_cast<double>(correct) / static_cast<double>(set.size());
+}
+
+namespace {
+
+std::uint64_t key2(std::int64_t a, std::int64_t b) {
+  return (static_cast<std::uint64_t>(a) << 21) | static_cast<std::uint64_t>(b);
+}
+std::uint64_t key3(std::int64_t a, std::int64_t b, std::int64_t x) {
+  return (static_cast<std::uint64_t>(a) << 42) | key2(b, x);
+}
+
+// Calls f(a, b, x) for every predicted token x of the word's sequence, with its two predecessors.
+template <class F>
+void each_prediction(const Vocab& vocab, const Example& e, index_t max_len, F&& f) {
+  const auto ids = vocab.encode(e.word, max_len);
+  for (std::size_t t = 1; t < ids.size(); ++t)
+    f(t >= 2 ? ids[t - 2] : Vocab::cls, ids[t - 1], ids[t]);
+}
+
+}  // namespace
+
+void TrigramLM::fit(const Vocab& vocab, const std::vector<Example>& train,
+                    const std::vector<Example>& valid, index_t max_len) {
+  vocab_ = &vocab;
+  max_len_ = max_len;
+  tri_.clear();
+  tri_ctx_.clear();
+  bi_.clear();
+  bi_ctx_.clear();
+  uni_.assign(static_cast<std::size_t>(vocab.size()), 0.0);
+  n_ = 0;
+  for (const auto& e : train) {
+    each_prediction(vocab, e, max_len, [&](std::int64_t a, std::int64_t b, std::int64_t x) {
+      tri_[key3(a, b, x)] += 1;
+      tri_ctx_[key2(a, b)] += 1;
+      bi_[key2(b, x)] += 1;
+      bi_ctx_[static_cast<std::uint64_t>(b)] += 1;
+      uni_[static_cast<std::size_t>(x)] += 1;
+      ++n_;
+    });
+  }
+  // The interpolation weights: the grid point with the least validation loss (the first on ties).
+  const std::array<std::array<double, 3>, 6> grid = {{{0.8, 0.15, 0.05},
+                                                      {0.7, 0.2, 0.1},
+                                                      {0.6, 0.3, 0.1},
+                                                      {0.5, 0.35, 0.15},
+                                                      {0.4, 0.4, 0.2},
+                                                      {0.3, 0.4, 0.3}}};
+  double best = INFINITY;
+  std::array<double, 3> chosen = grid[0];
+  for (const auto& w : grid) {
+    w_ = w;
+    const double loss = nll(valid).first;
+    if (loss < best) {
+      best = loss;
+      chosen = w;
+    }
+  }
+  w_ = chosen;
+}
+
+double TrigramLM::log_prob(std::int64_t a, std::int64_t b, std::int64_t x) const {
+  const auto V = static_cast<double>(vocab_->size());
+  double p = 0, carry = 0;  // carry: the weight of an order whose context was never seen
+  const auto find = [](const auto& m, std::uint64_t k) {
+    const auto it = m.find(k);
+    return it == m.end() ? 0.0 : it->second;
+  };
+  const double c_ab = find(tri_ctx_, key2(a, b));
+  if (c_ab > 0) {
+    p += w_[0] * find(tri_, key3(a, b, x)) / c_ab;
+  } else {
+    carry += w_[0];
+  }
+  const double c_b = find(bi_ctx_, static_cast<std::uint64_t>(b));
+  if (c_b > 0) {
+    p += (w_[1] + carry) * find(bi_, key2(b, x)) / c_b;
+    carry = 0;
+  } else {
+    carry += w_[1];
+  }
+  p += (w_[2] + carry) * (uni_[static_cast<std::size_t>(x)] + 1) / (static_cast<double>(n_) + V);
+  return std::log(p);
+}
+
+std::pair<double, index_t> TrigramLM::nll(const std::vector<Example>& set) const {
+  double total = 0;
+  index_t count = 0;
+  for (const auto& e : set) {
+    each_prediction(*vocab_, e, max_len_, [&](std::int64_t a, std::int64_t b, std::int64_t x) {
+      total -= log_prob(a, b, x);
+      ++count;
+    });
+  }
+  return {count > 0 ? total / static_cast<double>(count) : 0.0, count};
+}
+
+double TrigramLM::perplexity(const std::vector<Example>& set) const {
+  return std::exp(nll(set).first);
 }
 
 }  // namespace teo::train

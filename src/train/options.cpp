@@ -35,6 +35,8 @@ std::string get_string(const json& v, const std::string& key) {
 
 const std::vector<TrainKey>& train_keys() {
   static const std::vector<TrainKey> keys = {
+      {"architecture", "string",
+       "encoder (classify each word's language) | decoder (a character language model)"},
       {"max_len", "int", "longest input in tokens, [CLS] included; longer words are cut"},
       {"d_model", "int", "model width"},
       {"num_heads", "int", "attention heads"},
@@ -53,8 +55,14 @@ const std::vector<TrainKey>& train_keys() {
       {"sliding_window", "int", "keys each query sees, itself included"},
       {"attn_logit_softcap", "real", "attention logits become c tanh(s / c)"},
       {"attn_sinks", "bool", "a learned sink logit per head"},
+      {"norm", "string", "layernorm | rmsnorm"},
+      {"ffn", "string", "mlp | swiglu | geglu"},
+      {"ffn_bias", "bool", "the FFN's linear maps have biases"},
+      {"attn_bias", "bool", "the attention projections have biases"},
+      {"head_bias", "bool", "the head has a bias"},
+      {"tie_embeddings", "bool", "a decoder's LM head is the embedding matrix"},
       {"embed_scale", "bool", "scale token embeddings by sqrt(d_model)"},
-      {"pooling", "string", "mean | cls | max"},
+      {"pooling", "string", "mean | cls | max (an encoder's)"},
       {"dropout", "real", "dropout probability at every site"},
       {"label_smoothing", "real", "label smoothing of the cross-entropy"},
       {"causal", "bool", "causal attention mask"},
@@ -186,6 +194,13 @@ void TrainOptions::apply_json(const json& j) {
     } else {
       mj[key] = v;  // EncoderConfig rejects unknown keys and bad values
     }
+  }
+  // A decoder is causal unless the user said otherwise (which EncoderConfig refuses); it has no
+  // classifier, so the encoder's causal, pooling and num_classes do not carry over.
+  if (mj.value("architecture", "encoder") == "decoder") {
+    if (!j.contains("causal")) mj["causal"] = true;
+    if (!j.contains("pooling")) mj.erase("pooling");
+    mj.erase("num_classes");
   }
   model = EncoderConfig::from_json(mj);
 }

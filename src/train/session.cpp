@@ -3,6 +3,7 @@
 #include <signal.h>
 
 #include <chrono>
+#include <cmath>
 #include <filesystem>
 
 #include <nlohmann/json.hpp>
@@ -30,11 +31,22 @@ Dataset load_data(const TrainOptions& o) {
   return load_words(o.data);
 }
 
-// The options completed by the data: vocab_size and num_classes.
+// The options completed by the data: vocab_size, and an encoder's num_classes.
 TrainOptions with_data(TrainOptions o, const Vocab& vocab) {
   o.model.vocab_size = vocab.size();
-  o.model.num_classes = static_cast<index_t>(languages().size());
+  if (!o.model.decoder()) o.model.num_classes = static_cast<index_t>(languages().size());
   return o;
+}
+
+// A batch as the model reads it: a decoder's has no labels (its targets are its next tokens).
+Batch for_model(Batch b, const EncoderConfig& cfg) {
+  if (cfg.decoder()) b.labels.clear();
+  return b;
+}
+
+std::vector<Batch> for_model(std::vector<Batch> batches, const EncoderConfig& cfg) {
+  for (auto& b : batches) b = for_model(std::move(b), cfg);
+  return batches;
 }
 
 template <class Real>
@@ -72,7 +84,7 @@ Session<Real>::Session(const TrainOptions& options, const Checkpoint* ck)
   total_steps_ = steps_per_epoch_ * o.epochs;
   if (o.max_steps > 0) total_steps_ = std::min(total_steps_, o.max_steps);
   first_step_ = pos_.step;
-  valid_ = batches_in_order(vocab_, data_.valid, o.eval_batch, o.model.max_len);
+  valid_ = for_model(batches_in_order(vocab_, data_.valid, o.eval_batch, o.model.max_len), o.model);
 }
 
 template <class Real>
@@ -98,7 +110,7 @@ StepReport Session<Real>::step() {
     std::vector<const Example*> ex;
     for (std::size_t i : order_[static_cast<std::size_t>(pos_.micro + m)])
       ex.push_back(&data_.train[i]);
-    micro.push_back(make_batch(vocab_, ex, o.model.max_len));
+    micro.push_back(for_model(make_batch(vocab_, ex, o.model.max_len), o.model));
   }
   if (trace_) trace_->add_batches(pos_.step + 1, micro);
   const StepStats s = trainer_.step(micro);
@@ -107,7 +119,7 @@ StepReport Session<Real>::step() {
   window_loss_ += s.loss;
   window_tokens_ += s.tokens;
   window_correct_ += s.correct;
-  window_words_ += s.words;
+  window_words_ += s.predictions;
   ++window_steps_;
   StepReport r{s, {}};
   const index_t log_every = std::max<index_t>(1, steps_per_epoch_ / 20);
@@ -160,16 +172,34 @@ Summary Session<Real>::finish() {
   const TrainOptions& o = options_;
   if (trace_) trace_->write(o.trace, trainer_.params(), pos_.step - first_step_);
   Summary s;
-  s.test = trainer_.evaluate(batches_in_order(vocab_, data_.test, o.eval_batch, o.model.max_len));
-  NaiveBayes nb;
-  nb.fit(data_.train, static_cast<int>(languages().size()));
-  s.naive_bayes_accuracy = nb.accuracy(data_.test);
+  s.test = trainer_.evaluate(
+      for_model(batches_in_order(vocab_, data_.test, o.eval_batch, o.model.max_len), o.model));
+  nlohmann::json summary;
+  if (o.model.decoder()) {
+    TrigramLM tri;
+    tri.fit(vocab_, data_.train, data_.valid, o.model.max_len);
+    s.test_perplexity = std::exp(s.test.loss);
+    s.trigram_perplexity = tri.perplexity(data_.test);
+    summary = {{"test_perplexity", s.test_perplexity},
+               {"trigram_test_perplexity", s.trigram_perplexity},
+               {"trigram_weights", tri.weights()},
+               {"test_next_token_accuracy", s.test.accuracy},
+               {"test_nll", s.test.loss},
+               {"test_tokens", s.test.predictions}};
+  } else {
+    NaiveBayes nb;
+    nb.fit(data_.train, static_cast<int>(languages().size()));
+    s.naive_bayes_accuracy = nb.accuracy(data_.test);
+    summary = {{"test_accuracy", s.test.accuracy},
+               {"naive_bayes_test_accuracy", s.naive_bayes_accuracy},
+               {"test_loss", s.test.loss},
+               {"confusion", s.test.confusion}};
+  }
   s.seconds = now_seconds() - start_;
-  const nlohmann::json summary = {
-      {"test_accuracy", s.test.accuracy}, {"naive_bayes_test_accuracy", s.naive_bayes_accuracy},
-      {"test_loss", s.test.loss},         {"steps", pos_.step},
-      {"epochs_completed", pos_.epoch},   {"seconds", s.seconds},
-      {"confusion", s.test.confusion},    {"languages", languages_json()}};
+  summary.update(nlohmann::json{{"steps", pos_.step},
+                                {"epochs_completed", pos_.epoch},
+                                {"seconds", s.seconds},
+                                {"languages", languages_json()}});
   write_file_atomic(path_in_out_dir("summary.json"), summary.dump(2) + "\n", true);
   return s;
 }

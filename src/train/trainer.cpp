@@ -24,9 +24,32 @@ Batch slice_rows(const Batch& b, index_t first, index_t last) {
     const auto row = b.tokens.begin() + static_cast<std::ptrdiff_t>(i * b.seq_len);
     part.tokens.insert(part.tokens.end(), row, row + static_cast<std::ptrdiff_t>(part.seq_len));
     part.lengths.push_back(b.lengths[static_cast<std::size_t>(i)]);
-    part.labels.push_back(b.labels[static_cast<std::size_t>(i)]);
+    if (!b.labels.empty()) part.labels.push_back(b.labels[static_cast<std::size_t>(i)]);
   }
   return part;
+}
+
+// A decoder's predictions on `batch`: for every position with a next token, whether the largest
+// logit is that token, and -log p of it (in double, from the logits); added into the three sums.
+template <class Real>
+void score_next_tokens(const Activations<Real>& acts, const Batch& batch, index_t V,
+                       index_t& correct, index_t& predictions, double* nll) {
+  const index_t S = batch.seq_len;
+  for (index_t b = 0; b < batch.batch; ++b) {
+    for (index_t t = 0; t + 1 < batch.lengths[static_cast<std::size_t>(b)]; ++t) {
+      const Real* z = acts.lm_logits.data() + (b * S + t) * V;
+      const auto y = batch.tokens[static_cast<std::size_t>(b * S + t + 1)];
+      index_t best = 0;
+      for (index_t c = 1; c < V; ++c) best = z[c] > z[best] ? c : best;
+      correct += best == y;
+      ++predictions;
+      if (nll) {
+        double sum = 0;
+        for (index_t c = 0; c < V; ++c) sum += std::exp(static_cast<double>(z[c] - z[best]));
+        *nll += std::log(sum) - static_cast<double>(z[y] - z[best]);
+      }
+    }
+  }
 }
 
 // The class with the largest logit in row i (the first one on ties).
@@ -103,19 +126,32 @@ StepStats Trainer<Real>::step(const std::vector<Batch>& micro_batches) {
           micro_id * static_cast<std::uint64_t>(o.shards) + static_cast<std::uint64_t>(s));
       forward(state_.params, sh.batch, sh.acts, {.train = true, .dropout_seed = dseed});
       backward(state_.params, sh.batch, sh.acts, sh.grads, sh.dacts);
-      sh.correct = 0;
+      sh.correct = sh.predictions = 0;
+      if (o.model.decoder()) {
+        score_next_tokens(sh.acts, sh.batch, o.model.vocab_size, sh.correct, sh.predictions,
+                          nullptr);
+        return;
+      }
       for (index_t i = 0; i < sh.batch.batch; ++i) {
         sh.correct +=
             predicted_class(sh.acts.logits, i, C) == sh.batch.labels[static_cast<std::size_t>(i)];
       }
+      sh.predictions = sh.batch.batch;
     });
-    // Each part's loss and gradient are means over its words: weight them by its share.
+    // Each part's loss and gradient are means over its words (a decoder's: over its next tokens):
+    // weight them by its share.
+    index_t micro_predictions = 0;
+    for (index_t s = 0; s < n_shards; ++s)
+      micro_predictions += shards_[static_cast<std::size_t>(s)].predictions;
     for (index_t s = 0; s < n_shards; ++s) {
       const Shard& sh = shards_[static_cast<std::size_t>(s)];
-      const double share = static_cast<double>(sh.batch.batch) / static_cast<double>(n);
+      const double share = micro_predictions == 0 ? 0.0
+                                                  : static_cast<double>(sh.predictions) /
+                                                        static_cast<double>(micro_predictions);
       axpy_params(grads_, sh.grads, static_cast<Real>(share / static_cast<double>(n_micro)));
       stats.loss += share * static_cast<double>(sh.acts.loss[0]);
       stats.correct += sh.correct;
+      stats.predictions += sh.predictions;
       stats.words += sh.batch.batch;
       for (auto len : sh.batch.lengths) stats.tokens += len;
     }
@@ -137,13 +173,17 @@ StepStats Trainer<Real>::step(const std::vector<Batch>& micro_batches) {
 template <class Real>
 Evaluation Trainer<Real>::evaluate(const std::vector<Batch>& batches) const {
   const index_t C = options_.model.num_classes;
+  const bool decoder = options_.model.decoder();
   Evaluation e;
-  e.confusion.assign(static_cast<std::size_t>(C),
-                     std::vector<index_t>(static_cast<std::size_t>(C), 0));
+  if (!decoder) {
+    e.confusion.assign(static_cast<std::size_t>(C),
+                       std::vector<index_t>(static_cast<std::size_t>(C), 0));
+  }
   for (const Batch& b : batches) validate_batch(options_.model, b, sizeof(Real));
   struct Result {
     double loss_sum = 0;
     std::vector<index_t> predicted;
+    index_t correct = 0, predictions = 0;  // a decoder's next tokens
   };
   const std::size_t n_batches = batches.size();
   std::vector<Result> results(n_batches);
@@ -156,6 +196,11 @@ Evaluation Trainer<Real>::evaluate(const std::vector<Batch>& batches) const {
          k += static_cast<std::size_t>(workers)) {
       const Batch& b = batches[k];
       forward(weights, b, acts, {.train = false, .dropout_seed = 0});
+      if (decoder) {
+        score_next_tokens(acts, b, options_.model.vocab_size, results[k].correct,
+                          results[k].predictions, &results[k].loss_sum);
+        continue;
+      }
       results[k].loss_sum = static_cast<double>(acts.loss[0]) * static_cast<double>(b.batch);
       for (index_t i = 0; i < b.batch; ++i)
         results[k].predicted.push_back(predicted_class(acts.logits, i, C));
@@ -165,6 +210,8 @@ Evaluation Trainer<Real>::evaluate(const std::vector<Batch>& batches) const {
   index_t correct = 0, total = 0;
   for (std::size_t k = 0; k < n_batches; ++k) {
     loss_sum += results[k].loss_sum;
+    correct += results[k].correct;
+    total += results[k].predictions;
     for (std::size_t i = 0; i < results[k].predicted.size(); ++i) {
       const auto y = static_cast<std::size_t>(batches[k].labels[i]);
       const auto best = static_cast<std::size_t>(results[k].predicted[i]);
@@ -173,6 +220,7 @@ Evaluation Trainer<Real>::evaluate(const std::vector<Batch>& batches) const {
       ++total;
     }
   }
+  e.predictions = total;
   if (total > 0) {
     e.loss = loss_sum / static_cast<double>(total);
     e.accuracy = static_cast<double>(correct) / static_cast<double>(total);
@@ -200,6 +248,11 @@ Tensor<Real> Trainer<Real>::predict(const Batch& batch) const {
 }
 
 std::vector<std::vector<double>> predict_from_checkpoint(const Checkpoint& ck, const Batch& batch) {
+  if (ck.options.model.decoder()) {
+    throw ConfigError(ck.path +
+                      ": the checkpoint is a language model (architecture \"decoder\"); "
+                      "predict classifies words with an encoder's checkpoint");
+  }
   auto run = [&](auto zero) {
     using Real = decltype(zero);
     const bool averaged = std::any_of(ck.file.tensors.begin(), ck.file.tensors.end(),

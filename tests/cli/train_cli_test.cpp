@@ -17,7 +17,10 @@
 
 #include <gtest/gtest.h>
 
+#include <nlohmann/json.hpp>
+
 #include "cli/run_cli.hpp"
+#include "support.hpp"
 #include "teo/files.hpp"
 #include "teo/safetensors.hpp"
 #include "teo/train/checkpoint.hpp"
@@ -107,6 +110,37 @@ TEST(TrainCli, TrainsWithAttentionVariantsAndNamesTheirBadValues) {
   r = run_cli("train --out " + out.string() + tiny_model(lists) + " --num-kv-heads 3");
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.out.find("num_kv_heads"), std::string::npos) << r.out;
+}
+
+// The language-model demo: a small decoder trains, reports its test perplexity next to the
+// character-trigram model's (summary.json too), and predict refuses its checkpoint by name.
+TEST(TrainCli, TrainsADecoderAndReportsPerplexityAgainstTheTrigramModel) {
+  const fs::path lists = fake_lists("teo_train_cli_lm");
+  const fs::path out = fs::path(::testing::TempDir()) / "teo_train_cli_lm_out";
+  fs::remove_all(out);
+  CliResult r = run_cli("train --architecture decoder --out " + out.string() + tiny_model(lists) +
+                        " --norm rmsnorm --ffn swiglu --activation silu --positional rope"
+                        " --tie-embeddings true --epochs 2 --batch-size 16 --no-plot");
+  ASSERT_EQ(r.code, 0) << r.out;
+  for (const char* part : {"\"architecture\":\"decoder\"", "\"causal\":true", "perplexity",
+                           "test perplexity", "character-trigram model", "next-token accuracy"}) {
+    EXPECT_NE(r.out.find(part), std::string::npos) << part << "\n" << r.out;
+  }
+  EXPECT_EQ(r.out.find("confusion matrix"), std::string::npos) << r.out;
+  const auto summary = nlohmann::json::parse(teo::test::slurp(out / "summary.json"));
+  const double ppl = summary.at("test_perplexity"), tri = summary.at("trigram_test_perplexity");
+  // both are perplexities of distributions over the vocabulary: between 1 and its size
+  EXPECT_GT(ppl, 1.0);
+  EXPECT_GT(tri, 1.0);
+  EXPECT_LT(tri, 64.0);
+  EXPECT_GT(summary.at("test_tokens").get<int>(), 0);
+  r = run_cli("predict --checkpoint " + (out / "checkpoint.safetensors").string() + " abcing");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.out.find("language model"), std::string::npos) << r.out;
+  r = run_cli("train --architecture decoder --causal false --out " + out.string() +
+              tiny_model(lists) + " --no-plot");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.out.find("causal"), std::string::npos) << r.out;
 }
 
 std::string param_bytes(const fs::path& checkpoint) {

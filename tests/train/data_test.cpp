@@ -97,6 +97,34 @@ TEST(TrainData, VocabularyEncodesWithClsPadAndUnk) {
   EXPECT_EQ(b.labels, (std::vector<std::int64_t>{2, 4}));
 }
 
+// The language model's yardstick is a distribution over the vocabulary after any context (seen,
+// half seen or never seen), and it learns the lists: far below the uniform model's perplexity V.
+TEST(TrainBaseline, TrigramLanguageModelIsADistributionAndLearnsItsLists) {
+  tr::DataOptions opts;
+  opts.dir = teo::test::fake_lists("teo_train_trigram").string();
+  const tr::Dataset d = tr::load_words(opts);
+  const tr::Vocab vocab = tr::Vocab::build(d.train);
+  tr::TrigramLM lm;
+  lm.fit(vocab, d.train, d.valid, 32);
+  const auto V = static_cast<std::int64_t>(vocab.size());
+  for (const auto& [a, b] :
+       std::vector<std::pair<std::int64_t, std::int64_t>>{{tr::Vocab::cls, tr::Vocab::cls},
+                                                          {tr::Vocab::cls, 4},
+                                                          {4, 5},
+                                                          {V - 1, V - 1},
+                                                          {tr::Vocab::pad, tr::Vocab::sep}}) {
+    double total = 0;
+    for (std::int64_t x = 0; x < V; ++x) total += std::exp(lm.log_prob(a, b, x));
+    EXPECT_NEAR(total, 1.0, 1e-12) << a << " " << b;
+  }
+  const auto w = lm.weights();
+  EXPECT_NEAR(w[0] + w[1] + w[2], 1.0, 1e-15);
+  const double ppl = lm.perplexity(d.test);
+  EXPECT_GT(ppl, 1.0);
+  EXPECT_LT(ppl, static_cast<double>(V) / 4) << "no better than a quarter of uniform";
+  EXPECT_EQ(lm.nll({}).second, 0);
+}
+
 TEST(TrainBaseline, NaiveBayesLearnsTelltaleTrigrams) {
   tr::DataOptions opts;
   opts.dir = teo::test::fake_lists("teo_train_nb").string();

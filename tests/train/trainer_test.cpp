@@ -47,7 +47,7 @@ struct Demo {
   explicit Demo(TrainOptions o)
       : data(tr::load_words(o.data)), vocab(tr::Vocab::build(data.train)) {
     o.model.vocab_size = vocab.size();
-    o.model.num_classes = static_cast<teo::index_t>(tr::languages().size());
+    if (!o.model.decoder()) o.model.num_classes = static_cast<teo::index_t>(tr::languages().size());
     options = o;
   }
   // The micro-batches of optimizer step `step` (0-based) of epoch 0, accum_steps of them.
@@ -59,6 +59,7 @@ struct Demo {
       std::vector<const tr::Example*> ex;
       for (std::size_t i : order[k]) ex.push_back(&data.train[i]);
       out.push_back(tr::make_batch(vocab, ex, options.model.max_len));
+      if (options.model.decoder()) out.back().labels.clear();  // its targets are its next tokens
     }
     return out;
   }
@@ -165,6 +166,51 @@ TEST(Trainer, ShardsGiveTheSameBitsOnAnyThreadCountAndAgreeWithTheWholeBatch) {
     EXPECT_LE(diff, 1e-9 * std::max(scale, 1e-3)) << n;
   });
   EXPECT_EQ(k, w.size());
+}
+
+// A decoder's shards are weighted by their next tokens, not their words: in float64 three unequal
+// parts agree with the whole batch to rounding, and the bits do not depend on the thread count.
+TEST(Trainer, DecoderShardsAreWeightedByTheirTokens) {
+  TrainOptions o = tiny(teo::test::fake_lists("teo_trainer_lm_shards"));
+  o.apply_json({{"architecture", "decoder"}, {"dropout", 0.0}});
+  const Demo run(o);
+  ASSERT_TRUE(run.options.model.decoder());
+  teo::ScopedSettings keep;
+  teo::set_backend(teo::Backend::simd);
+  auto train = [&](int threads, teo::index_t shards) {
+    teo::set_num_threads(threads);
+    TrainOptions opts = run.options;
+    opts.shards = shards;
+    tr::Trainer<double> t(opts);
+    run.train(t, 0, 6);
+    return t.state();
+  };
+  const auto whole = train(2, 1);
+  const auto parts = train(1, 3);
+  EXPECT_TRUE(state_bytes(parts) == state_bytes(train(2, 3))) << "1 vs 2 threads";
+  std::vector<const teo::Tensor<double>*> w;
+  whole.params.visit([&](const std::string&, const teo::Tensor<double>& t) { w.push_back(&t); });
+  std::size_t k = 0;
+  parts.params.visit([&](const std::string& n, const teo::Tensor<double>& p) {
+    const auto& ref = *w[k++];
+    double scale = 0, diff = 0;
+    for (teo::index_t i = 0; i < p.numel(); ++i) {
+      scale = std::max(scale, std::abs(ref[i]));
+      diff = std::max(diff, std::abs(ref[i] - p[i]));
+    }
+    EXPECT_LE(diff, 1e-9 * std::max(scale, 1e-3)) << n;
+  });
+  // evaluation: the mean negative log-likelihood per next token, and their count
+  tr::Trainer<double> t(run.options);
+  std::vector<teo::Batch> valid = tr::batches_in_order(run.vocab, run.data.valid, 64, 32);
+  for (auto& b : valid) b.labels.clear();
+  const tr::Evaluation e = t.evaluate(valid);
+  teo::index_t tokens = 0;
+  for (const auto& ex : run.data.valid)
+    tokens += static_cast<teo::index_t>(run.vocab.encode(ex.word, 32).size()) - 1;
+  EXPECT_EQ(e.predictions, tokens);
+  EXPECT_GT(e.loss, 0.0);
+  EXPECT_TRUE(e.confusion.empty());
 }
 
 // The averaged weights are what evaluation and prediction use, and checkpoints keep them; ema 0

@@ -3,9 +3,11 @@
 // character-trigram naive Bayes classifier as the yardstick.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json_fwd.hpp>
@@ -98,6 +100,32 @@ class NaiveBayes {
   std::vector<double> log_prior_;
   std::vector<double> log_unseen_;  // per class: a trigram never seen with that class
   std::unordered_map<std::u32string, std::vector<double>> log_prob_;
+};
+
+// The language-model demo's yardstick: a character-trigram model of the token sequences
+// Vocab::encode gives ([CLS], the characters, [SEP]), predicting each token after [CLS] from the
+// two before it
+// ([CLS] stands in before the start). P(x | a b) = l3 c(abx)/c(ab) + l2 c(bx)/c(b) + l1 (c(x) + 1)
+// / (n + V): maximum-likelihood trigram and bigram, add-one unigram over the V ids; an order whose
+// context was never seen passes its weight down. The weights (l3, l2, l1) are the grid point with
+// the least validation loss.
+class TrigramLM {
+ public:
+  void fit(const Vocab& vocab, const std::vector<Example>& train, const std::vector<Example>& valid,
+           index_t max_len);
+  // The mean negative log-likelihood (nats) per predicted token over `set`, and the count.
+  std::pair<double, index_t> nll(const std::vector<Example>& set) const;
+  double perplexity(const std::vector<Example>& set) const;
+  std::array<double, 3> weights() const { return w_; }
+  // log P(x | a b), for ids in [0, V).
+  double log_prob(std::int64_t a, std::int64_t b, std::int64_t x) const;
+
+ private:
+  const Vocab* vocab_ = nullptr;
+  index_t max_len_ = 0, n_ = 0;
+  std::array<double, 3> w_{0.6, 0.3, 0.1};  // trigram, bigram, unigram
+  std::unordered_map<std::uint64_t, double> tri_, tri_ctx_, bi_, bi_ctx_;
+  std::vector<double> uni_;
 };
 
 }  // namespace teo::train

@@ -38,8 +38,11 @@ struct StepReport {
 
 struct Summary {
   Evaluation test;
-  double naive_bayes_accuracy = 0;  // the character-trigram yardstick on the same test split
-  double seconds = 0;               // since the session started
+  double naive_bayes_accuracy = 0;  // an encoder's yardstick: character-trigram naive Bayes
+  // a decoder's: its test perplexity, and the character-trigram model's (TrigramLM) on the same
+  // test split
+  double test_perplexity = 0, trigram_perplexity = 0;
+  double seconds = 0;  // since the session started
 };
 
 template <class Real>

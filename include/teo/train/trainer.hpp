@@ -17,17 +17,22 @@
 namespace teo::train {
 
 struct StepStats {
-  double loss = 0;       // the mean loss over the step's micro-batches
-  double grad_norm = 0;  // before clipping
-  double lr = 0;         // the learning rate the step used
-  index_t correct = 0;   // words whose largest logit is their label (training mode)
+  double loss = 0;          // the mean loss over the step's micro-batches
+  double grad_norm = 0;     // before clipping
+  double lr = 0;            // the learning rate the step used
+  index_t correct = 0;      // predictions that were right (largest logit; training mode)
+  index_t predictions = 0;  // words (an encoder), or next tokens with a target (a decoder)
   index_t words = 0;
   index_t tokens = 0;  // real tokens, padding excluded
 };
 
+// An encoder's: the loss and accuracy over words, and the confusion matrix. A decoder's: the mean
+// negative log-likelihood per predicted token (without label smoothing: log(perplexity)) and the
+// next-token accuracy; no confusion matrix.
 struct Evaluation {
   double loss = 0, accuracy = 0;
   std::vector<std::vector<index_t>> confusion;  // [true][predicted]
+  index_t predictions = 0;                      // words, or next tokens
 };
 
 template <class Real>
@@ -68,7 +73,7 @@ class Trainer {
     Batch batch;
     Activations<Real> acts, dacts;
     Params<Real> grads;
-    index_t correct = 0;
+    index_t correct = 0, predictions = 0;
   };
   TrainOptions options_;
   TrainState<Real> state_;

@@ -5,6 +5,17 @@
 
 namespace teo {
 
+std::vector<std::int64_t> next_token_targets(const std::int64_t* tokens,
+                                             const std::int64_t* lengths, index_t batch,
+                                             index_t seq_len) {
+  std::vector<std::int64_t> y(static_cast<std::size_t>(batch * seq_len), kIgnoreIndex);
+  for (index_t b = 0; b < batch; ++b) {
+    for (index_t t = 0; t + 1 < lengths[b]; ++t)
+      y[static_cast<std::size_t>(b * seq_len + t)] = tokens[b * seq_len + t + 1];
+  }
+  return y;
+}
+
 template <class Real>
 Real cross_entropy_forward(Real* probs, const Real* logits, const std::int64_t* labels,
                            index_t batch, index_t classes, Real smoothing) {

@@ -135,18 +135,10 @@ void allocate(Activations<Real>& a, const EncoderConfig& cfg, const Dims& d, Zer
   a.loss.reset(Shape(std::vector<index_t>{}));
 }
 
-// A decoder's targets (B * S): position t of sequence b predicts its token t + 1; the last real
-// position and the padding are kIgnoreIndex.
+// A decoder's targets (B * S): the batch's next tokens (next_token_targets).
 std::vector<std::int64_t> next_token_targets(const Batch& batch) {
-  const index_t S = batch.seq_len;
-  std::vector<std::int64_t> y(static_cast<std::size_t>(batch.batch * S), kIgnoreIndex);
-  for (index_t b = 0; b < batch.batch; ++b) {
-    const index_t len = batch.lengths[static_cast<std::size_t>(b)];
-    for (index_t t = 0; t + 1 < len; ++t)
-      y[static_cast<std::size_t>(b * S + t)] =
-          batch.tokens[static_cast<std::size_t>(b * S + t + 1)];
-  }
-  return y;
+  return teo::next_token_targets(batch.tokens.data(), batch.lengths.data(), batch.batch,
+                                 batch.seq_len);
 }
 
 // The LM head's weight (V, D): its own, or the embedding matrix when tied.

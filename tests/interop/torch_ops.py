@@ -253,6 +253,16 @@ def op_ffn(spec, T, mode):
     return {"output.hidden": hidden, "output.y": mode.store(y)}
 
 
+def op_lm_head(spec, T, mode):
+    """logits = x W^T + b over the vocabulary; the loss: next-token cross-entropy over the
+    positions t + 1 < length (the rest ignore_index), 0 when none counts."""
+    x, w = T["input.x"], T["param.weight"]
+    logits = mode.linear(x, w, T.get("param.bias"))
+    tokens, lengths = T["input.tokens"], T["input.lengths"]
+    loss = tb.lm_loss_fn(logits, tokens, lengths, spec.get("label_smoothing", 0.0))
+    return {"output.logits": logits, "output.loss": mode.store(loss)}
+
+
 def op_softmax(spec, T, mode):
     x = T["input.x"]
     cols = torch.arange(x.shape[-1])[None, :]

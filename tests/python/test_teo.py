@@ -165,6 +165,10 @@ def _op_args(g):
         return ((t["input.x"], t["param.fc1.weight"], t["param.fc2.weight"]),
                 dict(kw, ffn=s.get("ffn", "mlp"), activation=s["activation"],
                      grad_y=t["grad.output.y"]))
+    if op == "lm_head":
+        return ((t["input.x"], t["param.weight"], t["input.tokens"], t["input.lengths"],
+                 t.get("param.bias")),
+                {"label_smoothing": s["label_smoothing"], "grad_loss": t["grad.output.loss"]})
     if op == "softmax":
         return (t["input.x"],), {"visible": s["visible"], "grad_y": t["grad.output.y"]}
     if op == "activation":

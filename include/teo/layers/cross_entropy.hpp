@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include "teo/errors.hpp"
 
@@ -10,6 +11,12 @@ namespace teo {
 // A label that counts for nothing (PyTorch's ignore_index default): its row's probs are still
 // written, it adds nothing to the loss or the count, and its gradient is 0.
 inline constexpr std::int64_t kIgnoreIndex = -100;
+
+// A decoder's targets (B * S) for tokens (B, S): position t of sequence b predicts its token t + 1
+// when t + 1 < lengths[b]; every other position (the last real one, the padding) is kIgnoreIndex.
+std::vector<std::int64_t> next_token_targets(const std::int64_t* tokens,
+                                             const std::int64_t* lengths, index_t batch,
+                                             index_t seq_len);
 
 // With eps = smoothing and C classes, per example b:
 //   logp = log_softmax(logits[b]);  loss_b = -(1 - eps) logp[y_b] - (eps / C) sum_c logp[c]

@@ -288,6 +288,7 @@ const OpDef& attention_merge_op();
 const OpDef& embedding_op();
 const OpDef& pooling_op();
 const OpDef& cross_entropy_op();
+const OpDef& lm_head_op();
 const OpDef& dropout_op();
 const OpDef& encoder_layer_op();
 

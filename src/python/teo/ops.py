@@ -94,6 +94,15 @@ def _ints(v, name, op):
     return [int(x) for x in a.reshape(-1)]
 
 
+def _int_array(v, name, op):
+    """An integer array (of any shape) as int64; ConfigError naming the argument for floats."""
+    a = as_array(v)
+    if a.size and a.dtype.kind not in "iu":
+        from . import ConfigError
+        raise ConfigError("teo.ops.%s: %s must hold integers, got %s" % (op, name, a.dtype))
+    return a.astype(np.int64)
+
+
 def _dims(a, n, layout, name, op):
     """a's shape when it has n dimensions; ShapeError naming the argument and its layout
     otherwise."""
@@ -179,6 +188,24 @@ def ffn(x, fc1_weight, fc2_weight, *, gate_weight=None, fc1_bias=None, fc2_bias=
               "param.fc1.weight": fc1_weight, "param.fc1.bias": fc1_bias,
               "param.fc2.weight": fc2_weight, "param.fc2.bias": fc2_bias}
     return _call("ffn", spec, inputs, {"output.y": grad_y}, **kw)
+
+
+@_public()
+def lm_head(x, weight, tokens, lengths, bias=None, *, label_smoothing=0.0, grad_loss=None, **kw):
+    """A decoder's LM head and next-token loss: logits = x weight^T + bias (B, S, V); position t
+    of sequence b predicts tokens[b, t + 1] when t + 1 < lengths[b]; the loss is the mean over
+    those positions (0 when there are none). For a tied head, weight is the embedding matrix."""
+    x = _real(x, "x", "lm_head")
+    b, s, d = _dims(x, 3, "(batch, seq_len, d_model)", "x", "lm_head")
+    v = _dims(_real(weight, "weight", "lm_head"), 2, "(vocab_size, d_model)", "weight",
+              "lm_head")[0]
+    lengths = _ints(lengths, "lengths", "lm_head")
+    spec = {"batch": b, "seq_len": s, "vocab_size": v, "d_model": d, "lengths": lengths,
+            "head_bias": bias is not None, "label_smoothing": label_smoothing}
+    return _call("lm_head", spec,
+                 {"input.x": x, "input.tokens": _int_array(tokens, "tokens", "lm_head"),
+                  "input.lengths": np.asarray(lengths, dtype=np.int64),
+                  "param.weight": weight, "param.bias": bias}, {"output.loss": grad_loss}, **kw)
 
 
 @_public()

@@ -1,0 +1,149 @@
+// Greedy generation with a KV cache (teo/generate.hpp) against the full causal forward pass: step
+// t's logits are the forward's at the fed token's position, for prompts of length 0, 1 and 7, in
+// both dtypes, on every backend.
+#include <cstring>
+
+#include "support.hpp"
+#include "teo/backend.hpp"
+#include "teo/generate.hpp"
+
+namespace teo {
+namespace {
+
+EncoderConfig decoder_base() {
+  EncoderConfig c;
+  c.architecture = Architecture::decoder;
+  c.causal = true;
+  c.vocab_size = 23;
+  c.max_len = 16;
+  c.d_model = 16;
+  c.num_heads = 4;
+  c.d_ff = 24;
+  c.num_layers = 2;
+  return c;
+}
+
+// GPT-2 (pre-norm, learned positions, tied head), LLaMA (RMSNorm, SwiGLU, RoPE YaRN with an
+// offset, GQA, no biases) and a post-norm decoder with sinusoidal positions, and with ALiBi, MQA,
+// a window, a soft-cap and sinks.
+std::vector<std::pair<std::string, EncoderConfig>> configs() {
+  std::vector<std::pair<std::string, EncoderConfig>> out;
+  EncoderConfig gpt2 = decoder_base();
+  gpt2.norm_first = true;
+  gpt2.positional = Positional::learned;
+  gpt2.activation = Activation::gelu_tanh;
+  gpt2.tie_embeddings = true;
+  gpt2.head_bias = false;
+  out.emplace_back("gpt2", gpt2);
+  EncoderConfig llama = decoder_base();
+  llama.norm_first = true;
+  llama.norm = Norm::rmsnorm;
+  llama.ffn = FfnKind::swiglu;
+  llama.activation = Activation::silu;
+  llama.attn_bias = llama.ffn_bias = llama.head_bias = false;
+  llama.num_kv_heads = 2;
+  llama.positional = Positional::rope;
+  llama.rope_scaling = {.type = RopeScalingType::yarn, .factor = 2.0, .original_max_len = 8};
+  llama.position_offset = 5;
+  out.emplace_back("llama", llama);
+  EncoderConfig post = decoder_base();
+  post.embed_scale = true;
+  out.emplace_back("post-norm sinusoidal", post);
+  EncoderConfig variants = decoder_base();
+  variants.positional = Positional::alibi;
+  variants.num_kv_heads = 1;
+  variants.sliding_window = 4;
+  variants.attn_logit_softcap = 3.0;
+  variants.attn_sinks = true;
+  variants.ffn = FfnKind::geglu;
+  out.emplace_back("alibi mqa window softcap sinks geglu", variants);
+  return out;
+}
+
+template <class Real>
+class Generate : public ::testing::Test {};
+TYPED_TEST_SUITE(Generate, test::Dtypes);
+
+TYPED_TEST(Generate, EachStepsLogitsAreTheFullForwardsAtItsPosition) {
+  using Real = TypeParam;
+  const index_t steps = 5;
+  const std::vector<std::int64_t> prompt_lengths = {0, 1, 7};
+  ScopedSettings keep;
+  for (const auto& [what, cfg] : configs()) {
+    const auto params = test::convert_params<Real>(Params<double>::init(cfg, 11));
+    const Batch prompt = Batch::random(cfg, 3, 7, 4, prompt_lengths);
+    for (Backend be : {Backend::reference, Backend::simd}) {
+      set_backend(be);
+      const std::string where = what + " on " + to_string(be);
+      const Generation<Real> g = generate(params, prompt, {.steps = steps, .start_token = 2});
+      ASSERT_EQ(g.tokens.size(), static_cast<std::size_t>(steps)) << where;
+      // the full sequences: each prompt, then the tokens fed at steps 0 .. T - 1
+      Batch full;
+      full.batch = 3;
+      full.seq_len = 7 + steps;
+      full.tokens.assign(static_cast<std::size_t>(full.batch * full.seq_len), 0);
+      for (index_t b = 0; b < 3; ++b) {
+        const index_t p = prompt_lengths[static_cast<std::size_t>(b)];
+        full.lengths.push_back(p + steps);
+        for (index_t s = 0; s < p; ++s)
+          full.tokens[static_cast<std::size_t>(b * full.seq_len + s)] =
+              prompt.tokens[static_cast<std::size_t>(b * prompt.seq_len + s)];
+        for (index_t t = 0; t < steps; ++t)
+          full.tokens[static_cast<std::size_t>(b * full.seq_len + p + t)] =
+              g.tokens[static_cast<std::size_t>(t)][static_cast<std::size_t>(b)];
+      }
+      Activations<Real> acts;
+      forward(params, full, acts, {.train = false});
+      const index_t V = cfg.vocab_size;
+      double worst = 0, scale = 0;
+      for (index_t t = 0; t < steps; ++t) {
+        for (index_t b = 0; b < 3; ++b) {
+          const index_t p = prompt_lengths[static_cast<std::size_t>(b)];
+          const Real* want = acts.lm_logits.data() + (b * full.seq_len + p + t) * V;
+          const Real* got = g.logits[static_cast<std::size_t>(t)].data() + b * V;
+          for (index_t c = 0; c < V; ++c) {
+            worst = std::max(worst, std::abs(static_cast<double>(got[c] - want[c])));
+            scale = std::max(scale, std::abs(static_cast<double>(want[c])));
+          }
+          // greedy: the next step feeds this step's first largest logit
+          if (t + 1 < steps) {
+            index_t best = 0;
+            for (index_t c = 1; c < V; ++c) best = got[c] > got[best] ? c : best;
+            EXPECT_EQ(g.tokens[static_cast<std::size_t>(t + 1)][static_cast<std::size_t>(b)], best)
+                << where;
+          }
+        }
+      }
+      const double tol = std::is_same_v<Real, float> ? 2e-5 : 1e-13;
+      EXPECT_LE(worst, tol * std::max(scale, 1.0)) << where << ": worst " << worst;
+      if (be == Backend::simd) {
+        EXPECT_EQ(worst, 0.0) << where << ": not bitwise";
+      }
+      // step 0 feeds the prompt's greedy next token, or the start token after an empty prompt
+      EXPECT_EQ(g.tokens[0][0], 2) << where;
+      for (index_t b = 1; b < 3; ++b) {
+        const index_t p = prompt_lengths[static_cast<std::size_t>(b)];
+        const Real* z = acts.lm_logits.data() + (b * full.seq_len + p - 1) * V;
+        index_t best = 0;
+        for (index_t c = 1; c < V; ++c) best = z[c] > z[best] ? c : best;
+        EXPECT_EQ(g.tokens[0][static_cast<std::size_t>(b)], best) << where;
+      }
+    }
+  }
+}
+
+TEST(Generate, BadRequestsAreNamedErrors) {
+  EncoderConfig enc;
+  const auto ep = Params<double>::init(enc, 1);
+  EXPECT_THROW(generate(ep, Batch::random(enc, 1, 3, 1), {.steps = 1}), ConfigError);
+  const EncoderConfig cfg = configs()[0].second;
+  const auto p = Params<double>::init(cfg, 1);
+  const Batch prompt = Batch::random(cfg, 2, 4, 1, {4, 2});
+  EXPECT_THROW(generate(p, prompt, {.steps = 13}), ShapeError) << "4 + 13 > max_len 16";
+  EXPECT_THROW(generate(p, prompt, {.steps = -1}), ConfigError);
+  EXPECT_THROW(generate(p, prompt, {.steps = 1, .start_token = 23}), InputError);
+  EXPECT_TRUE(generate(p, prompt, {.steps = 0}).logits.empty());
+}
+
+}  // namespace
+}  // namespace teo

@@ -15,6 +15,7 @@
 #include "teo/backend.hpp"
 #include "teo/errors.hpp"
 #include "teo/files.hpp"
+#include "teo/generate.hpp"
 #include "teo/golden.hpp"
 #include "teo/golden_ops.hpp"
 #include "teo/model.hpp"
@@ -306,6 +307,42 @@ PYBIND11_MODULE(_teo, m) {
       py::arg("cfg"), py::arg("params"), py::arg("batch"), py::arg("train"),
       py::arg("dropout_seed"), py::arg("precision"), py::arg("backward"), py::arg("backend"),
       py::arg("threads"), py::arg("dtype"), py::arg("masks"));
+
+  m.def(
+      "generate",
+      [](const teo::EncoderConfig& cfg, const py::dict& params, const py::dict& prompt,
+         teo::index_t steps, std::int64_t start_token, const std::optional<std::string>& backend,
+         std::optional<int> threads, const std::string& dtype) {
+        const teo::Batch b = batch_from(cfg, prompt);
+        const auto gen_in = [&](auto real) {
+          using Real = decltype(real);
+          const auto p = params_from<Real>(cfg, params);
+          const auto g = compute(
+              [&] { return teo::generate(p, b, {.steps = steps, .start_token = start_token}); },
+              backend, threads);
+          const auto T = static_cast<py::ssize_t>(g.tokens.size());
+          const auto B = static_cast<py::ssize_t>(b.batch), V = cfg.vocab_size;
+          py::array_t<std::int64_t> tokens({T, B});
+          py::array_t<Real> logits({T, B, static_cast<py::ssize_t>(V)});
+          for (py::ssize_t t = 0; t < T; ++t) {
+            const auto& tok = g.tokens[static_cast<std::size_t>(t)];
+            if (B > 0) {
+              std::memcpy(tokens.mutable_data(t), tok.data(), tok.size() * sizeof(std::int64_t));
+              std::memcpy(logits.mutable_data(t), g.logits[static_cast<std::size_t>(t)].data(),
+                          static_cast<std::size_t>(B * V) * sizeof(Real));
+            }
+          }
+          py::dict out;
+          out["tokens"] = tokens;
+          out["logits"] = logits;
+          return out;
+        };
+        if (dtype == "float64") return gen_in(double{});
+        if (dtype == "float32") return gen_in(float{});
+        throw teo::ConfigError("params must be float32 or float64 arrays");
+      },
+      py::arg("cfg"), py::arg("params"), py::arg("prompt"), py::arg("steps"),
+      py::arg("start_token"), py::arg("backend"), py::arg("threads"), py::arg("dtype"));
 
   m.def(
       "run_op",

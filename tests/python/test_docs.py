@@ -59,7 +59,7 @@ def test_the_python_blocks_of_python_md_run(tmp_path, monkeypatch):
 
 
 # The functions whose signatures the doc gives, by the name it calls them.
-FUNCTIONS = dict({"run": teo.run, "init_params": teo.init_params,
+FUNCTIONS = dict({"run": teo.run, "init_params": teo.init_params, "generate": teo.generate,
                   "random_batch": teo.random_batch, "load": teo.golden.load,
                   "save": teo.golden.save, "op_case": teo.golden.op_case,
                   "check": teo.golden.check,

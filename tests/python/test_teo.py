@@ -136,6 +136,27 @@ def test_a_decoder_reads_no_labels_and_refuses_them():
         teo.run(cfg, teo.init_params(cfg, 1), dict(batch, labels=np.zeros(2, dtype=np.int64)))
 
 
+def test_generate_steps_are_the_full_forwards_logits():
+    cfg = teo.EncoderConfig(architecture="decoder", vocab_size=16, d_model=8, num_heads=2,
+                            num_layers=2, norm_first=True, positional="rope", norm="rmsnorm",
+                            ffn="swiglu", activation="silu", head_bias=False)
+    params = teo.init_params(cfg, 3)
+    prompt = teo.random_batch(cfg, 2, 4, 5, [4, 0])
+    g = teo.generate(cfg, params, prompt, 3, start_token=1)
+    assert g["tokens"].shape == (3, 2) and g["logits"].shape == (3, 2, 16)
+    assert g["tokens"][0, 1] == 1  # the empty prompt starts from start_token
+    for b, p in enumerate([4, 0]):
+        seq = list(prompt["tokens"][b, :p]) + list(g["tokens"][:, b])
+        full = {"tokens": np.array([seq + [0] * (7 - len(seq))], dtype=np.int64),
+                "lengths": np.array([len(seq)], dtype=np.int64)}
+        out = teo.run(cfg, params, full, backward=False)
+        np.testing.assert_allclose(g["logits"][:, b], out["act.lm_logits"][0, p:p + 3],
+                                   rtol=0, atol=1e-12)
+    with pytest.raises(teo.ConfigError, match="decoder"):
+        enc = teo.EncoderConfig(d_model=8, num_heads=2, num_layers=1)
+        teo.generate(enc, teo.init_params(enc, 1), teo.random_batch(enc, 1, 2, 1), 1)
+
+
 def test_a_zero_size_batch():
     cfg = teo.EncoderConfig(d_model=8, num_heads=2, num_layers=1)
     params = teo.init_params(cfg, 3)

@@ -47,10 +47,10 @@ class FileError(Error, OSError):
 
 from . import _teo  # noqa: E402  (the exceptions above must exist first: _teo raises them)
 from ._teo import EncoderConfig  # noqa: E402
-from ._api import init_params, random_batch, run  # noqa: E402
+from ._api import generate, init_params, random_batch, run  # noqa: E402
 from . import golden, ops, testing  # noqa: E402,F401
 
 __version__ = _teo.__version__
-__all__ = ["EncoderConfig", "init_params", "random_batch", "run", "golden", "ops", "testing",
+__all__ = ["EncoderConfig", "generate", "init_params", "random_batch", "run", "golden", "ops", "testing",
            "Error", "ConfigError", "ShapeError", "InputError", "RangeError", "IllConditioned",
            "FormatError", "FileError"]

@@ -90,3 +90,28 @@ def run(cfg, params, batch, *, train=False, dropout_seed=0, masks=None, precisio
                     backend_of(backend), threads, dtype, masks)
     return arrays_of(wire)
 
+
+def generate(cfg, params, prompt, steps, *, start_token=0, backend=None, threads=None):
+    """Greedy generation by a decoder with a KV cache (docs/semantics.md section 17.3).
+
+    prompt is {"tokens" (B, S), "lengths" (B)}: sequence b's prompt is its first lengths[b]
+    tokens (0 allowed). Returns {"tokens" (steps, B) int64, "logits" (steps, B, V)}: the token
+    fed to each sequence at step t (the prompt's greedy next token at step 0, start_token after an
+    empty prompt) and the logits after it, which are the full causal forward's at that position.
+    params as teo.run takes them; their dtype is the run's.
+    """
+    from . import ConfigError
+    cfg = config_of(cfg)
+    for what, d in (("params", params), ("prompt", prompt)):
+        if not isinstance(d, dict):
+            raise ConfigError("%s must be a dict of name -> array, got %s"
+                              % (what, type(d).__name__))
+    _golden_names(params, prompt, None)
+    params = {n: real_array(a, "params[%r]" % n, "teo.generate") for n, a in params.items()}
+    prompt = {n: as_array(a) for n, a in prompt.items()}
+    dtypes = {a.dtype for a in params.values()}
+    if len(dtypes) != 1 or next(iter(dtypes)) not in (np.float32, np.float64):
+        raise ConfigError("params must be all float32 or all float64 arrays, got %s"
+                          % sorted(str(d) for d in dtypes))
+    return _teo.generate(cfg, params, prompt, int(steps), int(start_token),
+                         backend_of(backend), threads, str(next(iter(dtypes))))

@@ -385,7 +385,11 @@ void EncoderConfig::validate() const {
                   checked_add(checked_mul(d_ff, 2, "ffn biases"), d, "ffn biases"), "ffn");
   const index_t layers =
       checked_mul(checked_add(attn, ffn_params, "layer"), num_layers, "all layers");
-  const index_t head = checked_add(checked_mul(num_classes, d, "head.weight"), num_classes, "head");
+  // the head: the classifier's (C, D) and (C), or a decoder's LM head, (V, D) unless tied, (V)
+  const index_t head =
+      decoder() ? checked_add(tie_embeddings ? 0 : checked_mul(vocab_size, d, "lm_head.weight"),
+                              head_bias ? vocab_size : 0, "lm_head")
+                : checked_add(checked_mul(num_classes, d, "head.weight"), num_classes, "head");
   const index_t total =
       checked_add(checked_add(checked_add(embed, pos, "embeddings"),
                               checked_add(layers, head, "layers + head"), "parameters"),

@@ -336,7 +336,9 @@ void generate_typed(const Case& c, Sink& sink, const GenerateOptions& opts) {
     memory::release_cached_memory();
     stage("conditioning check");
     const File& f = sink.contents();
-    const index_t L = std::max({cfg.d_model, cfg.d_ff, c.seq_len, c.batch * c.seq_len});
+    // a decoder's LM head also sums over the vocabulary (its softmax, and dx = dlogits W)
+    const index_t L = std::max({cfg.d_model, cfg.d_ff, c.seq_len, c.batch * c.seq_len,
+                                cfg.decoder() ? cfg.vocab_size : index_t{1}});
     why = detail::float32_conditioning(
         f, L, [&] { return detail::ill_conditioning_cause(f, cfg); }, opts.allow_ill_conditioned);
     if (c.precision && why.empty()) {

@@ -43,8 +43,9 @@ Preset preset(const std::string& name) {
 double forward_flops(const EncoderConfig& c, index_t batch, index_t seq_len) {
   const double B = static_cast<double>(batch), S = static_cast<double>(seq_len);
   const double D = static_cast<double>(c.d_model), F = static_cast<double>(c.d_ff);
-  return static_cast<double>(c.num_layers) *
-         (8 * B * S * D * D + 4 * B * S * S * D + 4 * B * S * D * F);
+  // a gated FFN's third product (the gate) adds a third of its two
+  const double ffn = (c.gated() ? 6 : 4) * B * S * D * F;
+  return static_cast<double>(c.num_layers) * (8 * B * S * D * D + 4 * B * S * S * D + ffn);
 }
 
 std::map<profile::Stage, double> stage_flops(const EncoderConfig& c, index_t batch,
@@ -54,7 +55,8 @@ std::map<profile::Stage, double> stage_flops(const EncoderConfig& c, index_t bat
   const double D = static_cast<double>(c.d_model), F = static_cast<double>(c.d_ff);
   const double S = static_cast<double>(seq_len), B = static_cast<double>(batch);
   const double qkv = L * 6 * N * D * D, out = L * 2 * N * D * D, att = L * 4 * B * S * S * D;
-  const double fc1 = L * 2 * N * D * F, fc2 = L * 2 * N * F * D;
+  // the gate's product is timed with fc1's
+  const double fc1 = L * 2 * N * D * F * (c.gated() ? 2 : 1), fc2 = L * 2 * N * F * D;
   return {{Stage::qkv_proj, qkv},         {Stage::out_proj, out},
           {Stage::attention, att},        {Stage::ffn_fc1, fc1},
           {Stage::ffn_fc2, fc2},          {Stage::bwd_qkv_proj, 2 * qkv},

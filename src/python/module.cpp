@@ -239,7 +239,17 @@ PYBIND11_MODULE(_teo, m) {
              return "teo.EncoderConfig(" + c.to_json().dump() + ")";
            })
       .def("__getattr__", [](const teo::EncoderConfig& c, const std::string& key) -> py::object {
-        const json j = c.to_json();
+        json j = c.to_json();
+        // the block variants' and the architecture's keys, which to_json writes only when set
+        const json all = {{"architecture", teo::to_string(c.architecture)},
+                          {"norm", teo::to_string(c.norm)},
+                          {"ffn", teo::to_string(c.ffn)},
+                          {"ffn_bias", c.ffn_bias},
+                          {"attn_bias", c.attn_bias},
+                          {"head_bias", c.head_bias},
+                          {"tie_embeddings", c.tie_embeddings}};
+        for (const auto& [k, v] : all.items())
+          if (!j.contains(k)) j[k] = v;
         if (!j.contains(key)) throw py::attribute_error("EncoderConfig has no field " + key);
         return from_text(j.at(key).dump());
       });

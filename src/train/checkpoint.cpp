@@ -113,11 +113,11 @@ TrainOptions resume_options(const Checkpoint& ck, const TrainOptions& requested)
     // A key given with the checkpoint's own value (the same --config file again) changes nothing.
     TrainOptions probe = ck.options;
     probe.apply_json(json{{key, v}});
-    const json now = probe.all_keys();
-    if (!saved.contains(key) || now.at(key) != saved.at(key)) {
+    // (a key at its default is absent from both: the whole settings are compared)
+    if (probe.all_keys() != saved) {
       throw ConfigError("--resume continues with the checkpoint's settings; " + key +
                         " cannot be changed from " +
-                        (saved.contains(key) ? saved.at(key).dump() : "its value") + " to " +
+                        (saved.contains(key) ? saved.at(key).dump() : "its default") + " to " +
                         v.dump() + " (only epochs, max_steps and eval_batch can)");
     }
   }

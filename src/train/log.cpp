@@ -52,7 +52,9 @@ void Trace::add_batches(index_t step, const std::vector<Batch>& micro_batches) {
     const std::string p = "step." + std::to_string(step) + "." + std::to_string(m) + ".";
     file_.add<std::int64_t>(p + "tokens", {b.batch, b.seq_len}, b.tokens.data(), b.tokens.size());
     file_.add<std::int64_t>(p + "lengths", {b.batch}, b.lengths.data(), b.lengths.size());
-    file_.add<std::int64_t>(p + "labels", {b.batch}, b.labels.data(), b.labels.size());
+    // a decoder's batch has no labels: its targets are its next tokens
+    if (!b.labels.empty())
+      file_.add<std::int64_t>(p + "labels", {b.batch}, b.labels.data(), b.labels.size());
   }
 }
 

@@ -45,8 +45,9 @@ void score_next_tokens(const Activations<Real>& acts, const Batch& batch, index_
       ++predictions;
       if (nll) {
         double sum = 0;
-        for (index_t c = 0; c < V; ++c) sum += std::exp(static_cast<double>(z[c] - z[best]));
-        *nll += std::log(sum) - static_cast<double>(z[y] - z[best]);
+        const double top = static_cast<double>(z[best]);
+        for (index_t c = 0; c < V; ++c) sum += std::exp(static_cast<double>(z[c]) - top);
+        *nll += std::log(sum) - (static_cast<double>(z[y]) - top);
       }
     }
   }
@@ -244,6 +245,9 @@ Tensor<Real> class_probabilities(const Params<Real>& weights, const Batch& batch
 
 template <class Real>
 Tensor<Real> Trainer<Real>::predict(const Batch& batch) const {
+  if (options_.model.decoder()) {
+    throw ConfigError("predict classifies words: this trainer's model is a language model");
+  }
   return class_probabilities(evaluated(), batch);
 }
 

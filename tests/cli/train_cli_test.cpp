@@ -118,10 +118,19 @@ TEST(TrainCli, TrainsADecoderAndReportsPerplexityAgainstTheTrigramModel) {
   const fs::path lists = fake_lists("teo_train_cli_lm");
   const fs::path out = fs::path(::testing::TempDir()) / "teo_train_cli_lm_out";
   fs::remove_all(out);
+  const fs::path trace = fs::path(::testing::TempDir()) / "teo_train_cli_lm_trace.safetensors";
   CliResult r = run_cli("train --architecture decoder --out " + out.string() + tiny_model(lists) +
                         " --norm rmsnorm --ffn swiglu --activation silu --positional rope"
-                        " --tie-embeddings true --epochs 2 --batch-size 16 --no-plot");
+                        " --tie-embeddings true --epochs 2 --batch-size 16 --no-plot --trace " +
+                        trace.string());
   ASSERT_EQ(r.code, 0) << r.out;
+  bool labels = false, tokens = false;
+  for (const auto& t : teo::safetensors::read(trace.string()).tensors) {
+    labels |= t.name.ends_with(".labels");
+    tokens |= t.name.ends_with(".tokens");
+  }
+  EXPECT_TRUE(tokens);
+  EXPECT_FALSE(labels) << "a language model's batches have no labels";
   for (const char* part : {"\"architecture\":\"decoder\"", "\"causal\":true", "perplexity",
                            "test perplexity", "character-trigram model", "next-token accuracy"}) {
     EXPECT_NE(r.out.find(part), std::string::npos) << part << "\n" << r.out;
@@ -141,6 +150,16 @@ TEST(TrainCli, TrainsADecoderAndReportsPerplexityAgainstTheTrigramModel) {
               tiny_model(lists) + " --no-plot");
   EXPECT_EQ(r.code, 2);
   EXPECT_NE(r.out.find("causal"), std::string::npos) << r.out;
+  // resuming with keys at the checkpoint's values (defaults included) changes nothing
+  r = run_cli("train --resume " + (out / "checkpoint.safetensors").string() + " --out " +
+              out.string() +
+              " --epochs 3 --no-plot --architecture decoder --ffn-bias true"
+              " --tie-embeddings true --norm rmsnorm");
+  EXPECT_EQ(r.code, 0) << r.out;
+  r = run_cli("train --resume " + (out / "checkpoint.safetensors").string() + " --out " +
+              out.string() + " --epochs 4 --no-plot --ffn-bias false");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("ffn_bias cannot be changed from its default"), std::string::npos) << r.out;
 }
 
 std::string param_bytes(const fs::path& checkpoint) {

@@ -145,6 +145,11 @@ def load_trace(path):
         raise BadInput("unknown config keys: %s" % ", ".join(unknown))
     cfg = dict(tb.CONFIG_DEFAULTS)
     cfg.update(cfg_in)
+    block = [k for k in ("architecture", "norm", "ffn", "ffn_bias", "attn_bias", "head_bias",
+                         "tie_embeddings") if cfg[k] != tb.CONFIG_DEFAULTS[k]]
+    if block:
+        raise BadInput("config sets %s: this replay knows the encoder classifier's plain "
+                       "layer only" % ", ".join(block))
     if cfg["activation"] not in ("relu", "gelu", "gelu_tanh") \
             or cfg["positional"] not in ("sinusoidal", "learned") \
             or cfg["pooling"] not in ("mean", "cls", "max"):

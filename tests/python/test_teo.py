@@ -124,6 +124,17 @@ def test_run_replays_given_masks():
         teo.run(g.config, params, batch, train=False, masks=masks)
 
 
+def test_config_fields_include_the_defaults_of_the_block_keys():
+    cfg = teo.EncoderConfig()
+    assert (cfg.norm, cfg.ffn, cfg.head_bias, cfg.architecture) == ("layernorm", "mlp", True,
+                                                                   "encoder")
+    assert "norm" not in cfg.to_dict()  # written only when set
+    dec = teo.EncoderConfig(architecture="decoder")
+    assert dec.causal is True
+    with pytest.raises(AttributeError):
+        dec.num_classes  # a decoder has no classifier
+
+
 def test_a_decoder_reads_no_labels_and_refuses_them():
     cfg = teo.EncoderConfig(architecture="decoder", vocab_size=16, d_model=8, num_heads=2,
                             num_layers=1, tie_embeddings=True, head_bias=False)

@@ -1,4 +1,5 @@
-// The activation op (docs/golden-format.md, "Op cases"): relu, gelu, tanh-gelu or silu, element-wise.
+// The activation op (docs/golden-format.md, "Op cases"): relu, gelu, tanh-gelu or silu,
+// element-wise.
 #include <cmath>
 
 #include "golden/ops/op.hpp"

@@ -60,16 +60,17 @@ void run(RunContext<Real>& c) {
   // forward: pre = fc1(x) (the up projection), gate = gate(x); hidden = act(pre) or act(gate) *
   // pre; y = fc2(hidden)
   Tensor<Real> pre({N, F}), gate = gated ? Tensor<Real>({N, F}) : Tensor<Real>();
-  linear_forward(pre.data(), x.data(), w1.data(), b1.data(), N, D, F);
+  linear_forward(pre.data(), x.data(), w1.data(), bias ? b1.data() : nullptr, N, D, F);
   Tensor<Real>& hidden = r["output.hidden"];
   if (gated) {
-    linear_forward(gate.data(), x.data(), wg.data(), bg.data(), N, D, F);
+    linear_forward(gate.data(), x.data(), wg.data(), bias ? bg.data() : nullptr, N, D, F);
     gated_forward(hidden.data(), gate.data(), pre.data(), N * F, act);
   } else {
     activation_forward(hidden.data(), pre.data(), N * F, act);
   }
   c.done("output.hidden");
-  linear_forward(r["output.y"].data(), hidden.data(), w2.data(), b2.data(), N, F, D);
+  linear_forward(r["output.y"].data(), hidden.data(), w2.data(), bias ? b2.data() : nullptr, N, F,
+                 D);
   c.done("output.y");
   // backward
   Tensor<Real> dhidden({N, F}), dpre({N, F}), dgate = gated ? Tensor<Real>({N, F}) : Tensor<Real>();

@@ -9,10 +9,13 @@
 
 namespace teo {
 
-// steps >= 0; with an empty prompt (length 0) step 0 feeds start_token.
+// steps >= 0; with an empty prompt (length 0) step 0 feeds start_token. With `feed` (steps rows of
+// B tokens), step t feeds feed[t] instead of the greedy choices (teacher forcing: the tokens an
+// engine under test chose), and start_token is not used.
 struct GenerateOptions {
   index_t steps = 0;
   std::int64_t start_token = 0;
+  const std::vector<std::vector<std::int64_t>>* feed = nullptr;
 };
 
 template <class Real>

@@ -170,6 +170,27 @@ Generation<Real> generate(const Params<Real>& params, const Batch& prompt,
   }
   if (opts.steps < 0) throw ConfigError("generate: steps must be >= 0");
   validate_batch(cfg, prompt, sizeof(Real));
+  if (opts.feed) {
+    if (static_cast<index_t>(opts.feed->size()) != opts.steps) {
+      throw ShapeError("generate: feed has " + std::to_string(opts.feed->size()) +
+                       " steps, expected steps = " + std::to_string(opts.steps));
+    }
+    for (std::size_t t = 0; t < opts.feed->size(); ++t) {
+      const auto& row = (*opts.feed)[t];
+      if (static_cast<index_t>(row.size()) != prompt.batch) {
+        throw ShapeError("generate: feed[" + std::to_string(t) + "] has " +
+                         std::to_string(row.size()) +
+                         " tokens, expected batch = " + std::to_string(prompt.batch));
+      }
+      for (std::size_t b = 0; b < row.size(); ++b) {
+        if (row[b] < 0 || row[b] >= cfg.vocab_size) {
+          throw InputError("generate: feed[" + std::to_string(t) + "][" + std::to_string(b) +
+                           "] = " + std::to_string(row[b]) +
+                           " is outside [0, vocab_size = " + std::to_string(cfg.vocab_size) + ")");
+        }
+      }
+    }
+  }
   if (opts.start_token < 0 || opts.start_token >= cfg.vocab_size) {
     throw InputError("generate: start_token " + std::to_string(opts.start_token) +
                      " is outside [0, vocab_size = " + std::to_string(cfg.vocab_size) + ")");
@@ -242,6 +263,7 @@ Generation<Real> generate(const Params<Real>& params, const Batch& prompt,
       cfg.embed_scale ? static_cast<Real>(std::sqrt(static_cast<double>(d.D))) : Real(1);
   const Tensor<Real>& lm_w = cfg.tie_embeddings ? params.embedding_weight : params.lm_head_weight;
   for (index_t t = 0; t < opts.steps; ++t) {
+    if (opts.feed) next = (*opts.feed)[static_cast<std::size_t>(t)];
     c.kv_len.assign(c.pos.begin(), c.pos.end());
     for (auto& x : c.kv_len) x += 1;
     // h = embedding(token) + positional(position)

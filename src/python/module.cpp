@@ -321,14 +321,31 @@ PYBIND11_MODULE(_teo, m) {
   m.def(
       "generate",
       [](const teo::EncoderConfig& cfg, const py::dict& params, const py::dict& prompt,
-         teo::index_t steps, std::int64_t start_token, const std::optional<std::string>& backend,
-         std::optional<int> threads, const std::string& dtype) {
+         teo::index_t steps, std::int64_t start_token, const std::optional<py::object>& feed,
+         const std::optional<std::string>& backend, std::optional<int> threads,
+         const std::string& dtype) {
         const teo::Batch b = batch_from(cfg, prompt);
+        // feed: (steps, B) integers, the tokens to feed instead of the greedy ones
+        std::vector<std::vector<std::int64_t>> fed;
+        if (feed) {
+          const auto arr = py::array::ensure(*feed);
+          if (!arr || arr.ndim() != 2 || arr.dtype().kind() != 'i') {
+            throw teo::ConfigError("feed must be a (steps, batch) integer array");
+          }
+          const auto c =
+              py::array_t<std::int64_t, py::array::c_style | py::array::forcecast>::ensure(arr);
+          for (py::ssize_t t = 0; t < c.shape(0); ++t)
+            fed.emplace_back(c.data(t, 0), c.data(t, 0) + c.shape(1));
+        }
         const auto gen_in = [&](auto real) {
           using Real = decltype(real);
           const auto p = params_from<Real>(cfg, params);
           const auto g = compute(
-              [&] { return teo::generate(p, b, {.steps = steps, .start_token = start_token}); },
+              [&] {
+                return teo::generate(
+                    p, b,
+                    {.steps = steps, .start_token = start_token, .feed = feed ? &fed : nullptr});
+              },
               backend, threads);
           const auto T = static_cast<py::ssize_t>(g.tokens.size());
           const auto B = static_cast<py::ssize_t>(b.batch), V = cfg.vocab_size;
@@ -352,7 +369,8 @@ PYBIND11_MODULE(_teo, m) {
         throw teo::ConfigError("params must be float32 or float64 arrays");
       },
       py::arg("cfg"), py::arg("params"), py::arg("prompt"), py::arg("steps"),
-      py::arg("start_token"), py::arg("backend"), py::arg("threads"), py::arg("dtype"));
+      py::arg("start_token"), py::arg("feed"), py::arg("backend"), py::arg("threads"),
+      py::arg("dtype"));
 
   m.def(
       "run_op",

@@ -132,6 +132,50 @@ TYPED_TEST(Generate, EachStepsLogitsAreTheFullForwardsAtItsPosition) {
   }
 }
 
+// Teacher forcing: fed its own greedy tokens, generation gives the same bits; fed other tokens,
+// each step's logits are still the full forward's on the sequence grown by them.
+TEST(Generate, FedTokensAreTeacherForced) {
+  const EncoderConfig cfg = configs()[1].second;  // LLaMA style
+  const auto params = Params<double>::init(cfg, 2);
+  const Batch prompt = Batch::random(cfg, 2, 5, 3, {5, 0});
+  const auto greedy = generate(params, prompt, {.steps = 4});
+  const auto same = generate(params, prompt, {.steps = 4, .feed = &greedy.tokens});
+  for (std::size_t t = 0; t < 4; ++t) {
+    EXPECT_EQ(std::memcmp(greedy.logits[t].data(), same.logits[t].data(),
+                          static_cast<std::size_t>(greedy.logits[t].numel()) * sizeof(double)),
+              0);
+  }
+  const std::vector<std::vector<std::int64_t>> feed = {{1, 2}, {3, 4}, {5, 6}, {7, 8}};
+  const auto forced = generate(params, prompt, {.steps = 4, .feed = &feed});
+  EXPECT_EQ(forced.tokens, feed);
+  Batch full;
+  full.batch = 2;
+  full.seq_len = 9;
+  full.tokens.assign(18, 0);
+  full.lengths = {9, 4};
+  for (index_t s = 0; s < 5; ++s) full.tokens[static_cast<std::size_t>(s)] = prompt.tokens[s];
+  for (index_t t = 0; t < 4; ++t) {
+    full.tokens[static_cast<std::size_t>(5 + t)] = feed[static_cast<std::size_t>(t)][0];
+    full.tokens[static_cast<std::size_t>(9 + t)] = feed[static_cast<std::size_t>(t)][1];
+  }
+  Activations<double> acts;
+  forward(params, full, acts, {.train = false});
+  const index_t V = cfg.vocab_size;
+  for (index_t t = 0; t < 4; ++t) {
+    for (index_t b = 0; b < 2; ++b) {
+      const index_t p = b == 0 ? 5 : 0;
+      for (index_t c = 0; c < V; ++c) {
+        EXPECT_NEAR(forced.logits[static_cast<std::size_t>(t)][b * V + c],
+                    acts.lm_logits[(b * 9 + p + t) * V + c], 1e-12);
+      }
+    }
+  }
+  const std::vector<std::vector<std::int64_t>> short_feed = {{1, 2}};
+  EXPECT_THROW(generate(params, prompt, {.steps = 4, .feed = &short_feed}), ShapeError);
+  const std::vector<std::vector<std::int64_t>> bad = {{1, 2}, {3, 99}, {5, 6}, {7, 8}};
+  EXPECT_THROW(generate(params, prompt, {.steps = 4, .feed = &bad}), InputError);
+}
+
 TEST(Generate, BadRequestsAreNamedErrors) {
   EncoderConfig enc;
   const auto ep = Params<double>::init(enc, 1);

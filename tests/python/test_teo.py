@@ -163,6 +163,12 @@ def test_generate_steps_are_the_full_forwards_logits():
         out = teo.run(cfg, params, full, backward=False)
         np.testing.assert_allclose(g["logits"][:, b], out["act.lm_logits"][0, p:p + 3],
                                    rtol=0, atol=1e-12)
+    forced = teo.generate(cfg, params, prompt, 3, feed=np.array([[1, 2], [3, 4], [5, 6]]))
+    assert forced["tokens"].tolist() == [[1, 2], [3, 4], [5, 6]]
+    same = teo.generate(cfg, params, prompt, 3, start_token=1, feed=g["tokens"])
+    assert np.array_equal(same["logits"], g["logits"])
+    with pytest.raises(teo.ShapeError, match="feed"):
+        teo.generate(cfg, params, prompt, 3, feed=np.array([[1, 2]]))
     with pytest.raises(teo.ConfigError, match="decoder"):
         enc = teo.EncoderConfig(d_model=8, num_heads=2, num_layers=1)
         teo.generate(enc, teo.init_params(enc, 1), teo.random_batch(enc, 1, 2, 1), 1)

@@ -91,14 +91,16 @@ def run(cfg, params, batch, *, train=False, dropout_seed=0, masks=None, precisio
     return arrays_of(wire)
 
 
-def generate(cfg, params, prompt, steps, *, start_token=0, backend=None, threads=None):
+def generate(cfg, params, prompt, steps, *, start_token=0, feed=None, backend=None, threads=None):
     """Greedy generation by a decoder with a KV cache (docs/semantics.md section 17.3).
 
     prompt is {"tokens" (B, S), "lengths" (B)}: sequence b's prompt is its first lengths[b]
     tokens (0 allowed). Returns {"tokens" (steps, B) int64, "logits" (steps, B, V)}: the token
     fed to each sequence at step t (the prompt's greedy next token at step 0, start_token after an
     empty prompt) and the logits after it, which are the full causal forward's at that position.
-    params as teo.run takes them; their dtype is the run's.
+    feed (steps, B) integers: feed these tokens instead of the greedy ones (the tokens an engine
+    under test chose), so that its logits can be compared step by step all the same. params as
+    teo.run takes them; their dtype is the run's.
     """
     from . import ConfigError
     cfg = config_of(cfg)
@@ -113,5 +115,7 @@ def generate(cfg, params, prompt, steps, *, start_token=0, backend=None, threads
     if len(dtypes) != 1 or next(iter(dtypes)) not in (np.float32, np.float64):
         raise ConfigError("params must be all float32 or all float64 arrays, got %s"
                           % sorted(str(d) for d in dtypes))
-    return _teo.generate(cfg, params, prompt, int(steps), int(start_token),
+    if feed is not None:
+        feed = as_array(feed)
+    return _teo.generate(cfg, params, prompt, int(steps), int(start_token), feed,
                          backend_of(backend), threads, str(next(iter(dtypes))))

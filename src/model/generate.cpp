@@ -32,10 +32,12 @@ std::int64_t first_argmax(const Real* z, index_t n) {
 }
 
 // One layer's keys (after RoPE) and values for every sequence: (B, Hkv, L, Dh), rows past a
-// sequence's cached length 0.
+// sequence's cached length 0; and its stacked q/k/v projection [Wq; Wk; Wv], [bq; bk; bv], built
+// once for every step.
 template <class Real>
 struct LayerCache {
   Tensor<Real> k, v;
+  Tensor<Real> wqkv, bqkv;
 };
 
 // What one decode step reads: the config, the sizes, each sequence's position and cached keys
@@ -68,18 +70,15 @@ void layer_step(const StepContext<Real>& c, const LayerParams<Real>& P, LayerCac
     attn_in = norm1.data();
   }
   const detail::QkvLayout lay(d);
-  auto wqkv = Tensor<Real>::for_overwrite({lay.width, D});
-  auto bqkv = Tensor<Real>::for_overwrite({lay.width});
-  detail::stack_qkv(wqkv.data(), bqkv.data(), P, lay, D);
   Tensor<Real> qkv({B, lay.width});
-  linear_forward(qkv.data(), attn_in, wqkv.data(), static_cast<const Real*>(nullptr), B, D,
+  linear_forward(qkv.data(), attn_in, cache.wqkv.data(), static_cast<const Real*>(nullptr), B, D,
                  lay.width);
   Tensor<Real> q({B, d.H, 1, d.Dh}), k({B, d.K, 1, d.Dh}), v({B, d.K, 1, d.Dh});
   Tensor<Real>* heads[3] = {&q, &k, &v};
   if (B > 0) {
     for (int i = 0; i < 3; ++i)
       split_heads(heads[i]->data(), qkv.data() + lay.at[i], B, 1, lay.heads[i], d.Dh, lay.width,
-                  P.has_attn_bias ? bqkv.data() + lay.at[i] : nullptr);
+                  P.has_attn_bias ? cache.bqkv.data() + lay.at[i] : nullptr);
   }
   if (c.rope) {
     const index_t half = cfg.rotary() / 2;
@@ -228,6 +227,10 @@ Generation<Real> generate(const Params<Real>& params, const Batch& prompt,
     LayerCache<Real>& lc = caches[l];
     lc.k = Tensor<Real>({B, d.K, L, d.Dh});
     lc.v = Tensor<Real>({B, d.K, L, d.Dh});
+    const detail::QkvLayout lay(d);
+    lc.wqkv = Tensor<Real>::for_overwrite({lay.width, d.D});
+    lc.bqkv = Tensor<Real>({lay.width});
+    detail::stack_qkv(lc.wqkv.data(), lc.bqkv.data(), params.layers[l], lay, d.D);
     const LayerActs<Real>& la = acts.layers[l];
     const Tensor<Real>& k = d.rope ? la.k_rot : la.k;
     for (index_t b = 0; b < B; ++b) {

@@ -99,6 +99,32 @@ void linear_backward(const Vec& gy, const Vec& x, const Vec& w, std::int64_t row
   }
 }
 
+// Label-smoothed cross-entropy over n classes: for logits z and label y, writes softmax(z) to
+// probs and returns -(1 - eps) logp[y] - (eps / n) sum_c logp[c], logp = z - logsumexp(z).
+double smoothed_ce(const double* z, std::int64_t n, std::int64_t y, double eps, double* probs) {
+  double mx = z[0];
+  for (std::int64_t c = 1; c < n; ++c) mx = std::max(mx, z[c]);
+  double total = 0;
+  for (std::int64_t c = 0; c < n; ++c) total += std::exp(z[c] - mx);
+  const double lse = mx + std::log(total);
+  double sum_logp = 0;
+  for (std::int64_t c = 0; c < n; ++c) {
+    sum_logp += z[c] - lse;
+    probs[c] = std::exp(z[c] - lse);
+  }
+  return -(1 - eps) * (z[y] - lse) - eps / static_cast<double>(n) * sum_logp;
+}
+
+// Its gradient with respect to z, times `scale`: g_c = (probs[c] - ((c == y ? 1 - eps : 0) +
+// eps / n)) * scale.
+void smoothed_ce_grad(const double* probs, std::int64_t n, std::int64_t y, double eps, double scale,
+                      double* g) {
+  for (std::int64_t c = 0; c < n; ++c) {
+    const double target = (c == y ? 1 - eps : 0.0) + eps / static_cast<double>(n);
+    g[c] = (probs[c] - target) * scale;
+  }
+}
+
 // A LayerNorm's (or RMSNorm's) output and the per-row statistics its backward needs.
 struct Norm {
   Vec y, mean, rstd;  // y (rows x d); mean, rstd (rows); rstd = 1 / the forward's denominator
@@ -665,19 +691,9 @@ File run(const File& golden, Mutation mut, bool with_backward) {
       for (std::int64_t t = 0; t + 1 < lengths[ix(b)]; ++t)
         targets[ix(b * S + t)] = tokens[ix(b * S + t + shift)];
     for (std::int64_t r = 0; r < N; ++r) {
-      const double* z = lm_logits.data() + r * V;
-      double mx = z[0];
-      for (std::int64_t c = 1; c < V; ++c) mx = std::max(mx, z[c]);
-      double total = 0;
-      for (std::int64_t c = 0; c < V; ++c) total += std::exp(z[c] - mx);
-      const double lse = mx + std::log(total);
-      double sum_logp = 0;
-      for (std::int64_t c = 0; c < V; ++c) {
-        sum_logp += z[c] - lse;
-        at(lm_probs, r * V + c) = std::exp(z[c] - lse);
-      }
-      if (targets[ix(r)] < 0) continue;
-      loss += -(1 - eps) * (z[targets[ix(r)]] - lse) - eps / static_cast<double>(V) * sum_logp;
+      if (targets[ix(r)] < 0) continue;  // ignored: its probs stay 0, its gradient is 0
+      loss +=
+          smoothed_ce(lm_logits.data() + r * V, V, targets[ix(r)], eps, lm_probs.data() + r * V);
       ++counted;
     }
     if (counted > 0) loss /= static_cast<double>(counted);
@@ -710,21 +726,8 @@ File run(const File& golden, Mutation mut, bool with_backward) {
     head_w = param("head.weight");
     logits = linear(pooled, B, D, head_w, bias("head.bias", C), C);
     class_probs.assign(ix(B * C), 0.0);
-    for (std::int64_t b = 0; b < B; ++b) {
-      const double* z = logits.data() + b * C;
-      double mx = z[0];
-      for (std::int64_t c = 1; c < C; ++c) mx = std::max(mx, z[c]);
-      double total = 0;
-      for (std::int64_t c = 0; c < C; ++c) total += std::exp(z[c] - mx);
-      const double lse = mx + std::log(total);
-      double sum_logp = 0;
-      for (std::int64_t c = 0; c < C; ++c) {
-        sum_logp += z[c] - lse;
-        at(class_probs, b * C + c) = std::exp(z[c] - lse);
-      }
-      const double logp_y = z[labels[ix(b)]] - lse;
-      loss += -(1 - eps) * logp_y - eps / static_cast<double>(C) * sum_logp;
-    }
+    for (std::int64_t b = 0; b < B; ++b)
+      loss += smoothed_ce(logits.data() + b * C, C, labels[ix(b)], eps, class_probs.data() + b * C);
     if (B > 0) loss /= static_cast<double>(B);
     out.act("pooled", {B, D}, pooled);
     out.act("logits", {B, C}, logits);
@@ -774,10 +777,8 @@ File run(const File& golden, Mutation mut, bool with_backward) {
     Vec g_lm(lm_logits.size(), 0.0);
     for (std::int64_t r = 0; r < N; ++r) {
       if (targets[ix(r)] < 0) continue;
-      for (std::int64_t c = 0; c < V; ++c) {
-        const double target = (c == targets[ix(r)] ? 1 - eps : 0.0) + eps / static_cast<double>(V);
-        at(g_lm, r * V + c) = (at(lm_probs, r * V + c) - target) / static_cast<double>(counted);
-      }
+      smoothed_ce_grad(lm_probs.data() + r * V, V, targets[ix(r)], eps,
+                       1.0 / static_cast<double>(counted), g_lm.data() + r * V);
     }
     keep("lm_logits", {B, S, V}, g_lm);
     // lm_logits = top W^T + b, W = embedding.weight when tied: its gradient adds to the
@@ -793,10 +794,8 @@ File run(const File& golden, Mutation mut, bool with_backward) {
     // eps/C)
     Vec g_logits(ix(B * C), 0.0);
     for (std::int64_t b = 0; b < B; ++b) {
-      for (std::int64_t c = 0; c < C; ++c) {
-        const double target = (c == labels[ix(b)] ? 1 - eps : 0.0) + eps / static_cast<double>(C);
-        at(g_logits, b * C + c) = (at(class_probs, b * C + c) - target) / static_cast<double>(B);
-      }
+      smoothed_ce_grad(class_probs.data() + b * C, C, labels[ix(b)], eps,
+                       1.0 / static_cast<double>(B), g_logits.data() + b * C);
     }
     keep("logits", {B, C}, g_logits);
 

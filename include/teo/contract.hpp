@@ -32,10 +32,12 @@ const char* to_string(Role r);
 enum class DTypeRule { i64, u8, real, f64 };
 const char* to_string(DTypeRule d);
 
-// The sizes a model case adds to its config.
+// The sizes a model case adds to its config: steps > 0 for a generation case (a decoder's greedy
+// steps after the prompt, docs/golden-format.md "Generation").
 struct Sizes {
   index_t batch = 0;
   index_t seq_len = 0;
+  index_t steps = 0;
 };
 
 // One tensor of the contract.
@@ -43,8 +45,9 @@ struct TensorSpec {
   std::string name;  // as in a golden file: "act.layers.0.k", "grad.head.bias"
   Role role = Role::act;
   DTypeRule dtype = DTypeRule::real;
-  // Symbolic dimensions: B, S, D, H, Hkv, Dh, F, V, C, max_len, and Hkv*Dh for the key and value
-  // projections (Hkv = num_kv_heads, default H). The number of each comes from dim().
+  // Symbolic dimensions: B, S, D, H, Hkv, Dh, F, V, C, max_len, T (generation steps), and Hkv*Dh
+  // for the key and value projections (Hkv = num_kv_heads, default H). The number of each comes
+  // from dim().
   std::vector<std::string> dims;
   std::vector<index_t> shape;    // dims resolved for the case
   std::string symbolic() const;  // "[B, Hkv, S, Dh]", "[]" for a scalar
@@ -93,9 +96,15 @@ std::vector<TensorSpec> gradients(const EncoderConfig& cfg, Sizes s);
 // there it is a real gradient.
 bool noise_only(const std::string& golden_name, const EncoderConfig& cfg);
 
-// Every tensor of a model golden, in file order: the inputs, the parameters, the dropout masks
-// (when cfg.dropout > 0), the activations, the gradients, and for a float32 case the ref64 twin of
-// each activation and gradient. Shapes resolved; dtype rules as stored (real means F32 in a
+// The tensors a generation case adds (none when s.steps is 0): the input input.generate.tokens
+// (T, B), the token each sequence is fed at each step, and per step t the activation
+// act.generate.{t}.logits (B, V), the logits after it.
+std::vector<TensorSpec> generation(const EncoderConfig& cfg, Sizes s);
+
+// Every tensor of a model golden, in file order: the inputs (input.generate.tokens last), the
+// parameters, the dropout masks (when cfg.dropout > 0), the activations, the generation steps'
+// logits, the gradients, and for a float32 case the ref64 twin of each activation, generation
+// logits and gradient. Shapes resolved; dtype rules as stored (real means F32 in a
 // float32 case, F64 in a float64 one).
 std::vector<TensorSpec> model_case(const EncoderConfig& cfg, Sizes s, bool float32);
 

@@ -15,6 +15,7 @@
 #include <nlohmann/json_fwd.hpp>
 
 #include "teo/config.hpp"
+#include "teo/contract.hpp"
 #include "teo/model.hpp"
 #include "teo/precision.hpp"
 #include "teo/safetensors.hpp"
@@ -35,14 +36,20 @@ struct Case {
   // (bf16, fp16) before the run, so that a backend holding them in the format holds them exactly,
   // and generation refuses the case when that precision's budget would be vacuous on it.
   std::optional<Precision> precision;
+  // A generation case (a decoder's, "generate": {"steps": T}): after the forward and backward, T
+  // greedy steps through the KV cache, prompted by each sequence's first lengths[b] tokens
+  // (docs/golden-format.md, "Generation"). 0: none.
+  index_t steps = 0;
 
-  // CASE.json: the config keys plus "case": {batch, seq_len, lengths?, dtype, seed}. Throws
-  // ConfigError naming the bad key, ShapeError for sizes the config cannot take.
+  // CASE.json: the config keys plus "case": {batch, seq_len, lengths?, dtype, seed, precision?,
+  // generate?}. Throws ConfigError naming the bad key, ShapeError for sizes the config cannot
+  // take.
   static Case from_json(const nlohmann::json& j);
   // CASE.json read from `path`: FileError when it cannot be read, and the errors of from_json
   // with the path in front.
   static Case from_file(const std::string& path);
   nlohmann::json case_json() const;  // the "case" object, lengths always spelled out
+  contract::Sizes sizes() const { return {batch, seq_len, steps}; }
 };
 
 // Runs the case (forward in train mode, so dropout applies when the config has it, with

@@ -17,6 +17,7 @@ struct ShapesOptions {
   index_t batch = 2;
   index_t seq_len = 0;  // 0: min(8, max_len)
   std::string dtype = "float64";
+  index_t steps = 0;  // a decoder's generation steps after the prompt
 };
 int run_shapes(const ShapesOptions& opts, std::ostream& out);
 

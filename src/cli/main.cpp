@@ -108,6 +108,10 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 1 << 20));
   shapes->add_option("--dtype", shapes_opts.dtype, "float32 or float64")
       ->check(CLI::IsMember({"float32", "float64"}));
+  shapes
+      ->add_option("--steps", shapes_opts.steps,
+                   "a decoder's greedy steps after the prompt (generation tensors)")
+      ->check(CLI::Range(0, 1 << 20));
 
   teo::cli::BenchOptions bench_opts;
   CLI::App* bench = app.add_subcommand(

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "teo/contract.hpp"
+#include "teo/generate.hpp"
 #include "teo/model.hpp"
 
 namespace teo::cli {
@@ -34,7 +35,7 @@ int run(const EncoderConfig& cfg, const ShapesOptions& o, std::ostream& out) {
       << " V=" << cfg.vocab_size << "  dtype=" << o.dtype << "  parameters=" << params.count()
       << "\n\n";
   // Every row is the contract's; the shapes the run produced must be the ones it names.
-  const contract::Sizes sizes{o.batch, o.seq_len};
+  const contract::Sizes sizes{o.batch, o.seq_len, o.steps};
   std::map<std::string, Shape> computed;
   acts.visit(
       [&](const std::string& n, const Tensor<Real>& t) { computed["act." + n] = t.shape(); });
@@ -51,7 +52,7 @@ int run(const EncoderConfig& cfg, const ShapesOptions& o, std::ostream& out) {
   };
   out << "forward\n";
   for (const auto& t : contract::model_case(cfg, sizes, false)) {
-    if (t.role == contract::Role::input) row(t.name, t);
+    if (t.role == contract::Role::input && t.name != "input.generate.tokens") row(t.name, t);
   }
   const auto activations = contract::activations(cfg, sizes, /*in_golden=*/false);
   for (const auto& t : activations) row("act." + t.name, t);
@@ -64,6 +65,16 @@ int run(const EncoderConfig& cfg, const ShapesOptions& o, std::ostream& out) {
     out << "\ndropout masks (train mode)\n";
     for (const auto& t : contract::masks(cfg, sizes)) row(t.name, t);
   }
+  if (o.steps > 0) {
+    // greedy steps through the KV cache, prompted by each sequence's real tokens
+    const auto gen = generate(params, batch, {.steps = o.steps});
+    computed["input.generate.tokens"] = Shape{o.steps, o.batch};
+    for (index_t t = 0; t < o.steps; ++t)
+      computed["act.generate." + std::to_string(t) + ".logits"] =
+          gen.logits[static_cast<std::size_t>(t)].shape();
+    out << "\ngeneration (" << o.steps << " steps)\n";
+    for (const auto& t : contract::generation(cfg, {o.batch, o.seq_len, o.steps})) row(t.name, t);
+  }
   return 0;
 }
 
@@ -75,6 +86,13 @@ int run_shapes(const ShapesOptions& o, std::ostream& out) {
   cfg.validate();
   ShapesOptions opts = o;
   if (opts.seq_len == 0) opts.seq_len = std::min<index_t>(8, cfg.max_len);
+  if (opts.steps > 0 && !cfg.decoder())
+    throw ConfigError("--steps needs a decoder (architecture \"decoder\")");
+  if (opts.steps > cfg.max_len - opts.seq_len) {
+    throw ShapeError("--steps " + std::to_string(opts.steps) + " after a prompt of " +
+                     std::to_string(opts.seq_len) + " tokens runs past max_len " +
+                     std::to_string(cfg.max_len));
+  }
   if (opts.dtype == "float32") return run<float>(cfg, opts, out);
   return run<double>(cfg, opts, out);
 }

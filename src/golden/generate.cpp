@@ -16,6 +16,7 @@
 #include "golden_internal.hpp"
 #include "teo/contract.hpp"
 #include "teo/files.hpp"
+#include "teo/generate.hpp"
 #include "teo/golden_ops.hpp"
 #include "teo/model.hpp"
 
@@ -152,11 +153,32 @@ std::vector<Out> run_outs(const EncoderConfig& cfg, const Batch& batch, const Ru
   return out;
 }
 
+// A generation case's steps (eval mode, through the KV cache) and their tensors: the fed tokens
+// (T, B) and each step's logits under `prefix`. With `feed` the steps take those tokens (the
+// float64 reference of a float32 case takes the float32 run's); the generation is returned so its
+// tensors outlive the outs.
+template <class Real>
+std::vector<Out> generation_outs(const Params<Real>& params, const Batch& batch, index_t steps,
+                                 const std::vector<std::vector<std::int64_t>>* feed,
+                                 std::optional<Generation<Real>>& gen,
+                                 std::vector<std::int64_t>& fed, const std::string& prefix) {
+  std::vector<Out> out;
+  if (steps <= 0) return out;
+  gen = generate(params, batch, {.steps = steps, .feed = feed});
+  fed.clear();
+  for (const auto& row : gen->tokens) fed.insert(fed.end(), row.begin(), row.end());
+  if (prefix.empty())
+    out.push_back(out_of("input.generate.tokens", {steps, batch.batch}, fed.data(), fed.size()));
+  for (index_t t = 0; t < steps; ++t)
+    out.push_back(out_of(prefix + "act.generate." + std::to_string(t) + ".logits",
+                         gen->logits[static_cast<std::size_t>(t)]));
+  return out;
+}
+
 // The header of a model case: every tensor of the contract in file order, its dtype rule resolved.
-std::vector<safetensors::Entry> header_entries(const EncoderConfig& cfg, const Batch& batch,
-                                               bool f32) {
+std::vector<safetensors::Entry> header_entries(const Case& c, bool f32) {
   std::vector<safetensors::Entry> entries;
-  for (const auto& t : contract::model_case(cfg, {batch.batch, batch.seq_len}, f32))
+  for (const auto& t : contract::model_case(c.config, c.sizes(), f32))
     entries.push_back({t.name, detail::stored_dtype(t.dtype, f32), t.shape});
   return entries;
 }
@@ -269,9 +291,14 @@ void generate_typed(const Case& c, Sink& sink, const GenerateOptions& opts) {
   });
   const auto computed = run_outs(cfg, batch, *run, /*masks=*/true, /*with_backward=*/true);
   outs.insert(outs.end(), computed.begin(), computed.end());
+  std::optional<Generation<Real>> gen;
+  std::vector<std::int64_t> fed;
+  if (c.steps > 0) stage(std::string(f32 ? "float32" : "float64") + " generation");
+  const auto gen_outs = generation_outs(*params, batch, c.steps, nullptr, gen, fed, "");
+  outs.insert(outs.end(), gen_outs.begin(), gen_outs.end());
 
   // The header: every tensor of the contract, in its order; the run supplies the values.
-  std::vector<safetensors::Entry> entries = header_entries(cfg, batch, f32);
+  std::vector<safetensors::Entry> entries = header_entries(c, f32);
   if (!opts.keep.empty()) {
     std::vector<std::string> names;
     names.reserve(entries.size());
@@ -311,6 +338,10 @@ void generate_typed(const Case& c, Sink& sink, const GenerateOptions& opts) {
     // which both the golden's and a candidate's float32 errors are measured. The float32 run is
     // written and gone before it starts.
     run.reset();
+    // the float64 steps are fed the float32 run's tokens (teacher forcing)
+    std::vector<std::vector<std::int64_t>> feed;
+    if (gen) feed = std::move(gen->tokens);
+    gen.reset();
     std::optional<Params<double>> p64(Params<double>::zeros(cfg));
     std::vector<const Tensor<float>*> src;
     params->visit([&](const std::string&, const Tensor<float>& t) { src.push_back(&t); });
@@ -325,6 +356,10 @@ void generate_typed(const Case& c, Sink& sink, const GenerateOptions& opts) {
     stage("float64 reference forward and backward");
     {
       const auto r64 = run_case(*p64, batch, c.seed);
+      std::optional<Generation<double>> gen64;
+      std::vector<std::int64_t> fed64;
+      if (c.steps > 0) stage("float64 reference generation");
+      const auto gen64_outs = generation_outs(*p64, batch, c.steps, &feed, gen64, fed64, "ref64.");
       p64.reset();
       stage("writing the float64 reference");
       for (const auto& o :
@@ -332,6 +367,7 @@ void generate_typed(const Case& c, Sink& sink, const GenerateOptions& opts) {
         poll();
         sink.put(o);
       }
+      for (const auto& o : gen64_outs) sink.put(o);
     }
     memory::release_cached_memory();
     stage("conditioning check");
@@ -438,6 +474,19 @@ Case Case::from_json(const json& j) {
       }
       c.seed = v.get<std::uint64_t>();
       have_seed = true;
+    } else if (key == "generate") {
+      if (!v.is_object()) throw ConfigError("case.generate must be an object, got " + v.dump());
+      for (const auto& [gk, gv] : v.items()) {
+        if (gk != "steps") {
+          throw ConfigError("case.generate has the unknown key \"" + gk +
+                            "\" (it takes \"steps\"; the prompts are the case's lengths)");
+        }
+        c.steps = case_int(gv, "generate.steps");
+      }
+      if (!v.contains("steps")) throw ConfigError("case.generate needs \"steps\"");
+      if (c.steps < 1) {
+        throw ConfigError("case.generate.steps must be at least 1, got " + std::to_string(c.steps));
+      }
     } else {
       throw ConfigError("case has the unknown key \"" + key + "\"");
     }
@@ -461,6 +510,17 @@ Case Case::from_json(const json& j) {
                        std::to_string(c.seq_len) + "]");
     }
   }
+  if (c.steps > 0) {
+    if (!c.config.decoder())
+      throw ConfigError("case.generate needs a decoder (architecture \"decoder\")");
+    const index_t longest =
+        c.lengths.empty() ? c.seq_len : *std::max_element(c.lengths.begin(), c.lengths.end());
+    if (c.steps > c.config.max_len - longest) {
+      throw ShapeError("case.generate.steps " + std::to_string(c.steps) +
+                       " after a prompt of length " + std::to_string(longest) +
+                       " runs past max_len " + std::to_string(c.config.max_len));
+    }
+  }
   return c;
 }
 
@@ -475,6 +535,7 @@ json Case::case_json() const {
   j["dtype"] = dtype;
   j["seed"] = seed;
   if (precision) j["precision"] = to_string(*precision);
+  if (steps > 0) j["generate"] = {{"steps", steps}};
   return j;
 }
 
@@ -563,6 +624,51 @@ Case case_of(const File& golden) {
   }
 }
 
+namespace {
+
+// A generation case's steps under precision p, without a cache: each sequence grown by the tokens
+// the golden feeds it runs through the causal forward once (eval mode), and step t's logits are
+// its LM logits at position lengths[b] + t, the property generate() meets to rounding.
+void emulate_generation(const File& golden, const Params<float>& params, const Batch& prompt,
+                        index_t steps, Precision p,
+                        std::map<std::string, std::vector<double>>& out) {
+  const auto* g = golden.find("input.generate.tokens");
+  if (!g || g->dtype != DType::I64)
+    throw FormatError("the golden has no I64 input.generate.tokens");
+  const auto fed = g->values<std::int64_t>();  // (T, B)
+  const index_t B = prompt.batch, S = prompt.seq_len;
+  Batch grown;
+  grown.batch = B;
+  for (index_t b = 0; b < B; ++b)
+    grown.seq_len = std::max(grown.seq_len, prompt.lengths[static_cast<std::size_t>(b)] + steps);
+  grown.tokens.assign(static_cast<std::size_t>(B * grown.seq_len), 0);
+  grown.lengths.resize(static_cast<std::size_t>(B));
+  const auto at = [](index_t i) { return static_cast<std::size_t>(i); };
+  for (index_t b = 0; b < B; ++b) {
+    const index_t len = prompt.lengths[at(b)];
+    for (index_t s = 0; s < len; ++s)
+      grown.tokens[at(b * grown.seq_len + s)] = prompt.tokens[at(b * S + s)];
+    for (index_t t = 0; t < steps; ++t)
+      grown.tokens[at(b * grown.seq_len + len + t)] = fed[at(t * B + b)];
+    grown.lengths[at(b)] = len + steps;
+  }
+  Activations<float> acts;
+  forward(params, grown, acts, {.train = false, .precision = p});
+  const index_t V = params.config.vocab_size;
+  for (index_t t = 0; t < steps; ++t) {
+    std::vector<double> logits;
+    logits.reserve(at(B * V));
+    for (index_t b = 0; b < B; ++b) {
+      const float* row =
+          acts.lm_logits.data() + (b * grown.seq_len + prompt.lengths[at(b)] + t) * V;
+      logits.insert(logits.end(), row, row + V);
+    }
+    out["act.generate." + std::to_string(t) + ".logits"] = std::move(logits);
+  }
+}
+
+}  // namespace
+
 std::map<std::string, std::vector<double>> emulate(const File& golden, Precision p) {
   validate(golden);
   if (is_op_file(golden)) return run_op(golden, p);
@@ -593,6 +699,8 @@ std::map<std::string, std::vector<double>> emulate(const File& golden, Precision
     *dst = t->values<std::int64_t>();
   }
   auto run = run_case(params, batch, c.seed, p);
+  std::map<std::string, std::vector<double>> out;
+  if (c.steps > 0) emulate_generation(golden, params, batch, c.steps, p, out);
   params = Params<float>();
   for (const auto& [spec, m] : run_masks(cfg, batch, run.acts)) {
     const std::string& n = spec.name;
@@ -605,7 +713,6 @@ std::map<std::string, std::vector<double>> emulate(const File& golden, Precision
   // Each tensor of the run is freed (and its block given back) as soon as it is copied, so that
   // the run and its copy as doubles are not both held whole: for a large case that is most of a
   // budget check's memory.
-  std::map<std::string, std::vector<double>> out;
   const auto take = [&](const std::string& n, const Tensor<float>* t) {
     out[n] = {t->begin(), t->end()};
     *const_cast<Tensor<float>*>(t) = Tensor<float>();  // run is this function's own

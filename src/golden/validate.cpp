@@ -71,7 +71,7 @@ std::set<std::string> contract_names(const File& golden) {
   if (is_op_file(golden)) return op_contract_names(golden);
   const Case c = case_of(golden);
   std::set<std::string> out;
-  for (const auto& t : contract::model_case(c.config, {c.batch, c.seq_len}, c.dtype == "float32"))
+  for (const auto& t : contract::model_case(c.config, c.sizes(), c.dtype == "float32"))
     out.insert(t.name);
   return out;
 }
@@ -91,10 +91,11 @@ void validate_model(const File& f) {
                       " tensors");
   }
   std::vector<detail::ExpectedTensor> want;
-  for (const auto& t : contract::model_case(c.config, {c.batch, c.seq_len}, f32))
+  for (const auto& t : contract::model_case(c.config, c.sizes(), f32))
     want.push_back({t.name, detail::stored_dtype(t.dtype, f32), t.shape, t.symbolic()});
   detail::expect_tensors(f, want, /*op=*/false);
   detail::expect_in_range(f, "input.tokens", c.config.vocab_size, false, "vocab_size");
+  detail::expect_in_range(f, "input.generate.tokens", c.config.vocab_size, false, "vocab_size");
   if (!c.config.decoder())
     detail::expect_in_range(f, "input.labels", c.config.num_classes, false, "num_classes");
   detail::expect_in_range(f, "input.lengths", c.seq_len, true, "seq_len");

@@ -120,6 +120,16 @@ std::string group_of(const std::string& layer_param) {
   return layer_param;
 }
 
+// "act.generate.{t}.logits" for a step number t (digits, no leading zero).
+bool is_generation_logits(const std::string& n) {
+  constexpr std::string_view head = "act.generate.", tail = ".logits";
+  if (!n.starts_with(head) || !n.ends_with(tail) || n.size() <= head.size() + tail.size())
+    return false;
+  const std::string t = n.substr(head.size(), n.size() - head.size() - tail.size());
+  return std::all_of(t.begin(), t.end(), [](char c) { return c >= '0' && c <= '9'; }) &&
+         (t == "0" || t[0] != '0');
+}
+
 Dims lookup(const std::map<std::string, Dims>& table, const std::string& key,
             const std::string& what, const std::string& name) {
   const auto it = table.find(key);
@@ -200,6 +210,7 @@ index_t dim(const std::string& sym, const EncoderConfig& cfg, Sizes s) {
   if (sym == "V") return cfg.vocab_size;
   if (sym == "C") return cfg.num_classes;
   if (sym == "max_len") return cfg.max_len;
+  if (sym == "T") return s.steps;
   throw std::invalid_argument("unknown symbolic dimension \"" + sym + "\"");
 }
 
@@ -233,6 +244,8 @@ Dims dims_of(const std::string& golden_name) {
   if (n.starts_with("ref64.")) n = n.substr(6);
   if (n == "input.tokens") return {"B", "S"};
   if (n == "input.lengths" || n == "input.labels") return {"B"};
+  if (n == "input.generate.tokens") return {"T", "B"};
+  if (is_generation_logits(n)) return {"B", "V"};
   if (n.starts_with("dropout.")) return mask_dims(n);
   if (n.starts_with("grad.act.")) return act_dims(n.substr(9));
   if (n.starts_with("act.")) return act_dims(n.substr(4));
@@ -347,12 +360,25 @@ bool noise_only(const std::string& golden_name, const EncoderConfig& cfg) {
   return n.starts_with("grad.layers.") && without_layer(n.substr(5)) == "attn.k.bias";
 }
 
+std::vector<TensorSpec> generation(const EncoderConfig& cfg, Sizes s) {
+  std::vector<TensorSpec> out;
+  if (s.steps <= 0) return out;
+  out.push_back(spec("input.generate.tokens", Role::input, DTypeRule::i64, {"T", "B"}, cfg, s));
+  for (index_t t = 0; t < s.steps; ++t)
+    out.push_back(spec("act.generate." + std::to_string(t) + ".logits", Role::act, DTypeRule::real,
+                       {"B", "V"}, cfg, s));
+  return out;
+}
+
 std::vector<TensorSpec> model_case(const EncoderConfig& cfg, Sizes s, bool float32) {
   std::vector<TensorSpec> out;
   for (const char* n : {"input.tokens", "input.lengths", "input.labels"}) {
     if (cfg.decoder() && std::string_view(n) == "input.labels") continue;  // the next tokens
     out.push_back(spec(n, Role::input, DTypeRule::i64, dims_of(n), cfg, s));
   }
+  const auto gen = generation(cfg, s);
+  for (const auto& t : gen)
+    if (t.role == Role::input) out.push_back(t);
   for (auto t : params(cfg)) {
     t.name = "param." + t.name;
     out.push_back(std::move(t));
@@ -365,6 +391,8 @@ std::vector<TensorSpec> model_case(const EncoderConfig& cfg, Sizes s, bool float
     t.name = "act." + t.name;
     computed.push_back(std::move(t));
   }
+  for (const auto& t : gen)
+    if (t.role == Role::act) computed.push_back(t);
   for (auto& t : gradients(cfg, s)) computed.push_back(std::move(t));
   out.insert(out.end(), computed.begin(), computed.end());
   if (float32) {

@@ -222,6 +222,19 @@ TEST(GoldenCli, GenerateRejectsBadCasesWithExitCode2AndWritesNothing) {
               "lengths"},
           Bad{R"({"num_heads": 3, "case": {"batch": 2, "seq_len": 4, "dtype": "float32", "seed": 1}})",
               "num_heads"},
+          // generation: a decoder's, at least one step, within max_len
+          Bad{R"({"case": {"batch": 2, "seq_len": 4, "dtype": "float32", "seed": 1,
+                           "generate": {"steps": 2}}})",
+              "case.generate needs a decoder"},
+          Bad{R"({"architecture": "decoder", "case": {"batch": 2, "seq_len": 4, "dtype":
+                  "float64", "seed": 1, "generate": {"steps": 0}}})",
+              "steps must be at least 1"},
+          Bad{R"({"architecture": "decoder", "max_len": 8, "case": {"batch": 2, "seq_len": 4,
+                  "dtype": "float64", "seed": 1, "generate": {"steps": 5}}})",
+              "runs past max_len"},
+          Bad{R"({"architecture": "decoder", "case": {"batch": 2, "seq_len": 4, "dtype":
+                  "float64", "seed": 1, "generate": {"steps": 2, "prompt": 3}}})",
+              "case.generate has the unknown key \"prompt\""},
       }) {
     std::ofstream(dir / "case.json", std::ios::trunc) << b.json;
     const CliResult r = run_cli("golden generate --config " + (dir / "case.json").string() +

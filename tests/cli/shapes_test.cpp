@@ -54,6 +54,31 @@ TEST(ShapesCli, PrintsTheContractsShapesForGqaRopeAndSinks) {
     EXPECT_NE(r.out.find(line), std::string::npos) << line << r.out;
 }
 
+// --steps: a decoder's generation tensors, their shapes from the contract and the run; an encoder,
+// or steps past max_len, is a named error.
+TEST(ShapesCli, PrintsTheGenerationStepsOfADecoder) {
+  const std::string path = ::testing::TempDir() + "teo_shapes_decoder.json";
+  std::ofstream(path) << R"({"architecture": "decoder", "vocab_size": 11, "max_len": 9,
+                            "positional": "rope", "num_layers": 1})";
+  CliResult r = run_cli("shapes --config " + path + " --batch 3 --seq-len 5 --steps 4");
+  ASSERT_EQ(r.code, 0) << r.out;
+  for (const char* line :
+       {"generation (4 steps)\n", "input.generate.tokens             [T, B]          [4, 3]\n",
+        "act.generate.0.logits             [B, V]          [3, 11]\n",
+        "act.generate.3.logits             [B, V]          [3, 11]\n"})
+    EXPECT_NE(r.out.find(line), std::string::npos) << line << r.out;
+  EXPECT_EQ(r.out.find("act.generate.4."), std::string::npos) << r.out;
+  r = run_cli("shapes --config " + path + " --seq-len 5 --steps 5");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("--steps 5 after a prompt of 5 tokens runs past max_len 9"),
+            std::string::npos)
+      << r.out;
+  EXPECT_EQ(r.out.find("forward"), std::string::npos) << "nothing printed before the error";
+  r = run_cli("shapes --steps 2");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("--steps needs a decoder"), std::string::npos) << r.out;
+}
+
 TEST(ShapesCli, DefaultSequenceLengthFitsASmallMaxLen) {
   const std::string path = ::testing::TempDir() + "teo_shapes_short.json";
   std::ofstream(path) << R"({"max_len": 3})";

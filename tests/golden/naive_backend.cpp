@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <map>
 #include <utility>
@@ -258,7 +259,11 @@ double activation_grad(double x, Activation a, Mutation m) {
 // The attention variants as docs/semantics.md section 14 writes them, with the mutations of them.
 class Variants {
  public:
-  Variants(const EncoderConfig& cfg, std::int64_t S, Mutation mut) : cfg_(cfg), mut_(mut) {
+  // S positions; `shift_from` (per sequence, or empty): the position of index s >= shift_from[b]
+  // is s + 1 (the generation mutant's off-by-one position).
+  Variants(const EncoderConfig& cfg, std::int64_t S, Mutation mut,
+           std::vector<std::int64_t> shift_from = {})
+      : cfg_(cfg), mut_(mut), from_(std::move(shift_from)), seq_(S) {
     const std::int64_t H = cfg.num_heads;
     if (cfg.positional == Positional::alibi) {
       std::int64_t m = 1;
@@ -303,7 +308,7 @@ class Variants {
       }
       mscale = 0.1 * std::log(sc.factor) + 1;
     }
-    for (std::int64_t s = 0; s < S; ++s) {
+    for (std::int64_t s = 0; s < S + (from_.empty() ? 0 : 1); ++s) {
       double pos = static_cast<double>(cfg.position_offset + s);
       if (mut == Mutation::rope_bf16_positions) {
         int e = 0;
@@ -355,18 +360,19 @@ class Variants {
   // x (rows, S, Dh) rotated by RoPE, or by its transpose (the backward).
   Vec rotate(const Vec& x, std::int64_t rows, std::int64_t dh, bool transpose) const {
     Vec o = x;
-    const std::int64_t S =
-        static_cast<std::int64_t>(cos_.size()) / std::max<std::int64_t>(half_, 1);
+    const std::int64_t S = seq_;
     const bool neox =
         (cfg_.rope_style == RopeStyle::neox) != (mut_ == Mutation::rope_other_convention);
+    const auto per_seq = from_.empty() ? rows : rows / static_cast<std::int64_t>(from_.size());
     for (std::int64_t r = 0; r < rows; ++r)
       for (std::int64_t s = 0; s < S; ++s)
         for (std::int64_t t = 0; t < half_; ++t) {
           const std::size_t row = ix((r * S + s) * dh);
           const std::size_t a = row + ix(neox ? t : 2 * t),
                             b = row + ix(neox ? t + half_ : 2 * t + 1);
-          const double c = cos_[ix(s * half_ + t)],
-                       sn = (transpose ? -1 : 1) * sin_[ix(s * half_ + t)];
+          const std::int64_t pos = s + (!from_.empty() && s >= from_[ix(r / per_seq)] ? 1 : 0);
+          const double c = cos_[ix(pos * half_ + t)],
+                       sn = (transpose ? -1 : 1) * sin_[ix(pos * half_ + t)];
           o[a] = x[a] * c - x[b] * sn;
           o[b] = x[b] * c + x[a] * sn;
         }
@@ -376,6 +382,8 @@ class Variants {
  private:
   const EncoderConfig& cfg_;
   Mutation mut_;
+  std::vector<std::int64_t> from_;
+  std::int64_t seq_ = 0;
   std::vector<double> slopes_, cos_, sin_;
   std::int64_t window_ = 0, half_ = 0;
 };
@@ -402,7 +410,12 @@ struct LayerSaved {
   Vec residual2;       // base + drop_r2(ffn_out)
 };
 
-File run(const File& golden, Mutation mut, bool with_backward) {
+File generation_steps(const File& golden, Mutation mut);
+
+// shift_from (per sequence, or empty): positions from shift_from[b] on are one further on (the
+// generation mutant, on the grown sequences only).
+File run(const File& golden, Mutation mut, bool with_backward,
+         const std::vector<std::int64_t>& shift_from = {}) {
   const std::string* cfg_text = golden.meta("config");
   const std::string* case_text = golden.meta("case");
   if (!cfg_text || !case_text) throw FormatError("golden has no config or case metadata");
@@ -456,13 +469,17 @@ File run(const File& golden, Mutation mut, bool with_backward) {
       at(embedding, t * D + c) = emb_w[ix(tokens[ix(t)] * D + c)] * escale;
     }
   }
-  // Positions P0 .. P0 + S - 1; none, rope and alibi add nothing here.
-  Vec positional(ix(S * D), 0.0);
+  // Positions P0 .. P0 + S - 1 (one more for the shifted ones); none, rope and alibi add nothing
+  // here.
+  const std::int64_t PS = S + (shift_from.empty() ? 0 : 1);
+  if (cfg.positional == Positional::learned && P0 + PS > cfg.max_len)
+    throw ShapeError("the shifted positions run past max_len");
+  Vec positional(ix(PS * D), 0.0);
   if (cfg.positional == Positional::learned) {
     const Vec pw = param("pos_embedding.weight");
-    for (std::int64_t i = 0; i < S * D; ++i) at(positional, i) = pw[ix(P0 * D + i)];
+    for (std::int64_t i = 0; i < PS * D; ++i) at(positional, i) = pw[ix(P0 * D + i)];
   } else if (cfg.positional == Positional::sinusoidal) {
-    for (std::int64_t s = 0; s < S; ++s) {
+    for (std::int64_t s = 0; s < PS; ++s) {
       for (std::int64_t c = 0; c < D; ++c) {
         const std::int64_t two_i = c - c % 2 + (mut == Mutation::pe_frequency_off_by_one ? 2 : 0);
         const double angle = static_cast<double>(P0 + s) /
@@ -474,10 +491,13 @@ File run(const File& golden, Mutation mut, bool with_backward) {
   }
   Vec sum(embedding.size());
   for (std::int64_t t = 0; t < N; ++t) {
+    const std::int64_t s = t % S;
+    const std::int64_t pos = s + (!shift_from.empty() && s >= shift_from[ix(t / S)] ? 1 : 0);
     for (std::int64_t c = 0; c < D; ++c) {
-      at(sum, t * D + c) = at(embedding, t * D + c) + at(positional, (t % S) * D + c);
+      at(sum, t * D + c) = at(embedding, t * D + c) + at(positional, pos * D + c);
     }
   }
+  positional.resize(ix(S * D));
   const Mask input_mask = mask(golden, "dropout.input", sum.size());
   const Vec input = apply(sum, input_mask);
   out.act("embedding", {B, S, D}, embedding);
@@ -512,7 +532,7 @@ File run(const File& golden, Mutation mut, bool with_backward) {
   // The attention variants (docs/semantics.md section 14).
   EncoderConfig attn_cfg = cfg;
   if (mut == Mutation::decoder_not_causal) attn_cfg.causal = false;
-  const Variants var(attn_cfg, S, mut);
+  const Variants var(attn_cfg, S, mut, shift_from);
   const bool rope = cfg.positional == Positional::rope;
   std::vector<LayerSaved> saved(ix(L));
   Vec x = input;
@@ -733,6 +753,10 @@ File run(const File& golden, Mutation mut, bool with_backward) {
     out.act("logits", {B, C}, logits);
   }
   out.act("loss", {}, Vec{loss});
+  if (golden.find("input.generate.tokens")) {
+    for (auto& t : generation_steps(golden, mut).tensors)
+      out.file.add(t.name, t.dtype, t.shape, t.data().data(), t.data().size());
+  }
   if (!with_backward) return out.file;
 
   // ---- backward ---------------------------------------------------------------------------
@@ -1018,6 +1042,56 @@ File run(const File& golden, Mutation mut, bool with_backward) {
   return out.file;
 }
 
+// A generation case's steps without a cache: each sequence grown by the tokens it is fed (its
+// prompt, then input.generate.tokens) runs through the whole causal forward once, and step t's
+// logits are its LM logits at position lengths[b] + t (docs/semantics.md, section 17.3).
+File generation_steps(const File& golden, Mutation mut) {
+  auto cj = nlohmann::json::parse(*golden.meta("case"));
+  const std::int64_t B = cj.at("batch"), S = cj.at("seq_len"), T = cj.at("generate").at("steps");
+  const EncoderConfig cfg = EncoderConfig::from_json_text(*golden.meta("config"));
+  const auto tokens = ints(golden, "input.tokens"), lengths = ints(golden, "input.lengths");
+  const auto fed = ints(golden, "input.generate.tokens");  // (T, B)
+  std::int64_t S2 = 0;
+  for (auto len : lengths) S2 = std::max(S2, len + T);
+  std::vector<std::int64_t> grown(ix(B * S2), 0), grown_len(ix(B));
+  for (std::int64_t b = 0; b < B; ++b) {
+    const std::int64_t len = lengths[ix(b)];
+    for (std::int64_t s = 0; s < len; ++s) grown[ix(b * S2 + s)] = tokens[ix(b * S + s)];
+    for (std::int64_t t = 0; t < T; ++t) grown[ix(b * S2 + len + t)] = fed[ix(t * B + b)];
+    grown_len[ix(b)] = len + T;
+  }
+  File g;
+  cj["seq_len"] = S2;
+  cj["lengths"] = grown_len;
+  cj.erase("generate");
+  auto config = nlohmann::json::parse(*golden.meta("config"));
+  config["dropout"] = 0.0;  // generation runs in eval mode
+  g.metadata = {{"config", config.dump()}, {"case", cj.dump()}};
+  g.add<std::int64_t>("input.tokens", {B, S2}, grown.data(), grown.size());
+  g.add<std::int64_t>("input.lengths", {B}, grown_len.data(), grown_len.size());
+  for (const auto& t : golden.tensors) {
+    if (t.name.starts_with("param."))
+      g.add(t.name, t.dtype, t.shape, t.data().data(), t.data().size());
+  }
+  const bool shifted = mut == Mutation::generation_position_off_by_one;
+  const File r = run(g, shifted ? Mutation::none : mut, false,
+                     shifted ? lengths : std::vector<std::int64_t>{});
+  const auto* lm = r.find("act.lm_logits");
+  const std::int64_t V = cfg.vocab_size;
+  const auto lm_bytes = lm->data();
+  const std::size_t elem = lm_bytes.size() / ix(B * S2 * V);
+  File out;
+  std::vector<std::uint8_t> step(ix(B * V) * elem);
+  for (std::int64_t t = 0; t < T; ++t) {
+    for (std::int64_t b = 0; b < B; ++b) {
+      const std::size_t from = ix((b * S2 + lengths[ix(b)] + t) * V) * elem;
+      std::memcpy(step.data() + ix(b * V) * elem, lm_bytes.data() + from, ix(V) * elem);
+    }
+    out.add("act.generate." + std::to_string(t) + ".logits", lm->dtype, {B, V}, step.data(),
+            step.size());
+  }
+  return out;
+}
 }  // namespace
 
 const char* mutation_name(Mutation m) {
@@ -1068,6 +1142,8 @@ const char* mutation_name(Mutation m) {
       return "decoder_not_causal";
     case Mutation::labels_not_shifted:
       return "labels_not_shifted";
+    case Mutation::generation_position_off_by_one:
+      return "generation_position_off_by_one";
     case Mutation::tied_head_grad_dropped:
       return "tied_head_grad_dropped";
     case Mutation::sink_column_kept:

@@ -36,6 +36,9 @@ enum class Mutation {
   sink_column_kept,            // the extended row sliced one column late: the sink's share kept
   decoder_not_causal,          // a decoder's self-attention without its causal mask
   labels_not_shifted,          // a decoder's position t predicts token t, not t + 1
+  // a generation step's token at position lengths[b] + t + 1 (learned, sinusoidal or RoPE
+  // positions; the prompt's are right)
+  generation_position_off_by_one,
   // backward (the forward is untouched)
   layer_norm_backward_no_mean,  // gx = (dn - n * mean(dn * n)) * rstd: no "- mean(dn)" term
   softmax_backward_no_row_sum,  // gscores = probs * gprobs: no "- sum_j probs * gprobs" term

@@ -883,6 +883,37 @@ def run_case(cfg, case, tensors, variant=AS_GOLDEN):
     return acts, act_grads, param_grads, (P, lengths, visible)
 
 
+def generation_logits(cfg, case, tensors, variant=AS_GOLDEN):
+    """A generation case's steps without a cache: each sequence grown by
+    the tokens it is fed (its prompt, then input.generate.tokens (T, B))
+    runs through the whole causal forward in eval mode, and step t's
+    logits are its LM logits at position lengths[b] + t."""
+    if "input.generate.tokens" not in tensors:
+        return {}
+    tokens = tensors["input.tokens"].astype(np.int64)
+    lengths = tensors["input.lengths"].astype(np.int64)
+    fed = tensors["input.generate.tokens"].astype(np.int64)
+    T, B = fed.shape
+    S2 = int(max(int(n) + T for n in lengths))
+    grown = np.zeros((B, S2), dtype=np.int64)
+    for b in range(B):
+        n = int(lengths[b])
+        grown[b, :n] = tokens[b, :n]
+        grown[b, n:n + T] = fed[:, b]
+    eval_tensors = {k: v for k, v in tensors.items()
+                    if k.startswith("param.")}
+    eval_tensors["input.tokens"] = grown
+    eval_tensors["input.lengths"] = lengths + T
+    eval_case = dict(case, seq_len=S2)
+    eval_case.pop("generate", None)
+    acts = run_case(dict(cfg, dropout=0.0), eval_case, eval_tensors,
+                    variant)[0]
+    lm = acts["lm_logits"].detach()
+    rows = torch.arange(B)
+    return {"generate.%d.logits" % t: lm[rows, torch.from_numpy(lengths + t)]
+            for t in range(T)}
+
+
 def required_act_names(cfg):
     names = ["embedding", "positional", "input"]
     for i in range(cfg["num_layers"]):
@@ -1047,6 +1078,7 @@ def process(path, out_dir, check, variant=AS_GOLDEN):
             raise
         raise Unsupported("torch %s has no CPU float16 kernel: %s"
                           % (torch.__version__, e))
+    acts.update(generation_logits(cfg, case, tensors, variant))
     dtype = acts["input"].dtype
     if check and dtype in (torch.float32, torch.float64) \
             and not variant.tf32 and variant.mutant is None:

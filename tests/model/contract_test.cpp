@@ -220,7 +220,7 @@ TEST(Contract, EveryCommittedCaseHoldsExactlyItsContract) {
       }
       ++model;
       const auto c = teo::golden::case_of(f);
-      const auto want = contract::model_case(c.config, {c.batch, c.seq_len}, c.dtype == "float32");
+      const auto want = contract::model_case(c.config, c.sizes(), c.dtype == "float32");
       ASSERT_EQ(f.tensors.size(), want.size());
       // in the contract's order (a file orders its tensors by offset: empty ones tie)
       std::vector<std::string> got_order, want_order;

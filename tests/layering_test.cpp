@@ -37,7 +37,7 @@ int layer_of_public(const std::string& rel) {
       {"profile.hpp", core},      {"rng.hpp", core},       {"backend.hpp", core},
       {"kernels.hpp", core},      {"model.hpp", model},    {"contract.hpp", model},
       {"bench.hpp", model},       {"generate.hpp", model}, {"golden.hpp", golden},
-      {"golden_ops.hpp", golden}, {"train.hpp", train}};
+      {"golden_ops.hpp", golden}, {"train.hpp", train},    {"decoder_layer.hpp", model}};
   if (rel.starts_with("layers/")) return layers;
   if (rel.starts_with("train/")) return train;
   const auto it = headers.find(rel);

@@ -33,10 +33,10 @@ const std::vector<const OpDef*>& registry() {
   // The ops, in the order the docs list them. A new op is one file in this folder and one line
   // here.
   static const std::vector<const OpDef*> ops = {
-      &linear_op(),          &layer_norm_op(), &rms_norm_op(),     &softmax_op(),
-      &activation_op(),      &ffn_op(),        &attention_op(),    &attention_kvcache_op(),
-      &attention_merge_op(), &embedding_op(),  &pooling_op(),      &cross_entropy_op(),
-      &lm_head_op(),         &dropout_op(),    &encoder_layer_op()};
+      &linear_op(),          &layer_norm_op(), &rms_norm_op(),      &softmax_op(),
+      &activation_op(),      &ffn_op(),        &attention_op(),     &attention_kvcache_op(),
+      &attention_merge_op(), &embedding_op(),  &pooling_op(),       &cross_entropy_op(),
+      &lm_head_op(),         &dropout_op(),    &encoder_layer_op(), &decoder_layer_op()};
   return ops;
 }
 
@@ -364,7 +364,7 @@ void check_range(const std::vector<std::int64_t>& v, std::int64_t hi, const std:
 
 const std::vector<std::int64_t>* spec_ints(const Spec& s, const std::string& name) {
   if (name == "input.lengths" || name == "input.q_lengths") return &s.lengths;
-  if (name == "input.kv_lengths") return &s.kv_lengths;
+  if (name == "input.kv_lengths" || name == "input.memory_lengths") return &s.kv_lengths;
   if (name == "input.cache_lengths") return &s.kv.cache_lengths;
   if (name == "input.block_table") return &s.kv.block_table;
   return nullptr;

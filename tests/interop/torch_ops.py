@@ -104,6 +104,10 @@ MUTANTS = {
                         "paged caches only: query head h reads K/V head h % Hkv"),
     "merge_without_rescale": ("merge_three_parts_f32", "output.context",
                               "context = sum_p c_p, without exp(lse_p - lse)"),
+    "cross_attn_keys_from_decoder": ("decoder_layer_post_f64", "output.y",
+                                     "cross-attention keys and values from the decoder stream"),
+    "memory_padding_ignored": ("decoder_layer_post_f64", "output.y",
+                               "cross-attention without the source padding mask"),
 }
 
 # float64 cases not also run in float32, and why.
@@ -537,6 +541,112 @@ def op_encoder_layer(spec, T, mode):
     y = tb.encoder_layer(x, 0, cfg, P, visible, drop, {}, mode.variant,
                          tb.rope_tables(cfg, S, x.dtype))
     return {"output.y": y}
+
+
+def _block_attention(x_q, x_kv, P, prefix, H, K, visible, mode):
+    """Multi-head attention with K K/V heads (query head h reads h // (H // K)), queries from
+    x_q (B, T, D), keys and values from x_kv (B, S, D), visible (B, T, S)."""
+    B, T, D = x_q.shape
+    S, Dh = x_kv.shape[1], D // H
+    q = mode.linear(x_q, P[prefix + ".q.weight"], P.get(prefix + ".q.bias"))
+    k = mode.linear(x_kv, P[prefix + ".k.weight"], P.get(prefix + ".k.bias"))
+    v = mode.linear(x_kv, P[prefix + ".v.weight"], P.get(prefix + ".v.bias"))
+    q = q.view(B, T, H, Dh).transpose(1, 2)
+    k = k.view(B, S, K, Dh).transpose(1, 2).repeat_interleave(H // K, dim=1)
+    v = v.view(B, S, K, Dh).transpose(1, 2).repeat_interleave(H // K, dim=1)
+    scale = torch.tensor(1.0 / math.sqrt(Dh), dtype=torch.float64).to(q.dtype)
+    scores = mode.store(mode.matmul(q, k.transpose(-1, -2)) * scale)
+    probs = masked_softmax(scores, visible[:, None], mode)
+    context = mode.matmul(probs, v).transpose(1, 2).reshape(B, T, D)
+    return mode.linear(context, P[prefix + ".o.weight"], P.get(prefix + ".o.bias"))
+
+
+def _decoder_layer_by_hand(cfg, x, lengths, memory, mem_lengths, P, mode):
+    """docs/semantics.md section 17.4, written out: each block's residual and norm, post-norm
+    (norm after the residual) or pre-norm (norm before the block)."""
+    H = cfg["num_heads"]
+    K = cfg.get("num_kv_heads") or H
+    T = x.shape[1]
+    i = torch.arange(T)
+    self_vis = (i[None, None, :] < lengths[:, None, None]) & (i[None, :, None] >= i[None, None, :])
+    pre = cfg["norm_first"]
+
+    def block(h, name, sub):
+        if pre:
+            return h + sub(mode.store(tb.norm(h, name, P, cfg)))
+        return mode.store(tb.norm(h + sub(h), name, P, cfg))
+
+    h = block(x, "norm1", lambda a: _block_attention(a, a, P, "self_attn", H, K, self_vis, mode))
+    if memory is not None:
+        S = memory.shape[1]
+        j = torch.arange(S)
+        if mode.mutant == "memory_padding_ignored":
+            cross_vis = torch.ones(x.shape[0], T, S, dtype=torch.bool)
+        else:
+            cross_vis = (j[None, None, :] < mem_lengths[:, None, None]).expand(-1, T, -1)
+        if mode.mutant == "cross_attn_keys_from_decoder":
+            h = block(h, "norm2", lambda a: _block_attention(
+                a, a, P, "cross_attn", H, K, self_vis | ~self_vis, mode))
+        else:
+            h = block(h, "norm2", lambda a: _block_attention(
+                a, memory, P, "cross_attn", H, K, cross_vis, mode))
+    kind = cfg["ffn"]
+    act = tb.activation_fn("silu" if kind == "swiglu" else cfg["activation"])
+
+    def ffn(a):
+        up = mode.linear(a, P["ffn.fc1.weight"], P.get("ffn.fc1.bias"))
+        if kind == "mlp":
+            hidden = act(up)
+        else:
+            hidden = act(mode.linear(a, P["ffn.gate.weight"], P.get("ffn.gate.bias"))) * up
+        return mode.linear(mode.store(hidden), P["ffn.fc2.weight"], P.get("ffn.fc2.bias"))
+    return block(h, "norm3", ffn)
+
+
+def _decoder_layer_nn(cfg, x, lengths, memory, mem_lengths, P):
+    """PyTorch's own nn.TransformerDecoderLayer, its parameters teo's (q, k and v stacked into
+    in_proj), through functional_call so that the gradients reach teo's tensors."""
+    D, T, S = x.shape[2], x.shape[1], memory.shape[1]
+    layer = torch.nn.TransformerDecoderLayer(
+        D, cfg["num_heads"], cfg["d_ff"], dropout=0.0, activation=cfg["activation"],
+        layer_norm_eps=cfg["layer_norm_eps"], batch_first=True, norm_first=cfg["norm_first"],
+        dtype=x.dtype)
+    params = {"linear1.weight": P["ffn.fc1.weight"], "linear1.bias": P["ffn.fc1.bias"],
+              "linear2.weight": P["ffn.fc2.weight"], "linear2.bias": P["ffn.fc2.bias"]}
+    for ours, theirs in (("self_attn", "self_attn"), ("cross_attn", "multihead_attn")):
+        params[theirs + ".in_proj_weight"] = torch.cat(
+            [P[ours + "." + n + ".weight"] for n in "qkv"])
+        params[theirs + ".in_proj_bias"] = torch.cat([P[ours + "." + n + ".bias"] for n in "qkv"])
+        params[theirs + ".out_proj.weight"] = P[ours + ".o.weight"]
+        params[theirs + ".out_proj.bias"] = P[ours + ".o.bias"]
+    for n in ("norm1", "norm2", "norm3"):
+        params[n + ".weight"], params[n + ".bias"] = P[n + ".weight"], P[n + ".bias"]
+    causal = torch.triu(torch.ones(T, T, dtype=torch.bool), diagonal=1)
+    tgt_pad = torch.arange(T)[None, :] >= lengths[:, None]
+    mem_pad = torch.arange(S)[None, :] >= mem_lengths[:, None]
+    return torch.nn.utils.stateless.functional_call(
+        layer, params, (x, memory),
+        {"tgt_mask": causal, "tgt_key_padding_mask": tgt_pad, "memory_key_padding_mask": mem_pad})
+
+
+def op_decoder_layer(spec, T, mode):
+    """One decoder layer. PyTorch's nn.TransformerDecoderLayer computes it where it can (a memory,
+    LayerNorm, an MLP with biases, ReLU or GELU, no grouped heads, every sequence and source of
+    at least one token: an empty one gives NaN there, 0 in teo); the hand-written layer the
+    rest."""
+    cfg = dict(tb.CONFIG_DEFAULTS, positional="none")
+    cfg.update(spec)
+    x, lengths = T["input.x"], T["input.lengths"]
+    memory, mem_lengths = T.get("input.memory"), T.get("input.memory_lengths")
+    P = {n[len("param."):]: t for n, t in T.items() if n.startswith("param.")}
+    nn_layer = (memory is not None and cfg["norm"] == "layernorm" and cfg["ffn"] == "mlp" and
+                cfg["ffn_bias"] and cfg["attn_bias"] and cfg["activation"] in ("relu", "gelu") and
+                cfg.get("num_kv_heads") in (None, cfg["num_heads"]) and
+                bool((lengths > 0).all()) and bool((mem_lengths > 0).all()) and
+                mode.name in ("float32", "float64") and mode.mutant is None)
+    if nn_layer:
+        return {"output.y": _decoder_layer_nn(cfg, x, lengths, memory, mem_lengths, P)}
+    return {"output.y": _decoder_layer_by_hand(cfg, x, lengths, memory, mem_lengths, P, mode)}
 
 
 OPS = {name[3:]: fn for name, fn in globals().items() if name.startswith("op_")}

@@ -68,7 +68,7 @@ FUNCTIONS = dict({"run": teo.run, "init_params": teo.init_params, "generate": te
                     ("linear", "layer_norm", "rms_norm", "softmax", "activation", "ffn", "dropout",
                      "attention",
                      "attention_kvcache", "attention_merge", "embedding", "pooling",
-                     "cross_entropy", "lm_head", "encoder_layer")})
+                     "cross_entropy", "lm_head", "encoder_layer", "decoder_layer")})
 # One parameter as the doc writes it: name, name=default (the default may be left out), *, **name.
 PARAM = r"(?:\*\*?\w+|\*|\w+(?:=[^,()]*)?)"
 SIGNATURE = re.compile(r"`(?:teo\.(?:golden\.|ops\.|testing\.)?)?(\w+)\((%s(?:, %s)*)?\)`"

@@ -248,6 +248,11 @@ def _op_args(g):
         return ((t["input.logits"], t["input.labels"]),
                 {"label_smoothing": s["label_smoothing"], "grad_loss": t["grad.output.loss"]})
     params = {n[len("param."):]: a for n, a in t.items() if n.startswith("param.")}
+    if op == "decoder_layer":
+        opts = {k: s[k] for k in teo.ops.DECODER_LAYER_OPTIONS if k in s}
+        return ((t["input.x"], t["input.lengths"], params),
+                dict(opts, memory=t.get("input.memory"),
+                     memory_lengths=t.get("input.memory_lengths"), grad_y=t["grad.output.y"]))
     masks = {n[len("input.mask."):]: a for n, a in t.items() if n.startswith("input.mask.")}
     opts = {k: s[k] for k in ("num_heads", "d_ff", "activation", "norm_first", "causal",
                               "layer_norm_eps", "dropout", "num_kv_heads", "attn_sinks")

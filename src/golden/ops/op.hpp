@@ -72,6 +72,9 @@ struct Spec {
   index_t parts = 0;
   std::vector<std::int64_t> empty_parts;
   index_t vocab = 0, max_len = 0;
+  // decoder_layer: cross-attention over input.memory (B, kv_seq, D) with input.memory_lengths
+  // (in kv_lengths)
+  bool memory = false;
   EncoderConfig cfg;  // the model-config keys of the op, spelled as the config spells them
 };
 
@@ -291,5 +294,6 @@ const OpDef& cross_entropy_op();
 const OpDef& lm_head_op();
 const OpDef& dropout_op();
 const OpDef& encoder_layer_op();
+const OpDef& decoder_layer_op();
 
 }  // namespace teo::golden::ops

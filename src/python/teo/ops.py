@@ -412,3 +412,43 @@ def encoder_layer(x, lengths, params, *, masks=None, grad_y=None, **options):
     for n, a in params.items():
         inputs["param." + n] = a
     return _call("encoder_layer", spec, inputs, {"output.y": grad_y}, **run_kw)
+
+
+# The decoder_layer spec keys the function fills in from its arguments.
+_DECODER_SET = _LAYER_SET + ("memory_len", "memory_lengths")
+DECODER_LAYER_OPTIONS = tuple(k for k in _teo.op_keys("decoder_layer")
+                              if k not in _DECODER_SET + RUN_KEYS)
+
+
+@_public(*DECODER_LAYER_OPTIONS)
+def decoder_layer(x, lengths, params, *, memory=None, memory_lengths=None, grad_y=None,
+                  **options):
+    """One decoder layer: causal self-attention over x (B, T, D) with its lengths, cross-attention
+    over memory (B, Se, D) with memory_lengths (the source padding mask) when given, and the FFN;
+    params by the op's names ("self_attn.q.weight", "cross_attn.q.weight", "norm1.weight",
+    "ffn.fc1.weight", ...); options (DECODER_LAYER_OPTIONS): num_heads, num_kv_heads, d_ff,
+    activation, norm_first, layer_norm_eps, norm, ffn, ffn_bias, attn_bias."""
+    x = _real(x, "x", "decoder_layer")
+    b, s, d = x.shape
+    lengths = _ints(lengths, "lengths", "decoder_layer")
+    run_kw = {k: options.pop(k) for k in RUN_KEYS if k in options}
+    spec = dict(options, batch=b, seq_len=s, lengths=lengths, d_model=d)
+    inputs = {"input.x": x, "input.lengths": np.asarray(lengths, dtype=np.int64)}
+    from . import ConfigError, ShapeError
+    if memory is None:
+        if memory_lengths is not None:
+            raise ConfigError("teo.ops.decoder_layer: memory_lengths without a memory")
+    else:
+        memory = _real(memory, "memory", "decoder_layer")
+        if memory.ndim != 3:
+            raise ShapeError("teo.ops.decoder_layer: memory must be (batch, memory_len, d_model), "
+                             "got shape %s" % (memory.shape,))
+        se = memory.shape[1]
+        memory_lengths = ([se] * b if memory_lengths is None
+                          else _ints(memory_lengths, "memory_lengths", "decoder_layer"))
+        spec.update(memory_len=se, memory_lengths=memory_lengths)
+        inputs["input.memory"] = memory
+        inputs["input.memory_lengths"] = np.asarray(memory_lengths, dtype=np.int64)
+    for n, a in params.items():
+        inputs["param." + n] = a
+    return _call("decoder_layer", spec, inputs, {"output.y": grad_y}, **run_kw)

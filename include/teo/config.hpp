@@ -20,7 +20,7 @@ enum class RopeStyle { neox, interleaved };
 enum class RopeScalingType { none, linear, ntk, yarn };
 // What the model is: an encoder with a pooled classifier head (the default), or a decoder-only
 // language model (causal self-attention, an LM head over the vocabulary, next-token loss).
-enum class Architecture { encoder, decoder };
+enum class Architecture { encoder, decoder, encoder_decoder };
 // The layers' norm: LayerNorm (mean and variance, weight and bias) or RMSNorm (no mean, no bias).
 enum class Norm { layernorm, rmsnorm };
 // The feed-forward network: fc2(act(fc1(x))), or gated, fc2(act(gate(x)) * fc1(x)) with act silu
@@ -84,14 +84,26 @@ struct EncoderConfig {
   bool ffn_bias = true;   // the FFN's linear maps have biases
   bool attn_bias = true;  // the q, k, v and output projections have biases
   bool head_bias = true;  // the head (the classifier's, or a decoder's LM head) has a bias
-  // decoder only: the LM head is the embedding matrix (its gradient summed into the embedding's)
+  // decoder and encoder_decoder: the LM head is the (decoder's) embedding matrix, its gradient
+  // summed into the embedding's
   bool tie_embeddings = false;
+  // encoder_decoder only (docs/semantics.md, section 17.5): the decoder's layers (unset:
+  // num_layers) and its vocabulary (unset: the encoder's, whose embedding matrix it then shares;
+  // set: its own decoder.embedding).
+  std::optional<index_t> decoder_layers{};
+  std::optional<index_t> decoder_vocab_size{};
 
   index_t d_head() const { return d_model / num_heads; }
   index_t kv_heads() const { return num_kv_heads.value_or(num_heads); }
   index_t rotary() const { return rotary_dim.value_or(d_head()); }
   bool gated() const { return ffn != FfnKind::mlp; }
   bool decoder() const { return architecture == Architecture::decoder; }
+  bool encoder_decoder() const { return architecture == Architecture::encoder_decoder; }
+  // An LM head over a vocabulary (a decoder, or an encoder-decoder's decoder): no pooling.
+  bool lm() const { return decoder() || encoder_decoder(); }
+  index_t dec_layers() const { return decoder_layers.value_or(num_layers); }
+  // The vocabulary of the LM head (Vt): the decoder's own, else vocab_size.
+  index_t target_vocab() const { return decoder_vocab_size.value_or(vocab_size); }
   // The FFN's activation: silu for swiglu, else `activation` (gelu or gelu_tanh for geglu).
   Activation ffn_activation() const {
     return ffn == FfnKind::swiglu ? Activation::silu : activation;
@@ -116,7 +128,8 @@ struct EncoderConfig {
 // bits.
 struct BatchShape {
   index_t batch = 0;
-  index_t seq_len = 0;
+  index_t seq_len = 0;  // an encoder_decoder's source length
+  index_t tgt_len = 0;  // an encoder_decoder's target length (0 for the other architectures)
 };
 void validate_batch_shape(const EncoderConfig& cfg, const BatchShape& shape, std::size_t real_size);
 

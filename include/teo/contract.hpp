@@ -36,8 +36,9 @@ const char* to_string(DTypeRule d);
 // steps after the prompt, docs/golden-format.md "Generation").
 struct Sizes {
   index_t batch = 0;
-  index_t seq_len = 0;
+  index_t seq_len = 0;  // an encoder_decoder's source length
   index_t steps = 0;
+  index_t tgt_len = 0;  // an encoder_decoder's target length
 };
 
 // One tensor of the contract.

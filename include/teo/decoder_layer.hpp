@@ -31,6 +31,8 @@ struct DecoderLayerParams {
 
   // Zeros of cfg's shapes, with the cross-attention block and norm2 when `cross`.
   static DecoderLayerParams zeros(const EncoderConfig& cfg, bool cross);
+  // The same tensors present, each of one element: what visit() lists, without the memory.
+  static DecoderLayerParams markers(const EncoderConfig& cfg, bool cross);
   bool cross() const { return cross_attn.q_weight.numel() > 0; }
 
   // Every parameter present, in the order the layer uses them: "self_attn.q.weight",

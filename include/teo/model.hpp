@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "teo/config.hpp"
+#include "teo/decoder_layer.hpp"
 #include "teo/tensor.hpp"
 
 namespace teo {
@@ -18,14 +19,25 @@ namespace teo {
 struct Batch {
   index_t batch = 0;
   index_t seq_len = 0;
-  std::vector<std::int64_t> tokens;   // (B, S)
+  std::vector<std::int64_t> tokens;   // (B, S); an encoder_decoder's source
   std::vector<std::int64_t> lengths;  // (B)
   std::vector<std::int64_t> labels;   // (B)
+  // An encoder_decoder's target (teacher forcing): tgt_tokens (B, T), tgt_lengths (B); position t
+  // predicts target token t + 1. Empty (T = 0) for the other architectures.
+  index_t tgt_len = 0;
+  std::vector<std::int64_t> tgt_tokens;
+  std::vector<std::int64_t> tgt_lengths;
 
   // A batch whose tokens and labels (none for a decoder) are drawn from `seed` with the
   // counter-based generator; lengths default to seq_len.
   static Batch random(const EncoderConfig& cfg, index_t batch, index_t seq_len, std::uint64_t seed,
                       std::vector<std::int64_t> lengths = {});
+  // An encoder_decoder's: sources of seq_len tokens (ids in [0, vocab_size)) and targets of
+  // tgt_len (ids in [0, target_vocab())), each with its lengths (default: full).
+  static Batch random_seq2seq(const EncoderConfig& cfg, index_t batch, index_t seq_len,
+                              index_t tgt_len, std::uint64_t seed,
+                              std::vector<std::int64_t> lengths = {},
+                              std::vector<std::int64_t> tgt_lengths = {});
 };
 
 // Checks every size against the config (ShapeError) and every id and label (InputError), before
@@ -114,7 +126,12 @@ struct Params {
   std::vector<LayerParams<Real>> layers;
   Tensor<Real> final_norm_weight, final_norm_bias;  // (D); pre-norm only, the bias layernorm only
   Tensor<Real> head_weight, head_bias;              // (C, D), (C); the bias head_bias only
-  Tensor<Real> lm_head_weight, lm_head_bias;        // decoder: (V, D) unless tied, (V) head_bias
+  Tensor<Real> lm_head_weight, lm_head_bias;        // LM head: (Vt, D) unless tied, (Vt) head_bias
+  // An encoder_decoder's decoder (semantics 17.5): its own embedding (with decoder_vocab_size),
+  // learned positions, layers (each with cross-attention) and final norm (pre-norm).
+  Tensor<Real> decoder_embedding_weight, decoder_pos_embedding_weight;
+  std::vector<DecoderLayerParams<Real>> decoder_layers;
+  Tensor<Real> decoder_final_norm_weight, decoder_final_norm_bias;
 
   // Every parameter present for this config, all zero. Validates the config first.
   static Params zeros(const EncoderConfig& cfg);
@@ -150,7 +167,23 @@ struct Params {
       f("final_norm.weight", self.final_norm_weight);
       if (self.config.norm == Norm::layernorm) f("final_norm.bias", self.final_norm_bias);
     }
-    if (self.config.decoder()) {
+    if (self.config.encoder_decoder()) {
+      if (self.config.decoder_vocab_size)
+        f("decoder.embedding.weight", self.decoder_embedding_weight);
+      if (self.config.positional == Positional::learned)
+        f("decoder.pos_embedding.weight", self.decoder_pos_embedding_weight);
+      for (std::size_t i = 0; i < self.decoder_layers.size(); ++i) {
+        const std::string p = "decoder.layers." + std::to_string(i) + ".";
+        self.decoder_layers[i].visit(self.config.norm_first,
+                                     [&](const std::string& n, auto& t) { f(p + n, t); });
+      }
+      if (self.config.norm_first) {
+        f("decoder.final_norm.weight", self.decoder_final_norm_weight);
+        if (self.config.norm == Norm::layernorm)
+          f("decoder.final_norm.bias", self.decoder_final_norm_bias);
+      }
+    }
+    if (self.config.lm()) {
       if (!self.config.tie_embeddings) f("lm_head.weight", self.lm_head_weight);
       if (self.config.head_bias) f("lm_head.bias", self.lm_head_bias);
       return;
@@ -196,7 +229,8 @@ struct Activations {
   bool norm_first = false;
   bool rotary = false;                   // positional "rope": q_rot and k_rot are kept
   bool gated = false;                    // a gated FFN: ffn_gate is kept
-  bool decoder = false;                  // a decoder: lm_logits, not pooled and logits
+  bool decoder = false;                  // an LM head: lm_logits, not pooled and logits
+  bool encoder_decoder = false;          // the decoder.* activations follow the encoder's
   Tensor<Real> embedding;                // (B, S, D), scaled token embeddings
   Tensor<Real> positional;               // (S, D), the positional table rows used
   Tensor<Real> input;                    // (B, S, D), dropout(embedding + positional)
@@ -207,9 +241,14 @@ struct Activations {
   std::vector<std::int64_t> pool_argmax;                      // (B, D), max pooling only
   Tensor<Real> logits;                                        // (B, C)
   Tensor<Real> class_probs;  // (B, C), softmax(logits), saved for backward
-  Tensor<Real> lm_logits;    // decoder: (B, S, V)
-  Tensor<Real> lm_probs;     // decoder: (B, S, V), softmax(lm_logits), saved for backward
-  Tensor<Real> loss;         // [] (a scalar)
+  // An encoder_decoder's decoder: the target's embedding, positions and input (B, T, D), (T, D),
+  // (B, T, D), its layers and final norm (pre-norm).
+  Tensor<Real> decoder_embedding, decoder_positional, decoder_input;
+  std::vector<DecoderLayerActs<Real>> decoder_layers;
+  Tensor<Real> decoder_final_norm, decoder_final_norm_mean, decoder_final_norm_rstd;
+  Tensor<Real> lm_logits;  // an LM head: (B, S, V) (an encoder_decoder: (B, T, Vt))
+  Tensor<Real> lm_probs;   // softmax(lm_logits), saved for backward
+  Tensor<Real> loss;       // [] (a scalar)
 
   // Calls f(name, tensor) for every named activation in pipeline order: embedding, positional,
   // input, layers.{i}.{...} in the order they are computed, final_norm, pooled, logits (a decoder:
@@ -256,6 +295,15 @@ struct Activations {
       f(p + "output", l.output);
     }
     if (self.norm_first) f("final_norm", self.final_norm);
+    if (self.encoder_decoder) {
+      f("decoder.embedding", self.decoder_embedding);
+      f("decoder.positional", self.decoder_positional);
+      f("decoder.input", self.decoder_input);
+      for (std::size_t i = 0; i < self.decoder_layers.size(); ++i)
+        visit_decoder_layer(self.decoder_layers[i], self.norm_first, self.gated,
+                            "decoder.layers." + std::to_string(i) + ".", f);
+      if (self.norm_first) f("decoder.final_norm", self.decoder_final_norm);
+    }
     if (self.decoder) {
       f("lm_logits", self.lm_logits);
     } else {
@@ -263,6 +311,35 @@ struct Activations {
       f("logits", self.logits);
     }
     f("loss", self.loss);
+  }
+
+  // One decoder layer's named activations in the order they are computed (each block's norm
+  // before it, pre-norm, or after its residual, post-norm).
+  template <class L, class F>
+  static void visit_decoder_layer(L& l, bool pre, bool gated, const std::string& p, F& f) {
+    const auto block = [&](const char* name, auto& a, const char* norm, auto& n, auto& residual) {
+      const std::string b = p + name + ".";
+      if (pre) f(p + norm, n);
+      f(b + "q", a.q);
+      f(b + "k", a.k);
+      f(b + "v", a.v);
+      f(b + "scores", a.scores);
+      f(b + "probs", a.probs);
+      f(b + "context", a.context);
+      f(b + "out", a.out);
+      f(p + (std::string(norm) == "norm1" ? "residual1" : "residual2"), residual);
+      if (!pre) f(p + norm, n);
+    };
+    block("self_attn", l.self_attn, "norm1", l.norm1, l.residual1);
+    block("cross_attn", l.cross_attn, "norm2", l.norm2, l.residual2);
+    if (pre) f(p + "norm3", l.norm3);
+    if (gated) f(p + "ffn_gate", l.ffn_gate);
+    f(p + "ffn_pre", l.ffn_pre);
+    f(p + "ffn_hidden", l.ffn_hidden);
+    f(p + "ffn_out", l.ffn_out);
+    f(p + "residual3", l.residual3);
+    if (!pre) f(p + "norm3", l.norm3);
+    f(p + "output", l.output);
   }
 };
 

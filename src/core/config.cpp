@@ -18,79 +18,6 @@
 
 namespace teo {
 
-const char* to_string(Activation a) {
-  switch (a) {
-    case Activation::relu:
-      return "relu";
-    case Activation::gelu:
-      return "gelu";
-    case Activation::gelu_tanh:
-      return "gelu_tanh";
-    case Activation::silu:
-      return "silu";
-  }
-  return "?";
-}
-const char* to_string(Positional p) {
-  switch (p) {
-    case Positional::sinusoidal:
-      return "sinusoidal";
-    case Positional::learned:
-      return "learned";
-    case Positional::none:
-      return "none";
-    case Positional::rope:
-      return "rope";
-    case Positional::alibi:
-      return "alibi";
-  }
-  return "?";
-}
-const char* to_string(RopeStyle s) {
-  return s == RopeStyle::neox ? "neox" : "interleaved";
-}
-const char* to_string(RopeScalingType t) {
-  switch (t) {
-    case RopeScalingType::none:
-      return "none";
-    case RopeScalingType::linear:
-      return "linear";
-    case RopeScalingType::ntk:
-      return "ntk";
-    case RopeScalingType::yarn:
-      return "yarn";
-  }
-  return "?";
-}
-const char* to_string(Architecture a) {
-  return a == Architecture::encoder ? "encoder" : "decoder";
-}
-const char* to_string(Norm n) {
-  return n == Norm::layernorm ? "layernorm" : "rmsnorm";
-}
-const char* to_string(FfnKind f) {
-  switch (f) {
-    case FfnKind::mlp:
-      return "mlp";
-    case FfnKind::swiglu:
-      return "swiglu";
-    case FfnKind::geglu:
-      return "geglu";
-  }
-  return "?";
-}
-const char* to_string(Pooling p) {
-  switch (p) {
-    case Pooling::mean:
-      return "mean";
-    case Pooling::cls:
-      return "cls";
-    case Pooling::max:
-      return "max";
-  }
-  return "?";
-}
-
 namespace {
 
 // User space on x86-64 and AArch64 Linux is 47 or 48 bits: no allocation can be larger, so sizes
@@ -270,13 +197,44 @@ void validate_block(const EncoderConfig& c) {
         "a decoder's self-attention is causal: causal must be true (or left out) with architecture "
         "\"decoder\"");
   }
-  if (c.decoder() && (c.pooling != Pooling::mean || c.num_classes != 4)) {
+  if (c.lm() && (c.pooling != Pooling::mean || c.num_classes != 4)) {
     throw ConfigError(
         "pooling and num_classes apply only to architecture \"encoder\" (a decoder's head is its "
         "LM head over the vocabulary)");
   }
-  if (c.tie_embeddings && !c.decoder()) {
-    throw ConfigError("tie_embeddings applies only to architecture \"decoder\" (its LM head)");
+  if (c.tie_embeddings && !c.lm()) {
+    throw ConfigError(
+        "tie_embeddings applies only to architecture \"decoder\" or \"encoder_decoder\" (the LM "
+        "head)");
+  }
+  if (!c.encoder_decoder() && (c.decoder_layers || c.decoder_vocab_size)) {
+    throw ConfigError(
+        "decoder_layers and decoder_vocab_size apply only to architecture \"encoder_decoder\"");
+  }
+  if (c.encoder_decoder()) {
+    if (c.decoder_layers && *c.decoder_layers < 0)
+      throw ConfigError("decoder_layers must be >= 0, got " + std::to_string(*c.decoder_layers));
+    if (c.decoder_vocab_size && *c.decoder_vocab_size < 1) {
+      throw ConfigError("decoder_vocab_size must be >= 1, got " +
+                        std::to_string(*c.decoder_vocab_size));
+    }
+    // the decoder layer of section 17.4: no positions inside attention, no attention variants,
+    // no dropout
+    if (c.positional == Positional::rope || c.positional == Positional::alibi) {
+      throw ConfigError(std::string("an encoder_decoder's positions are added to the embeddings: "
+                                    "positional must be sinusoidal, learned or none, got \"") +
+                        to_string(c.positional) + "\"");
+    }
+    if (c.num_kv_heads || c.sliding_window || c.attn_logit_softcap || c.attn_sinks) {
+      throw ConfigError(
+          "an encoder_decoder takes no attention variants (num_kv_heads, sliding_window, "
+          "attn_logit_softcap, attn_sinks)");
+    }
+    if (c.dropout > 0) {
+      throw ConfigError(
+          "an encoder_decoder has no dropout: its decoder layer (semantics 17.4) "
+          "runs without it; dropout must be 0");
+    }
   }
   if (c.ffn == FfnKind::geglu && a != Activation::gelu && a != Activation::gelu_tanh) {
     throw ConfigError(std::string("ffn \"geglu\" gates with gelu: activation must be \"gelu\" or "
@@ -383,13 +341,26 @@ void EncoderConfig::validate() const {
   const index_t ffn_params =
       checked_add(checked_mul(checked_mul(d_ff, d, "ffn weight"), 3, "ffn weights"),
                   checked_add(checked_mul(d_ff, 2, "ffn biases"), d, "ffn biases"), "ffn");
-  const index_t layers =
-      checked_mul(checked_add(attn, ffn_params, "layer"), num_layers, "all layers");
-  // the head: the classifier's (C, D) and (C), or a decoder's LM head, (V, D) unless tied, (V)
+  index_t layers = checked_mul(checked_add(attn, ffn_params, "layer"), num_layers, "all layers");
+  // an encoder-decoder's decoder: two attention blocks, its embeddings and a second final norm
+  index_t decoder_extra = 0;
+  if (encoder_decoder()) {
+    decoder_extra = checked_add(
+        checked_mul(checked_add(checked_mul(attn, 2, "decoder layer"), ffn_params, "decoder layer"),
+                    dec_layers(), "decoder layers"),
+        checked_add(checked_add(decoder_vocab_size ? checked_mul(*decoder_vocab_size, d,
+                                                                 "decoder.embedding.weight")
+                                                   : 0,
+                                pos, "decoder embeddings"),
+                    checked_mul(d, 2, "decoder.final_norm"), "decoder embeddings"),
+        "decoder");
+    layers = checked_add(layers, decoder_extra, "all layers");
+  }
+  // the head: the classifier's (C, D) and (C), or an LM head, (Vt, D) unless tied, (Vt)
   const index_t head =
-      decoder() ? checked_add(tie_embeddings ? 0 : checked_mul(vocab_size, d, "lm_head.weight"),
-                              head_bias ? vocab_size : 0, "lm_head")
-                : checked_add(checked_mul(num_classes, d, "head.weight"), num_classes, "head");
+      lm() ? checked_add(tie_embeddings ? 0 : checked_mul(target_vocab(), d, "lm_head.weight"),
+                         head_bias ? target_vocab() : 0, "lm_head")
+           : checked_add(checked_mul(num_classes, d, "head.weight"), num_classes, "head");
   const index_t total =
       checked_add(checked_add(checked_add(embed, pos, "embeddings"),
                               checked_add(layers, head, "layers + head"), "parameters"),
@@ -448,7 +419,9 @@ const char* const kConfigKeys[] = {"vocab_size",
                                    "attn_bias",
                                    "head_bias",
                                    "architecture",
-                                   "tie_embeddings"};
+                                   "tie_embeddings",
+                                   "decoder_layers",
+                                   "decoder_vocab_size"};
 }  // namespace
 
 EncoderConfig EncoderConfig::from_json(const nlohmann::json& j) {
@@ -585,10 +558,18 @@ EncoderConfig EncoderConfig::from_json(const nlohmann::json& j) {
         c.architecture = Architecture::encoder;
       else if (s == "decoder")
         c.architecture = Architecture::decoder;
+      else if (s == "encoder_decoder")
+        c.architecture = Architecture::encoder_decoder;
       else
-        throw ConfigError("architecture must be \"encoder\" or \"decoder\", got \"" + s + "\"");
+        throw ConfigError(
+            "architecture must be \"encoder\", \"decoder\" or \"encoder_decoder\", got \"" + s +
+            "\"");
     } else if (key == "tie_embeddings") {
       c.tie_embeddings = get_bool(v, key);
+    } else if (key == "decoder_layers") {
+      c.decoder_layers = get_int(v, key);
+    } else if (key == "decoder_vocab_size") {
+      c.decoder_vocab_size = get_int(v, key);
     } else {
       const std::vector<std::string> keys(std::begin(kConfigKeys), std::end(kConfigKeys));
       throw ConfigError("unknown config key \"" + key + "\"" + did_you_mean(key, keys));
@@ -640,11 +621,13 @@ nlohmann::json EncoderConfig::to_json() const {
                    {"dropout", dropout},
                    {"label_smoothing", label_smoothing},
                    {"causal", causal}};
-  if (decoder()) {
+  if (lm()) {
     j["architecture"] = to_string(architecture);
     j.erase("pooling");
     j.erase("num_classes");
   }
+  if (decoder_layers) j["decoder_layers"] = *decoder_layers;
+  if (decoder_vocab_size) j["decoder_vocab_size"] = *decoder_vocab_size;
   // The variants' keys appear only when they are in use, so a plain config reads as before.
   if (num_kv_heads) j["num_kv_heads"] = *num_kv_heads;
   if (positional == Positional::rope) {
@@ -667,7 +650,25 @@ nlohmann::json EncoderConfig::to_json() const {
   return j;
 }
 
-void validate_batch_shape(const EncoderConfig& cfg, const BatchShape& s, std::size_t real_size) {
+void validate_batch_shape(const EncoderConfig& cfg, const BatchShape& shape,
+                          std::size_t real_size) {
+  BatchShape s = shape;
+  if (cfg.encoder_decoder()) {
+    // The decoder's side: its own length within max_len; every bound below then takes the longer
+    // of the two sequences and the decoder's layers (two attentions each) on top of the encoder's.
+    if (s.tgt_len < 1) throw ShapeError("tgt_len must be >= 1, got " + std::to_string(s.tgt_len));
+    if (s.tgt_len > cfg.max_len) {
+      throw ShapeError("tgt_len " + std::to_string(s.tgt_len) + " exceeds max_len " +
+                       std::to_string(cfg.max_len));
+    }
+    if (cfg.positional == Positional::learned && cfg.position_offset > cfg.max_len - s.tgt_len) {
+      throw ShapeError("position_offset " + std::to_string(cfg.position_offset) + " + tgt_len " +
+                       std::to_string(s.tgt_len) + " exceeds max_len " +
+                       std::to_string(cfg.max_len) + ", the learned table's rows");
+    }
+  } else if (s.tgt_len != 0) {
+    throw ShapeError("tgt_len applies only to architecture \"encoder_decoder\"");
+  }
   if (s.batch < 0) throw ShapeError("batch must be >= 0, got " + std::to_string(s.batch));
   if (s.seq_len < 1) throw ShapeError("seq_len must be >= 1, got " + std::to_string(s.seq_len));
   if (s.seq_len > cfg.max_len) {
@@ -680,13 +681,14 @@ void validate_batch_shape(const EncoderConfig& cfg, const BatchShape& s, std::si
                      ", the learned table's rows");
   }
   const auto bytes = static_cast<index_t>(real_size);
-  const index_t tokens = checked_mul(s.batch, s.seq_len, "batch x seq_len");
+  const index_t longest = std::max(s.seq_len, s.tgt_len);
+  const index_t tokens = checked_mul(s.batch, longest, "batch x seq_len");
   checked_mul(checked_mul(tokens, cfg.d_model, "batch x seq_len x d_model"), bytes,
               "batch x seq_len x d_model bytes");
   checked_mul(checked_mul(tokens, cfg.d_ff, "batch x seq_len x d_ff"), bytes,
               "batch x seq_len x d_ff bytes");
   const index_t scores = checked_mul(checked_mul(tokens, cfg.num_heads, "batch x heads x seq_len"),
-                                     s.seq_len, "batch x heads x seq_len x seq_len");
+                                     longest, "batch x heads x seq_len x seq_len");
   checked_mul(scores, bytes, "attention scores bytes");
   checked_mul(checked_mul(s.batch, cfg.num_classes, "batch x num_classes"), bytes, "logits bytes");
   const MemoryLimits lim = memory_limits();
@@ -697,7 +699,10 @@ void validate_batch_shape(const EncoderConfig& cfg, const BatchShape& s, std::si
   check_tensor_elements(scores, "a (batch, heads, seq_len, seq_len) activation", lim);
   // a decoder's LM logits and their softmax, (B, S, V) each
   const index_t lm =
-      cfg.decoder() ? checked_mul(tokens, cfg.vocab_size, "batch x seq_len x vocab") : 0;
+      cfg.lm() ? checked_mul(checked_mul(s.batch, cfg.encoder_decoder() ? s.tgt_len : s.seq_len,
+                                         "batch x seq_len"),
+                             cfg.target_vocab(), "batch x seq_len x vocab")
+               : 0;
   check_tensor_elements(lm, "a (batch, seq_len, vocab_size) activation", lim);
   // Everything the forward keeps, all layers together: a loose upper bound of 16 (B,S,D)-sized,
   // 5 (B,S,F)-sized and 3 (B,H,S,S)-sized buffers per layer, and the LM logits.
@@ -710,7 +715,12 @@ void validate_batch_shape(const EncoderConfig& cfg, const BatchShape& s, std::si
     return a + b + c;
   }();
   const index_t act_bytes = checked_mul(
-      checked_add(checked_mul(per_layer, checked_add(cfg.num_layers, 1, "num_layers + 1"),
+      checked_add(checked_mul(per_layer,
+                              checked_add(checked_add(cfg.num_layers, 1, "num_layers + 1"),
+                                          cfg.encoder_decoder()
+                                              ? checked_mul(cfg.dec_layers(), 2, "decoder layers")
+                                              : 0,
+                                          "layers"),
                               "all activations"),
                   checked_mul(lm, 2, "LM logits"), "all activations"),
       bytes, "all activation bytes");

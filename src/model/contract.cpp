@@ -48,10 +48,73 @@ const std::map<std::string, Dims>& param_table() {
       {"final_norm.bias", {"D"}},
       {"head.weight", {"C", "D"}},
       {"head.bias", {"C"}},
-      {"lm_head.weight", {"V", "D"}},
-      {"lm_head.bias", {"V"}},
+      {"lm_head.weight", {"Vt", "D"}},
+      {"lm_head.bias", {"Vt"}},
+      {"decoder.embedding.weight", {"Vt", "D"}},
+      {"decoder.pos_embedding.weight", {"max_len", "D"}},
+      {"decoder.final_norm.weight", {"D"}},
+      {"decoder.final_norm.bias", {"D"}},
   };
   return t;
+}
+
+// An encoder_decoder's decoder layer's parameters, by name without "decoder.layers.{i}." (its
+// FFN's are the encoder layer's).
+const std::map<std::string, Dims>& decoder_param_table() {
+  static const std::map<std::string, Dims> t = [] {
+    std::map<std::string, Dims> m;
+    for (const char* a : {"self_attn", "cross_attn"}) {
+      const std::string b = std::string(a) + ".";
+      m[b + "q.weight"] = {"D", "D"};
+      m[b + "q.bias"] = {"D"};
+      m[b + "k.weight"] = {"Hkv*Dh", "D"};
+      m[b + "k.bias"] = {"Hkv*Dh"};
+      m[b + "v.weight"] = {"Hkv*Dh", "D"};
+      m[b + "v.bias"] = {"Hkv*Dh"};
+      m[b + "o.weight"] = {"D", "D"};
+      m[b + "o.bias"] = {"D"};
+    }
+    for (const char* n : {"norm1", "norm2", "norm3"}) {
+      m[std::string(n) + ".weight"] = {"D"};
+      m[std::string(n) + ".bias"] = {"D"};
+    }
+    for (const auto& [n, d] : param_table())
+      if (n.starts_with("ffn.")) m[n] = d;
+    return m;
+  }();
+  return t;
+}
+
+// An encoder_decoder's decoder layer's activations, by name without "decoder.layers.{i}.": the
+// target stream is St long, the memory S.
+const std::map<std::string, Dims>& decoder_act_table() {
+  static const std::map<std::string, Dims> t = [] {
+    std::map<std::string, Dims> m;
+    for (const auto& [a, kv] : {std::pair{"self_attn", "St"}, std::pair{"cross_attn", "S"}}) {
+      const std::string b = std::string(a) + ".";
+      m[b + "q"] = {"B", "H", "St", "Dh"};
+      m[b + "k"] = {"B", "Hkv", kv, "Dh"};
+      m[b + "v"] = {"B", "Hkv", kv, "Dh"};
+      m[b + "scores"] = {"B", "H", "St", kv};
+      m[b + "probs"] = {"B", "H", "St", kv};
+      m[b + "context"] = {"B", "St", "D"};
+      m[b + "out"] = {"B", "St", "D"};
+    }
+    for (const char* n :
+         {"norm1", "norm2", "norm3", "residual1", "residual2", "residual3", "ffn_out", "output"})
+      m[n] = {"B", "St", "D"};
+    for (const char* n : {"ffn_gate", "ffn_pre", "ffn_hidden"}) m[n] = {"B", "St", "F"};
+    return m;
+  }();
+  return t;
+}
+
+// A decoder layer's name without its "decoder.layers.{i}." prefix, or "" for any other name.
+std::string in_decoder_layer(const std::string& name) {
+  constexpr std::string_view head = "decoder.layers.";
+  if (!name.starts_with(head)) return "";
+  const auto dot = name.find('.', head.size());
+  return dot == std::string::npos ? "" : name.substr(dot + 1);
 }
 
 // The symbolic shape of every activation, by its name within its layer (or at the top).
@@ -81,8 +144,12 @@ const std::map<std::string, Dims>& act_table() {
       {"final_norm", {"B", "S", "D"}},
       {"pooled", {"B", "D"}},
       {"logits", {"B", "C"}},
-      {"lm_logits", {"B", "S", "V"}},
+      {"lm_logits", {"B", "St", "Vt"}},
       {"loss", {}},
+      {"decoder.embedding", {"B", "St", "D"}},
+      {"decoder.positional", {"St", "D"}},
+      {"decoder.input", {"B", "St", "D"}},
+      {"decoder.final_norm", {"B", "St", "D"}},
   };
   return t;
 }
@@ -151,6 +218,11 @@ Params<float> empty_params(const EncoderConfig& cfg) {
   p.config = cfg;
   p.layers.resize(static_cast<std::size_t>(std::max<index_t>(cfg.num_layers, 0)));
   for (auto& l : p.layers) l.configure(cfg);
+  // A decoder layer's visit lists the tensors it holds: zeros of cfg's (small) shapes.
+  if (cfg.encoder_decoder()) {
+    p.decoder_layers.assign(static_cast<std::size_t>(std::max<index_t>(cfg.dec_layers(), 0)),
+                            DecoderLayerParams<float>::markers(cfg, true));
+  }
   return p;
 }
 
@@ -211,6 +283,8 @@ index_t dim(const std::string& sym, const EncoderConfig& cfg, Sizes s) {
   if (sym == "C") return cfg.num_classes;
   if (sym == "max_len") return cfg.max_len;
   if (sym == "T") return s.steps;
+  if (sym == "St") return cfg.encoder_decoder() ? s.tgt_len : s.seq_len;
+  if (sym == "Vt") return cfg.target_vocab();
   throw std::invalid_argument("unknown symbolic dimension \"" + sym + "\"");
 }
 
@@ -222,10 +296,14 @@ std::vector<index_t> shape(const Dims& dims, const EncoderConfig& cfg, Sizes s) 
 }
 
 Dims param_dims(const std::string& name) {
+  if (const auto rest = in_decoder_layer(name); !rest.empty())
+    return lookup(decoder_param_table(), rest, "a parameter", name);
   return lookup(param_table(), without_layer(name), "a parameter", name);
 }
 
 Dims act_dims(const std::string& name) {
+  if (const auto rest = in_decoder_layer(name); !rest.empty())
+    return lookup(decoder_act_table(), rest, "an activation", name);
   return lookup(act_table(), without_layer(name), "an activation", name);
 }
 
@@ -245,7 +323,10 @@ Dims dims_of(const std::string& golden_name) {
   if (n == "input.tokens") return {"B", "S"};
   if (n == "input.lengths" || n == "input.labels") return {"B"};
   if (n == "input.generate.tokens") return {"T", "B"};
-  if (is_generation_logits(n)) return {"B", "V"};
+  if (is_generation_logits(n)) return {"B", "Vt"};
+  if (n == "input.src_tokens") return {"B", "S"};
+  if (n == "input.tgt_tokens") return {"B", "St"};
+  if (n == "input.src_lengths" || n == "input.tgt_lengths") return {"B"};
   if (n.starts_with("dropout.")) return mask_dims(n);
   if (n.starts_with("grad.act.")) return act_dims(n.substr(9));
   if (n.starts_with("act.")) return act_dims(n.substr(4));
@@ -267,12 +348,18 @@ std::vector<TensorSpec> activations(const EncoderConfig& cfg, Sizes s, bool in_g
   a.norm_first = cfg.norm_first;
   a.rotary = cfg.positional == Positional::rope;
   a.gated = cfg.gated();
-  a.decoder = cfg.decoder();
+  a.decoder = cfg.lm();
+  a.encoder_decoder = cfg.encoder_decoder();
   a.layers.resize(static_cast<std::size_t>(std::max<index_t>(cfg.num_layers, 0)));
+  if (cfg.encoder_decoder())
+    a.decoder_layers.resize(static_cast<std::size_t>(std::max<index_t>(cfg.dec_layers(), 0)));
   std::vector<TensorSpec> out;
   a.visit([&](const std::string& n, const Tensor<float>&) {
-    if (in_golden &&
-        (n.ends_with(".ffn_gate") || n.ends_with(".ffn_pre") || n.ends_with(".residual2")))
+    // a decoder layer's third residual is as an encoder layer's second: the output, or the
+    // last norm's input
+    const bool dec = !in_decoder_layer(n).empty();
+    if (in_golden && (n.ends_with(".ffn_gate") || n.ends_with(".ffn_pre") ||
+                      n.ends_with(dec ? ".residual3" : ".residual2")))
       return;
     out.push_back(spec(n, Role::act, DTypeRule::real, act_dims(n), cfg, s));
   });
@@ -295,10 +382,20 @@ std::vector<TensorSpec> gradients(const EncoderConfig& cfg, Sizes s) {
   // The parameters grouped by where forward uses them, in that order: the embeddings, each
   // layer's groups in its use order, the final norm, the head; the activation gradients of the
   // contract sit between the groups, where backward completes them.
-  std::vector<std::string> top_front, top_final, top_head;
+  std::vector<std::string> top_front, top_final, top_head, dec_front, dec_final;
   std::vector<std::vector<std::string>> layers(static_cast<std::size_t>(cfg.num_layers));
+  // an encoder_decoder's decoder layers: their parameters in use order (DecoderLayerParams::visit)
+  std::vector<std::vector<std::string>> dec_layers(
+      static_cast<std::size_t>(cfg.encoder_decoder() ? cfg.dec_layers() : 0));
   for (const auto& p : params(cfg)) {
-    if (p.name.starts_with("layers.")) {
+    if (p.name.starts_with("decoder.layers.")) {
+      const auto at = std::string("decoder.layers.").size();
+      dec_layers[std::stoul(p.name.substr(at, p.name.find('.', at) - at))].push_back(p.name);
+    } else if (p.name.starts_with("decoder.final_norm.")) {
+      dec_final.push_back(p.name);
+    } else if (p.name.starts_with("decoder.")) {
+      dec_front.push_back(p.name);
+    } else if (p.name.starts_with("layers.")) {
       const auto dot = p.name.find('.', 7);
       layers[std::stoul(p.name.substr(7, dot - 7))].push_back(p.name);
     } else if (p.name.starts_with("final_norm.")) {
@@ -336,7 +433,26 @@ std::vector<TensorSpec> gradients(const EncoderConfig& cfg, Sizes s) {
     return g;
   };
   if (!top_final.empty()) add_group(params_of(top_final));
-  if (cfg.decoder()) {
+  if (cfg.encoder_decoder()) {
+    // the decoder: its embeddings, each layer's parameters by block (q, k, v, o, each norm, each
+    // FFN projection) in use order with its output's gradient after them, its final norm
+    for (const auto& n : dec_front) add_group({param(n)});
+    add_group({act("decoder.input")});
+    for (std::size_t i = 0; i < dec_layers.size(); ++i) {
+      std::vector<std::string> g;
+      std::string group;
+      for (const auto& n : dec_layers[i]) {
+        const std::string here = group_of(in_decoder_layer(n));
+        if (here != group && !g.empty()) add_group(std::move(g)), g.clear();
+        group = here;
+        g.push_back(param(n));
+      }
+      if (!g.empty()) add_group(std::move(g));
+      add_group({act("decoder.layers." + std::to_string(i) + ".output")});
+    }
+    if (!dec_final.empty()) add_group(params_of(dec_final));
+  }
+  if (cfg.lm()) {
     // a tied head's weight gradient is in grad.embedding.weight, the first group
     if (!top_head.empty()) add_group(params_of(top_head));
     add_group({act("lm_logits")});
@@ -357,6 +473,11 @@ bool noise_only(const std::string& golden_name, const EncoderConfig& cfg) {
   if (cfg.positional == Positional::rope || cfg.attn_sinks || cfg.attn_logit_softcap) return false;
   std::string n = golden_name;
   if (n.starts_with("ref64.")) n = n.substr(6);
+  // an encoder_decoder's decoder layers: both attentions' key biases, for the same reason
+  if (n.starts_with("grad.decoder.layers.")) {
+    const auto rest = in_decoder_layer(n.substr(5));
+    return rest == "self_attn.k.bias" || rest == "cross_attn.k.bias";
+  }
   return n.starts_with("grad.layers.") && without_layer(n.substr(5)) == "attn.k.bias";
 }
 
@@ -366,15 +487,21 @@ std::vector<TensorSpec> generation(const EncoderConfig& cfg, Sizes s) {
   out.push_back(spec("input.generate.tokens", Role::input, DTypeRule::i64, {"T", "B"}, cfg, s));
   for (index_t t = 0; t < s.steps; ++t)
     out.push_back(spec("act.generate." + std::to_string(t) + ".logits", Role::act, DTypeRule::real,
-                       {"B", "V"}, cfg, s));
+                       {"B", "Vt"}, cfg, s));
   return out;
 }
 
 std::vector<TensorSpec> model_case(const EncoderConfig& cfg, Sizes s, bool float32) {
   std::vector<TensorSpec> out;
-  for (const char* n : {"input.tokens", "input.lengths", "input.labels"}) {
-    if (cfg.decoder() && std::string_view(n) == "input.labels") continue;  // the next tokens
-    out.push_back(spec(n, Role::input, DTypeRule::i64, dims_of(n), cfg, s));
+  if (cfg.encoder_decoder()) {
+    for (const char* n :
+         {"input.src_tokens", "input.src_lengths", "input.tgt_tokens", "input.tgt_lengths"})
+      out.push_back(spec(n, Role::input, DTypeRule::i64, dims_of(n), cfg, s));
+  } else {
+    for (const char* n : {"input.tokens", "input.lengths", "input.labels"}) {
+      if (cfg.decoder() && std::string_view(n) == "input.labels") continue;  // the next tokens
+      out.push_back(spec(n, Role::input, DTypeRule::i64, dims_of(n), cfg, s));
+    }
   }
   const auto gen = generation(cfg, s);
   for (const auto& t : gen)

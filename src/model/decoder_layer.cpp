@@ -4,7 +4,9 @@
 // lengths, the norms, the FFN's middle), in the same operation order per block.
 #include "teo/decoder_layer.hpp"
 
+#include <initializer_list>
 #include <string>
+#include <tuple>
 
 #include "model/pass.hpp"
 #include "teo/errors.hpp"
@@ -24,19 +26,46 @@ struct Sizes {
   index_t N() const { return B * T; }
 };
 
-template <class Real>
-void zeros_of(AttentionParams<Real>& a, const EncoderConfig& cfg) {
+// Each tensor of a's block, made by make(shape).
+template <class Real, class Make>
+void block_of(AttentionParams<Real>& a, const EncoderConfig& cfg, const Make& make) {
   const index_t D = cfg.d_model, Dkv = cfg.kv_heads() * cfg.d_head();
-  a.q_weight = Tensor<Real>({D, D});
-  a.k_weight = Tensor<Real>({Dkv, D});
-  a.v_weight = Tensor<Real>({Dkv, D});
-  a.o_weight = Tensor<Real>({D, D});
+  a.q_weight = make({D, D});
+  a.k_weight = make({Dkv, D});
+  a.v_weight = make({Dkv, D});
+  a.o_weight = make({D, D});
   if (cfg.attn_bias) {
-    a.q_bias = Tensor<Real>({D});
-    a.k_bias = Tensor<Real>({Dkv});
-    a.v_bias = Tensor<Real>({Dkv});
-    a.o_bias = Tensor<Real>({D});
+    a.q_bias = make({D});
+    a.k_bias = make({Dkv});
+    a.v_bias = make({Dkv});
+    a.o_bias = make({D});
   }
+}
+
+// The layer's tensors for cfg, each made by make(shape).
+template <class Real, class Make>
+DecoderLayerParams<Real> layer_of(const EncoderConfig& cfg, bool cross, const Make& make) {
+  DecoderLayerParams<Real> p;
+  const index_t D = cfg.d_model, F = cfg.d_ff;
+  block_of(p.self_attn, cfg, make);
+  if (cross) block_of(p.cross_attn, cfg, make);
+  const bool ln = cfg.norm == Norm::layernorm;
+  for (auto [w, b, on] : {std::tuple{&p.norm1_weight, &p.norm1_bias, true},
+                          std::tuple{&p.norm2_weight, &p.norm2_bias, cross},
+                          std::tuple{&p.norm3_weight, &p.norm3_bias, true}}) {
+    if (!on) continue;
+    *w = make({D});
+    if (ln) *b = make({D});
+  }
+  if (cfg.gated()) p.gate_weight = make({F, D});
+  p.fc1_weight = make({F, D});
+  p.fc2_weight = make({D, F});
+  if (cfg.ffn_bias) {
+    if (cfg.gated()) p.gate_bias = make({F});
+    p.fc1_bias = make({F});
+    p.fc2_bias = make({D});
+  }
+  return p;
 }
 
 void expect_shape(const Shape& got, const Shape& want, const char* what) {
@@ -210,27 +239,14 @@ void norm_fwd(const EncoderConfig& cfg, Tensor<Real>& out, Tensor<Real>& mean, T
 
 template <class Real>
 DecoderLayerParams<Real> DecoderLayerParams<Real>::zeros(const EncoderConfig& cfg, bool cross) {
-  DecoderLayerParams p;
-  const index_t D = cfg.d_model, F = cfg.d_ff;
-  zeros_of(p.self_attn, cfg);
-  if (cross) zeros_of(p.cross_attn, cfg);
-  const bool ln = cfg.norm == Norm::layernorm;
-  for (auto [w, b, on] : {std::tuple{&p.norm1_weight, &p.norm1_bias, true},
-                          std::tuple{&p.norm2_weight, &p.norm2_bias, cross},
-                          std::tuple{&p.norm3_weight, &p.norm3_bias, true}}) {
-    if (!on) continue;
-    *w = Tensor<Real>({D});
-    if (ln) *b = Tensor<Real>({D});
-  }
-  if (cfg.gated()) p.gate_weight = Tensor<Real>({F, D});
-  p.fc1_weight = Tensor<Real>({F, D});
-  p.fc2_weight = Tensor<Real>({D, F});
-  if (cfg.ffn_bias) {
-    if (cfg.gated()) p.gate_bias = Tensor<Real>({F});
-    p.fc1_bias = Tensor<Real>({F});
-    p.fc2_bias = Tensor<Real>({D});
-  }
-  return p;
+  return layer_of<Real>(cfg, cross,
+                        [](std::initializer_list<index_t> dims) { return Tensor<Real>(dims); });
+}
+
+template <class Real>
+DecoderLayerParams<Real> DecoderLayerParams<Real>::markers(const EncoderConfig& cfg, bool cross) {
+  return layer_of<Real>(cfg, cross,
+                        [](std::initializer_list<index_t>) { return Tensor<Real>({1}); });
 }
 
 template <class Real>

@@ -91,12 +91,18 @@ void zero_fill(const ZeroList<Real>& tensors) {
 // the top of the stack (which pooling scatters into), the positional gradient, and the
 // statistics' gradients. backward() overwrites the rest.
 template <class Real>
-void allocate(Activations<Real>& a, const EncoderConfig& cfg, const Dims& d, ZeroList<Real>* zero,
-              bool layers_whole = true) {
+void allocate(Activations<Real>& a, const EncoderConfig& cfg, const Dims& d, index_t tgt_len,
+              ZeroList<Real>* zero, bool layers_whole = true) {
   a.norm_first = cfg.norm_first;
   a.rotary = d.rope;
   a.gated = d.gated;
-  a.decoder = cfg.decoder();
+  a.decoder = cfg.lm();
+  a.encoder_decoder = cfg.encoder_decoder();
+  // an encoder_decoder's decoder side is shaped by seq2seq_forward and seq2seq_backward
+  a.decoder_embedding = a.decoder_positional = a.decoder_input = Tensor<Real>();
+  a.decoder_final_norm = a.decoder_final_norm_mean = a.decoder_final_norm_rstd = Tensor<Real>();
+  a.decoder_layers.clear();
+  if (cfg.encoder_decoder()) a.decoder_layers.resize(static_cast<std::size_t>(cfg.dec_layers()));
   shape_as(a.embedding, {d.B, d.S, d.D}, nullptr);  // the input's dropout gradient overwrites it
   shape_as(a.positional, {d.S, d.D}, zero);
   // The gradient of a layer's input is overwritten by the layer; the top one accumulates.
@@ -120,11 +126,12 @@ void allocate(Activations<Real>& a, const EncoderConfig& cfg, const Dims& d, Zer
     a.final_norm = a.final_norm_mean = a.final_norm_rstd = Tensor<Real>();
   }
   a.pool_argmax.clear();
-  if (cfg.decoder()) {
+  if (cfg.lm()) {
     a.pooled = a.logits = a.class_probs = Tensor<Real>();
     // zero-filled: the loss's gradient accumulates into lm_logits'
-    a.lm_logits.reset({d.B, d.S, cfg.vocab_size});
-    a.lm_probs.reset({d.B, d.S, cfg.vocab_size});
+    const index_t rows = cfg.encoder_decoder() ? tgt_len : d.S;
+    a.lm_logits.reset({d.B, rows, cfg.target_vocab()});
+    a.lm_probs.reset({d.B, rows, cfg.target_vocab()});
   } else {
     a.lm_logits = a.lm_probs = Tensor<Real>();
     a.pooled.reset({d.B, d.D});
@@ -150,6 +157,13 @@ const Tensor<Real>& lm_head_weight(const Params<Real>& p) {
 template <class Real>
 void run_encoder(const Params<Real>& params, const Batch& batch, Activations<Real>& acts,
                  const ForwardOptions& opts, const Emulation<Real>& store);
+
+// The encoder's output: the final norm's (pre-norm), the last layer's, or the input's.
+template <class Real>
+const Tensor<Real>& encoder_top(const Activations<Real>& a) {
+  if (a.norm_first) return a.final_norm;
+  return a.layers.empty() ? a.input : a.layers.back().output;
+}
 }  // namespace
 
 template <class Real>
@@ -161,7 +175,13 @@ void forward(const Params<Real>& params, const Batch& batch, Activations<Real>& 
   check_replayed_masks(cfg, batch, opts);
   const Dims d = dims_of(cfg, batch);
   const Emulation<Real> store(opts.precision, "");
-  allocate(acts, cfg, d, static_cast<ZeroList<Real>*>(nullptr));
+  if (cfg.encoder_decoder() && opts.precision && *opts.precision != Precision::fp32 &&
+      *opts.precision != Precision::fp64) {
+    throw ConfigError(
+        "an encoder_decoder runs in full precision only: its decoder layer "
+        "(semantics 17.4) emulates no reduced precision");
+  }
+  allocate(acts, cfg, d, batch.tgt_len, static_cast<ZeroList<Real>*>(nullptr));
 
   {
     profile::Scope stage(Stage::embedding);
@@ -214,6 +234,10 @@ void run_encoder(const Params<Real>& params, const Batch& batch, Activations<Rea
                          detail::data_or_null(params.final_norm_bias), d.N, d.D);
     store(acts.final_norm, "", "final_norm");
     x = acts.final_norm.data();
+  }
+  if (cfg.encoder_decoder()) {
+    detail::seq2seq_forward(params, batch, acts, encoder_top(acts));
+    return;
   }
   if (cfg.decoder()) {
     // lm_logits = top W^T + b; the loss: cross-entropy of each position against the next token
@@ -271,10 +295,14 @@ void backward(const Params<Real>& params, const Batch& batch, const Activations<
     grads.config = cfg;
     grads.layers.resize(static_cast<std::size_t>(cfg.num_layers));
     for (auto& l : grads.layers) l.configure(cfg);
+    if (cfg.encoder_decoder()) {
+      grads.decoder_layers.assign(static_cast<std::size_t>(cfg.dec_layers()),
+                                  DecoderLayerParams<Real>::markers(cfg, true));
+    }
     grads.visit([&](const std::string& name, Tensor<Real>& t) {
       shape_as(t, detail::param_shape(cfg, name), &zero);
     });
-    allocate(dacts, cfg, d, &zero, opts.layer_activation_grads);
+    allocate(dacts, cfg, d, batch.tgt_len, &zero, opts.layer_activation_grads);
     zero_fill(zero);
   }
 
@@ -286,7 +314,10 @@ void backward(const Params<Real>& params, const Batch& batch, const Activations<
     Tensor<Real>& dlast = cfg.num_layers > 0 ? dacts.layers.back().output : dacts.input;
     const Real* last = cfg.num_layers > 0 ? acts.layers.back().output.data() : acts.input.data();
     Real* dtop = cfg.norm_first ? dacts.final_norm.data() : dlast.data();
-    if (cfg.decoder()) {
+    if (cfg.encoder_decoder()) {
+      // the decoder side, which adds the memory's gradient into the encoder's top
+      detail::seq2seq_backward(params, batch, acts, encoder_top(acts), grads, dacts, dtop);
+    } else if (cfg.decoder()) {
       const index_t V = cfg.vocab_size;
       cross_entropy_backward(dacts.lm_logits.data(), acts.lm_probs.data(),
                              next_token_targets(batch).data(), d.N, V,

@@ -5,6 +5,7 @@
 
 #include "teo/config.hpp"
 #include "teo/layers/attention.hpp"
+#include "teo/model.hpp"
 #include "teo/tensor.hpp"
 
 namespace teo::detail {
@@ -45,5 +46,18 @@ AttentionArgs<Real> attention_args(const EncoderConfig& cfg, index_t batch, inde
   a.variant = attention_variant(cfg, sinks, dsinks);
   return a;
 }
+
+// An encoder_decoder's decoder side (seq2seq.cpp), after the encoder: forward from the memory (the
+// encoder's output) to acts' decoder.* activations, lm_logits, lm_probs and the loss (lm_logits
+// and lm_probs allocated by the caller); backward from acts.loss to the decoder's gradients,
+// dacts' decoder.* and lm_logits (zero-filled by the caller), adding the memory's gradient into
+// dmemory (B, S, D).
+template <class Real>
+void seq2seq_forward(const Params<Real>& params, const Batch& batch, Activations<Real>& acts,
+                     const Tensor<Real>& memory);
+template <class Real>
+void seq2seq_backward(const Params<Real>& params, const Batch& batch, const Activations<Real>& acts,
+                      const Tensor<Real>& memory, Params<Real>& grads, Activations<Real>& dacts,
+                      Real* dmemory);
 
 }  // namespace teo::detail

@@ -43,6 +43,8 @@ Batch Batch::random(const EncoderConfig& cfg, index_t batch, index_t seq_len, st
   b.lengths = lengths.empty() ? std::vector<std::int64_t>(static_cast<std::size_t>(batch), seq_len)
                               : std::move(lengths);
   b.tokens.resize(static_cast<std::size_t>(batch * seq_len));
+  if (cfg.encoder_decoder())
+    throw ConfigError("an encoder_decoder's batch has a target: use Batch::random_seq2seq");
   b.labels.resize(cfg.decoder() ? 0 : static_cast<std::size_t>(batch));  // a decoder has none
   const auto tok_stream = rng::stream_id("input.tokens");
   const auto lab_stream = rng::stream_id("input.labels");
@@ -56,14 +58,63 @@ Batch Batch::random(const EncoderConfig& cfg, index_t batch, index_t seq_len, st
   return b;
 }
 
+Batch Batch::random_seq2seq(const EncoderConfig& cfg, index_t batch, index_t seq_len,
+                            index_t tgt_len, std::uint64_t seed, std::vector<std::int64_t> lengths,
+                            std::vector<std::int64_t> tgt_lengths) {
+  cfg.validate();
+  if (!cfg.encoder_decoder())
+    throw ConfigError("Batch::random_seq2seq needs architecture \"encoder_decoder\"");
+  validate_batch_shape(cfg, {batch, seq_len, tgt_len}, sizeof(double));
+  if (!lengths.empty()) validate_lengths(lengths, batch, seq_len);
+  if (!tgt_lengths.empty()) validate_lengths(tgt_lengths, batch, tgt_len);
+  Batch b;
+  b.batch = batch;
+  b.seq_len = seq_len;
+  b.tgt_len = tgt_len;
+  const auto full = [&](std::vector<std::int64_t>& v, index_t len) {
+    return v.empty() ? std::vector<std::int64_t>(static_cast<std::size_t>(batch), len)
+                     : std::move(v);
+  };
+  b.lengths = full(lengths, seq_len);
+  b.tgt_lengths = full(tgt_lengths, tgt_len);
+  const auto draw = [&](std::vector<std::int64_t>& v, index_t n, const char* stream, index_t hi) {
+    v.resize(static_cast<std::size_t>(n));
+    const auto id = rng::stream_id(stream);
+    for (std::size_t i = 0; i < v.size(); ++i)
+      v[i] = static_cast<std::int64_t>(rng::bits(seed, id, i) % static_cast<std::uint64_t>(hi));
+  };
+  draw(b.tokens, batch * seq_len, "input.src_tokens", cfg.vocab_size);
+  draw(b.tgt_tokens, batch * tgt_len, "input.tgt_tokens", cfg.target_vocab());
+  validate_batch(cfg, b, sizeof(double));
+  return b;
+}
+
 void validate_batch(const EncoderConfig& cfg, const Batch& b, std::size_t real_size) {
-  validate_batch_shape(cfg, {b.batch, b.seq_len}, real_size);
+  validate_batch_shape(cfg, {b.batch, b.seq_len, cfg.encoder_decoder() ? b.tgt_len : 0}, real_size);
+  if (cfg.encoder_decoder()) {
+    const auto nt = static_cast<std::size_t>(b.batch * b.tgt_len);
+    if (b.tgt_tokens.size() != nt) {
+      throw ShapeError("tgt_tokens has " + std::to_string(b.tgt_tokens.size()) +
+                       " elements, expected batch x tgt_len = " + std::to_string(nt));
+    }
+    validate_lengths(b.tgt_lengths, b.batch, b.tgt_len);
+    for (std::size_t i = 0; i < nt; ++i) {
+      if (b.tgt_tokens[i] < 0 || b.tgt_tokens[i] >= cfg.target_vocab()) {
+        throw InputError(
+            "tgt_tokens[" + std::to_string(i / b.tgt_len) + "][" + std::to_string(i % b.tgt_len) +
+            "] = " + std::to_string(b.tgt_tokens[i]) +
+            " is outside [0, decoder vocabulary = " + std::to_string(cfg.target_vocab()) + ")");
+      }
+    }
+  } else if (b.tgt_len != 0 || !b.tgt_tokens.empty() || !b.tgt_lengths.empty()) {
+    throw ShapeError("a target (tgt_tokens) applies only to architecture \"encoder_decoder\"");
+  }
   const auto n = static_cast<std::size_t>(b.batch * b.seq_len);
   if (b.tokens.size() != n) {
     throw ShapeError("tokens has " + std::to_string(b.tokens.size()) +
                      " elements, expected batch x seq_len = " + std::to_string(n));
   }
-  if (!cfg.decoder() && b.labels.size() != static_cast<std::size_t>(b.batch)) {
+  if (!cfg.lm() && b.labels.size() != static_cast<std::size_t>(b.batch)) {
     throw ShapeError("labels has " + std::to_string(b.labels.size()) +
                      " elements, expected batch = " + std::to_string(b.batch));
   }
@@ -75,7 +126,7 @@ void validate_batch(const EncoderConfig& cfg, const Batch& b, std::size_t real_s
                        " is outside [0, vocab_size = " + std::to_string(cfg.vocab_size) + ")");
     }
   }
-  for (std::size_t i = 0; i < (cfg.decoder() ? 0 : b.labels.size()); ++i) {
+  for (std::size_t i = 0; i < (cfg.lm() ? 0 : b.labels.size()); ++i) {
     if (b.labels[i] < 0 || b.labels[i] >= cfg.num_classes) {
       throw InputError("labels[" + std::to_string(i) + "] = " + std::to_string(b.labels[i]) +
                        " is outside [0, num_classes = " + std::to_string(cfg.num_classes) + ")");
@@ -102,6 +153,10 @@ Params<Real> Params<Real>::zeros(const EncoderConfig& cfg) {
   p.config = cfg;
   p.layers.resize(static_cast<std::size_t>(cfg.num_layers));
   for (auto& l : p.layers) l.configure(cfg);
+  if (cfg.encoder_decoder()) {
+    p.decoder_layers.assign(static_cast<std::size_t>(cfg.dec_layers()),
+                            DecoderLayerParams<Real>::markers(cfg, /*cross=*/true));
+  }
   p.visit([&](const std::string& name, Tensor<Real>& t) {
     t = Tensor<Real>(detail::param_shape(cfg, name));
   });
@@ -118,7 +173,7 @@ Params<Real> Params<Real>::init(const EncoderConfig& cfg, std::uint64_t seed) {
       return;
     }
     double bound;
-    if (name == "embedding.weight" || name == "pos_embedding.weight") {
+    if (name.ends_with("embedding.weight")) {
       bound = std::sqrt(3.0);  // variance 1, like PyTorch's N(0, 1) embedding
     } else if (name.ends_with(".attn.sinks")) {
       bound = 1.0;  // sink logits of the order of the scores
@@ -180,6 +235,23 @@ void validate_params(const Params<Real>& p) {
                        "build them with Params::zeros or LayerParams::configure");
     }
   }
+  const auto want_decoder = c.encoder_decoder() ? c.dec_layers() : 0;
+  if (p.decoder_layers.size() != static_cast<std::size_t>(want_decoder)) {
+    throw ShapeError("params has " + std::to_string(p.decoder_layers.size()) +
+                     " decoder layers, the config " + std::to_string(want_decoder));
+  }
+  for (std::size_t i = 0; i < p.decoder_layers.size(); ++i) {
+    // each holds exactly the tensors the config's decoder layer has (names checked by count)
+    std::size_t have = 0, want = 0;
+    p.decoder_layers[i].visit(c.norm_first,
+                              [&](const std::string&, const Tensor<Real>&) { ++have; });
+    DecoderLayerParams<Real>::markers(c, true).visit(
+        c.norm_first, [&](const std::string&, const Tensor<Real>&) { ++want; });
+    if (have != want || !p.decoder_layers[i].cross()) {
+      throw ShapeError("the parameters of decoder.layers." + std::to_string(i) +
+                       " are not those of the config: build them with Params::zeros");
+    }
+  }
   p.visit([&](const std::string& name, const Tensor<Real>& t) {
     expect_shape("parameter " + name, t.shape(), detail::param_shape(c, name));
   });
@@ -189,13 +261,15 @@ template <class Real>
 void validate_activations(const EncoderConfig& c, const Batch& b, const Activations<Real>& a) {
   const index_t B = b.batch, S = b.seq_len, D = c.d_model, N = B * S;
   if (a.norm_first != c.norm_first || a.rotary != (c.positional == Positional::rope) ||
-      a.gated != c.gated() || a.decoder != c.decoder() ||
-      a.layers.size() != static_cast<std::size_t>(c.num_layers)) {
+      a.gated != c.gated() || a.decoder != c.lm() || a.encoder_decoder != c.encoder_decoder() ||
+      a.layers.size() != static_cast<std::size_t>(c.num_layers) ||
+      a.decoder_layers.size() !=
+          static_cast<std::size_t>(c.encoder_decoder() ? c.dec_layers() : 0)) {
     throw ShapeError(
         "activations were produced for a different config (architecture, norm_first, rope, ffn "
         "or num_layers)");
   }
-  const contract::Sizes sizes{B, S};
+  const contract::Sizes sizes{B, S, 0, b.tgt_len};
   const auto shape_of = [&](const std::vector<std::string>& dims) {
     return Shape(contract::shape(dims, c, sizes));
   };
@@ -219,8 +293,9 @@ void validate_activations(const EncoderConfig& c, const Batch& b, const Activati
     expect_shape("statistic final_norm mean", a.final_norm_mean.shape(), Shape({N}));
     expect_shape("statistic final_norm rstd", a.final_norm_rstd.shape(), Shape({N}));
   }
-  if (c.decoder()) {
-    expect_shape("lm_probs", a.lm_probs.shape(), Shape({B, S, c.vocab_size}));
+  if (c.lm()) {
+    expect_shape("lm_probs", a.lm_probs.shape(),
+                 Shape({B, c.encoder_decoder() ? b.tgt_len : S, c.target_vocab()}));
     return;
   }
   expect_shape("class_probs", a.class_probs.shape(), Shape({B, c.num_classes}));

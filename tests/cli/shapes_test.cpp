@@ -64,8 +64,8 @@ TEST(ShapesCli, PrintsTheGenerationStepsOfADecoder) {
   ASSERT_EQ(r.code, 0) << r.out;
   for (const char* line :
        {"generation (4 steps)\n", "input.generate.tokens             [T, B]          [4, 3]\n",
-        "act.generate.0.logits             [B, V]          [3, 11]\n",
-        "act.generate.3.logits             [B, V]          [3, 11]\n"})
+        "act.generate.0.logits             [B, Vt]         [3, 11]\n",
+        "act.generate.3.logits             [B, Vt]         [3, 11]\n"})
     EXPECT_NE(r.out.find(line), std::string::npos) << line << r.out;
   EXPECT_EQ(r.out.find("act.generate.4."), std::string::npos) << r.out;
   r = run_cli("shapes --config " + path + " --seq-len 5 --steps 5");

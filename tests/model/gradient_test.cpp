@@ -15,6 +15,7 @@ struct GradCase {
   std::string name;
   EncoderConfig cfg;
   std::vector<std::int64_t> lengths;
+  std::vector<std::int64_t> tgt_lengths;  // an encoder_decoder's targets (of 5 tokens)
 };
 
 EncoderConfig tiny() {
@@ -38,7 +39,7 @@ std::vector<GradCase> cases() {
   auto add = [&](std::string name, std::vector<std::int64_t> len, auto&& edit) {
     EncoderConfig c = tiny();
     edit(c);
-    out.push_back({std::move(name), c, std::move(len)});
+    out.push_back({std::move(name), c, std::move(len), {}});
   };
   add("PostNormGeluMeanLengths410", {4, 1, 0}, [](EncoderConfig&) {});
   add("PreNormGeluTanhClsCausalSmoothing", {4, 4, 4}, [](EncoderConfig& c) {
@@ -236,6 +237,27 @@ std::vector<GradCase> cases() {
     c.num_classes = EncoderConfig{}.num_classes;  // a decoder has no classifier
     c.causal = true;
   });
+  // encoder-decoders: a source of length 0, targets of 5, 3 and 1 tokens (the seed notes' form);
+  // then pre-norm with the decoder's own tied vocabulary, learned positions, RMSNorm, SwiGLU
+  add("Seq2SeqPostNormSharedVocabSource0", {4, 2, 0}, [](EncoderConfig& c) {
+    c.architecture = Architecture::encoder_decoder;
+    c.num_classes = EncoderConfig{}.num_classes;
+  });
+  out.back().tgt_lengths = {5, 3, 1};
+  add("Seq2SeqPreNormOwnTiedVocabLearnedRmsSwiglu", {4, 3, 1}, [](EncoderConfig& c) {
+    c.architecture = Architecture::encoder_decoder;
+    c.num_classes = EncoderConfig{}.num_classes;
+    c.norm_first = true;
+    c.decoder_vocab_size = 7;
+    c.tie_embeddings = true;
+    c.positional = Positional::learned;
+    c.norm = Norm::rmsnorm;
+    c.ffn = FfnKind::swiglu;
+    c.attn_bias = false;
+    c.label_smoothing = 0.1;
+    c.decoder_layers = 1;
+  });
+  out.back().tgt_lengths = {5, 0, 2};
   return out;
 }
 
@@ -291,7 +313,10 @@ TEST_P(ModelGradient, BackwardMatchesFiniteDifferences) {
   for (; seed < 200; ++seed) {
     params = Params<double>::init(cfg, seed);
     test::randomise(params, seed);
-    batch = Batch::random(cfg, static_cast<index_t>(gc.lengths.size()), seq_len, seed, gc.lengths);
+    const auto B = static_cast<index_t>(gc.lengths.size());
+    batch = cfg.encoder_decoder()
+                ? Batch::random_seq2seq(cfg, B, seq_len, 5, seed, gc.lengths, gc.tgt_lengths)
+                : Batch::random(cfg, B, seq_len, seed, gc.lengths);
     forward(params, batch, acts, opts);
     margin = kink_margin(cfg, batch, acts);
     if (margin >= 2e-3) break;

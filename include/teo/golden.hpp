@@ -40,6 +40,10 @@ struct Case {
   // greedy steps through the KV cache, prompted by each sequence's first lengths[b] tokens
   // (docs/golden-format.md, "Generation"). 0: none.
   index_t steps = 0;
+  // An encoder_decoder's target: tgt_len tokens per sequence, tgt_lengths (empty: all full). Its
+  // source is batch x seq_len with `lengths`.
+  index_t tgt_len = 0;
+  std::vector<std::int64_t> tgt_lengths;
 
   // CASE.json: the config keys plus "case": {batch, seq_len, lengths?, dtype, seed, precision?,
   // generate?}. Throws ConfigError naming the bad key, ShapeError for sizes the config cannot
@@ -49,7 +53,9 @@ struct Case {
   // with the path in front.
   static Case from_file(const std::string& path);
   nlohmann::json case_json() const;  // the "case" object, lengths always spelled out
-  contract::Sizes sizes() const { return {batch, seq_len, steps}; }
+  contract::Sizes sizes() const { return {batch, seq_len, steps, tgt_len}; }
+  // The case's batch: Batch::random, or an encoder_decoder's Batch::random_seq2seq.
+  Batch make_batch() const;
 };
 
 // Runs the case (forward in train mode, so dropout applies when the config has it, with

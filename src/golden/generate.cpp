@@ -28,16 +28,6 @@ using nlohmann::json;
 using safetensors::DType;
 using safetensors::File;
 
-std::int64_t case_int(const json& v, const std::string& key) {
-  if (!v.is_number_integer()) {
-    throw ConfigError("case." + key + " must be an integer, got " + v.dump());
-  }
-  if (v.is_number_unsigned() && v.get<std::uint64_t>() > static_cast<std::uint64_t>(INT64_MAX)) {
-    throw ConfigError("case." + key + " is too large: " + v.dump());
-  }
-  return v.get<std::int64_t>();
-}
-
 std::vector<std::int64_t> dims_of(const Shape& s) {
   return s.dims();
 }
@@ -74,7 +64,7 @@ std::vector<std::pair<std::string, const Tensor<Real>*>> computed_tensors(const 
     run.grads.visit(
         [&](const std::string& n, const Tensor<Real>& t) { by_name["grad." + n] = &t; });
   }
-  const contract::Sizes sizes{batch.batch, batch.seq_len};
+  const contract::Sizes sizes{batch.batch, batch.seq_len, 0, batch.tgt_len};
   std::vector<std::pair<std::string, const Tensor<Real>*>> out;
   const auto add = [&](const contract::TensorSpec& spec) {
     const auto it = by_name.find(spec.name);
@@ -274,7 +264,7 @@ void generate_typed(const Case& c, Sink& sink, const GenerateOptions& opts) {
   };
   constexpr bool f32 = std::is_same_v<Real, float>;
   const EncoderConfig& cfg = c.config;
-  const Batch batch = Batch::random(cfg, c.batch, c.seq_len, c.seed, c.lengths);
+  const Batch batch = c.make_batch();
   std::optional<Params<Real>> params(Params<Real>::init(cfg, c.seed));
   if constexpr (f32) {
     if (c.precision) round_params(*params, *c.precision);
@@ -283,9 +273,16 @@ void generate_typed(const Case& c, Sink& sink, const GenerateOptions& opts) {
   std::optional<Run<Real>> run(run_case(*params, batch, c.seed));
 
   const index_t B = c.batch, S = c.seq_len;
-  std::vector<Out> outs = {out_of("input.tokens", {B, S}, batch.tokens.data(), batch.tokens.size()),
-                           out_of("input.lengths", {B}, batch.lengths.data(), batch.lengths.size()),
-                           out_of("input.labels", {B}, batch.labels.data(), batch.labels.size())};
+  const bool seq2seq = cfg.encoder_decoder();
+  std::vector<Out> outs = {
+      out_of(seq2seq ? "input.src_tokens" : "input.tokens", {B, S}, batch.tokens.data(),
+             batch.tokens.size()),
+      out_of(seq2seq ? "input.src_lengths" : "input.lengths", {B}, batch.lengths.data(),
+             batch.lengths.size()),
+      out_of("input.labels", {B}, batch.labels.data(), batch.labels.size()),
+      out_of("input.tgt_tokens", {B, batch.tgt_len}, batch.tgt_tokens.data(),
+             batch.tgt_tokens.size()),
+      out_of("input.tgt_lengths", {B}, batch.tgt_lengths.data(), batch.tgt_lengths.size())};
   params->visit([&](const std::string& n, const Tensor<Real>& t) {
     outs.push_back(out_of("param." + n, t));
   });
@@ -373,8 +370,9 @@ void generate_typed(const Case& c, Sink& sink, const GenerateOptions& opts) {
     stage("conditioning check");
     const File& f = sink.contents();
     // a decoder's LM head also sums over the vocabulary (its softmax, and dx = dlogits W)
-    const index_t L = std::max({cfg.d_model, cfg.d_ff, c.seq_len, c.batch * c.seq_len,
-                                cfg.decoder() ? cfg.vocab_size : index_t{1}});
+    // an encoder_decoder's target sums over its length too
+    const index_t L = std::max({cfg.d_model, cfg.d_ff, c.seq_len, c.batch * c.seq_len, c.tgt_len,
+                                c.batch * c.tgt_len, cfg.lm() ? cfg.target_vocab() : index_t{1}});
     why = detail::float32_conditioning(
         f, L, [&] { return detail::ill_conditioning_cause(f, cfg); }, opts.allow_ill_conditioned);
     if (c.precision && why.empty()) {
@@ -419,124 +417,12 @@ File run_tensors(const Params<Real>& params, const Batch& batch, const RunOption
 template File run_tensors<float>(const Params<float>&, const Batch&, const RunOptions&);
 template File run_tensors<double>(const Params<double>&, const Batch&, const RunOptions&);
 
-Case Case::from_file(const std::string& path) {
-  const json j = read_json_file(path);
-  try {
-    return from_json(j);
-  } catch (const ConfigError& e) {
-    throw ConfigError(path + ": " + e.what());
-  } catch (const ShapeError& e) {
-    throw ShapeError(path + ": " + e.what());
-  }
-}
-
 std::string symbolic_shape(const std::string& tensor_name) {
   try {
     return contract::symbolic(contract::dims_of(tensor_name));
   } catch (const std::invalid_argument&) {
     return "?";
   }
-}
-
-Case Case::from_json(const json& j) {
-  if (!j.is_object()) throw ConfigError("a case file must be a JSON object");
-  if (!j.contains("case")) throw ConfigError("the case file has no \"case\" object");
-  json cfg_json = j;
-  cfg_json.erase("case");
-  Case c;
-  c.config = EncoderConfig::from_json(cfg_json);
-  const json& cj = j.at("case");
-  if (!cj.is_object()) throw ConfigError("\"case\" must be an object");
-  bool have_batch = false, have_seq = false, have_dtype = false, have_seed = false;
-  for (const auto& [key, v] : cj.items()) {
-    if (key == "batch") {
-      c.batch = case_int(v, key);
-      have_batch = true;
-    } else if (key == "seq_len") {
-      c.seq_len = case_int(v, key);
-      have_seq = true;
-    } else if (key == "lengths") {
-      if (!v.is_array()) throw ConfigError("case.lengths must be an array, got " + v.dump());
-      c.lengths.clear();
-      for (const auto& x : v) c.lengths.push_back(case_int(x, "lengths[]"));
-    } else if (key == "dtype") {
-      if (!v.is_string() || (v != "float32" && v != "float64")) {
-        throw ConfigError("case.dtype must be \"float32\" or \"float64\", got " + v.dump());
-      }
-      c.dtype = v.get<std::string>();
-      have_dtype = true;
-    } else if (key == "precision") {
-      if (!v.is_string()) throw ConfigError("case.precision must be a string, got " + v.dump());
-      c.precision = parse_precision(v.get<std::string>(), "case.precision");
-    } else if (key == "seed") {
-      if (!v.is_number_unsigned()) {
-        throw ConfigError("case.seed must be a non-negative integer, got " + v.dump());
-      }
-      c.seed = v.get<std::uint64_t>();
-      have_seed = true;
-    } else if (key == "generate") {
-      if (!v.is_object()) throw ConfigError("case.generate must be an object, got " + v.dump());
-      for (const auto& [gk, gv] : v.items()) {
-        if (gk != "steps") {
-          throw ConfigError("case.generate has the unknown key \"" + gk +
-                            "\" (it takes \"steps\"; the prompts are the case's lengths)");
-        }
-        c.steps = case_int(gv, "generate.steps");
-      }
-      if (!v.contains("steps")) throw ConfigError("case.generate needs \"steps\"");
-      if (c.steps < 1) {
-        throw ConfigError("case.generate.steps must be at least 1, got " + std::to_string(c.steps));
-      }
-    } else {
-      throw ConfigError("case has the unknown key \"" + key + "\"");
-    }
-  }
-  if (!have_batch || !have_seq || !have_dtype || !have_seed) {
-    throw ConfigError("case needs batch, seq_len, dtype and seed");
-  }
-  if (c.precision && (c.dtype != "float32" || *c.precision == Precision::fp32 ||
-                      *c.precision == Precision::fp64)) {
-    throw ConfigError("case.precision must be tf32, bf16 or fp16, in a float32 case");
-  }
-  const std::size_t real = c.dtype == "float32" ? sizeof(float) : sizeof(double);
-  validate_batch_shape(c.config, {c.batch, c.seq_len}, real);
-  if (!c.lengths.empty() && static_cast<index_t>(c.lengths.size()) != c.batch) {
-    throw ShapeError("case.lengths has " + std::to_string(c.lengths.size()) +
-                     " entries for batch " + std::to_string(c.batch));
-  }
-  for (auto len : c.lengths) {
-    if (len < 0 || len > c.seq_len) {
-      throw ShapeError("case.lengths has " + std::to_string(len) + ", outside [0, seq_len " +
-                       std::to_string(c.seq_len) + "]");
-    }
-  }
-  if (c.steps > 0) {
-    if (!c.config.decoder())
-      throw ConfigError("case.generate needs a decoder (architecture \"decoder\")");
-    const index_t longest =
-        c.lengths.empty() ? c.seq_len : *std::max_element(c.lengths.begin(), c.lengths.end());
-    if (c.steps > c.config.max_len - longest) {
-      throw ShapeError("case.generate.steps " + std::to_string(c.steps) +
-                       " after a prompt of length " + std::to_string(longest) +
-                       " runs past max_len " + std::to_string(c.config.max_len));
-    }
-  }
-  return c;
-}
-
-json Case::case_json() const {
-  std::vector<std::int64_t> lens =
-      lengths.empty() ? std::vector<std::int64_t>(static_cast<std::size_t>(batch), seq_len)
-                      : lengths;
-  json j = json::object();
-  j["batch"] = batch;
-  j["seq_len"] = seq_len;
-  j["lengths"] = lens;
-  j["dtype"] = dtype;
-  j["seed"] = seed;
-  if (precision) j["precision"] = to_string(*precision);
-  if (steps > 0) j["generate"] = {{"steps", steps}};
-  return j;
 }
 
 std::vector<bool> kept_names(const std::vector<std::string>& names, const std::string& patterns,
@@ -674,6 +560,11 @@ std::map<std::string, std::vector<double>> emulate(const File& golden, Precision
   if (is_op_file(golden)) return run_op(golden, p);
   const Case c = case_of(golden);
   const EncoderConfig& cfg = c.config;
+  if (cfg.encoder_decoder()) {
+    throw ConfigError(
+        "an encoder_decoder golden has no reduced-precision budget (its decoder layer emulates "
+        "none): check it in its own dtype");
+  }
   auto params = Params<float>::zeros(cfg);
   params.visit([&](const std::string& n, Tensor<float>& t) {
     const auto* g = golden.find("param." + n);

@@ -95,14 +95,25 @@ void validate_model(const File& f) {
     want.push_back({t.name, detail::stored_dtype(t.dtype, f32), t.shape, t.symbolic()});
   detail::expect_tensors(f, want, /*op=*/false);
   detail::expect_in_range(f, "input.tokens", c.config.vocab_size, false, "vocab_size");
+  detail::expect_in_range(f, "input.src_tokens", c.config.vocab_size, false, "vocab_size");
+  detail::expect_in_range(f, "input.tgt_tokens", c.config.target_vocab(), false,
+                          "the decoder's vocabulary");
   detail::expect_in_range(f, "input.generate.tokens", c.config.vocab_size, false, "vocab_size");
   if (!c.config.decoder())
     detail::expect_in_range(f, "input.labels", c.config.num_classes, false, "num_classes");
-  detail::expect_in_range(f, "input.lengths", c.seq_len, true, "seq_len");
-  const auto lengths = f.find("input.lengths")->values<std::int64_t>();
-  const auto case_lengths = c.case_json().at("lengths").get<std::vector<std::int64_t>>();
-  if (lengths != case_lengths)
-    throw FormatError("the golden's input.lengths are not its case's lengths");
+  const bool seq2seq = c.config.encoder_decoder();
+  const std::string lengths_name = seq2seq ? "input.src_lengths" : "input.lengths";
+  detail::expect_in_range(f, lengths_name, c.seq_len, true, "seq_len");
+  const auto case_json = c.case_json();
+  const auto lengths = f.find(lengths_name)->values<std::int64_t>();
+  if (lengths != case_json.at("lengths").get<std::vector<std::int64_t>>())
+    throw FormatError("the golden's " + lengths_name + " are not its case's lengths");
+  if (seq2seq) {
+    detail::expect_in_range(f, "input.tgt_lengths", c.tgt_len, true, "tgt_len");
+    if (f.find("input.tgt_lengths")->values<std::int64_t>() !=
+        case_json.at("tgt_lengths").get<std::vector<std::int64_t>>())
+      throw FormatError("the golden's input.tgt_lengths are not its case's tgt_lengths");
+  }
 }
 
 }  // namespace

@@ -138,7 +138,42 @@ teo::Params<Real> params_from(const teo::EncoderConfig& cfg, const py::dict& d) 
   return p;
 }
 
+// An encoder_decoder's batch: {"src_tokens" (B, S), "src_lengths", "tgt_tokens" (B, T),
+// "tgt_lengths"}, the golden's input.* names without the prefix.
+teo::Batch seq2seq_batch_from(const py::dict& d) {
+  teo::Batch b;
+  for (const char* key : {"tokens", "lengths", "labels"}) {
+    if (d.contains(key)) {
+      throw teo::ConfigError(std::string("the batch has \"") + key +
+                             "\", but an encoder_decoder's is {\"src_tokens\", \"src_lengths\", "
+                             "\"tgt_tokens\", \"tgt_lengths\"}");
+    }
+  }
+  const auto shape_of = [&](const char* key) {
+    const auto a = py::array::ensure(d.contains(key) ? py::object(d[key]) : py::none());
+    if (!a || a.ndim() != 2)
+      throw teo::ShapeError(std::string("batch[\"") + key +
+                            "\"] must be a (batch, length) integer array");
+    return std::pair<teo::index_t, teo::index_t>{a.shape(0), a.shape(1)};
+  };
+  const auto [B, S] = shape_of("src_tokens");
+  const auto [Bt, T] = shape_of("tgt_tokens");
+  if (Bt != B) {
+    throw teo::ShapeError("batch[\"tgt_tokens\"] has " + std::to_string(Bt) +
+                          " sequences, batch[\"src_tokens\"] " + std::to_string(B));
+  }
+  b.batch = B;
+  b.seq_len = S;
+  b.tgt_len = T;
+  b.tokens = ints_from(d, "src_tokens");
+  b.lengths = ints_from(d, "src_lengths");
+  b.tgt_tokens = ints_from(d, "tgt_tokens");
+  b.tgt_lengths = ints_from(d, "tgt_lengths");
+  return b;
+}
+
 teo::Batch batch_from(const teo::EncoderConfig& cfg, const py::dict& d) {
+  if (cfg.encoder_decoder()) return seq2seq_batch_from(d);
   teo::Batch b;
   const auto tokens =
       py::array::ensure(d.contains("tokens") ? py::object(d["tokens"]) : py::none());
@@ -266,10 +301,32 @@ PYBIND11_MODULE(_teo, m) {
   m.def(
       "random_batch",
       [](const teo::EncoderConfig& cfg, teo::index_t batch, teo::index_t seq_len,
-         std::uint64_t seed, const std::optional<std::vector<std::int64_t>>& lengths) {
+         std::uint64_t seed, const std::optional<std::vector<std::int64_t>>& lengths,
+         teo::index_t tgt_len, const std::optional<std::vector<std::int64_t>>& tgt_lengths) {
+        const std::vector<std::int64_t> none;
+        if (cfg.encoder_decoder()) {
+          teo::validate_batch_shape(cfg, {batch, seq_len, tgt_len}, sizeof(double));
+          const teo::Batch b =
+              teo::Batch::random_seq2seq(cfg, batch, seq_len, tgt_len, seed, lengths.value_or(none),
+                                         tgt_lengths.value_or(none));
+          py::dict out;
+          const auto ints = [](const std::vector<std::int64_t>& v, std::vector<py::ssize_t> shape) {
+            py::array_t<std::int64_t> a(shape);
+            if (!v.empty()) std::memcpy(a.mutable_data(), v.data(), v.size() * 8);
+            return a;
+          };
+          out["src_tokens"] = ints(b.tokens, {b.batch, b.seq_len});
+          out["src_lengths"] = ints(b.lengths, {b.batch});
+          out["tgt_tokens"] = ints(b.tgt_tokens, {b.batch, b.tgt_len});
+          out["tgt_lengths"] = ints(b.tgt_lengths, {b.batch});
+          return out;
+        }
+        if (tgt_len != 0 || tgt_lengths) {
+          throw teo::ConfigError(
+              "tgt_len and tgt_lengths apply only to architecture \"encoder_decoder\"");
+        }
         teo::validate_batch_shape(cfg, {batch, seq_len}, sizeof(double));
-        const teo::Batch b = teo::Batch::random(cfg, batch, seq_len, seed,
-                                                lengths.value_or(std::vector<std::int64_t>{}));
+        const teo::Batch b = teo::Batch::random(cfg, batch, seq_len, seed, lengths.value_or(none));
         py::dict out;
         py::array_t<std::int64_t> tokens({b.batch, b.seq_len});
         if (!b.tokens.empty())
@@ -284,7 +341,7 @@ PYBIND11_MODULE(_teo, m) {
         return out;
       },
       py::arg("cfg"), py::arg("batch"), py::arg("seq_len"), py::arg("seed"),
-      py::arg("lengths") = py::none());
+      py::arg("lengths") = py::none(), py::arg("tgt_len") = 0, py::arg("tgt_lengths") = py::none());
 
   m.def(
       "run",

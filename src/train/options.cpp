@@ -202,6 +202,11 @@ void TrainOptions::apply_json(const json& j) {
     if (!j.contains("pooling")) mj.erase("pooling");
     mj.erase("num_classes");
   }
+  if (mj.value("architecture", "encoder") == "encoder_decoder") {
+    throw ConfigError(
+        "teo train trains architecture \"encoder\" or \"decoder\"; an encoder_decoder has no "
+        "training demo (its goldens and teo.run cover it)");
+  }
   model = EncoderConfig::from_json(mj);
 }
 

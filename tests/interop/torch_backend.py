@@ -160,6 +160,7 @@ CONFIG_DEFAULTS = {
     # the block variants and decoders (docs/semantics.md, section 17)
     "norm": "layernorm", "ffn": "mlp", "ffn_bias": True, "attn_bias": True,
     "head_bias": True, "architecture": "encoder", "tie_embeddings": False,
+    "decoder_layers": None, "decoder_vocab_size": None,
 }
 TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -191,7 +192,11 @@ def load_case(path):
     dtype_name = case.get("dtype")
     if dtype_name not in TORCH_DTYPES:
         raise Unsupported("dtype %r" % dtype_name)
-    for key in ("input.tokens", "input.lengths", "input.labels"):
+    inputs = ("input.tokens", "input.lengths", "input.labels")
+    if cfg["architecture"] == "encoder_decoder":
+        inputs = ("input.src_tokens", "input.src_lengths", "input.tgt_tokens",
+                  "input.tgt_lengths")
+    for key in inputs:
         if key == "input.labels" and cfg["architecture"] == "decoder":
             continue  # a decoder's targets are its next tokens
         if key not in tensors:
@@ -268,6 +273,10 @@ MUTANTS = {
     "ln_eps_1e-6": "every LayerNorm uses eps 1e-6, not the config's",
     "gelu_tanh_grad": "exact GELU forward, but the tanh approximation's "
                       "derivative backward",
+    # an encoder_decoder's (tests/interop/seq2seq_mutants.py)
+    "cross_attn_keys_from_decoder": "cross-attention keys and values from the "
+                                    "decoder's stream, not the encoder's output",
+    "memory_padding_ignored": "cross-attention without the source padding mask",
 }
 
 
@@ -307,6 +316,14 @@ def variant_problem(variant, cfg, tensors):
     A mutant must be able to change the case: e.g. scaling by 1/Dh instead
     of 1/sqrt(Dh) changes nothing when Dh = 1.
     """
+    seq2seq_mutants = ("cross_attn_keys_from_decoder", "memory_padding_ignored")
+    if cfg["architecture"] == "encoder_decoder":
+        if variant.dtype not in (None, "float32", "float64") or variant.tf32 \
+                or variant.transformer_layer:
+            return "an encoder_decoder golden has no reduced-precision budget"
+        return None
+    if variant.mutant in seq2seq_mutants:
+        return "mutant %s needs an encoder_decoder" % variant.mutant
     _, lengths, _ = case_inputs(tensors)
     lengths = lengths.tolist()
     S = tensors["input.tokens"].shape[1]
@@ -792,6 +809,208 @@ def rope_tables(cfg, S, dtype):
             dim)
 
 
+def decoder_layer(x, memory, i, cfg, P, self_vis, cross_vis, acts, variant=AS_GOLDEN):
+    """An encoder_decoder's decoder layer (docs/semantics.md, section 17.4): causal
+    self-attention, cross-attention over the memory (the source padding mask in cross_vis), the
+    FFN, each with its residual and norm (post-norm after it, pre-norm before it)."""
+    B, T, D = x.shape
+    H = cfg["num_heads"]
+    Dh = D // H
+    p = "decoder.layers.%d." % i
+    alpha = torch.tensor(1.0 / math.sqrt(Dh), dtype=torch.float64).to(x.dtype)
+    linear = variant.linear
+    none = Dropout({}, 0.0, x.dtype)
+
+    def attend(name, q_in, kv_in, visible):
+        b = p + name + "."
+        S = kv_in.shape[1]
+        q = linear(q_in, P[b + "q.weight"], P.get(b + "q.bias")).reshape(B, T, H, Dh)
+        k = linear(kv_in, P[b + "k.weight"], P.get(b + "k.bias")).reshape(B, S, H, Dh)
+        v = linear(kv_in, P[b + "v.weight"], P.get(b + "v.bias")).reshape(B, S, H, Dh)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        scores, probs, ctx = attention(q, k, v, visible, alpha, none, "", variant)
+        context = ctx.transpose(1, 2).reshape(B, T, D)
+        out = linear(context, P[b + "o.weight"], P.get(b + "o.bias"))
+        acts.update({b + "q": q, b + "k": k, b + "v": v, b + "scores": scores,
+                     b + "probs": probs, b + "context": context, b + "out": out})
+        return out
+
+    def block(h, norm_name, residual_name, sub):
+        if cfg["norm_first"]:
+            n = acts[p + norm_name] = norm(h, p + norm_name, P, cfg)
+            r = acts[p + residual_name] = h + sub(n)
+            return r
+        r = acts[p + residual_name] = h + sub(h)
+        acts[p + norm_name] = norm(r, p + norm_name, P, cfg)
+        return acts[p + norm_name]
+
+    h = block(x, "norm1", "residual1", lambda a: attend("self_attn", a, a, self_vis))
+    kv_source = h if variant.mutant == "cross_attn_keys_from_decoder" else memory
+    h = block(h, "norm2", "residual2", lambda a: attend(
+        "cross_attn", a, a if kv_source is h else kv_source,
+        self_vis if kv_source is h else cross_vis))
+
+    def ffn(a):
+        pre = linear(a, P[p + "ffn.fc1.weight"], P.get(p + "ffn.fc1.bias"))
+        if cfg["ffn"] != "mlp":
+            gate = linear(a, P[p + "ffn.gate.weight"], P.get(p + "ffn.gate.bias"))
+            hidden = activation_fn("silu" if cfg["ffn"] == "swiglu"
+                                   else cfg["activation"])(gate) * pre
+        else:
+            hidden = activation_fn(cfg["activation"])(pre)
+        out = linear(hidden, P[p + "ffn.fc2.weight"], P.get(p + "ffn.fc2.bias"))
+        acts.update({p + "ffn_pre": pre, p + "ffn_hidden": hidden, p + "ffn_out": out})
+        return out
+
+    out = acts[p + "output"] = block(h, "norm3", "residual3", ffn)
+    return out
+
+
+def run_seq2seq_case(cfg, case, tensors, variant=AS_GOLDEN):
+    """An encoder_decoder's forward and backward (docs/semantics.md, section 17.5): the encoder as
+    run_case's, the decoder over the target with the encoder's output as its memory, the LM head
+    and the next-token loss over the target. Returns what run_case returns."""
+    dtype = variant.torch_dtype(case)
+    src = torch.from_numpy(tensors["input.src_tokens"].astype(np.int64))
+    src_len = torch.from_numpy(tensors["input.src_lengths"].astype(np.int64))
+    tgt = torch.from_numpy(tensors["input.tgt_tokens"].astype(np.int64))
+    tgt_len = torch.from_numpy(tensors["input.tgt_lengths"].astype(np.int64))
+    P = {k[len("param."):]: torch.from_numpy(v.copy()).to(dtype).requires_grad_(True)
+         for k, v in tensors.items() if k.startswith("param.")}
+    (B, S), T, D = src.shape, tgt.shape[1], cfg["d_model"]
+    scale = torch.tensor(math.sqrt(D) if cfg["embed_scale"] else 1.0,
+                         dtype=torch.float64).to(dtype)
+    acts = {}
+    none = Dropout({}, 0.0, dtype)
+
+    def positions(n, table):
+        P0 = cfg["position_offset"]
+        if cfg["positional"] == "learned":
+            return P[table][P0:P0 + n]
+        if cfg["positional"] == "sinusoidal":
+            return sinusoidal_table(n, D, dtype, 10000.0, P0).requires_grad_(True)
+        return torch.zeros((n, D), dtype=dtype, requires_grad=True)
+
+    embedding = F.embedding(src, P["embedding.weight"]) * scale
+    positional = positions(S, "pos_embedding.weight")
+    x = embedding + positional
+    acts.update({"embedding": embedding, "positional": positional, "input": x})
+    enc_vis = visibility(cfg, src_len, S)
+    for i in range(cfg["num_layers"]):
+        x = encoder_layer(x, i, cfg, P, enc_vis, none, acts, variant, None)
+    if cfg["norm_first"]:
+        x = acts["final_norm"] = norm(x, "final_norm", P, cfg)
+    memory = x
+    w_tgt = P["decoder.embedding.weight" if cfg["decoder_vocab_size"] else "embedding.weight"]
+    d_embedding = F.embedding(tgt, w_tgt) * scale
+    d_positional = positions(T, "decoder.pos_embedding.weight")
+    y = d_embedding + d_positional
+    acts.update({"decoder.embedding": d_embedding, "decoder.positional": d_positional,
+                 "decoder.input": y})
+    self_vis = visibility(dict(cfg, causal=True, sliding_window=None), tgt_len, T)
+    j = torch.arange(S)
+    cross_vis = (j[None, None, :] < src_len[:, None, None]).expand(B, T, S)[:, None]
+    if variant.mutant == "memory_padding_ignored":
+        cross_vis = torch.ones_like(cross_vis)
+    layers = cfg["decoder_layers"] if cfg["decoder_layers"] is not None else cfg["num_layers"]
+    for i in range(layers):
+        y = decoder_layer(y, memory, i, cfg, P, self_vis, cross_vis, acts, variant)
+    if cfg["norm_first"]:
+        y = acts["decoder.final_norm"] = norm(y, "decoder.final_norm", P, cfg)
+    w = w_tgt if cfg["tie_embeddings"] else P["lm_head.weight"]
+    lm_logits = acts["lm_logits"] = variant.linear(y, w, P.get("lm_head.bias"))
+    loss = acts["loss"] = lm_loss_fn(lm_logits, tgt, tgt_len, cfg["label_smoothing"])
+    for t in acts.values():
+        if t.requires_grad and not t.is_leaf:
+            t.retain_grad()
+    loss.backward()
+
+    def grad_of(t):
+        return torch.zeros_like(t) if t.grad is None else t.grad
+    return (acts, {n: grad_of(t) for n, t in acts.items()},
+            {n: grad_of(t) for n, t in P.items()}, (P, src_len, tgt_len))
+
+
+def cross_check_seq2seq(cfg, acts, extra, name):
+    """Compares the decoder's top (and the encoder's output) with PyTorch's own modules fed teo's
+    parameters: nn.Transformer for pre-norm (its final norms are teo's), nn.TransformerEncoder and
+    nn.TransformerDecoder without a final norm for post-norm. Real positions of sequences whose
+    source and target are not empty (PyTorch gives NaN there); LayerNorm, a biased MLP and ReLU
+    or GELU only. Raises Mismatch beyond the bound."""
+    P, src_len, tgt_len = extra
+    if cfg["norm"] != "layernorm" or cfg["ffn"] != "mlp" or not cfg["ffn_bias"] or \
+            not cfg["attn_bias"] or cfg["activation"] not in ("relu", "gelu"):
+        return False
+    x, y = acts["input"].detach(), acts["decoder.input"].detach()
+    dtype = x.dtype
+    D, H = cfg["d_model"], cfg["num_heads"]
+    layers_dec = cfg["decoder_layers"] if cfg["decoder_layers"] is not None else cfg["num_layers"]
+    model = torch.nn.Transformer(
+        D, H, cfg["num_layers"], layers_dec, cfg["d_ff"], dropout=0.0,
+        activation=cfg["activation"], layer_norm_eps=cfg["layer_norm_eps"], batch_first=True,
+        norm_first=cfg["norm_first"], dtype=dtype)
+    if not cfg["norm_first"]:
+        model.encoder.norm = None
+        model.decoder.norm = None
+    params = {}
+
+    def attn(theirs, ours):
+        params[theirs + ".in_proj_weight"] = torch.cat([P[ours + "." + n + ".weight"] for n in "qkv"])
+        params[theirs + ".in_proj_bias"] = torch.cat([P[ours + "." + n + ".bias"] for n in "qkv"])
+        params[theirs + ".out_proj.weight"] = P[ours + ".o.weight"]
+        params[theirs + ".out_proj.bias"] = P[ours + ".o.bias"]
+
+    def lin(theirs, ours):
+        params[theirs + ".weight"], params[theirs + ".bias"] = P[ours + ".weight"], P[ours + ".bias"]
+    for i in range(cfg["num_layers"]):
+        a, b = "encoder.layers.%d." % i, "layers.%d." % i
+        attn(a + "self_attn", b + "attn")
+        lin(a + "linear1", b + "ffn.fc1")
+        lin(a + "linear2", b + "ffn.fc2")
+        lin(a + "norm1", b + "norm1")
+        lin(a + "norm2", b + "norm2")
+    for i in range(layers_dec):
+        a, b = "decoder.layers.%d." % i, "decoder.layers.%d." % i
+        attn(a + "self_attn", b + "self_attn")
+        attn(a + "multihead_attn", b + "cross_attn")
+        lin(a + "linear1", b + "ffn.fc1")
+        lin(a + "linear2", b + "ffn.fc2")
+        for n in ("norm1", "norm2", "norm3"):
+            lin(a + n, b + n)
+    if cfg["norm_first"]:
+        lin("encoder.norm", "final_norm")
+        lin("decoder.norm", "decoder.final_norm")
+    T, S = y.shape[1], x.shape[1]
+    src_pad = torch.arange(S)[None, :] >= src_len[:, None]
+    tgt_pad = torch.arange(T)[None, :] >= tgt_len[:, None]
+    causal = torch.triu(torch.ones(T, T, dtype=torch.bool), diagonal=1)
+    with torch.no_grad():
+        memory = torch.nn.utils.stateless.functional_call(
+            model.encoder, {k[len("encoder."):]: v for k, v in params.items()
+                            if k.startswith("encoder.")}, (x,),
+            {"src_key_padding_mask": src_pad})
+        ref = torch.nn.utils.stateless.functional_call(
+            model.decoder, {k[len("decoder."):]: v for k, v in params.items()
+                            if k.startswith("decoder.")}, (y, memory),
+            {"tgt_mask": causal, "tgt_key_padding_mask": tgt_pad,
+             "memory_key_padding_mask": src_pad})
+    top = "decoder.final_norm" if cfg["norm_first"] else "decoder.layers.%d.output" % (layers_dec - 1)
+    enc_top = "final_norm" if cfg["norm_first"] else "layers.%d.output" % (cfg["num_layers"] - 1)
+    tol = 1e-4 if dtype == torch.float32 else 1e-10
+    ok_seq = (src_len > 0) & (tgt_len > 0)
+    for what, theirs, ours, lengths in (("the encoder's output", memory, acts[enc_top], src_len),
+                                        ("the decoder's top", ref, acts[top], tgt_len)):
+        ours = ours.detach()
+        real = (torch.arange(ours.shape[1])[None, :] < lengths[:, None]) & ok_seq[:, None]
+        diff = torch.where(real[:, :, None], (theirs - ours).abs(), torch.zeros_like(ours))
+        scale = max(1.0, float(ours.abs().max()))
+        err = float(diff.max()) if diff.numel() else 0.0
+        if not err <= tol * scale:
+            raise Mismatch("%s: %s differs from nn.Transformer's by %.3g (bound %.3g)"
+                           % (name, what, err, tol * scale))
+    return True
+
+
 def run_case(cfg, case, tensors, variant=AS_GOLDEN):
     """Forward + backward.
 
@@ -801,6 +1020,11 @@ def run_case(cfg, case, tensors, variant=AS_GOLDEN):
     case dtype and converted with torch's .to(), which rounds to nearest
     even (from float64 to bfloat16 or float16 it goes through float32).
     """
+    if cfg["architecture"] == "encoder_decoder":
+        problem = variant_problem(variant, cfg, tensors)
+        if problem:
+            raise Unsupported(problem)
+        return run_seq2seq_case(cfg, case, tensors, variant)
     golden_dtype = TORCH_DTYPES[case["dtype"]]
     dtype = variant.torch_dtype(case)
     tokens, lengths, labels = case_inputs(tensors)
@@ -1080,9 +1304,13 @@ def process(path, out_dir, check, variant=AS_GOLDEN):
                           % (torch.__version__, e))
     acts.update(generation_logits(cfg, case, tensors, variant))
     dtype = acts["input"].dtype
+    seq2seq = cfg["architecture"] == "encoder_decoder"
     if check and dtype in (torch.float32, torch.float64) \
             and not variant.tf32 and variant.mutant is None:
-        cross_check(cfg, acts, extra, name)
+        if seq2seq:
+            cross_check_seq2seq(cfg, acts, extra, name)
+        else:
+            cross_check(cfg, acts, extra, name)
     if variant.transformer_layer:
         acts.update(transformer_layer_outputs(cfg, acts, extra))
 
@@ -1090,9 +1318,9 @@ def process(path, out_dir, check, variant=AS_GOLDEN):
     # always written.
     golden_acts = {k[4:] for k in tensors if k.startswith("act.")}
     golden_gacts = {k[9:] for k in tensors if k.startswith("grad.act.")}
-    act_names = required_act_names(cfg)
+    act_names = [] if seq2seq else required_act_names(cfg)
     act_names += sorted(golden_acts - set(act_names))
-    gact_names = required_grad_act_names(cfg)
+    gact_names = [] if seq2seq else required_grad_act_names(cfg)
     gact_names += sorted(golden_gacts - set(gact_names))
 
     # Every tensor is written in the run's dtype (the golden's by default).
@@ -1102,7 +1330,7 @@ def process(path, out_dir, check, variant=AS_GOLDEN):
             out["act." + n] = to_numpy(acts[n])
         else:
             missing.append("act." + n)
-    for n in param_names(cfg):
+    for n in (sorted(param_grads) if seq2seq else param_names(cfg)):
         out["grad." + n] = to_numpy(param_grads[n])
     for n in gact_names:
         if n in act_grads:

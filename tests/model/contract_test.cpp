@@ -65,6 +65,15 @@ std::vector<std::pair<std::string, EncoderConfig>> configs() {
   gpt2.causal = true;
   gpt2.tie_embeddings = true;
   out.emplace_back("decoder with a tied LM head and its bias", gpt2);
+  EncoderConfig seq2seq = plain;
+  seq2seq.architecture = teo::Architecture::encoder_decoder;
+  seq2seq.norm_first = true;
+  seq2seq.positional = teo::Positional::learned;
+  seq2seq.decoder_vocab_size = 9;
+  seq2seq.decoder_layers = 3;
+  seq2seq.ffn = teo::FfnKind::geglu;
+  out.emplace_back("encoder-decoder: pre-norm, learned positions, own target vocabulary, GeGLU",
+                   seq2seq);
   return out;
 }
 
@@ -103,7 +112,10 @@ TEST(Contract, ShapesAreWhatTheModelComputes) {
   for (const auto& [what, cfg] : configs()) {
     SCOPED_TRACE(what);
     const index_t B = 3, S = 5;
-    const auto batch = teo::Batch::random(cfg, B, S, 7, {5, 2, 0});
+    const auto batch = cfg.encoder_decoder()
+                           ? teo::Batch::random_seq2seq(cfg, B, S, 4, 7, {5, 2, 0}, {4, 0, 1})
+                           : teo::Batch::random(cfg, B, S, 7, {5, 2, 0});
+    const contract::Sizes sizes{B, S, 0, batch.tgt_len};
     const auto params = teo::Params<double>::init(cfg, 3);
     teo::Activations<double> acts, dacts;
     teo::forward(params, batch, acts, {.train = true, .dropout_seed = 1});
@@ -122,7 +134,7 @@ TEST(Contract, ShapesAreWhatTheModelComputes) {
     dacts.visit([&](const std::string& n, const teo::Tensor<double>& t) {
       model["grad.act." + n] = t.shape().dims();
     });
-    const auto all = contract::model_case(cfg, {B, S}, false);
+    const auto all = contract::model_case(cfg, sizes, false);
     for (const auto& t : all) {
       if (t.role == contract::Role::input || t.role == contract::Role::mask) continue;
       ASSERT_TRUE(model.contains(t.name)) << t.name;
@@ -131,14 +143,15 @@ TEST(Contract, ShapesAreWhatTheModelComputes) {
     // the model's activations, in its order, are the contract's full list
     std::vector<std::string> kept, listed_all;
     acts.visit([&](const std::string& n, const teo::Tensor<double>&) { kept.push_back(n); });
-    for (const auto& t : contract::activations(cfg, {B, S}, /*in_golden=*/false))
+    for (const auto& t : contract::activations(cfg, sizes, /*in_golden=*/false))
       listed_all.push_back(t.name);
     EXPECT_EQ(kept, listed_all);
     std::set<std::string> listed;
     for (const auto& t : all) listed.insert(t.name);
     for (const auto& [n, shape] : model) {
-      const bool left_out =
-          n.ends_with(".ffn_gate") || n.ends_with(".ffn_pre") || n.ends_with(".residual2");
+      const bool in_decoder = n.starts_with("act.decoder.layers.");
+      const bool left_out = n.ends_with(".ffn_gate") || n.ends_with(".ffn_pre") ||
+                            n.ends_with(in_decoder ? ".residual3" : ".residual2");
       if (n.starts_with("grad.act.")) continue;  // the contract keeps only some of them
       EXPECT_EQ(listed.contains(n), !left_out) << n;
     }

@@ -54,7 +54,8 @@ def test_config_errors_name_the_field(keys, field):
 
 
 @pytest.mark.parametrize("name", ["post_gelu_mean_f64", "learned_pe_f32", "dropout_post_f64",
-                                  "gpt2_dropout_smoothing_f64", "llama_block_f32"])
+                                  "gpt2_dropout_smoothing_f64", "llama_block_f32",
+                                  "seq2seq_bart_f32", "seq2seq_pre_own_vocab_f64"])
 def test_init_params_and_random_batch_are_the_goldens_bits(name):
     g = case(name)
     dtype = g.case["dtype"]
@@ -63,7 +64,8 @@ def test_init_params_and_random_batch_are_the_goldens_bits(name):
     for n, a in params.items():
         assert same_bits(a, g.tensors["param." + n]), n
     batch = teo.random_batch(g.config, g.case["batch"], g.case["seq_len"], g.case["seed"],
-                             g.case["lengths"])
+                             g.case["lengths"], g.case.get("tgt_len", 0),
+                             g.case.get("tgt_lengths"))
     assert set(batch) == {n[len("input."):] for n in g.tensors if n.startswith("input.")}
     for k in batch:
         assert same_bits(batch[k], g.tensors["input." + k]), k
@@ -74,7 +76,8 @@ def test_init_params_and_random_batch_are_the_goldens_bits(name):
 @pytest.mark.parametrize("name", ["post_gelu_mean_f64", "causal_pre_f32", "dropout_post_f64",
                                   "pre_gelu_tanh_max_f32", "lengths_zero_f64",
                                   "gpt2_dropout_smoothing_f64", "llama_block_f32",
-                                  "decoder_no_targets_f64", "encoder_rms_geglu_nobias_f64"])
+                                  "decoder_no_targets_f64", "encoder_rms_geglu_nobias_f64",
+                                  "seq2seq_post_f64", "seq2seq_bart_f32"])
 def test_run_reproduces_the_goldens_bytes_on_the_reference_backend(name):
     g = case(name)
     params = {n[len("param."):]: a for n, a in g.tensors.items() if n.startswith("param.")}

@@ -5,7 +5,8 @@ import numpy as np
 from . import _teo
 from ._wire import arrays_of, as_array, backend_of, real_array
 
-_BATCH_KEYS = ("tokens", "lengths", "labels")
+_BATCH_KEYS = ("tokens", "lengths", "labels",
+               "src_tokens", "src_lengths", "tgt_tokens", "tgt_lengths")  # an encoder_decoder's
 
 
 def config_of(cfg):
@@ -26,12 +27,15 @@ def init_params(cfg, seed, dtype="float64"):
     return _teo.init_params(config_of(cfg), int(seed), str(dtype))
 
 
-def random_batch(cfg, batch, seq_len, seed, lengths=None):
+def random_batch(cfg, batch, seq_len, seed, lengths=None, tgt_len=0, tgt_lengths=None):
     """{"tokens" (B, S), "lengths" (B), "labels" (B)}, int64, drawn from seed as C++
-    Batch::random draws them; lengths default to seq_len."""
-    return _teo.random_batch(config_of(cfg), int(batch), int(seq_len), int(seed),
-                             None if lengths is None
-                             else [int(x) for x in as_array(lengths).reshape(-1)])
+    Batch::random draws them; lengths default to seq_len. An encoder_decoder's (give tgt_len):
+    {"src_tokens" (B, S), "src_lengths", "tgt_tokens" (B, tgt_len), "tgt_lengths"}, as
+    Batch::random_seq2seq draws them."""
+    def ints(v):
+        return None if v is None else [int(x) for x in as_array(v).reshape(-1)]
+    return _teo.random_batch(config_of(cfg), int(batch), int(seq_len), int(seed), ints(lengths),
+                             int(tgt_len), ints(tgt_lengths))
 
 
 def _golden_names(params, batch, masks):
@@ -63,7 +67,8 @@ def run(cfg, params, batch, *, train=False, dropout_seed=0, masks=None, precisio
     Returns every act.* tensor of the golden contract, every grad.* tensor when backward is set,
     and the dropout.* masks when train mode applies dropout, as numpy arrays. cfg is a
     teo.EncoderConfig or a dict of its keys. params ({"embedding.weight": ...}) are all float32
-    or all float64 (the run's dtype); batch is {"tokens", "lengths", "labels"}; masks
+    or all float64 (the run's dtype); batch is {"tokens", "lengths", "labels"} (an encoder_decoder's
+    {"src_tokens", "src_lengths", "tgt_tokens", "tgt_lengths"}); masks
     ({"dropout.input": ...}) replay dropout masks in train mode instead of drawing them from
     dropout_seed. Arrays may be numpy arrays or torch tensors. A golden's Golden.params(),
     Golden.batch() and Golden.masks() give its own. precision emulates tf32, bf16 or fp16 in a

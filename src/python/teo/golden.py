@@ -61,10 +61,11 @@ class Golden:
 
     def batch(self):
         """The batch as teo.run takes it: {"tokens", "lengths", "labels"} (input.*); a decoder's
-        has no labels (its targets are its next tokens)."""
+        has no labels (its targets are its next tokens); an encoder_decoder's is {"src_tokens",
+        "src_lengths", "tgt_tokens", "tgt_lengths"}."""
         self._model_case("batch")
-        return {k: self.tensors["input." + k] for k in ("tokens", "lengths", "labels")
-                if "input." + k in self.tensors}
+        return {k[len("input."):]: v for k, v in self.tensors.items()
+                if k.startswith("input.") and not k.startswith("input.generate.")}
 
     def masks(self):
         """The dropout masks as teo.run(masks=) takes them (with train=True):

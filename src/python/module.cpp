@@ -310,7 +310,8 @@ PYBIND11_MODULE(_teo, m) {
               teo::Batch::random_seq2seq(cfg, batch, seq_len, tgt_len, seed, lengths.value_or(none),
                                          tgt_lengths.value_or(none));
           py::dict out;
-          const auto ints = [](const std::vector<std::int64_t>& v, std::vector<py::ssize_t> shape) {
+          const auto ints = [](const std::vector<std::int64_t>& v,
+                               const std::vector<py::ssize_t>& shape) {
             py::array_t<std::int64_t> a(shape);
             if (!v.empty()) std::memcpy(a.mutable_data(), v.data(), v.size() * 8);
             return a;

@@ -146,6 +146,36 @@ TEST(Config, InvalidBlockAndDecoderValuesAreNamedErrors) {
   expect_config_error(R"({"tie_embeddings": true})", "tie_embeddings");
 }
 
+// An encoder_decoder's keys round-trip and appear only when set; they belong to it alone, and its
+// decoder's limits (positions in the embeddings, no variants, no dropout) are named errors.
+TEST(Config, EncoderDecoderKeysRoundTripAndItsLimitsAreNamed) {
+  EncoderConfig c;
+  c.architecture = Architecture::encoder_decoder;
+  EXPECT_EQ(EncoderConfig::from_json(c.to_json()), c);
+  EXPECT_FALSE(c.to_json().contains("decoder_layers"));
+  EXPECT_EQ(c.dec_layers(), c.num_layers);
+  EXPECT_EQ(c.target_vocab(), c.vocab_size);
+  EXPECT_FALSE(c.causal);  // the encoder's; the decoder's self-attention is always masked
+  c.decoder_layers = 3;
+  c.decoder_vocab_size = 7;
+  c.decoder_positional = Positional::learned;
+  c.tie_embeddings = true;
+  EXPECT_EQ(EncoderConfig::from_json(c.to_json()), c);
+  EXPECT_EQ(c.target_vocab(), 7);
+  EXPECT_EQ(c.dec_positional(), Positional::learned);
+  for (const char* key : {"decoder_layers", "decoder_vocab_size"})
+    expect_config_error(std::string(R"({")") + key + R"(": 2})", key);
+  expect_config_error(R"({"decoder_positional": "learned"})", "decoder_positional");
+  const std::string ed = R"({"architecture": "encoder_decoder", )";
+  expect_config_error(ed + R"("decoder_positional": "rope"})", "decoder_positional");
+  expect_config_error(ed + R"("decoder_layers": -1})", "decoder_layers");
+  expect_config_error(ed + R"("decoder_vocab_size": 0})", "decoder_vocab_size");
+  expect_config_error(ed + R"("positional": "rope"})", "positional");
+  expect_config_error(ed + R"("attn_sinks": true})", "attn_sinks");
+  expect_config_error(ed + R"("dropout": 0.1})", "dropout");
+  expect_config_error(ed + R"("pooling": "max"})", "pooling");
+}
+
 TEST(Config, LearnedPositionsWithAnOffsetMustFitTheTable) {
   EncoderConfig c;
   c.positional = Positional::learned;

@@ -92,6 +92,8 @@ struct EncoderConfig {
   // set: its own decoder.embedding).
   std::optional<index_t> decoder_layers{};
   std::optional<index_t> decoder_vocab_size{};
+  // encoder_decoder only: the decoder's positions (sinusoidal, learned or none; unset: positional)
+  std::optional<Positional> decoder_positional{};
 
   index_t d_head() const { return d_model / num_heads; }
   index_t kv_heads() const { return num_kv_heads.value_or(num_heads); }
@@ -102,6 +104,7 @@ struct EncoderConfig {
   // An LM head over a vocabulary (a decoder, or an encoder-decoder's decoder): no pooling.
   bool lm() const { return decoder() || encoder_decoder(); }
   index_t dec_layers() const { return decoder_layers.value_or(num_layers); }
+  Positional dec_positional() const { return decoder_positional.value_or(positional); }
   // The vocabulary of the LM head (Vt): the decoder's own, else vocab_size.
   index_t target_vocab() const { return decoder_vocab_size.value_or(vocab_size); }
   // The FFN's activation: silu for swiglu, else `activation` (gelu or gelu_tanh for geglu).

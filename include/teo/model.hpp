@@ -170,7 +170,7 @@ struct Params {
     if (self.config.encoder_decoder()) {
       if (self.config.decoder_vocab_size)
         f("decoder.embedding.weight", self.decoder_embedding_weight);
-      if (self.config.positional == Positional::learned)
+      if (self.config.dec_positional() == Positional::learned)
         f("decoder.pos_embedding.weight", self.decoder_pos_embedding_weight);
       for (std::size_t i = 0; i < self.decoder_layers.size(); ++i) {
         const std::string p = "decoder.layers." + std::to_string(i) + ".";

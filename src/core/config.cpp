@@ -207,9 +207,10 @@ void validate_block(const EncoderConfig& c) {
         "tie_embeddings applies only to architecture \"decoder\" or \"encoder_decoder\" (the LM "
         "head)");
   }
-  if (!c.encoder_decoder() && (c.decoder_layers || c.decoder_vocab_size)) {
+  if (!c.encoder_decoder() && (c.decoder_layers || c.decoder_vocab_size || c.decoder_positional)) {
     throw ConfigError(
-        "decoder_layers and decoder_vocab_size apply only to architecture \"encoder_decoder\"");
+        "decoder_layers, decoder_vocab_size and decoder_positional apply only to architecture "
+        "\"encoder_decoder\"");
   }
   if (c.encoder_decoder()) {
     if (c.decoder_layers && *c.decoder_layers < 0)
@@ -421,7 +422,8 @@ const char* const kConfigKeys[] = {"vocab_size",
                                    "architecture",
                                    "tie_embeddings",
                                    "decoder_layers",
-                                   "decoder_vocab_size"};
+                                   "decoder_vocab_size",
+                                   "decoder_positional"};
 }  // namespace
 
 EncoderConfig EncoderConfig::from_json(const nlohmann::json& j) {
@@ -570,6 +572,18 @@ EncoderConfig EncoderConfig::from_json(const nlohmann::json& j) {
       c.decoder_layers = get_int(v, key);
     } else if (key == "decoder_vocab_size") {
       c.decoder_vocab_size = get_int(v, key);
+    } else if (key == "decoder_positional") {
+      const std::string s = get_string(v, key);
+      if (s == "sinusoidal")
+        c.decoder_positional = Positional::sinusoidal;
+      else if (s == "learned")
+        c.decoder_positional = Positional::learned;
+      else if (s == "none")
+        c.decoder_positional = Positional::none;
+      else
+        throw ConfigError(
+            "decoder_positional must be \"sinusoidal\", \"learned\" or \"none\", got \"" + s +
+            "\"");
     } else {
       const std::vector<std::string> keys(std::begin(kConfigKeys), std::end(kConfigKeys));
       throw ConfigError("unknown config key \"" + key + "\"" + did_you_mean(key, keys));
@@ -628,6 +642,7 @@ nlohmann::json EncoderConfig::to_json() const {
   }
   if (decoder_layers) j["decoder_layers"] = *decoder_layers;
   if (decoder_vocab_size) j["decoder_vocab_size"] = *decoder_vocab_size;
+  if (decoder_positional) j["decoder_positional"] = to_string(*decoder_positional);
   // The variants' keys appear only when they are in use, so a plain config reads as before.
   if (num_kv_heads) j["num_kv_heads"] = *num_kv_heads;
   if (positional == Positional::rope) {
@@ -661,7 +676,8 @@ void validate_batch_shape(const EncoderConfig& cfg, const BatchShape& shape,
       throw ShapeError("tgt_len " + std::to_string(s.tgt_len) + " exceeds max_len " +
                        std::to_string(cfg.max_len));
     }
-    if (cfg.positional == Positional::learned && cfg.position_offset > cfg.max_len - s.tgt_len) {
+    if (cfg.dec_positional() == Positional::learned &&
+        cfg.position_offset > cfg.max_len - s.tgt_len) {
       throw ShapeError("position_offset " + std::to_string(cfg.position_offset) + " + tgt_len " +
                        std::to_string(s.tgt_len) + " exceeds max_len " +
                        std::to_string(cfg.max_len) + ", the learned table's rows");

@@ -55,9 +55,9 @@ void seq2seq_forward(const Params<Real>& params, const Batch& batch, Activations
   acts.decoder_input = Tensor<Real>::for_overwrite({B, T, D});
   embedding_forward(acts.decoder_embedding.data(), batch.tgt_tokens.data(),
                     target_embedding(params).data(), N, D, scale);
-  if (cfg.positional == Positional::sinusoidal) {
+  if (cfg.dec_positional() == Positional::sinusoidal) {
     sinusoidal_table(acts.decoder_positional.data(), T, D, cfg.position_offset);
-  } else if (cfg.positional == Positional::learned) {
+  } else if (cfg.dec_positional() == Positional::learned) {
     copy(acts.decoder_positional.data(),
          params.decoder_pos_embedding_weight.data() + cfg.position_offset * D, T * D);
   }
@@ -142,7 +142,7 @@ void seq2seq_backward(const Params<Real>& params, const Batch& batch, const Acti
   dacts.decoder_embedding = std::move(dy);
   dacts.decoder_positional = Tensor<Real>({T, D});
   add_positional_backward(dacts.decoder_positional.data(), dacts.decoder_embedding.data(), B, T, D);
-  if (cfg.positional == Positional::learned) {
+  if (cfg.dec_positional() == Positional::learned) {
     add(grads.decoder_pos_embedding_weight.data() + cfg.position_offset * D,
         dacts.decoder_positional.data(), T * D);
   }

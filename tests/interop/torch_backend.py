@@ -160,7 +160,7 @@ CONFIG_DEFAULTS = {
     # the block variants and decoders (docs/semantics.md, section 17)
     "norm": "layernorm", "ffn": "mlp", "ffn_bias": True, "attn_bias": True,
     "head_bias": True, "architecture": "encoder", "tie_embeddings": False,
-    "decoder_layers": None, "decoder_vocab_size": None,
+    "decoder_layers": None, "decoder_vocab_size": None, "decoder_positional": None,
 }
 TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -883,16 +883,16 @@ def run_seq2seq_case(cfg, case, tensors, variant=AS_GOLDEN):
     acts = {}
     none = Dropout({}, 0.0, dtype)
 
-    def positions(n, table):
+    def positions(n, table, kind):
         P0 = cfg["position_offset"]
-        if cfg["positional"] == "learned":
+        if kind == "learned":
             return P[table][P0:P0 + n]
-        if cfg["positional"] == "sinusoidal":
+        if kind == "sinusoidal":
             return sinusoidal_table(n, D, dtype, 10000.0, P0).requires_grad_(True)
         return torch.zeros((n, D), dtype=dtype, requires_grad=True)
 
     embedding = F.embedding(src, P["embedding.weight"]) * scale
-    positional = positions(S, "pos_embedding.weight")
+    positional = positions(S, "pos_embedding.weight", cfg["positional"])
     x = embedding + positional
     acts.update({"embedding": embedding, "positional": positional, "input": x})
     enc_vis = visibility(cfg, src_len, S)
@@ -903,7 +903,8 @@ def run_seq2seq_case(cfg, case, tensors, variant=AS_GOLDEN):
     memory = x
     w_tgt = P["decoder.embedding.weight" if cfg["decoder_vocab_size"] else "embedding.weight"]
     d_embedding = F.embedding(tgt, w_tgt) * scale
-    d_positional = positions(T, "decoder.pos_embedding.weight")
+    d_positional = positions(T, "decoder.pos_embedding.weight",
+                             cfg["decoder_positional"] or cfg["positional"])
     y = d_embedding + d_positional
     acts.update({"decoder.embedding": d_embedding, "decoder.positional": d_positional,
                  "decoder.input": y})

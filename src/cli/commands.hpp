@@ -17,7 +17,8 @@ struct ShapesOptions {
   index_t batch = 2;
   index_t seq_len = 0;  // 0: min(8, max_len)
   std::string dtype = "float64";
-  index_t steps = 0;  // a decoder's generation steps after the prompt
+  index_t steps = 0;    // a decoder's generation steps after the prompt
+  index_t tgt_len = 0;  // an encoder_decoder's target length (0: seq_len)
 };
 int run_shapes(const ShapesOptions& opts, std::ostream& out);
 

@@ -112,6 +112,10 @@ int main(int argc, char** argv) {
       ->add_option("--steps", shapes_opts.steps,
                    "a decoder's greedy steps after the prompt (generation tensors)")
       ->check(CLI::Range(0, 1 << 20));
+  shapes
+      ->add_option("--tgt-len", shapes_opts.tgt_len,
+                   "an encoder_decoder's target length (default: the sequence length)")
+      ->check(CLI::Range(1, 1 << 20));
 
   teo::cli::BenchOptions bench_opts;
   CLI::App* bench = app.add_subcommand(

@@ -21,7 +21,14 @@ template <class Real>
 int run(const EncoderConfig& cfg, const ShapesOptions& o, std::ostream& out) {
   std::vector<std::int64_t> lengths;
   for (index_t b = 0; b < o.batch; ++b) lengths.push_back(std::max<index_t>(0, o.seq_len - 3 * b));
-  const Batch batch = Batch::random(cfg, o.batch, o.seq_len, 1, lengths);
+  // an encoder_decoder's target: tgt_len tokens, its lengths as the source's
+  std::vector<std::int64_t> tgt_lengths;
+  for (index_t b = 0; b < o.batch; ++b)
+    tgt_lengths.push_back(std::max<index_t>(0, o.tgt_len - 2 * b));
+  const Batch batch =
+      cfg.encoder_decoder()
+          ? Batch::random_seq2seq(cfg, o.batch, o.seq_len, o.tgt_len, 1, lengths, tgt_lengths)
+          : Batch::random(cfg, o.batch, o.seq_len, 1, lengths);
   const auto params = Params<Real>::init(cfg, 0);
   Activations<Real> acts;
   forward(params, batch, acts);
@@ -35,7 +42,7 @@ int run(const EncoderConfig& cfg, const ShapesOptions& o, std::ostream& out) {
       << " V=" << cfg.vocab_size << "  dtype=" << o.dtype << "  parameters=" << params.count()
       << "\n\n";
   // Every row is the contract's; the shapes the run produced must be the ones it names.
-  const contract::Sizes sizes{o.batch, o.seq_len, o.steps};
+  const contract::Sizes sizes{o.batch, o.seq_len, o.steps, batch.tgt_len};
   std::map<std::string, Shape> computed;
   acts.visit(
       [&](const std::string& n, const Tensor<Real>& t) { computed["act." + n] = t.shape(); });
@@ -57,8 +64,11 @@ int run(const EncoderConfig& cfg, const ShapesOptions& o, std::ostream& out) {
   const auto activations = contract::activations(cfg, sizes, /*in_golden=*/false);
   for (const auto& t : activations) row("act." + t.name, t);
   out << "  loss = " << std::setprecision(17) << acts.loss[0] << "\n\nbackward\n";
-  for (auto it = activations.rbegin(); it != activations.rend(); ++it)
+  for (auto it = activations.rbegin(); it != activations.rend(); ++it) {
+    // an encoder_decoder's backward keeps of each decoder layer only its output's gradient
+    if (it->name.starts_with("decoder.layers.") && !it->name.ends_with(".output")) continue;
     row("grad.act." + it->name, *it);
+  }
   out << "\nparameter gradients\n";
   for (const auto& t : contract::params(cfg)) row("grad." + t.name, t);
   if (cfg.dropout > 0) {
@@ -86,6 +96,9 @@ int run_shapes(const ShapesOptions& o, std::ostream& out) {
   cfg.validate();
   ShapesOptions opts = o;
   if (opts.seq_len == 0) opts.seq_len = std::min<index_t>(8, cfg.max_len);
+  if (opts.tgt_len != 0 && !cfg.encoder_decoder())
+    throw ConfigError("--tgt-len applies only to architecture \"encoder_decoder\"");
+  if (cfg.encoder_decoder() && opts.tgt_len == 0) opts.tgt_len = opts.seq_len;
   if (opts.steps > 0 && !cfg.decoder())
     throw ConfigError("--steps needs a decoder (architecture \"decoder\")");
   if (opts.steps > cfg.max_len - opts.seq_len) {

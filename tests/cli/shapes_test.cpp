@@ -79,6 +79,24 @@ TEST(ShapesCli, PrintsTheGenerationStepsOfADecoder) {
   EXPECT_NE(r.out.find("--steps needs a decoder"), std::string::npos) << r.out;
 }
 
+// An encoder_decoder: the decoder's tensors over the target length, cross-attention over the
+// source's; --tgt-len belongs to it alone.
+TEST(ShapesCli, PrintsAnEncoderDecodersDecoderTensors) {
+  const std::string path = ::testing::TempDir() + "teo_shapes_seq2seq.json";
+  std::ofstream(path) << R"({"architecture": "encoder_decoder", "vocab_size": 11, "max_len": 9,
+                            "num_layers": 1, "decoder_vocab_size": 13})";
+  CliResult r = run_cli("shapes --config " + path + " --batch 2 --seq-len 5 --tgt-len 7");
+  ASSERT_EQ(r.code, 0) << r.out;
+  for (const char* line : {"input.tgt_tokens                  [B, St]         [2, 7]\n",
+                           "act.decoder.layers.0.cross_attn.scores[B, H, St, S]   [2, 2, 7, 5]\n",
+                           "act.lm_logits                     [B, St, Vt]     [2, 7, 13]\n",
+                           "grad.decoder.embedding.weight     [Vt, D]         [13, 16]\n"})
+    EXPECT_NE(r.out.find(line), std::string::npos) << line << r.out;
+  r = run_cli("shapes --tgt-len 4");
+  EXPECT_EQ(r.code, 2) << r.out;
+  EXPECT_NE(r.out.find("--tgt-len applies only"), std::string::npos) << r.out;
+}
+
 TEST(ShapesCli, DefaultSequenceLengthFitsASmallMaxLen) {
   const std::string path = ::testing::TempDir() + "teo_shapes_short.json";
   std::ofstream(path) << R"({"max_len": 3})";

@@ -101,7 +101,7 @@ int run_shapes(const ShapesOptions& o, std::ostream& out) {
   if (cfg.encoder_decoder() && opts.tgt_len == 0) opts.tgt_len = opts.seq_len;
   if (opts.steps > 0 && !cfg.decoder())
     throw ConfigError("--steps needs a decoder (architecture \"decoder\")");
-  if (opts.steps > cfg.max_len - opts.seq_len) {
+  if (opts.steps > 0 && opts.steps > cfg.max_len - opts.seq_len) {
     throw ShapeError("--steps " + std::to_string(opts.steps) + " after a prompt of " +
                      std::to_string(opts.seq_len) + " tokens runs past max_len " +
                      std::to_string(cfg.max_len));

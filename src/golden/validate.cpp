@@ -99,7 +99,7 @@ void validate_model(const File& f) {
   detail::expect_in_range(f, "input.tgt_tokens", c.config.target_vocab(), false,
                           "the decoder's vocabulary");
   detail::expect_in_range(f, "input.generate.tokens", c.config.vocab_size, false, "vocab_size");
-  if (!c.config.decoder())
+  if (!c.config.lm())
     detail::expect_in_range(f, "input.labels", c.config.num_classes, false, "num_classes");
   const bool seq2seq = c.config.encoder_decoder();
   const std::string lengths_name = seq2seq ? "input.src_lengths" : "input.lengths";

@@ -94,6 +94,7 @@ template <class Real>
 Sizes check(const EncoderConfig& cfg, const DecoderLayerParams<Real>& P, const Tensor<Real>& x,
             const std::vector<std::int64_t>& lengths, const Tensor<Real>& memory,
             const std::vector<std::int64_t>& memory_lengths) {
+  cfg.validate();
   if (cfg.dropout > 0)
     throw ConfigError("decoder layer: dropout is not applied here (eval mode); set dropout 0");
   if (x.shape().rank() != 3) throw ShapeError("decoder layer: x must be (B, T, D)");

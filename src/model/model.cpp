@@ -42,6 +42,15 @@ using profile::Stage;
 
 namespace {
 
+// An encoder_decoder runs in full precision only: its decoder layer emulates no reduced one.
+void full_precision_only(const EncoderConfig& cfg, std::optional<Precision> p) {
+  if (cfg.encoder_decoder() && p && *p != Precision::fp32 && *p != Precision::fp64) {
+    throw ConfigError(
+        "an encoder_decoder runs in full precision only: its decoder layer "
+        "(semantics 17.4) emulates no reduced precision");
+  }
+}
+
 // ConfigError unless every replayed mask names a dropout site of cfg (the contract's) and dropout
 // applies; ShapeError unless each has its site's element count. Called before anything changes.
 void check_replayed_masks(const EncoderConfig& cfg, const Batch& batch,
@@ -175,12 +184,7 @@ void forward(const Params<Real>& params, const Batch& batch, Activations<Real>& 
   check_replayed_masks(cfg, batch, opts);
   const Dims d = dims_of(cfg, batch);
   const Emulation<Real> store(opts.precision, "");
-  if (cfg.encoder_decoder() && opts.precision && *opts.precision != Precision::fp32 &&
-      *opts.precision != Precision::fp64) {
-    throw ConfigError(
-        "an encoder_decoder runs in full precision only: its decoder layer "
-        "(semantics 17.4) emulates no reduced precision");
-  }
+  full_precision_only(cfg, opts.precision);
   allocate(acts, cfg, d, batch.tgt_len, static_cast<ZeroList<Real>*>(nullptr));
 
   {
@@ -273,6 +277,7 @@ void encoder_forward(const Params<Real>& params, const Batch& batch, Activations
   validate_batch(params.config, batch, sizeof(Real));
   validate_activations(params.config, batch, acts);
   check_replayed_masks(params.config, batch, opts);
+  full_precision_only(params.config, opts.precision);
   run_encoder(params, batch, acts, opts, Emulation<Real>(opts.precision, ""));
 }
 
@@ -283,6 +288,7 @@ void backward(const Params<Real>& params, const Batch& batch, const Activations<
   validate_params(params);
   validate_batch(cfg, batch, sizeof(Real));
   validate_activations(cfg, batch, acts);
+  full_precision_only(cfg, opts.precision);
   const Dims d = dims_of(cfg, batch);
   const Emulation<Real> store(opts.precision, "the gradient of ");
   {

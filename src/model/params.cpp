@@ -35,6 +35,8 @@ void validate_lengths(const std::vector<std::int64_t>& lengths, index_t batch, i
 Batch Batch::random(const EncoderConfig& cfg, index_t batch, index_t seq_len, std::uint64_t seed,
                     std::vector<std::int64_t> lengths) {
   cfg.validate();
+  if (cfg.encoder_decoder())
+    throw ConfigError("an encoder_decoder's batch has a target: use Batch::random_seq2seq");
   validate_batch_shape(cfg, {batch, seq_len}, sizeof(double));
   if (!lengths.empty()) validate_lengths(lengths, batch, seq_len);
   Batch b;
@@ -43,8 +45,6 @@ Batch Batch::random(const EncoderConfig& cfg, index_t batch, index_t seq_len, st
   b.lengths = lengths.empty() ? std::vector<std::int64_t>(static_cast<std::size_t>(batch), seq_len)
                               : std::move(lengths);
   b.tokens.resize(static_cast<std::size_t>(batch * seq_len));
-  if (cfg.encoder_decoder())
-    throw ConfigError("an encoder_decoder's batch has a target: use Batch::random_seq2seq");
   b.labels.resize(cfg.decoder() ? 0 : static_cast<std::size_t>(batch));  // a decoder has none
   const auto tok_stream = rng::stream_id("input.tokens");
   const auto lab_stream = rng::stream_id("input.labels");

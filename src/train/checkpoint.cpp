@@ -65,6 +65,7 @@ Checkpoint read_checkpoint(const std::string& path) {
   try {
     ck.options.apply_json(meta_json(ck.file, "train", path));
     ck.options.model = EncoderConfig::from_json(meta_json(ck.file, "config", path));
+    ck.options.validate();
   } catch (const ConfigError& e) {
     throw FormatError(path + ": checkpoint settings: " + e.what());
   }

@@ -257,6 +257,9 @@ void TrainOptions::validate() const {
   need(data.per_language >= 10 && data.per_language <= 10'000'000,
        "per_language must be in [10, 10000000]");
   need(model.max_len >= 3, "max_len must be at least 3 ([CLS], one character, [SEP])");
+  need(!model.encoder_decoder(),
+       "teo train trains architecture \"encoder\" or \"decoder\"; an encoder_decoder has no "
+       "training demo (its goldens and teo.run cover it)");
   model.validate();
 }
 }  // namespace teo::train

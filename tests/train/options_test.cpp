@@ -36,6 +36,11 @@ TEST(TrainOptions, BadSettingsAreNamed) {
   EXPECT_THROW(o.apply_json({{"seed", -1}}), teo::ConfigError);
   EXPECT_THROW(o.apply_json({{"seed", 1.5}}), teo::ConfigError);
   EXPECT_EQ(tr::parse_flag_value({"norm_first", "bool", ""}, "false"), false);
+  // an encoder_decoder is refused by the options a Trainer validates, not only by apply_json
+  o = TrainOptions{};
+  o.model.architecture = teo::Architecture::encoder_decoder;
+  EXPECT_THROW(o.validate(), teo::ConfigError);
+  EXPECT_THROW(o.apply_json({{"architecture", "encoder_decoder"}}), teo::ConfigError);
 }
 
 }  // namespace

@@ -120,6 +120,9 @@ struct EncoderConfig {
   // out-of-range values throw ConfigError. The result is validated.
   static EncoderConfig from_json(const nlohmann::json& j);
   static EncoderConfig from_json_text(const std::string& text);
+  // The architecture a config object names: "encoder" when the key is absent, and also when its
+  // value is not a string (from_json then refuses that value by name).
+  static std::string architecture_of(const nlohmann::json& j);
   static EncoderConfig from_file(const std::string& path);
   nlohmann::json to_json() const;
 

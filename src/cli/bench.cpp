@@ -25,7 +25,7 @@ bench::Preset with_keys(bench::Preset p, const std::string& with) {
   }
   if (!over.is_object()) throw ConfigError("--with must be a JSON object of config keys");
   j.update(over);
-  if (j.value("architecture", "encoder") == "decoder") {
+  if (EncoderConfig::architecture_of(j) == "decoder") {
     // a decoder is causal and has no classifier: the preset's encoder keys do not carry over
     if (!over.contains("causal")) j["causal"] = true;
     if (!over.contains("pooling")) j.erase("pooling");

@@ -426,6 +426,11 @@ const char* const kConfigKeys[] = {"vocab_size",
                                    "decoder_positional"};
 }  // namespace
 
+std::string EncoderConfig::architecture_of(const nlohmann::json& j) {
+  const auto it = j.find("architecture");
+  return it != j.end() && it->is_string() ? it->get<std::string>() : "encoder";
+}
+
 EncoderConfig EncoderConfig::from_json(const nlohmann::json& j) {
   if (!j.is_object()) {
     throw ConfigError("config must be a JSON object, got " + std::string(j.type_name()));

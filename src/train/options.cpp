@@ -197,12 +197,13 @@ void TrainOptions::apply_json(const json& j) {
   }
   // A decoder is causal unless the user said otherwise (which EncoderConfig refuses); it has no
   // classifier, so the encoder's causal, pooling and num_classes do not carry over.
-  if (mj.value("architecture", "encoder") == "decoder") {
+  const std::string architecture = EncoderConfig::architecture_of(mj);
+  if (architecture == "decoder") {
     if (!j.contains("causal")) mj["causal"] = true;
     if (!j.contains("pooling")) mj.erase("pooling");
     mj.erase("num_classes");
   }
-  if (mj.value("architecture", "encoder") == "encoder_decoder") {
+  if (architecture == "encoder_decoder") {
     throw ConfigError(
         "teo train trains architecture \"encoder\" or \"decoder\"; an encoder_decoder has no "
         "training demo (its goldens and teo.run cover it)");

@@ -41,6 +41,14 @@ TEST(TrainOptions, BadSettingsAreNamed) {
   o.model.architecture = teo::Architecture::encoder_decoder;
   EXPECT_THROW(o.validate(), teo::ConfigError);
   EXPECT_THROW(o.apply_json({{"architecture", "encoder_decoder"}}), teo::ConfigError);
+  // an architecture that is not a string is a ConfigError naming the key, not a JSON type error
+  o = TrainOptions{};
+  try {
+    o.apply_json({{"architecture", 20500001}});
+    ADD_FAILURE() << "a numeric architecture was accepted";
+  } catch (const teo::ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("architecture"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace

@@ -26,6 +26,9 @@ enum class Norm { layernorm, rmsnorm };
 // The feed-forward network: fc2(act(fc1(x))), or gated, fc2(act(gate(x)) * fc1(x)) with act silu
 // (swiglu) or gelu (geglu).
 enum class FfnKind { mlp, swiglu, geglu };
+// What the classifier head reads: the pooled vector itself, or BERT's pooler over it,
+// tanh(pooled W^T + b).
+enum class Pooler { none, dense_tanh };
 
 const char* to_string(Activation a);
 const char* to_string(Positional p);
@@ -35,6 +38,7 @@ const char* to_string(RopeScalingType t);
 const char* to_string(Architecture a);
 const char* to_string(Norm n);
 const char* to_string(FfnKind f);
+const char* to_string(Pooler p);
 
 // RoPE's context-extension scaling, with Hugging Face's formulas (docs/semantics.md, "RoPE").
 struct RopeScaling {
@@ -95,10 +99,19 @@ struct EncoderConfig {
   // encoder_decoder only: the decoder's positions (sinusoidal, learned or none; unset: positional)
   std::optional<Positional> decoder_positional{};
 
+  // Real encoders' embeddings and pooler (docs/semantics.md, section 18); architecture "encoder"
+  // only. Token-type (segment) embeddings over type_vocab_size types (unset: none), added to the
+  // token and position embeddings; a norm (of `norm`'s kind) over that sum before the input
+  // dropout; and the pooler between pooling and the head.
+  std::optional<index_t> type_vocab_size{};
+  bool embedding_norm = false;
+  Pooler pooler = Pooler::none;
+
   index_t d_head() const { return d_model / num_heads; }
   index_t kv_heads() const { return num_kv_heads.value_or(num_heads); }
   index_t rotary() const { return rotary_dim.value_or(d_head()); }
   bool gated() const { return ffn != FfnKind::mlp; }
+  bool encoder() const { return architecture == Architecture::encoder; }
   bool decoder() const { return architecture == Architecture::decoder; }
   bool encoder_decoder() const { return architecture == Architecture::encoder_decoder; }
   // An LM head over a vocabulary (a decoder, or an encoder-decoder's decoder): no pooling.

@@ -22,6 +22,8 @@ struct Batch {
   std::vector<std::int64_t> tokens;   // (B, S); an encoder_decoder's source
   std::vector<std::int64_t> lengths;  // (B)
   std::vector<std::int64_t> labels;   // (B)
+  // (B, S), each in [0, type_vocab_size): with type_vocab_size only, else empty
+  std::vector<std::int64_t> token_types;
   // An encoder_decoder's target (teacher forcing): tgt_tokens (B, T), tgt_lengths (B); position t
   // predicts target token t + 1. Empty (T = 0) for the other architectures.
   index_t tgt_len = 0;
@@ -121,10 +123,13 @@ struct LayerParams {
 template <class Real>
 struct Params {
   EncoderConfig config;
-  Tensor<Real> embedding_weight;      // (V, D)
-  Tensor<Real> pos_embedding_weight;  // (max_len, D); learned positional only
+  Tensor<Real> embedding_weight;                            // (V, D)
+  Tensor<Real> pos_embedding_weight;                        // (max_len, D); learned positional only
+  Tensor<Real> token_type_embedding_weight;                 // (Tv, D); type_vocab_size only
+  Tensor<Real> embedding_norm_weight, embedding_norm_bias;  // (D); embedding_norm only
   std::vector<LayerParams<Real>> layers;
   Tensor<Real> final_norm_weight, final_norm_bias;  // (D); pre-norm only, the bias layernorm only
+  Tensor<Real> pooler_weight, pooler_bias;          // (D, D), (D); pooler dense_tanh only
   Tensor<Real> head_weight, head_bias;              // (C, D), (C); the bias head_bias only
   Tensor<Real> lm_head_weight, lm_head_bias;        // LM head: (Vt, D) unless tied, (Vt) head_bias
   // An encoder_decoder's decoder (semantics 17.5): its own embedding (with decoder_vocab_size),
@@ -159,6 +164,12 @@ struct Params {
     f("embedding.weight", self.embedding_weight);
     if (self.config.positional == Positional::learned)
       f("pos_embedding.weight", self.pos_embedding_weight);
+    if (self.config.type_vocab_size)
+      f("token_type_embedding.weight", self.token_type_embedding_weight);
+    if (self.config.embedding_norm) {
+      f("embedding_norm.weight", self.embedding_norm_weight);
+      if (self.config.norm == Norm::layernorm) f("embedding_norm.bias", self.embedding_norm_bias);
+    }
     for (std::size_t i = 0; i < self.layers.size(); ++i) {
       const std::string p = "layers." + std::to_string(i) + ".";
       self.layers[i].visit([&](const std::string& n, auto& t) { f(p + n, t); });
@@ -187,6 +198,10 @@ struct Params {
       if (!self.config.tie_embeddings) f("lm_head.weight", self.lm_head_weight);
       if (self.config.head_bias) f("lm_head.bias", self.lm_head_bias);
       return;
+    }
+    if (self.config.pooler == Pooler::dense_tanh) {
+      f("pooler.weight", self.pooler_weight);
+      f("pooler.bias", self.pooler_bias);
     }
     f("head.weight", self.head_weight);
     if (self.config.head_bias) f("head.bias", self.head_bias);
@@ -227,17 +242,25 @@ struct LayerActs {
 template <class Real>
 struct Activations {
   bool norm_first = false;
-  bool rotary = false;                   // positional "rope": q_rot and k_rot are kept
-  bool gated = false;                    // a gated FFN: ffn_gate is kept
-  bool decoder = false;                  // an LM head: lm_logits, not pooled and logits
-  bool encoder_decoder = false;          // the decoder.* activations follow the encoder's
-  Tensor<Real> embedding;                // (B, S, D), scaled token embeddings
-  Tensor<Real> positional;               // (S, D), the positional table rows used
-  Tensor<Real> input;                    // (B, S, D), dropout(embedding + positional)
+  bool rotary = false;           // positional "rope": q_rot and k_rot are kept
+  bool gated = false;            // a gated FFN: ffn_gate is kept
+  bool decoder = false;          // an LM head: lm_logits, not pooled and logits
+  bool encoder_decoder = false;  // the decoder.* activations follow the encoder's
+  bool token_types = false;      // type_vocab_size: token_type is kept
+  bool embedding_norm = false;   // embedding_norm: embedding_norm and its statistics
+  bool pooler = false;           // pooler dense_tanh: pooler is kept
+  Tensor<Real> embedding;        // (B, S, D), scaled token embeddings
+  Tensor<Real> positional;       // (S, D), the positional table rows used
+  Tensor<Real> token_type;       // (B, S, D), the token-type table rows used
+  // (B, S, D), norm(embedding + positional + token_type); statistics (B*S)
+  Tensor<Real> embedding_norm_out, embedding_norm_mean, embedding_norm_rstd;
+  // (B, S, D), dropout of embedding_norm, or of embedding + positional (+ token_type)
+  Tensor<Real> input;
   std::vector<std::uint8_t> input_mask;  // (B, S, D)
   std::vector<LayerActs<Real>> layers;
   Tensor<Real> final_norm, final_norm_mean, final_norm_rstd;  // pre-norm only
   Tensor<Real> pooled;                                        // (B, D)
+  Tensor<Real> pooler_out;                                    // (B, D), tanh(pooled W^T + b)
   std::vector<std::int64_t> pool_argmax;                      // (B, D), max pooling only
   Tensor<Real> logits;                                        // (B, C)
   Tensor<Real> class_probs;  // (B, C), softmax(logits), saved for backward
@@ -253,6 +276,26 @@ struct Activations {
   // Calls f(name, tensor) for every named activation in pipeline order: embedding, positional,
   // input, layers.{i}.{...} in the order they are computed, final_norm, pooled, logits (a decoder:
   // lm_logits), loss.
+  // The flags above as the config sets them (Activations::visit names the tensors by them).
+  void configure(const EncoderConfig& c) {
+    norm_first = c.norm_first;
+    rotary = c.positional == Positional::rope;
+    gated = c.gated();
+    decoder = c.lm();
+    encoder_decoder = c.encoder_decoder();
+    token_types = c.type_vocab_size.has_value();
+    embedding_norm = c.embedding_norm;
+    pooler = c.pooler == Pooler::dense_tanh;
+  }
+  bool configured_for(const EncoderConfig& c) const {
+    Activations<Real> want;
+    want.configure(c);
+    return norm_first == want.norm_first && rotary == want.rotary && gated == want.gated &&
+           decoder == want.decoder && encoder_decoder == want.encoder_decoder &&
+           token_types == want.token_types && embedding_norm == want.embedding_norm &&
+           pooler == want.pooler;
+  }
+
   template <class F>
   void visit(F&& f) {
     visit_impl(*this, f);
@@ -267,6 +310,8 @@ struct Activations {
   static void visit_impl(Self& self, F& f) {
     f("embedding", self.embedding);
     f("positional", self.positional);
+    if (self.token_types) f("token_type", self.token_type);
+    if (self.embedding_norm) f("embedding_norm", self.embedding_norm_out);
     f("input", self.input);
     for (std::size_t i = 0; i < self.layers.size(); ++i) {
       auto& l = self.layers[i];
@@ -308,6 +353,7 @@ struct Activations {
       f("lm_logits", self.lm_logits);
     } else {
       f("pooled", self.pooled);
+      if (self.pooler) f("pooler", self.pooler_out);
       f("logits", self.logits);
     }
     f("loss", self.loss);

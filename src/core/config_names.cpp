@@ -55,6 +55,9 @@ const char* to_string(Architecture a) {
 const char* to_string(Norm n) {
   return n == Norm::layernorm ? "layernorm" : "rmsnorm";
 }
+const char* to_string(Pooler p) {
+  return p == Pooler::none ? "none" : "dense_tanh";
+}
 const char* to_string(FfnKind f) {
   switch (f) {
     case FfnKind::mlp:

@@ -25,6 +25,11 @@ const std::map<std::string, Dims>& param_table() {
   static const std::map<std::string, Dims> t = {
       {"embedding.weight", {"V", "D"}},
       {"pos_embedding.weight", {"max_len", "D"}},
+      {"token_type_embedding.weight", {"Tv", "D"}},
+      {"embedding_norm.weight", {"D"}},
+      {"embedding_norm.bias", {"D"}},
+      {"pooler.weight", {"D", "D"}},
+      {"pooler.bias", {"D"}},
       {"attn.q.weight", {"D", "D"}},
       {"attn.q.bias", {"D"}},
       {"attn.k.weight", {"Hkv*Dh", "D"}},
@@ -122,6 +127,8 @@ const std::map<std::string, Dims>& act_table() {
   static const std::map<std::string, Dims> t = {
       {"embedding", {"B", "S", "D"}},
       {"positional", {"S", "D"}},
+      {"token_type", {"B", "S", "D"}},
+      {"embedding_norm", {"B", "S", "D"}},
       {"input", {"B", "S", "D"}},
       {"norm1", {"B", "S", "D"}},
       {"q", {"B", "H", "S", "Dh"}},
@@ -143,6 +150,7 @@ const std::map<std::string, Dims>& act_table() {
       {"output", {"B", "S", "D"}},
       {"final_norm", {"B", "S", "D"}},
       {"pooled", {"B", "D"}},
+      {"pooler", {"B", "D"}},
       {"logits", {"B", "C"}},
       {"lm_logits", {"B", "St", "Vt"}},
       {"loss", {}},
@@ -285,6 +293,7 @@ index_t dim(const std::string& sym, const EncoderConfig& cfg, Sizes s) {
   if (sym == "T") return s.steps;
   if (sym == "St") return cfg.encoder_decoder() ? s.tgt_len : s.seq_len;
   if (sym == "Vt") return cfg.target_vocab();
+  if (sym == "Tv") return cfg.type_vocab_size.value_or(0);
   throw std::invalid_argument("unknown symbolic dimension \"" + sym + "\"");
 }
 
@@ -320,7 +329,7 @@ Dims mask_dims(const std::string& site) {
 Dims dims_of(const std::string& golden_name) {
   std::string n = golden_name;
   if (n.starts_with("ref64.")) n = n.substr(6);
-  if (n == "input.tokens") return {"B", "S"};
+  if (n == "input.tokens" || n == "input.token_types") return {"B", "S"};
   if (n == "input.lengths" || n == "input.labels") return {"B"};
   if (n == "input.generate.tokens") return {"T", "B"};
   if (is_generation_logits(n)) return {"B", "Vt"};
@@ -345,11 +354,7 @@ std::vector<TensorSpec> params(const EncoderConfig& cfg) {
 
 std::vector<TensorSpec> activations(const EncoderConfig& cfg, Sizes s, bool in_golden) {
   Activations<float> a;
-  a.norm_first = cfg.norm_first;
-  a.rotary = cfg.positional == Positional::rope;
-  a.gated = cfg.gated();
-  a.decoder = cfg.lm();
-  a.encoder_decoder = cfg.encoder_decoder();
+  a.configure(cfg);
   a.layers.resize(static_cast<std::size_t>(std::max<index_t>(cfg.num_layers, 0)));
   if (cfg.encoder_decoder())
     a.decoder_layers.resize(static_cast<std::size_t>(std::max<index_t>(cfg.dec_layers(), 0)));
@@ -382,7 +387,8 @@ std::vector<TensorSpec> gradients(const EncoderConfig& cfg, Sizes s) {
   // The parameters grouped by where forward uses them, in that order: the embeddings, each
   // layer's groups in its use order, the final norm, the head; the activation gradients of the
   // contract sit between the groups, where backward completes them.
-  std::vector<std::string> top_front, top_final, top_head, dec_front, dec_final;
+  std::vector<std::string> top_front, top_norm, top_final, top_pooler, top_head, dec_front,
+      dec_final;
   std::vector<std::vector<std::string>> layers(static_cast<std::size_t>(cfg.num_layers));
   // an encoder_decoder's decoder layers: their parameters in use order (DecoderLayerParams::visit)
   std::vector<std::vector<std::string>> dec_layers(
@@ -400,6 +406,10 @@ std::vector<TensorSpec> gradients(const EncoderConfig& cfg, Sizes s) {
       layers[std::stoul(p.name.substr(7, dot - 7))].push_back(p.name);
     } else if (p.name.starts_with("final_norm.")) {
       top_final.push_back(p.name);
+    } else if (p.name.starts_with("embedding_norm.")) {
+      top_norm.push_back(p.name);
+    } else if (p.name.starts_with("pooler.")) {
+      top_pooler.push_back(p.name);
     } else if (p.name.starts_with("head.") || p.name.starts_with("lm_head.")) {
       top_head.push_back(p.name);
     } else {
@@ -410,7 +420,14 @@ std::vector<TensorSpec> gradients(const EncoderConfig& cfg, Sizes s) {
   const auto act = [](const std::string& n) { return "grad.act." + n; };
   std::vector<std::vector<std::string>> groups;  // forward order, produced in reverse
   const auto add_group = [&](std::vector<std::string> g) { groups.push_back(std::move(g)); };
+  const auto params_of = [&](const std::vector<std::string>& names) {
+    std::vector<std::string> g;
+    g.reserve(names.size());
+    for (const auto& n : names) g.push_back(param(n));
+    return g;
+  };
   for (const auto& n : top_front) add_group({param(n)});
+  if (!top_norm.empty()) add_group(params_of(top_norm));
   add_group({act("input")});
   const auto& order = layer_use_order(cfg.norm_first);
   for (std::size_t i = 0; i < layers.size(); ++i) {
@@ -426,12 +443,6 @@ std::vector<TensorSpec> gradients(const EncoderConfig& cfg, Sizes s) {
       if (!g.empty()) add_group(std::move(g));
     add_group({act(prefix + "output")});
   }
-  const auto params_of = [&](const std::vector<std::string>& names) {
-    std::vector<std::string> g;
-    g.reserve(names.size());
-    for (const auto& n : names) g.push_back(param(n));
-    return g;
-  };
   if (!top_final.empty()) add_group(params_of(top_final));
   if (cfg.encoder_decoder()) {
     // the decoder: its embeddings, each layer's parameters by block (q, k, v, o, each norm, each
@@ -458,6 +469,10 @@ std::vector<TensorSpec> gradients(const EncoderConfig& cfg, Sizes s) {
     add_group({act("lm_logits")});
   } else {
     add_group({act("pooled")});
+    if (!top_pooler.empty()) {
+      add_group(params_of(top_pooler));
+      add_group({act("pooler")});
+    }
     add_group(params_of(top_head));
     add_group({act("logits")});
   }
@@ -498,8 +513,9 @@ std::vector<TensorSpec> model_case(const EncoderConfig& cfg, Sizes s, bool float
          {"input.src_tokens", "input.src_lengths", "input.tgt_tokens", "input.tgt_lengths"})
       out.push_back(spec(n, Role::input, DTypeRule::i64, dims_of(n), cfg, s));
   } else {
-    for (const char* n : {"input.tokens", "input.lengths", "input.labels"}) {
+    for (const char* n : {"input.tokens", "input.lengths", "input.labels", "input.token_types"}) {
       if (cfg.decoder() && std::string_view(n) == "input.labels") continue;  // the next tokens
+      if (!cfg.type_vocab_size && std::string_view(n) == "input.token_types") continue;
       out.push_back(spec(n, Role::input, DTypeRule::i64, dims_of(n), cfg, s));
     }
   }

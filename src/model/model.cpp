@@ -102,11 +102,7 @@ void zero_fill(const ZeroList<Real>& tensors) {
 template <class Real>
 void allocate(Activations<Real>& a, const EncoderConfig& cfg, const Dims& d, index_t tgt_len,
               ZeroList<Real>* zero, bool layers_whole = true) {
-  a.norm_first = cfg.norm_first;
-  a.rotary = d.rope;
-  a.gated = d.gated;
-  a.decoder = cfg.lm();
-  a.encoder_decoder = cfg.encoder_decoder();
+  a.configure(cfg);
   // an encoder_decoder's decoder side is shaped by seq2seq_forward and seq2seq_backward
   a.decoder_embedding = a.decoder_positional = a.decoder_input = Tensor<Real>();
   a.decoder_final_norm = a.decoder_final_norm_mean = a.decoder_final_norm_rstd = Tensor<Real>();
@@ -114,6 +110,15 @@ void allocate(Activations<Real>& a, const EncoderConfig& cfg, const Dims& d, ind
   if (cfg.encoder_decoder()) a.decoder_layers.resize(static_cast<std::size_t>(cfg.dec_layers()));
   shape_as(a.embedding, {d.B, d.S, d.D}, nullptr);  // the input's dropout gradient overwrites it
   shape_as(a.positional, {d.S, d.D}, zero);
+  // the embedding extras of section 18: backward overwrites their gradients
+  a.token_type = a.embedding_norm_out = a.embedding_norm_mean = a.embedding_norm_rstd =
+      Tensor<Real>();
+  if (cfg.type_vocab_size) shape_as(a.token_type, {d.B, d.S, d.D}, nullptr);
+  if (cfg.embedding_norm) {
+    shape_as(a.embedding_norm_out, {d.B, d.S, d.D}, nullptr);
+    shape_as(a.embedding_norm_mean, {d.N}, zero);
+    shape_as(a.embedding_norm_rstd, {d.N}, zero);
+  }
   // The gradient of a layer's input is overwritten by the layer; the top one accumulates.
   shape_as(a.input, {d.B, d.S, d.D}, cfg.num_layers == 0 ? zero : nullptr);
   a.input_mask.clear();
@@ -136,7 +141,7 @@ void allocate(Activations<Real>& a, const EncoderConfig& cfg, const Dims& d, ind
   }
   a.pool_argmax.clear();
   if (cfg.lm()) {
-    a.pooled = a.logits = a.class_probs = Tensor<Real>();
+    a.pooled = a.pooler_out = a.logits = a.class_probs = Tensor<Real>();
     // zero-filled: the loss's gradient accumulates into lm_logits'
     const index_t rows = cfg.encoder_decoder() ? tgt_len : d.S;
     a.lm_logits.reset({d.B, rows, cfg.target_vocab()});
@@ -144,6 +149,8 @@ void allocate(Activations<Real>& a, const EncoderConfig& cfg, const Dims& d, ind
   } else {
     a.lm_logits = a.lm_probs = Tensor<Real>();
     a.pooled.reset({d.B, d.D});
+    a.pooler_out = Tensor<Real>();
+    if (cfg.pooler == Pooler::dense_tanh) a.pooler_out.reset({d.B, d.D});
     if (cfg.pooling == Pooling::max) a.pool_argmax.assign(static_cast<std::size_t>(d.B * d.D), -1);
     a.logits.reset({d.B, d.C});
     a.class_probs.reset({d.B, d.C});
@@ -166,6 +173,19 @@ const Tensor<Real>& lm_head_weight(const Params<Real>& p) {
 template <class Real>
 void run_encoder(const Params<Real>& params, const Batch& batch, Activations<Real>& acts,
                  const ForwardOptions& opts, const Emulation<Real>& store);
+
+// The embedding sum into out (B, S, D): embedding + positional, or (embedding + token_type) +
+// positional with token types, in the order BERT adds them (semantics 18.1).
+template <class Real>
+void embedding_sum(Real* out, const Activations<Real>& a, const Dims& d) {
+  const Real* first = a.embedding.data();
+  if (a.token_types) {
+    copy(out, a.embedding.data(), d.N * d.D);
+    add(out, a.token_type.data(), d.N * d.D);
+    first = out;
+  }
+  add_positional_forward(out, first, a.positional.data(), d.B, d.S, d.D);
+}
 
 // The encoder's output: the final norm's (pre-norm), the last layer's, or the input's.
 template <class Real>
@@ -204,12 +224,27 @@ void forward(const Params<Real>& params, const Batch& batch, Activations<Real>& 
       acts.positional.zero();
     }
     store(acts.positional, "", "positional");
-    // input = dropout(embedding + positional), the dropout applied in place
-    add_positional_forward(acts.input.data(), acts.embedding.data(), acts.positional.data(), d.B,
-                           d.S, d.D);
-    apply_dropout(acts.input.data(), acts.input.data(), acts.input_mask, d.N * d.D, "dropout.input",
-                  cfg.dropout, opts.train && cfg.dropout > 0.0,
-                  MaskSource{opts.dropout_seed, opts.masks});
+    if (cfg.type_vocab_size) {
+      embedding_forward(acts.token_type.data(), batch.token_types.data(),
+                        params.token_type_embedding_weight.data(), d.N, d.D, Real(1));
+      store(acts.token_type, "", "token_type");
+    }
+    // input = dropout(sum), or dropout(norm(sum)) with embedding_norm; sum = embedding +
+    // positional (+ token_type); the dropout applied in place
+    embedding_sum(acts.input.data(), acts, d);
+    const Real* dropped = acts.input.data();
+    if (cfg.embedding_norm) {
+      detail::norm_forward(cfg, acts.embedding_norm_out.data(), acts.embedding_norm_mean.data(),
+                           acts.embedding_norm_rstd.data(), acts.input.data(),
+                           params.embedding_norm_weight.data(),
+                           detail::data_or_null(params.embedding_norm_bias), d.N, d.D);
+      store(acts.embedding_norm_out, "", "embedding_norm");
+      dropped = acts.embedding_norm_out.data();
+    }
+    const Real* in = apply_dropout(acts.input.data(), dropped, acts.input_mask, d.N * d.D,
+                                   "dropout.input", cfg.dropout, opts.train && cfg.dropout > 0.0,
+                                   MaskSource{opts.dropout_seed, opts.masks});
+    if (in != acts.input.data()) copy(acts.input.data(), in, d.N * d.D);  // no dropout applied
     store(acts.input, "", "input");
   }
   run_encoder(params, batch, acts, opts, store);
@@ -259,7 +294,16 @@ void run_encoder(const Params<Real>& params, const Batch& batch, Activations<Rea
   pooling_forward(acts.pooled.data(), acts.pool_argmax.data(), x, batch.lengths.data(), d.B, d.S,
                   d.D, cfg.pooling);
   store(acts.pooled, "", "pooled");
-  linear_forward(acts.logits.data(), acts.pooled.data(), params.head_weight.data(),
+  const Real* head_in = acts.pooled.data();
+  if (cfg.pooler == Pooler::dense_tanh) {
+    // pooler = tanh(pooled Wp^T + bp), BERT's pooler
+    linear_forward(acts.pooler_out.data(), acts.pooled.data(), params.pooler_weight.data(),
+                   params.pooler_bias.data(), d.B, d.D, d.D);
+    for (index_t i = 0; i < d.B * d.D; ++i) acts.pooler_out[i] = std::tanh(acts.pooler_out[i]);
+    store(acts.pooler_out, "", "pooler");
+    head_in = acts.pooler_out.data();
+  }
+  linear_forward(acts.logits.data(), head_in, params.head_weight.data(),
                  detail::data_or_null(params.head_bias), d.B, d.D, d.C);
   store(acts.logits, "", "logits");
   acts.loss[0] =
@@ -338,9 +382,25 @@ void backward(const Params<Real>& params, const Batch& batch, const Activations<
       cross_entropy_backward(dacts.logits.data(), acts.class_probs.data(), batch.labels.data(), d.B,
                              d.C, static_cast<Real>(cfg.label_smoothing), dacts.loss[0]);
       store(dacts.logits, "", "logits");
-      linear_backward(dacts.pooled.data(), grads.head_weight.data(),
-                      detail::data_or_null(grads.head_bias), dacts.logits.data(),
-                      acts.pooled.data(), params.head_weight.data(), d.B, d.D, d.C);
+      if (cfg.pooler == Pooler::dense_tanh) {
+        linear_backward(dacts.pooler_out.data(), grads.head_weight.data(),
+                        detail::data_or_null(grads.head_bias), dacts.logits.data(),
+                        acts.pooler_out.data(), params.head_weight.data(), d.B, d.D, d.C);
+        store(dacts.pooler_out, "", "pooler");
+        // d(pre-activation) = dpooler (1 - pooler^2)
+        Tensor<Real> dpre({d.B, d.D});
+        for (index_t i = 0; i < d.B * d.D; ++i) {
+          const Real y = acts.pooler_out[i];
+          dpre[i] = dacts.pooler_out[i] * (Real(1) - y * y);
+        }
+        linear_backward(dacts.pooled.data(), grads.pooler_weight.data(), grads.pooler_bias.data(),
+                        dpre.data(), acts.pooled.data(), params.pooler_weight.data(), d.B, d.D,
+                        d.D);
+      } else {
+        linear_backward(dacts.pooled.data(), grads.head_weight.data(),
+                        detail::data_or_null(grads.head_bias), dacts.logits.data(),
+                        acts.pooled.data(), params.head_weight.data(), d.B, d.D, d.C);
+      }
       store(dacts.pooled, "", "pooled");
       // pooled = pool(top); top = final_norm(last) (pre) or last
       pooling_backward(dtop, dacts.pooled.data(), acts.pool_argmax.data(), batch.lengths.data(),
@@ -377,11 +437,33 @@ void backward(const Params<Real>& params, const Batch& batch, const Activations<
     store(dx, d.N * d.D, "",
           i > 0 ? ("layers." + std::to_string(i - 1) + ".output").c_str() : "input");
   }
-  // input = dropout(embedding + positional)
+  // input = dropout(sum) or dropout(norm(sum)); sum = embedding + positional (+ token_type)
   profile::Scope stage(Stage::bwd_embedding);
-  // d(embedding + positional) is the gradient of the embedding itself, written here first
-  dropout_grad(dacts.embedding.data(), dacts.input.data(), acts.input_mask, d.N * d.D, cfg.dropout);
+  // d(sum) is the gradient of the embedding itself, written here first
+  if (cfg.embedding_norm) {
+    dropout_grad(dacts.embedding_norm_out.data(), dacts.input.data(), acts.input_mask, d.N * d.D,
+                 cfg.dropout);
+    store(dacts.embedding_norm_out, "", "embedding_norm");
+    Tensor<Real> sum;  // the norm's input, recomputed as forward computed it
+    sum.reset_for_overwrite({d.B, d.S, d.D});
+    embedding_sum(sum.data(), acts, d);
+    detail::norm_backward(cfg, dacts.embedding.data(), grads.embedding_norm_weight.data(),
+                          detail::data_or_null(grads.embedding_norm_bias),
+                          dacts.embedding_norm_out.data(), sum.data(),
+                          params.embedding_norm_weight.data(), acts.embedding_norm_mean.data(),
+                          acts.embedding_norm_rstd.data(), d.N, d.D, GradWrite::overwrite);
+  } else {
+    dropout_grad(dacts.embedding.data(), dacts.input.data(), acts.input_mask, d.N * d.D,
+                 cfg.dropout);
+  }
   store(dacts.embedding, "", "embedding");
+  if (cfg.type_vocab_size) {
+    // d(token_type) = d(sum): the rows' gradients, scattered into the table
+    copy(dacts.token_type.data(), dacts.embedding.data(), d.N * d.D);
+    store(dacts.token_type, "", "token_type");
+    embedding_backward(grads.token_type_embedding_weight.data(), dacts.token_type.data(),
+                       batch.token_types.data(), d.N, d.D, Real(1));
+  }
   add_positional_backward(dacts.positional.data(), dacts.embedding.data(), d.B, d.S, d.D);
   store(dacts.positional, "", "positional");
   if (cfg.positional == Positional::learned) {

@@ -54,6 +54,15 @@ Batch Batch::random(const EncoderConfig& cfg, index_t batch, index_t seq_len, st
   for (std::size_t i = 0; i < b.labels.size(); ++i)
     b.labels[i] = static_cast<std::int64_t>(rng::bits(seed, lab_stream, i) %
                                             static_cast<std::uint64_t>(cfg.num_classes));
+  if (cfg.type_vocab_size) {
+    // every position, padding included, as the tokens; a stream of its own, so the tokens and
+    // labels are those of the same seed without token types
+    b.token_types.resize(b.tokens.size());
+    const auto type_stream = rng::stream_id("input.token_types");
+    for (std::size_t i = 0; i < b.token_types.size(); ++i)
+      b.token_types[i] = static_cast<std::int64_t>(
+          rng::bits(seed, type_stream, i) % static_cast<std::uint64_t>(*cfg.type_vocab_size));
+  }
   validate_batch(cfg, b, sizeof(double));
   return b;
 }
@@ -124,6 +133,21 @@ void validate_batch(const EncoderConfig& cfg, const Batch& b, std::size_t real_s
       throw InputError("tokens[" + std::to_string(i / b.seq_len) + "][" +
                        std::to_string(i % b.seq_len) + "] = " + std::to_string(b.tokens[i]) +
                        " is outside [0, vocab_size = " + std::to_string(cfg.vocab_size) + ")");
+    }
+  }
+  const auto types = static_cast<std::size_t>(cfg.type_vocab_size ? n : 0);
+  if (b.token_types.size() != types) {
+    throw ShapeError(
+        "token_types has " + std::to_string(b.token_types.size()) + " elements, expected " +
+        (cfg.type_vocab_size ? "batch x seq_len = " + std::to_string(n)
+                             : std::string("none: the config has no type_vocab_size")));
+  }
+  for (std::size_t i = 0; i < types; ++i) {
+    if (b.token_types[i] < 0 || b.token_types[i] >= *cfg.type_vocab_size) {
+      throw InputError("token_types[" + std::to_string(i / b.seq_len) + "][" +
+                       std::to_string(i % b.seq_len) + "] = " + std::to_string(b.token_types[i]) +
+                       " is outside [0, type_vocab_size = " + std::to_string(*cfg.type_vocab_size) +
+                       ")");
     }
   }
   for (std::size_t i = 0; i < (cfg.lm() ? 0 : b.labels.size()); ++i) {
@@ -260,14 +284,12 @@ void validate_params(const Params<Real>& p) {
 template <class Real>
 void validate_activations(const EncoderConfig& c, const Batch& b, const Activations<Real>& a) {
   const index_t B = b.batch, S = b.seq_len, D = c.d_model, N = B * S;
-  if (a.norm_first != c.norm_first || a.rotary != (c.positional == Positional::rope) ||
-      a.gated != c.gated() || a.decoder != c.lm() || a.encoder_decoder != c.encoder_decoder() ||
-      a.layers.size() != static_cast<std::size_t>(c.num_layers) ||
+  if (!a.configured_for(c) || a.layers.size() != static_cast<std::size_t>(c.num_layers) ||
       a.decoder_layers.size() !=
           static_cast<std::size_t>(c.encoder_decoder() ? c.dec_layers() : 0)) {
     throw ShapeError(
-        "activations were produced for a different config (architecture, norm_first, rope, ffn "
-        "or num_layers)");
+        "activations were produced for a different config (architecture, norm_first, rope, ffn, "
+        "type_vocab_size, embedding_norm, pooler or num_layers)");
   }
   const contract::Sizes sizes{B, S, 0, b.tgt_len};
   const auto shape_of = [&](const std::vector<std::string>& dims) {
@@ -289,6 +311,10 @@ void validate_activations(const EncoderConfig& c, const Batch& b, const Activati
   }
   expect_size("mask dropout.input", a.input_mask,
               shape_of(contract::mask_dims("dropout.input")).numel(), true);
+  if (c.embedding_norm) {
+    expect_shape("statistic embedding_norm mean", a.embedding_norm_mean.shape(), Shape({N}));
+    expect_shape("statistic embedding_norm rstd", a.embedding_norm_rstd.shape(), Shape({N}));
+  }
   if (c.norm_first) {
     expect_shape("statistic final_norm mean", a.final_norm_mean.shape(), Shape({N}));
     expect_shape("statistic final_norm rstd", a.final_norm_rstd.shape(), Shape({N}));

@@ -208,6 +208,25 @@ std::vector<GradCase> cases() {
     c.activation = Activation::silu;
     c.ffn_bias = false;
   });
+  // Real encoders (semantics 18): BERT's token types, embedding LayerNorm (before the input
+  // dropout) and pooler; then pre-norm with an RMS embedding norm, three types and mean pooling.
+  add("BertPostNormTypesEmbNormPoolerClsLearnedDropout", {4, 2, 1}, [](EncoderConfig& c) {
+    c.type_vocab_size = 2;
+    c.embedding_norm = true;
+    c.pooler = Pooler::dense_tanh;
+    c.pooling = Pooling::cls;
+    c.positional = Positional::learned;
+    c.position_offset = 2;
+    c.dropout = 0.1;
+    c.label_smoothing = 0.1;
+  });
+  add("PreNormRmsEmbNormTypes3PoolerMean", {4, 0, 3}, [](EncoderConfig& c) {
+    c.norm_first = true;
+    c.norm = Norm::rmsnorm;
+    c.type_vocab_size = 3;
+    c.embedding_norm = true;
+    c.pooler = Pooler::dense_tanh;
+  });
   // Decoders: next-token loss over the real positions, the LM head tied or its own.
   add("DecoderPreNormTiedLearnedSmoothingDropout", {4, 1, 0}, [](EncoderConfig& c) {
     c.architecture = Architecture::decoder;

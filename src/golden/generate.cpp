@@ -282,7 +282,8 @@ void generate_typed(const Case& c, Sink& sink, const GenerateOptions& opts) {
       out_of("input.labels", {B}, batch.labels.data(), batch.labels.size()),
       out_of("input.tgt_tokens", {B, batch.tgt_len}, batch.tgt_tokens.data(),
              batch.tgt_tokens.size()),
-      out_of("input.tgt_lengths", {B}, batch.tgt_lengths.data(), batch.tgt_lengths.size())};
+      out_of("input.tgt_lengths", {B}, batch.tgt_lengths.data(), batch.tgt_lengths.size()),
+      out_of("input.token_types", {B, S}, batch.token_types.data(), batch.token_types.size())};
   params->visit([&](const std::string& n, const Tensor<Real>& t) {
     outs.push_back(out_of("param." + n, t));
   });
@@ -582,8 +583,10 @@ std::map<std::string, std::vector<double>> emulate(const File& golden, Precision
   batch.seq_len = c.seq_len;
   for (auto [name, dst] :
        {std::pair{"input.tokens", &batch.tokens}, std::pair{"input.lengths", &batch.lengths},
-        std::pair{"input.labels", &batch.labels}}) {
+        std::pair{"input.labels", &batch.labels},
+        std::pair{"input.token_types", &batch.token_types}}) {
     if (cfg.decoder() && std::string_view(name) == "input.labels") continue;  // it has none
+    if (!cfg.type_vocab_size && std::string_view(name) == "input.token_types") continue;
     const auto* t = golden.find(name);
     if (!t || t->dtype != DType::I64)
       throw FormatError(std::string("the golden has no I64 ") + name);

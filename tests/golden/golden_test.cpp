@@ -849,6 +849,18 @@ TEST(GoldenMutants, EachFailsAtTheStageWhereItsBugLives) {
   for (const auto& m : mutants) expect_mutant_fails_at_its_stage(m, /*backward=*/false);
 }
 
+// Each mutant on one case (its full name, forward and backward): it must fail, first at its stage.
+void expect_each_fails_on_its_case(const std::vector<Mutant>& mutants) {
+  for (const auto& m : mutants) {
+    const std::string what =
+        std::string(teo::testing::mutation_name(m.mutation)) + " on " + m.case_name;
+    const st::File& g = committed(m.case_name);
+    const auto rep = golden::check(g, teo::testing::naive_candidate(g, m.mutation), {});
+    EXPECT_GT(rep.failed, 0) << what;
+    EXPECT_EQ(rep.first_divergence, m.stage) << what;
+  }
+}
+
 // The decoders' bugs, each on one case (its full name): the forward ones at their activation, the
 // tied head's at the embedding's gradient, the last gradient backward writes.
 TEST(GoldenMutants, DecoderMutantsFailWhereTheirBugLives) {
@@ -864,14 +876,20 @@ TEST(GoldenMutants, DecoderMutantsFailWhereTheirBugLives) {
       {M::generation_position_off_by_one, "generate_gpt2_f64", "generate.0.logits"},
       {M::generation_position_off_by_one, "generate_llama_f32", "generate.0.logits"},
   };
-  for (const auto& m : mutants) {
-    const std::string what =
-        std::string(teo::testing::mutation_name(m.mutation)) + " on " + m.case_name;
-    const st::File& g = committed(m.case_name);
-    const auto rep = golden::check(g, teo::testing::naive_candidate(g, m.mutation), {});
-    EXPECT_GT(rep.failed, 0) << what;
-    EXPECT_EQ(rep.first_divergence, m.stage) << what;
-  }
+  expect_each_fails_on_its_case(mutants);
+}
+
+// BERT's embeddings and pooler (semantics 18): each bug at the first activation it changes.
+TEST(GoldenMutants, RealEncoderMutantsFailWhereTheirBugLives) {
+  using M = teo::testing::Mutation;
+  expect_each_fails_on_its_case({
+      {M::token_types_ignored, "bert_f64", "embedding_norm"},
+      {M::token_types_ignored, "bert_rms_pre_types3_f64", "embedding_norm"},
+      // the dropout must act after the norm: only a case with dropout tells the two orders apart
+      {M::embedding_norm_after_dropout, "bert_f64", "embedding_norm"},
+      {M::pooler_without_tanh, "bert_f64", "pooler"},
+      {M::pooler_without_tanh, "bert_f32", "pooler"},
+  });
 }
 
 }  // namespace

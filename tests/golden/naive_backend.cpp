@@ -489,19 +489,45 @@ File run(const File& golden, Mutation mut, bool with_backward,
       }
     }
   }
+  // token_type[t] = token_type_embedding.weight[token_types[t]] (type_vocab_size only)
+  const bool types = cfg.type_vocab_size.has_value();
+  const auto token_types = types ? ints(golden, "input.token_types") : std::vector<std::int64_t>();
+  Vec token_type(types ? ix(N * D) : 0, 0.0);
+  if (types) {
+    const Vec tw = param("token_type_embedding.weight");
+    for (std::int64_t t = 0; t < N; ++t)
+      for (std::int64_t c = 0; c < D; ++c)
+        at(token_type, t * D + c) = tw[ix(token_types[ix(t)] * D + c)];
+  }
+  // sum = (embedding + token_type) + positional, BERT's order (semantics 18.1)
   Vec sum(embedding.size());
   for (std::int64_t t = 0; t < N; ++t) {
     const std::int64_t s = t % S;
     const std::int64_t pos = s + (!shift_from.empty() && s >= shift_from[ix(t / S)] ? 1 : 0);
     for (std::int64_t c = 0; c < D; ++c) {
-      at(sum, t * D + c) = at(embedding, t * D + c) + at(positional, pos * D + c);
+      double e = at(embedding, t * D + c);
+      if (types && mut != Mutation::token_types_ignored) e += at(token_type, t * D + c);
+      at(sum, t * D + c) = e + at(positional, pos * D + c);
     }
   }
   positional.resize(ix(S * D));
   const Mask input_mask = mask(golden, "dropout.input", sum.size());
-  const Vec input = apply(sum, input_mask);
+  // input = drop(norm(sum)) with embedding_norm (the mutant: norm(drop(sum))), else drop(sum)
+  Norm emb_norm;
+  Vec input;
+  if (cfg.embedding_norm && mut == Mutation::embedding_norm_after_dropout) {
+    emb_norm = norm(apply(sum, input_mask), "embedding_norm");
+    input = emb_norm.y;
+  } else if (cfg.embedding_norm) {
+    emb_norm = norm(sum, "embedding_norm");
+    input = apply(emb_norm.y, input_mask);
+  } else {
+    input = apply(sum, input_mask);
+  }
   out.act("embedding", {B, S, D}, embedding);
   out.act("positional", {S, D}, positional);
+  if (types) out.act("token_type", {B, S, D}, token_type);
+  if (cfg.embedding_norm) out.act("embedding_norm", {B, S, D}, emb_norm.y);
   out.act("input", {B, S, D}, input);
 
   const double alpha =
@@ -694,7 +720,7 @@ File run(const File& golden, Mutation mut, bool with_backward,
   const double eps = mut == Mutation::label_smoothing_ignored ? 0.0 : cfg.label_smoothing;
   double loss = 0;
   // an encoder's pooling and classifier head
-  Vec pooled(ix(B * D), 0.0), head_w, logits, class_probs;
+  Vec pooled(ix(B * D), 0.0), pooler, head_w, logits, class_probs;
   std::vector<std::int64_t> argmax(ix(B * D), -1);
   // a decoder's LM head and next-token loss: position t of sequence b predicts token t + 1
   // (-1: ignored, the last real position and the padding); lm_w is the embedding when tied
@@ -743,13 +769,21 @@ File run(const File& golden, Mutation mut, bool with_backward,
         at(pooled, b * D + c) = r;
       }
     }
+    // pooler = tanh(pooled Wp^T + bp) (pooler dense_tanh; the mutant leaves out the tanh)
+    if (cfg.pooler == Pooler::dense_tanh) {
+      pooler = linear(pooled, B, D, param("pooler.weight"), param("pooler.bias"), D);
+      if (mut != Mutation::pooler_without_tanh)
+        for (double& v : pooler) v = std::tanh(v);
+    }
+    const Vec& head_in = cfg.pooler == Pooler::dense_tanh ? pooler : pooled;
     head_w = param("head.weight");
-    logits = linear(pooled, B, D, head_w, bias("head.bias", C), C);
+    logits = linear(head_in, B, D, head_w, bias("head.bias", C), C);
     class_probs.assign(ix(B * C), 0.0);
     for (std::int64_t b = 0; b < B; ++b)
       loss += smoothed_ce(logits.data() + b * C, C, labels[ix(b)], eps, class_probs.data() + b * C);
     if (B > 0) loss /= static_cast<double>(B);
     out.act("pooled", {B, D}, pooled);
+    if (cfg.pooler == Pooler::dense_tanh) out.act("pooler", {B, D}, pooler);
     out.act("logits", {B, C}, logits);
   }
   out.act("loss", {}, Vec{loss});
@@ -823,10 +857,23 @@ File run(const File& golden, Mutation mut, bool with_backward,
     }
     keep("logits", {B, C}, g_logits);
 
-    // logits = pooled Wh^T + bh
+    // logits = head_in Wh^T + bh, head_in = pooler or pooled
     Vec g_pooled(ix(B * D), 0.0);
-    linear_backward(g_logits, pooled, head_w, B, D, C, g_pooled, grad("head.weight"),
-                    bgrad("head.bias", C));
+    if (cfg.pooler == Pooler::dense_tanh) {
+      Vec g_pooler(ix(B * D), 0.0);
+      linear_backward(g_logits, pooler, head_w, B, D, C, g_pooler, grad("head.weight"),
+                      bgrad("head.bias", C));
+      keep("pooler", {B, D}, g_pooler);
+      // pooler = tanh(pre), pre = pooled Wp^T + bp:  g_pre = g_pooler (1 - pooler^2)
+      Vec g_pre(g_pooler.size());
+      for (std::size_t i = 0; i < g_pre.size(); ++i)
+        g_pre[i] = g_pooler[i] * (1.0 - pooler[i] * pooler[i]);
+      linear_backward(g_pre, pooled, param("pooler.weight"), B, D, D, g_pooled,
+                      grad("pooler.weight"), grad("pooler.bias"));
+    } else {
+      linear_backward(g_logits, pooled, head_w, B, D, C, g_pooled, grad("head.weight"),
+                      bgrad("head.bias", C));
+    }
     keep("pooled", {B, D}, g_pooled);
 
     // pooled[b,c] = mean_{s < len} top[b,s,c] | top[b,0,c] | top[b,argmax[b,c],c]; 0 if len == 0
@@ -993,8 +1040,20 @@ File run(const File& golden, Mutation mut, bool with_backward,
   }
   keep("input", {B, S, D}, g_x);
 
-  // input = drop_in(sum)
-  const Vec g_sum = unapply(g_x, input_mask);
+  // input = drop_in(sum), or drop_in(en) with en = norm(sum)
+  Vec g_sum(ix(N * D), 0.0);
+  if (cfg.embedding_norm) {
+    norm_backward(unapply(g_x, input_mask), sum, emb_norm, "embedding_norm", g_sum);
+  } else {
+    g_sum = unapply(g_x, input_mask);
+  }
+  // sum += token_type[t] = token_type_embedding.weight[token_types[t]]
+  if (types) {
+    Vec& g_tw = grad("token_type_embedding.weight");
+    for (std::int64_t t = 0; t < N; ++t)
+      for (std::int64_t c = 0; c < D; ++c)
+        g_tw[ix(token_types[ix(t)] * D + c)] += g_sum[ix(t * D + c)];
+  }
   // sum[b,s,:] = embedding[b,s,:] + positional[s,:];  embedding[t] = embedding.weight[tokens[t]] *
   // escale;  positional = pos_embedding.weight[0:S] (learned; sinusoidal has no parameter)
   Vec& g_emb_w = grad("embedding.weight");
@@ -1144,6 +1203,12 @@ const char* mutation_name(Mutation m) {
       return "labels_not_shifted";
     case Mutation::generation_position_off_by_one:
       return "generation_position_off_by_one";
+    case Mutation::token_types_ignored:
+      return "token_types_ignored";
+    case Mutation::embedding_norm_after_dropout:
+      return "embedding_norm_after_dropout";
+    case Mutation::pooler_without_tanh:
+      return "pooler_without_tanh";
     case Mutation::tied_head_grad_dropped:
       return "tied_head_grad_dropped";
     case Mutation::sink_column_kept:

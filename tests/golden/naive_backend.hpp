@@ -39,6 +39,9 @@ enum class Mutation {
   // a generation step's token at position lengths[b] + t + 1 (learned, sinusoidal or RoPE
   // positions; the prompt's are right)
   generation_position_off_by_one,
+  token_types_ignored,           // the token-type rows not added to the embedding sum
+  embedding_norm_after_dropout,  // norm(dropout(sum)) instead of dropout(norm(sum))
+  pooler_without_tanh,           // the pooler's dense layer without its tanh
   // backward (the forward is untouched)
   layer_norm_backward_no_mean,  // gx = (dn - n * mean(dn * n)) * rstd: no "- mean(dn)" term
   softmax_backward_no_row_sum,  // gscores = probs * gprobs: no "- sum_j probs * gprobs" term

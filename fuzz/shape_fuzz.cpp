@@ -120,6 +120,11 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     for (std::int64_t b = 0; b < B; ++b) lengths.push_back(in.pick(0, S));
   }
   const std::uint64_t seed = in.u64();
+  // The real encoders' keys (semantics 18), read after the rest so that older inputs keep their
+  // configs; valid for architecture "encoder" only, which this harness builds.
+  if (in.flag()) cfg.type_vocab_size = in.pick(0, 3);
+  cfg.embedding_norm = in.flag();
+  if (in.flag()) cfg.pooler = teo::Pooler::dense_tanh;
   // Validation first: it allocates nothing, and every input goes through it.
   try {
     cfg.validate();
@@ -153,6 +158,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   // Corrupt a token or label now and then: validation must name it.
   if (in.byte() == 9 && !batch.tokens.empty()) batch.tokens[0] = cfg.vocab_size;
   if (in.byte() == 9 && !batch.labels.empty()) batch.labels[0] = -1;
+  if (in.byte() == 9 && !batch.token_types.empty()) batch.token_types[0] = -1;
   Result ref;
   try {
     ref = run(params, batch, teo::Backend::reference, seed);

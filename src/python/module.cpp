@@ -194,6 +194,13 @@ teo::Batch batch_from(const teo::EncoderConfig& cfg, const py::dict& d) {
   } else {
     b.labels = ints_from(d, "labels");
   }
+  if (cfg.type_vocab_size) {
+    b.token_types = ints_from(d, "token_types");
+  } else if (d.contains("token_types")) {
+    throw teo::ConfigError(
+        "the batch has \"token_types\", but the config has no type_vocab_size: they would be "
+        "silently unused");
+  }
   return b;
 }
 
@@ -338,6 +345,12 @@ PYBIND11_MODULE(_teo, m) {
         if (!cfg.decoder()) {
           out["labels"] =
               py::array_t<std::int64_t>(static_cast<py::ssize_t>(b.labels.size()), b.labels.data());
+        }
+        if (cfg.type_vocab_size) {
+          py::array_t<std::int64_t> types({b.batch, b.seq_len});
+          if (!b.token_types.empty())
+            std::memcpy(types.mutable_data(), b.token_types.data(), b.token_types.size() * 8);
+          out["token_types"] = types;
         }
         return out;
       },

@@ -261,6 +261,9 @@ void TrainOptions::validate() const {
   need(!model.encoder_decoder(),
        "teo train trains architecture \"encoder\" or \"decoder\"; an encoder_decoder has no "
        "training demo (its goldens and teo.run cover it)");
+  need(!model.type_vocab_size,
+       "teo train's data has one segment per sentence: type_vocab_size (token types) has no "
+       "training demo (embedding_norm and pooler train)");
   model.validate();
 }
 }  // namespace teo::train

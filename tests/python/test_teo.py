@@ -55,7 +55,7 @@ def test_config_errors_name_the_field(keys, field):
 
 @pytest.mark.parametrize("name", ["post_gelu_mean_f64", "learned_pe_f32", "dropout_post_f64",
                                   "gpt2_dropout_smoothing_f64", "llama_block_f32",
-                                  "seq2seq_bart_f32", "seq2seq_pre_own_vocab_f64"])
+                                  "seq2seq_bart_f32", "seq2seq_pre_own_vocab_f64", "bert_f32"])
 def test_init_params_and_random_batch_are_the_goldens_bits(name):
     g = case(name)
     dtype = g.case["dtype"]
@@ -77,7 +77,8 @@ def test_init_params_and_random_batch_are_the_goldens_bits(name):
                                   "pre_gelu_tanh_max_f32", "lengths_zero_f64",
                                   "gpt2_dropout_smoothing_f64", "llama_block_f32",
                                   "decoder_no_targets_f64", "encoder_rms_geglu_nobias_f64",
-                                  "seq2seq_post_f64", "seq2seq_bart_f32"])
+                                  "seq2seq_post_f64", "seq2seq_bart_f32", "bert_f64",
+                                  "bert_rms_pre_types3_f64"])
 def test_run_reproduces_the_goldens_bytes_on_the_reference_backend(name):
     g = case(name)
     params = {n[len("param."):]: a for n, a in g.tensors.items() if n.startswith("param.")}
@@ -148,6 +149,28 @@ def test_a_decoder_reads_no_labels_and_refuses_them():
     assert "grad.lm_head.weight" not in out  # tied: its gradient is in the embedding's
     with pytest.raises(teo.ConfigError, match="a decoder reads none"):
         teo.run(cfg, teo.init_params(cfg, 1), dict(batch, labels=np.zeros(2, dtype=np.int64)))
+
+
+def test_token_types_are_read_with_type_vocab_size_and_refused_without():
+    cfg = dict(vocab_size=16, d_model=8, num_heads=2, num_layers=1, type_vocab_size=2,
+               embedding_norm=True, pooler="dense_tanh", pooling="cls")
+    batch = teo.random_batch(cfg, 2, 5, 3)
+    assert batch["token_types"].shape == (2, 5)
+    assert set(np.unique(batch["token_types"])) <= {0, 1}
+    params = teo.init_params(cfg, 1)
+    out = teo.run(cfg, params, batch)
+    assert out["act.pooler"].shape == (2, 8) and np.all(np.abs(out["act.pooler"]) < 1)
+    # the token types reach the output: other types, other pooled vectors
+    other = teo.run(cfg, params, dict(batch, token_types=1 - batch["token_types"]))
+    assert not np.array_equal(out["act.pooled"], other["act.pooled"])
+    with pytest.raises(teo.ConfigError, match="no \"token_types\""):
+        teo.run(cfg, params, {k: v for k, v in batch.items() if k != "token_types"})
+    plain = dict(vocab_size=16, d_model=8, num_heads=2, num_layers=1)
+    with pytest.raises(teo.ConfigError, match="no type_vocab_size"):
+        teo.run(plain, teo.init_params(plain, 1), batch)
+    # a misspelled key is named, not dropped
+    with pytest.raises(teo.ConfigError, match="token_type\'"):
+        teo.run(cfg, params, dict(batch, token_type=batch["token_types"]))
 
 
 def test_generate_steps_are_the_full_forwards_logits():

@@ -5,7 +5,7 @@ import numpy as np
 from . import _teo
 from ._wire import arrays_of, as_array, backend_of, real_array
 
-_BATCH_KEYS = ("tokens", "lengths", "labels",
+_BATCH_KEYS = ("tokens", "lengths", "labels", "token_types",
                "src_tokens", "src_lengths", "tgt_tokens", "tgt_lengths")  # an encoder_decoder's
 
 
@@ -29,7 +29,8 @@ def init_params(cfg, seed, dtype="float64"):
 
 def random_batch(cfg, batch, seq_len, seed, lengths=None, tgt_len=0, tgt_lengths=None):
     """{"tokens" (B, S), "lengths" (B), "labels" (B)}, int64, drawn from seed as C++
-    Batch::random draws them; lengths default to seq_len. An encoder_decoder's (give tgt_len):
+    Batch::random draws them; lengths default to seq_len; with type_vocab_size also
+    "token_types" (B, S). An encoder_decoder's (give tgt_len):
     {"src_tokens" (B, S), "src_lengths", "tgt_tokens" (B, tgt_len), "tgt_lengths"}, as
     Batch::random_seq2seq draws them."""
     def ints(v):
@@ -52,6 +53,11 @@ def _golden_names(params, batch, masks):
                 "batch has \"%s\": teo.run takes the batch as {\"tokens\", \"lengths\", "
                 "\"labels\"}, without the \"input.\" prefix; Golden.batch() gives a golden's "
                 "batch so" % name)
+    for name in batch:
+        if not (isinstance(name, str) and (name.startswith("input.") or name in _BATCH_KEYS)):
+            raise ConfigError(
+                "batch has %r, which no model reads: its keys are %s"
+                % (name, ", ".join('"%s"' % k for k in _BATCH_KEYS)))
     for name in masks or {}:
         if not (isinstance(name, str) and name.startswith("dropout.")):
             raise ConfigError(
@@ -67,7 +73,8 @@ def run(cfg, params, batch, *, train=False, dropout_seed=0, masks=None, precisio
     Returns every act.* tensor of the golden contract, every grad.* tensor when backward is set,
     and the dropout.* masks when train mode applies dropout, as numpy arrays. cfg is a
     teo.EncoderConfig or a dict of its keys. params ({"embedding.weight": ...}) are all float32
-    or all float64 (the run's dtype); batch is {"tokens", "lengths", "labels"} (an encoder_decoder's
+    or all float64 (the run's dtype); batch is {"tokens", "lengths", "labels"} (with
+    type_vocab_size also "token_types"; an encoder_decoder's
     {"src_tokens", "src_lengths", "tgt_tokens", "tgt_lengths"}); masks
     ({"dropout.input": ...}) replay dropout masks in train mode instead of drawing them from
     dropout_seed. Arrays may be numpy arrays or torch tensors. A golden's Golden.params(),

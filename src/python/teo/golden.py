@@ -60,7 +60,8 @@ class Golden:
         return {n[len("param."):]: t for n, t in self.tensors.items() if n.startswith("param.")}
 
     def batch(self):
-        """The batch as teo.run takes it: {"tokens", "lengths", "labels"} (input.*); a decoder's
+        """The batch as teo.run takes it: {"tokens", "lengths", "labels"} (input.*), and
+        "token_types" with type_vocab_size; a decoder's
         has no labels (its targets are its next tokens); an encoder_decoder's is {"src_tokens",
         "src_lengths", "tgt_tokens", "tgt_lengths"}."""
         self._model_case("batch")

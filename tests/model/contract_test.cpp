@@ -74,6 +74,13 @@ std::vector<std::pair<std::string, EncoderConfig>> configs() {
   seq2seq.ffn = teo::FfnKind::geglu;
   out.emplace_back("encoder-decoder: pre-norm, learned positions, own target vocabulary, GeGLU",
                    seq2seq);
+  EncoderConfig bert = plain;
+  bert.positional = teo::Positional::learned;
+  bert.type_vocab_size = 2;
+  bert.embedding_norm = true;
+  bert.pooler = teo::Pooler::dense_tanh;
+  bert.pooling = teo::Pooling::cls;
+  out.emplace_back("BERT: token types, embedding LayerNorm, pooler", bert);
   return out;
 }
 

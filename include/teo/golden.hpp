@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <memory>
 #include <optional>
 #include <ostream>
 #include <string>
@@ -19,6 +20,10 @@
 #include "teo/model.hpp"
 #include "teo/precision.hpp"
 #include "teo/safetensors.hpp"
+
+namespace teo::names {
+struct NameMap;
+}  // namespace teo::names
 
 namespace teo::golden {
 
@@ -75,6 +80,12 @@ struct GenerateOptions {
   std::function<void(const std::string& stage)> progress;
   // Called before each tensor is written; may throw to stop, as progress may.
   std::function<void()> poll;
+  // A user's checkpoint under a family's names (`--weights`, `--names`): its parameters replace
+  // the seed's (names::params_from_checkpoint; optional ones it lacks keep the seed's), and
+  // `weights_source` is recorded as __metadata__.weights.
+  const safetensors::File* checkpoint = nullptr;
+  std::shared_ptr<const names::NameMap> names;
+  std::string weights_source;
 };
 
 // Writes case c to `path` as make() (then keep_only() with opts.keep) gives it, byte for byte,
@@ -170,6 +181,10 @@ struct CheckOptions {
   // name must not pass unseen), and so, in directory mode, does a candidate file with no golden of
   // its name; with allow_extra both are listed but accepted.
   bool allow_extra = false;
+  // A model case's candidate may name its parameter gradients (and parameters) by a checkpoint
+  // family's names (`teo golden check --names hf-bert`): they are read as teo's first
+  // (names::candidate_in_teo_names).
+  std::shared_ptr<const names::NameMap> names;
   // For a progress display: called as check_paths starts each case ("checking NAME (i/N, SIZE)",
   // detail unless the golden file is 100 MB or more) and as check starts each tensor ("NAME
   // (i/N)", detail). A detail is worth showing on a terminal only.

@@ -43,6 +43,9 @@ struct GoldenGenerateOptions {
   bool allow_ill_conditioned = false;  // write an ill-conditioned float32 case, marked as such
   std::string keep;                    // comma-separated globs of the tensors to store ("": all)
   bool progress = true;                // show the stages on standard error
+  // A user's checkpoint: its parameters replace the seed's (--weights, --names), and its
+  // config.json may give the config (--hf-config).
+  std::string weights, names, hf_config;
 };
 int run_golden_generate(const GoldenGenerateOptions& opts, std::ostream& out);
 
@@ -55,7 +58,15 @@ struct GoldenCheckOptions {
   std::string precision;        // "" (implied) | fp64 | fp32 | tf32 | bf16 | fp16
   golden::CheckOptions tolerances;
   bool progress = true;  // show the case and tensor being compared on standard error
+  std::string names;     // a name map: candidate gradients may use its checkpoint names
 };
+
+// `teo golden export`: a golden's parameters under a family's checkpoint names.
+struct GoldenExportOptions {
+  std::string golden, names, out_path, hf_config_path;
+  bool force = false;
+};
+int run_golden_export(const GoldenExportOptions& opts, std::ostream& out);
 int run_golden_check(const GoldenCheckOptions& opts, std::ostream& out);
 
 // `teo golden op`: one op case from a spec; `teo golden list`: what each case holds and what a

@@ -9,6 +9,7 @@
 #include "cli/progress.hpp"
 #include "teo/files.hpp"
 #include "teo/golden_ops.hpp"
+#include "teo/names.hpp"
 #include "teo/precision.hpp"
 #include "teo/safetensors.hpp"
 #include "teo/train/session.hpp"
@@ -20,15 +21,39 @@ int run_golden_generate(const GoldenGenerateOptions& opts, std::ostream& out) {
   if (one == !opts.corpus_dir.empty()) {
     throw ConfigError("golden generate needs either --config and --out, or --corpus");
   }
+  const bool user_weights = !opts.weights.empty() || !opts.names.empty() || !opts.hf_config.empty();
   if (!opts.corpus_dir.empty()) {
     if (!opts.keep.empty()) throw ConfigError("--keep applies to one case (--config, --out)");
+    if (user_weights) {
+      throw ConfigError("--weights, --names and --hf-config apply to one case (--config, --out)");
+    }
     golden::generate_corpus(opts.corpus_dir, out, opts.force);
     return 0;
   }
   if (opts.config_path.empty() || opts.out_path.empty()) {
     throw ConfigError("golden generate needs both --config CASE.json and --out FILE");
   }
-  const golden::Case c = golden::Case::from_file(opts.config_path);
+  if (user_weights && (opts.weights.empty() || opts.names.empty()))
+    throw ConfigError("--weights and --names go together (and --hf-config needs both)");
+  std::shared_ptr<const names::NameMap> map;
+  if (!opts.names.empty()) map = std::make_shared<names::NameMap>(names::NameMap::load(opts.names));
+  golden::Case c;
+  if (opts.hf_config.empty()) {
+    c = golden::Case::from_file(opts.config_path);
+  } else {
+    // the checkpoint's config.json gives the model; CASE.json its "case" and any key over it
+    nlohmann::json j = names::config_from_hf(read_json_file(opts.hf_config), *map);
+    const nlohmann::json spec = read_json_file(opts.config_path);
+    if (!spec.is_object()) throw ConfigError(opts.config_path + ": not a JSON object");
+    for (const auto& [k, v] : spec.items()) j[k] = v;
+    try {
+      c = golden::Case::from_json(j);
+    } catch (const ConfigError& e) {
+      throw ConfigError(opts.config_path + " over " + opts.hf_config + ": " + e.what());
+    }
+  }
+  std::optional<safetensors::File> checkpoint;
+  if (!opts.weights.empty()) checkpoint = safetensors::map(opts.weights);
   ProgressLine progress(opts.progress);
   // SIGINT and SIGTERM stop at the next stage or tensor written; the temporary file goes, and
   // `--out` is untouched.
@@ -47,9 +72,36 @@ int run_golden_generate(const GoldenGenerateOptions& opts, std::ostream& out) {
     progress.show(stage, true);
   };
   g.poll = [&] { stop("while writing"); };
+  if (checkpoint) {
+    g.checkpoint = &*checkpoint;
+    g.names = map;
+    g.weights_source = map->family + ": " + std::filesystem::path(opts.weights).filename().string();
+  }
   const std::uint64_t size = golden::generate_file(c, opts.out_path, g);
   progress.clear();
   out << "wrote " << opts.out_path << " (" << size << " bytes)\n";
+  return 0;
+}
+
+int run_golden_export(const GoldenExportOptions& opts, std::ostream& out) {
+  const safetensors::File g = safetensors::map(opts.golden);
+  golden::validate(g);
+  if (golden::is_op_file(g)) {
+    throw ConfigError(opts.golden + " is an op case: export takes a model case's parameters");
+  }
+  const names::NameMap map = names::NameMap::load(opts.names);
+  // both made before either is written: a config the family cannot express writes nothing
+  const std::string weights = safetensors::serialize(names::checkpoint_of(g, map));
+  std::string config;
+  if (!opts.hf_config_path.empty())
+    config = names::hf_config_of(golden::case_of(g).config, map).dump(2) + "\n";
+  write_file_atomic(opts.out_path, weights, opts.force);
+  out << "wrote " << opts.out_path << " (" << weights.size() << " bytes, " << map.family
+      << " names)\n";
+  if (!config.empty()) {
+    write_file_atomic(opts.hf_config_path, config, opts.force);
+    out << "wrote " << opts.hf_config_path << "\n";
+  }
   return 0;
 }
 
@@ -153,6 +205,8 @@ int run_golden_check(const GoldenCheckOptions& opts, std::ostream& out) {
   else
     throw ConfigError("--only must be forward or backward, got \"" + opts.only + "\"");
   if (!opts.precision.empty()) co.precision = parse_precision(opts.precision, "--precision");
+  if (!opts.names.empty())
+    co.names = std::make_shared<names::NameMap>(names::NameMap::load(opts.names));
   ProgressLine progress(opts.progress);
   co.progress = [&](const std::string& what, bool detail) { progress.show(what, !detail); };
   const auto reports = golden::check_paths(opts.golden, opts.candidate, co);

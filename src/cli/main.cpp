@@ -158,6 +158,23 @@ int main(int argc, char** argv) {
                 "metadata (refused otherwise)");
   bool gen_no_progress = false;
   gen->add_flag("--no-progress", gen_no_progress, "no stage lines on standard error");
+  gen->add_option("--weights", gen_opts.weights,
+                  "a checkpoint (.safetensors) whose parameters replace the seed's; needs --names");
+  gen->add_option("--names", gen_opts.names,
+                  "the checkpoint's name map: hf-bert, or a map file (docs/models.md)");
+  gen->add_option("--hf-config", gen_opts.hf_config,
+                  "the checkpoint's config.json: the model's config (CASE.json then gives "
+                  "\"case\" and any key over it)");
+  teo::cli::GoldenExportOptions export_opts;
+  CLI::App* exp = golden->add_subcommand(
+      "export", "Write a golden's parameters under a checkpoint family's names (and config.json)");
+  exp->add_option("--golden", export_opts.golden, "a model case's golden file")->required();
+  exp->add_option("--names", export_opts.names, "hf-bert, or a map file (docs/models.md)")
+      ->required();
+  exp->add_option("--out", export_opts.out_path, "the .safetensors checkpoint to write")
+      ->required();
+  exp->add_option("--hf-config", export_opts.hf_config_path, "also write its config.json here");
+  exp->add_flag("--force", export_opts.force, "overwrite existing files");
   teo::cli::GoldenOpOptions op_opts;
   CLI::App* op = golden->add_subcommand(
       "op", "Write one op case: a single operator's inputs, outputs and exact backward");
@@ -191,6 +208,9 @@ int main(int argc, char** argv) {
   check->add_flag("--allow-extra", check_opts.tolerances.allow_extra,
                   "accept candidate tensors (and, for directories, files) the golden does not "
                   "name, instead of failing on them as misspellings");
+  check->add_option("--names", check_opts.names,
+                    "the candidate may name parameter gradients by this checkpoint family's names "
+                    "(hf-bert, or a map file)");
   check->add_flag("--hide-unchecked", check_opts.hide_unchecked,
                   "leave the rows of tensors not in the candidate out of the text report");
   bool check_no_progress = false;
@@ -245,7 +265,7 @@ int main(int argc, char** argv) {
       app.add_subcommand("predict", "Print each word's language probabilities from a checkpoint");
   predict->add_option("--checkpoint", predict_ckpt, "a teo train checkpoint")->required();
   predict->add_option("words", predict_words, "words to classify")->required();
-  for (CLI::App* sub : {shapes, bench, golden, gen, op, list, check, train, predict}) {
+  for (CLI::App* sub : {shapes, bench, golden, gen, exp, op, list, check, train, predict}) {
     const bool fast = sub == bench || sub == train;  // they time or train: the fast path
     sub->add_option("--backend", backend_flag,
                     std::string("reference | simd | blas (default: TEO_BACKEND, else ") +
@@ -283,6 +303,7 @@ int main(int argc, char** argv) {
     check_opts.progress = !check_no_progress;
     if (*gen) return teo::cli::run_golden_generate(gen_opts, std::cout);
     if (*op) return teo::cli::run_golden_op(op_opts, std::cout);
+    if (*exp) return teo::cli::run_golden_export(export_opts, std::cout);
     if (*list) return teo::cli::run_golden_list(list_path, std::cout);
     if (*train) {
       if (backend_flag.empty() && !std::getenv("TEO_BACKEND")) {

@@ -12,6 +12,7 @@
 
 #include "golden_internal.hpp"
 #include "teo/golden_ops.hpp"
+#include "teo/names.hpp"
 #include "teo/suggest.hpp"
 
 namespace teo::golden {
@@ -368,6 +369,13 @@ Precision judged_precision(const File& golden, const File& candidate, bool f32,
 
 CaseReport check(const File& golden, const File& candidate, const CheckOptions& opts) {
   validate(golden);
+  if (opts.names && !is_op_file(golden)) {
+    CheckOptions in_teo_names = opts;
+    in_teo_names.names = nullptr;
+    return check(golden,
+                 names::candidate_in_teo_names(candidate, *opts.names, case_of(golden).config),
+                 in_teo_names);
+  }
   const bool f32 = golden_is_f32(golden);
   const Precision p = judged_precision(golden, candidate, f32, opts);
   // fp64, and fp32 against a float32 golden, are the plain checks; everything else is judged

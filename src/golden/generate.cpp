@@ -19,6 +19,7 @@
 #include "teo/generate.hpp"
 #include "teo/golden_ops.hpp"
 #include "teo/model.hpp"
+#include "teo/names.hpp"
 
 namespace teo::golden {
 
@@ -266,6 +267,10 @@ void generate_typed(const Case& c, Sink& sink, const GenerateOptions& opts) {
   const EncoderConfig& cfg = c.config;
   const Batch batch = c.make_batch();
   std::optional<Params<Real>> params(Params<Real>::init(cfg, c.seed));
+  if (opts.checkpoint) {
+    stage("reading the checkpoint's parameters (" + opts.names->family + ")");
+    params = names::params_from_checkpoint(*opts.checkpoint, *opts.names, cfg, std::move(*params));
+  }
   if constexpr (f32) {
     if (c.precision) round_params(*params, *c.precision);
   }
@@ -311,6 +316,7 @@ void generate_typed(const Case& c, Sink& sink, const GenerateOptions& opts) {
                    {"config", cfg.to_json().dump()},
                    {"case", c.case_json().dump()},
                    {"teo_version", TEO_VERSION}};
+  if (opts.checkpoint) meta.emplace_back("weights", opts.weights_source);
   // `kept` is known now and goes in the first header; only an ill_conditioned note, which comes
   // before it, can still change the header's length (and move the data) at the end.
   const auto with_kept = [&](Metadata m) {

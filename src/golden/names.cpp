@@ -1,0 +1,424 @@
+// Checkpoint name maps: reading them, and moving parameters and configs between a family's
+// checkpoint and teo's names (include/teo/names.hpp, docs/models.md).
+#include "teo/names.hpp"
+
+#include <fnmatch.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <regex>
+#include <set>
+
+#include "teo/contract.hpp"
+#include "teo/files.hpp"
+#include "teo/suggest.hpp"
+
+namespace teo::names {
+
+// The built-in maps, src/golden/names/*.json as the build embeds them.
+const std::vector<std::pair<std::string, std::string>>& builtin_maps();
+
+namespace st = safetensors;
+using nlohmann::json;
+
+namespace {
+
+std::string need_string(const json& j, const std::string& what) {
+  if (!j.is_string()) throw ConfigError(what + " must be a string, got " + j.dump());
+  return j.get<std::string>();
+}
+
+// "layers.3.attn.q.weight" -> {"layers.{i}.attn.q.weight", "3"}; other names as they are.
+std::pair<std::string, std::string> generic(const std::string& name) {
+  static const std::regex layer(R"(^((?:decoder\.)?layers\.)(\d+)(\..*)$)");
+  std::smatch m;
+  if (std::regex_match(name, m, layer)) return {m[1].str() + "{i}" + m[3].str(), m[2].str()};
+  return {name, ""};
+}
+
+std::string with_index(std::string pattern, const std::string& i) {
+  const auto at = pattern.find("{i}");
+  if (at != std::string::npos) pattern.replace(at, 3, i);
+  return pattern;
+}
+
+// A parameter of the contract with its rule and checkpoint name.
+struct Placed {
+  std::string teo;
+  std::vector<std::int64_t> shape;  // teo's
+  const Rule* rule;
+  std::string checkpoint;
+};
+
+std::vector<Placed> place(const NameMap& map, const EncoderConfig& cfg) {
+  std::map<std::string, const Rule*> by_teo;
+  for (const auto& r : map.rules) by_teo[r.teo] = &r;
+  std::vector<Placed> out;
+  for (const auto& spec : contract::params(cfg)) {
+    const auto [pattern, i] = generic(spec.name);
+    const auto it = by_teo.find(pattern);
+    if (it == by_teo.end()) {
+      throw ConfigError("name map " + map.family + " has no rule for teo's parameter " + spec.name +
+                        ": this config is not a " + map.family + " model");
+    }
+    if (static_cast<std::size_t>(it->second->dim) >= spec.shape.size()) {
+      throw ConfigError("name map " + map.family + " splits " + spec.name + " along dimension " +
+                        std::to_string(it->second->dim) + ", which it does not have");
+    }
+    out.push_back({spec.name, spec.shape, it->second, with_index(it->second->checkpoint, i)});
+  }
+  return out;
+}
+
+// The checkpoint tensor's shape for one placed parameter: teo's, transposed, times parts.
+std::vector<std::int64_t> checkpoint_shape(const Placed& p) {
+  std::vector<std::int64_t> s = p.shape;
+  if (p.rule->transpose && s.size() == 2) std::swap(s[0], s[1]);
+  if (p.rule->parts > 1) s[static_cast<std::size_t>(p.rule->dim)] *= p.rule->parts;
+  return s;
+}
+
+std::string shape_str(const std::vector<std::int64_t>& s) {
+  std::string out = "(";
+  for (std::size_t k = 0; k < s.size(); ++k) out += (k ? ", " : "") + std::to_string(s[k]);
+  return out + ")";
+}
+
+// Index of teo element `e` (row-major in teo's shape) in the checkpoint tensor.
+std::int64_t checkpoint_index(const Placed& p, std::int64_t e) {
+  const auto& s = p.shape;
+  std::int64_t r = 0, c = e;
+  if (s.size() == 2) r = e / s[1], c = e % s[1];
+  // (r, c) in teo's matrix -> (r', c') in the unfused checkpoint slice
+  std::int64_t cr = r, cc = c, ccols = s.size() == 2 ? s[1] : s[0];
+  if (p.rule->transpose && s.size() == 2) cr = c, cc = r, ccols = s[0];
+  if (p.rule->parts > 1) {
+    if (s.size() == 1) return static_cast<std::int64_t>(p.rule->part) * s[0] + e;
+    if (p.rule->dim == 0) {
+      const std::int64_t rows = p.rule->transpose ? s[1] : s[0];
+      cr += p.rule->part * rows;
+    } else {
+      cc += p.rule->part * ccols;
+      ccols *= p.rule->parts;
+    }
+  }
+  return s.size() == 2 ? cr * ccols + cc : cc;
+}
+
+bool ignored(const NameMap& map, const std::string& name) {
+  return std::any_of(map.ignore.begin(), map.ignore.end(), [&](const std::string& g) {
+    return fnmatch(g.c_str(), name.c_str(), 0) == 0;
+  });
+}
+
+// The checkpoint's tensor for a name, with or without the base prefix.
+const st::Tensor* find_in(const st::File& f, const NameMap& map, const std::string& name) {
+  if (const auto* t = f.find(name)) return t;
+  if (!map.base_prefix.empty() && name.starts_with(map.base_prefix))
+    return f.find(name.substr(map.base_prefix.size()));
+  return nullptr;
+}
+
+}  // namespace
+
+NameMap NameMap::from_json(const json& j, const std::string& source) {
+  const auto fail = [&](const std::string& what) { throw ConfigError(source + ": " + what); };
+  if (!j.is_object()) fail("a name map must be a JSON object");
+  if (j.value("format", json()) != "teo-names/1")
+    fail("\"format\" must be \"teo-names/1\", got " + j.value("format", json()).dump());
+  NameMap m;
+  for (const auto& [key, v] : j.items()) {
+    if (key == "format" || key == "description") continue;
+    if (key == "family") {
+      m.family = need_string(v, source + ": family");
+    } else if (key == "base_prefix") {
+      m.base_prefix = need_string(v, source + ": base_prefix");
+    } else if (key == "params") {
+      if (!v.is_array()) fail("\"params\" must be an array of [teo, checkpoint, {options}]");
+      for (const auto& e : v) {
+        if (!e.is_array() || e.size() < 2 || e.size() > 3)
+          fail("each params entry is [teo name, checkpoint name, {options}], got " + e.dump());
+        Rule r;
+        r.teo = need_string(e[0], source + ": a teo name");
+        r.checkpoint = need_string(e[1], source + ": a checkpoint name");
+        if (e.size() == 3) {
+          for (const auto& [ok, ov] : e[2].items()) {
+            if (ok == "transpose" && ov.is_boolean()) {
+              r.transpose = ov.get<bool>();
+            } else if (ok == "optional" && ov.is_boolean()) {
+              r.optional = ov.get<bool>();
+            } else if (ok == "split" && ov.is_array() && ov.size() == 3 &&
+                       std::all_of(ov.begin(), ov.end(),
+                                   [](const json& x) { return x.is_number_integer(); })) {
+              r.dim = ov[0].get<int>(), r.part = ov[1].get<int>(), r.parts = ov[2].get<int>();
+              if (r.dim < 0 || r.dim > 1 || r.parts < 1 || r.part < 0 || r.part >= r.parts)
+                fail("split of " + r.teo + " must be [dim 0 or 1, part, parts], got " + ov.dump());
+            } else {
+              fail("unknown option \"" + ok + "\": " + ov.dump() + " of " + r.teo +
+                   " (transpose, optional, split: [dim, part, parts])");
+            }
+          }
+        }
+        m.rules.push_back(std::move(r));
+      }
+    } else if (key == "ignore") {
+      if (!v.is_array()) fail("\"ignore\" must be an array of globs");
+      for (const auto& g : v) m.ignore.push_back(need_string(g, source + ": an ignore glob"));
+    } else if (key == "config") {
+      if (!v.is_object()) fail("\"config\" must be an object");
+      m.config = v;
+    } else {
+      fail("unknown key \"" + key + "\"");
+    }
+  }
+  if (m.family.empty()) fail("\"family\" is missing");
+  if (m.rules.empty()) fail("\"params\" is missing or empty");
+  return m;
+}
+
+std::vector<std::string> NameMap::builtin_families() {
+  std::vector<std::string> out;
+  for (const auto& [name, text] : builtin_maps()) out.push_back(name);
+  return out;
+}
+
+NameMap NameMap::load(const std::string& family_or_path) {
+  for (const auto& [name, text] : builtin_maps())
+    if (name == family_or_path) return from_json(json::parse(text), name);
+  if (family_or_path.find('/') == std::string::npos && !family_or_path.ends_with(".json")) {
+    throw ConfigError("unknown name map \"" + family_or_path + "\"" +
+                      did_you_mean(family_or_path, builtin_families()) +
+                      " (built in: hf-bert, hf-gpt2, hf-llama; or a map file's path)");
+  }
+  return from_json(read_json_file(family_or_path), family_or_path);
+}
+
+template <class Real>
+Params<Real> params_from_checkpoint(const st::File& checkpoint, const NameMap& map,
+                                    const EncoderConfig& cfg, Params<Real> seeded) {
+  const auto placed = place(map, cfg);
+  // Every check before any value moves: presence, shape, and no tensor left unread.
+  std::set<std::string> read;
+  for (const auto& p : placed) {
+    const st::Tensor* t = find_in(checkpoint, map, p.checkpoint);
+    if (!t) {
+      if (p.rule->optional) continue;
+      throw FormatError("the checkpoint has no tensor " + p.checkpoint + " (teo's " + p.teo + ", " +
+                        map.family + ")");
+    }
+    if (!st::is_float(t->dtype))
+      throw FormatError("checkpoint tensor " + t->name + " is " + st::dtype_name(t->dtype) +
+                        ", not a float type");
+    if (t->shape != checkpoint_shape(p)) {
+      throw FormatError("checkpoint tensor " + t->name + " has shape " + shape_str(t->shape) +
+                        ", the config gives " + shape_str(checkpoint_shape(p)) + " (teo's " +
+                        p.teo + ")");
+    }
+    read.insert(t->name);
+  }
+  for (const auto& t : checkpoint.tensors) {
+    if (!read.contains(t.name) && !ignored(map, t.name)) {
+      throw FormatError("checkpoint tensor " + t.name + " is read by no teo parameter of this " +
+                        "config under " + map.family + " (a tensor of another model, or a " +
+                        "config that leaves out what the checkpoint has)");
+    }
+  }
+  std::map<std::string, Tensor<Real>*> by_name;
+  seeded.visit([&](const std::string& n, Tensor<Real>& t) { by_name[n] = &t; });
+  for (const auto& p : placed) {
+    const st::Tensor* t = find_in(checkpoint, map, p.checkpoint);
+    if (!t) continue;
+    const auto v = t->float_values();
+    Tensor<Real>& dst = *by_name.at(p.teo);
+    for (std::int64_t e = 0; e < dst.numel(); ++e) {
+      const double x = v[static_cast<std::size_t>(checkpoint_index(p, e))];
+      const Real r = static_cast<Real>(x);
+      if (static_cast<double>(r) != x && !std::isnan(x)) {
+        throw FormatError("checkpoint tensor " + t->name + " holds " + std::to_string(x) +
+                          ", which float32 cannot hold exactly: make the case float64");
+      }
+      dst[e] = r;
+    }
+  }
+  return seeded;
+}
+
+json config_from_hf(const json& hf, const NameMap& map) {
+  if (!hf.is_object()) throw ConfigError("config.json must be a JSON object");
+  const json& c = map.config;
+  json out = c.value("fixed", json::object());
+  std::map<std::string, std::string> set_by;  // teo key -> the hf key that set it
+  const json keys = c.value("keys", json::object());
+  std::vector<std::string> known;
+  for (const auto& [k, v] : keys.items()) known.push_back(k);
+  for (const auto& k : c.value("ignored", json::array())) known.push_back(k.get<std::string>());
+  for (const auto& [hk, hv] : hf.items()) {
+    const auto rule = keys.find(hk);
+    if (rule == keys.end()) {
+      const auto ig = c.value("ignored", json::array());
+      if (std::find(ig.begin(), ig.end(), hk) != ig.end()) continue;
+      throw ConfigError("config.json key \"" + hk + "\" is neither mapped nor ignored by " +
+                        map.family + did_you_mean(hk, known));
+    }
+    std::string teo_key;
+    json value = hv;
+    if (rule->is_string()) {
+      teo_key = rule->get<std::string>();
+    } else {
+      teo_key = rule->value("key", "");
+      if (rule->contains("map")) {
+        const json& m = rule->at("map");
+        if (!hv.is_string() || !m.contains(hv.get<std::string>())) {
+          throw ConfigError("config.json " + hk + " = " + hv.dump() + " has no teo counterpart (" +
+                            map.family + " takes " + m.dump() + ")");
+        }
+        value = m.at(hv.get<std::string>());
+      } else if (rule->value("count", false)) {
+        if (!hv.is_object()) throw ConfigError("config.json " + hk + " must be an object");
+        value = hv.size();
+      }
+    }
+    if (teo_key.empty() || value.is_null()) continue;  // an accepted value that sets nothing
+    if (const auto it = set_by.find(teo_key); it != set_by.end() && out.at(teo_key) != value) {
+      throw ConfigError("config.json " + it->second + " = " + out.at(teo_key).dump() + " and " +
+                        hk + " = " + value.dump() + " are both teo's " + teo_key +
+                        ", which is one value");
+    }
+    set_by[teo_key] = hk;
+    out[teo_key] = value;
+  }
+  return out;
+}
+
+json hf_config_of(const EncoderConfig& cfg, const NameMap& map) {
+  const json& c = map.config;
+  const json teo = cfg.to_json();
+  json out = c.value("export", json::object());
+  const json keys = c.value("keys", json::object());
+  for (const auto& [hk, rule] : keys.items()) {
+    if (rule.is_string()) {
+      if (teo.contains(rule.get<std::string>())) out[hk] = teo.at(rule.get<std::string>());
+      continue;
+    }
+    const std::string key = rule.value("key", "");
+    if (key.empty() || !teo.contains(key)) continue;
+    if (rule.contains("map")) {
+      for (const auto& [hv, tv] : rule.at("map").items()) {
+        if (tv == teo.at(key)) {
+          out[hk] = hv;
+          break;
+        }
+      }
+    } else if (rule.value("count", false)) {
+      json labels = json::object();
+      for (std::int64_t k = 0; k < teo.at(key).get<std::int64_t>(); ++k)
+        labels[std::to_string(k)] = "LABEL_" + std::to_string(k);
+      out[hk] = labels;
+    }
+  }
+  // The family expresses cfg when reading this back (with cfg's free keys) gives cfg itself.
+  json back = config_from_hf(out, map);
+  for (const auto& k : c.value("free", json::array()))
+    if (teo.contains(k.get<std::string>())) back[k.get<std::string>()] = teo.at(k);
+  EncoderConfig again;
+  try {
+    again = EncoderConfig::from_json(back);
+  } catch (const ConfigError& e) {
+    throw ConfigError(map.family + " cannot express this config: " + e.what());
+  }
+  if (!(again == cfg)) {
+    const json a = again.to_json();
+    std::string diff;
+    for (const auto& [k, v] : teo.items())
+      if (!a.contains(k) || a.at(k) != v) diff += (diff.empty() ? "" : ", ") + k + " = " + v.dump();
+    for (const auto& [k, v] : a.items())
+      if (!teo.contains(k)) diff += (diff.empty() ? "" : ", ") + k + " (left out)";
+    throw ConfigError(map.family + " cannot express this config's " + diff);
+  }
+  return out;
+}
+
+st::File checkpoint_of(const st::File& golden, const NameMap& map) {
+  const auto* config = golden.meta("config");
+  if (!config) throw FormatError("the golden has no config metadata");
+  const EncoderConfig cfg = EncoderConfig::from_json_text(*config);
+  const auto placed = place(map, cfg);
+  // checkpoint name -> its shape, dtype and values, assembled from every part
+  struct Out {
+    std::vector<std::int64_t> shape;
+    st::DType dtype;
+    std::vector<unsigned char> bytes;
+  };
+  std::vector<std::string> order;
+  std::map<std::string, Out> outs;
+  for (const auto& p : placed) {
+    const st::Tensor* t = golden.find("param." + p.teo);
+    if (!t) throw FormatError("the golden has no param." + p.teo);
+    const std::size_t size = st::dtype_size(t->dtype);
+    auto [it, fresh] = outs.try_emplace(p.checkpoint);
+    if (fresh) {
+      order.push_back(p.checkpoint);
+      it->second.shape = checkpoint_shape(p);
+      it->second.dtype = t->dtype;
+      std::int64_t n = 1;
+      for (auto d : it->second.shape) n *= d;
+      it->second.bytes.assign(static_cast<std::size_t>(n) * size, 0);
+    }
+    const auto src = t->data();
+    for (std::int64_t e = 0; e < t->numel(); ++e) {
+      std::memcpy(it->second.bytes.data() + static_cast<std::size_t>(checkpoint_index(p, e)) * size,
+                  src.data() + static_cast<std::size_t>(e) * size, size);
+    }
+  }
+  st::File f;
+  f.metadata = {{"format", "pt"}};
+  for (const auto& n : order) {
+    const Out& o = outs.at(n);
+    f.add(n, o.dtype, o.shape, o.bytes.data(), o.bytes.size());
+  }
+  return f;
+}
+
+st::File candidate_in_teo_names(const st::File& candidate, const NameMap& map,
+                                const EncoderConfig& cfg) {
+  const auto placed = place(map, cfg);
+  st::File out;
+  out.metadata = candidate.metadata;
+  std::set<std::string> used;
+  for (const auto& p : placed) {
+    for (const char* role : {"grad.", "param."}) {
+      const st::Tensor* t = find_in(candidate, map, role + p.checkpoint);
+      if (!t && !map.base_prefix.empty() && p.checkpoint.starts_with(map.base_prefix))
+        t = candidate.find(role + p.checkpoint.substr(map.base_prefix.size()));
+      if (!t) continue;
+      if (t->shape != checkpoint_shape(p)) {
+        throw FormatError("candidate tensor " + t->name + " has shape " + shape_str(t->shape) +
+                          ", expected " + shape_str(checkpoint_shape(p)) + " (teo's " + role +
+                          p.teo + ")");
+      }
+      used.insert(t->name);
+      const std::size_t size = st::dtype_size(t->dtype);
+      std::int64_t n = 1;
+      for (auto d : p.shape) n *= d;
+      std::vector<unsigned char> bytes(static_cast<std::size_t>(n) * size);
+      const auto src = t->data();
+      for (std::int64_t e = 0; e < n; ++e) {
+        std::memcpy(bytes.data() + static_cast<std::size_t>(e) * size,
+                    src.data() + static_cast<std::size_t>(checkpoint_index(p, e)) * size, size);
+      }
+      out.add(std::string(role) + p.teo, t->dtype, p.shape, bytes.data(), bytes.size());
+    }
+  }
+  for (const auto& t : candidate.tensors)
+    if (!used.contains(t.name)) out.add(t.name, t.dtype, t.shape, t.data().data(), t.data().size());
+  return out;
+}
+
+template Params<float> params_from_checkpoint<float>(const st::File&, const NameMap&,
+                                                     const EncoderConfig&, Params<float>);
+template Params<double> params_from_checkpoint<double>(const st::File&, const NameMap&,
+                                                       const EncoderConfig&, Params<double>);
+
+}  // namespace teo::names

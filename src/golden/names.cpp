@@ -121,6 +121,26 @@ const st::Tensor* find_in(const st::File& f, const NameMap& map, const std::stri
   return nullptr;
 }
 
+// cfg's JSON with every key a map may read spelled out, defaults included (to_json leaves out
+// the keys not in use), so that an export writes what a checkpoint's loader would otherwise
+// default differently.
+json effective_json(const EncoderConfig& cfg) {
+  json j = cfg.to_json();
+  j["architecture"] = to_string(cfg.architecture);
+  j["attn_bias"] = cfg.attn_bias;
+  j["ffn_bias"] = cfg.ffn_bias;
+  j["head_bias"] = cfg.head_bias;
+  j["tie_embeddings"] = cfg.tie_embeddings;
+  j["norm"] = to_string(cfg.norm);
+  j["ffn"] = to_string(cfg.ffn);
+  j["num_kv_heads"] = cfg.kv_heads();
+  j["position_offset"] = cfg.position_offset;
+  j["attn_sinks"] = cfg.attn_sinks;
+  j["embedding_norm"] = cfg.embedding_norm;
+  j["pooler"] = to_string(cfg.pooler);
+  return j;
+}
+
 }  // namespace
 
 NameMap NameMap::from_json(const json& j, const std::string& source) {
@@ -268,13 +288,22 @@ json config_from_hf(const json& hf, const NameMap& map) {
       teo_key = rule->get<std::string>();
     } else {
       teo_key = rule->value("key", "");
-      if (rule->contains("map")) {
+      if (hv.is_null() && rule->contains("null_times")) {
+        // GPT-2's n_inner: null means a multiple of another key
+        const json& nt = rule->at("null_times");
+        const std::string of = nt.at(0).get<std::string>();
+        if (!hf.contains(of) || !hf.at(of).is_number_integer())
+          throw ConfigError("config.json " + hk + " is null, and " + of + " is not an integer");
+        value = hf.at(of).get<std::int64_t>() * nt.at(1).get<std::int64_t>();
+      } else if (rule->contains("map")) {
+        // string values by themselves, others (true, null) by their JSON text
         const json& m = rule->at("map");
-        if (!hv.is_string() || !m.contains(hv.get<std::string>())) {
+        const std::string as_key = hv.is_string() ? hv.get<std::string>() : hv.dump();
+        if (!m.contains(as_key)) {
           throw ConfigError("config.json " + hk + " = " + hv.dump() + " has no teo counterpart (" +
                             map.family + " takes " + m.dump() + ")");
         }
-        value = m.at(hv.get<std::string>());
+        value = m.at(as_key);
       } else if (rule->value("count", false)) {
         if (!hv.is_object()) throw ConfigError("config.json " + hk + " must be an object");
         value = hv.size();
@@ -294,7 +323,7 @@ json config_from_hf(const json& hf, const NameMap& map) {
 
 json hf_config_of(const EncoderConfig& cfg, const NameMap& map) {
   const json& c = map.config;
-  const json teo = cfg.to_json();
+  const json teo = effective_json(cfg);
   json out = c.value("export", json::object());
   const json keys = c.value("keys", json::object());
   for (const auto& [hk, rule] : keys.items()) {
@@ -307,11 +336,14 @@ json hf_config_of(const EncoderConfig& cfg, const NameMap& map) {
     if (rule.contains("map")) {
       for (const auto& [hv, tv] : rule.at("map").items()) {
         if (tv == teo.at(key)) {
-          out[hk] = hv;
+          // "true", "false" and "null" stand for those JSON values
+          out[hk] = hv == "true" || hv == "false" || hv == "null" ? json::parse(hv) : json(hv);
           break;
         }
       }
-    } else if (rule.value("count", false)) {
+    } else if (!rule.value("count", false)) {
+      out[hk] = teo.at(key);
+    } else {
       json labels = json::object();
       for (std::int64_t k = 0; k < teo.at(key).get<std::int64_t>(); ++k)
         labels[std::to_string(k)] = "LABEL_" + std::to_string(k);
@@ -328,8 +360,8 @@ json hf_config_of(const EncoderConfig& cfg, const NameMap& map) {
   } catch (const ConfigError& e) {
     throw ConfigError(map.family + " cannot express this config: " + e.what());
   }
-  if (!(again == cfg)) {
-    const json a = again.to_json();
+  if (effective_json(again) != teo) {
+    const json a = effective_json(again);
     std::string diff;
     for (const auto& [k, v] : teo.items())
       if (!a.contains(k) || a.at(k) != v) diff += (diff.empty() ? "" : ", ") + k + " = " + v.dump();

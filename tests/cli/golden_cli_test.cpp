@@ -77,6 +77,54 @@ TEST(GoldenCli, GenerateWritesTheCommittedBytesAndRefusesToOverwrite) {
   EXPECT_TRUE(slurp(out) == slurp(kCorpus / (name + ".safetensors")));
 }
 
+// A user's checkpoint: export a golden's parameters and config.json under hf-bert's names,
+// generate from them (the case from CASE.json, the model from config.json), export again: the
+// two checkpoints are the same bytes, and the new golden's tensors pass against the committed
+// one. A checkpoint missing a tensor is a named error that writes nothing.
+TEST(GoldenCli, ExportThenGenerateFromTheCheckpointRoundTrips) {
+  const fs::path dir = fresh_dir("teo_golden_cli_export");
+  const std::string golden = (kCorpus / "bert_f64.safetensors").string();
+  const std::string w1 = (dir / "model.safetensors").string(), hf = (dir / "config.json").string();
+  CliResult r = run_cli("golden export --names hf-bert --golden " + golden + " --out " + w1 +
+                        " --hf-config " + hf);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(nlohmann::json::parse(slurp(hf)).at("model_type"), "bert");
+  std::ofstream(dir / "case.json") << nlohmann::json{{"case", corpus_case("bert_f64")["case"]}};
+  const std::string again = (dir / "again.safetensors").string();
+  r = run_cli("golden generate --no-progress --config " + (dir / "case.json").string() + " --out " +
+              again + " --weights " + w1 + " --names hf-bert --hf-config " + hf);
+  ASSERT_EQ(r.code, 0) << r.out;
+  const std::string w2 = (dir / "model2.safetensors").string();
+  r = run_cli("golden export --names hf-bert --golden " + again + " --out " + w2);
+  ASSERT_EQ(r.code, 0) << r.out;
+  EXPECT_TRUE(slurp(w1) == slurp(w2)) << "the re-exported checkpoint differs";
+  r = run_cli("golden check --no-progress --require-all --golden " + golden + " --candidate " +
+              again);
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_EQ(*st::read(again).meta("weights"), "hf-bert: model.safetensors");
+  // a checkpoint without one of its tensors
+  st::File cut = st::read(w1);
+  cut.tensors.erase(cut.tensors.begin() + 3);
+  const std::string w3 = (dir / "cut.safetensors").string();
+  teo::write_file_atomic(w3, st::serialize(cut), false);
+  const std::string out3 = (dir / "never.safetensors").string();
+  r = run_cli("golden generate --no-progress --config " + (dir / "case.json").string() + " --out " +
+              out3 + " --weights " + w3 + " --names hf-bert --hf-config " + hf);
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.out.find("has no tensor bert.embeddings.LayerNorm.weight"), std::string::npos)
+      << r.out;
+  EXPECT_FALSE(fs::exists(out3));
+  // --names without --weights, and an op case to export, are named mistakes
+  r = run_cli("golden generate --config " + (dir / "case.json").string() + " --out " + out3 +
+              " --names hf-bert");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.out.find("--weights and --names go together"), std::string::npos) << r.out;
+  r = run_cli("golden export --names hf-bert --golden " +
+              (kCorpus / "ops" / "linear_f64.safetensors").string() + " --out " + out3);
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.out.find("is an op case"), std::string::npos) << r.out;
+}
+
 // --keep: the globs choose the computed tensors (with their ref64 twins), inputs, parameters and
 // masks stay, the metadata records the patterns; a pattern that matches nothing is a named error
 // that writes nothing; the full case then checks against the kept file with --require-all, the

@@ -1,0 +1,275 @@
+// Checkpoint name maps (include/teo/names.hpp): the built-in families' maps against committed
+// goldens, the layout of fused and transposed tensors, the round trip import -> export, and the
+// named errors of a checkpoint or config.json that does not fit.
+#include <cstring>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "teo/golden.hpp"
+#include "teo/names.hpp"
+#include "teo/precision.hpp"
+
+namespace {
+
+namespace fs = std::filesystem;
+namespace st = teo::safetensors;
+namespace golden = teo::golden;
+namespace names = teo::names;
+using nlohmann::json;
+
+const st::File& committed(const std::string& name) {
+  static std::map<std::string, st::File> cache;
+  auto it = cache.find(name);
+  if (it == cache.end()) {
+    const fs::path p = fs::path(TEO_SOURCE_DIR) / "golden" / (name + ".safetensors");
+    it = cache.emplace(name, st::read(p.string())).first;
+  }
+  return it->second;
+}
+
+template <class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const teo::Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// The golden's parameters, through the family's checkpoint and back.
+template <class Real>
+teo::Params<Real> through_checkpoint(const st::File& g, const names::NameMap& map) {
+  const auto cfg = golden::case_of(g).config;
+  const st::File ckpt = st::parse(st::serialize(names::checkpoint_of(g, map)), "checkpoint");
+  return names::params_from_checkpoint(ckpt, map, cfg, teo::Params<Real>::zeros(cfg));
+}
+
+struct Family {
+  const char* map;
+  const char* golden;
+};
+
+class BuiltinMap : public ::testing::TestWithParam<Family> {};
+
+// Export then import gives every parameter bit for bit, the exported checkpoint is the same bytes
+// again, and config.json reads back as the golden's config.
+TEST_P(BuiltinMap, RoundTripsTheGoldensParametersAndConfig) {
+  const auto map = names::NameMap::load(GetParam().map);
+  const st::File& g = committed(GetParam().golden);
+  const auto cfg = golden::case_of(g).config;
+  const bool f32 = golden::case_of(g).dtype == "float32";
+  const auto check = [&](const auto& params) {
+    params.visit([&](const std::string& n, const auto& t) {
+      const auto* want = g.find("param." + n);
+      ASSERT_NE(want, nullptr) << n;
+      ASSERT_EQ(want->data().size(), t.numel() * sizeof(t[0])) << n;
+      EXPECT_EQ(std::memcmp(want->data().data(), t.data(), want->data().size()), 0) << n;
+    });
+  };
+  if (f32)
+    check(through_checkpoint<float>(g, map));
+  else
+    check(through_checkpoint<double>(g, map));
+  const json hf = names::hf_config_of(cfg, map);
+  json back = names::config_from_hf(hf, map);
+  EXPECT_EQ(teo::EncoderConfig::from_json(back), cfg) << hf.dump();
+}
+
+INSTANTIATE_TEST_SUITE_P(Families, BuiltinMap,
+                         ::testing::Values(Family{"hf-bert", "bert_f64"},
+                                           Family{"hf-bert", "bert_f32"},
+                                           Family{"hf-gpt2", "gpt2_pre_tied_f64"},
+                                           Family{"hf-llama", "llama_block_f32"}),
+                         [](const auto& info) {
+                           std::string s = std::string(info.param.map) + "_" + info.param.golden;
+                           for (char& c : s)
+                             if (c == '-') c = '_';
+                           return s;
+                         });
+
+// GPT-2's c_attn is one Conv1D (x W + b, W stored (D, 3D)): q, k and v are its column thirds,
+// transposed.
+TEST(Names, Gpt2FusedQkvIsTheTransposedColumnThirds) {
+  const auto map = names::NameMap::load("hf-gpt2");
+  const st::File& g = committed("gpt2_pre_tied_f64");
+  const st::File ckpt = names::checkpoint_of(g, map);
+  const auto* fused = ckpt.find("transformer.h.1.attn.c_attn.weight");
+  ASSERT_NE(fused, nullptr);
+  const std::int64_t D = golden::case_of(g).config.d_model;
+  ASSERT_EQ(fused->shape, (std::vector<std::int64_t>{D, 3 * D}));
+  const auto w = fused->float_values();
+  const char* parts[] = {"q", "k", "v"};
+  for (int part = 0; part < 3; ++part) {
+    const auto t = g.find(std::string("param.layers.1.attn.") + parts[part] + ".weight");
+    const auto v = t->float_values();  // (D out, D in)
+    for (std::int64_t r = 0; r < D; ++r)
+      for (std::int64_t c = 0; c < D; ++c)
+        ASSERT_EQ(w[static_cast<std::size_t>(c * 3 * D + part * D + r)],
+                  v[static_cast<std::size_t>(r * D + c)])
+            << parts[part] << " " << r << " " << c;
+  }
+  EXPECT_EQ(ckpt.find("lm_head.weight"), nullptr) << "GPT-2's head is tied: not written";
+}
+
+// Checkpoint tensors in BF16 (or F16) widen exactly into a float32 case; float64 values float32
+// cannot hold are refused by name.
+TEST(Names, NarrowCheckpointsWidenExactlyAndF64IsNotRounded) {
+  const auto map = names::NameMap::load("hf-bert");
+  const st::File& g = committed("bert_f32");
+  const auto cfg = golden::case_of(g).config;
+  st::File ckpt = names::checkpoint_of(g, map);
+  st::File bf16;
+  for (auto& t : ckpt.tensors) {
+    auto v = t.values<float>();
+    std::vector<std::uint16_t> bits(v.size());
+    teo::to_bits(teo::Precision::bf16, bits.data(), v.data(), static_cast<teo::index_t>(v.size()));
+    bf16.add(t.name, st::DType::BF16, t.shape, bits.data(), bits.size() * 2);
+  }
+  const auto p = names::params_from_checkpoint(bf16, map, cfg, teo::Params<float>::zeros(cfg));
+  const auto w = p.embedding_weight;
+  const auto src = g.find("param.embedding.weight")->values<float>();
+  for (std::size_t i = 0; i < src.size(); ++i) {
+    float r = src[i];
+    teo::round_to(teo::Precision::bf16, &r, 1);
+    ASSERT_EQ(w[static_cast<teo::index_t>(i)], r) << i;
+  }
+  st::File f64;
+  for (const auto& t : ckpt.tensors) {
+    auto v = t.float_values();
+    if (t.name == "bert.pooler.dense.bias") v[0] += 1e-12;
+    f64.add<double>(t.name, t.shape, v.data(), v.size());
+  }
+  EXPECT_NE(error_of([&] {
+              names::params_from_checkpoint(f64, map, cfg, teo::Params<float>::zeros(cfg));
+            }).find("bert.pooler.dense.bias"),
+            std::string::npos);
+}
+
+// Before anything is converted: a missing tensor, one no rule reads, a wrong shape, each named.
+TEST(Names, CheckpointErrorsNameTheTensor) {
+  const auto map = names::NameMap::load("hf-bert");
+  const st::File& g = committed("bert_f64");
+  const auto cfg = golden::case_of(g).config;
+  const st::File ckpt = names::checkpoint_of(g, map);
+  const auto with = [&](auto&& edit) {
+    st::File f;
+    for (const auto& t : ckpt.tensors) edit(f, t);
+    return error_of(
+        [&] { names::params_from_checkpoint(f, map, cfg, teo::Params<double>::zeros(cfg)); });
+  };
+  const auto copy = [](st::File& f, const st::Tensor& t, const std::string& name) {
+    f.add(name, t.dtype, t.shape, t.data().data(), t.data().size());
+  };
+  EXPECT_NE(with([&](st::File& f, const st::Tensor& t) {
+              if (t.name != "bert.encoder.layer.1.output.dense.bias") copy(f, t, t.name);
+            }).find("has no tensor bert.encoder.layer.1.output.dense.bias"),
+            std::string::npos);
+  EXPECT_NE(with([&](st::File& f, const st::Tensor& t) {
+              copy(f, t, t.name);
+              if (t.name == "bert.pooler.dense.bias") copy(f, t, "bert.pooler.extra.bias");
+            }).find("bert.pooler.extra.bias is read by no teo parameter"),
+            std::string::npos);
+  EXPECT_NE(with([&](st::File& f, const st::Tensor& t) {
+              if (t.name == "bert.pooler.dense.weight") {
+                f.add(t.name, t.dtype, {t.shape[0] / 2, t.shape[1] * 2}, t.data().data(),
+                      t.data().size());
+              } else {
+                copy(f, t, t.name);
+              }
+            }).find("bert.pooler.dense.weight has shape (6, 24), the config gives (12, 12)"),
+            std::string::npos);
+  // a base model's checkpoint: no "bert." prefix and no classifier (the head keeps the seed's)
+  st::File base;
+  for (const auto& t : ckpt.tensors)
+    if (t.name.starts_with("bert.")) copy(base, t, t.name.substr(5));
+  const auto seeded = teo::Params<double>::init(cfg, 7);
+  const auto p = names::params_from_checkpoint(base, map, cfg, seeded);
+  EXPECT_EQ(p.head_weight[0], seeded.head_weight[0]);
+  EXPECT_EQ(p.pooler_weight[3], g.find("param.pooler.weight")->values<double>()[3]);
+}
+
+TEST(Names, ConfigJsonKeysAreMappedOrRefusedByName) {
+  const auto map = names::NameMap::load("hf-bert");
+  const auto cfg = golden::case_of(committed("bert_f64")).config;
+  const json hf = names::hf_config_of(cfg, map);
+  EXPECT_EQ(hf.at("hidden_size"), 12);
+  EXPECT_EQ(hf.at("model_type"), "bert");
+  const auto err = [&](const std::string& key, const json& value) {
+    json h = hf;
+    h[key] = value;
+    return error_of([&] { names::config_from_hf(h, map); });
+  };
+  EXPECT_NE(err("hiden_size", 12).find("\"hiden_size\" is neither mapped nor ignored"),
+            std::string::npos);
+  EXPECT_NE(err("hiden_size", 12).find("hidden_size"), std::string::npos) << "a suggestion";
+  EXPECT_NE(err("attention_probs_dropout_prob", 0.2).find("are both teo's dropout"),
+            std::string::npos);
+  EXPECT_NE(err("position_embedding_type", "relative_key").find("no teo counterpart"),
+            std::string::npos);
+  EXPECT_NE(err("hidden_act", "tanh").find("hidden_act"), std::string::npos);
+  // a config the family cannot express is refused by its keys
+  auto pre = cfg;
+  pre.norm_first = true;
+  EXPECT_NE(error_of([&] { names::hf_config_of(pre, map); }).find("norm_first"), std::string::npos);
+  // GPT-2's n_inner null is 4 n_embd
+  const auto gpt2 = names::NameMap::load("hf-gpt2");
+  json g2 = names::hf_config_of(golden::case_of(committed("gpt2_pre_tied_f64")).config, gpt2);
+  g2["n_embd"] = 8;
+  g2["n_inner"] = nullptr;
+  EXPECT_EQ(names::config_from_hf(g2, gpt2).at("d_ff"), 32);
+}
+
+TEST(Names, MapFilesAreCheckedAndUnknownFamiliesSuggested) {
+  EXPECT_NE(error_of([] { names::NameMap::load("hf-bret"); }).find("hf-bert"), std::string::npos);
+  EXPECT_NE(error_of([] {
+              names::NameMap::from_json(json::parse(R"({"format": "teo-names/1", "family": "x",
+                "params": [["embedding.weight", "w", {"transpos": true}]]})"),
+                                        "m.json");
+            }).find("unknown option \"transpos\""),
+            std::string::npos);
+  EXPECT_NE(error_of([] {
+              names::NameMap::from_json(json::parse(R"({"family": "x"})"), "m.json");
+            }).find("m.json: \"format\""),
+            std::string::npos);
+  const auto fams = names::NameMap::builtin_families();
+  EXPECT_EQ(fams, (std::vector<std::string>{"hf-bert", "hf-gpt2", "hf-llama"}));
+}
+
+// A candidate may name its parameter gradients by the checkpoint's names (with or without the
+// base prefix); a misspelled one still fails as a name the golden does not have.
+TEST(Names, CheckReadsCandidateGradientsUnderCheckpointNames) {
+  const st::File& g = committed("gpt2_pre_tied_f64");
+  const auto map = std::make_shared<names::NameMap>(names::NameMap::load("hf-gpt2"));
+  // the golden's own values, its grad.* renamed as a checkpoint's
+  st::File grads;
+  for (const auto& t : g.tensors)
+    if (t.name.starts_with("grad.") && !t.name.starts_with("grad.act."))
+      grads.add("param." + t.name.substr(5), t.dtype, t.shape, t.data().data(), t.data().size());
+  grads.metadata = g.metadata;
+  const st::File as_ckpt = names::checkpoint_of(grads, *map);
+  st::File candidate;
+  for (const auto& t : g.tensors)
+    if (t.name.starts_with("act.") || t.name.starts_with("grad.act."))
+      candidate.add(t.name, t.dtype, t.shape, t.data().data(), t.data().size());
+  for (const auto& t : as_ckpt.tensors) {
+    const std::string n = t.name.starts_with("transformer.") ? t.name.substr(12) : t.name;
+    candidate.add("grad." + n, t.dtype, t.shape, t.data().data(), t.data().size());
+  }
+  golden::CheckOptions opts;
+  opts.names = map;
+  auto rep = golden::check(g, candidate, opts);
+  EXPECT_EQ(rep.failed, 0) << rep.first_divergence;
+  EXPECT_EQ(rep.not_checked, 0);
+  // without the map the checkpoint names are unknown tensors
+  EXPECT_GT(golden::check(g, candidate, {}).failed, 0);
+  candidate.tensors.back().name = "grad.h.0.attn.c_atn.weight";
+  rep = golden::check(g, candidate, opts);
+  EXPECT_GT(rep.failed, 0);
+}
+
+}  // namespace

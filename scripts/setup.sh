@@ -3,7 +3,7 @@
 # suite needs (PyTorch, the second backend the golden corpus is checked against). With --test or
 # --python it also makes the virtual environment .venv for the Python module (`pip install .`):
 # on Debian's /usr/bin/python3 with --system-site-packages, so that Debian's numpy and PyTorch
-# stay the ones it uses, plus ml_dtypes from the index. Idempotent.
+# stay the ones it uses, plus ml_dtypes (and, with --test, transformers) from the index. Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 packages=(
@@ -39,4 +39,10 @@ if [ "${1:-}" = "--test" ] || [ "${1:-}" = "--python" ]; then
   fi
   .venv/bin/python -c "import ml_dtypes" 2>/dev/null ||
     .venv/bin/python -m pip install -q "ml_dtypes>=0.2,<0.5"
+fi
+# The tests' Hugging Face models (tests/interop/hf_models.py): a transformers release that runs on
+# Debian's PyTorch 1.13, pinned so that the test does not change under it.
+if [ "${1:-}" = "--test" ]; then
+  .venv/bin/python -c "import transformers" 2>/dev/null ||
+    .venv/bin/python -m pip install -q "transformers==4.44.2"
 fi

@@ -95,10 +95,11 @@ def encoder(cfg, p, tokens, lengths):
 # ---- 1. the whole encoder against the corpus ----------------------------------------------------
 
 # The encoder above is the plain layer: the cases of the attention variants (docs/semantics.md,
-# section 14), of the block variants and of decoders carry these keys, or a positional kind other
-# than sinusoidal and learned.
+# section 14), of the block variants, of decoders and of BERT's embeddings and pooler (section 18)
+# carry these keys, or a positional kind other than sinusoidal and learned.
 VARIANT_KEYS = {"num_kv_heads", "position_offset", "sliding_window", "attn_logit_softcap",
-                "attn_sinks", "norm", "ffn", "ffn_bias", "attn_bias", "head_bias", "architecture"}
+                "attn_sinks", "norm", "ffn", "ffn_bias", "attn_bias", "head_bias", "architecture",
+                "type_vocab_size", "embedding_norm", "pooler"}
 
 
 def corpus_cases():

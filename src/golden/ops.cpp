@@ -51,129 +51,6 @@ const OpDef& op_named(const std::string& name) {
                     all + ")");
 }
 
-// ---- reading a spec ---------------------------------------------------------------------------
-
-index_t Reader::size(const char* key, index_t min) {
-  used_.insert(key);
-  if (!j_.contains(key)) missing(key);
-  const json& v = j_.at(key);
-  if (!v.is_number_integer()) {
-    throw ConfigError(std::string("spec.") + key + " must be an integer, got " + v.dump());
-  }
-  const auto x = v.get<std::int64_t>();
-  if ((v.is_number_unsigned() && v.get<std::uint64_t>() > static_cast<std::uint64_t>(kMaxDim)) ||
-      x < min || x > kMaxDim) {
-    throw ConfigError(std::string("spec.") + key + " must be an integer in [" +
-                      std::to_string(min) + ", 2^31], got " + v.dump());
-  }
-  return x;
-}
-
-bool Reader::flag(const char* key, bool def) {
-  used_.insert(key);
-  if (!j_.contains(key)) return def;
-  if (!j_.at(key).is_boolean()) {
-    throw ConfigError(std::string("spec.") + key + " must be true or false, got " +
-                      j_.at(key).dump());
-  }
-  return j_.at(key).get<bool>();
-}
-
-std::vector<std::int64_t> Reader::prefix_lengths(const char* key, index_t n, index_t max,
-                                                 std::optional<std::pair<index_t, index_t>>& full) {
-  used_.insert(key);
-  if (!j_.contains(key)) {
-    full = std::pair{n, max};
-    return {};
-  }
-  const json& v = j_.at(key);
-  if (!v.is_array()) throw ConfigError(std::string("spec.") + key + " must be an array");
-  if (static_cast<index_t>(v.size()) != n) {
-    throw ShapeError(std::string("spec.") + key + " has " + std::to_string(v.size()) +
-                     " entries for " + std::to_string(n));
-  }
-  std::vector<std::int64_t> out;
-  for (const auto& x : v) {
-    if (!x.is_number_integer()) {
-      throw ConfigError(std::string("spec.") + key + " must hold integers, got " + x.dump());
-    }
-    if (x.get<std::int64_t>() < 0 || x.get<std::int64_t>() > max ||
-        (x.is_number_unsigned() && x.get<std::uint64_t>() > static_cast<std::uint64_t>(max))) {
-      throw ShapeError(std::string("spec.") + key + " has " + x.dump() + ", outside [0, " +
-                       std::to_string(max) + "]");
-    }
-    out.push_back(x.get<std::int64_t>());
-  }
-  return out;
-}
-
-std::optional<double> Reader::number(const char* key) {
-  used_.insert(key);
-  if (!j_.contains(key) || j_.at(key).is_null()) return std::nullopt;
-  const json& v = j_.at(key);
-  // Bounded, so that scale * (q . k) stays finite in float for any Dh the spec allows.
-  if (!v.is_number() || !(v.get<double>() > 0) || !(v.get<double>() <= 1e4)) {
-    throw ConfigError(std::string("spec.") + key + " must be a number in (0, 1e4], got " +
-                      v.dump());
-  }
-  return v.get<double>();
-}
-
-EncoderConfig Reader::config(const std::vector<const char*>& keys, const json& base) {
-  json sub = base;
-  for (const char* k : keys) {
-    used_.insert(k);
-    if (j_.contains(k)) sub[k] = j_.at(k);
-  }
-  try {
-    return EncoderConfig::from_json(sub);
-  } catch (const ConfigError& e) {
-    throw ConfigError(std::string("spec: ") + e.what());
-  }
-}
-
-std::string Reader::choice(const char* key, const std::vector<std::string>& options,
-                           const std::string& def) {
-  used_.insert(key);
-  if (!j_.contains(key)) return def;
-  const json& v = j_.at(key);
-  std::string all;
-  for (const auto& o : options) all += (all.empty() ? "\"" : ", \"") + o + "\"";
-  if (v.is_string()) {
-    for (const auto& o : options)
-      if (v.get<std::string>() == o) return o;
-    throw ConfigError(std::string("spec.") + key + " must be one of " + all + ", got " + v.dump() +
-                      did_you_mean(v.get<std::string>(), options));
-  }
-  throw ConfigError(std::string("spec.") + key + " must be one of " + all + ", got " + v.dump());
-}
-
-void Reader::missing(const char* key) const {
-  // a key of the spec the op does not know may be the one misspelled
-  std::set<std::string> known;
-  if (def_) {
-    for (auto& k : op_spec_keys(def_->name)) known.insert(std::move(k));
-  }
-  std::vector<std::string> unread;
-  for (const auto& [k, v] : j_.items())
-    if (!used_.contains(k) && !known.contains(k)) unread.push_back(k);
-  const std::string near = closest_match(key, unread);
-  throw ConfigError(std::string("the spec needs \"") + key + "\"" +
-                    (near.empty() ? "" : " (it has \"" + near + "\": is that it?)"));
-}
-
-void Reader::finish() const {
-  // the keys the op read, less those the spec already holds: what a stray key may misspell
-  std::vector<std::string> known;
-  for (const auto& k : used_)
-    if (!j_.contains(k)) known.push_back(k);
-  for (const auto& [key, v] : j_.items()) {
-    if (!used_.contains(key)) {
-      throw ConfigError("the spec has the unknown key \"" + key + "\"" + did_you_mean(key, known));
-    }
-  }
-}
-
 // The attention ops' positions: inside attention only (none, rope or alibi, default none). RoPE
 // takes its rotary_dim from d_head, and its scaling's original context from seq_len, unless given;
 // both are then spelled out in the normalised spec.
@@ -432,7 +309,10 @@ Values draw_inputs(const Spec& s, const OpCase& c) {
       if (const auto* given = spec_ints(s, t.name)) {
         x = *given;
       } else {
-        const index_t hi = t.name == "input.tokens" ? s.vocab : s.cols;  // tokens, labels
+        // tokens, token types, labels
+        const index_t hi = t.name == "input.tokens"        ? s.vocab
+                           : t.name == "input.token_types" ? s.cfg.type_vocab_size.value_or(1)
+                                                           : s.cols;
         for (std::int64_t i = 0; i < n; ++i) {
           x[static_cast<std::size_t>(i)] = std::min<std::int64_t>(
               hi - 1, static_cast<std::int64_t>(rng::uniform01(seed, rng::stream_id(t.name),
@@ -673,6 +553,10 @@ void validate_op_file(const File& f, bool inputs_only) {
     expect_in_range(f, "input.tokens", s.vocab, false, "vocab_size");
   if (ints.contains("input.labels"))
     expect_in_range(f, "input.labels", s.cols, false, "num_classes");
+  if (ints.contains("input.token_types")) {
+    expect_in_range(f, "input.token_types", s.cfg.type_vocab_size.value_or(1), false,
+                    "type_vocab_size");
+  }
   for (const auto& name : ints) {
     const auto* expected = spec_ints(s, name);
     const auto* t = f.find(name);

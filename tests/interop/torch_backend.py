@@ -161,6 +161,8 @@ CONFIG_DEFAULTS = {
     "norm": "layernorm", "ffn": "mlp", "ffn_bias": True, "attn_bias": True,
     "head_bias": True, "architecture": "encoder", "tie_embeddings": False,
     "decoder_layers": None, "decoder_vocab_size": None, "decoder_positional": None,
+    # a real encoder's embeddings and pooler (docs/semantics.md, section 18)
+    "type_vocab_size": None, "embedding_norm": False, "pooler": "none",
 }
 TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -189,6 +191,8 @@ def load_case(path):
         raise Unsupported("positional %r" % cfg["positional"])
     if cfg["pooling"] not in ("mean", "cls", "max"):
         raise Unsupported("pooling %r" % cfg["pooling"])
+    if cfg["pooler"] not in ("none", "dense_tanh"):
+        raise Unsupported("pooler %r" % cfg["pooler"])
     dtype_name = case.get("dtype")
     if dtype_name not in TORCH_DTYPES:
         raise Unsupported("dtype %r" % dtype_name)
@@ -196,6 +200,8 @@ def load_case(path):
     if cfg["architecture"] == "encoder_decoder":
         inputs = ("input.src_tokens", "input.src_lengths", "input.tgt_tokens",
                   "input.tgt_lengths")
+    if cfg["type_vocab_size"]:
+        inputs += ("input.token_types",)
     for key in inputs:
         if key == "input.labels" and cfg["architecture"] == "decoder":
             continue  # a decoder's targets are its next tokens
@@ -208,6 +214,12 @@ def param_names(cfg):
     names = ["embedding.weight"]
     if cfg["positional"] == "learned":
         names.append("pos_embedding.weight")
+    if cfg["type_vocab_size"]:
+        names.append("token_type_embedding.weight")
+    if cfg["embedding_norm"]:
+        names.append("embedding_norm.weight")
+        if cfg["norm"] == "layernorm":
+            names.append("embedding_norm.bias")
     for i in range(cfg["num_layers"]):
         p = "layers.%d." % i
         for proj in ("q", "k", "v", "o"):
@@ -229,6 +241,8 @@ def param_names(cfg):
         names += ["final_norm.weight"]
         if cfg["norm"] == "layernorm":
             names += ["final_norm.bias"]
+    if cfg["pooler"] == "dense_tanh":
+        names += ["pooler.weight", "pooler.bias"]
     head = "lm_head" if cfg["architecture"] == "decoder" else "head"
     if head == "head" or not cfg["tie_embeddings"]:
         names += [head + ".weight"]
@@ -239,7 +253,8 @@ def param_names(cfg):
 
 def case_inputs(tensors):
     """tokens (B, S), lengths (B) and labels (B) as int64 tensors; a
-    decoder's case has no labels (None)."""
+    decoder's case has no labels (None). (input.token_types, when the
+    config has token types, is read by run_case.)"""
     tokens = torch.from_numpy(tensors["input.tokens"].astype(np.int64))
     lengths = torch.from_numpy(tensors["input.lengths"].astype(np.int64))
     labels = None
@@ -350,7 +365,7 @@ def variant_problem(variant, cfg, tensors):
                 "mean pooling and a sequence with padding"),
             "ln_eps_1e-6": (
                 cfg["layer_norm_eps"] != 1e-6 and len(lengths) > 0
-                and (L > 0 or cfg["norm_first"]),
+                and (L > 0 or cfg["norm_first"] or cfg["embedding_norm"]),
                 "a LayerNorm whose eps is not 1e-6, and a batch"),
             "gelu_tanh_grad": (
                 cfg["activation"] == "gelu" and L > 0 and len(lengths) > 0,
@@ -1069,9 +1084,22 @@ def run_case(cfg, case, tensors, variant=AS_GOLDEN):
                                       P0).requires_grad_(True)
     else:  # none, rope and alibi add nothing to the embeddings
         positional = torch.zeros((S, D), dtype=dtype, requires_grad=True)
-    x = drop("dropout.input", embedding + positional)
-    acts.update({"embedding": embedding, "positional": positional,
-                 "input": x})
+    acts.update({"embedding": embedding, "positional": positional})
+    if cfg["type_vocab_size"]:
+        # BERT's order of additions: (embedding + token_type) + positional
+        token_types = torch.from_numpy(
+            tensors["input.token_types"].astype(np.int64))
+        if tuple(token_types.shape) != (B, S):
+            raise BadInput("input.token_types has shape %s, expected %s"
+                           % (list(token_types.shape), [B, S]))
+        token_type = acts["token_type"] = F.embedding(
+            token_types, P["token_type_embedding.weight"])
+        x = (embedding + token_type) + positional
+    else:
+        x = embedding + positional
+    if cfg["embedding_norm"]:
+        x = acts["embedding_norm"] = norm(x, "embedding_norm", P, cfg)
+    x = acts["input"] = drop("dropout.input", x)
 
     visible = visibility(cfg, lengths, S, variant.mutant == "causal_off_by_one")
     rope = rope_tables(cfg, S, dtype)
@@ -1089,8 +1117,11 @@ def run_case(cfg, case, tensors, variant=AS_GOLDEN):
     else:
         pooled = pool(x, lengths, cfg["pooling"])
     if cfg["architecture"] != "decoder":
-        acts["pooled"] = pooled
-        logits = acts["logits"] = variant.linear(pooled, P["head.weight"],
+        acts["pooled"] = head_in = pooled
+        if cfg["pooler"] == "dense_tanh":  # BERT's pooler
+            head_in = acts["pooler"] = torch.tanh(variant.linear(
+                pooled, P["pooler.weight"], P["pooler.bias"]))
+        logits = acts["logits"] = variant.linear(head_in, P["head.weight"],
                                                  P.get("head.bias"))
         loss = acts["loss"] = loss_fn(logits, labels, cfg["label_smoothing"])
 
@@ -1140,7 +1171,12 @@ def generation_logits(cfg, case, tensors, variant=AS_GOLDEN):
 
 
 def required_act_names(cfg):
-    names = ["embedding", "positional", "input"]
+    names = ["embedding", "positional"]
+    if cfg["type_vocab_size"]:
+        names.append("token_type")
+    if cfg["embedding_norm"]:
+        names.append("embedding_norm")
+    names.append("input")
     for i in range(cfg["num_layers"]):
         p = "layers.%d." % i
         names += [p + n for n in (
@@ -1152,12 +1188,14 @@ def required_act_names(cfg):
         names.append("final_norm")
     if cfg["architecture"] == "decoder":
         return names + ["lm_logits", "loss"]
-    return names + ["pooled", "logits", "loss"]
+    pooler = ["pooler"] if cfg["pooler"] == "dense_tanh" else []
+    return names + ["pooled"] + pooler + ["logits", "loss"]
 
 
 def required_grad_act_names(cfg):
+    pooler = ["pooler"] if cfg["pooler"] == "dense_tanh" else []
     head = (["lm_logits"] if cfg["architecture"] == "decoder"
-            else ["pooled", "logits"])
+            else ["pooled"] + pooler + ["logits"])
     return (["input"] + ["layers.%d.output" % i
                          for i in range(cfg["num_layers"])] + head)
 

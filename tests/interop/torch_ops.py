@@ -62,6 +62,8 @@ MUTANTS = {
                         "kept values scaled by 1 / p, not 1 / (1 - p)"),
     "embedding_scale_ignored": ("embedding_learned_scale_f32", "output.x",
                                 "embed_scale not applied"),
+    "token_types_ignored": ("embedding_bert_f64", "output.x",
+                            "the token-type rows not added before the norm"),
     "layer_post_as_pre": ("encoder_layer_post_f64", "output.y",
                           "a post-norm layer run as pre-norm"),
     # the attention variants (docs/semantics.md section 14)
@@ -226,16 +228,19 @@ def op_layer_norm(spec, T, mode):
                                    spec["layer_norm_eps"], mode)}
 
 
-def op_rms_norm(spec, T, mode):
+def rms_norm(x, w, eps, mode):
     """RMSNorm, x / sqrt(mean(x^2) + eps) * weight, in float32 at least (as autocast runs
     norms)."""
-    x, w = T["input.x"], T["param.weight"]
     work = torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype
     xf = x.to(work)
     if mode.mutant == "rms_norm_mean_subtracted":
         xf = xf - xf.mean(-1, keepdim=True)
-    y = xf * torch.rsqrt((xf * xf).mean(-1, keepdim=True) + spec["layer_norm_eps"]) * w.to(work)
-    return {"output.y": mode.store(y.to(x.dtype))}
+    y = xf * torch.rsqrt((xf * xf).mean(-1, keepdim=True) + eps) * w.to(work)
+    return mode.store(y.to(x.dtype))
+
+
+def op_rms_norm(spec, T, mode):
+    return {"output.y": rms_norm(T["input.x"], T["param.weight"], spec["layer_norm_eps"], mode)}
 
 
 def op_ffn(spec, T, mode):
@@ -510,7 +515,17 @@ def op_embedding(spec, T, mode):
         pos = T["param.pos_weight"][:S]
     else:
         pos = tb.sinusoidal_table(S, D, w.dtype)
-    return {"output.x": mode.store(emb + pos[None])}
+    x = emb
+    if spec.get("type_vocab_size") and mode.mutant != "token_types_ignored":
+        # BERT's order: (embedding + token_type) + positional
+        x = x + mode.store(T["param.type_weight"][T["input.token_types"]])
+    x = x + pos[None]
+    if not spec.get("embedding_norm"):
+        return {"output.x": mode.store(x)}
+    eps = spec.get("layer_norm_eps", 1e-5)
+    if spec.get("norm") == "rmsnorm":
+        return {"output.x": rms_norm(x, T["param.norm_weight"], eps, mode)}
+    return {"output.x": layer_norm(x, T["param.norm_weight"], T["param.norm_bias"], eps, mode)}
 
 
 def op_pooling(spec, T, mode):

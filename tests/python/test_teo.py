@@ -266,6 +266,9 @@ def _op_args(g):
     if op == "embedding":
         return ((t["input.tokens"], t["param.weight"], t.get("param.pos_weight")),
                 {"positional": s["positional"], "embed_scale": s["embed_scale"],
+                 "token_types": t.get("input.token_types"), "type_weight": t.get("param.type_weight"),
+                 "norm_weight": t.get("param.norm_weight"), "norm_bias": t.get("param.norm_bias"),
+                 "norm": s.get("norm", "layernorm"), "layer_norm_eps": s.get("layer_norm_eps"),
                  "grad_x": t["grad.output.x"]})
     if op == "pooling":
         return ((t["input.x"], t["input.lengths"]),

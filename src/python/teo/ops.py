@@ -350,7 +350,12 @@ def attention_merge(context_parts, lse_parts, *, grad_context=None, grad_lse=Non
 
 @_public()
 def embedding(tokens, weight, pos_weight=None, *, positional="sinusoidal", embed_scale=False,
-              grad_x=None, **kw):
+              token_types=None, type_weight=None, norm_weight=None, norm_bias=None,
+              norm="layernorm", layer_norm_eps=None, grad_x=None, **kw):
+    """output.x = weight[tokens] (times sqrt(D) with embed_scale) + the positions; with
+    token_types and type_weight (Tv, D) BERT's token-type rows are added first, and with
+    norm_weight (and norm_bias for "layernorm") the sum goes through the embedding norm
+    (docs/semantics.md section 18)."""
     tokens, weight = as_array(tokens), _real(weight, "weight", "embedding")
     if pos_weight is not None:
         pos_weight = _real(pos_weight, "pos_weight", "embedding")
@@ -360,10 +365,26 @@ def embedding(tokens, weight, pos_weight=None, *, positional="sinusoidal", embed
             "embed_scale": embed_scale}
     if positional == "learned":
         spec["max_len"] = int(pos_weight.shape[0])
-    return _call("embedding", spec,
-                 {"input.tokens": tokens.astype(np.int64), "param.weight": weight,
-                  "param.pos_weight": pos_weight},
-                 {"output.x": grad_x}, **kw)
+    inputs = {"input.tokens": tokens.astype(np.int64), "param.weight": weight,
+              "param.pos_weight": pos_weight}
+    if (token_types is None) != (type_weight is None):
+        from . import ConfigError
+        raise ConfigError("embedding: token_types and type_weight go together")
+    if type_weight is not None:
+        type_weight = _real(type_weight, "type_weight", "embedding")
+        spec["type_vocab_size"] = int(type_weight.shape[0])
+        inputs.update({"input.token_types": as_array(token_types).astype(np.int64),
+                       "param.type_weight": type_weight})
+    if norm_weight is not None:
+        spec["embedding_norm"] = True
+        if norm != "layernorm":
+            spec["norm"] = norm
+        if layer_norm_eps is not None:
+            spec["layer_norm_eps"] = layer_norm_eps
+        inputs["param.norm_weight"] = _real(norm_weight, "norm_weight", "embedding")
+        if norm_bias is not None:
+            inputs["param.norm_bias"] = _real(norm_bias, "norm_bias", "embedding")
+    return _call("embedding", spec, inputs, {"output.x": grad_x}, **kw)
 
 
 @_public()

@@ -106,6 +106,9 @@ struct EncoderConfig {
   std::optional<index_t> type_vocab_size{};
   bool embedding_norm = false;
   Pooler pooler = Pooler::none;
+  // The token whose embedding row gets no gradient from the lookup (nn.Embedding's padding_idx,
+  // BERT's and RoBERTa's pad token; semantics 18.1); an encoder's or a decoder's. Unset: none.
+  std::optional<index_t> padding_idx{};
 
   index_t d_head() const { return d_model / num_heads; }
   index_t kv_heads() const { return num_kv_heads.value_or(num_heads); }

@@ -176,6 +176,12 @@ void validate_block(const EncoderConfig& c) {
         "type_vocab_size, embedding_norm and pooler apply only to architecture \"encoder\" (the "
         "BERT, RoBERTa and ViT embeddings and pooler)");
   }
+  if (c.padding_idx &&
+      (c.encoder_decoder() || *c.padding_idx < 0 || *c.padding_idx >= c.vocab_size)) {
+    throw ConfigError(
+        "padding_idx must be a token id in [0, vocab_size = " + std::to_string(c.vocab_size) +
+        "), of an encoder or a decoder, got " + std::to_string(*c.padding_idx));
+  }
   if (c.type_vocab_size && *c.type_vocab_size < 1) {
     throw ConfigError("type_vocab_size must be >= 1 (or left out for no token types), got " +
                       std::to_string(*c.type_vocab_size));

@@ -147,7 +147,8 @@ const char* const kConfigKeys[] = {"vocab_size",
                                    "decoder_positional",
                                    "type_vocab_size",
                                    "embedding_norm",
-                                   "pooler"};
+                                   "pooler",
+                                   "padding_idx"};
 }  // namespace
 
 std::string EncoderConfig::architecture_of(const nlohmann::json& j) {
@@ -303,6 +304,8 @@ EncoderConfig EncoderConfig::from_json(const nlohmann::json& j) {
       c.decoder_vocab_size = get_int(v, key);
     } else if (key == "type_vocab_size") {
       c.type_vocab_size = get_int(v, key);
+    } else if (key == "padding_idx") {
+      if (!v.is_null()) c.padding_idx = get_int(v, key);
     } else if (key == "embedding_norm") {
       c.embedding_norm = get_bool(v, key);
     } else if (key == "pooler") {
@@ -406,6 +409,7 @@ nlohmann::json EncoderConfig::to_json() const {
   if (type_vocab_size) j["type_vocab_size"] = *type_vocab_size;
   if (embedding_norm) j["embedding_norm"] = true;
   if (pooler != Pooler::none) j["pooler"] = to_string(pooler);
+  if (padding_idx) j["padding_idx"] = *padding_idx;
   return j;
 }
 

@@ -138,6 +138,7 @@ json effective_json(const EncoderConfig& cfg) {
   j["attn_sinks"] = cfg.attn_sinks;
   j["embedding_norm"] = cfg.embedding_norm;
   j["pooler"] = to_string(cfg.pooler);
+  j["padding_idx"] = cfg.padding_idx ? json(*cfg.padding_idx) : json(nullptr);
   return j;
 }
 
@@ -210,7 +211,7 @@ NameMap NameMap::load(const std::string& family_or_path) {
   if (family_or_path.find('/') == std::string::npos && !family_or_path.ends_with(".json")) {
     throw ConfigError("unknown name map \"" + family_or_path + "\"" +
                       did_you_mean(family_or_path, builtin_families()) +
-                      " (built in: hf-bert, hf-gpt2, hf-llama; or a map file's path)");
+                      " (built in: hf-bert, hf-roberta, hf-gpt2, hf-llama; or a map file's path)");
   }
   return from_json(read_json_file(family_or_path), family_or_path);
 }
@@ -265,58 +266,79 @@ Params<Real> params_from_checkpoint(const st::File& checkpoint, const NameMap& m
   return seeded;
 }
 
+namespace {
+
+// One config.json value under one rule: {teo key, its value}; an empty key or a null value sets
+// nothing.
+std::pair<std::string, json> apply_rule(const json& rule, const std::string& hk, const json& hv,
+                                        const json& hf, const NameMap& map) {
+  if (rule.is_string()) return {rule.get<std::string>(), hv};
+  const std::string teo_key = rule.value("key", "");
+  if (hv.is_null() && rule.contains("null_times")) {
+    // GPT-2's n_inner: null means a multiple of another key
+    const json& nt = rule.at("null_times");
+    const std::string of = nt.at(0).get<std::string>();
+    if (!hf.contains(of) || !hf.at(of).is_number_integer())
+      throw ConfigError("config.json " + hk + " is null, and " + of + " is not an integer");
+    return {teo_key, hf.at(of).get<std::int64_t>() * nt.at(1).get<std::int64_t>()};
+  }
+  if (rule.contains("map")) {
+    // string values by themselves, others (true, null) by their JSON text
+    const json& m = rule.at("map");
+    const std::string as_key = hv.is_string() ? hv.get<std::string>() : hv.dump();
+    if (!m.contains(as_key)) {
+      throw ConfigError("config.json " + hk + " = " + hv.dump() + " has no teo counterpart (" +
+                        map.family + " takes " + m.dump() + ")");
+    }
+    return {teo_key, m.at(as_key)};
+  }
+  if (rule.value("count", false)) {
+    if (!hv.is_object()) throw ConfigError("config.json " + hk + " must be an object");
+    return {teo_key, hv.size()};
+  }
+  if (rule.contains("plus") && !hv.is_null()) {
+    // RoBERTa's positions start at pad_token_id + 1
+    if (!hv.is_number_integer()) throw ConfigError("config.json " + hk + " must be an integer");
+    return {teo_key, hv.get<std::int64_t>() + rule.at("plus").get<std::int64_t>()};
+  }
+  return {teo_key, hv};
+}
+
+// A key's rules: one, or a list (RoBERTa's pad_token_id gives two teo keys).
+json rules_of(const json& rule) {
+  return rule.is_array() ? rule : json::array({rule});
+}
+
+}  // namespace
+
 json config_from_hf(const json& hf, const NameMap& map) {
   if (!hf.is_object()) throw ConfigError("config.json must be a JSON object");
   const json& c = map.config;
   json out = c.value("fixed", json::object());
   std::map<std::string, std::string> set_by;  // teo key -> the hf key that set it
   const json keys = c.value("keys", json::object());
+  const json ignored = c.value("ignored", json::array());
   std::vector<std::string> known;
   for (const auto& [k, v] : keys.items()) known.push_back(k);
-  for (const auto& k : c.value("ignored", json::array())) known.push_back(k.get<std::string>());
+  for (const auto& k : ignored) known.push_back(k.get<std::string>());
   for (const auto& [hk, hv] : hf.items()) {
     const auto rule = keys.find(hk);
     if (rule == keys.end()) {
-      const auto ig = c.value("ignored", json::array());
-      if (std::find(ig.begin(), ig.end(), hk) != ig.end()) continue;
+      if (std::find(ignored.begin(), ignored.end(), hk) != ignored.end()) continue;
       throw ConfigError("config.json key \"" + hk + "\" is neither mapped nor ignored by " +
                         map.family + did_you_mean(hk, known));
     }
-    std::string teo_key;
-    json value = hv;
-    if (rule->is_string()) {
-      teo_key = rule->get<std::string>();
-    } else {
-      teo_key = rule->value("key", "");
-      if (hv.is_null() && rule->contains("null_times")) {
-        // GPT-2's n_inner: null means a multiple of another key
-        const json& nt = rule->at("null_times");
-        const std::string of = nt.at(0).get<std::string>();
-        if (!hf.contains(of) || !hf.at(of).is_number_integer())
-          throw ConfigError("config.json " + hk + " is null, and " + of + " is not an integer");
-        value = hf.at(of).get<std::int64_t>() * nt.at(1).get<std::int64_t>();
-      } else if (rule->contains("map")) {
-        // string values by themselves, others (true, null) by their JSON text
-        const json& m = rule->at("map");
-        const std::string as_key = hv.is_string() ? hv.get<std::string>() : hv.dump();
-        if (!m.contains(as_key)) {
-          throw ConfigError("config.json " + hk + " = " + hv.dump() + " has no teo counterpart (" +
-                            map.family + " takes " + m.dump() + ")");
-        }
-        value = m.at(as_key);
-      } else if (rule->value("count", false)) {
-        if (!hv.is_object()) throw ConfigError("config.json " + hk + " must be an object");
-        value = hv.size();
+    for (const auto& r : rules_of(*rule)) {
+      const auto [teo_key, value] = apply_rule(r, hk, hv, hf, map);
+      if (teo_key.empty() || value.is_null()) continue;  // an accepted value that sets nothing
+      if (const auto it = set_by.find(teo_key); it != set_by.end() && out.at(teo_key) != value) {
+        throw ConfigError("config.json " + it->second + " = " + out.at(teo_key).dump() + " and " +
+                          hk + " = " + value.dump() + " are both teo's " + teo_key +
+                          ", which is one value");
       }
+      set_by[teo_key] = hk;
+      out[teo_key] = value;
     }
-    if (teo_key.empty() || value.is_null()) continue;  // an accepted value that sets nothing
-    if (const auto it = set_by.find(teo_key); it != set_by.end() && out.at(teo_key) != value) {
-      throw ConfigError("config.json " + it->second + " = " + out.at(teo_key).dump() + " and " +
-                        hk + " = " + value.dump() + " are both teo's " + teo_key +
-                        ", which is one value");
-    }
-    set_by[teo_key] = hk;
-    out[teo_key] = value;
   }
   return out;
 }
@@ -326,28 +348,31 @@ json hf_config_of(const EncoderConfig& cfg, const NameMap& map) {
   const json teo = effective_json(cfg);
   json out = c.value("export", json::object());
   const json keys = c.value("keys", json::object());
-  for (const auto& [hk, rule] : keys.items()) {
-    if (rule.is_string()) {
-      if (teo.contains(rule.get<std::string>())) out[hk] = teo.at(rule.get<std::string>());
-      continue;
-    }
-    const std::string key = rule.value("key", "");
-    if (key.empty() || !teo.contains(key)) continue;
-    if (rule.contains("map")) {
-      for (const auto& [hv, tv] : rule.at("map").items()) {
-        if (tv == teo.at(key)) {
-          // "true", "false" and "null" stand for those JSON values
-          out[hk] = hv == "true" || hv == "false" || hv == "null" ? json::parse(hv) : json(hv);
-          break;
+  for (const auto& [hk, rules] : keys.items()) {
+    // the first of the key's rules whose teo key cfg has writes it
+    for (const auto& rule : rules_of(rules)) {
+      const std::string key = rule.is_string() ? rule.get<std::string>() : rule.value("key", "");
+      if (key.empty() || !teo.contains(key)) continue;
+      const json& v = teo.at(key);
+      if (rule.is_object() && rule.contains("map")) {
+        for (const auto& [hv, tv] : rule.at("map").items()) {
+          if (tv == v) {
+            // "true", "false" and "null" stand for those JSON values
+            out[hk] = hv == "true" || hv == "false" || hv == "null" ? json::parse(hv) : json(hv);
+            break;
+          }
         }
+      } else if (rule.is_object() && rule.contains("plus") && !v.is_null()) {
+        out[hk] = v.get<std::int64_t>() - rule.at("plus").get<std::int64_t>();
+      } else if (rule.is_object() && rule.value("count", false)) {
+        json labels = json::object();
+        for (std::int64_t k = 0; k < v.get<std::int64_t>(); ++k)
+          labels[std::to_string(k)] = "LABEL_" + std::to_string(k);
+        out[hk] = labels;
+      } else {
+        out[hk] = v;
       }
-    } else if (!rule.value("count", false)) {
-      out[hk] = teo.at(key);
-    } else {
-      json labels = json::object();
-      for (std::int64_t k = 0; k < teo.at(key).get<std::int64_t>(); ++k)
-        labels[std::to_string(k)] = "LABEL_" + std::to_string(k);
-      out[hk] = labels;
+      break;
     }
   }
   // The family expresses cfg when reading this back (with cfg's free keys) gives cfg itself.

@@ -473,7 +473,7 @@ void backward(const Params<Real>& params, const Batch& batch, const Activations<
   const Real scale =
       cfg.embed_scale ? static_cast<Real>(std::sqrt(static_cast<double>(d.D))) : Real(1);
   embedding_backward(grads.embedding_weight.data(), dacts.embedding.data(), batch.tokens.data(),
-                     d.N, d.D, scale);
+                     d.N, d.D, scale, cfg.padding_idx.value_or(-1));
   if (store.stores_reduced()) {
     grads.visit([&](const std::string& name, Tensor<Real>& g) { store(g, "", name.c_str()); });
   }

@@ -1056,8 +1056,10 @@ File run(const File& golden, Mutation mut, bool with_backward,
   }
   // sum[b,s,:] = embedding[b,s,:] + positional[s,:];  embedding[t] = embedding.weight[tokens[t]] *
   // escale;  positional = pos_embedding.weight[0:S] (learned; sinusoidal has no parameter)
+  // the padding_idx row gets no gradient from the lookup (nn.Embedding(padding_idx))
   Vec& g_emb_w = grad("embedding.weight");
   for (std::int64_t t = 0; t < N; ++t) {
+    if (cfg.padding_idx && tokens[ix(t)] == *cfg.padding_idx) continue;
     for (std::int64_t c = 0; c < D; ++c) {
       g_emb_w[ix(tokens[ix(t)] * D + c)] += g_sum[ix(t * D + c)] * escale;
     }

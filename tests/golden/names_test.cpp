@@ -83,6 +83,7 @@ TEST_P(BuiltinMap, RoundTripsTheGoldensParametersAndConfig) {
 INSTANTIATE_TEST_SUITE_P(Families, BuiltinMap,
                          ::testing::Values(Family{"hf-bert", "bert_f64"},
                                            Family{"hf-bert", "bert_f32"},
+                                           Family{"hf-roberta", "roberta_f64"},
                                            Family{"hf-gpt2", "gpt2_pre_tied_f64"},
                                            Family{"hf-llama", "llama_block_f32"}),
                          [](const auto& info) {
@@ -237,7 +238,7 @@ TEST(Names, MapFilesAreCheckedAndUnknownFamiliesSuggested) {
             }).find("m.json: \"format\""),
             std::string::npos);
   const auto fams = names::NameMap::builtin_families();
-  EXPECT_EQ(fams, (std::vector<std::string>{"hf-bert", "hf-gpt2", "hf-llama"}));
+  EXPECT_EQ(fams, (std::vector<std::string>{"hf-bert", "hf-roberta", "hf-gpt2", "hf-llama"}));
 }
 
 // A candidate may name its parameter gradients by the checkpoint's names (with or without the

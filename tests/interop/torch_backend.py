@@ -162,7 +162,7 @@ CONFIG_DEFAULTS = {
     "head_bias": True, "architecture": "encoder", "tie_embeddings": False,
     "decoder_layers": None, "decoder_vocab_size": None, "decoder_positional": None,
     # a real encoder's embeddings and pooler (docs/semantics.md, section 18)
-    "type_vocab_size": None, "embedding_norm": False, "pooler": "none",
+    "type_vocab_size": None, "embedding_norm": False, "pooler": "none", "padding_idx": None,
 }
 TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -1074,7 +1074,8 @@ def run_case(cfg, case, tensors, variant=AS_GOLDEN):
     acts = {}
     scale = torch.tensor(math.sqrt(D) if cfg["embed_scale"] else 1.0,
                          dtype=torch.float64).to(dtype)
-    embedding = F.embedding(tokens, P["embedding.weight"]) * scale
+    # padding_idx: that row gets no gradient from the lookup, as nn.Embedding(padding_idx)
+    embedding = F.embedding(tokens, P["embedding.weight"], padding_idx=cfg["padding_idx"]) * scale
     P0 = cfg["position_offset"]
     if cfg["positional"] == "learned":
         positional = P["pos_embedding.weight"][P0:P0 + S]

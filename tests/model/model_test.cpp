@@ -354,6 +354,67 @@ TYPED_TEST(Model, BackwardKeepingOnlyLayerOutputGradientsGivesTheSameBits) {
   }
 }
 
+// padding_idx (nn.Embedding's): the forward is the same, and the backward the same except that
+// the pad token's embedding row gets no gradient from the lookup; a tied LM head's term still
+// reaches that row, as in PyTorch.
+TEST(Model, PaddingIdxRowGetsNoLookupGradientAndNothingElseChanges) {
+  for (const bool decoder : {false, true}) {
+    SCOPED_TRACE(decoder ? "tied decoder" : "encoder");
+    EncoderConfig c = small_config();
+    if (decoder) {
+      c.architecture = Architecture::decoder;
+      c.causal = true;
+      c.tie_embeddings = true;
+      c.head_bias = false;
+      c.num_classes = EncoderConfig{}.num_classes;
+    }
+    const auto params = Params<double>::init(c, 5);
+    const Batch batch = Batch::random(c, 3, 6, 11, {6, 4, 2});
+    const std::int64_t pad = batch.tokens[1];  // a token the batch uses among its real ones
+    EncoderConfig cp = c;
+    cp.padding_idx = pad;
+    auto padded = params;
+    padded.config = cp;
+    Activations<double> a, ap, da, dap;
+    Params<double> g, gp;
+    forward(params, batch, a);
+    forward(padded, batch, ap);
+    EXPECT_EQ(a.loss[0], ap.loss[0]);
+    backward(params, batch, a, g, da);
+    backward(padded, batch, ap, gp, dap);
+    const index_t D = c.d_model;
+    double row = 0;
+    for (index_t v = 0; v < c.vocab_size; ++v) {
+      for (index_t k = 0; k < D; ++k) {
+        const double want = g.embedding_weight[v * D + k], got = gp.embedding_weight[v * D + k];
+        if (v != pad) {
+          ASSERT_EQ(got, want) << v << " " << k;
+        } else {
+          row = std::max(row, std::abs(want));
+          if (!decoder) {
+            ASSERT_EQ(got, 0.0) << k;
+          }
+        }
+      }
+    }
+    EXPECT_GT(row, 0) << "the pad token's row had a lookup gradient without padding_idx";
+    if (decoder) {
+      // the tied head's term alone: the lookup's gradient removed from the row
+      double differs = 0;
+      for (index_t k = 0; k < D; ++k)
+        differs = std::max(
+            differs, std::abs(gp.embedding_weight[pad * D + k] - g.embedding_weight[pad * D + k]));
+      EXPECT_GT(differs, 0);
+      EXPECT_NE(gp.embedding_weight[pad * D], 0.0);
+    }
+    for (index_t i = 0; i < g.layers[0].q_weight.numel(); ++i)
+      ASSERT_EQ(g.layers[0].q_weight[i], gp.layers[0].q_weight[i]);
+  }
+  EncoderConfig bad = small_config();
+  bad.padding_idx = bad.vocab_size;
+  EXPECT_THROW(bad.validate(), ConfigError);
+}
+
 TEST(Model, InitialisationIsBitReproducible) {
   EncoderConfig c = small_config();
   c.positional = Positional::learned;

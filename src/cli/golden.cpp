@@ -90,7 +90,17 @@ int run_golden_export(const GoldenExportOptions& opts, std::ostream& out) {
     throw ConfigError(opts.golden + " is an op case: export takes a model case's parameters");
   }
   const names::NameMap map = names::NameMap::load(opts.names);
-  // both made before either is written: a config the family cannot express writes nothing
+  // both made, and both places checked, before either is written: a config the family cannot
+  // express, or a config.json that exists, writes nothing
+  namespace fs = std::filesystem;
+  if (!opts.hf_config_path.empty() &&
+      fs::weakly_canonical(opts.hf_config_path) == fs::weakly_canonical(opts.out_path)) {
+    throw ConfigError("--out and --hf-config are the same file: " + opts.out_path);
+  }
+  for (const std::string& path : {opts.out_path, opts.hf_config_path}) {
+    if (!path.empty() && !opts.force && fs::exists(path))
+      throw FileError(path + ": already exists (pass --force to overwrite it)");
+  }
   const std::string weights = safetensors::serialize(names::checkpoint_of(g, map));
   std::string config;
   if (!opts.hf_config_path.empty())

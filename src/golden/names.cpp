@@ -69,6 +69,28 @@ std::vector<Placed> place(const NameMap& map, const EncoderConfig& cfg) {
     }
     out.push_back({spec.name, spec.shape, it->second, with_index(it->second->checkpoint, i)});
   }
+  // The parameters that share a checkpoint tensor are its equal slices, each once: the same
+  // shape, transposition, dimension and number of parts, and every part 0 .. parts - 1.
+  std::map<std::string, std::vector<const Placed*>> by_checkpoint;
+  for (const auto& p : out) by_checkpoint[p.checkpoint].push_back(&p);
+  for (const auto& [name, group] : by_checkpoint) {
+    const Rule& first = *group.front()->rule;
+    std::set<int> parts;
+    for (const Placed* p : group) {
+      const Rule& r = *p->rule;
+      if (p->shape != group.front()->shape || r.transpose != first.transpose ||
+          r.dim != first.dim || r.parts != first.parts || !parts.insert(r.part).second) {
+        throw ConfigError("name map " + map.family + ": " + group.front()->teo + " and " + p->teo +
+                          " share checkpoint tensor " + name +
+                          " but are not equal slices of it (split [dim, part, parts])");
+      }
+    }
+    if (static_cast<int>(parts.size()) != first.parts) {
+      throw ConfigError("name map " + map.family + ": checkpoint tensor " + name + " has " +
+                        std::to_string(first.parts) + " parts, but " +
+                        std::to_string(parts.size()) + " of them are mapped");
+    }
+  }
   return out;
 }
 
@@ -144,6 +166,58 @@ json effective_json(const EncoderConfig& cfg) {
 
 }  // namespace
 
+namespace {
+
+// The "config" section's shape, every field named in its error: a misspelled rule field must not
+// quietly set nothing.
+void validate_config_section(const json& c, const std::string& source) {
+  const auto fail = [&](const std::string& what) {
+    throw ConfigError(source + ": config." + what);
+  };
+  for (const auto& [k, v] : c.items()) {
+    if (k == "keys" || k == "fixed" || k == "export" || k == "defaults") {
+      if (!v.is_object()) fail(k + " must be an object");
+    } else if (k == "free" || k == "ignored") {
+      if (!v.is_array() ||
+          !std::all_of(v.begin(), v.end(), [](const json& x) { return x.is_string(); }))
+        fail(k + " must be an array of strings");
+    } else {
+      fail(k + " is not a field (keys, fixed, defaults, free, ignored, export)");
+    }
+  }
+  const json keys = c.value("keys", json::object());
+  for (const auto& [hk, rules] : keys.items()) {
+    const json list = rules.is_array() ? rules : json::array({rules});
+    for (const auto& r : list) {
+      const std::string where = "keys." + hk;
+      if (r.is_string()) continue;
+      if (!r.is_object()) fail(where + " must be a teo key, an object or a list of them");
+      bool all_null = r.contains("map") && r.at("map").is_object();
+      for (const auto& [f, fv] : r.items()) {
+        if (f == "key") {
+          if (!fv.is_string()) fail(where + ".key must be a string");
+        } else if (f == "map") {
+          if (!fv.is_object()) fail(where + ".map must be an object");
+          for (const auto& [mk, mv] : fv.items()) all_null = all_null && mv.is_null();
+        } else if (f == "count") {
+          if (!fv.is_boolean()) fail(where + ".count must be true or false");
+        } else if (f == "plus") {
+          if (!fv.is_number_integer()) fail(where + ".plus must be an integer");
+        } else if (f == "null_times") {
+          if (!fv.is_array() || fv.size() != 2 || !fv[0].is_string() || !fv[1].is_number_integer())
+            fail(where + ".null_times must be [a config.json key, an integer]");
+        } else {
+          fail(where + " has the unknown field \"" + f + "\" (key, map, count, plus, null_times)");
+        }
+      }
+      if (!r.contains("key") && !all_null)
+        fail(where + " needs a \"key\" (only a map whose values are all null sets nothing)");
+    }
+  }
+}
+
+}  // namespace
+
 NameMap NameMap::from_json(const json& j, const std::string& source) {
   const auto fail = [&](const std::string& what) { throw ConfigError(source + ": " + what); };
   if (!j.is_object()) fail("a name map must be a JSON object");
@@ -165,6 +239,7 @@ NameMap NameMap::from_json(const json& j, const std::string& source) {
         r.teo = need_string(e[0], source + ": a teo name");
         r.checkpoint = need_string(e[1], source + ": a checkpoint name");
         if (e.size() == 3) {
+          if (!e[2].is_object()) fail("the options of " + r.teo + " must be an object");
           for (const auto& [ok, ov] : e[2].items()) {
             if (ok == "transpose" && ov.is_boolean()) {
               r.transpose = ov.get<bool>();
@@ -173,9 +248,13 @@ NameMap NameMap::from_json(const json& j, const std::string& source) {
             } else if (ok == "split" && ov.is_array() && ov.size() == 3 &&
                        std::all_of(ov.begin(), ov.end(),
                                    [](const json& x) { return x.is_number_integer(); })) {
-              r.dim = ov[0].get<int>(), r.part = ov[1].get<int>(), r.parts = ov[2].get<int>();
-              if (r.dim < 0 || r.dim > 1 || r.parts < 1 || r.part < 0 || r.part >= r.parts)
-                fail("split of " + r.teo + " must be [dim 0 or 1, part, parts], got " + ov.dump());
+              const auto dim = ov[0].get<std::int64_t>(), part = ov[1].get<std::int64_t>(),
+                         parts = ov[2].get<std::int64_t>();
+              if (dim < 0 || dim > 1 || parts < 1 || parts > 64 || part < 0 || part >= parts)
+                fail("split of " + r.teo + " must be [dim 0 or 1, part, parts <= 64], got " +
+                     ov.dump());
+              r.dim = static_cast<int>(dim), r.part = static_cast<int>(part);
+              r.parts = static_cast<int>(parts);
             } else {
               fail("unknown option \"" + ok + "\": " + ov.dump() + " of " + r.teo +
                    " (transpose, optional, split: [dim, part, parts])");
@@ -189,6 +268,7 @@ NameMap NameMap::from_json(const json& j, const std::string& source) {
       for (const auto& g : v) m.ignore.push_back(need_string(g, source + ": an ignore glob"));
     } else if (key == "config") {
       if (!v.is_object()) fail("\"config\" must be an object");
+      validate_config_section(v, source);
       m.config = v;
     } else {
       fail("unknown key \"" + key + "\"");
@@ -196,6 +276,10 @@ NameMap NameMap::from_json(const json& j, const std::string& source) {
   }
   if (m.family.empty()) fail("\"family\" is missing");
   if (m.rules.empty()) fail("\"params\" is missing or empty");
+  if (!m.config.is_object()) m.config = json::object();
+  std::set<std::string> teo_names;
+  for (const auto& r : m.rules)
+    if (!teo_names.insert(r.teo).second) fail("teo's " + r.teo + " has two rules");
   return m;
 }
 
@@ -321,7 +405,12 @@ json config_from_hf(const json& hf, const NameMap& map) {
   std::vector<std::string> known;
   for (const auto& [k, v] : keys.items()) known.push_back(k);
   for (const auto& k : ignored) known.push_back(k.get<std::string>());
-  for (const auto& [hk, hv] : hf.items()) {
+  // the family's config class's defaults, for the keys its save_pretrained leaves out
+  json with_defaults = hf;
+  const json defaults = c.value("defaults", json::object());
+  for (const auto& [k, v] : defaults.items())
+    if (!with_defaults.contains(k)) with_defaults[k] = v;
+  for (const auto& [hk, hv] : with_defaults.items()) {
     const auto rule = keys.find(hk);
     if (rule == keys.end()) {
       if (std::find(ignored.begin(), ignored.end(), hk) != ignored.end()) continue;

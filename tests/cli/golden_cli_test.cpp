@@ -89,6 +89,13 @@ TEST(GoldenCli, ExportThenGenerateFromTheCheckpointRoundTrips) {
                         " --hf-config " + hf);
   ASSERT_EQ(r.code, 0) << r.out;
   EXPECT_EQ(nlohmann::json::parse(slurp(hf)).at("model_type"), "bert");
+  // an existing config.json (without --force) stops the export before either file is written
+  const std::string w0 = (dir / "first.safetensors").string();
+  r = run_cli("golden export --names hf-bert --golden " + golden + " --out " + w0 +
+              " --hf-config " + hf);
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.out.find("already exists"), std::string::npos) << r.out;
+  EXPECT_FALSE(fs::exists(w0));
   std::ofstream(dir / "case.json") << nlohmann::json{{"case", corpus_case("bert_f64")["case"]}};
   const std::string again = (dir / "again.safetensors").string();
   r = run_cli("golden generate --no-progress --config " + (dir / "case.json").string() + " --out " +

@@ -78,6 +78,20 @@ TEST_P(BuiltinMap, RoundTripsTheGoldensParametersAndConfig) {
   const json hf = names::hf_config_of(cfg, map);
   json back = names::config_from_hf(hf, map);
   EXPECT_EQ(teo::EncoderConfig::from_json(back), cfg) << hf.dump();
+  // the golden's parameters back through the checkpoint give the same checkpoint bytes
+  const st::File ckpt = names::checkpoint_of(g, map);
+  st::File again;
+  again.metadata = g.metadata;
+  const auto add_params = [&](const auto& params) {
+    params.visit([&](const std::string& n, const auto& t) {
+      again.add("param." + n, t.shape().dims(), t.data(), static_cast<std::size_t>(t.numel()));
+    });
+  };
+  if (f32)
+    add_params(through_checkpoint<float>(g, map));
+  else
+    add_params(through_checkpoint<double>(g, map));
+  EXPECT_TRUE(st::serialize(names::checkpoint_of(again, map)) == st::serialize(ckpt));
 }
 
 INSTANTIATE_TEST_SUITE_P(Families, BuiltinMap,
@@ -223,6 +237,73 @@ TEST(Names, ConfigJsonKeysAreMappedOrRefusedByName) {
   g2["n_embd"] = 8;
   g2["n_inner"] = nullptr;
   EXPECT_EQ(names::config_from_hf(g2, gpt2).at("d_ff"), 32);
+}
+
+// What transformers' save_pretrained leaves out is its config class's default: a 2-label
+// classifier without id2label, BERT's 2 token types; so a config without token types has no
+// hf-bert form, and exporting it is refused rather than loaded with fresh random types.
+TEST(Names, ConfigJsonDefaultsAreTheConfigClasss) {
+  const auto map = names::NameMap::load("hf-bert");
+  const auto cfg = golden::case_of(committed("bert_f64")).config;
+  json hf = names::hf_config_of(cfg, map);
+  hf.erase("id2label");
+  hf.erase("type_vocab_size");
+  const json back = names::config_from_hf(hf, map);
+  EXPECT_EQ(back.at("num_classes"), 2);
+  EXPECT_EQ(back.at("type_vocab_size"), 2);
+  auto no_types = cfg;
+  no_types.type_vocab_size.reset();
+  EXPECT_NE(error_of([&] { names::hf_config_of(no_types, map); }).find("type_vocab_size"),
+            std::string::npos);
+  hf["classifier_dropout"] = 0.5;
+  EXPECT_NE(error_of([&] { names::config_from_hf(hf, map); }).find("classifier_dropout"),
+            std::string::npos);
+}
+
+// Every field of a map file is checked: a misspelled or mistyped one is a ConfigError naming it,
+// never a JSON library error, and parameters that share a checkpoint tensor must be its equal
+// slices.
+TEST(Names, MalformedMapsAreNamedErrors) {
+  const auto text = [](const std::string& params, const std::string& config) {
+    return json::parse(R"({"format": "teo-names/1", "family": "m", "params": )" + params +
+                       R"(, "config": )" + config + "}");
+  };
+  const std::string one = R"([["embedding.weight", "w"]])";
+  const auto err = [&](const std::string& params, const std::string& config) {
+    return error_of([&] { names::NameMap::from_json(text(params, config), "m.json"); });
+  };
+  EXPECT_NE(err(one, R"({"keys": {"hidden_size": 5}})").find("config.keys.hidden_size"),
+            std::string::npos);
+  EXPECT_NE(err(one, R"({"keys": {"n_inner": {"key": "d_ff", "null_times": "x"}}})")
+                .find("null_times must be"),
+            std::string::npos);
+  EXPECT_NE(err(one, R"({"keys": {"a": {"kye": "activation", "map": {"x": "gelu"}}}})")
+                .find("unknown field \"kye\""),
+            std::string::npos);
+  EXPECT_NE(err(one, R"({"fixed": [1]})").find("config.fixed must be an object"),
+            std::string::npos);
+  EXPECT_NE(err(one, R"({"keys": {"a": {"key": "b", "count": "yes"}}})").find("count"),
+            std::string::npos);
+  EXPECT_NE(err(R"([["embedding.weight", "w"], ["embedding.weight", "v"]])", "{}")
+                .find("embedding.weight has two rules"),
+            std::string::npos);
+  EXPECT_NE(err(R"([["embedding.weight", "w", null]])", "{}").find("must be an object"),
+            std::string::npos);
+  // a map without a config section still exports parameters, and refuses config.json keys
+  const auto m = names::NameMap::from_json(
+      json::parse(R"({"format": "teo-names/1", "family": "m", "params": [["x", "y"]]})"), "m");
+  EXPECT_NE(error_of([&] {
+              names::config_from_hf(json{{"hidden_size", 8}}, m);
+            }).find("\"hidden_size\" is neither mapped nor ignored"),
+            std::string::npos);
+  // two parameters on one checkpoint tensor that are not its equal slices
+  auto bad = names::NameMap::load("hf-bert");
+  for (auto& r : bad.rules)
+    if (r.teo == "layers.{i}.attn.q.weight") r.checkpoint = "bert.embeddings.LayerNorm.weight";
+  EXPECT_NE(error_of([&] {
+              names::checkpoint_of(committed("bert_f64"), bad);
+            }).find("share checkpoint tensor bert.embeddings.LayerNorm.weight"),
+            std::string::npos);
 }
 
 TEST(Names, MapFilesAreCheckedAndUnknownFamiliesSuggested) {

@@ -171,6 +171,13 @@ def test_token_types_are_read_with_type_vocab_size_and_refused_without():
     # a misspelled key is named, not dropped
     with pytest.raises(teo.ConfigError, match="token_type\'"):
         teo.run(cfg, params, dict(batch, token_type=batch["token_types"]))
+    # the embedding op's norm arguments are refused without the norm, not dropped
+    w = np.ones((16, 8))
+    with pytest.raises(teo.ConfigError, match="need norm_weight"):
+        teo.ops.embedding(batch["tokens"], w, norm_bias=np.zeros(8))
+    with pytest.raises(teo.ConfigError, match="an rmsnorm none"):
+        teo.ops.embedding(batch["tokens"], w, norm_weight=np.ones(8), norm_bias=np.zeros(8),
+                          norm="rmsnorm")
 
 
 def test_generate_steps_are_the_full_forwards_logits():

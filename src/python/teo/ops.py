@@ -367,9 +367,15 @@ def embedding(tokens, weight, pos_weight=None, *, positional="sinusoidal", embed
         spec["max_len"] = int(pos_weight.shape[0])
     inputs = {"input.tokens": tokens.astype(np.int64), "param.weight": weight,
               "param.pos_weight": pos_weight}
+    from . import ConfigError
     if (token_types is None) != (type_weight is None):
-        from . import ConfigError
         raise ConfigError("embedding: token_types and type_weight go together")
+    if norm_weight is None and (norm_bias is not None or norm != "layernorm"
+                                or layer_norm_eps is not None):
+        raise ConfigError("embedding: norm_bias, norm and layer_norm_eps need norm_weight (the "
+                          "embedding norm)")
+    if (norm == "rmsnorm") == (norm_bias is not None) and norm_weight is not None:
+        raise ConfigError("embedding: a layernorm takes norm_bias, an rmsnorm none")
     if type_weight is not None:
         type_weight = _real(type_weight, "type_weight", "embedding")
         spec["type_vocab_size"] = int(type_weight.shape[0])

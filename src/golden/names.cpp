@@ -135,11 +135,12 @@ bool ignored(const NameMap& map, const std::string& name) {
   });
 }
 
-// The checkpoint's tensor for a name, with or without the base prefix.
-const st::Tensor* find_in(const st::File& f, const NameMap& map, const std::string& name) {
-  if (const auto* t = f.find(name)) return t;
+// The file's tensor `role` + name, the name with or without the base prefix.
+const st::Tensor* find_in(const st::File& f, const NameMap& map, const std::string& name,
+                          const std::string& role = "") {
+  if (const auto* t = f.find(role + name)) return t;
   if (!map.base_prefix.empty() && name.starts_with(map.base_prefix))
-    return f.find(name.substr(map.base_prefix.size()));
+    return f.find(role + name.substr(map.base_prefix.size()));
   return nullptr;
 }
 
@@ -306,8 +307,10 @@ Params<Real> params_from_checkpoint(const st::File& checkpoint, const NameMap& m
   const auto placed = place(map, cfg);
   // Every check before any value moves: presence, shape, and no tensor left unread.
   std::set<std::string> read;
+  std::vector<const st::Tensor*> found;  // each placed parameter's tensor, or null (optional)
   for (const auto& p : placed) {
     const st::Tensor* t = find_in(checkpoint, map, p.checkpoint);
+    found.push_back(t);
     if (!t) {
       if (p.rule->optional) continue;
       throw FormatError("the checkpoint has no tensor " + p.checkpoint + " (teo's " + p.teo + ", " +
@@ -332,10 +335,14 @@ Params<Real> params_from_checkpoint(const st::File& checkpoint, const NameMap& m
   }
   std::map<std::string, Tensor<Real>*> by_name;
   seeded.visit([&](const std::string& n, Tensor<Real>& t) { by_name[n] = &t; });
-  for (const auto& p : placed) {
-    const st::Tensor* t = find_in(checkpoint, map, p.checkpoint);
+  std::map<std::string, std::vector<double>> widened;  // once per tensor, fused ones included
+  for (std::size_t k = 0; k < placed.size(); ++k) {
+    const Placed& p = placed[k];
+    const st::Tensor* t = found[k];
     if (!t) continue;
-    const auto v = t->float_values();
+    auto it = widened.find(t->name);
+    if (it == widened.end()) it = widened.emplace(t->name, t->float_values()).first;
+    const std::vector<double>& v = it->second;
     Tensor<Real>& dst = *by_name.at(p.teo);
     for (std::int64_t e = 0; e < dst.numel(); ++e) {
       const double x = v[static_cast<std::size_t>(checkpoint_index(p, e))];
@@ -535,9 +542,7 @@ st::File candidate_in_teo_names(const st::File& candidate, const NameMap& map,
   std::set<std::string> used;
   for (const auto& p : placed) {
     for (const char* role : {"grad.", "param."}) {
-      const st::Tensor* t = find_in(candidate, map, role + p.checkpoint);
-      if (!t && !map.base_prefix.empty() && p.checkpoint.starts_with(map.base_prefix))
-        t = candidate.find(role + p.checkpoint.substr(map.base_prefix.size()));
+      const st::Tensor* t = find_in(candidate, map, p.checkpoint, role);
       if (!t) continue;
       if (t->shape != checkpoint_shape(p)) {
         throw FormatError("candidate tensor " + t->name + " has shape " + shape_str(t->shape) +

@@ -29,6 +29,9 @@ enum class FfnKind { mlp, swiglu, geglu };
 // What the classifier head reads: the pooled vector itself, or BERT's pooler over it,
 // tanh(pooled W^T + b).
 enum class Pooler { none, dense_tanh };
+// What the encoder reads: token ids, or an image cut into patches (ViT: a strided convolution's
+// linear map of each patch, a learned [CLS] token prepended; semantics 18.5).
+enum class InputKind { tokens, patches };
 
 const char* to_string(Activation a);
 const char* to_string(Positional p);
@@ -39,6 +42,7 @@ const char* to_string(Architecture a);
 const char* to_string(Norm n);
 const char* to_string(FfnKind f);
 const char* to_string(Pooler p);
+const char* to_string(InputKind k);
 
 // RoPE's context-extension scaling, with Hugging Face's formulas (docs/semantics.md, "RoPE").
 struct RopeScaling {
@@ -109,8 +113,22 @@ struct EncoderConfig {
   // The token whose embedding row gets no gradient from the lookup (nn.Embedding's padding_idx,
   // BERT's and RoBERTa's pad token; semantics 18.1); an encoder's or a decoder's. Unset: none.
   std::optional<index_t> padding_idx{};
+  // input "patches" (architecture "encoder" only): images (B, channels, image_size, image_size),
+  // cut into (image_size / patch_size)^2 patches of patch_size^2 pixels per channel. The sequence
+  // is the [CLS] token and the patches, 1 + patches() positions, and max_len is that length.
+  // There are no token ids: vocab_size, embed_scale, type_vocab_size, padding_idx and
+  // position_offset do not apply. 0 with input "tokens".
+  InputKind input = InputKind::tokens;
+  index_t image_size = 0;
+  index_t patch_size = 0;
+  index_t channels = 0;
 
   index_t d_head() const { return d_model / num_heads; }
+  bool patches_input() const { return input == InputKind::patches; }
+  // The number of patches of an image: (image_size / patch_size)^2 (0 with input "tokens").
+  index_t patches() const {
+    return patches_input() ? (image_size / patch_size) * (image_size / patch_size) : 0;
+  }
   index_t kv_heads() const { return num_kv_heads.value_or(num_heads); }
   index_t rotary() const { return rotary_dim.value_or(d_head()); }
   bool gated() const { return ffn != FfnKind::mlp; }

@@ -24,6 +24,9 @@ struct Batch {
   std::vector<std::int64_t> labels;   // (B)
   // (B, S), each in [0, type_vocab_size): with type_vocab_size only, else empty
   std::vector<std::int64_t> token_types;
+  // input patches: the images (B, channels, image_size, image_size), in place of tokens (which
+  // stay empty); every length is seq_len = 1 + patches
+  std::vector<double> pixels;
   // An encoder_decoder's target (teacher forcing): tgt_tokens (B, T), tgt_lengths (B); position t
   // predicts target token t + 1. Empty (T = 0) for the other architectures.
   index_t tgt_len = 0;
@@ -123,7 +126,10 @@ struct LayerParams {
 template <class Real>
 struct Params {
   EncoderConfig config;
-  Tensor<Real> embedding_weight;                            // (V, D)
+  Tensor<Real> embedding_weight;                            // (V, D); input tokens only
+  // input patches only: the patch projection (D, Ch, P, P) as Conv2d lays it out, its bias (D)
+  // and the [CLS] token (D)
+  Tensor<Real> patch_embedding_weight, patch_embedding_bias, cls_token;
   Tensor<Real> pos_embedding_weight;                        // (max_len, D); learned positional only
   Tensor<Real> token_type_embedding_weight;                 // (Tv, D); type_vocab_size only
   Tensor<Real> embedding_norm_weight, embedding_norm_bias;  // (D); embedding_norm only
@@ -161,7 +167,13 @@ struct Params {
  private:
   template <class Self, class F>
   static void visit_impl(Self& self, F& f) {
-    f("embedding.weight", self.embedding_weight);
+    if (self.config.patches_input()) {
+      f("patch_embedding.weight", self.patch_embedding_weight);
+      f("patch_embedding.bias", self.patch_embedding_bias);
+      f("cls_token", self.cls_token);
+    } else {
+      f("embedding.weight", self.embedding_weight);
+    }
     if (self.config.positional == Positional::learned)
       f("pos_embedding.weight", self.pos_embedding_weight);
     if (self.config.type_vocab_size)

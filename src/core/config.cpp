@@ -148,6 +148,41 @@ void validate_variants(const EncoderConfig& c) {
   }
 }
 
+// input "patches" and its sizes (docs/semantics.md, section 18.5).
+void validate_patches(const EncoderConfig& c) {
+  if (!c.patches_input()) {
+    if (c.image_size || c.patch_size || c.channels)
+      throw ConfigError("image_size, patch_size and channels apply only to input \"patches\"");
+    return;
+  }
+  if (!c.encoder()) {
+    throw ConfigError(
+        "input \"patches\" applies only to architecture \"encoder\" (ViT's classifier)");
+  }
+  require_positive("image_size", c.image_size);
+  require_positive("patch_size", c.patch_size);
+  require_positive("channels", c.channels);
+  if (c.image_size % c.patch_size != 0) {
+    throw ConfigError("image_size " + std::to_string(c.image_size) +
+                      " must be a multiple of patch_size " + std::to_string(c.patch_size));
+  }
+  if (c.image_size > (index_t{1} << 20) || c.channels > (index_t{1} << 20)) {
+    throw ConfigError("image_size and channels must be <= 2^20, got " +
+                      std::to_string(c.image_size) + " and " + std::to_string(c.channels));
+  }
+  if (c.embed_scale || c.type_vocab_size || c.padding_idx || c.position_offset != 0) {
+    throw ConfigError(
+        "input \"patches\" has no token ids: embed_scale, type_vocab_size, padding_idx and "
+        "position_offset do not apply");
+  }
+  if (c.max_len != 1 + c.patches()) {
+    throw ConfigError("with input \"patches\" the sequence is [CLS] and the " +
+                      std::to_string(c.patches()) + " patches: max_len must be " +
+                      std::to_string(1 + c.patches()) + " (or left out), got " +
+                      std::to_string(c.max_len));
+  }
+}
+
 // The block variants' keys (docs/semantics.md, section 17.1).
 void validate_block(const EncoderConfig& c) {
   const Activation a = c.activation;
@@ -182,6 +217,7 @@ void validate_block(const EncoderConfig& c) {
         "padding_idx must be a token id in [0, vocab_size = " + std::to_string(c.vocab_size) +
         "), of an encoder or a decoder, got " + std::to_string(*c.padding_idx));
   }
+  validate_patches(c);
   if (c.type_vocab_size && *c.type_vocab_size < 1) {
     throw ConfigError("type_vocab_size must be >= 1 (or left out for no token types), got " +
                       std::to_string(*c.type_vocab_size));
@@ -259,7 +295,14 @@ void EncoderConfig::validate() const {
   // Every parameter tensor, and all of them together, must have an element and byte count that
   // fits in 64 bits (double is the widest dtype).
   const index_t d = d_model;
-  const index_t embed = checked_mul(vocab_size, d, "embedding.weight");
+  // the token embedding (V, D), or the patch embedding (D, Ch, P, P) with its bias and [CLS]
+  const index_t embed =
+      patches_input()
+          ? checked_add(checked_mul(checked_mul(checked_mul(channels, patch_size, "patch"),
+                                                patch_size, "patch"),
+                                    d, "patch_embedding.weight"),
+                        checked_mul(d, 2, "cls_token"), "patch embedding")
+          : checked_mul(vocab_size, d, "embedding.weight");
   const index_t pos = checked_mul(max_len, d, "pos_embedding.weight");
   const index_t attn = checked_add(checked_mul(checked_mul(d, d, "attn weight"), 4, "attn weights"),
                                    checked_mul(d, 8, "attn and norm biases"), "attention");

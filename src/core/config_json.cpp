@@ -148,7 +148,11 @@ const char* const kConfigKeys[] = {"vocab_size",
                                    "type_vocab_size",
                                    "embedding_norm",
                                    "pooler",
-                                   "padding_idx"};
+                                   "padding_idx",
+                                   "input",
+                                   "image_size",
+                                   "patch_size",
+                                   "channels"};
 }  // namespace
 
 std::string EncoderConfig::architecture_of(const nlohmann::json& j) {
@@ -316,6 +320,20 @@ EncoderConfig EncoderConfig::from_json(const nlohmann::json& j) {
         c.pooler = Pooler::dense_tanh;
       else
         throw ConfigError("pooler must be \"none\" or \"dense_tanh\", got \"" + s + "\"");
+    } else if (key == "input") {
+      const std::string s = get_string(v, key);
+      if (s == "tokens")
+        c.input = InputKind::tokens;
+      else if (s == "patches")
+        c.input = InputKind::patches;
+      else
+        throw ConfigError("input must be \"tokens\" or \"patches\", got \"" + s + "\"");
+    } else if (key == "image_size") {
+      c.image_size = get_int(v, key);
+    } else if (key == "patch_size") {
+      c.patch_size = get_int(v, key);
+    } else if (key == "channels") {
+      c.channels = get_int(v, key);
     } else if (key == "decoder_positional") {
       const std::string s = get_string(v, key);
       if (s == "sinusoidal")
@@ -335,6 +353,14 @@ EncoderConfig EncoderConfig::from_json(const nlohmann::json& j) {
   }
   // A decoder is causal unless the config says otherwise (which validate() refuses).
   if (c.decoder() && !j.contains("causal")) c.causal = true;
+  if (c.patches_input()) {
+    // images have no token ids; the sequence length follows from the sizes
+    if (j.contains("vocab_size"))
+      throw ConfigError("vocab_size applies only to input \"tokens\": input \"patches\" has no ids");
+    if (!j.contains("max_len") && c.patch_size > 0 && c.image_size % c.patch_size == 0 &&
+        c.image_size / c.patch_size <= (index_t{1} << 20))
+      c.max_len = 1 + c.patches();
+  }
   c.validate();
   return c;
 }
@@ -410,6 +436,13 @@ nlohmann::json EncoderConfig::to_json() const {
   if (embedding_norm) j["embedding_norm"] = true;
   if (pooler != Pooler::none) j["pooler"] = to_string(pooler);
   if (padding_idx) j["padding_idx"] = *padding_idx;
+  if (patches_input()) {
+    j.erase("vocab_size");
+    j["input"] = to_string(input);
+    j["image_size"] = image_size;
+    j["patch_size"] = patch_size;
+    j["channels"] = channels;
+  }
   return j;
 }
 

@@ -96,6 +96,23 @@ Case Case::from_json(const json& j) {
       throw ConfigError("case has the unknown key \"" + key + "\"");
     }
   }
+  if (c.config.patches_input()) {
+    // the sequence is [CLS] and the patches; an image has no padding
+    const index_t S = 1 + c.config.patches();
+    if (have_seq && c.seq_len != S) {
+      throw ShapeError("case.seq_len " + std::to_string(c.seq_len) +
+                       " is not 1 + patches = " + std::to_string(S) +
+                       " (input \"patches\"; it may be left out)");
+    }
+    c.seq_len = S;
+    have_seq = true;
+    for (auto len : c.lengths) {
+      if (len != S) {
+        throw ShapeError("case.lengths has " + std::to_string(len) +
+                         ": an image has no padding, every length is " + std::to_string(S));
+      }
+    }
+  }
   if (!have_batch || !have_seq || !have_dtype || !have_seed) {
     throw ConfigError("case needs batch, seq_len, dtype and seed");
   }

@@ -196,6 +196,10 @@ struct BatchDims {
 BatchDims batch_dims(const File& golden, const EncoderConfig& cfg) {
   const auto* lt = golden.find("input.lengths");
   const auto* tt = golden.find("input.tokens");
+  if (cfg.patches_input() && lt && lt->dtype == DType::I64 && lt->shape.size() == 1) {
+    // images: no tokens; the sequence is [CLS] and the patches
+    return {lt->shape[0], 1 + cfg.patches(), cfg.d_model, lt->values<std::int64_t>()};
+  }
   if (!lt || !tt || lt->dtype != DType::I64 || tt->shape.size() != 2) {
     throw FormatError("the golden has no input.lengths and input.tokens of the contract's shapes");
   }

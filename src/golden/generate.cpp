@@ -289,6 +289,10 @@ void generate_typed(const Case& c, Sink& sink, const GenerateOptions& opts) {
              batch.tgt_tokens.size()),
       out_of("input.tgt_lengths", {B}, batch.tgt_lengths.data(), batch.tgt_lengths.size()),
       out_of("input.token_types", {B, S}, batch.token_types.data(), batch.token_types.size())};
+  // input patches: the images in the case's float type (their values are exact in it)
+  const std::vector<Real> pixels(batch.pixels.begin(), batch.pixels.end());
+  outs.push_back(out_of("input.pixels", {B, cfg.channels, cfg.image_size, cfg.image_size},
+                        pixels.data(), pixels.size()));
   params->visit([&](const std::string& n, const Tensor<Real>& t) {
     outs.push_back(out_of("param." + n, t));
   });
@@ -519,6 +523,15 @@ Case case_of(const File& golden) {
 
 namespace {
 
+// The images of an input-patches golden (validated: input.pixels is there, of the contract's
+// shape and the case's float type).
+std::vector<double> pixels_from(const File& golden) {
+  const auto* t = golden.find("input.pixels");
+  if (!t || !safetensors::is_float(t->dtype))
+    throw FormatError("the golden has no float input.pixels");
+  return t->float_values();
+}
+
 // A generation case's steps under precision p, without a cache: each sequence grown by the tokens
 // the golden feeds it runs through the causal forward once (eval mode), and step t's logits are
 // its LM logits at position lengths[b] + t, the property generate() meets to rounding.
@@ -593,11 +606,13 @@ std::map<std::string, std::vector<double>> emulate(const File& golden, Precision
         std::pair{"input.token_types", &batch.token_types}}) {
     if (cfg.decoder() && std::string_view(name) == "input.labels") continue;  // it has none
     if (!cfg.type_vocab_size && std::string_view(name) == "input.token_types") continue;
+    if (cfg.patches_input() && std::string_view(name) == "input.tokens") continue;  // pixels
     const auto* t = golden.find(name);
     if (!t || t->dtype != DType::I64)
       throw FormatError(std::string("the golden has no I64 ") + name);
     *dst = t->values<std::int64_t>();
   }
+  if (cfg.patches_input()) batch.pixels = pixels_from(golden);
   auto run = run_case(params, batch, c.seed, p);
   std::map<std::string, std::vector<double>> out;
   if (c.steps > 0) emulate_generation(golden, params, batch, c.steps, p, out);

@@ -1,4 +1,5 @@
 // golden::validate: a golden file checked against its contract before any of its values is read.
+#include <cmath>
 #include <set>
 
 #include "golden_internal.hpp"
@@ -101,6 +102,11 @@ void validate_model(const File& f) {
   detail::expect_in_range(f, "input.generate.tokens", c.config.vocab_size, false, "vocab_size");
   if (!c.config.lm())
     detail::expect_in_range(f, "input.labels", c.config.num_classes, false, "num_classes");
+  if (c.config.patches_input()) {
+    for (double x : f.find("input.pixels")->float_values()) {
+      if (!std::isfinite(x)) throw FormatError("the golden's input.pixels holds a non-finite value");
+    }
+  }
   const bool seq2seq = c.config.encoder_decoder();
   const std::string lengths_name = seq2seq ? "input.src_lengths" : "input.lengths";
   detail::expect_in_range(f, lengths_name, c.seq_len, true, "seq_len");

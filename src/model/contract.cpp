@@ -24,6 +24,9 @@ std::string without_layer(const std::string& name) {
 const std::map<std::string, Dims>& param_table() {
   static const std::map<std::string, Dims> t = {
       {"embedding.weight", {"V", "D"}},
+      {"patch_embedding.weight", {"D", "Ch", "P", "P"}},
+      {"patch_embedding.bias", {"D"}},
+      {"cls_token", {"D"}},
       {"pos_embedding.weight", {"max_len", "D"}},
       {"token_type_embedding.weight", {"Tv", "D"}},
       {"embedding_norm.weight", {"D"}},
@@ -294,6 +297,9 @@ index_t dim(const std::string& sym, const EncoderConfig& cfg, Sizes s) {
   if (sym == "St") return cfg.encoder_decoder() ? s.tgt_len : s.seq_len;
   if (sym == "Vt") return cfg.target_vocab();
   if (sym == "Tv") return cfg.type_vocab_size.value_or(0);
+  if (sym == "Ch") return cfg.channels;
+  if (sym == "Img") return cfg.image_size;
+  if (sym == "P") return cfg.patch_size;
   throw std::invalid_argument("unknown symbolic dimension \"" + sym + "\"");
 }
 
@@ -331,6 +337,7 @@ Dims dims_of(const std::string& golden_name) {
   if (n.starts_with("ref64.")) n = n.substr(6);
   if (n == "input.tokens" || n == "input.token_types") return {"B", "S"};
   if (n == "input.lengths" || n == "input.labels") return {"B"};
+  if (n == "input.pixels") return {"B", "Ch", "Img", "Img"};
   if (n == "input.generate.tokens") return {"T", "B"};
   if (is_generation_logits(n)) return {"B", "Vt"};
   if (n == "input.src_tokens") return {"B", "S"};
@@ -387,8 +394,8 @@ std::vector<TensorSpec> gradients(const EncoderConfig& cfg, Sizes s) {
   // The parameters grouped by where forward uses them, in that order: the embeddings, each
   // layer's groups in its use order, the final norm, the head; the activation gradients of the
   // contract sit between the groups, where backward completes them.
-  std::vector<std::string> top_front, top_norm, top_final, top_pooler, top_head, dec_front,
-      dec_final;
+  std::vector<std::string> top_front, top_patch, top_norm, top_final, top_pooler, top_head,
+      dec_front, dec_final;
   std::vector<std::vector<std::string>> layers(static_cast<std::size_t>(cfg.num_layers));
   // an encoder_decoder's decoder layers: their parameters in use order (DecoderLayerParams::visit)
   std::vector<std::vector<std::string>> dec_layers(
@@ -408,6 +415,8 @@ std::vector<TensorSpec> gradients(const EncoderConfig& cfg, Sizes s) {
       top_final.push_back(p.name);
     } else if (p.name.starts_with("embedding_norm.")) {
       top_norm.push_back(p.name);
+    } else if (p.name.starts_with("patch_embedding.")) {
+      top_patch.push_back(p.name);
     } else if (p.name.starts_with("pooler.")) {
       top_pooler.push_back(p.name);
     } else if (p.name.starts_with("head.") || p.name.starts_with("lm_head.")) {
@@ -426,6 +435,7 @@ std::vector<TensorSpec> gradients(const EncoderConfig& cfg, Sizes s) {
     for (const auto& n : names) g.push_back(param(n));
     return g;
   };
+  if (!top_patch.empty()) add_group(params_of(top_patch));
   for (const auto& n : top_front) add_group({param(n)});
   if (!top_norm.empty()) add_group(params_of(top_norm));
   add_group({act("input")});
@@ -511,6 +521,11 @@ std::vector<TensorSpec> model_case(const EncoderConfig& cfg, Sizes s, bool float
   if (cfg.encoder_decoder()) {
     for (const char* n :
          {"input.src_tokens", "input.src_lengths", "input.tgt_tokens", "input.tgt_lengths"})
+      out.push_back(spec(n, Role::input, DTypeRule::i64, dims_of(n), cfg, s));
+  } else if (cfg.patches_input()) {
+    // the images, in the case's float type; every length is S
+    out.push_back(spec("input.pixels", Role::input, DTypeRule::real, dims_of("input.pixels"), cfg, s));
+    for (const char* n : {"input.lengths", "input.labels"})
       out.push_back(spec(n, Role::input, DTypeRule::i64, dims_of(n), cfg, s));
   } else {
     for (const char* n : {"input.tokens", "input.lengths", "input.labels", "input.token_types"}) {

@@ -14,6 +14,7 @@
 #include "teo/layers/embedding.hpp"
 #include "teo/layers/layer_norm.hpp"
 #include "teo/layers/linear.hpp"
+#include "teo/layers/patch_embedding.hpp"
 #include "teo/layers/pooling.hpp"
 #include "teo/layers/positional.hpp"
 #include "teo/precision.hpp"
@@ -187,6 +188,16 @@ void embedding_sum(Real* out, const Activations<Real>& a, const Dims& d) {
   add_positional_forward(out, first, a.positional.data(), d.B, d.S, d.D);
 }
 
+// The batch's pixels in Real (input patches).
+template <class Real>
+std::vector<Real> pixels_of(const Batch& batch) {
+  return std::vector<Real>(batch.pixels.begin(), batch.pixels.end());
+}
+
+PatchDims patch_dims(const EncoderConfig& cfg, const Dims& d) {
+  return {d.B, cfg.channels, cfg.image_size, cfg.patch_size, d.D};
+}
+
 // The encoder's output: the final norm's (pre-norm), the last layer's, or the input's.
 template <class Real>
 const Tensor<Real>& encoder_top(const Activations<Real>& a) {
@@ -209,10 +220,19 @@ void forward(const Params<Real>& params, const Batch& batch, Activations<Real>& 
 
   {
     profile::Scope stage(Stage::embedding);
-    const Real scale =
-        cfg.embed_scale ? static_cast<Real>(std::sqrt(static_cast<double>(d.D))) : Real(1);
-    embedding_forward(acts.embedding.data(), batch.tokens.data(), params.embedding_weight.data(),
-                      d.N, d.D, scale);
+    if (cfg.patches_input()) {
+      // [CLS], then each patch's linear map (semantics 18.5)
+      const std::vector<Real> pixels = pixels_of<Real>(batch);
+      patch_embedding_forward(acts.embedding.data(), pixels.data(),
+                              params.patch_embedding_weight.data(),
+                              params.patch_embedding_bias.data(), params.cls_token.data(),
+                              patch_dims(cfg, d));
+    } else {
+      const Real scale =
+          cfg.embed_scale ? static_cast<Real>(std::sqrt(static_cast<double>(d.D))) : Real(1);
+      embedding_forward(acts.embedding.data(), batch.tokens.data(), params.embedding_weight.data(),
+                        d.N, d.D, scale);
+    }
     store(acts.embedding, "", "embedding");
     // rope, alibi and none add nothing here: their table is 0
     if (cfg.positional == Positional::sinusoidal) {
@@ -470,10 +490,17 @@ void backward(const Params<Real>& params, const Batch& batch, const Activations<
     add(grads.pos_embedding_weight.data() + cfg.position_offset * d.D, dacts.positional.data(),
         d.S * d.D);
   }
-  const Real scale =
-      cfg.embed_scale ? static_cast<Real>(std::sqrt(static_cast<double>(d.D))) : Real(1);
-  embedding_backward(grads.embedding_weight.data(), dacts.embedding.data(), batch.tokens.data(),
-                     d.N, d.D, scale, cfg.padding_idx.value_or(-1));
+  if (cfg.patches_input()) {
+    const std::vector<Real> pixels = pixels_of<Real>(batch);
+    patch_embedding_backward(grads.patch_embedding_weight.data(),
+                             grads.patch_embedding_bias.data(), grads.cls_token.data(),
+                             dacts.embedding.data(), pixels.data(), patch_dims(cfg, d));
+  } else {
+    const Real scale =
+        cfg.embed_scale ? static_cast<Real>(std::sqrt(static_cast<double>(d.D))) : Real(1);
+    embedding_backward(grads.embedding_weight.data(), dacts.embedding.data(), batch.tokens.data(),
+                       d.N, d.D, scale, cfg.padding_idx.value_or(-1));
+  }
   if (store.stores_reduced()) {
     grads.visit([&](const std::string& name, Tensor<Real>& g) { store(g, "", name.c_str()); });
   }

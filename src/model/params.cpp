@@ -30,6 +30,33 @@ void validate_lengths(const std::vector<std::int64_t>& lengths, index_t batch, i
   }
 }
 
+// input patches: seq_len is 1 + patches, every length is full, the pixels are (B, Ch, Img, Img)
+// and finite.
+void validate_pixels(const EncoderConfig& cfg, const Batch& b) {
+  const index_t S = 1 + cfg.patches();
+  if (b.seq_len != S) {
+    throw ShapeError("seq_len " + std::to_string(b.seq_len) + " is not 1 + patches = " +
+                     std::to_string(S) + ": with input \"patches\" the sequence is [CLS] and the " +
+                     "image's patches");
+  }
+  const index_t want = b.batch * cfg.channels * cfg.image_size * cfg.image_size;
+  if (static_cast<index_t>(b.pixels.size()) != want) {
+    throw ShapeError("pixels has " + std::to_string(b.pixels.size()) +
+                     " elements, expected batch x channels x image_size x image_size = " +
+                     std::to_string(want));
+  }
+  for (std::size_t i = 0; i < b.lengths.size(); ++i) {
+    if (b.lengths[i] != S) {
+      throw InputError("lengths[" + std::to_string(i) + "] = " + std::to_string(b.lengths[i]) +
+                       ": an image has no padding, every length is " + std::to_string(S));
+    }
+  }
+  for (std::size_t i = 0; i < b.pixels.size(); ++i) {
+    if (!std::isfinite(b.pixels[i]))
+      throw InputError("pixels[" + std::to_string(i) + "] is not finite");
+  }
+}
+
 }  // namespace
 
 Batch Batch::random(const EncoderConfig& cfg, index_t batch, index_t seq_len, std::uint64_t seed,
@@ -44,8 +71,19 @@ Batch Batch::random(const EncoderConfig& cfg, index_t batch, index_t seq_len, st
   b.seq_len = seq_len;
   b.lengths = lengths.empty() ? std::vector<std::int64_t>(static_cast<std::size_t>(batch), seq_len)
                               : std::move(lengths);
-  b.tokens.resize(static_cast<std::size_t>(batch * seq_len));
+  b.tokens.resize(cfg.patches_input() ? 0 : static_cast<std::size_t>(batch * seq_len));
   b.labels.resize(cfg.decoder() ? 0 : static_cast<std::size_t>(batch));  // a decoder has none
+  if (cfg.patches_input()) {
+    // multiples of 2^-8 in [-1, 1): exact in every format down to bf16 and fp16
+    b.pixels.resize(static_cast<std::size_t>(batch * cfg.channels * cfg.image_size *
+                                             cfg.image_size));
+    const auto pix_stream = rng::stream_id("input.pixels");
+    for (std::size_t i = 0; i < b.pixels.size(); ++i)
+      b.pixels[i] =
+          static_cast<double>(static_cast<std::int64_t>(rng::bits(seed, pix_stream, i) % 512) -
+                              256) /
+          256.0;
+  }
   const auto tok_stream = rng::stream_id("input.tokens");
   const auto lab_stream = rng::stream_id("input.labels");
   for (std::size_t i = 0; i < b.tokens.size(); ++i)
@@ -118,10 +156,16 @@ void validate_batch(const EncoderConfig& cfg, const Batch& b, std::size_t real_s
   } else if (b.tgt_len != 0 || !b.tgt_tokens.empty() || !b.tgt_lengths.empty()) {
     throw ShapeError("a target (tgt_tokens) applies only to architecture \"encoder_decoder\"");
   }
-  const auto n = static_cast<std::size_t>(b.batch * b.seq_len);
+  if (cfg.patches_input()) {
+    validate_pixels(cfg, b);
+  } else if (!b.pixels.empty()) {
+    throw ShapeError("pixels apply only to input \"patches\": the config reads tokens");
+  }
+  const auto n = static_cast<std::size_t>(cfg.patches_input() ? 0 : b.batch * b.seq_len);
   if (b.tokens.size() != n) {
-    throw ShapeError("tokens has " + std::to_string(b.tokens.size()) +
-                     " elements, expected batch x seq_len = " + std::to_string(n));
+    throw ShapeError("tokens has " + std::to_string(b.tokens.size()) + " elements, expected " +
+                     (cfg.patches_input() ? std::string("none: input \"patches\" reads pixels")
+                                          : "batch x seq_len = " + std::to_string(n)));
   }
   if (!cfg.lm() && b.labels.size() != static_cast<std::size_t>(b.batch)) {
     throw ShapeError("labels has " + std::to_string(b.labels.size()) +
@@ -197,7 +241,10 @@ Params<Real> Params<Real>::init(const EncoderConfig& cfg, std::uint64_t seed) {
       return;
     }
     double bound;
-    if (name.ends_with("embedding.weight")) {
+    if (name.starts_with("patch_embedding.")) {
+      // Conv2d's default bound, 1 / sqrt(fan_in), fan_in = Ch P P, for weight and bias alike
+      bound = 1.0 / std::sqrt(static_cast<double>(cfg.channels * cfg.patch_size * cfg.patch_size));
+    } else if (name.ends_with("embedding.weight") || name == "cls_token") {
       bound = std::sqrt(3.0);  // variance 1, like PyTorch's N(0, 1) embedding
     } else if (name.ends_with(".attn.sinks")) {
       bound = 1.0;  // sink logits of the order of the scores

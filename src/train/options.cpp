@@ -264,6 +264,9 @@ void TrainOptions::validate() const {
   need(!model.type_vocab_size,
        "teo train's data has one segment per sentence: type_vocab_size (token types) has no "
        "training demo (embedding_norm and pooler train)");
+  need(!model.patches_input(),
+       "teo train's data is text: input \"patches\" (images) has no training demo (its goldens "
+       "and teo.run cover it)");
   model.validate();
 }
 }  // namespace teo::train

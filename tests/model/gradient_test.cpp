@@ -227,6 +227,27 @@ std::vector<GradCase> cases() {
     c.embedding_norm = true;
     c.pooler = Pooler::dense_tanh;
   });
+  // ViT (semantics 18.5): images of 3 channels, 4 x 4 pixels, in four 2 x 2 patches after [CLS]
+  add("VitPreNormPatchesClsLearnedDropout", {5, 5, 5}, [](EncoderConfig& c) {
+    c.input = InputKind::patches;
+    c.image_size = 4;
+    c.patch_size = 2;
+    c.channels = 3;
+    c.max_len = 5;
+    c.norm_first = true;
+    c.pooling = Pooling::cls;
+    c.positional = Positional::learned;
+    c.dropout = 0.1;
+  });
+  add("VitPostNormPatchesMeanPooler", {5, 5}, [](EncoderConfig& c) {
+    c.input = InputKind::patches;
+    c.image_size = 2;
+    c.patch_size = 1;
+    c.channels = 2;
+    c.max_len = 5;
+    c.pooler = Pooler::dense_tanh;
+    c.embedding_norm = true;
+  });
   // Decoders: next-token loss over the real positions, the LM head tied or its own.
   add("DecoderPreNormTiedLearnedSmoothingDropout", {4, 1, 0}, [](EncoderConfig& c) {
     c.architecture = Architecture::decoder;
@@ -320,7 +341,7 @@ class ModelGradient : public ::testing::TestWithParam<GradCase> {};
 TEST_P(ModelGradient, BackwardMatchesFiniteDifferences) {
   const GradCase& gc = GetParam();
   const EncoderConfig& cfg = gc.cfg;
-  const index_t seq_len = 4;
+  const index_t seq_len = cfg.patches_input() ? 1 + cfg.patches() : 4;
   const ForwardOptions opts{.train = true, .dropout_seed = 1234};
   // Inputs are chosen away from ReLU's kink and from max-pooling ties: the first seed whose
   // margin is at least 2e-3 (20 times the finite-difference step) is used, and asserted.

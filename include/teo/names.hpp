@@ -27,6 +27,9 @@ struct Rule {
   // Absent from some checkpoints (a base model has no classifier): the golden then keeps the
   // seed's initialisation of it.
   bool optional = false;
+  // The checkpoint's tensor has this many leading dimensions of size 1 that teo's has not (ViT's
+  // cls_token (1, 1, D) and position_embeddings (1, S, D)); the values are the same.
+  int leading_ones = 0;
 };
 
 struct NameMap {

@@ -99,6 +99,7 @@ std::vector<std::int64_t> checkpoint_shape(const Placed& p) {
   std::vector<std::int64_t> s = p.shape;
   if (p.rule->transpose && s.size() == 2) std::swap(s[0], s[1]);
   if (p.rule->parts > 1) s[static_cast<std::size_t>(p.rule->dim)] *= p.rule->parts;
+  s.insert(s.begin(), static_cast<std::size_t>(p.rule->leading_ones), 1);
   return s;
 }
 
@@ -246,6 +247,10 @@ NameMap NameMap::from_json(const json& j, const std::string& source) {
               r.transpose = ov.get<bool>();
             } else if (ok == "optional" && ov.is_boolean()) {
               r.optional = ov.get<bool>();
+            } else if (ok == "leading_ones" && ov.is_number_integer()) {
+              const auto n = ov.get<std::int64_t>();
+              if (n < 0 || n > 4) fail("leading_ones of " + r.teo + " must be in [0, 4], got " + ov.dump());
+              r.leading_ones = static_cast<int>(n);
             } else if (ok == "split" && ov.is_array() && ov.size() == 3 &&
                        std::all_of(ov.begin(), ov.end(),
                                    [](const json& x) { return x.is_number_integer(); })) {
@@ -258,7 +263,7 @@ NameMap NameMap::from_json(const json& j, const std::string& source) {
               r.parts = static_cast<int>(parts);
             } else {
               fail("unknown option \"" + ok + "\": " + ov.dump() + " of " + r.teo +
-                   " (transpose, optional, split: [dim, part, parts])");
+                   " (transpose, optional, leading_ones, split: [dim, part, parts])");
             }
           }
         }

@@ -172,8 +172,49 @@ teo::Batch seq2seq_batch_from(const py::dict& d) {
   return b;
 }
 
+// input "patches": {"pixels" (B, Ch, Img, Img) floats, "labels" (B), "lengths" (optional: every
+// length is 1 + patches)}.
+teo::Batch patches_batch_from(const teo::EncoderConfig& cfg, const py::dict& d) {
+  for (const char* key : {"tokens", "token_types"}) {
+    if (d.contains(key)) {
+      throw teo::ConfigError(std::string("the batch has \"") + key +
+                             "\", but input \"patches\" reads images: {\"pixels\", \"labels\"}");
+    }
+  }
+  const auto arr = py::array::ensure(d.contains("pixels") ? py::object(d["pixels"]) : py::none());
+  if (!arr || arr.ndim() != 4 || (arr.dtype().kind() != 'f' && arr.dtype().kind() != 'i')) {
+    throw teo::ShapeError(
+        "batch[\"pixels\"] must be a (batch, channels, image_size, image_size) float array");
+  }
+  teo::Batch b;
+  b.batch = arr.shape(0);
+  b.seq_len = 1 + cfg.patches();
+  const auto px = py::array_t<double, py::array::c_style | py::array::forcecast>::ensure(arr);
+  for (int k = 1; k < 4; ++k) {
+    const teo::index_t want = k == 1 ? cfg.channels : cfg.image_size;
+    if (px.shape(k) != want) {
+      throw teo::ShapeError("batch[\"pixels\"] is (" + std::to_string(px.shape(0)) + ", " +
+                            std::to_string(px.shape(1)) + ", " + std::to_string(px.shape(2)) +
+                            ", " + std::to_string(px.shape(3)) + "), expected (batch, " +
+                            std::to_string(cfg.channels) + ", " + std::to_string(cfg.image_size) +
+                            ", " + std::to_string(cfg.image_size) + ")");
+    }
+  }
+  b.pixels.assign(px.data(), px.data() + px.size());
+  b.lengths = d.contains("lengths")
+                  ? ints_from(d, "lengths")
+                  : std::vector<std::int64_t>(static_cast<std::size_t>(b.batch), b.seq_len);
+  b.labels = ints_from(d, "labels");
+  return b;
+}
+
 teo::Batch batch_from(const teo::EncoderConfig& cfg, const py::dict& d) {
   if (cfg.encoder_decoder()) return seq2seq_batch_from(d);
+  if (cfg.patches_input()) return patches_batch_from(cfg, d);
+  if (d.contains("pixels")) {
+    throw teo::ConfigError(
+        "the batch has \"pixels\", but the config reads tokens (input \"patches\" reads images)");
+  }
   teo::Batch b;
   const auto tokens =
       py::array::ensure(d.contains("tokens") ? py::object(d["tokens"]) : py::none());
@@ -336,10 +377,17 @@ PYBIND11_MODULE(_teo, m) {
         teo::validate_batch_shape(cfg, {batch, seq_len}, sizeof(double));
         const teo::Batch b = teo::Batch::random(cfg, batch, seq_len, seed, lengths.value_or(none));
         py::dict out;
-        py::array_t<std::int64_t> tokens({b.batch, b.seq_len});
-        if (!b.tokens.empty())
-          std::memcpy(tokens.mutable_data(), b.tokens.data(), b.tokens.size() * 8);
-        out["tokens"] = tokens;
+        if (cfg.patches_input()) {
+          py::array_t<double> pixels({b.batch, cfg.channels, cfg.image_size, cfg.image_size});
+          if (!b.pixels.empty())
+            std::memcpy(pixels.mutable_data(), b.pixels.data(), b.pixels.size() * 8);
+          out["pixels"] = pixels;
+        } else {
+          py::array_t<std::int64_t> tokens({b.batch, b.seq_len});
+          if (!b.tokens.empty())
+            std::memcpy(tokens.mutable_data(), b.tokens.data(), b.tokens.size() * 8);
+          out["tokens"] = tokens;
+        }
         out["lengths"] =
             py::array_t<std::int64_t>(static_cast<py::ssize_t>(b.lengths.size()), b.lengths.data());
         if (!cfg.decoder()) {

@@ -5,7 +5,7 @@ import numpy as np
 from . import _teo
 from ._wire import arrays_of, as_array, backend_of, real_array
 
-_BATCH_KEYS = ("tokens", "lengths", "labels", "token_types",
+_BATCH_KEYS = ("tokens", "lengths", "labels", "token_types", "pixels",
                "src_tokens", "src_lengths", "tgt_tokens", "tgt_lengths")  # an encoder_decoder's
 
 
@@ -30,7 +30,9 @@ def init_params(cfg, seed, dtype="float64"):
 def random_batch(cfg, batch, seq_len, seed, lengths=None, tgt_len=0, tgt_lengths=None):
     """{"tokens" (B, S), "lengths" (B), "labels" (B)}, int64, drawn from seed as C++
     Batch::random draws them; lengths default to seq_len; with type_vocab_size also
-    "token_types" (B, S). An encoder_decoder's (give tgt_len):
+    "token_types" (B, S). With input "patches": {"pixels" (B, channels, image_size, image_size)
+    float64, multiples of 2^-8 in [-1, 1), "lengths", "labels"}, seq_len 1 + patches. An
+    encoder_decoder's (give tgt_len):
     {"src_tokens" (B, S), "src_lengths", "tgt_tokens" (B, tgt_len), "tgt_lengths"}, as
     Batch::random_seq2seq draws them."""
     def ints(v):
@@ -74,7 +76,8 @@ def run(cfg, params, batch, *, train=False, dropout_seed=0, masks=None, precisio
     and the dropout.* masks when train mode applies dropout, as numpy arrays. cfg is a
     teo.EncoderConfig or a dict of its keys. params ({"embedding.weight": ...}) are all float32
     or all float64 (the run's dtype); batch is {"tokens", "lengths", "labels"} (with
-    type_vocab_size also "token_types"; an encoder_decoder's
+    type_vocab_size also "token_types"; with input "patches" {"pixels", "labels"} and optional
+    "lengths"; an encoder_decoder's
     {"src_tokens", "src_lengths", "tgt_tokens", "tgt_lengths"}); masks
     ({"dropout.input": ...}) replay dropout masks in train mode instead of drawing them from
     dropout_seed. Arrays may be numpy arrays or torch tensors. A golden's Golden.params(),

@@ -61,7 +61,8 @@ class Golden:
 
     def batch(self):
         """The batch as teo.run takes it: {"tokens", "lengths", "labels"} (input.*), and
-        "token_types" with type_vocab_size; a decoder's
+        "token_types" with type_vocab_size; with input "patches" {"pixels", "lengths",
+        "labels"}; a decoder's
         has no labels (its targets are its next tokens); an encoder_decoder's is {"src_tokens",
         "src_lengths", "tgt_tokens", "tgt_lengths"}."""
         self._model_case("batch")

@@ -879,7 +879,8 @@ TEST(GoldenMutants, DecoderMutantsFailWhereTheirBugLives) {
   expect_each_fails_on_its_case(mutants);
 }
 
-// BERT's embeddings and pooler (semantics 18): each bug at the first activation it changes.
+// BERT's embeddings and pooler, ViT's patches (semantics 18): each bug at the first activation it
+// changes.
 TEST(GoldenMutants, RealEncoderMutantsFailWhereTheirBugLives) {
   using M = teo::testing::Mutation;
   expect_each_fails_on_its_case({
@@ -889,6 +890,9 @@ TEST(GoldenMutants, RealEncoderMutantsFailWhereTheirBugLives) {
       {M::embedding_norm_after_dropout, "bert_dropout_f64", "embedding_norm"},
       {M::pooler_without_tanh, "bert_f64", "pooler"},
       {M::pooler_without_tanh, "bert_f32", "pooler"},
+      {M::patches_hwc_flattened, "vit_f64", "embedding"},
+      {M::patches_hwc_flattened, "vit_f32", "embedding"},
+      {M::cls_token_appended, "vit_f64", "embedding"},
   });
 }
 

@@ -426,7 +426,8 @@ File run(const File& golden, Mutation mut, bool with_backward,
   const std::int64_t C = cfg.num_classes, L = cfg.num_layers, N = B * S;
   const std::int64_t K = cfg.kv_heads(), G = H / K, Dkv = K * Dh, P0 = cfg.position_offset;
   const bool pre = cfg.norm_first;
-  const auto tokens = ints(golden, "input.tokens");
+  const bool patches = cfg.patches_input();
+  const auto tokens = patches ? std::vector<std::int64_t>() : ints(golden, "input.tokens");
   const auto lengths = ints(golden, "input.lengths");
   const bool decoder = cfg.decoder();
   const auto labels = decoder ? std::vector<std::int64_t>() : ints(golden, "input.labels");
@@ -461,12 +462,42 @@ File run(const File& golden, Mutation mut, bool with_backward,
   // ---- forward ----------------------------------------------------------------------------
 
   // Embedding and positions.
-  const Vec emb_w = param("embedding.weight");
   const double escale = cfg.embed_scale ? std::sqrt(static_cast<double>(D)) : 1.0;
   Vec embedding(ix(N * D));
-  for (std::int64_t t = 0; t < N; ++t) {
-    for (std::int64_t c = 0; c < D; ++c) {
-      at(embedding, t * D + c) = emb_w[ix(tokens[ix(t)] * D + c)] * escale;
+  // ViT (semantics 18.5): position 0 of image b is cls_token; position 1 + py Gp + px is the
+  // patch at (py, px), sum over (ch, i, j) of W[c, ch, i, j] pixels[b, ch, py P + i, px P + j],
+  // plus the bias. patch_at(b, n, k): pixel k of patch n, k = (ch P + i) P + j.
+  const std::int64_t Ch = cfg.channels, Img = cfg.image_size, Pp = cfg.patch_size;
+  const std::int64_t Gp = patches ? Img / Pp : 0, Np = Gp * Gp, Kp = Ch * Pp * Pp;
+  const Vec pixels = patches ? doubles(golden, "input.pixels") : Vec();
+  auto patch_at = [&](std::int64_t b, std::int64_t n, std::int64_t k) {
+    std::int64_t ch = k / (Pp * Pp), i = k / Pp % Pp, j = k % Pp;
+    if (mut == Mutation::patches_hwc_flattened) i = k / (Pp * Ch), j = k / Ch % Pp, ch = k % Ch;
+    return pixels[ix(((b * Ch + ch) * Img + n / Gp * Pp + i) * Img + n % Gp * Pp + j)];
+  };
+  // the sequence position of patch n (0 .. Np - 1) and of the [CLS] token
+  const bool appended = mut == Mutation::cls_token_appended;
+  auto patch_pos = [&](std::int64_t n) { return appended ? n : 1 + n; };
+  const std::int64_t cls_pos = appended ? Np : 0;
+  if (patches) {
+    const Vec pw = param("patch_embedding.weight"), pb = param("patch_embedding.bias");
+    const Vec cls = param("cls_token");
+    for (std::int64_t b = 0; b < B; ++b) {
+      for (std::int64_t c = 0; c < D; ++c) at(embedding, (b * S + cls_pos) * D + c) = cls[ix(c)];
+      for (std::int64_t n = 0; n < Np; ++n) {
+        for (std::int64_t c = 0; c < D; ++c) {
+          double acc = 0;
+          for (std::int64_t k = 0; k < Kp; ++k) acc += pw[ix(c * Kp + k)] * patch_at(b, n, k);
+          at(embedding, (b * S + patch_pos(n)) * D + c) = acc + pb[ix(c)];
+        }
+      }
+    }
+  } else {
+    const Vec emb_w = param("embedding.weight");
+    for (std::int64_t t = 0; t < N; ++t) {
+      for (std::int64_t c = 0; c < D; ++c) {
+        at(embedding, t * D + c) = emb_w[ix(tokens[ix(t)] * D + c)] * escale;
+      }
     }
   }
   // Positions P0 .. P0 + S - 1 (one more for the shifted ones); none, rope and alibi add nothing
@@ -728,7 +759,7 @@ File run(const File& golden, Mutation mut, bool with_backward,
   std::vector<std::int64_t> targets;
   std::int64_t counted = 0;
   if (decoder) {
-    lm_w = cfg.tie_embeddings ? emb_w : param("lm_head.weight");
+    lm_w = param(cfg.tie_embeddings ? "embedding.weight" : "lm_head.weight");
     lm_logits = linear(top, N, D, lm_w, bias("lm_head.bias", V), V);
     lm_probs.assign(lm_logits.size(), 0.0);
     targets.assign(ix(N), -1);
@@ -1057,11 +1088,28 @@ File run(const File& golden, Mutation mut, bool with_backward,
   // sum[b,s,:] = embedding[b,s,:] + positional[s,:];  embedding[t] = embedding.weight[tokens[t]] *
   // escale;  positional = pos_embedding.weight[0:S] (learned; sinusoidal has no parameter)
   // the padding_idx row gets no gradient from the lookup (nn.Embedding(padding_idx))
-  Vec& g_emb_w = grad("embedding.weight");
-  for (std::int64_t t = 0; t < N; ++t) {
-    if (cfg.padding_idx && tokens[ix(t)] == *cfg.padding_idx) continue;
-    for (std::int64_t c = 0; c < D; ++c) {
-      g_emb_w[ix(tokens[ix(t)] * D + c)] += g_sum[ix(t * D + c)] * escale;
+  if (patches) {
+    // embedding[b, cls_pos] = cls_token; embedding[b, patch_pos(n)] = W patch(b, n) + bias
+    Vec& g_pw = grad("patch_embedding.weight");
+    Vec& g_pb = grad("patch_embedding.bias");
+    Vec& g_cls = grad("cls_token");
+    for (std::int64_t b = 0; b < B; ++b) {
+      for (std::int64_t c = 0; c < D; ++c) g_cls[ix(c)] += g_sum[ix((b * S + cls_pos) * D + c)];
+      for (std::int64_t n = 0; n < Np; ++n) {
+        for (std::int64_t c = 0; c < D; ++c) {
+          const double g = g_sum[ix((b * S + patch_pos(n)) * D + c)];
+          g_pb[ix(c)] += g;
+          for (std::int64_t k = 0; k < Kp; ++k) g_pw[ix(c * Kp + k)] += g * patch_at(b, n, k);
+        }
+      }
+    }
+  } else {
+    Vec& g_emb_w = grad("embedding.weight");
+    for (std::int64_t t = 0; t < N; ++t) {
+      if (cfg.padding_idx && tokens[ix(t)] == *cfg.padding_idx) continue;
+      for (std::int64_t c = 0; c < D; ++c) {
+        g_emb_w[ix(tokens[ix(t)] * D + c)] += g_sum[ix(t * D + c)] * escale;
+      }
     }
   }
   if (cfg.positional == Positional::learned) {
@@ -1211,6 +1259,10 @@ const char* mutation_name(Mutation m) {
       return "embedding_norm_after_dropout";
     case Mutation::pooler_without_tanh:
       return "pooler_without_tanh";
+    case Mutation::patches_hwc_flattened:
+      return "patches_hwc_flattened";
+    case Mutation::cls_token_appended:
+      return "cls_token_appended";
     case Mutation::tied_head_grad_dropped:
       return "tied_head_grad_dropped";
     case Mutation::sink_column_kept:

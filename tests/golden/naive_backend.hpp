@@ -42,6 +42,8 @@ enum class Mutation {
   token_types_ignored,           // the token-type rows not added to the embedding sum
   embedding_norm_after_dropout,  // norm(dropout(sum)) instead of dropout(norm(sum))
   pooler_without_tanh,           // the pooler's dense layer without its tanh
+  patches_hwc_flattened,         // ViT's patches flattened in (P, P, C) order, not (C, P, P)
+  cls_token_appended,            // ViT's [CLS] after the patches instead of before them
   // backward (the forward is untouched)
   layer_norm_backward_no_mean,  // gx = (dn - n * mean(dn * n)) * rstd: no "- mean(dn)" term
   softmax_backward_no_row_sum,  // gscores = probs * gprobs: no "- sum_j probs * gprobs" term

@@ -99,7 +99,9 @@ INSTANTIATE_TEST_SUITE_P(Families, BuiltinMap,
                                            Family{"hf-bert", "bert_f32"},
                                            Family{"hf-roberta", "roberta_f64"},
                                            Family{"hf-gpt2", "gpt2_pre_tied_f64"},
-                                           Family{"hf-llama", "llama_block_f32"}),
+                                           Family{"hf-llama", "llama_block_f32"},
+                                           Family{"hf-vit", "vit_f64"},
+                                           Family{"hf-vit", "vit_f32"}),
                          [](const auto& info) {
                            std::string s = std::string(info.param.map) + "_" + info.param.golden;
                            for (char& c : s)
@@ -129,6 +131,40 @@ TEST(Names, Gpt2FusedQkvIsTheTransposedColumnThirds) {
             << parts[part] << " " << r << " " << c;
   }
   EXPECT_EQ(ckpt.find("lm_head.weight"), nullptr) << "GPT-2's head is tied: not written";
+}
+
+// ViT's cls_token (1, 1, D) and position_embeddings (1, S, D) carry leading dimensions of size 1
+// (leading_ones); the convolution's weight (D, Ch, P, P) is teo's as it is.
+TEST(Names, VitLeadingOnesAndConvWeightKeepTheirValues) {
+  const auto map = names::NameMap::load("hf-vit");
+  const st::File& g = committed("vit_f64");
+  const auto cfg = golden::case_of(g).config;
+  const st::File ckpt = names::checkpoint_of(g, map);
+  const std::int64_t D = cfg.d_model, S = 1 + cfg.patches();
+  const struct {
+    const char* teo;
+    const char* hf;
+    std::vector<std::int64_t> shape;
+  } want[] = {
+      {"cls_token", "vit.embeddings.cls_token", {1, 1, D}},
+      {"pos_embedding.weight", "vit.embeddings.position_embeddings", {1, S, D}},
+      {"patch_embedding.weight",
+       "vit.embeddings.patch_embeddings.projection.weight",
+       {D, cfg.channels, cfg.patch_size, cfg.patch_size}},
+  };
+  for (const auto& w : want) {
+    const auto* t = ckpt.find(w.hf);
+    ASSERT_NE(t, nullptr) << w.hf;
+    EXPECT_EQ(t->shape, w.shape) << w.hf;
+    EXPECT_EQ(t->float_values(), g.find(std::string("param.") + w.teo)->float_values()) << w.hf;
+  }
+  // a checkpoint whose cls_token lacks the leading ones is refused by name
+  st::File bad = ckpt;
+  for (auto& t : bad.tensors)
+    if (t.name == "vit.embeddings.cls_token") t.shape = {D};
+  const std::string err =
+      error_of([&] { names::params_from_checkpoint(bad, map, cfg, teo::Params<double>::zeros(cfg)); });
+  EXPECT_NE(err.find("vit.embeddings.cls_token has shape (12)"), std::string::npos) << err;
 }
 
 // Checkpoint tensors in BF16 (or F16) widen exactly into a float32 case; float64 values float32
@@ -319,7 +355,7 @@ TEST(Names, MapFilesAreCheckedAndUnknownFamiliesSuggested) {
             }).find("m.json: \"format\""),
             std::string::npos);
   const auto fams = names::NameMap::builtin_families();
-  EXPECT_EQ(fams, (std::vector<std::string>{"hf-bert", "hf-roberta", "hf-gpt2", "hf-llama"}));
+  EXPECT_EQ(fams, (std::vector<std::string>{"hf-bert", "hf-roberta", "hf-gpt2", "hf-llama", "hf-vit"}));
 }
 
 // A candidate may name its parameter gradients by the checkpoint's names (with or without the

@@ -1,18 +1,25 @@
-"""Hugging Face transformers' BERT and RoBERTa, as they ship, against teo's goldens.
+"""Hugging Face transformers' BERT, RoBERTa and ViT, as they ship, against teo's goldens.
 
-For each case, `teo golden export --names hf-bert` (or hf-roberta) writes the golden's parameters
-and config.json; transformers loads them with `BertForSequenceClassification.from_pretrained` (or
-Roberta's), runs the golden's batch (token types, padding mask, labels; RoBERTa's position ids
-are teo's, position_offset + s) and backpropagates its loss. The candidate holds the hidden
-states (act.embedding_norm and act.input are hidden_states[0], the layers' outputs the others),
-the pooler output (RoBERTa's classification head's dense layer), the logits, the loss and every
-parameter gradient under the checkpoint's own names, which `teo golden check --names` reads.
+For each case, `teo golden export --names hf-bert` (or hf-roberta, hf-vit) writes the golden's
+parameters and config.json; transformers loads them with `from_pretrained` of
+BertForSequenceClassification (or Roberta's, or ViTForImageClassification), runs the golden's
+batch and backpropagates its loss. BERT and RoBERTa take the tokens, token types, padding mask
+and labels (RoBERTa's position ids are teo's, position_offset + s); their candidate holds the
+hidden states (act.embedding_norm and act.input are hidden_states[0], the layers' outputs the
+others), the pooler output (RoBERTa's classification head's dense layer), the logits and the
+loss. ViT takes the golden's pixels and labels; its candidate holds act.embedding ([CLS] and the
+patch projections, before the positions are added), act.positional, the hidden states (act.input
+is hidden_states[0], the layers' outputs, before the final LayerNorm, the others),
+act.final_norm, act.pooled (its row 0), the logits and the loss. Every candidate also holds
+every parameter gradient under the checkpoint's own names, which `teo golden check --names` reads.
 Then:
   - float64 against a float64 golden, float32 against it (--precision fp32) and against a float32
     golden, and bfloat16 within its budget, all pass;
   - mutants fail at their tensor: the token types ignored (act.embedding_norm), the pooler without
     its tanh (act.pooler), RoBERTa's positions from 0 (act.embedding_norm), the pad token's row
-    given a gradient (grad.embedding.weight).
+    given a gradient (grad.embedding.weight), ViT's patches flattened (P, P, C) against a weight
+    laid out (C, P, P) (act.embedding), its [CLS] appended after the patches instead of
+    prepended (act.embedding).
 Usage: python hf_models.py --teo TEO --golden GOLDEN_DIR --work DIR
 Without transformers it exits 77 (a skip), or 1 when CI=true.
 """
@@ -26,7 +33,8 @@ import sys
 try:
     import torch
     import transformers
-    from transformers import BertForSequenceClassification, RobertaForSequenceClassification
+    from transformers import (BertForSequenceClassification, RobertaForSequenceClassification,
+                              ViTForImageClassification)
     from safetensors.torch import save_file
 except ImportError as e:  # pragma: no cover - the environment decides
     print("transformers is not installed (%s): scripts/setup.sh --test installs it" % e)
@@ -41,7 +49,11 @@ DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.
 
 
 def family(case):
-    return "hf-roberta" if case.startswith("roberta") else "hf-bert"
+    if case.startswith("roberta"):
+        return "hf-roberta"
+    if case.startswith("vit") or case == "bf16_vit":
+        return "hf-vit"
+    return "hf-bert"
 
 
 def export(teo, golden, out, names):
@@ -53,7 +65,9 @@ def export(teo, golden, out, names):
 
 
 def candidate(golden_path, model_dir, dtype, names, mutant=None):
-    """The candidate's tensors (name -> torch tensor) of the family's ForSequenceClassification."""
+    """The candidate's tensors (name -> torch tensor) of the family's model."""
+    if names == "hf-vit":
+        return vit_candidate(golden_path, model_dir, dtype, mutant)
     tensors, meta = st_read(golden_path)
     roberta = names == "hf-roberta"
     cls = RobertaForSequenceClassification if roberta else BertForSequenceClassification
@@ -100,6 +114,60 @@ def candidate(golden_path, model_dir, dtype, names, mutant=None):
     return c
 
 
+def vit_candidate(golden_path, model_dir, dtype, mutant=None):
+    """The candidate's tensors (name -> torch tensor) of ViTForImageClassification."""
+    tensors, _ = st_read(golden_path)
+    model = ViTForImageClassification.from_pretrained(model_dir, torch_dtype=DTYPES[dtype])
+    model.train()  # the goldens have no dropout: train mode only keeps autograd as teo runs it
+    emb = model.vit.embeddings
+    if mutant == "patches_flattened_ppc":
+        # A port that flattens each patch (P, P, C), channels fastest, but multiplies it by the
+        # checkpoint's weight matrix (D, C·P·P) as stored: the (C, P, P) row of weight d is read
+        # as (P, P, C). As a Conv2d's weight, that is w.reshape(D, P, P, C).permute(0, 3, 1, 2).
+        w = emb.patch_embeddings.projection.weight
+        D, C, P, _ = w.shape
+        with torch.no_grad():
+            w.copy_(w.detach().clone().reshape(D, P, P, C).permute(0, 3, 1, 2))
+    # act.embedding is [CLS] and the patch projections before the positions are added, which the
+    # model does not return: a hook takes the patch projections the model computed and prepends
+    # its cls_token as ViTEmbeddings.forward does
+    seen = {}
+
+    def patches_hook(module, args, patches):
+        cls = emb.cls_token.expand(patches.shape[0], -1, -1)
+        seen["embedding"] = torch.cat((cls, patches), dim=1)
+
+    emb.patch_embeddings.register_forward_hook(patches_hook)
+    model.vit.layernorm.register_forward_hook(lambda m, a, y: seen.__setitem__("final_norm", y))
+    if mutant == "cls_appended":
+        # ViTEmbeddings.forward of a port that appends [CLS] after the patches (its act.embedding
+        # replaces the hook's)
+        def forward(pixel_values, **kw):
+            patches = emb.patch_embeddings(pixel_values)
+            cls = emb.cls_token.expand(patches.shape[0], -1, -1)
+            seen["embedding"] = torch.cat((patches, cls), dim=1)
+            return emb.dropout(seen["embedding"] + emb.position_embeddings)
+
+        emb.forward = forward
+    pixels = torch.from_numpy(tensors["input.pixels"]).to(DTYPES[dtype])
+    # num_labels > 1 and integer labels: the model's loss is CrossEntropyLoss, the batch's mean
+    out = model(pixel_values=pixels, labels=torch.from_numpy(tensors["input.labels"]),
+                output_hidden_states=True)
+    out.loss.backward()
+    c = {"act.embedding": seen["embedding"], "act.positional": emb.position_embeddings[0],
+         "act.input": out.hidden_states[0]}
+    # the layers' outputs; the final LayerNorm is applied after the last of them
+    for i, h in enumerate(out.hidden_states[1:]):
+        c["act.layers.%d.output" % i] = h
+    c["act.final_norm"] = seen["final_norm"]
+    c["act.pooled"] = seen["final_norm"][:, 0]
+    c["act.logits"] = out.logits
+    c["act.loss"] = out.loss
+    for name, p in model.named_parameters():
+        c["grad." + name] = p.grad
+    return c
+
+
 def write(c, path):
     save_file({n: t.detach().clone().contiguous() for n, t in c.items()}, path)
 
@@ -132,6 +200,13 @@ RUNS = [
     ("roberta_f64", "float64", None, "roberta_positions_from_0", "embedding_norm"),
     # its batch holds the pad token once among the real tokens
     ("roberta_f64", "float64", None, "pad_row_gets_gradient", "grad.embedding.weight"),
+    ("vit_f64", "float64", None, None, None),
+    ("vit_f64", "float32", "fp32", None, None),
+    ("vit_f32", "float32", None, None, None),
+    ("bf16_vit", "bfloat16", None, None, None),
+    ("vit_f64", "float64", None, "patches_flattened_ppc", "embedding"),
+    ("vit_f64", "float64", None, "cls_appended", "embedding"),
+    ("vit_f32", "float32", None, "cls_appended", "embedding"),
 ]
 
 
@@ -152,7 +227,8 @@ def main(argv=None):
         cand = os.path.join(work, case + ".safetensors")
         write(candidate(golden, os.path.join(work, "model"), dtype, names, mutant), cand)
         code, first, checked, text = check(args.teo, golden, cand, work, names, precision)
-        # every tensor the candidate writes: 1 + 1 + L + pooled, pooler, logits, loss + grads
+        # every tensor the candidate writes: BERT's 1 + 1 + L + pooled, pooler, logits, loss,
+        # ViT's embedding, positional, input, L, final_norm, pooled, logits, loss; + grads
         ok = checked >= 30 and ((code == 0 and first is None) if expected is None
                                 else (code == 1 and first == expected))
         failures += not ok

@@ -75,6 +75,9 @@ struct Spec {
   // decoder_layer: cross-attention over input.memory (B, kv_seq, D) with input.memory_lengths
   // (in kv_lengths)
   bool memory = false;
+  // patch_embedding: images of `channels` channels, image_size x image_size, in patch_size
+  // patches
+  index_t channels = 0, image_size = 0, patch_size = 0;
   EncoderConfig cfg;  // the model-config keys of the op, spelled as the config spells them
 };
 
@@ -289,6 +292,7 @@ const OpDef& attention_op();
 const OpDef& attention_kvcache_op();
 const OpDef& attention_merge_op();
 const OpDef& embedding_op();
+const OpDef& patch_embedding_op();
 const OpDef& pooling_op();
 const OpDef& cross_entropy_op();
 const OpDef& lm_head_op();

@@ -81,6 +81,16 @@ std::vector<std::pair<std::string, EncoderConfig>> configs() {
   bert.pooler = teo::Pooler::dense_tanh;
   bert.pooling = teo::Pooling::cls;
   out.emplace_back("BERT: token types, embedding LayerNorm, pooler", bert);
+  EncoderConfig vit = plain;  // 4 x 4 images in 2 x 2 patches: S = 1 + 4 = 5
+  vit.input = teo::InputKind::patches;
+  vit.image_size = 4;
+  vit.patch_size = 2;
+  vit.channels = 3;
+  vit.max_len = 5;
+  vit.norm_first = true;
+  vit.positional = teo::Positional::learned;
+  vit.pooling = teo::Pooling::cls;
+  out.emplace_back("ViT: patches, [CLS], pre-norm", vit);
   return out;
 }
 
@@ -121,7 +131,9 @@ TEST(Contract, ShapesAreWhatTheModelComputes) {
     const index_t B = 3, S = 5;
     const auto batch = cfg.encoder_decoder()
                            ? teo::Batch::random_seq2seq(cfg, B, S, 4, 7, {5, 2, 0}, {4, 0, 1})
-                           : teo::Batch::random(cfg, B, S, 7, {5, 2, 0});
+                           : teo::Batch::random(cfg, B, S, 7,
+                                                cfg.patches_input() ? std::vector<std::int64_t>{}
+                                                                    : std::vector<std::int64_t>{5, 2, 0});
     const contract::Sizes sizes{B, S, 0, batch.tgt_len};
     const auto params = teo::Params<double>::init(cfg, 3);
     teo::Activations<double> acts, dacts;

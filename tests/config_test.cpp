@@ -146,6 +146,29 @@ TEST(Config, InvalidBlockAndDecoderValuesAreNamedErrors) {
   expect_config_error(R"({"tie_embeddings": true})", "tie_embeddings");
 }
 
+// input "patches" (ViT, semantics 18.5): its keys round-trip, max_len follows from the sizes, and
+// what an image has not (token ids, their keys) is a named error.
+TEST(Config, PatchesInputKeysRoundTripAndTheirLimitsAreNamed) {
+  const auto c = EncoderConfig::from_json_text(
+      R"({"input": "patches", "image_size": 8, "patch_size": 4, "channels": 3})");
+  EXPECT_EQ(c.patches(), 4);
+  EXPECT_EQ(c.max_len, 5);  // [CLS] and 4 patches
+  EXPECT_FALSE(c.to_json().contains("vocab_size"));
+  EXPECT_EQ(EncoderConfig::from_json(c.to_json()), c);
+  EXPECT_FALSE(EncoderConfig{}.to_json().contains("input"));
+  const std::string vit = R"("input": "patches", "image_size": 8, "patch_size": 4, "channels": 3)";
+  expect_config_error(R"({"input": "pixels"})", "input");
+  expect_config_error(R"({"image_size": 8})", "image_size");
+  expect_config_error(R"({"input": "patches", "image_size": 8, "patch_size": 3, "channels": 3})",
+                      "multiple of patch_size");
+  expect_config_error(R"({"input": "patches", "image_size": 8, "patch_size": 4})", "channels");
+  expect_config_error("{" + vit + R"(, "max_len": 6})", "max_len must be 5");
+  expect_config_error("{" + vit + R"(, "vocab_size": 10})", "vocab_size");
+  expect_config_error("{" + vit + R"(, "embed_scale": true})", "embed_scale");
+  expect_config_error("{" + vit + R"(, "padding_idx": 0})", "padding_idx");
+  expect_config_error("{" + vit + R"(, "architecture": "decoder"})", "architecture");
+}
+
 // An encoder_decoder's keys round-trip and appear only when set; they belong to it alone, and its
 // decoder's limits (positions in the embeddings, no variants, no dropout) are named errors.
 TEST(Config, EncoderDecoderKeysRoundTripAndItsLimitsAreNamed) {

@@ -415,6 +415,59 @@ TEST(Model, PaddingIdxRowGetsNoLookupGradientAndNothingElseChanges) {
   EXPECT_THROW(bad.validate(), ConfigError);
 }
 
+// ViT's patch embedding (semantics 18.5) is Conv2d(kernel = stride = P) over each image, its
+// output flattened and transposed, with [CLS] in front: checked against the convolution written
+// out; and a batch of images is validated by name.
+TEST(Model, PatchEmbeddingIsTheStridedConvolutionWithClsFirst) {
+  EncoderConfig c = small_config();
+  c.input = InputKind::patches;
+  c.image_size = 6;
+  c.patch_size = 3;
+  c.channels = 2;
+  c.max_len = 5;
+  c.norm_first = true;
+  c.positional = Positional::learned;
+  const auto p = Params<double>::init(c, 7);
+  const Batch b = Batch::random(c, 2, 5, 11);
+  Activations<double> a;
+  forward(p, b, a);
+  const index_t D = c.d_model, P = 3, Img = 6, G = 2;
+  for (index_t bi = 0; bi < 2; ++bi) {
+    for (index_t d = 0; d < D; ++d) EXPECT_EQ(a.embedding[(bi * 5) * D + d], p.cls_token[d]);
+    for (index_t py = 0; py < G; ++py)
+      for (index_t px = 0; px < G; ++px)
+        for (index_t d = 0; d < D; ++d) {
+          double conv = 0;
+          for (index_t ch = 0; ch < 2; ++ch)
+            for (index_t i = 0; i < P; ++i)
+              for (index_t j = 0; j < P; ++j)
+                conv += p.patch_embedding_weight[((d * 2 + ch) * P + i) * P + j] *
+                        b.pixels[static_cast<std::size_t>(((bi * 2 + ch) * Img + py * P + i) * Img +
+                                                          px * P + j)];
+          const double got = a.embedding[(bi * 5 + 1 + py * G + px) * D + d];
+          EXPECT_NEAR(got, conv + p.patch_embedding_bias[d], 1e-14) << bi << " " << py << px;
+        }
+  }
+  for (double x : b.pixels) {
+    EXPECT_GE(x, -1.0);
+    EXPECT_LT(x, 1.0);
+    EXPECT_EQ(x * 256, std::floor(x * 256));  // exact in bf16 and fp16
+  }
+  Batch bad = b;
+  bad.lengths[1] = 3;
+  EXPECT_THROW(validate_batch(c, bad, 8), InputError);
+  bad = b;
+  bad.pixels.pop_back();
+  EXPECT_THROW(validate_batch(c, bad, 8), ShapeError);
+  bad = b;
+  bad.pixels[4] = std::nan("");
+  EXPECT_THROW(validate_batch(c, bad, 8), InputError);
+  bad = b;
+  bad.tokens.assign(10, 0);
+  EXPECT_THROW(validate_batch(c, bad, 8), ShapeError);
+  EXPECT_THROW(Batch::random(c, 2, 4, 11), ShapeError);  // S is 1 + patches
+}
+
 TEST(Model, InitialisationIsBitReproducible) {
   EncoderConfig c = small_config();
   c.positional = Positional::learned;

@@ -114,7 +114,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   cfg.dropout = in.byte() < 200 ? 0.0 : in.real01() * 1.1;
   cfg.label_smoothing = in.byte() < 200 ? 0.0 : in.real01() * 1.1;
   cfg.layer_norm_eps = in.byte() == 0 ? -1.0 : 1e-5;
-  const std::int64_t B = in.pick(0, 4), S = in.pick(1, 24);
+  const std::int64_t B = in.pick(0, 4);
+  std::int64_t S = in.pick(1, 24);
   std::vector<std::int64_t> lengths;
   if (in.flag() && B >= 0 && B <= 64 && S >= 0 && S <= 64) {
     for (std::int64_t b = 0; b < B; ++b) lengths.push_back(in.pick(0, S));
@@ -125,6 +126,22 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   if (in.flag()) cfg.type_vocab_size = in.pick(0, 3);
   cfg.embedding_norm = in.flag();
   if (in.flag()) cfg.pooler = teo::Pooler::dense_tanh;
+  // ViT's images (semantics 18.5), with invalid sizes now and then; usually with the sequence and
+  // max_len they imply, so that valid ones run.
+  if (in.byte() >= 192) {
+    cfg.input = teo::InputKind::patches;
+    cfg.image_size = in.pick(0, 12);
+    cfg.patch_size = in.pick(0, 6);
+    cfg.channels = in.pick(0, 3);
+    if (cfg.patch_size > 0 && cfg.image_size % cfg.patch_size == 0 && in.byte() < 224) {
+      cfg.max_len = 1 + cfg.patches();
+      S = cfg.max_len;
+      lengths.clear();
+      cfg.embed_scale = false;
+      cfg.type_vocab_size.reset();
+      cfg.position_offset = 0;
+    }
+  }
   // Validation first: it allocates nothing, and every input goes through it.
   try {
     cfg.validate();
@@ -145,7 +162,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const double work =
       static_cast<double>(cfg.num_layers) *
           (kLayerCost + N * (4 * D * D + 2 * D * F) + 2 * N * static_cast<double>(S) * D) +
-      N * D + static_cast<double>(B) * D * static_cast<double>(cfg.num_classes);
+      N * D + static_cast<double>(B) * D * static_cast<double>(cfg.num_classes) +
+      N * D * static_cast<double>(cfg.channels * cfg.patch_size * cfg.patch_size);
   if (work > kMaxWork) return 0;
   teo::Params<double> params;
   teo::Batch batch;
@@ -159,6 +177,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   if (in.byte() == 9 && !batch.tokens.empty()) batch.tokens[0] = cfg.vocab_size;
   if (in.byte() == 9 && !batch.labels.empty()) batch.labels[0] = -1;
   if (in.byte() == 9 && !batch.token_types.empty()) batch.token_types[0] = -1;
+  if (in.byte() == 9 && !batch.pixels.empty()) batch.pixels[0] = NAN;
   Result ref;
   try {
     ref = run(params, batch, teo::Backend::reference, seed);

@@ -2,7 +2,7 @@
 place of `encoder` and `attention`.
 
 1. A small PyTorch encoder is validated against the committed golden corpus (the float64 cases
-   without dropout): its activations and parameter gradients must match.
+   without dropout, a ViT's included): its activations and parameter gradients must match.
 2. One kernel (attention) is validated against an op case made on the spot with teo.golden.op_case,
    in float64 and in bfloat16 (judged against teo's own bf16 error budget).
 3. A deliberately broken attention (no 1/sqrt(Dh) scale) shows the report teo gives.
@@ -46,13 +46,24 @@ def layer_norm(x, p, name, eps):
     return F.layer_norm(x, x.shape[-1:], p[name + ".weight"], p[name + ".bias"], eps)
 
 
-def encoder(cfg, p, tokens, lengths):
-    """Forward pass of teo's encoder (docs/semantics.md) for configs without dropout; returns
-    the named activations the check compares."""
-    B, S = tokens.shape
-    D, H = cfg.d_model, cfg.num_heads
+def embed(cfg, p, inputs):
+    """The embeddings (B, S, D) of tokens (B, S), or for a ViT (input "patches",
+    docs/semantics.md section 18.5) of pixels (B, Ch, Img, Img): [CLS], then each patch through
+    a Conv2d of kernel and stride patch_size, patch n = py * (Img / P) + px."""
+    if cfg.to_dict().get("input") == "patches":
+        patches = F.conv2d(inputs, p["patch_embedding.weight"], p["patch_embedding.bias"],
+                           stride=cfg.patch_size).flatten(2).transpose(1, 2)
+        return torch.cat([p["cls_token"].expand(len(inputs), 1, -1), patches], dim=1)
+    return p["embedding.weight"][inputs] * (math.sqrt(cfg.d_model) if cfg.embed_scale else 1.0)
+
+
+def encoder(cfg, p, inputs, lengths):
+    """Forward pass of teo's encoder (docs/semantics.md) for configs without dropout, on tokens
+    or (ViT) pixels; returns the named activations the check compares."""
+    x = embed(cfg, p, inputs)
+    B, S, D = x.shape
+    H = cfg.num_heads
     acts = {}
-    x = p["embedding.weight"][tokens] * (math.sqrt(D) if cfg.embed_scale else 1.0)
     if cfg.positional == "learned":
         x = x + p["pos_embedding.weight"][:S]
     else:
@@ -116,9 +127,10 @@ def corpus_cases():
 def test_encoder_matches_the_golden_corpus(g):
     p = {n[6:]: torch.tensor(a, requires_grad=True) for n, a in g.tensors.items()
          if n.startswith("param.")}
-    tokens = torch.tensor(g.tensors["input.tokens"])
-    lengths = torch.tensor(g.tensors["input.lengths"])
-    acts = encoder(g.config, p, tokens, lengths)
+    batch = g.batch()  # {"tokens", ...}, or a ViT's {"pixels", ...}
+    inputs = torch.tensor(batch["pixels"] if "pixels" in batch else batch["tokens"])
+    lengths = torch.tensor(batch["lengths"])
+    acts = encoder(g.config, p, inputs, lengths)
     labels = torch.tensor(g.tensors["input.labels"])
     loss = F.cross_entropy(acts["act.logits"], labels) if len(labels) else acts["act.logits"].sum()
     loss.backward()

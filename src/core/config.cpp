@@ -159,9 +159,12 @@ void validate_patches(const EncoderConfig& c) {
     throw ConfigError(
         "input \"patches\" applies only to architecture \"encoder\" (ViT's classifier)");
   }
-  require_positive("image_size", c.image_size);
-  require_positive("patch_size", c.patch_size);
-  require_positive("channels", c.channels);
+  for (const auto& [name, v] : {std::pair{"image_size", c.image_size},
+                                std::pair{"patch_size", c.patch_size},
+                                std::pair{"channels", c.channels}}) {
+    if (v == 0) throw ConfigError(std::string("input \"patches\" needs ") + name);
+    require_positive(name, v);
+  }
   if (c.image_size % c.patch_size != 0) {
     throw ConfigError("image_size " + std::to_string(c.image_size) +
                       " must be a multiple of patch_size " + std::to_string(c.patch_size));
@@ -172,8 +175,8 @@ void validate_patches(const EncoderConfig& c) {
   }
   if (c.embed_scale || c.type_vocab_size || c.padding_idx || c.position_offset != 0) {
     throw ConfigError(
-        "input \"patches\" has no token ids: embed_scale, type_vocab_size, padding_idx and "
-        "position_offset do not apply");
+        "input \"patches\" has no token ids: embed_scale (true), type_vocab_size, padding_idx "
+        "and position_offset do not apply");
   }
   if (c.max_len != 1 + c.patches()) {
     throw ConfigError("with input \"patches\" the sequence is [CLS] and the " +

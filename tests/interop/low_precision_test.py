@@ -138,7 +138,7 @@ class Case:
         plus an empty batch or a length-0 sequence."""
         keys = ("norm_first", "activation", "layer_norm_eps", "positional",
                 "embed_scale", "pooling", "dropout", "label_smoothing",
-                "causal")
+                "causal", "input")
         unusual = sum(self.cfg[k] != tb.CONFIG_DEFAULTS[k] for k in keys)
         return unusual + (not self.lengths) + (0 in self.lengths)
 

@@ -163,6 +163,8 @@ CONFIG_DEFAULTS = {
     "decoder_layers": None, "decoder_vocab_size": None, "decoder_positional": None,
     # a real encoder's embeddings and pooler (docs/semantics.md, section 18)
     "type_vocab_size": None, "embedding_norm": False, "pooler": "none", "padding_idx": None,
+    # ViT's patch input (docs/semantics.md, section 18.5)
+    "input": "tokens", "image_size": None, "patch_size": None, "channels": None,
 }
 TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -193,10 +195,25 @@ def load_case(path):
         raise Unsupported("pooling %r" % cfg["pooling"])
     if cfg["pooler"] not in ("none", "dense_tanh"):
         raise Unsupported("pooler %r" % cfg["pooler"])
+    if cfg["input"] not in ("tokens", "patches"):
+        raise Unsupported("input %r" % cfg["input"])
+    if is_patches(cfg):
+        if cfg["architecture"] != "encoder":
+            raise Unsupported("input \"patches\" with architecture %r"
+                              % cfg["architecture"])
+        img, p = cfg["image_size"], cfg["patch_size"]
+        if not (isinstance(img, int) and isinstance(p, int)
+                and isinstance(cfg["channels"], int) and p > 0 and img % p == 0
+                and cfg["channels"] > 0):
+            raise BadInput("%s: input \"patches\" needs positive integer "
+                           "image_size, patch_size and channels, image_size a "
+                           "multiple of patch_size" % path)
     dtype_name = case.get("dtype")
     if dtype_name not in TORCH_DTYPES:
         raise Unsupported("dtype %r" % dtype_name)
     inputs = ("input.tokens", "input.lengths", "input.labels")
+    if is_patches(cfg):
+        inputs = ("input.pixels", "input.lengths", "input.labels")
     if cfg["architecture"] == "encoder_decoder":
         inputs = ("input.src_tokens", "input.src_lengths", "input.tgt_tokens",
                   "input.tgt_lengths")
@@ -210,8 +227,21 @@ def load_case(path):
     return cfg, case, tensors, meta
 
 
+def is_patches(cfg):
+    """Whether the model reads images cut into patches (ViT) instead of
+    tokens."""
+    return cfg.get("input", "tokens") == "patches"
+
+
+def patch_grid(cfg):
+    """G, the patches per row and per column of an image: Np = G^2."""
+    return cfg["image_size"] // cfg["patch_size"]
+
+
 def param_names(cfg):
     names = ["embedding.weight"]
+    if is_patches(cfg):  # a Conv2d's weight (D, Ch, P, P) and bias, and [CLS]
+        names = ["patch_embedding.weight", "patch_embedding.bias", "cls_token"]
     if cfg["positional"] == "learned":
         names.append("pos_embedding.weight")
     if cfg["type_vocab_size"]:
@@ -253,17 +283,40 @@ def param_names(cfg):
 
 def case_inputs(tensors):
     """tokens (B, S), lengths (B) and labels (B) as int64 tensors; a
-    decoder's case has no labels (None). (input.token_types, when the
-    config has token types, is read by run_case.)"""
-    tokens = torch.from_numpy(tensors["input.tokens"].astype(np.int64))
+    decoder's case has no labels (None), and a case with input "patches"
+    no tokens (None: its input.pixels are read by run_case, and S is
+    seq_len(cfg, tensors)). (input.token_types, when the config has token
+    types, is read by run_case.)"""
+    tokens = None
+    if "input.tokens" in tensors:
+        tokens = torch.from_numpy(tensors["input.tokens"].astype(np.int64))
     lengths = torch.from_numpy(tensors["input.lengths"].astype(np.int64))
     labels = None
     if "input.labels" in tensors:
         labels = torch.from_numpy(tensors["input.labels"].astype(np.int64))
-    if tokens.dim() != 2 or lengths.shape != (tokens.shape[0],) \
-            or (labels is not None and labels.shape != (tokens.shape[0],)):
+    B = lengths.shape[0] if tokens is None else tokens.shape[0]
+    if (tokens is not None and tokens.dim() != 2) or lengths.shape != (B,) \
+            or (labels is not None and labels.shape != (B,)):
         raise BadInput("inconsistent input shapes")
     return tokens, lengths, labels
+
+
+def seq_len(cfg, tensors):
+    """S: the tokens' length, or with input "patches" [CLS] and the
+    image's Np patches, 1 + Np."""
+    if is_patches(cfg):
+        return 1 + patch_grid(cfg) ** 2
+    return tensors["input.tokens"].shape[1]
+
+
+def patch_columns(pixels, cfg):
+    """The im2col of ViT's patch embedding: pixels (B, Ch, Img, Img) ->
+    cols (B, Np, Ch P P), row py G + px holding the patch at (py, px)
+    flattened in (Ch, P, P) order, as Conv2d's weight (D, Ch, P, P) is."""
+    B, Ch = pixels.shape[0], cfg["channels"]
+    G, P = patch_grid(cfg), cfg["patch_size"]
+    return (pixels.reshape(B, Ch, G, P, G, P).permute(0, 2, 4, 1, 3, 5)
+            .reshape(B, G * G, Ch * P * P))
 
 
 # ---------------------------------------------------------------------------
@@ -341,7 +394,7 @@ def variant_problem(variant, cfg, tensors):
         return "mutant %s needs an encoder_decoder" % variant.mutant
     _, lengths, _ = case_inputs(tensors)
     lengths = lengths.tolist()
-    S = tensors["input.tokens"].shape[1]
+    S = seq_len(cfg, tensors)
     L, D, H = cfg["num_layers"], cfg["d_model"], cfg["num_heads"]
     Dh = D // H
     if variant.mutant is not None:
@@ -1049,7 +1102,7 @@ def run_case(cfg, case, tensors, variant=AS_GOLDEN):
         raise Unsupported(problem)
     if variant.mutant == "ln_eps_1e-6":
         cfg = dict(cfg, layer_norm_eps=1e-6)
-    B, S = tokens.shape
+    B, S = lengths.shape[0], seq_len(cfg, tensors)
     D = cfg["d_model"]
 
     P = {}
@@ -1072,11 +1125,36 @@ def run_case(cfg, case, tensors, variant=AS_GOLDEN):
     drop = Dropout(masks, cfg["dropout"], dtype)
 
     acts = {}
-    scale = torch.tensor(math.sqrt(D) if cfg["embed_scale"] else 1.0,
-                         dtype=torch.float64).to(dtype)
-    # padding_idx: that row gets no gradient from the lookup, as nn.Embedding(padding_idx)
-    embedding = F.embedding(tokens, P["embedding.weight"], padding_idx=cfg["padding_idx"]) * scale
-    P0 = cfg["position_offset"]
+    if is_patches(cfg):
+        # ViT (docs/semantics.md, section 18.5): row 0 of each image is
+        # [CLS], row 1 + n patch n's linear map, cols W^T then + bias, as
+        # teo computes it (the tf32 variant rounds the product's operands);
+        # cross_check_patches compares it with F.conv2d(pixels, W, b,
+        # stride=P). The pixels are inputs: no gradient.
+        pixels = tensors["input.pixels"]
+        Ch, img = cfg["channels"], cfg["image_size"]
+        if tuple(pixels.shape) != (B, Ch, img, img):
+            raise BadInput("input.pixels has shape %s, expected %s"
+                           % (list(pixels.shape), [B, Ch, img, img]))
+        want = np.dtype(np.float64 if golden_dtype == torch.float64
+                        else np.float32)
+        if pixels.dtype != want:
+            raise BadInput("input.pixels is %s, expected %s"
+                           % (pixels.dtype, want))
+        cols = patch_columns(torch.from_numpy(pixels.copy()).to(dtype), cfg)
+        weight = P["patch_embedding.weight"].reshape(D, -1)  # (D, Ch P P)
+        patches = variant.linear(cols, weight, None) \
+            + P["patch_embedding.bias"]
+        embedding = torch.cat(
+            [P["cls_token"].expand(B, 1, D), patches], dim=1)
+    else:
+        scale = torch.tensor(math.sqrt(D) if cfg["embed_scale"] else 1.0,
+                             dtype=torch.float64).to(dtype)
+        # padding_idx: that row gets no gradient from the lookup, as
+        # nn.Embedding(padding_idx)
+        embedding = F.embedding(tokens, P["embedding.weight"],
+                                padding_idx=cfg["padding_idx"]) * scale
+    P0 = 0 if is_patches(cfg) else cfg["position_offset"]
     if cfg["positional"] == "learned":
         positional = P["pos_embedding.weight"][P0:P0 + S]
     elif cfg["positional"] == "sinusoidal":
@@ -1283,6 +1361,33 @@ def cross_check(cfg, acts, extra, name):
                            % (name, i, err, tol * scale))
 
 
+def cross_check_patches(cfg, acts, extra, tensors, name):
+    """With input "patches": act.embedding's patch rows against
+    F.conv2d(pixels, W, b, stride=P), flattened and transposed (the module
+    form of ViT's patch embedding), and its row 0 against cls_token, bit
+    for bit. Raises Mismatch beyond the bound."""
+    if not is_patches(cfg):
+        return
+    P = extra[0]
+    embedding = acts["embedding"].detach()
+    dtype = embedding.dtype
+    pixels = torch.from_numpy(tensors["input.pixels"].copy()).to(dtype)
+    with torch.no_grad():
+        ref = F.conv2d(pixels, P["patch_embedding.weight"].detach(),
+                       P["patch_embedding.bias"].detach(),
+                       stride=cfg["patch_size"]).flatten(2).transpose(1, 2)
+    ours = embedding[:, 1:]
+    tol = 1e-5 if dtype == torch.float32 else 1e-12
+    scale = max(1.0, float(ref.abs().max()) if ref.numel() else 1.0)
+    err = float((ref - ours).abs().max()) if ref.numel() else 0.0
+    if tuple(ref.shape) != tuple(ours.shape) or not err <= tol * scale:
+        raise Mismatch("%s: act.embedding's patches differ from F.conv2d's by "
+                       "%.3g (bound %.3g)" % (name, err, tol * scale))
+    cls = P["cls_token"].detach()
+    if not bool((embedding[:, 0] == cls).all()):
+        raise Mismatch("%s: act.embedding's row 0 is not cls_token" % name)
+
+
 def has_variants(cfg):
     """Whether cfg uses an attention variant nn.TransformerEncoderLayer
     cannot express (it has no GQA, RoPE, ALiBi, window, cap or sink)."""
@@ -1351,6 +1456,7 @@ def process(path, out_dir, check, variant=AS_GOLDEN):
             cross_check_seq2seq(cfg, acts, extra, name)
         else:
             cross_check(cfg, acts, extra, name)
+            cross_check_patches(cfg, acts, extra, tensors, name)
     if variant.transformer_layer:
         acts.update(transformer_layer_outputs(cfg, acts, extra))
 

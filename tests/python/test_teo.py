@@ -55,7 +55,8 @@ def test_config_errors_name_the_field(keys, field):
 
 @pytest.mark.parametrize("name", ["post_gelu_mean_f64", "learned_pe_f32", "dropout_post_f64",
                                   "gpt2_dropout_smoothing_f64", "llama_block_f32",
-                                  "seq2seq_bart_f32", "seq2seq_pre_own_vocab_f64", "bert_f32"])
+                                  "seq2seq_bart_f32", "seq2seq_pre_own_vocab_f64", "bert_f32",
+                                  "vit_f64"])
 def test_init_params_and_random_batch_are_the_goldens_bits(name):
     g = case(name)
     dtype = g.case["dtype"]
@@ -78,7 +79,7 @@ def test_init_params_and_random_batch_are_the_goldens_bits(name):
                                   "gpt2_dropout_smoothing_f64", "llama_block_f32",
                                   "decoder_no_targets_f64", "encoder_rms_geglu_nobias_f64",
                                   "seq2seq_post_f64", "seq2seq_bart_f32", "bert_dropout_f64",
-                                  "bert_rms_pre_types3_f64"])
+                                  "bert_rms_pre_types3_f64", "vit_f64", "vit_f32"])
 def test_run_reproduces_the_goldens_bytes_on_the_reference_backend(name):
     g = case(name)
     params = {n[len("param."):]: a for n, a in g.tensors.items() if n.startswith("param.")}
@@ -178,6 +179,94 @@ def test_token_types_are_read_with_type_vocab_size_and_refused_without():
     with pytest.raises(teo.ConfigError, match="an rmsnorm none"):
         teo.ops.embedding(batch["tokens"], w, norm_weight=np.ones(8), norm_bias=np.zeros(8),
                           norm="rmsnorm")
+
+
+def _patch_columns(pixels, patch_size):
+    """im2col of ViT's patch embedding, in numpy: (B, Ch, Img, Img) -> (B, Np, Ch P P), patch
+    n = py G + px flattened in (Ch, P, P) order, as Conv2d's weight is."""
+    B, Ch, img, _ = pixels.shape
+    G, P = img // patch_size, patch_size
+    return pixels.reshape(B, Ch, G, P, G, P).transpose(0, 2, 4, 1, 3, 5).reshape(B, G * G, -1)
+
+
+def test_vit_reads_pixels_and_reproduces_its_golden():
+    g = case("vit_f64")
+    assert "input.tokens" not in g.tensors and "vocab_size" not in g.config.to_dict()
+    params, batch = g.params(), g.batch()
+    assert set(batch) == {"pixels", "lengths", "labels"}
+    out = teo.run(g.config, params, batch, backend="reference")
+    for n in ("act.logits", "grad.patch_embedding.weight", "grad.cls_token"):
+        assert same_bits(out[n], g.tensors[n]), n
+    assert not any("pixels" in n for n in out)  # the pixels get no gradient
+    # act.embedding: [CLS], then each patch's linear map (the stride-P convolution)
+    emb, D = out["act.embedding"], g.config.d_model
+    assert emb.shape == (2, 1 + (6 // 2) ** 2, D)
+    assert same_bits(emb[:, 0], np.broadcast_to(params["cls_token"], (2, D)))
+    cols = _patch_columns(batch["pixels"], g.config.patch_size)
+    w = params["patch_embedding.weight"].reshape(D, -1)
+    np.testing.assert_allclose(emb[:, 1:], cols @ w.T + params["patch_embedding.bias"],
+                               rtol=0, atol=1e-14)
+    # [CLS]'s gradient is the batch's sum of row 0 of the embedding's (here act.input's)
+    assert same_bits(out["grad.cls_token"], out["grad.act.input"][:, 0].sum(0))
+    # lengths may be left out: an image is never padded
+    no_lengths = teo.run(g.config, params, {k: v for k, v in batch.items() if k != "lengths"},
+                         backend="reference")
+    assert same_bits(no_lengths["act.logits"], g.tensors["act.logits"])
+
+
+def test_random_batch_for_patches_draws_the_goldens_pixels():
+    g = case("vit_f64")
+    assert (g.case["seed"], g.case["batch"]) == (3108, 2)
+    batch = teo.random_batch(g.config, g.case["batch"], g.case["seq_len"], g.case["seed"])
+    assert set(batch) == {"pixels", "lengths", "labels"}
+    assert same_bits(batch["pixels"], g.tensors["input.pixels"])
+    assert batch["lengths"].tolist() == [1 + (6 // 2) ** 2] * 2
+    # a float32 golden holds the same draws, rounded (exactly) to float32
+    g32 = case("vit_f32")
+    b32 = teo.random_batch(g32.config, g32.case["batch"], g32.case["seq_len"], g32.case["seed"])
+    assert same_bits(b32["pixels"].astype(np.float32), g32.tensors["input.pixels"])
+    # every pixel is a multiple of 2^-8 in [-1, 1): exact in bf16 and fp16 too
+    cfg = dict(input="patches", image_size=16, patch_size=4, channels=3, d_model=8, num_heads=2,
+               num_layers=1)
+    px = teo.random_batch(cfg, 4, 17, 5)["pixels"]
+    assert px.shape == (4, 3, 16, 16) and px.dtype == np.float64
+    assert np.all((px >= -1) & (px < 1))
+    assert np.array_equal(px * 256, np.round(px * 256))
+    assert len(np.unique(px)) > 256  # not a degenerate draw
+    assert not np.array_equal(px, teo.random_batch(cfg, 4, 17, 6)["pixels"])
+
+
+def test_patches_errors_are_named():
+    g = case("vit_f64")
+    cfg, params, batch = g.config.to_dict(), g.params(), g.batch()
+    with pytest.raises(teo.ConfigError, match='the batch has "tokens"'):
+        teo.run(cfg, params, dict(batch, tokens=np.zeros((2, 10), dtype=np.int64)))
+    plain = dict(vocab_size=16, d_model=8, num_heads=2, num_layers=1)
+    with pytest.raises(teo.ConfigError, match='the batch has "pixels"'):
+        teo.run(plain, teo.init_params(plain, 1),
+                dict(teo.random_batch(plain, 2, 5, 3), pixels=batch["pixels"]))
+    with pytest.raises(teo.ShapeError, match=r"\(2, 3, 4, 4\), expected \(batch, 3, 6, 6\)"):
+        teo.run(cfg, params, dict(batch, pixels=batch["pixels"][:, :, :4, :4]))
+    with pytest.raises(teo.ShapeError, match="pixels"):
+        teo.run(cfg, params, {k: v for k, v in batch.items() if k != "pixels"})
+    with pytest.raises(teo.ConfigError, match='vocab_size applies only to input "tokens"'):
+        teo.run(dict(cfg, vocab_size=16), params, batch)
+    with pytest.raises(teo.ConfigError, match="max_len must be 10"):
+        teo.EncoderConfig(**dict(cfg, max_len=16))
+    with pytest.raises(teo.InputError, match=r"lengths\[1\] = 7"):
+        teo.run(cfg, params, dict(batch, lengths=np.array([10, 7])))
+    with pytest.raises(teo.InputError, match=r"lengths\[1\] = 5"):
+        teo.random_batch(cfg, 2, 10, 1, [10, 5])
+    with pytest.raises(teo.ShapeError, match=r"seq_len 9 is not 1 \+ patches = 10"):
+        teo.random_batch(cfg, 2, 9, 1)
+    nan = batch["pixels"].copy()
+    nan[1, 2, 3, 4] = np.nan
+    with pytest.raises(teo.InputError, match="not finite"):
+        teo.run(cfg, params, dict(batch, pixels=nan))
+    with pytest.raises(teo.ConfigError, match="multiple of patch_size"):
+        teo.EncoderConfig(**dict(cfg, image_size=7))
+    with pytest.raises(teo.ConfigError, match="cls_token"):
+        teo.run(cfg, {n: a for n, a in params.items() if n != "cls_token"}, batch)
 
 
 def test_generate_steps_are_the_full_forwards_logits():

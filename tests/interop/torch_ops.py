@@ -32,6 +32,7 @@ import sys
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch_backend as tb  # noqa: E402  (the model backend: I/O and shared layers)
@@ -64,6 +65,10 @@ MUTANTS = {
                                 "embed_scale not applied"),
     "token_types_ignored": ("embedding_bert_f64", "output.x",
                             "the token-type rows not added before the norm"),
+    "patches_hwc_flattened": ("patch_embedding_f64", "output.x",
+                              "each patch flattened in (P, P, Ch) order against W's (Ch, P, P)"),
+    "cls_token_appended": ("patch_embedding_f64", "output.x",
+                           "[CLS] after the patches, not before"),
     "layer_post_as_pre": ("encoder_layer_post_f64", "output.y",
                           "a post-norm layer run as pre-norm"),
     # the attention variants (docs/semantics.md section 14)
@@ -526,6 +531,30 @@ def op_embedding(spec, T, mode):
     if spec.get("norm") == "rmsnorm":
         return {"output.x": rms_norm(x, T["param.norm_weight"], eps, mode)}
     return {"output.x": layer_norm(x, T["param.norm_weight"], T["param.norm_bias"], eps, mode)}
+
+
+def op_patch_embedding(spec, T, mode):
+    """ViT's patch embedding: row 0 of each image is cls_token, row 1 + n patch n's (n = py G + px)
+    linear map, F.conv2d(pixels, W, b, stride=P).flatten(2).transpose(1, 2). float16 and tf32 run
+    it as the GEMM it is (each patch flattened in (Ch, P, P) order, times W^T, + b), so that the
+    mode rounds the stored tensors or the product's operands."""
+    x, w, b, cls = T["input.pixels"], T["param.weight"], T["param.bias"], T["param.cls_token"]
+    B, C, img, _ = x.shape
+    D, P = w.shape[0], spec["patch_size"]
+    G = img // P
+    if mode.mutant == "patches_hwc_flattened":
+        # a port bug: the patch flattened in (P, P, Ch) order against W's (Ch, P, P) rows, i.e.
+        # W's row read as (P, P, Ch)
+        w = w.reshape(D, P, P, C).permute(0, 3, 1, 2)
+    if mode.name in ("float16", "tf32"):
+        cols = x.reshape(B, C, G, P, G, P).permute(0, 2, 4, 1, 3, 5).reshape(B, G * G, C * P * P)
+        patches = mode.store(mode.linear(cols, w.reshape(D, -1), None) + b)
+    else:
+        patches = F.conv2d(x, w, b, stride=P).flatten(2).transpose(1, 2)
+    rows = [cls.expand(B, 1, D), patches]
+    if mode.mutant == "cls_token_appended":
+        rows.reverse()
+    return {"output.x": mode.store(torch.cat(rows, dim=1))}
 
 
 def op_pooling(spec, T, mode):

@@ -67,7 +67,8 @@ FUNCTIONS = dict({"run": teo.run, "init_params": teo.init_params, "generate": te
                  **{n: getattr(teo.ops, n) for n in
                     ("linear", "layer_norm", "rms_norm", "softmax", "activation", "ffn", "dropout",
                      "attention",
-                     "attention_kvcache", "attention_merge", "embedding", "pooling",
+                     "attention_kvcache", "attention_merge", "embedding", "patch_embedding",
+                     "pooling",
                      "cross_entropy", "lm_head", "encoder_layer", "decoder_layer")})
 # One parameter as the doc writes it: name, name=default (the default may be left out), *, **name.
 PARAM = r"(?:\*\*?\w+|\*|\w+(?:=[^,()]*)?)"

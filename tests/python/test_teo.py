@@ -366,6 +366,9 @@ def _op_args(g):
                  "norm_weight": t.get("param.norm_weight"), "norm_bias": t.get("param.norm_bias"),
                  "norm": s.get("norm", "layernorm"), "layer_norm_eps": s.get("layer_norm_eps"),
                  "grad_x": t["grad.output.x"]})
+    if op == "patch_embedding":
+        return ((t["input.pixels"], t["param.weight"], t["param.bias"], t["param.cls_token"]),
+                {"grad_x": t["grad.output.x"]})
     if op == "pooling":
         return ((t["input.x"], t["input.lengths"]),
                 {"pooling": s["pooling"], "grad_pooled": t["grad.output.pooled"]})

@@ -394,6 +394,33 @@ def embedding(tokens, weight, pos_weight=None, *, positional="sinusoidal", embed
 
 
 @_public()
+def patch_embedding(pixels, weight, bias, cls_token, *, grad_x=None, **kw):
+    """ViT's patch embedding (docs/semantics.md section 18.5): pixels (B, Ch, Img, Img) cut into
+    P x P patches, weight (D, Ch, P, P) a Conv2d's, bias and cls_token (D). output.x (B, 1 + Np,
+    D), Np = (Img / P)^2: row 0 of each image is cls_token, row 1 + n the patch n = py G + px
+    (G = Img / P) flattened in (Ch, P, P) order times weight^T plus bias, as
+    F.conv2d(pixels, weight, bias, stride=P).flatten(2).transpose(1, 2)."""
+    what = "patch_embedding"
+    pixels = _real(pixels, "pixels", what)
+    b, ch, img, img2 = _dims(pixels, 4, "(batch, channels, image_size, image_size)", "pixels",
+                             what)
+    weight = _real(weight, "weight", what)
+    d, wch, p, p2 = _dims(weight, 4, "(d_model, channels, patch_size, patch_size)", "weight",
+                          what)
+    from . import ShapeError
+    if img2 != img or p2 != p:
+        raise ShapeError("teo.ops.patch_embedding: images and patches are square; got pixels %s, "
+                         "weight %s" % (pixels.shape, weight.shape))
+    if wch != ch:
+        raise ShapeError("teo.ops.patch_embedding: weight has %d channels, pixels %d"
+                         % (wch, ch))
+    spec = {"batch": b, "channels": ch, "image_size": img, "patch_size": p, "d_model": d}
+    return _call(what, spec, {"input.pixels": pixels, "param.weight": weight,
+                              "param.bias": bias, "param.cls_token": cls_token},
+                 {"output.x": grad_x}, **kw)
+
+
+@_public()
 def pooling(x, lengths, *, pooling="mean", grad_pooled=None, **kw):
     x = _real(x, "x", "pooling")
     b, s, d = x.shape

@@ -125,9 +125,12 @@ struct EncoderConfig {
 
   index_t d_head() const { return d_model / num_heads; }
   bool patches_input() const { return input == InputKind::patches; }
-  // The number of patches of an image: (image_size / patch_size)^2 (0 with input "tokens").
+  // The number of patches of an image: (image_size / patch_size)^2; 0 with input "tokens", and
+  // for sizes validate() refuses (not positive, or more than 2^20 patches a side).
   index_t patches() const {
-    return patches_input() ? (image_size / patch_size) * (image_size / patch_size) : 0;
+    if (!patches_input() || image_size <= 0 || patch_size <= 0) return 0;
+    const index_t side = image_size / patch_size;
+    return side <= (index_t{1} << 20) ? side * side : 0;
   }
   index_t kv_heads() const { return num_kv_heads.value_or(num_heads); }
   index_t rotary() const { return rotary_dim.value_or(d_head()); }

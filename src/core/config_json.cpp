@@ -357,9 +357,7 @@ EncoderConfig EncoderConfig::from_json(const nlohmann::json& j) {
     // images have no token ids; the sequence length follows from the sizes
     if (j.contains("vocab_size"))
       throw ConfigError("vocab_size applies only to input \"tokens\": input \"patches\" has no ids");
-    if (!j.contains("max_len") && c.patch_size > 0 && c.image_size % c.patch_size == 0 &&
-        c.image_size / c.patch_size <= (index_t{1} << 20))
-      c.max_len = 1 + c.patches();
+    if (!j.contains("max_len") && c.patches() > 0) c.max_len = 1 + c.patches();
   }
   c.validate();
   return c;

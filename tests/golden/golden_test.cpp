@@ -299,6 +299,11 @@ TEST(GoldenCorpus, CoversEveryFeature) {
     } else if (c.norm == teo::Norm::rmsnorm) {
       seen.insert("encoder:rmsnorm");
     }
+    // the real encoders of semantics 18, each in float64, float32 (and BERT and ViT in bf16)
+    const std::string kind = e.spec.precision ? teo::to_string(*e.spec.precision) : e.spec.dtype;
+    if (c.type_vocab_size && c.embedding_norm && c.pooler == teo::Pooler::dense_tanh)
+      seen.insert((c.padding_idx == 1 && c.position_offset == 2 ? "roberta:" : "bert:") + kind);
+    if (c.patches_input()) seen.insert("vit:" + kind);
     if (e.spec.steps > 0) {
       const auto has = [&](std::int64_t n) {
         return std::find(lens.begin(), lens.end(), n) != lens.end();
@@ -312,6 +317,14 @@ TEST(GoldenCorpus, CoversEveryFeature) {
   }
   for (const char* want : {"float32",
                            "float64",
+                           "bert:float64",
+                           "bert:float32",
+                           "bert:bf16",
+                           "roberta:float64",
+                           "roberta:float32",
+                           "vit:float64",
+                           "vit:float32",
+                           "vit:bf16",
                            "pre",
                            "post",
                            "relu",

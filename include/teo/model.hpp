@@ -126,7 +126,7 @@ struct LayerParams {
 template <class Real>
 struct Params {
   EncoderConfig config;
-  Tensor<Real> embedding_weight;                            // (V, D); input tokens only
+  Tensor<Real> embedding_weight;  // (V, D); input tokens only
   // input patches only: the patch projection (D, Ch, P, P) as Conv2d lays it out, its bias (D)
   // and the [CLS] token (D)
   Tensor<Real> patch_embedding_weight, patch_embedding_bias, cls_token;

@@ -41,12 +41,11 @@ int run(const EncoderConfig& cfg, const ShapesOptions& o, std::ostream& out) {
   out << "teo shapes: " << cfg.to_json().dump() << "\n";
   out << "B=" << o.batch << " S=" << o.seq_len << " D=" << cfg.d_model << " H=" << cfg.num_heads
       << " Dh=" << cfg.d_head() << " F=" << cfg.d_ff << " C=" << cfg.num_classes
-      << (cfg.patches_input() ? " Ch=" + std::to_string(cfg.channels) + " Img=" +
-                                     std::to_string(cfg.image_size) + " P=" +
-                                     std::to_string(cfg.patch_size)
-                               : " V=" + std::to_string(cfg.vocab_size))
-      << "  dtype=" << o.dtype << "  parameters=" << params.count()
-      << "\n\n";
+      << (cfg.patches_input()
+              ? " Ch=" + std::to_string(cfg.channels) + " Img=" + std::to_string(cfg.image_size) +
+                    " P=" + std::to_string(cfg.patch_size)
+              : " V=" + std::to_string(cfg.vocab_size))
+      << "  dtype=" << o.dtype << "  parameters=" << params.count() << "\n\n";
   // Every row is the contract's; the shapes the run produced must be the ones it names.
   const contract::Sizes sizes{o.batch, o.seq_len, o.steps, batch.tgt_len};
   std::map<std::string, Shape> computed;
@@ -102,7 +101,8 @@ int run_shapes(const ShapesOptions& o, std::ostream& out) {
   cfg.validate();
   ShapesOptions opts = o;
   // images: the sequence is [CLS] and the patches, max_len long
-  if (opts.seq_len == 0) opts.seq_len = cfg.patches_input() ? cfg.max_len : std::min<index_t>(8, cfg.max_len);
+  if (opts.seq_len == 0)
+    opts.seq_len = cfg.patches_input() ? cfg.max_len : std::min<index_t>(8, cfg.max_len);
   if (opts.tgt_len != 0 && !cfg.encoder_decoder())
     throw ConfigError("--tgt-len applies only to architecture \"encoder_decoder\"");
   if (cfg.encoder_decoder() && opts.tgt_len == 0) opts.tgt_len = opts.seq_len;

@@ -159,9 +159,9 @@ void validate_patches(const EncoderConfig& c) {
     throw ConfigError(
         "input \"patches\" applies only to architecture \"encoder\" (ViT's classifier)");
   }
-  for (const auto& [name, v] : {std::pair{"image_size", c.image_size},
-                                std::pair{"patch_size", c.patch_size},
-                                std::pair{"channels", c.channels}}) {
+  for (const auto& [name, v] :
+       {std::pair{"image_size", c.image_size}, std::pair{"patch_size", c.patch_size},
+        std::pair{"channels", c.channels}}) {
     if (v == 0) throw ConfigError(std::string("input \"patches\" needs ") + name);
     require_positive(name, v);
   }

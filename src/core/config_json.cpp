@@ -356,7 +356,8 @@ EncoderConfig EncoderConfig::from_json(const nlohmann::json& j) {
   if (c.patches_input()) {
     // images have no token ids; the sequence length follows from the sizes
     if (j.contains("vocab_size"))
-      throw ConfigError("vocab_size applies only to input \"tokens\": input \"patches\" has no ids");
+      throw ConfigError(
+          "vocab_size applies only to input \"tokens\": input \"patches\" has no ids");
     if (!j.contains("max_len") && c.patches() > 0) c.max_len = 1 + c.patches();
   }
   c.validate();

@@ -100,9 +100,8 @@ Case Case::from_json(const json& j) {
     // the sequence is [CLS] and the patches; an image has no padding
     const index_t S = 1 + c.config.patches();
     if (have_seq && c.seq_len != S) {
-      throw ShapeError("case.seq_len " + std::to_string(c.seq_len) +
-                       " is not 1 + patches = " + std::to_string(S) +
-                       " (input \"patches\"; it may be left out)");
+      throw ShapeError("case.seq_len " + std::to_string(c.seq_len) + " is not 1 + patches = " +
+                       std::to_string(S) + " (input \"patches\"; it may be left out)");
     }
     c.seq_len = S;
     have_seq = true;

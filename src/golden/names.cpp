@@ -249,7 +249,8 @@ NameMap NameMap::from_json(const json& j, const std::string& source) {
               r.optional = ov.get<bool>();
             } else if (ok == "leading_ones" && ov.is_number_integer()) {
               const auto n = ov.get<std::int64_t>();
-              if (n < 0 || n > 4) fail("leading_ones of " + r.teo + " must be in [0, 4], got " + ov.dump());
+              if (n < 0 || n > 4)
+                fail("leading_ones of " + r.teo + " must be in [0, 4], got " + ov.dump());
               r.leading_ones = static_cast<int>(n);
             } else if (ok == "split" && ov.is_array() && ov.size() == 3 &&
                        std::all_of(ov.begin(), ov.end(),

@@ -33,10 +33,11 @@ const std::vector<const OpDef*>& registry() {
   // The ops, in the order the docs list them. A new op is one file in this folder and one line
   // here.
   static const std::vector<const OpDef*> ops = {
-      &linear_op(),          &layer_norm_op(), &rms_norm_op(),      &softmax_op(),
-      &activation_op(),      &ffn_op(),        &attention_op(),     &attention_kvcache_op(),
-      &attention_merge_op(), &embedding_op(),  &patch_embedding_op(), &pooling_op(),       &cross_entropy_op(),
-      &lm_head_op(),         &dropout_op(),    &encoder_layer_op(), &decoder_layer_op()};
+      &linear_op(),          &layer_norm_op(), &rms_norm_op(),        &softmax_op(),
+      &activation_op(),      &ffn_op(),        &attention_op(),       &attention_kvcache_op(),
+      &attention_merge_op(), &embedding_op(),  &patch_embedding_op(), &pooling_op(),
+      &cross_entropy_op(),   &lm_head_op(),    &dropout_op(),         &encoder_layer_op(),
+      &decoder_layer_op()};
   return ops;
 }
 

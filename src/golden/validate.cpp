@@ -104,7 +104,8 @@ void validate_model(const File& f) {
     detail::expect_in_range(f, "input.labels", c.config.num_classes, false, "num_classes");
   if (c.config.patches_input()) {
     for (double x : f.find("input.pixels")->float_values()) {
-      if (!std::isfinite(x)) throw FormatError("the golden's input.pixels holds a non-finite value");
+      if (!std::isfinite(x))
+        throw FormatError("the golden's input.pixels holds a non-finite value");
     }
   }
   const bool seq2seq = c.config.encoder_decoder();

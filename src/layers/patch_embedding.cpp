@@ -56,11 +56,11 @@ void patch_embedding_backward(Real* dweight, Real* dbias, Real* dcls, const Real
                   static_cast<const Real*>(nullptr), d.B * Np, K, D);
 }
 
-#define TEO_INSTANTIATE(Real)                                                                    \
-  template void im2col_patches<Real>(Real*, const Real*, const PatchDims&);                      \
-  template void patch_embedding_forward<Real>(Real*, const Real*, const Real*, const Real*,      \
-                                              const Real*, const PatchDims&);                    \
-  template void patch_embedding_backward<Real>(Real*, Real*, Real*, const Real*, const Real*,    \
+#define TEO_INSTANTIATE(Real)                                                                 \
+  template void im2col_patches<Real>(Real*, const Real*, const PatchDims&);                   \
+  template void patch_embedding_forward<Real>(Real*, const Real*, const Real*, const Real*,   \
+                                              const Real*, const PatchDims&);                 \
+  template void patch_embedding_backward<Real>(Real*, Real*, Real*, const Real*, const Real*, \
                                                const PatchDims&);
 TEO_INSTANTIATE(float)
 TEO_INSTANTIATE(double)

@@ -524,7 +524,8 @@ std::vector<TensorSpec> model_case(const EncoderConfig& cfg, Sizes s, bool float
       out.push_back(spec(n, Role::input, DTypeRule::i64, dims_of(n), cfg, s));
   } else if (cfg.patches_input()) {
     // the images, in the case's float type; every length is S
-    out.push_back(spec("input.pixels", Role::input, DTypeRule::real, dims_of("input.pixels"), cfg, s));
+    out.push_back(
+        spec("input.pixels", Role::input, DTypeRule::real, dims_of("input.pixels"), cfg, s));
     for (const char* n : {"input.lengths", "input.labels"})
       out.push_back(spec(n, Role::input, DTypeRule::i64, dims_of(n), cfg, s));
   } else {

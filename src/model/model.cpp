@@ -223,10 +223,9 @@ void forward(const Params<Real>& params, const Batch& batch, Activations<Real>& 
     if (cfg.patches_input()) {
       // [CLS], then each patch's linear map (semantics 18.5)
       const std::vector<Real> pixels = pixels_of<Real>(batch);
-      patch_embedding_forward(acts.embedding.data(), pixels.data(),
-                              params.patch_embedding_weight.data(),
-                              params.patch_embedding_bias.data(), params.cls_token.data(),
-                              patch_dims(cfg, d));
+      patch_embedding_forward(
+          acts.embedding.data(), pixels.data(), params.patch_embedding_weight.data(),
+          params.patch_embedding_bias.data(), params.cls_token.data(), patch_dims(cfg, d));
     } else {
       const Real scale =
           cfg.embed_scale ? static_cast<Real>(std::sqrt(static_cast<double>(d.D))) : Real(1);
@@ -492,9 +491,9 @@ void backward(const Params<Real>& params, const Batch& batch, const Activations<
   }
   if (cfg.patches_input()) {
     const std::vector<Real> pixels = pixels_of<Real>(batch);
-    patch_embedding_backward(grads.patch_embedding_weight.data(),
-                             grads.patch_embedding_bias.data(), grads.cls_token.data(),
-                             dacts.embedding.data(), pixels.data(), patch_dims(cfg, d));
+    patch_embedding_backward(grads.patch_embedding_weight.data(), grads.patch_embedding_bias.data(),
+                             grads.cls_token.data(), dacts.embedding.data(), pixels.data(),
+                             patch_dims(cfg, d));
   } else {
     const Real scale =
         cfg.embed_scale ? static_cast<Real>(std::sqrt(static_cast<double>(d.D))) : Real(1);

@@ -35,15 +35,15 @@ void validate_lengths(const std::vector<std::int64_t>& lengths, index_t batch, i
 void validate_pixels(const EncoderConfig& cfg, const Batch& b) {
   const index_t S = 1 + cfg.patches();
   if (b.seq_len != S) {
-    throw ShapeError("seq_len " + std::to_string(b.seq_len) + " is not 1 + patches = " +
-                     std::to_string(S) + ": with input \"patches\" the sequence is [CLS] and the " +
-                     "image's patches");
+    throw ShapeError("seq_len " + std::to_string(b.seq_len) +
+                     " is not 1 + patches = " + std::to_string(S) +
+                     ": with input \"patches\" the sequence is [CLS] and the " + "image's patches");
   }
   const index_t want = b.batch * cfg.channels * cfg.image_size * cfg.image_size;
   if (static_cast<index_t>(b.pixels.size()) != want) {
-    throw ShapeError("pixels has " + std::to_string(b.pixels.size()) +
-                     " elements, expected batch x channels x image_size x image_size = " +
-                     std::to_string(want));
+    throw ShapeError(
+        "pixels has " + std::to_string(b.pixels.size()) +
+        " elements, expected batch x channels x image_size x image_size = " + std::to_string(want));
   }
   for (std::size_t i = 0; i < b.lengths.size(); ++i) {
     if (b.lengths[i] != S) {
@@ -75,14 +75,13 @@ Batch Batch::random(const EncoderConfig& cfg, index_t batch, index_t seq_len, st
   b.labels.resize(cfg.decoder() ? 0 : static_cast<std::size_t>(batch));  // a decoder has none
   if (cfg.patches_input()) {
     // multiples of 2^-8 in [-1, 1): exact in every format down to bf16 and fp16
-    b.pixels.resize(static_cast<std::size_t>(batch * cfg.channels * cfg.image_size *
-                                             cfg.image_size));
+    b.pixels.resize(
+        static_cast<std::size_t>(batch * cfg.channels * cfg.image_size * cfg.image_size));
     const auto pix_stream = rng::stream_id("input.pixels");
     for (std::size_t i = 0; i < b.pixels.size(); ++i)
-      b.pixels[i] =
-          static_cast<double>(static_cast<std::int64_t>(rng::bits(seed, pix_stream, i) % 512) -
-                              256) /
-          256.0;
+      b.pixels[i] = static_cast<double>(
+                        static_cast<std::int64_t>(rng::bits(seed, pix_stream, i) % 512) - 256) /
+                    256.0;
   }
   const auto tok_stream = rng::stream_id("input.tokens");
   const auto lab_stream = rng::stream_id("input.labels");

@@ -94,20 +94,18 @@ TEST_P(BuiltinMap, RoundTripsTheGoldensParametersAndConfig) {
   EXPECT_TRUE(st::serialize(names::checkpoint_of(again, map)) == st::serialize(ckpt));
 }
 
-INSTANTIATE_TEST_SUITE_P(Families, BuiltinMap,
-                         ::testing::Values(Family{"hf-bert", "bert_f64"},
-                                           Family{"hf-bert", "bert_f32"},
-                                           Family{"hf-roberta", "roberta_f64"},
-                                           Family{"hf-gpt2", "gpt2_pre_tied_f64"},
-                                           Family{"hf-llama", "llama_block_f32"},
-                                           Family{"hf-vit", "vit_f64"},
-                                           Family{"hf-vit", "vit_f32"}),
-                         [](const auto& info) {
-                           std::string s = std::string(info.param.map) + "_" + info.param.golden;
-                           for (char& c : s)
-                             if (c == '-') c = '_';
-                           return s;
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Families, BuiltinMap,
+    ::testing::Values(Family{"hf-bert", "bert_f64"}, Family{"hf-bert", "bert_f32"},
+                      Family{"hf-roberta", "roberta_f64"}, Family{"hf-gpt2", "gpt2_pre_tied_f64"},
+                      Family{"hf-llama", "llama_block_f32"}, Family{"hf-vit", "vit_f64"},
+                      Family{"hf-vit", "vit_f32"}),
+    [](const auto& info) {
+      std::string s = std::string(info.param.map) + "_" + info.param.golden;
+      for (char& c : s)
+        if (c == '-') c = '_';
+      return s;
+    });
 
 // GPT-2's c_attn is one Conv1D (x W + b, W stored (D, 3D)): q, k and v are its column thirds,
 // transposed.
@@ -162,8 +160,8 @@ TEST(Names, VitLeadingOnesAndConvWeightKeepTheirValues) {
   st::File bad = ckpt;
   for (auto& t : bad.tensors)
     if (t.name == "vit.embeddings.cls_token") t.shape = {D};
-  const std::string err =
-      error_of([&] { names::params_from_checkpoint(bad, map, cfg, teo::Params<double>::zeros(cfg)); });
+  const std::string err = error_of(
+      [&] { names::params_from_checkpoint(bad, map, cfg, teo::Params<double>::zeros(cfg)); });
   EXPECT_NE(err.find("vit.embeddings.cls_token has shape (12)"), std::string::npos) << err;
 }
 
@@ -355,7 +353,8 @@ TEST(Names, MapFilesAreCheckedAndUnknownFamiliesSuggested) {
             }).find("m.json: \"format\""),
             std::string::npos);
   const auto fams = names::NameMap::builtin_families();
-  EXPECT_EQ(fams, (std::vector<std::string>{"hf-bert", "hf-roberta", "hf-gpt2", "hf-llama", "hf-vit"}));
+  EXPECT_EQ(fams,
+            (std::vector<std::string>{"hf-bert", "hf-roberta", "hf-gpt2", "hf-llama", "hf-vit"}));
 }
 
 // A candidate may name its parameter gradients by the checkpoint's names (with or without the

@@ -129,11 +129,12 @@ TEST(Contract, ShapesAreWhatTheModelComputes) {
   for (const auto& [what, cfg] : configs()) {
     SCOPED_TRACE(what);
     const index_t B = 3, S = 5;
-    const auto batch = cfg.encoder_decoder()
-                           ? teo::Batch::random_seq2seq(cfg, B, S, 4, 7, {5, 2, 0}, {4, 0, 1})
-                           : teo::Batch::random(cfg, B, S, 7,
-                                                cfg.patches_input() ? std::vector<std::int64_t>{}
-                                                                    : std::vector<std::int64_t>{5, 2, 0});
+    const auto batch =
+        cfg.encoder_decoder()
+            ? teo::Batch::random_seq2seq(cfg, B, S, 4, 7, {5, 2, 0}, {4, 0, 1})
+            : teo::Batch::random(cfg, B, S, 7,
+                                 cfg.patches_input() ? std::vector<std::int64_t>{}
+                                                     : std::vector<std::int64_t>{5, 2, 0});
     const contract::Sizes sizes{B, S, 0, batch.tgt_len};
     const auto params = teo::Params<double>::init(cfg, 3);
     teo::Activations<double> acts, dacts;

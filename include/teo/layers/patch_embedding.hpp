@@ -10,9 +10,9 @@ namespace teo {
 // projected to D.
 struct PatchDims {
   index_t B = 0, Ch = 0, Img = 0, P = 0, D = 0;
-  index_t grid() const { return Img / P; }                // patches per row and per column
-  index_t patches() const { return grid() * grid(); }     // Np
-  index_t patch_len() const { return Ch * P * P; }        // K, a flattened patch's length
+  index_t grid() const { return Img / P; }             // patches per row and per column
+  index_t patches() const { return grid() * grid(); }  // Np
+  index_t patch_len() const { return Ch * P * P; }     // K, a flattened patch's length
 };
 
 // cols (B Np, K): row b Np + (py G + px) holds the patch at (py, px) of image b, flattened in

@@ -71,8 +71,8 @@ void run(RunContext<Real>& c) {
   for (index_t bi = 0; bi < s.batch; ++bi)
     std::copy(dy.data() + (bi * (1 + Np) + 1) * s.cols, dy.data() + (bi + 1) * (1 + Np) * s.cols,
               de.data() + bi * Np * s.cols);
-  gemm<Real>(Trans::no, Trans::no, s.batch * Np, K, s.cols, Real(1), de.data(), s.cols, w.data(),
-             K, Real(0), dcols.data(), K);
+  gemm<Real>(Trans::no, Trans::no, s.batch * Np, K, s.cols, Real(1), de.data(), s.cols, w.data(), K,
+             Real(0), dcols.data(), K);
   Real* dx = r["grad.input.pixels"].data();
   for (index_t bi = 0; bi < s.batch; ++bi)
     for (index_t n = 0; n < Np; ++n)

@@ -167,6 +167,15 @@ TEST(Config, PatchesInputKeysRoundTripAndTheirLimitsAreNamed) {
   expect_config_error("{" + vit + R"(, "embed_scale": true})", "embed_scale");
   expect_config_error("{" + vit + R"(, "padding_idx": 0})", "padding_idx");
   expect_config_error("{" + vit + R"(, "architecture": "decoder"})", "architecture");
+  // the images count against the memory limits before anything is allocated
+  const auto big = EncoderConfig::from_json_text(
+      R"({"input": "patches", "image_size": 16384, "patch_size": 4096, "channels": 16})");
+  try {
+    validate_batch_shape(big, {20, 17}, sizeof(double));
+    ADD_FAILURE() << "20 images of 16 x 16384 x 16384 were accepted";
+  } catch (const ShapeError& e) {
+    EXPECT_NE(std::string(e.what()).find("input.pixels"), std::string::npos) << e.what();
+  }
 }
 
 // An encoder_decoder's keys round-trip and appear only when set; they belong to it alone, and its

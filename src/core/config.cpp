@@ -299,13 +299,13 @@ void EncoderConfig::validate() const {
   // fits in 64 bits (double is the widest dtype).
   const index_t d = d_model;
   // the token embedding (V, D), or the patch embedding (D, Ch, P, P) with its bias and [CLS]
-  const index_t embed =
-      patches_input()
-          ? checked_add(checked_mul(checked_mul(checked_mul(channels, patch_size, "patch"),
+  const index_t embed_weight =
+      patches_input() ? checked_mul(checked_mul(checked_mul(channels, patch_size, "patch"),
                                                 patch_size, "patch"),
-                                    d, "patch_embedding.weight"),
-                        checked_mul(d, 2, "cls_token"), "patch embedding")
-          : checked_mul(vocab_size, d, "embedding.weight");
+                                    d, "patch_embedding.weight")
+                      : checked_mul(vocab_size, d, "embedding.weight");
+  const index_t embed =
+      checked_add(embed_weight, patches_input() ? checked_mul(d, 2, "cls_token") : 0, "embedding");
   const index_t pos = checked_mul(max_len, d, "pos_embedding.weight");
   const index_t attn = checked_add(checked_mul(checked_mul(d, d, "attn weight"), 4, "attn weights"),
                                    checked_mul(d, 8, "attn and norm biases"), "attention");
@@ -345,7 +345,8 @@ void EncoderConfig::validate() const {
                   checked_add(layers, head, "layers + head"), "parameters"),
       checked_mul(d, 2, "final_norm"), "parameters");
   const MemoryLimits lim = memory_limits();
-  check_tensor_elements(embed, "embedding.weight", lim);
+  check_tensor_elements(embed_weight,
+                        patches_input() ? "patch_embedding.weight" : "embedding.weight", lim);
   check_tensor_elements(pos, "pos_embedding.weight", lim);
   check_tensor_elements(types, "token_type_embedding.weight", lim);
   check_tensor_elements(checked_mul(d_ff, d, "ffn weight"), "ffn.fc1.weight", lim);
@@ -430,16 +431,31 @@ void validate_batch_shape(const EncoderConfig& cfg, const BatchShape& shape,
       throw ShapeError("layer activations overflow 64 bits");
     return a + b + c;
   }();
-  const index_t act_bytes = checked_mul(
-      checked_add(checked_mul(per_layer,
-                              checked_add(checked_add(cfg.num_layers, 1, "num_layers + 1"),
-                                          cfg.encoder_decoder()
-                                              ? checked_mul(cfg.dec_layers(), 2, "decoder layers")
-                                              : 0,
-                                          "layers"),
-                              "all activations"),
-                  checked_mul(lm, 2, "LM logits"), "all activations"),
-      bytes, "all activation bytes");
+  // images: the pixels (B, Ch, Img, Img), held as double in the batch, and in Real twice more
+  // while the patch embedding runs (the pixels and their patches, one row each)
+  const index_t pixels =
+      cfg.patches_input()
+          ? checked_mul(checked_mul(s.batch, cfg.channels, "batch x channels"),
+                        checked_mul(cfg.image_size, cfg.image_size, "image pixels"), "input.pixels")
+          : 0;
+  check_tensor_elements(pixels, "input.pixels", lim);
+  const index_t pixel_bytes =
+      checked_mul(pixels, checked_add(8, checked_mul(bytes, 2, "pixel bytes"), "pixel bytes"),
+                  "input.pixels bytes");
+  const index_t act_bytes = checked_add(
+      pixel_bytes,
+      checked_mul(
+          checked_add(
+              checked_mul(per_layer,
+                          checked_add(checked_add(cfg.num_layers, 1, "num_layers + 1"),
+                                      cfg.encoder_decoder()
+                                          ? checked_mul(cfg.dec_layers(), 2, "decoder layers")
+                                          : 0,
+                                      "layers"),
+                          "all activations"),
+              checked_mul(lm, 2, "LM logits"), "all activations"),
+          bytes, "all activation bytes"),
+      "all activation bytes");
   if (act_bytes > kAddressSpaceBytes) {
     throw ShapeError("batch " + std::to_string(s.batch) + " x seq_len " +
                      std::to_string(s.seq_len) + " needs about " + std::to_string(act_bytes) +

@@ -169,10 +169,11 @@ TEST(Config, PatchesInputKeysRoundTripAndTheirLimitsAreNamed) {
   expect_config_error("{" + vit + R"(, "architecture": "decoder"})", "architecture");
   // the images count against the memory limits before anything is allocated
   const auto big = EncoderConfig::from_json_text(
-      R"({"input": "patches", "image_size": 16384, "patch_size": 4096, "channels": 16})");
+      R"({"input": "patches", "image_size": 32, "patch_size": 8, "channels": 1, "d_model": 16,
+          "num_heads": 1, "d_ff": 8})");
   try {
-    validate_batch_shape(big, {20, 17}, sizeof(double));
-    ADD_FAILURE() << "20 images of 16 x 16384 x 16384 were accepted";
+    validate_batch_shape(big, {index_t{1} << 23, 17}, sizeof(double));  // 2^33 pixels
+    ADD_FAILURE() << "2^23 images of 32 x 32 were accepted";
   } catch (const ShapeError& e) {
     EXPECT_NE(std::string(e.what()).find("input.pixels"), std::string::npos) << e.what();
   }

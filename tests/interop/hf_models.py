@@ -20,20 +20,38 @@ Then:
     given a gradient (grad.embedding.weight), ViT's patches flattened (P, P, C) against a weight
     laid out (C, P, P) (act.embedding), its [CLS] appended after the patches instead of
     prepended (act.embedding).
+Then the other direction, goldens from a checkpoint of one's own: for each family transformers
+builds the model from a small config with random weights (its own initialisation, then
+LayerNorm's weights and every bias moved away from 1 and 0, the other weights scaled to std 0.2)
+and saves it with `save_pretrained` as F32 and as F64 safetensors (the same values).
+`teo golden generate --weights model.safetensors --names hf-X --hf-config config.json` makes the
+golden of a case (float64 of the F64 checkpoint, float32 of the F32 one, float64 of the F32 one);
+`teo golden export` writes it again, and:
+  - the round trip holds: the exported checkpoint has the saved one's tensors, no more and none
+    missing but those the map ignores, each of the same dtype, shape and bytes (of the float64
+    golden of the F32 checkpoint: F64, the F32 values widened exactly, and that golden is the
+    F64 checkpoint's, tensor for tensor); its config.json reads in transformers as the saved one
+    but for the dtype, label2id (left out) and classifier_dropout (None written as 0.0);
+  - the saved model, loaded in the case's dtype, passes the golden, and one mutant per family
+    fails at its tensor (the token types ignored, RoBERTa's positions from 0, ViT's [CLS]
+    appended).
 Usage: python hf_models.py --teo TEO --golden GOLDEN_DIR --work DIR
 Without transformers it exits 77 (a skip), or 1 when CI=true.
 """
 
 import argparse
+import fnmatch
 import json
 import os
+import struct
 import subprocess
 import sys
 
 try:
     import torch
     import transformers
-    from transformers import (BertForSequenceClassification, RobertaForSequenceClassification,
+    from transformers import (AutoConfig, BertConfig, BertForSequenceClassification, RobertaConfig,
+                              RobertaForSequenceClassification, ViTConfig,
                               ViTForImageClassification)
     from safetensors.torch import save_file
 except ImportError as e:  # pragma: no cover - the environment decides
@@ -210,6 +228,183 @@ RUNS = [
 ]
 
 
+# Goldens from a checkpoint of the user's own: transformers builds each family's model from a
+# small config with random weights and saves it, teo makes the golden of that checkpoint, and the
+# same model passes it.
+OWN_CONFIGS = {
+    "hf-bert": lambda: BertForSequenceClassification(BertConfig(
+        vocab_size=40, hidden_size=12, num_hidden_layers=2, num_attention_heads=3,
+        intermediate_size=24, max_position_embeddings=16, type_vocab_size=2, num_labels=3,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
+    # positions from pad_token_id + 1 = 2: 2 + seq_len 9 rows of the 16
+    "hf-roberta": lambda: RobertaForSequenceClassification(RobertaConfig(
+        vocab_size=40, hidden_size=12, num_hidden_layers=2, num_attention_heads=3,
+        intermediate_size=24, max_position_embeddings=16, type_vocab_size=1, num_labels=3,
+        pad_token_id=1, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)),
+    # 3 × 3 patches of 2 × 2 pixels
+    "hf-vit": lambda: ViTForImageClassification(ViTConfig(
+        image_size=6, patch_size=2, num_channels=3, hidden_size=12, num_hidden_layers=2,
+        num_attention_heads=3, intermediate_size=24, num_labels=3, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0)),
+}
+OWN_SEEDS = {"hf-bert": 1, "hf-roberta": 2, "hf-vit": 3}
+# the name maps' source, for their "ignore" globs
+MAPS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "src", "golden",
+                    "names")
+
+
+def own_model(names):
+    """The family's model of random weights: transformers' own initialisation, then LayerNorm's
+    weights moved away from 1, every bias away from 0 and the other weights scaled from HF's
+    std 0.02 to 0.2 (attention that is not uniform, a tanh that is not linear), in float32."""
+    torch.manual_seed(OWN_SEEDS[names])
+    model = OWN_CONFIGS[names]()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.add_(0.2 * torch.randn_like(p))
+            elif "layernorm" in name.lower():
+                p.add_(0.2 * torch.randn_like(p))
+            else:  # the pad token's row of zeros stays zeros
+                p.mul_(10)
+    return model
+
+
+def own_case(names, dtype):
+    case = {"batch": 3, "dtype": dtype, "seed": 7}
+    if names != "hf-vit":  # ViT's sequence follows from the image and patch sizes
+        case.update(seq_len=9, lengths=[9, 5, 2])
+    return {"case": case}
+
+
+def st_raw(path):
+    """A safetensors file's tensors as name -> (dtype, shape, bytes), as stored."""
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(n))
+        data = f.read()
+    return {name: (h["dtype"], tuple(h["shape"]), data[h["data_offsets"][0]:h["data_offsets"][1]])
+            for name, h in header.items() if name != "__metadata__"}
+
+
+def round_trip(saved, exported, names, widened=False):
+    """Compares the checkpoint the model saved with teo's export of its golden: the problems
+    found (a list of strings) and the number of tensors compared. With widened (an F32 checkpoint
+    exported from a float64 golden) each tensor must be its F64 widening, value for value."""
+    with open(os.path.join(MAPS, names + ".json")) as f:
+        ignore = json.load(f)["ignore"]
+    a, b = st_raw(saved), st_raw(exported)
+    problems = []
+    missing = [n for n in sorted(set(a) - set(b))
+               if not any(fnmatch.fnmatchcase(n, g) for g in ignore)]
+    extra = sorted(set(b) - set(a))
+    if missing:
+        problems.append("not exported: " + ", ".join(missing))
+    if extra:
+        problems.append("exported, not saved: " + ", ".join(extra))
+    for n in sorted(set(a) & set(b)):
+        (da, sa, ba), (db, sb, bb) = a[n], b[n]
+        if sa != sb:
+            problems.append("%s: shape %s saved, %s exported" % (n, sa, sb))
+        elif widened and (da, db) == ("F32", "F64"):
+            wide = np.frombuffer(ba, "<f4").astype("<f8").tobytes()
+            if wide != bb:
+                problems.append("%s: F64 export is not the F32 checkpoint widened" % n)
+        elif da != db:
+            problems.append("%s: dtype %s saved, %s exported" % (n, da, db))
+        elif ba != bb:
+            problems.append("%s: bytes differ" % n)
+    return problems, len(set(a) & set(b))
+
+
+# config.json's keys that an export may write otherwise: the dtype and version it was saved with,
+# label2id (not written: transformers then leaves it None), a classifier_dropout of None (0.0,
+# the same: no dropout)
+CONFIG_MAY_DIFFER = {"_name_or_path", "torch_dtype", "transformers_version", "label2id"}
+
+
+def config_differs(saved_dir, exported_dir):
+    """The keys whose values differ between the saved and exported config.json, as transformers
+    reads them (its defaults filled in)."""
+    a = AutoConfig.from_pretrained(saved_dir).to_dict()
+    b = AutoConfig.from_pretrained(exported_dir).to_dict()
+    return sorted(k for k in set(a) | set(b) if k not in CONFIG_MAY_DIFFER and a.get(k) != b.get(k)
+                  and not (k == "classifier_dropout" and a.get(k) is None and b.get(k) == 0.0))
+
+
+def same_goldens(p, q):
+    """The tensors of two goldens that differ (by dtype, shape or bytes) or that one lacks."""
+    a, b = st_raw(p), st_raw(q)
+    return sorted(n for n in set(a) | set(b) if a.get(n) != b.get(n))
+
+
+# (family, the checkpoint's dtype, the case's dtype, the mutant, the first tensor that must fail)
+OWN_RUNS = [
+    ("hf-bert", "float64", "float64", None, None),
+    ("hf-bert", "float32", "float32", None, None),
+    ("hf-bert", "float32", "float64", None, None),
+    ("hf-bert", "float64", "float64", "token_types_ignored", "embedding_norm"),
+    ("hf-roberta", "float64", "float64", None, None),
+    ("hf-roberta", "float32", "float32", None, None),
+    ("hf-roberta", "float32", "float64", None, None),
+    ("hf-roberta", "float64", "float64", "roberta_positions_from_0", "embedding_norm"),
+    ("hf-vit", "float64", "float64", None, None),
+    ("hf-vit", "float32", "float32", None, None),
+    ("hf-vit", "float32", "float64", None, None),
+    ("hf-vit", "float64", "float64", "cls_appended", "embedding"),
+]
+
+
+def own_checkpoints(names, work):
+    """Saves the family's model as F32 and F64 checkpoints (the same values); their directories."""
+    model = own_model(names)
+    dirs = {}
+    for dtype in ("float32", "float64"):
+        dirs[dtype] = os.path.join(work, "own_" + names, "checkpoint_" + dtype)
+        model.to(DTYPES[dtype]).save_pretrained(dirs[dtype], safe_serialization=True)
+    return dirs
+
+
+def own_run(teo, names, ckpt_dtype, dtype, mutant, dirs, work):
+    """Makes the golden of the family's saved checkpoint, exports it again and checks the saved
+    model against it: (problems of the import and the round trip, the check's result)."""
+    ckpt = dirs[ckpt_dtype]
+    os.makedirs(work, exist_ok=True)
+    case = os.path.join(work, "case.json")
+    with open(case, "w") as f:
+        json.dump(own_case(names, dtype), f)
+    golden = os.path.join(work, "golden.safetensors")
+    r = subprocess.run([teo, "golden", "generate", "--no-progress", "--config", case, "--out",
+                        golden, "--force", "--weights", os.path.join(ckpt, "model.safetensors"),
+                        "--names", names, "--hf-config", os.path.join(ckpt, "config.json")],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        return ["teo golden generate refused the checkpoint: " + r.stderr.strip()], None, None
+    export(teo, golden, os.path.join(work, "export"), names)
+    problems, compared = round_trip(os.path.join(ckpt, "model.safetensors"),
+                                    os.path.join(work, "export", "model.safetensors"), names,
+                                    widened=ckpt_dtype != dtype)
+    differ = config_differs(ckpt, os.path.join(work, "export"))
+    if differ:
+        problems.append("config.json differs at " + ", ".join(differ))
+    if ckpt_dtype != dtype:
+        # the same case of the same values, read from the checkpoint of the case's dtype
+        same = os.path.join(work, "golden_of_%s.safetensors" % dtype)
+        subprocess.run([teo, "golden", "generate", "--no-progress", "--config", case, "--out",
+                        same, "--force", "--weights",
+                        os.path.join(dirs[dtype], "model.safetensors"), "--names", names,
+                        "--hf-config", os.path.join(dirs[dtype], "config.json")], check=True,
+                       stdout=subprocess.DEVNULL)
+        differ = same_goldens(golden, same)
+        if differ:
+            problems.append("the golden of the %s checkpoint differs from the %s one's at %s"
+                            % (ckpt_dtype, dtype, ", ".join(differ[:5])))
+    cand = os.path.join(work, "candidate.safetensors")
+    # the model as saved, loaded in the case's dtype (the F32 checkpoint widened for float64)
+    write(candidate(golden, ckpt, dtype, names, mutant), cand)
+    return problems, compared, check(teo, golden, cand, work, names)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--teo", required=True)
@@ -236,6 +431,31 @@ def main(argv=None):
               % (case, dtype, precision or "", mutant or "(correct)", code, checked, first,
                  "ok" if ok else "FAIL: expected " + (expected or "a pass")))
         if not ok:
+            print(text)
+    checkpoints = {}
+    for names, ckpt_dtype, dtype, mutant, expected in OWN_RUNS:
+        if names not in checkpoints:
+            checkpoints[names] = own_checkpoints(names, args.work)
+        label = "own_" + names[3:]
+        work = os.path.join(args.work, "own_%s_%s_%s_%s" % (names, ckpt_dtype, dtype,
+                                                            mutant or "none"))
+        problems, compared, result = own_run(args.teo, names, ckpt_dtype, dtype, mutant,
+                                             checkpoints[names], work)
+        code, first, checked, text = result or (None, None, 0, "")
+        ok = (not problems and compared >= 40 and checked >= 30
+              and ((code == 0 and first is None) if expected is None
+                   else (code == 1 and first == expected)))
+        failures += not ok
+        trip = ("%d tensors %s" % (compared, "widened exactly" if ckpt_dtype != dtype
+                                   else "byte-identical")) if compared else "no round trip"
+        print("%-10s %-9s %-5s %-21s exit %s, %2d checked, first divergence %-15s %s"
+              % (label, dtype, {"float64": "F64", "float32": "F32"}[ckpt_dtype],
+                 mutant or "(correct)", code, checked, first,
+                 ("ok, " + trip) if ok else "FAIL: expected " + (expected or "a pass") + ", "
+                 + trip))
+        for problem in problems:
+            print("  " + problem)
+        if not ok and text:
             print(text)
     print("%d failure(s)" % failures)
     return 1 if failures else 0

@@ -79,7 +79,8 @@ std::vector<Placed> place(const NameMap& map, const EncoderConfig& cfg) {
     for (const Placed* p : group) {
       const Rule& r = *p->rule;
       if (p->shape != group.front()->shape || r.transpose != first.transpose ||
-          r.dim != first.dim || r.parts != first.parts || !parts.insert(r.part).second) {
+          r.dim != first.dim || r.parts != first.parts || r.leading_ones != first.leading_ones ||
+          !parts.insert(r.part).second) {
         throw ConfigError("name map " + map.family + ": " + group.front()->teo + " and " + p->teo +
                           " share checkpoint tensor " + name +
                           " but are not equal slices of it (split [dim, part, parts])");
@@ -300,9 +301,11 @@ NameMap NameMap::load(const std::string& family_or_path) {
   for (const auto& [name, text] : builtin_maps())
     if (name == family_or_path) return from_json(json::parse(text), name);
   if (family_or_path.find('/') == std::string::npos && !family_or_path.ends_with(".json")) {
+    std::string known;
+    for (const auto& f : builtin_families()) known += (known.empty() ? "" : ", ") + f;
     throw ConfigError("unknown name map \"" + family_or_path + "\"" +
-                      did_you_mean(family_or_path, builtin_families()) +
-                      " (built in: hf-bert, hf-roberta, hf-gpt2, hf-llama; or a map file's path)");
+                      did_you_mean(family_or_path, builtin_families()) + " (built in: " + known +
+                      "; or a map file's path)");
   }
   return from_json(read_json_file(family_or_path), family_or_path);
 }

@@ -2,6 +2,7 @@
 // forward() and backward(), which live in model.cpp.
 #include <algorithm>
 #include <cmath>
+#include <limits>
 
 #include "model/model_internal.hpp"
 #include "teo/contract.hpp"
@@ -32,7 +33,7 @@ void validate_lengths(const std::vector<std::int64_t>& lengths, index_t batch, i
 
 // input patches: seq_len is 1 + patches, every length is full, the pixels are (B, Ch, Img, Img)
 // and finite.
-void validate_pixels(const EncoderConfig& cfg, const Batch& b) {
+void validate_pixels(const EncoderConfig& cfg, const Batch& b, std::size_t real_size) {
   const index_t S = 1 + cfg.patches();
   if (b.seq_len != S) {
     throw ShapeError("seq_len " + std::to_string(b.seq_len) +
@@ -54,6 +55,12 @@ void validate_pixels(const EncoderConfig& cfg, const Batch& b) {
   for (std::size_t i = 0; i < b.pixels.size(); ++i) {
     if (!std::isfinite(b.pixels[i]))
       throw InputError("pixels[" + std::to_string(i) + "] is not finite");
+    // a float pass reads them as float: one beyond its range would become inf
+    if (real_size == sizeof(float) &&
+        std::abs(b.pixels[i]) > static_cast<double>(std::numeric_limits<float>::max())) {
+      throw InputError("pixels[" + std::to_string(i) + "] = " + std::to_string(b.pixels[i]) +
+                       " is beyond float32's range");
+    }
   }
 }
 
@@ -156,7 +163,7 @@ void validate_batch(const EncoderConfig& cfg, const Batch& b, std::size_t real_s
     throw ShapeError("a target (tgt_tokens) applies only to architecture \"encoder_decoder\"");
   }
   if (cfg.patches_input()) {
-    validate_pixels(cfg, b);
+    validate_pixels(cfg, b, real_size);
   } else if (!b.pixels.empty()) {
     throw ShapeError("pixels apply only to input \"patches\": the config reads tokens");
   }

@@ -182,7 +182,8 @@ teo::Batch patches_batch_from(const teo::EncoderConfig& cfg, const py::dict& d) 
     }
   }
   const auto arr = py::array::ensure(d.contains("pixels") ? py::object(d["pixels"]) : py::none());
-  if (!arr || arr.ndim() != 4 || (arr.dtype().kind() != 'f' && arr.dtype().kind() != 'i')) {
+  if (!arr || arr.ndim() != 4 ||
+      (arr.dtype().kind() != 'f' && arr.dtype().kind() != 'i' && arr.dtype().kind() != 'u')) {
     throw teo::ShapeError(
         "batch[\"pixels\"] must be a (batch, channels, image_size, image_size) float (or "
         "integer) array");

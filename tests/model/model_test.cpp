@@ -462,6 +462,9 @@ TEST(Model, PatchEmbeddingIsTheStridedConvolutionWithClsFirst) {
   bad = b;
   bad.pixels[4] = std::nan("");
   EXPECT_THROW(validate_batch(c, bad, 8), InputError);
+  bad.pixels[4] = 1e39;  // finite in double, beyond float32
+  EXPECT_NO_THROW(validate_batch(c, bad, 8));
+  EXPECT_THROW(validate_batch(c, bad, 4), InputError);
   bad = b;
   bad.tokens.assign(10, 0);
   EXPECT_THROW(validate_batch(c, bad, 8), ShapeError);

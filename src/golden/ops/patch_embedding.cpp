@@ -53,6 +53,14 @@ index_t longest_reduction(const Spec& s) {
   return std::max({d.patch_len(), s.batch * d.patches(), s.batch, s.cols});
 }
 
+// The patches (B Np, K) twice (forward and backward), the projections and their gradient
+// (B Np, D), and the pixels' gradient as patches.
+double working_bytes(const Spec& s) {
+  const PatchDims d = dims(s);
+  const auto rows = static_cast<double>(s.batch * d.patches());
+  return 8 * rows * (3 * static_cast<double>(d.patch_len()) + 2 * static_cast<double>(s.cols));
+}
+
 template <class Real>
 void run(RunContext<Real>& c) {
   const Spec& s = c.s;
@@ -95,6 +103,7 @@ const OpDef& patch_embedding_op() {
       .write_options = write_options,
       .tensors = tensors,
       .longest_reduction = longest_reduction,
+      .working_bytes = working_bytes,
       .run_float = run<float>,
       .run_double = run<double>,
       .samples = {R"({"batch": 2, "channels": 3, "image_size": 4, "patch_size": 2, "d_model": 5})",

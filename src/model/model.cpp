@@ -491,9 +491,10 @@ void backward(const Params<Real>& params, const Batch& batch, const Activations<
   }
   if (cfg.patches_input()) {
     const std::vector<Real> pixels = pixels_of<Real>(batch);
-    patch_embedding_backward(grads.patch_embedding_weight.data(), grads.patch_embedding_bias.data(),
-                             grads.cls_token.data(), dacts.embedding.data(), pixels.data(),
-                             patch_dims(cfg, d));
+    patch_embedding_backward(static_cast<Real*>(nullptr), grads.patch_embedding_weight.data(),
+                             grads.patch_embedding_bias.data(), grads.cls_token.data(),
+                             dacts.embedding.data(), pixels.data(),
+                             params.patch_embedding_weight.data(), patch_dims(cfg, d));
   } else {
     const Real scale =
         cfg.embed_scale ? static_cast<Real>(std::sqrt(static_cast<double>(d.D))) : Real(1);

@@ -19,6 +19,9 @@ struct PatchDims {
 // (Ch, P, P) order, as Conv2d's weight (D, Ch, P, P) is; pixels (B, Ch, Img, Img).
 template <class Real>
 void im2col_patches(Real* cols, const Real* pixels, const PatchDims& d);
+// The inverse: each row of cols put back at its patch's pixels (overwritten).
+template <class Real>
+void col2im_patches(Real* pixels, const Real* cols, const PatchDims& d);
 
 // out (B, 1 + Np, D): row 0 of each image is cls (D), row 1 + n the linear map of patch n,
 // cols W^T + bias, with W (D, K) the weight (D, Ch, P, P) and bias (D).
@@ -28,9 +31,12 @@ void patch_embedding_forward(Real* out, const Real* pixels, const Real* weight, 
 
 // Accumulates dweight (D, Ch, P, P) += dE^T cols, dbias (D) += the column sums of dE and dcls (D)
 // += the sum over the batch of dout's row 0, in increasing b; dE (B Np, D) is dout (B, 1 + Np,
-// D) without row 0. The pixels get no gradient.
+// D) without row 0. With dpixels (else null, as in the model, whose pixels are an input), also
+// dpixels (B, Ch, Img, Img) = the patches dE W put back in place (overwritten: every pixel is in
+// exactly one patch, the stride being the kernel).
 template <class Real>
-void patch_embedding_backward(Real* dweight, Real* dbias, Real* dcls, const Real* dout,
-                              const Real* pixels, const PatchDims& d);
+void patch_embedding_backward(Real* dpixels, Real* dweight, Real* dbias, Real* dcls,
+                              const Real* dout, const Real* pixels, const Real* weight,
+                              const PatchDims& d);
 
 }  // namespace teo

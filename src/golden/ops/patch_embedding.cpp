@@ -3,7 +3,6 @@
 #include <cmath>
 
 #include "golden/ops/op.hpp"
-#include "teo/kernels.hpp"
 #include "teo/layers/patch_embedding.hpp"
 
 namespace teo::golden::ops {
@@ -70,26 +69,9 @@ void run(RunContext<Real>& c) {
   const auto cls = c.in("param.cls_token"), dy = c.in("grad.output.x");
   patch_embedding_forward(r["output.x"].data(), x.data(), w.data(), b.data(), cls.data(), d);
   c.done("output.x");
-  patch_embedding_backward(r["grad.param.weight"].data(), r["grad.param.bias"].data(),
-                           r["grad.param.cls_token"].data(), dy.data(), x.data(), d);
-  // The pixels' gradient, as a convolution's backward gives it: dcols = dE W, each pixel in
-  // exactly one patch (the stride is the kernel).
-  const index_t Np = d.patches(), K = d.patch_len(), G = d.grid();
-  Tensor<Real> de({s.batch * Np, s.cols}), dcols({s.batch * Np, K});
-  for (index_t bi = 0; bi < s.batch; ++bi)
-    std::copy(dy.data() + (bi * (1 + Np) + 1) * s.cols, dy.data() + (bi + 1) * (1 + Np) * s.cols,
-              de.data() + bi * Np * s.cols);
-  gemm<Real>(Trans::no, Trans::no, s.batch * Np, K, s.cols, Real(1), de.data(), s.cols, w.data(), K,
-             Real(0), dcols.data(), K);
-  Real* dx = r["grad.input.pixels"].data();
-  for (index_t bi = 0; bi < s.batch; ++bi)
-    for (index_t n = 0; n < Np; ++n)
-      for (index_t ch = 0; ch < s.channels; ++ch)
-        for (index_t i = 0; i < s.patch_size; ++i)
-          for (index_t j = 0; j < s.patch_size; ++j)
-            dx[((bi * s.channels + ch) * s.image_size + n / G * s.patch_size + i) * s.image_size +
-               n % G * s.patch_size + j] =
-                dcols[(bi * Np + n) * K + (ch * s.patch_size + i) * s.patch_size + j];
+  patch_embedding_backward(r["grad.input.pixels"].data(), r["grad.param.weight"].data(),
+                           r["grad.param.bias"].data(), r["grad.param.cls_token"].data(), dy.data(),
+                           x.data(), w.data(), d);
 }
 
 }  // namespace

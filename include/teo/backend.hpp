@@ -25,6 +25,19 @@ const char* to_string(Isa i);
 Backend parse_backend(const std::string& name, const std::string& what = "backend");
 Isa parse_isa(const std::string& name, const std::string& what = "isa");
 
+// The CPU, as CPUID names it on x86-64 (vendor "GenuineIntel" or "AuthenticAMD", the display
+// family and model, the brand string); elsewhere the vendor is the architecture's name and the
+// numbers are 0. `teo bench` prints it beside the ISA, and the AVX-512 GEMM takes the cache
+// blocking of its vendor (docs/kernels.md, "Blocking per vendor").
+struct CpuInfo {
+  std::string vendor, brand;
+  int family = 0, model = 0, stepping = 0;
+  bool intel() const { return vendor == "GenuineIntel"; }
+  // "GenuineIntel family 6 model 207 stepping 2 (brand)"
+  std::string describe() const;
+};
+const CpuInfo& cpu_info();
+
 // The instruction sets this binary was built for and this CPU runs, best first; scalar is always
 // there.
 std::vector<Isa> supported_isas();

@@ -1,5 +1,6 @@
 #include <algorithm>
 #include <iomanip>
+#include <optional>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -56,20 +57,38 @@ int run_bench(const BenchOptions& o, std::ostream& out) {
   const bench::Result r = measure(p, o);
   const double fwd = bench::median(r.fwd_ms), fwd_bwd = bench::median(r.fwd_bwd_ms);
   const double gflops_fwd = r.flops / (fwd * 1e6), gflops_fwd_bwd = 3 * r.flops / (fwd_bwd * 1e6);
+  const std::optional<double> frac = bench::fraction_of_peak(gflops_fwd_bwd, peak);
+  const std::optional<double> frac_fwd = bench::fraction_of_peak(gflops_fwd, peak);
+  const CpuInfo& cpu = cpu_info();
+  const auto fraction_json = [](const std::optional<double>& f) {
+    return f ? nlohmann::json(*f) : nlohmann::json(nullptr);
+  };
   if (o.json) {
     out << nlohmann::json{{"preset", o.preset},
                           {"dtype", o.dtype},
                           {"threads", num_threads()},
                           {"backend", to_string(backend())},
                           {"isa", to_string(isa())},
+                          {"cpu",
+                           {{"vendor", cpu.vendor},
+                            {"family", cpu.family},
+                            {"model", cpu.model},
+                            {"stepping", cpu.stepping},
+                            {"brand", cpu.brand}}},
                           {"fwd_ms", fwd},
                           {"fwd_bwd_ms", fwd_bwd},
                           {"gflops_fwd", gflops_fwd},
                           {"gflops_fwd_bwd", gflops_fwd_bwd},
                           {"peak_gflops", peak.gflops},
                           {"peak_median_gflops", peak.median_gflops},
-                          {"fraction_of_peak", gflops_fwd_bwd / peak.gflops},
-                          {"fraction_of_peak_fwd", gflops_fwd / peak.gflops},
+                          {"peak_one_thread_gflops", peak.one_thread_gflops},
+                          {"peak_cores", peak.cores},
+                          {"peak_pinned", peak.pinned},
+                          {"peak_attempts", peak.attempts},
+                          {"peak_reliable", peak.reliable},
+                          {"fraction_of_peak", fraction_json(frac)},
+                          {"fraction_of_peak_fwd", fraction_json(frac_fwd)},
+                          {"probe_error", !frac || !frac_fwd},
                           {"repeats", o.repeats}}
                .dump()
         << "\n";
@@ -80,13 +99,32 @@ int run_bench(const BenchOptions& o, std::ostream& out) {
       << " S=" << p.seq_len << " D=" << cfg.d_model << " H=" << cfg.num_heads << " F=" << cfg.d_ff
       << " layers=" << cfg.num_layers << " " << to_string(cfg.activation)
       << (cfg.norm_first ? " pre-norm" : " post-norm") << ", dropout 0; " << o.repeats
-      << " timed runs after " << o.warmup << " warm-up\n  FMA peak " << std::fixed
-      << std::setprecision(1) << peak.gflops << " GFLOP/s (" << peak.isa << ", " << o.dtype << ", "
-      << peak.threads << " thread(s): " << peak.chains << " chains of " << peak.lanes
-      << "-lane FMAs per thread, the best of " << peak.rounds << " rounds; median "
-      << peak.median_gflops << ", slowest " << peak.min_gflops << ")\n\n  " << std::left
-      << std::setw(20) << "stage" << std::right << std::setw(12) << "ms/run" << std::setw(10)
-      << "share" << std::setw(11) << "GFLOP/s" << std::setw(10) << "of peak\n";
+      << " timed runs after " << o.warmup << " warm-up\n  CPU " << cpu.describe() << "\n  FMA peak "
+      << std::fixed << std::setprecision(1) << peak.gflops << " GFLOP/s (" << peak.isa << ", "
+      << o.dtype << ", " << peak.threads << " thread(s) on " << peak.cores
+      << (peak.pinned ? " pinned" : " unpinned") << " CPU(s): " << peak.chains << " chains of "
+      << peak.lanes << "-lane FMAs per thread, the best of " << peak.rounds << " rounds; median "
+      << peak.median_gflops << ", slowest " << peak.min_gflops << "; one thread alone "
+      << peak.one_thread_gflops
+      << (peak.attempts > 1 ? ", after " + std::to_string(peak.attempts) + " attempts" : "")
+      << ")\n";
+  if (!peak.reliable)
+    out << "  UNRELIABLE PEAK: " << peak.threads << " thread(s) reached " << peak.gflops
+        << " GFLOP/s, below " << bench::kPeakScaling << " x " << peak.cores << " x one thread's "
+        << peak.one_thread_gflops << ", in each of " << peak.attempts
+        << " attempts: another process shares these cores; the fractions of peak below are not "
+           "to be trusted\n";
+  int probe_errors = 0;
+  const auto print_fraction = [&](const std::optional<double>& f, int width) {
+    if (f) {
+      out << std::setw(width) << std::setprecision(2) << *f;
+    } else {
+      ++probe_errors;
+      out << std::setw(width) << "error";
+    }
+  };
+  out << "\n  " << std::left << std::setw(20) << "stage" << std::right << std::setw(12) << "ms/run"
+      << std::setw(10) << "share" << std::setw(11) << "GFLOP/s" << std::setw(10) << "of peak\n";
   const auto sf = bench::stage_flops(cfg, p.batch, p.seq_len);
   double total = 0;
   for (const auto& s : r.stages) total += s.seconds;
@@ -97,7 +135,9 @@ int run_bench(const BenchOptions& o, std::ostream& out) {
         << 100 * s.seconds / total << "%";
     if (const auto it = sf.find(s.stage); it != sf.end()) {
       const double g = it->second / (ms * 1e6);
-      out << std::setw(11) << g << std::setw(9) << std::setprecision(2) << g / peak.gflops << "\n";
+      out << std::setw(11) << g;
+      print_fraction(bench::fraction_of_peak(g, peak), 9);
+      out << "\n";
     } else {
       out << std::setw(11) << "-" << std::setw(9) << "-"
           << "\n";
@@ -141,13 +181,19 @@ int run_bench(const BenchOptions& o, std::ostream& out) {
   }
   out << std::fixed << std::setprecision(2) << "\n  forward           median " << fwd
       << " ms  (min " << *std::min_element(r.fwd_ms.begin(), r.fwd_ms.end()) << ")  "
-      << std::setprecision(1) << gflops_fwd << " GFLOP/s, " << std::setprecision(2)
-      << gflops_fwd / peak.gflops << " of peak\n"
-      << "  forward+backward  median " << fwd_bwd << " ms  (min "
+      << std::setprecision(1) << gflops_fwd << " GFLOP/s, ";
+  print_fraction(frac_fwd, 0);
+  out << " of peak\n"
+      << "  forward+backward  median " << std::setprecision(2) << fwd_bwd << " ms  (min "
       << *std::min_element(r.fwd_bwd_ms.begin(), r.fwd_bwd_ms.end()) << ")  "
-      << std::setprecision(1) << gflops_fwd_bwd << " GFLOP/s, " << std::setprecision(2)
-      << gflops_fwd_bwd / peak.gflops << " of peak\n  FLOPs: forward " << std::setprecision(3)
-      << r.flops / 1e9 << " G (8BSD^2 + 4BS^2D + 4BSDF per layer); forward+backward 3x\n";
+      << std::setprecision(1) << gflops_fwd_bwd << " GFLOP/s, ";
+  print_fraction(frac, 0);
+  out << " of peak\n  FLOPs: forward " << std::setprecision(3) << r.flops / 1e9
+      << " G (8BSD^2 + 4BS^2D + 4BSDF per layer); forward+backward 3x\n";
+  if (probe_errors > 0)
+    out << "  PROBE ERROR: " << probe_errors
+        << " rate(s) above the measured FMA peak, which no computation can outrun: the probe "
+           "measured too little, and those fractions are left out\n";
   return 0;
 }
 

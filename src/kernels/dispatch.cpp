@@ -3,11 +3,16 @@
 #include <atomic>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <thread>
 #include <type_traits>
 #include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <cpuid.h>
+#endif
 
 #include <tbb/global_control.h>
 
@@ -107,6 +112,64 @@ std::vector<Isa> supported_isas() {
 #endif
   out.push_back(Isa::scalar);
   return out;
+}
+
+const CpuInfo& cpu_info() {
+  static const CpuInfo info = [] {
+    CpuInfo c;
+#if defined(__x86_64__) || defined(_M_X64)
+    unsigned a = 0, b = 0, cx = 0, d = 0;
+    if (__get_cpuid(0, &a, &b, &cx, &d)) {
+      char v[13] = {};
+      std::memcpy(v, &b, 4);
+      std::memcpy(v + 4, &d, 4);
+      std::memcpy(v + 8, &cx, 4);
+      c.vendor = v;
+    }
+    if (__get_cpuid(1, &a, &b, &cx, &d)) {
+      // The display family and model: the extended fields count for family 15 (and, for the
+      // model, family 6) as the vendors' manuals define.
+      const int base_family = static_cast<int>((a >> 8) & 0xf);
+      const int base_model = static_cast<int>((a >> 4) & 0xf);
+      c.family =
+          base_family == 0xf ? base_family + static_cast<int>((a >> 20) & 0xff) : base_family;
+      c.model = base_family == 0x6 || base_family == 0xf
+                    ? base_model + (static_cast<int>((a >> 16) & 0xf) << 4)
+                    : base_model;
+      c.stepping = static_cast<int>(a & 0xf);
+    }
+    if (__get_cpuid(0x80000000, &a, &b, &cx, &d) && a >= 0x80000004) {
+      char brand[49] = {};
+      for (unsigned leaf = 0; leaf < 3; ++leaf) {
+        __get_cpuid(0x80000002 + leaf, &a, &b, &cx, &d);
+        std::memcpy(brand + 16 * leaf, &a, 4);
+        std::memcpy(brand + 16 * leaf + 4, &b, 4);
+        std::memcpy(brand + 16 * leaf + 8, &cx, 4);
+        std::memcpy(brand + 16 * leaf + 12, &d, 4);
+      }
+      c.brand = brand;
+      const auto first = c.brand.find_first_not_of(' ');
+      c.brand = first == std::string::npos ? "" : c.brand.substr(first);
+      while (!c.brand.empty() && c.brand.back() == ' ') c.brand.pop_back();
+    }
+#elif defined(__aarch64__)
+    c.vendor = "aarch64";
+#else
+    c.vendor = "unknown";
+#endif
+    if (c.vendor.empty()) c.vendor = "unknown";
+    return c;
+  }();
+  return info;
+}
+
+std::string CpuInfo::describe() const {
+  std::string s = vendor;
+  if (family != 0 || model != 0)
+    s += " family " + std::to_string(family) + " model " + std::to_string(model) + " stepping " +
+         std::to_string(stepping);
+  if (!brand.empty()) s += " (" + brand + ")";
+  return s;
 }
 
 Isa best_isa() {
@@ -234,7 +297,8 @@ const simd::IsaKernels& isa_kernels(Isa i) {
   switch (i) {
 #if defined(__x86_64__) || defined(_M_X64)
     case Isa::avx512:
-      return simd::kernels_avx512();
+      return simd::kernels_avx512(cpu_info().intel() ? simd::CpuVendor::intel
+                                                     : simd::CpuVendor::other);
     case Isa::avx2:
       return simd::kernels_avx2();
 #endif

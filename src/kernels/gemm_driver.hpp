@@ -53,14 +53,79 @@ void pack_b(const simd::GemmKernel<Real>& kern, Real* d, Trans tb, const Real* b
     kern.pack_b(true, d, b + j0 * ldb + p0, ldb, nb, kc, Real(1));
 }
 
-// C = alpha op(A) op(B) + beta C (see teo/kernels.hpp for the rounding). for_each(n, f) runs f(i)
-// for i < n, serially or in parallel; a_buffer() gives the running task its own A buffer; bpack
-// holds the shared B panel. `threads` only balances the row blocks.
-template <class Real, class ForEach, class ABuffer>
+// The packing buffers of one task: its A block and, under Split::owned, its own B block.
+template <class Real>
+struct PackBuffers {
+  Buffer<Real> a, b;
+};
+
+// `count` pieces of `total` units, as equal as whole units allow: piece q is
+// [total * q / count, total * (q + 1) / count).
+inline index_t piece_start(index_t total, index_t count, index_t q) {
+  return total * q / count;
+}
+
+// Split::owned (see simd/isa.hpp): `threads` tasks each own a band of C, whole MR-row tiles or
+// whole NR-column slivers, and pack their own operands: for every NC panel of the band and every
+// KC block of k, the task packs that KC x NC block of B, then walks its rows in MC blocks, packing
+// each A block and running the macro-kernel. Every C element still sums its k blocks in order,
+// continuing from C, so the bits are those of the shared-panel split.
+template <class Real, class ForEach, class Buffers>
+void gemm_owned(const simd::GemmKernel<Real>& kern, Trans ta, Trans tb, index_t m, index_t n,
+                index_t k, Real alpha, const Real* a, index_t lda, const Real* b, index_t ldb,
+                Real beta, Real* c, index_t ldc, index_t threads, ForEach&& for_each,
+                Buffers&& buffers) {
+  const index_t mr = kern.mr, nr = kern.nr;
+  const index_t tiles = (m + mr - 1) / mr, slivers = (n + nr - 1) / nr;
+  // Bands of columns when there are enough slivers for every task to get several: each task then
+  // packs only its own columns of B, and A once per panel, the least packing of any split. Bands
+  // of rows otherwise (a narrow C: every task packs all of B, which is small).
+  const bool by_columns = slivers >= 4 * threads;
+  const index_t bands = std::max<index_t>(1, std::min(threads, by_columns ? slivers : tiles));
+  for_each(bands, [&](index_t band) {
+    const index_t t0 = by_columns ? 0 : piece_start(tiles, bands, band);
+    const index_t t1 = by_columns ? tiles : piece_start(tiles, bands, band + 1);
+    const index_t s0 = by_columns ? piece_start(slivers, bands, band) : 0;
+    const index_t s1 = by_columns ? piece_start(slivers, bands, band + 1) : slivers;
+    const index_t r0 = t0 * mr, r1 = std::min(m, t1 * mr);
+    const index_t c0 = s0 * nr, c1 = std::min(n, s1 * nr);
+    if (r0 >= r1 || c0 >= c1) return;
+    PackBuffers<Real>& buf = buffers();
+    // Equal panels and equal row blocks within the band, each at most NC columns and MC rows.
+    const index_t band_slivers = s1 - s0, band_tiles = t1 - t0;
+    const index_t panels = (band_slivers * nr + kern.nc - 1) / kern.nc;
+    const index_t nc_max = (band_slivers + panels - 1) / panels * nr;
+    const index_t max_tiles = std::max<index_t>(1, kern.mc / mr);
+    const index_t blocks = (band_tiles + max_tiles - 1) / max_tiles;
+    const index_t mc = (band_tiles + blocks - 1) / blocks * mr;
+    for (index_t jc = c0; jc < c1; jc += nc_max) {
+      const index_t nc = std::min(nc_max, c1 - jc);
+      for (index_t pc = 0; pc < k; pc += kern.kc) {
+        const index_t kc = std::min<index_t>(kern.kc, k - pc);
+        buf.b.resize(static_cast<std::size_t>((nc + nr - 1) / nr * nr * kc));
+        pack_b(kern, buf.b.data(), tb, b, ldb, pc, kc, jc, nc);
+        // The first k block starts from zero or beta * C; later ones continue from C.
+        const simd::Start start = pc > 0 ? simd::Start::c : start_of(beta);
+        for (index_t ic = r0; ic < r1; ic += mc) {
+          const index_t mb = std::min(mc, r1 - ic);
+          buf.a.resize(static_cast<std::size_t>((mb + mr - 1) / mr * mr * kc));
+          pack_a(kern, buf.a.data(), ta, a, lda, ic, mb, pc, kc, alpha);
+          kern.macro(mb, nc, kc, buf.a.data(), buf.b.data(), c + ic * ldc + jc, ldc, start, beta);
+        }
+      }
+    }
+  });
+}
+
+// C = alpha op(A) op(B) + beta C (see teo/kernels.hpp for the rounding), split among `threads`
+// tasks as the kernel's table says (simd/isa.hpp, Split). for_each(n, f) runs f(i) for i < n,
+// serially or in parallel; buffers() gives the running task its own PackBuffers; bpack holds the
+// B panel that Split::shared_panel shares among the tasks.
+template <class Real, class ForEach, class Buffers>
 void gemm_blocked(const simd::GemmKernel<Real>& kern, Trans ta, Trans tb, index_t m, index_t n,
                   index_t k, Real alpha, const Real* a, index_t lda, const Real* b, index_t ldb,
                   Real beta, Real* c, index_t ldc, index_t threads, Buffer<Real>& bpack,
-                  ForEach&& for_each, ABuffer&& a_buffer) {
+                  ForEach&& for_each, Buffers&& buffers) {
   if (m <= 0 || n <= 0) return;
   if (k <= 0 || alpha == Real(0)) {
     // C = beta * C; with beta == 0, C is written without being read.
@@ -69,6 +134,9 @@ void gemm_blocked(const simd::GemmKernel<Real>& kern, Trans ta, Trans tb, index_
         c[i * ldc + j] = beta == Real(0) ? Real(0) : beta * c[i * ldc + j];
     return;
   }
+  if (kern.split == simd::Split::owned)
+    return gemm_owned(kern, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, threads, for_each,
+                      buffers);
   const int mr = kern.mr, nr = kern.nr;
   const index_t kc_max = kern.kc, mc_max = kern.mc;
   // The number of row blocks is a multiple of the thread count and the MR-row tiles are spread
@@ -110,7 +178,7 @@ void gemm_blocked(const simd::GemmKernel<Real>& kern, Trans ta, Trans tb, index_
     for_each(ic_blocks, [&](index_t ib) {
       const index_t ic = ib * mc;
       const index_t mb = std::min<index_t>(mc, m - ic);
-      Buffer<Real>& ap = a_buffer();
+      Buffer<Real>& ap = buffers().a;
       for (index_t pc = 0; pc < k; pc += kc_max) {
         const index_t kc = std::min<index_t>(kc_max, k - pc);
         // The first k block starts from zero or beta * C; later ones continue the same chains

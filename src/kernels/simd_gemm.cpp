@@ -28,9 +28,10 @@ void simd_gemm(const simd::GemmKernel<Real>& kern, Trans ta, Trans tb, index_t m
                Real beta, Real* c, index_t ldc) {
   // Packing buffers, kept per thread so that their pages are faulted in once. A serial call makes
   // no TBB call, so no other work can run on this thread while it uses its buffers; in a parallel
-  // call each task packs A into its worker's own buffer, which nothing else touches until the task
+  // call each task packs into its worker's own buffers, which nothing else touches until the task
   // returns (the task makes no TBB call).
-  thread_local Buffer<Real> serial_a, serial_b;
+  thread_local PackBuffers<Real> serial_buffers;
+  thread_local Buffer<Real> serial_b;
   // The scratch bound keeps long, thin products (m = n = 1, k = 2^18) off this path, whose scratch
   // would hold k * (NR + MR) values for the rest of the thread's life.
   const index_t scratch_size = small_scratch_size(kern, n, k);
@@ -43,7 +44,7 @@ void simd_gemm(const simd::GemmKernel<Real>& kern, Trans ta, Trans tb, index_t m
                start_of(beta), beta, scratch.data());
     return;
   }
-  static tbb::enumerable_thread_specific<Buffer<Real>> worker_a;
+  static tbb::enumerable_thread_specific<PackBuffers<Real>> worker;
   const bool serial = m * n * k <= kSerialWork || num_threads() == 1 || in_parallel_region();
   if (serial) {
     gemm_blocked(
@@ -51,7 +52,7 @@ void simd_gemm(const simd::GemmKernel<Real>& kern, Trans ta, Trans tb, index_t m
         [](index_t count, auto&& f) {
           for (index_t i = 0; i < count; ++i) f(i);
         },
-        [&]() -> Buffer<Real>& { return serial_a; });
+        [&]() -> PackBuffers<Real>& { return serial_buffers; });
   } else {
     // A parallel GEMM is only ever started outside a parallel region (nested ones run serially),
     // so no other call can reach this thread's panel while this one waits for its tasks.
@@ -59,7 +60,7 @@ void simd_gemm(const simd::GemmKernel<Real>& kern, Trans ta, Trans tb, index_t m
     gemm_blocked(
         kern, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, num_threads(), parallel_b,
         [](index_t count, auto&& f) { parallel_for_each(count, f); },
-        [&]() -> Buffer<Real>& { return worker_a.local(); });
+        [&]() -> PackBuffers<Real>& { return worker.local(); });
   }
 }
 

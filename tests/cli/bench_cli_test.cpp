@@ -39,8 +39,25 @@ TEST(Cli, BenchJsonHasEveryKeyAndTheFlopConvention) {
   // the FMA peak measured in the same run, and the fractions of it
   const double peak = j["peak_gflops"];
   EXPECT_GT(peak, 0.0);
-  EXPECT_NEAR(j["fraction_of_peak"].get<double>(), gflops / peak, 1e-12);
-  EXPECT_NEAR(j["fraction_of_peak_fwd"].get<double>(), j["gflops_fwd"].get<double>() / peak, 1e-12);
+  // a fraction is the plain ratio when it is at most 1; above 1 it is null and probe_error is set
+  for (const char* key : {"fraction_of_peak", "fraction_of_peak_fwd"}) {
+    const double rate =
+        key == std::string("fraction_of_peak") ? gflops : j["gflops_fwd"].get<double>();
+    if (rate <= peak)
+      EXPECT_NEAR(j[key].get<double>(), rate / peak, 1e-12) << key;
+    else
+      EXPECT_TRUE(j[key].is_null() && j["probe_error"].get<bool>()) << key;
+  }
+  // the peak's terms: one thread's rate, the CPUs, the attempts and whether it held the rule
+  const double one = j["peak_one_thread_gflops"];
+  const int cores = j["peak_cores"];
+  EXPECT_GT(one, 0.0);
+  EXPECT_GE(cores, 1);
+  EXPECT_TRUE(j["peak_pinned"].get<bool>());
+  EXPECT_EQ(j["peak_reliable"].get<bool>(), peak >= 0.8 * cores * one);
+  // the CPU beside the ISA
+  EXPECT_FALSE(j["cpu"]["vendor"].get<std::string>().empty());
+  EXPECT_TRUE(j["cpu"].contains("family") && j["cpu"].contains("model"));
 }
 
 TEST(Cli, BenchTableNamesEveryStageAndBothMedians) {
@@ -49,7 +66,7 @@ TEST(Cli, BenchTableNamesEveryStageAndBothMedians) {
   for (const char* stage :
        {"embedding", "qkv_proj", "attention", "out_proj", "layer_norm", "ffn_fc1", "activation",
         "ffn_fc2", "bwd.ffn_fc1", "bwd.attention", "bwd.qkv_proj", "forward  ", "forward+backward",
-        "FMA peak ", "of peak\n", " of peak\n  FLOPs"})
+        "FMA peak ", "of peak\n", " of peak\n  FLOPs", "\n  CPU ", "one thread alone"})
     EXPECT_NE(r.out.find(stage), std::string::npos) << stage << " missing from\n" << r.out;
 }
 

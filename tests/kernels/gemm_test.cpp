@@ -138,9 +138,10 @@ TYPED_TEST(Gemm, SimdIsBitwiseIdenticalAcrossIsasAndThreadCounts) {
   }
 }
 
-// KC and MC (the knobs bench/blocking_sweep.cpp tunes) decide how often C is revisited and which
-// task computes a tile, never the order of a sum: the tile teo::gemm uses, with any blocking, gives
-// teo::gemm's bits.
+// KC, MC, NC and the split among threads (the knobs bench/blocking_sweep.cpp tunes and the
+// per-vendor tables set) decide how often C is revisited and which task computes a tile, never the
+// order of a sum: the tile teo::gemm uses, with any blocking and either split, on 1, 2 or 3
+// threads, gives teo::gemm's bits.
 TYPED_TEST(Gemm, BlockingNeverChangesABit) {
   using Real = TypeParam;
   set_backend(Backend::simd);
@@ -156,19 +157,24 @@ TYPED_TEST(Gemm, BlockingNeverChangesABit) {
       set_num_threads(1);
       const auto want = run(g, o);
       for (const auto& [kc, mc] : blockings)
-        for (int t : {1, 2}) {
-          set_num_threads(t);
-          simd::GemmKernel<Real> kern = detail::gemm_tile<Real>(detail::isa_kernels(), g.m, g.n);
-          kern.kc = kc;
-          kern.mc = mc;
-          std::vector<Real> c = o.c;
-          if (g.beta == 0) std::fill(c.begin(), c.end(), std::numeric_limits<Real>::quiet_NaN());
-          detail::simd_gemm(kern, g.ta, g.tb, g.m, g.n, g.k, static_cast<Real>(g.alpha), o.a.data(),
-                            o.lda, o.b.data(), o.ldb, static_cast<Real>(g.beta), c.data(), g.n);
-          ASSERT_EQ(std::memcmp(c.data(), want.data(), c.size() * sizeof(Real)), 0)
-              << to_string(i) << " kc=" << kc << " mc=" << mc << " threads=" << t << " "
-              << describe(g);
-        }
+        for (const auto split : {simd::Split::shared_panel, simd::Split::owned})
+          for (int t : {1, 2, 3}) {
+            set_num_threads(t);
+            simd::GemmKernel<Real> kern = detail::gemm_tile<Real>(detail::isa_kernels(), g.m, g.n);
+            kern.kc = kc;
+            kern.mc = mc;
+            kern.nc = std::max<index_t>(kern.nr, mc * 3);
+            kern.split = split;
+            std::vector<Real> c = o.c;
+            if (g.beta == 0) std::fill(c.begin(), c.end(), std::numeric_limits<Real>::quiet_NaN());
+            detail::simd_gemm(kern, g.ta, g.tb, g.m, g.n, g.k, static_cast<Real>(g.alpha),
+                              o.a.data(), o.lda, o.b.data(), o.ldb, static_cast<Real>(g.beta),
+                              c.data(), g.n);
+            ASSERT_EQ(std::memcmp(c.data(), want.data(), c.size() * sizeof(Real)), 0)
+                << to_string(i) << " kc=" << kc << " mc=" << mc << " nc=" << kern.nc
+                << (split == simd::Split::owned ? " owned" : " shared panel") << " threads=" << t
+                << " " << describe(g);
+          }
     }
   }
 }

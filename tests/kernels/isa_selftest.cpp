@@ -52,8 +52,10 @@ std::vector<Isa> isas() {
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   if (avx2) out.push_back({"avx2", &kernels_avx2()});
   if (avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
-      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
-    out.push_back({"avx512", &kernels_avx512()});
+      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl")) {
+    out.push_back({"avx512", &kernels_avx512(CpuVendor::other)});
+    out.push_back({"avx512 (Intel blocking)", &kernels_avx512(CpuVendor::intel)});
+  }
 #endif
 #if defined(__aarch64__)
   out.push_back({"neon", &kernels_neon()});
@@ -107,13 +109,14 @@ template <class Real>
 void packed_gemm(const GemmKernel<Real>& kern, Trans ta, Trans tb, index_t m, index_t n, index_t k,
                  Real alpha, const Real* a, index_t lda, const Real* b, index_t ldb, Real beta,
                  Real* c) {
-  thread_local teo::detail::Buffer<Real> a_buf, b_buf;
+  thread_local teo::detail::PackBuffers<Real> bufs;
+  thread_local teo::detail::Buffer<Real> b_buf;
   teo::detail::gemm_blocked(
       kern, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, n, 1, b_buf,
       [](index_t count, auto&& f) {
         for (index_t i = 0; i < count; ++i) f(i);
       },
-      [&]() -> teo::detail::Buffer<Real>& { return a_buf; });
+      [&]() -> teo::detail::PackBuffers<Real>& { return bufs; });
 }
 
 // Every kernel's outputs on fixed inputs, concatenated, with every NaN replaced by the canonical

@@ -9,17 +9,30 @@ namespace teo::simd {
 // flight; 2 FMA pipes x 4-cycle latency need at least 8 independent chains, and 24 hide the loads.
 // Double uses 8 x 3 vectors, also 24 accumulators (the tile BLIS gives Zen 4): on Zen 4 its GEMMs
 // ran 5-10% faster than with 12 x 2, while 8 x 3 in float lost on the small preset, whose 256
-// outputs are not a multiple of its 48 columns. KC x NR of B (384 x 32 floats = 48 KiB, 384 x 24
-// doubles = 72 KiB) streams from L1/L2; MC x KC of A (144 x 384 = 216 KiB in float, 432 KiB in
-// double) stays in the 1 MiB L2; NC bounds the B panel for the shared L3. The tiles and KCs come
-// from teo_blocking_sweep and teo bench runs recorded in docs/performance.md.
-const IsaKernels& kernels_avx512() {
-  static const IsaKernels k =
+// outputs are not a multiple of its 48 columns.
+//
+// Blocking on AMD Zen 4 (and any vendor not named): KC x NR of B (384 x 32 floats = 48 KiB, 384 x
+// 24 doubles = 72 KiB) streams from L1/L2; MC x KC of A (144 x 384 = 216 KiB in float, 432 KiB in
+// double) stays in the 1 MiB L2; NC bounds the shared B panel for L3. The tiles and KCs come from
+// teo_blocking_sweep and teo bench runs recorded in docs/performance.md.
+//
+// Intel (Sapphire and Emerald Rapids: 2 MiB L2 and 48 KiB L1d per core, an L3 far away on the
+// mesh): Split::owned, each thread packing its own KC x NC blocks of B (NC 768: at most 1.2 MiB in
+// float, 2.3 MiB in double over a whole band, 384 columns per thread on bert-base's 768) so that
+// no packed panel crosses cores. In alternating runs on bert-base's shapes it ran 4 to 12% faster
+// than the shared panel (docs/performance.md, "Intel Xeon").
+const IsaKernels& kernels_avx512(CpuVendor vendor) {
+  static const IsaKernels other =
       one_tile_isa("avx512", make_gemm<float, xsimd::avx512f, 12, 2>(384, 144, 3072),
                    make_gemm<double, xsimd::avx512f, 8, 3>(384, 144, 3072),
                    Kernels<float, xsimd::avx512f>::table(),
                    Kernels<double, xsimd::avx512f>::table(), Rounding<xsimd::avx512f>::table());
-  return k;
+  static const IsaKernels intel =
+      one_tile_isa("avx512", make_gemm<float, xsimd::avx512f, 12, 2>(384, 144, 768, Split::owned),
+                   make_gemm<double, xsimd::avx512f, 8, 3>(384, 144, 768, Split::owned),
+                   Kernels<float, xsimd::avx512f>::table(),
+                   Kernels<double, xsimd::avx512f>::table(), Rounding<xsimd::avx512f>::table());
+  return vendor == CpuVendor::intel ? intel : other;
 }
 
 }  // namespace teo::simd

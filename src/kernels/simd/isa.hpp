@@ -15,6 +15,16 @@ namespace teo::simd {
 // beta * C.
 enum class Start : int { zero = 0, c = 1, beta_c = 2 };
 
+// How the blocked driver (gemm_driver.hpp) shares a product among threads. Neither changes a bit.
+enum class Split : int {
+  // Row blocks, a multiple of the thread count; each NC-column B panel is packed once, by all
+  // threads together, and read by all of them.
+  shared_panel = 0,
+  // Each thread owns a band of C (columns, or rows when C is narrow) and packs its own blocks of
+  // B and A: no panel crosses cores and no thread waits for another until the product ends.
+  owned = 1,
+};
+
 template <class Real>
 struct GemmKernel {
   int mr;              // rows of the register tile
@@ -40,6 +50,7 @@ struct GemmKernel {
                  Real alpha);
   void (*pack_b)(bool transposed, Real* d, const Real* src, index_t ld, index_t rows, index_t kc,
                  Real alpha);
+  Split split = Split::shared_panel;
 };
 
 // The non-GEMM stages' kernels (simd/vector_kernels.hpp), per row or per element range.
@@ -106,7 +117,10 @@ inline IsaKernels one_tile_isa(const char* name, const GemmKernel<float>& sgemm,
 const IsaKernels& kernels_scalar();
 #if defined(__x86_64__) || defined(_M_X64)
 const IsaKernels& kernels_avx2();
-const IsaKernels& kernels_avx512();
+// The AVX-512 table of a vendor: the same register tiles and vector kernels, the GEMM blocking and
+// split tuned for the vendor's cores (Intel: private L2 of 2 MiB, 48 KiB L1d; others: AMD Zen 4's).
+enum class CpuVendor { other, intel };
+const IsaKernels& kernels_avx512(CpuVendor vendor = CpuVendor::other);
 #endif
 #if defined(__aarch64__)
 const IsaKernels& kernels_neon();

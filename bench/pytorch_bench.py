@@ -3,11 +3,13 @@
 
 Usage: /usr/bin/python3 bench/pytorch_bench.py --preset bert-base --dtype float32 --threads 2
 Needs Debian's python3-torch. Prints one JSON line with the keys `teo bench --json` prints
-(backend "pytorch"), so the two can be compared in one run. The model is the same as teo's:
+(backend "pytorch"), so the two can be compared in one run, and `openblas_core`: the OpenBLAS
+kernels PyTorch's products ran on (OPENBLAS_CORETYPE chooses them). The model is the same as teo's:
 token embedding + sinusoidal positions, post-norm nn.TransformerEncoder (batch_first, gelu,
 dropout 0) in train mode, mean pooling over real tokens, a linear head and cross-entropy.
 """
 import argparse
+import ctypes
 import json
 import math
 import statistics
@@ -19,6 +21,19 @@ PRESETS = {
     "bert-base": dict(d_model=768, heads=12, d_ff=3072, seq=128, batch=8, layers=2),
     "small": dict(d_model=256, heads=8, d_ff=1024, seq=64, batch=32, layers=4),
 }
+
+
+def openblas_core():
+    """The kernel set OpenBLAS chose ("SkylakeX", "Cooperlake", "Prescott"...), or "-" when the
+    BLAS PyTorch loaded is not OpenBLAS. Set OPENBLAS_CORETYPE to choose it."""
+    for name in ("libblas.so.3", "libopenblas.so.0"):
+        try:
+            get = ctypes.CDLL(name).openblas_get_corename
+        except (OSError, AttributeError):
+            continue
+        get.restype = ctypes.c_char_p
+        return get().decode()
+    return "-"
 
 
 def main():
@@ -67,7 +82,7 @@ def main():
     print(json.dumps(dict(preset=a.preset, dtype=a.dtype, threads=a.threads, backend="pytorch",
                           isa="torch-" + torch.__version__, fwd_ms=f, fwd_bwd_ms=fb,
                           gflops_fwd=flops / (f * 1e6), gflops_fwd_bwd=3 * flops / (fb * 1e6),
-                          repeats=a.repeats)))
+                          repeats=a.repeats, openblas_core=openblas_core())))
 
 
 if __name__ == "__main__":

@@ -38,6 +38,11 @@ struct CpuInfo {
 };
 const CpuInfo& cpu_info();
 
+// The kernel set OpenBLAS chose for this CPU ("SkylakeX", "Cooperlake", "Haswell", "Prescott"...):
+// what the blas backend runs. OpenBLAS picks it at load time, unless OPENBLAS_CORETYPE names one;
+// a release that does not know the CPU falls back to old, slow kernels (docs/performance.md).
+std::string openblas_core();
+
 // The instruction sets this binary was built for and this CPU runs, best first; scalar is always
 // there.
 std::vector<Isa> supported_isas();

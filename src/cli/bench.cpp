@@ -69,6 +69,7 @@ int run_bench(const BenchOptions& o, std::ostream& out) {
                           {"threads", num_threads()},
                           {"backend", to_string(backend())},
                           {"isa", to_string(isa())},
+                          {"openblas_core", openblas_core()},
                           {"cpu",
                            {{"vendor", cpu.vendor},
                             {"family", cpu.family},
@@ -95,9 +96,10 @@ int run_bench(const BenchOptions& o, std::ostream& out) {
     return 0;
   }
   out << "teo bench: preset " << o.preset << ", " << o.dtype << ", backend " << to_string(backend())
-      << ", isa " << to_string(isa()) << ", threads " << num_threads() << "\n  B=" << p.batch
-      << " S=" << p.seq_len << " D=" << cfg.d_model << " H=" << cfg.num_heads << " F=" << cfg.d_ff
-      << " layers=" << cfg.num_layers << " " << to_string(cfg.activation)
+      << ", isa " << to_string(isa()) << ", threads " << num_threads()
+      << (backend() == Backend::blas ? ", OpenBLAS kernels " + openblas_core() : "")
+      << "\n  B=" << p.batch << " S=" << p.seq_len << " D=" << cfg.d_model << " H=" << cfg.num_heads
+      << " F=" << cfg.d_ff << " layers=" << cfg.num_layers << " " << to_string(cfg.activation)
       << (cfg.norm_first ? " pre-norm" : " post-norm") << ", dropout 0; " << o.repeats
       << " timed runs after " << o.warmup << " warm-up\n  CPU " << cpu.describe() << "\n  FMA peak "
       << std::fixed << std::setprecision(1) << peak.gflops << " GFLOP/s (" << peak.isa << ", "

@@ -73,3 +73,12 @@ void blas_set_threads(int n) {
 }
 
 }  // namespace teo::detail
+
+namespace teo {
+
+std::string openblas_core() {
+  const char* name = openblas_get_corename();
+  return name ? name : "unknown";
+}
+
+}  // namespace teo

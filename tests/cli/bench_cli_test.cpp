@@ -25,8 +25,8 @@ TEST(Cli, BenchJsonHasEveryKeyAndTheFlopConvention) {
       "--json");
   ASSERT_EQ(r.code, 0) << r.out;
   const auto j = nlohmann::json::parse(r.out);
-  for (const char* key :
-       {"preset", "dtype", "threads", "backend", "isa", "fwd_ms", "fwd_bwd_ms", "gflops_fwd_bwd"})
+  for (const char* key : {"preset", "dtype", "threads", "backend", "isa", "openblas_core", "fwd_ms",
+                          "fwd_bwd_ms", "gflops_fwd_bwd"})
     EXPECT_TRUE(j.contains(key)) << key << " missing from " << r.out;
   EXPECT_EQ(j["preset"], "small");
   EXPECT_EQ(j["dtype"], "float32");

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include <xsimd/xsimd.hpp>
 
@@ -116,6 +117,57 @@ struct Vec<Real, scalar_arch> {
     return r;
   }
 };
+
+// The lanes of one vector combined by a halving tree: op(lane i, lane i + W/2) for i < W/2, then
+// the same on that half, down to one value; the order of the fixed lane trees in
+// vector_kernels.hpp, done in registers. op is called on half-width vectors and on two scalars.
+template <class Real, class Arch, class Op>
+[[gnu::always_inline]] inline Real fold(const typename Vec<Real, Arch>::B& v, Op op) {
+  [[maybe_unused]] constexpr bool f32 = std::is_same_v<Real, float>;
+  if constexpr (std::is_same_v<Arch, scalar_arch>) {
+    return v;
+#if defined(__AVX512F__)
+  } else if constexpr (std::is_same_v<Arch, xsimd::avx512f> && f32) {
+    const __m512 x = v;
+    const __m256 s8 = op(_mm512_castps512_ps256(x), _mm512_extractf32x8_ps(x, 1));
+    const __m128 s4 = op(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    const __m128 s2 = op(s4, _mm_movehl_ps(s4, s4));
+    return op(s2[0], s2[1]);
+  } else if constexpr (std::is_same_v<Arch, xsimd::avx512f>) {
+    const __m512d x = v;
+    const __m256d s4 = op(_mm512_castpd512_pd256(x), _mm512_extractf64x4_pd(x, 1));
+    const __m128d s2 = op(_mm256_castpd256_pd128(s4), _mm256_extractf128_pd(s4, 1));
+    return op(s2[0], s2[1]);
+#endif
+#if defined(__AVX2__)
+  } else if constexpr (std::is_same_v<Arch, xsimd::fma3<xsimd::avx2>> && f32) {
+    const __m256 x = v;
+    const __m128 s4 = op(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    const __m128 s2 = op(s4, _mm_movehl_ps(s4, s4));
+    return op(s2[0], s2[1]);
+  } else if constexpr (std::is_same_v<Arch, xsimd::fma3<xsimd::avx2>>) {
+    const __m256d x = v;
+    const __m128d s2 = op(_mm256_castpd256_pd128(x), _mm256_extractf128_pd(x, 1));
+    return op(s2[0], s2[1]);
+#endif
+#if defined(__aarch64__)
+  } else if constexpr (std::is_same_v<Arch, xsimd::neon64> && f32) {
+    const float32x4_t x = v;
+    const float32x2_t s2 = op(vget_low_f32(x), vget_high_f32(x));
+    return op(s2[0], s2[1]);
+  } else if constexpr (std::is_same_v<Arch, xsimd::neon64>) {
+    const float64x2_t x = v;
+    return op(x[0], x[1]);
+#endif
+  } else {
+    constexpr int W = static_cast<int>(Vec<Real, Arch>::size);
+    alignas(64) Real lanes[W];
+    Vec<Real, Arch>::store(lanes, v);
+    for (int stride = W / 2; stride >= 1; stride /= 2)
+      for (int i = 0; i < stride; ++i) lanes[i] = op(lanes[i], lanes[i + stride]);
+    return lanes[0];
+  }
+}
 
 // NB vectors of Arch processed in lockstep as one wider vector: every operation is the element-wise
 // one of Arch, so results are bit for bit Arch's. Long dependency chains (erf's series and

@@ -25,6 +25,12 @@ Real lane_sum(index_t n, const F& term) {
   const index_t full = n - n % kLanes;
   for (index_t j = 0; j < full; j += kLanes)
     for (int a = 0; a < NA; ++a) acc[a] = acc[a] + term.template operator()<V>(j + a * W);
+  if (full == n) {
+    // The same tree in registers: strides of whole vectors first, then fold's halving.
+    for (int s = NA / 2; s >= 1; s /= 2)
+      for (int a = 0; a < s; ++a) acc[a] = acc[a] + acc[a + s];
+    return fold<Real, Arch>(acc[0], [](auto x, auto y) { return x + y; });
+  }
   alignas(64) Real lanes[kLanes];
   for (int a = 0; a < NA; ++a) V::store(lanes + a * W, acc[a]);
   for (index_t j = full; j < n; ++j)
@@ -132,10 +138,10 @@ struct Kernels {
       const typename V::B x = V::load(srow + j);
       vm = V::select(x > vm, x, vm);
     }
-    alignas(64) Real lanes[W];
-    V::store(lanes, vm);
-    Real mx = srow[0];
-    for (index_t l = 0; l < W; ++l) mx = lanes[l] > mx ? lanes[l] : mx;
+    // The lanes are all NaN (from a NaN srow[0]) or none is, so any order of combining them
+    // gives the serial loop's maximum.
+    const Real lanes_max = fold<Real, Arch>(vm, [](auto x, auto y) { return y > x ? y : x; });
+    Real mx = lanes_max > srow[0] ? lanes_max : srow[0];
     for (index_t j = full; j < nv; ++j) mx = srow[j] > mx ? srow[j] : mx;
     for_each_vec<Real, Arch>(nv, [&]<class VV>(index_t j) {
       VV::store(prow + j, M<VV>::exp(VV::load(srow + j) - VV::set1(mx)));

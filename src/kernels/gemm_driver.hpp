@@ -67,9 +67,11 @@ inline index_t piece_start(index_t total, index_t count, index_t q) {
 
 // Split::owned (see simd/isa.hpp): `threads` tasks each own a band of C, whole MR-row tiles or
 // whole NR-column slivers, and pack their own operands: for every NC panel of the band and every
-// KC block of k, the task packs that KC x NC block of B, then walks its rows in MC blocks, packing
-// each A block and running the macro-kernel. Every C element still sums its k blocks in order,
-// continuing from C, so the bits are those of the shared-panel split.
+// KC block of k, the task packs that KC x NC block of B, then walks its rows in MC blocks, running
+// the macro-kernel on each A block, packed on the first panel and kept for the others (up to the
+// kernel's keep_a_bytes). Every C
+// element still sums its k blocks in order, continuing from C, so the bits are those of the
+// shared-panel split.
 template <class Real, class ForEach, class Buffers>
 void gemm_owned(const simd::GemmKernel<Real>& kern, Trans ta, Trans tb, index_t m, index_t n,
                 index_t k, Real alpha, const Real* a, index_t lda, const Real* b, index_t ldb,
@@ -77,10 +79,9 @@ void gemm_owned(const simd::GemmKernel<Real>& kern, Trans ta, Trans tb, index_t 
                 Buffers&& buffers) {
   const index_t mr = kern.mr, nr = kern.nr;
   const index_t tiles = (m + mr - 1) / mr, slivers = (n + nr - 1) / nr;
-  // Bands of columns when there are enough slivers for every task to get several: each task then
-  // packs only its own columns of B, and A once per panel, the least packing of any split. Bands
-  // of rows otherwise (a narrow C: every task packs all of B, which is small).
-  const bool by_columns = slivers >= 4 * threads;
+  // Every task packs all of the operand its band does not cut (B under bands of rows, A under
+  // bands of columns), so the bands cut the larger one.
+  const bool by_columns = slivers * nr > tiles * mr;
   const index_t bands = std::max<index_t>(1, std::min(threads, by_columns ? slivers : tiles));
   for_each(bands, [&](index_t band) {
     const index_t t0 = by_columns ? 0 : piece_start(tiles, bands, band);
@@ -98,6 +99,11 @@ void gemm_owned(const simd::GemmKernel<Real>& kern, Trans ta, Trans tb, index_t 
     const index_t max_tiles = std::max<index_t>(1, kern.mc / mr);
     const index_t blocks = (band_tiles + max_tiles - 1) / max_tiles;
     const index_t mc = (band_tiles + blocks - 1) / blocks * mr;
+    // Kept A: the KC block at k offset pc holds the band's slivers at pc * band_tiles * MR, so the
+    // MC block at row ic starts (ic - r0) / MR slivers further.
+    const bool keep_a =
+        panels > 1 && band_tiles * mr * k * static_cast<index_t>(sizeof(Real)) <= kern.keep_a_bytes;
+    buf.a.resize(static_cast<std::size_t>(keep_a ? band_tiles * mr * k : mc * kern.kc));
     for (index_t jc = c0; jc < c1; jc += nc_max) {
       const index_t nc = std::min(nc_max, c1 - jc);
       for (index_t pc = 0; pc < k; pc += kern.kc) {
@@ -108,9 +114,9 @@ void gemm_owned(const simd::GemmKernel<Real>& kern, Trans ta, Trans tb, index_t 
         const simd::Start start = pc > 0 ? simd::Start::c : start_of(beta);
         for (index_t ic = r0; ic < r1; ic += mc) {
           const index_t mb = std::min(mc, r1 - ic);
-          buf.a.resize(static_cast<std::size_t>((mb + mr - 1) / mr * mr * kc));
-          pack_a(kern, buf.a.data(), ta, a, lda, ic, mb, pc, kc, alpha);
-          kern.macro(mb, nc, kc, buf.a.data(), buf.b.data(), c + ic * ldc + jc, ldc, start, beta);
+          Real* ap = keep_a ? buf.a.data() + pc * band_tiles * mr + (ic - r0) * kc : buf.a.data();
+          if (!keep_a || jc == c0) pack_a(kern, ap, ta, a, lda, ic, mb, pc, kc, alpha);
+          kern.macro(mb, nc, kc, ap, buf.b.data(), c + ic * ldc + jc, ldc, start, beta);
         }
       }
     }

@@ -150,6 +150,9 @@ TYPED_TEST(Gemm, BlockingNeverChangesABit) {
                          {Trans::no, Trans::no, 257, 200, 64, 0.125, -0.5},
                          {Trans::yes, Trans::yes, 45, 3100, 40, 1.0, 1.0}};
   const std::pair<index_t, index_t> blockings[] = {{1, 1}, {7, 13}, {64, 24}, {5000, 5000}};
+  // the owned split keeping each task's packed A across its panels, and packing it per panel
+  const std::pair<simd::Split, bool> kSplits[] = {
+      {simd::Split::shared_panel, true}, {simd::Split::owned, true}, {simd::Split::owned, false}};
   for (const GemmCase& g : cs) {
     const auto o = make<Real>(g, 7);
     for (Isa i : supported_isas()) {
@@ -157,7 +160,7 @@ TYPED_TEST(Gemm, BlockingNeverChangesABit) {
       set_num_threads(1);
       const auto want = run(g, o);
       for (const auto& [kc, mc] : blockings)
-        for (const auto split : {simd::Split::shared_panel, simd::Split::owned})
+        for (const auto& [split, keep_a] : kSplits)
           for (int t : {1, 2, 3}) {
             set_num_threads(t);
             simd::GemmKernel<Real> kern = detail::gemm_tile<Real>(detail::isa_kernels(), g.m, g.n);
@@ -165,6 +168,7 @@ TYPED_TEST(Gemm, BlockingNeverChangesABit) {
             kern.mc = mc;
             kern.nc = std::max<index_t>(kern.nr, mc * 3);
             kern.split = split;
+            if (!keep_a) kern.keep_a_bytes = 0;
             std::vector<Real> c = o.c;
             if (g.beta == 0) std::fill(c.begin(), c.end(), std::numeric_limits<Real>::quiet_NaN());
             detail::simd_gemm(kern, g.ta, g.tb, g.m, g.n, g.k, static_cast<Real>(g.alpha),
@@ -172,8 +176,10 @@ TYPED_TEST(Gemm, BlockingNeverChangesABit) {
                               c.data(), g.n);
             ASSERT_EQ(std::memcmp(c.data(), want.data(), c.size() * sizeof(Real)), 0)
                 << to_string(i) << " kc=" << kc << " mc=" << mc << " nc=" << kern.nc
-                << (split == simd::Split::owned ? " owned" : " shared panel") << " threads=" << t
-                << " " << describe(g);
+                << (split == simd::Split::shared_panel ? " shared panel"
+                    : keep_a                           ? " owned, A kept"
+                                                       : " owned, A packed per panel")
+                << " threads=" << t << " " << describe(g);
           }
     }
   }

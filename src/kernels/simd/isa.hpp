@@ -51,6 +51,9 @@ struct GemmKernel {
   void (*pack_b)(bool transposed, Real* d, const Real* src, index_t ld, index_t rows, index_t kc,
                  Real alpha);
   Split split = Split::shared_panel;
+  // Split::owned keeps a task's packed A for all of k, across its NC panels, when that takes at
+  // most this many bytes; beyond, each A block is packed again for every panel.
+  index_t keep_a_bytes = index_t{16} << 20;
 };
 
 // The non-GEMM stages' kernels (simd/vector_kernels.hpp), per row or per element range.

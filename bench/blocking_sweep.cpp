@@ -1,16 +1,17 @@
 // teo_blocking_sweep: compares GEMM cache blockings (KC, MC) against OpenBLAS in one process.
 //
 //   build/bench/teo_blocking_sweep [--dtype float32|float64] [--shapes bert|small]
-//                                  [--rounds N] [--threads N] [KC,MC ...]
+//                                  [--rounds N] [--threads N] [KC,MC[,NC[,shared|owned]] ...]
 //
 // Each round times OpenBLAS once and then every blocking once (3 calls each) on the same operands,
 // starting the blockings at a different one each round, after one untimed teo call: OpenBLAS's
 // threads keep spinning for a while after a call returns and slow whatever runs next, which would
 // otherwise always penalise the first blocking. Per blocking it prints the median GFLOP/s and the
 // median of its per-round ratios to OpenBLAS, which cancels the machine's drift between rounds.
-// Each blocking is a copy of the tile teo::gemm would use, with KC and MC replaced (0 keeps the
-// table's value, so 0,0 is the table's own blocking), run through the simd backend's GEMM. No
-// blocking changes a result (Gemm.BlockingNeverChangesABit), only the time.
+// Each blocking is a copy of the tile teo::gemm would use, with KC, MC and NC replaced (0 keeps the
+// table's value, so 0,0 is the table's own blocking) and, when named, the split among threads
+// (simd/isa.hpp: shared or owned), run through the simd backend's GEMM. No blocking changes a
+// result (Gemm.BlockingNeverChangesABit), only the time.
 #include <cblas.h>
 
 #include <algorithm>
@@ -38,7 +39,9 @@ struct Shape {
 };
 
 struct Blocking {
-  index_t kc, mc;
+  index_t kc, mc, nc = 0;
+  int split = -1;  // -1: the table's; else a teo::simd::Split
+  std::string name;
 };
 
 double median(std::vector<double> v) {
@@ -99,6 +102,8 @@ void sweep(const Shape& s, const std::vector<Blocking>& blockings, int rounds) {
   for (std::size_t i = 0; i < nb; ++i) {
     if (blockings[i].kc > 0) kerns[i].kc = blockings[i].kc;
     if (blockings[i].mc > 0) kerns[i].mc = blockings[i].mc;
+    if (blockings[i].nc > 0) kerns[i].nc = blockings[i].nc;
+    if (blockings[i].split >= 0) kerns[i].split = static_cast<teo::simd::Split>(blockings[i].split);
   }
   for (int r = 0; r < rounds; ++r) {
     const double b = w.time(nullptr);
@@ -114,8 +119,7 @@ void sweep(const Shape& s, const std::vector<Blocking>& blockings, int rounds) {
               s.tb == Trans::no ? "N" : "T", static_cast<long>(s.m), static_cast<long>(s.n),
               static_cast<long>(s.k), median(blas));
   for (std::size_t i = 0; i < nb; ++i)
-    std::printf(" | %ld,%ld %6.1f (%.3f)", static_cast<long>(blockings[i].kc),
-                static_cast<long>(blockings[i].mc), median(rate[i]), median(ratio[i]));
+    std::printf(" | %s %6.1f (%.3f)", blockings[i].name.c_str(), median(rate[i]), median(ratio[i]));
   std::printf("\n");
   std::fflush(stdout);
 }
@@ -123,7 +127,8 @@ void sweep(const Shape& s, const std::vector<Blocking>& blockings, int rounds) {
 [[noreturn]] void usage(const std::string& why) {
   std::fprintf(stderr,
                "teo_blocking_sweep: %s\nusage: teo_blocking_sweep [--dtype float32|float64] "
-               "[--shapes bert|small] [--rounds N] [--threads N] [KC,MC ...]\n",
+               "[--shapes bert|small] [--rounds N] [--threads N] "
+               "[KC,MC[,NC[,shared|owned]] ...]\n",
                why.c_str());
   std::exit(2);
 }
@@ -158,15 +163,22 @@ int main(int argc, char** argv) {
     } else if (a == "--threads") {
       threads = static_cast<int>(positive(a, value()));
     } else {
-      long kc = -1, mc = -1;
-      char tail = 0;
-      if (std::sscanf(a.c_str(), "%ld,%ld%c", &kc, &mc, &tail) != 2 || kc < 0 || mc < 0 ||
-          kc > 100000 || mc > 100000)
-        usage("not a flag or a KC,MC pair: " + a);
-      blockings.push_back({kc, mc});
+      long kc = -1, mc = -1, nc = 0;
+      char split[16] = {};
+      const int got = std::sscanf(a.c_str(), "%ld,%ld,%ld,%15s", &kc, &mc, &nc, split);
+      const std::string sp = split;
+      if (got < 2 || kc < 0 || mc < 0 || nc < 0 || kc > 100000 || mc > 100000 || nc > 100000 ||
+          (got == 4 && sp != "shared" && sp != "owned") ||
+          a.find_first_not_of("0123456789,sharedown") != std::string::npos)
+        usage("not a flag or a KC,MC[,NC[,shared|owned]] blocking: " + a);
+      blockings.push_back({kc, mc, nc,
+                           got < 4         ? -1
+                           : sp == "owned" ? static_cast<int>(teo::simd::Split::owned)
+                                           : static_cast<int>(teo::simd::Split::shared_panel),
+                           a});
     }
   }
-  if (blockings.empty()) blockings.push_back({0, 0});
+  if (blockings.empty()) blockings.push_back({0, 0, 0, -1, "0,0"});
 
   std::vector<Shape> list;
   if (shapes == "bert") {
@@ -191,7 +203,7 @@ int main(int argc, char** argv) {
   }
   openblas_set_num_threads(threads);
   std::printf(
-      "%s, %d threads, isa %s, %d rounds; per blocking KC,MC: median GFLOP/s (median "
+      "%s, %d threads, isa %s, %d rounds; per blocking KC,MC[,NC,split]: median GFLOP/s (median "
       "per-round ratio to OpenBLAS)\n",
       dtype.c_str(), threads, teo::to_string(teo::isa()), rounds);
   for (const Shape& s : list) {

@@ -17,7 +17,7 @@ teo="$build/teo"
 [[ -x "$teo" ]] || { echo "pytorch_table.sh: build $build first" >&2; exit 2; }
 /usr/bin/python3 -c 'import torch' 2>/dev/null || { echo "pytorch_table.sh: needs python3-torch" >&2; exit 2; }
 
-field() { /usr/bin/python3 -c "import json,sys; v = json.loads(sys.stdin.readline())['$1']; print('%.1f' % v if isinstance(v, float) else v)"; }
+field() { /usr/bin/python3 -c "import json,sys; v = json.loads(sys.stdin.readline())['$1']; print(('%.2f' if abs(v) < 10 else '%.1f') % v if isinstance(v, float) else v)"; }
 ratio() { /usr/bin/python3 -c "print('%.2f' % ($1 / $2))"; }
 torch_run() {  # $1: preset, $2: dtype, $3: OPENBLAS_CORETYPE or "" for OpenBLAS's own choice
   if [[ -n $3 ]]; then

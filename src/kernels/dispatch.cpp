@@ -296,9 +296,12 @@ void set_emulation(Precision p) {
 const simd::IsaKernels& isa_kernels(Isa i) {
   switch (i) {
 #if defined(__x86_64__) || defined(_M_X64)
-    case Isa::avx512:
-      return simd::kernels_avx512(cpu_info().intel() ? simd::CpuVendor::intel
-                                                     : simd::CpuVendor::other);
+    case Isa::avx512: {
+      // Read once: every GEMM and attention row asks for its table.
+      static const simd::IsaKernels& table = simd::kernels_avx512(
+          cpu_info().intel() ? simd::CpuVendor::intel : simd::CpuVendor::other);
+      return table;
+    }
     case Isa::avx2:
       return simd::kernels_avx2();
 #endif

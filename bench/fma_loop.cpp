@@ -36,14 +36,15 @@ int main(int argc, char** argv) {
     double sink = 0;
     const auto t0 = std::chrono::steady_clock::now();
 #pragma omp parallel reduction(+ : sink)
-    sink += dbl ? chains<__m512d>(
-                      iters, [](__m512d a, __m512d b, __m512d c) { return _mm512_fmadd_pd(a, b, c); },
-                      [](double v) { return _mm512_set1_pd(v); },
-                      [](__m512d a) { return _mm512_reduce_add_pd(a); })
-                : chains<__m512>(
-                      iters, [](__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); },
-                      [](double v) { return _mm512_set1_ps(static_cast<float>(v)); },
-                      [](__m512 a) { return static_cast<double>(_mm512_reduce_add_ps(a)); });
+    sink +=
+        dbl ? chains<__m512d>(
+                  iters, [](__m512d a, __m512d b, __m512d c) { return _mm512_fmadd_pd(a, b, c); },
+                  [](double v) { return _mm512_set1_pd(v); },
+                  [](__m512d a) { return _mm512_reduce_add_pd(a); })
+            : chains<__m512>(
+                  iters, [](__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); },
+                  [](double v) { return _mm512_set1_ps(static_cast<float>(v)); },
+                  [](__m512 a) { return static_cast<double>(_mm512_reduce_add_ps(a)); });
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     const double flops = 2.0 * iters * 12 * (dbl ? 8 : 16) * omp_get_max_threads();
     if (flops / s / 1e9 > best) best = flops / s / 1e9;

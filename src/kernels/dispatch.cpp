@@ -140,12 +140,13 @@ const CpuInfo& cpu_info() {
     }
     if (__get_cpuid(0x80000000, &a, &b, &cx, &d) && a >= 0x80000004) {
       char brand[49] = {};
-      for (unsigned leaf = 0; leaf < 3; ++leaf) {
-        __get_cpuid(0x80000002 + leaf, &a, &b, &cx, &d);
-        std::memcpy(brand + 16 * leaf, &a, 4);
-        std::memcpy(brand + 16 * leaf + 4, &b, 4);
-        std::memcpy(brand + 16 * leaf + 8, &cx, 4);
-        std::memcpy(brand + 16 * leaf + 12, &d, 4);
+      for (std::size_t leaf = 0; leaf < 3; ++leaf) {
+        __get_cpuid(0x80000002 + static_cast<unsigned>(leaf), &a, &b, &cx, &d);
+        char* at = brand + std::size_t{16} * leaf;
+        std::memcpy(at, &a, 4);
+        std::memcpy(at + 4, &b, 4);
+        std::memcpy(at + 8, &cx, 4);
+        std::memcpy(at + 12, &d, 4);
       }
       c.brand = brand;
       const auto first = c.brand.find_first_not_of(' ');

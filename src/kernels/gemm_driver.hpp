@@ -69,9 +69,8 @@ inline index_t piece_start(index_t total, index_t count, index_t q) {
 // whole NR-column slivers, and pack their own operands: for every NC panel of the band and every
 // KC block of k, the task packs that KC x NC block of B, then walks its rows in MC blocks, running
 // the macro-kernel on each A block, packed on the first panel and kept for the others (up to the
-// kernel's keep_a_bytes). Every C
-// element still sums its k blocks in order, continuing from C, so the bits are those of the
-// shared-panel split.
+// kernel's keep_a_bytes). Every C element still sums its k blocks in order, continuing from C, so
+// the bits are those of the shared-panel split.
 template <class Real, class ForEach, class Buffers>
 void gemm_owned(const simd::GemmKernel<Real>& kern, Trans ta, Trans tb, index_t m, index_t n,
                 index_t k, Real alpha, const Real* a, index_t lda, const Real* b, index_t ldb,

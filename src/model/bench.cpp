@@ -111,7 +111,8 @@ Result measure(const Preset& p, int repeats, int warmup, std::optional<Precision
 
 namespace {
 
-// The CPUs this process may run on, in order (one CPU, unnamed, where that cannot be read).
+// The CPUs this process may run on, in order (none where that cannot be read: then nothing is
+// pinned and the rule counts one core).
 std::vector<int> usable_cpus() {
   std::vector<int> cpus;
 #if defined(__linux__)

@@ -17,10 +17,11 @@ namespace teo::simd {
 // teo_blocking_sweep and teo bench runs recorded in docs/performance.md.
 //
 // Intel (Sapphire and Emerald Rapids: 2 MiB L2 and 48 KiB L1d per core, an L3 far away on the
-// mesh): Split::owned, each thread packing its own KC x NC blocks of B (NC 768: at most 1.2 MiB in
-// float, 2.3 MiB in double over a whole band, 384 columns per thread on bert-base's 768) so that
-// no packed panel crosses cores. In alternating runs on bert-base's shapes it ran 4 to 12% faster
-// than the shared panel (docs/performance.md, "Intel Xeon").
+// mesh): Split::owned, each thread owning a band of C and packing its own KC x NC blocks of B (NC
+// 768: 1.2 MiB in float, 2.3 MiB in double) and keeping its packed A, so that no packed panel
+// crosses cores. In teo_blocking_sweep on bert-base's shapes its ratio to OpenBLAS was 0.77-1.03
+// in float and 0.87-1.15 in double, against 0.75-0.95 and 0.60-1.09 with the shared panel; other
+// KC, MC and NC gained nothing beyond noise (docs/performance.md, "Intel Xeon").
 const IsaKernels& kernels_avx512(CpuVendor vendor) {
   static const IsaKernels other =
       one_tile_isa("avx512", make_gemm<float, xsimd::avx512f, 12, 2>(384, 144, 3072),

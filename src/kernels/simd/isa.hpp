@@ -20,8 +20,9 @@ enum class Split : int {
   // Row blocks, a multiple of the thread count; each NC-column B panel is packed once, by all
   // threads together, and read by all of them.
   shared_panel = 0,
-  // Each thread owns a band of C (columns, or rows when C is narrow) and packs its own blocks of
-  // B and A: no panel crosses cores and no thread waits for another until the product ends.
+  // Each thread owns a band of C (rows or columns, cutting the larger dimension) and packs its own
+  // blocks of B and A: no panel crosses cores and no thread waits for another until the product
+  // ends.
   owned = 1,
 };
 

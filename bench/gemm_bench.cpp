@@ -4,6 +4,7 @@
 #include <cblas.h>
 
 #include <chrono>
+#include <cmath>
 #include <map>
 #include <type_traits>
 #include <utility>
@@ -17,15 +18,15 @@
 namespace {
 
 // The FMA peak of the best ISA for Real on `threads` threads (teo::bench::fma_peak), measured once
-// per run, in FLOP/s: the yardstick of the "of_peak" column.
+// per run: the yardstick of the "of_peak" column.
 template <class Real>
-double peak_flops(int threads) {
-  static std::map<int, double> cache;
+const teo::bench::Peak& peak(int threads) {
+  static std::map<int, teo::bench::Peak> cache;
   auto it = cache.find(threads);
   if (it == cache.end()) {
     teo::ScopedSettings restore;
     teo::set_num_threads(threads);
-    it = cache.emplace(threads, teo::bench::fma_peak<Real>().gflops * 1e9).first;
+    it = cache.emplace(threads, teo::bench::fma_peak<Real>()).first;
   }
   return it->second;
 }
@@ -36,8 +37,10 @@ template <class Real>
 void rate_counters(benchmark::State& state, double flops, int threads, double seconds) {
   state.counters["GFLOP/s"] = benchmark::Counter(
       flops, benchmark::Counter::kIsIterationInvariantRate, benchmark::Counter::kIs1000);
-  const double rate = flops * static_cast<double>(state.iterations()) / seconds;
-  state.counters["of_peak"] = rate / peak_flops<Real>(threads);
+  const double gflops = flops * static_cast<double>(state.iterations()) / seconds / 1e9;
+  // NaN where the rate is above the peak: a probe error, never a result.
+  state.counters["of_peak"] =
+      teo::bench::fraction_of_peak(gflops, peak<Real>(threads)).value_or(std::nan(""));
 }
 
 template <class Real>
@@ -52,7 +55,7 @@ void BM_Gemm(benchmark::State& state, teo::Backend backend, teo::Trans ta, teo::
   for (std::size_t i = 0; i < b.size(); ++i)
     b[i] = static_cast<Real>(teo::rng::uniform01(1, 2, i) - 0.5);
   const teo::index_t lda = ta == teo::Trans::no ? k : m, ldb = tb == teo::Trans::no ? n : k;
-  peak_flops<Real>(static_cast<int>(state.range(3)));  // measured before the timed loop
+  peak<Real>(static_cast<int>(state.range(3)));  // measured before the timed loop
   const auto t0 = std::chrono::steady_clock::now();
   for (auto _ : state) {
     teo::gemm<Real>(ta, tb, m, n, k, Real(1), a.data(), lda, b.data(), ldb, Real(0), c.data(), n);
@@ -98,7 +101,7 @@ void BM_OpenBlas(benchmark::State& state, teo::Trans ta, teo::Trans tb) {
   const auto TA = ta == teo::Trans::no ? CblasNoTrans : CblasTrans;
   const auto TB = tb == teo::Trans::no ? CblasNoTrans : CblasTrans;
   const int lda = ta == teo::Trans::no ? k : m, ldb = tb == teo::Trans::no ? n : k;
-  peak_flops<Real>(static_cast<int>(state.range(3)));
+  peak<Real>(static_cast<int>(state.range(3)));
   const auto t0 = std::chrono::steady_clock::now();
   for (auto _ : state) {
     if constexpr (std::is_same_v<Real, float>) {

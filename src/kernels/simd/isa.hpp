@@ -124,7 +124,7 @@ const IsaKernels& kernels_avx2();
 // The AVX-512 table of a vendor: the same register tiles and vector kernels, the GEMM blocking and
 // split tuned for the vendor's cores (Intel: private L2 of 2 MiB, 48 KiB L1d; others: AMD Zen 4's).
 enum class CpuVendor { other, intel };
-const IsaKernels& kernels_avx512(CpuVendor vendor = CpuVendor::other);
+const IsaKernels& kernels_avx512(CpuVendor vendor);
 #endif
 #if defined(__aarch64__)
 const IsaKernels& kernels_neon();

@@ -19,4 +19,8 @@ enum class MathFn { exp, erf, tanh };
 // float32 with tf32 matrix products, bfloat16 or IEEE half.
 enum class Precision { fp64, fp32, tf32, bf16, fp16 };
 
+// The two OCP 8-bit floating-point formats (teo/fp8.hpp): E4M3 ("fn": bias 7, no infinities,
+// largest finite 448) and E5M2 (bias 15, IEEE-like, largest finite 57344).
+enum class Fp8Format { e4m3, e5m2 };
+
 }  // namespace teo

@@ -449,8 +449,10 @@ def run_test(teo, golden_dir, work):
 # backward ones are larger: torch's CPU kernels accumulate some sums over
 # rows in bfloat16, where a running sum stops growing once the terms fall
 # below half its ulp (LayerNorm's bias gradient over the 183 rows of
-# seq_len_113 is 15% off).
-CLOSE_ENOUGH = {("bfloat16", "act."): 3e-2, ("bfloat16", "grad."): 2e-1,
+# seq_len_113 is 15% off). Torch's bfloat16 kernels differ by CPU: the
+# worst forward error is 2.5e-2 with AVX-512 and 3.2e-2 (seq_len_113's
+# context) on an AVX2-only AMD EPYC (family 25).
+CLOSE_ENOUGH = {("bfloat16", "act."): 4e-2, ("bfloat16", "grad."): 2e-1,
                 ("tf32", "act."): 5e-3, ("tf32", "grad."): 1e-2}
 
 

@@ -3,7 +3,9 @@
 //   1. every ISA this CPU runs gives the same bits as the scalar fallback, for GEMMs of every
 //      transpose and edge size and for every vector kernel, in float and double;
 //   2. the scalar results hash to the values recorded on x86-64 below, so a run on AArch64 proves
-//      bitwise agreement with the x86 results.
+//      bitwise agreement with the x86 results;
+//   3. the rounding kernels (bf16, fp16, tf32, E4M3, E5M2, E8M0) likewise, on a spread of float bit
+//      patterns.
 // Output ends with the line "N passed, N failed"; the exit status is 1 on any failure.
 #include <array>
 #include <cstdint>
@@ -227,6 +229,77 @@ void test_dtype(const char* dtype, std::uint64_t expected) {
   }
 }
 
+// Every rounding kernel's output bytes on 2^16 float bit patterns spread over all 2^32 (a
+// multiplicative hash of the index) and the specials, every fp8 and 16-bit byte widened.
+std::vector<unsigned char> run_rounding(const RoundKernels& r) {
+  std::vector<std::uint32_t> bits;
+  for (std::uint32_t i = 0; i < (1u << 16); ++i) bits.push_back(i * 0x9E3779B1u);
+  for (std::uint32_t u : {0x00000000u, 0x80000000u, 0x7F800000u, 0xFF800000u, 0x7FC00000u,
+                          0x7F800001u, 0x43E80000u, 0x47700000u, 0x477FF000u, 0x00000001u})
+    bits.push_back(u);
+  const auto n = static_cast<index_t>(bits.size());
+  std::vector<float> in(bits.size());
+  std::memcpy(in.data(), bits.data(), bits.size() * 4);
+  std::vector<unsigned char> out;
+  const auto append = [&](const void* p, std::size_t bytes) {
+    const auto* c = static_cast<const unsigned char*>(p);
+    out.insert(out.end(), c, c + bytes);
+  };
+  std::vector<float> f(bits.size());
+  std::vector<std::uint16_t> h(bits.size());
+  std::vector<std::uint8_t> b(bits.size());
+  for (teo::Precision p : {teo::Precision::bf16, teo::Precision::fp16, teo::Precision::tf32}) {
+    r.round(f.data(), in.data(), n, p);
+    append(f.data(), f.size() * 4);
+  }
+  for (teo::Precision p : {teo::Precision::bf16, teo::Precision::fp16}) {
+    r.narrow(h.data(), in.data(), n, p);
+    append(h.data(), h.size() * 2);
+    std::vector<std::uint16_t> all(1 << 16);
+    for (std::size_t i = 0; i < all.size(); ++i) all[i] = static_cast<std::uint16_t>(i);
+    std::vector<float> w(all.size());
+    r.widen(w.data(), all.data(), static_cast<index_t>(all.size()), p);
+    append(w.data(), w.size() * 4);
+  }
+  for (teo::Fp8Format fmt : {teo::Fp8Format::e4m3, teo::Fp8Format::e5m2}) {
+    for (bool sat : {false, true}) {
+      r.round_fp8(f.data(), in.data(), n, fmt, sat);
+      append(f.data(), f.size() * 4);
+      r.narrow_fp8(b.data(), in.data(), n, fmt, sat);
+      append(b.data(), b.size());
+    }
+    std::vector<std::uint8_t> all(256);
+    for (int i = 0; i < 256; ++i) all[i] = static_cast<std::uint8_t>(i);
+    std::vector<float> w(256);
+    r.widen_fp8(w.data(), all.data(), 256, fmt);
+    append(w.data(), w.size() * 4);
+  }
+  for (int offset : {0, 8}) {
+    for (bool up : {false, true}) {
+      r.to_e8m0(b.data(), in.data(), n, offset, up);
+      append(b.data(), b.size());
+    }
+  }
+  return out;
+}
+
+// The scalar rounding results' hash as computed on x86-64.
+constexpr std::uint64_t kExpectedRounding = 0xd94570d3c801e813ull;
+
+void test_rounding() {
+  const auto all = isas();
+  const auto want = run_rounding(all.front().k->rounding);
+  std::uint64_t h = 0xCBF29CE484222325ull;
+  hash_into(h, want);
+  std::printf("rounding: %zu bytes, scalar hash 0x%016llx\n", want.size(),
+              static_cast<unsigned long long>(h));
+  check(h == kExpectedRounding, "rounding scalar results match the recorded x86-64 hash");
+  for (std::size_t i = 1; i < all.size(); ++i) {
+    const auto got = run_rounding(all[i].k->rounding);
+    check(got == want, std::string("rounding ") + all[i].name + " is bitwise identical to scalar");
+  }
+}
+
 }  // namespace
 
 // The small-GEMM path (A and B read in place) gives the packed path's bits for every transpose,
@@ -355,6 +428,7 @@ int main() {
   std::printf("ISAs here:%s\n", names.c_str());
   test_dtype<float>("float", kExpectedFloat);
   test_dtype<double>("double", kExpectedDouble);
+  test_rounding();
   for (const auto& i : isas()) {
     test_small_gemm<float>(i);
     test_small_gemm<double>(i);

@@ -1,6 +1,6 @@
 // AVX2 with FMA3 (Haswell and later), compiled with -mavx2 -mfma.
+#include "fp8_kernels.hpp"
 #include "gemm_kernel.hpp"
-#include "round_kernels.hpp"
 #include "vector_kernels.hpp"
 
 namespace teo::simd {
@@ -21,7 +21,7 @@ const IsaKernels& kernels_avx2() {
                             make_gemm<double, xsimd::fma3<xsimd::avx2>, 6, 2>(256, 512, 3072),
                             Kernels<float, xsimd::fma3<xsimd::avx2>>::table(),
                             Kernels<double, xsimd::fma3<xsimd::avx2>>::table(),
-                            Rounding<xsimd::fma3<xsimd::avx2>>::table()};
+                            rounding_table<xsimd::fma3<xsimd::avx2>>()};
   return k;
 }
 

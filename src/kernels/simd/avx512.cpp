@@ -1,6 +1,6 @@
 // AVX-512 (Zen 4, Skylake-SP and later), compiled with -mavx512f -mavx512dq -mavx512vl -mfma.
+#include "fp8_kernels.hpp"
 #include "gemm_kernel.hpp"
-#include "round_kernels.hpp"
 #include "vector_kernels.hpp"
 
 namespace teo::simd {
@@ -27,12 +27,12 @@ const IsaKernels& kernels_avx512(CpuVendor vendor) {
       one_tile_isa("avx512", make_gemm<float, xsimd::avx512f, 12, 2>(384, 144, 3072),
                    make_gemm<double, xsimd::avx512f, 8, 3>(384, 144, 3072),
                    Kernels<float, xsimd::avx512f>::table(),
-                   Kernels<double, xsimd::avx512f>::table(), Rounding<xsimd::avx512f>::table());
+                   Kernels<double, xsimd::avx512f>::table(), rounding_table<xsimd::avx512f>());
   static const IsaKernels intel =
       one_tile_isa("avx512", make_gemm<float, xsimd::avx512f, 12, 2>(384, 144, 768, Split::owned),
                    make_gemm<double, xsimd::avx512f, 8, 3>(384, 144, 768, Split::owned),
                    Kernels<float, xsimd::avx512f>::table(),
-                   Kernels<double, xsimd::avx512f>::table(), Rounding<xsimd::avx512f>::table());
+                   Kernels<double, xsimd::avx512f>::table(), rounding_table<xsimd::avx512f>());
   return vendor == CpuVendor::intel ? intel : other;
 }
 

@@ -95,6 +95,16 @@ struct RoundKernels {
   // The bf16 or fp16 bits of in, rounded to nearest even; and back (exact).
   void (*narrow)(std::uint16_t* out, const float* in, index_t n, Precision p);
   void (*widen)(float* out, const std::uint16_t* in, index_t n, Precision p);
+  // out = in rounded to the fp8 format f to nearest even, as floats; out may be in. Beyond the
+  // largest finite value: that value when saturating, else inf (E5M2) or NaN (E4M3). Returns
+  // whether a finite value became inf or NaN.
+  bool (*round_fp8)(float* out, const float* in, index_t n, Fp8Format f, bool saturate);
+  // The fp8 bytes of in, rounded as round_fp8 does; and back (exact).
+  void (*narrow_fp8)(std::uint8_t* out, const float* in, index_t n, Fp8Format f, bool saturate);
+  void (*widen_fp8)(float* out, const std::uint8_t* in, index_t n, Fp8Format f);
+  // The E8M0 bytes (2^(byte - 127); 0xFF is NaN) of in: floor(log2 |x|), or its ceiling when `up`,
+  // less `offset`, clamped to 0 .. 254. Zero gives 0; a negative, infinite or NaN value gives 0xFF.
+  void (*to_e8m0)(std::uint8_t* out, const float* in, index_t n, int offset, bool up);
 };
 
 struct IsaKernels {

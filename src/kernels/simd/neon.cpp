@@ -1,6 +1,6 @@
 // NEON on AArch64 (Advanced SIMD is mandatory there; no extra flags).
+#include "fp8_kernels.hpp"
 #include "gemm_kernel.hpp"
-#include "round_kernels.hpp"
 #include "vector_kernels.hpp"
 
 namespace teo::simd {
@@ -11,7 +11,7 @@ const IsaKernels& kernels_neon() {
       one_tile_isa("neon", make_gemm<float, xsimd::neon64, 8, 3>(256, 128, 3072),
                    make_gemm<double, xsimd::neon64, 8, 3>(256, 128, 3072),
                    Kernels<float, xsimd::neon64>::table(), Kernels<double, xsimd::neon64>::table(),
-                   Rounding<xsimd::neon64>::table());
+                   rounding_table<xsimd::neon64>());
   return k;
 }
 

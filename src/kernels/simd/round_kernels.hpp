@@ -207,8 +207,6 @@ struct Rounding {
                                     : Rounding<scalar_arch>::from_fp16(h);
     }
   }
-
-  static constexpr RoundKernels table() { return RoundKernels{&round, &narrow, &widen}; }
 };
 
 }  // namespace

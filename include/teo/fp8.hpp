@@ -104,6 +104,7 @@ struct Fp8Accumulation {
   bool limited = false;
   int mantissa_bits = 14;
   index_t promote_every = 128;
+  bool operator==(const Fp8Accumulation&) const = default;
 };
 
 // c (m, n, leading dimension ldc) = the product of a (m, k) and b (n, k) as an fp8 tensor core
@@ -112,5 +113,37 @@ struct Fp8Accumulation {
 // k, and their block_k where both are scaled by blocks, must agree (ShapeError otherwise).
 void fp8_gemm(const Fp8Operand& a, const Fp8Operand& b, float* c, index_t ldc,
               const Fp8Accumulation& acc);
+
+// The recipe a Precision::fp8 pass emulates (docs/fp8.md, "Emulated passes"): every linear layer's
+// three products (forward, input gradient, weight gradient) quantize both operands along their
+// contraction and multiply with fp8_gemm; every other tensor is stored in bf16.
+// - forward / backward: the format of forward operands, and of the output gradient in the two
+//   backward products (its partner keeps `forward`); "hybrid" is E4M3 forward, E5M2 backward;
+// - scaling, with `block`'s tiles: activations and gradients 1 x block_k along the contraction,
+//   weights weight_block x block_k;
+// - saturate: overflow after scaling saturates (else it is a RangeError naming the tensor);
+// - accumulate: the products' accumulator.
+// Attention's products round their operands to bf16, as every other product of the pass.
+struct Fp8Recipe {
+  Fp8Format forward = Fp8Format::e4m3;
+  Fp8Format backward = Fp8Format::e4m3;
+  Fp8Scaling scaling = Fp8Scaling::tensor;
+  index_t block_k = 128;
+  index_t weight_block = 128;
+  bool saturate = true;
+  Fp8Accumulation accumulate;
+  bool operator==(const Fp8Recipe&) const = default;
+};
+// "e4m3", "e5m2" or "hybrid" (forward E4M3, backward E5M2); any other pair is "e4m3/e5m2" style.
+std::string fp8_format_name(const Fp8Recipe& r);
+// Sets forward and backward from e4m3, e5m2 or hybrid; a ConfigError naming `what` otherwise.
+void set_fp8_format(Fp8Recipe& r, const std::string& name, const std::string& what);
+// ConfigError naming `what` (as what.key) for a block size below 1, mantissa bits outside 1..23,
+// or a negative promote_every.
+void validate(const Fp8Recipe& r, const std::string& what);
+
+// The quantization of one product operand under r: `gradient` picks the backward format,
+// `weight` the weight_block x block_k tiles (else 1 x block_k).
+Fp8Quantization fp8_quantization(const Fp8Recipe& r, bool gradient, bool weight);
 
 }  // namespace teo

@@ -174,9 +174,15 @@ struct CheckOptions {
   //   err(candidate) <= budget_k * err(emulated) + budget_floor * u * scale,
   // err(x) = max |x - truth|, truth the float64 value, emulated = emulate(golden, precision),
   // u = unit_roundoff(precision), scale as for float32.
+  // Under fp8 a tensor must also follow the case's recipe (docs/fp8.md, "Judging"):
+  //   max |candidate - emulated| <= fp8_recipe_k * err(emulated) + 16 * 2^-24 * scale,
+  // since a backend that quantizes as the recipe says reproduces the emulated run's fp8 values, and
+  // so its error, up to float32 accumulation and the odd rounding flip; another format, scale or
+  // block gives an error of its own, as large as the emulated one.
   std::optional<Precision> precision;
   double budget_k = 8.0;
   double budget_floor = 4.0;
+  double fp8_recipe_k = 0.5;
   // A candidate tensor whose name is in neither the golden nor its contract fails (a misspelled
   // name must not pass unseen), and so, in directory mode, does a candidate file with no golden of
   // its name; with allow_extra both are listed but accepted.
@@ -205,6 +211,8 @@ struct TensorResult {
   // max-pooling argmax that is not resolved: the two largest values of a column within twice the
   // emulated run's errors at them of each other.
   double emulated_err = 0;
+  // Under fp8: max |candidate - emulated| / err(emulated) (0 when the emulated error is 0).
+  double recipe_distance = 0;
   std::string message;  // why it failed or was not checked; where the worst error is
   // Whether the values were compared: false for a missing tensor, a dtype or shape mismatch, and a
   // candidate tensor that is not in the golden (max_abs, max_rel, bound and ratio are then

@@ -13,6 +13,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "teo/fp8.hpp"
 #include "teo/precision.hpp"
 #include "teo/safetensors.hpp"
 
@@ -26,7 +27,8 @@ inline constexpr const char* kOpFormat = "teo-op/1";
 const std::vector<std::string>& op_names();
 
 // One op case: the op and its spec. The spec holds the shapes, the op's options, dtype
-// ("float32" or "float64"), seed and, in a float32 case, an optional precision (tf32, bf16, fp16).
+// ("float32" or "float64"), seed and, in a float32 case, an optional precision (tf32, bf16, fp16,
+// fp8); an fp8 case also names its recipe with the fp8_* keys (docs/fp8.md).
 struct OpCase {
   std::string op;
   // Normalised: every key spelled out, defaults filled in, as written to __metadata__.spec.
@@ -34,6 +36,10 @@ struct OpCase {
   std::string dtype = "float64";
   std::uint64_t seed = 0;
   std::optional<Precision> precision;
+  Fp8Recipe fp8;  // read when precision is fp8
+  // fp8 cases: the factor of the activations' outlier channels (spec key fp8_outlier, default 100);
+  // every channel also has a magnitude of its own, 2^u with u in [-2, 2) (docs/fp8.md, "Cases").
+  double fp8_outlier = 100;
 
   // Validates `spec` for `op` (or spec["op"] when op is empty; both given must agree) before
   // anything is allocated: an unknown op or key, a missing or mistyped key, or a bad value is a

@@ -17,7 +17,7 @@ enum class MathFn { exp, erf, tanh };
 
 // The number format a computation stores its tensors in (teo/precision.hpp): float64, float32,
 // float32 with tf32 matrix products, bfloat16 or IEEE half.
-enum class Precision { fp64, fp32, tf32, bf16, fp16 };
+enum class Precision { fp64, fp32, tf32, bf16, fp16, fp8 };
 
 // The two OCP 8-bit floating-point formats (teo/fp8.hpp): E4M3 ("fn": bias 7, no infinities,
 // largest finite 448) and E5M2 (bias 15, IEEE-like, largest finite 57344).

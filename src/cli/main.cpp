@@ -228,15 +228,19 @@ int main(int argc, char** argv) {
                    "float32: floor in units of FLT_EPSILON * max|ref64| (8)")
       ->check(CLI::NonNegativeNumber);
   check->add_option("--precision", check_opts.precision,
-                    "what the candidate computed in: fp64, fp32, tf32, bf16 or fp16 (default: "
-                    "implied by BF16/F16 tensors, else the golden's dtype)");
+                    "what the candidate computed in: fp64, fp32, tf32, bf16, fp16 or fp8 "
+                    "(default: implied by BF16/F16 tensors, else the golden's dtype)");
   check
       ->add_option("--budget-k", check_opts.tolerances.budget_k,
-                   "tf32/bf16/fp16: multiple of the emulated run's error (8)")
+                   "tf32/bf16/fp16/fp8: multiple of the emulated run's error (8)")
       ->check(CLI::NonNegativeNumber);
   check
       ->add_option("--budget-floor", check_opts.tolerances.budget_floor,
-                   "tf32/bf16/fp16: floor in units of the format's u * scale (4)")
+                   "tf32/bf16/fp16/fp8: floor in units of the format's u * scale (4)")
+      ->check(CLI::NonNegativeNumber);
+  check
+      ->add_option("--fp8-recipe-k", check_opts.tolerances.fp8_recipe_k,
+                   "fp8: how far from the emulated run, in units of its error (0.5)")
       ->check(CLI::NonNegativeNumber);
   CLI::App* train = app.add_subcommand(
       "train", "Train the encoder to tell which language a word is (the CPU training demo)");

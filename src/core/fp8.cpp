@@ -123,4 +123,50 @@ Fp8Scaling parse_fp8_scaling(const std::string& name, const std::string& what) {
   throw ConfigError(what + " must be tensor, block or mx, got \"" + name + "\"");
 }
 
+std::string fp8_format_name(const Fp8Recipe& r) {
+  if (r.forward == r.backward) return to_string(r.forward);
+  if (r.forward == Fp8Format::e4m3 && r.backward == Fp8Format::e5m2) return "hybrid";
+  return std::string(to_string(r.forward)) + "/" + to_string(r.backward);
+}
+
+void set_fp8_format(Fp8Recipe& r, const std::string& name, const std::string& what) {
+  if (name == "hybrid") {
+    r.forward = Fp8Format::e4m3;
+    r.backward = Fp8Format::e5m2;
+    return;
+  }
+  if (name != "e4m3" && name != "e5m2") {
+    throw ConfigError(what + " must be e4m3, e5m2 or hybrid, got \"" + name + "\"");
+  }
+  r.forward = r.backward = parse_fp8_format(name, what);
+}
+
+void validate(const Fp8Recipe& r, const std::string& what) {
+  auto positive = [&](index_t v, const char* key) {
+    if (v < 1) {
+      throw ConfigError(what + "." + key + " must be at least 1, got " + std::to_string(v));
+    }
+  };
+  positive(r.block_k, "fp8_block_k");
+  positive(r.weight_block, "fp8_weight_block");
+  if (r.accumulate.mantissa_bits < 1 || r.accumulate.mantissa_bits > 23) {
+    throw ConfigError(what + ".fp8_mantissa_bits must be 1 to 23, got " +
+                      std::to_string(r.accumulate.mantissa_bits));
+  }
+  if (r.accumulate.promote_every < 0) {
+    throw ConfigError(what + ".fp8_promote_every must be 0 (never) or more, got " +
+                      std::to_string(r.accumulate.promote_every));
+  }
+}
+
+Fp8Quantization fp8_quantization(const Fp8Recipe& r, bool gradient, bool weight) {
+  Fp8Quantization q;
+  q.format = gradient ? r.backward : r.forward;
+  q.scaling = r.scaling;
+  q.block_rows = weight ? r.weight_block : 1;
+  q.block_k = r.block_k;
+  q.saturate = r.saturate;
+  return q;
+}
+
 }  // namespace teo

@@ -11,8 +11,8 @@ namespace teo {
 
 namespace {
 
-constexpr Precision kAll[] = {Precision::fp64, Precision::fp32, Precision::tf32, Precision::bf16,
-                              Precision::fp16};
+constexpr Precision kAll[] = {Precision::fp64, Precision::fp32, Precision::tf32,
+                              Precision::bf16, Precision::fp16, Precision::fp8};
 
 void require_16_bit(Precision p, const char* what) {
   if (p != Precision::bf16 && p != Precision::fp16) {
@@ -38,6 +38,8 @@ const char* to_string(Precision p) {
       return "bf16";
     case Precision::fp16:
       return "fp16";
+    case Precision::fp8:
+      return "fp8";
   }
   return "?";
 }
@@ -45,7 +47,7 @@ const char* to_string(Precision p) {
 Precision parse_precision(const std::string& name, const std::string& what) {
   for (Precision p : kAll)
     if (name == to_string(p)) return p;
-  throw ConfigError(what + " must be fp64, fp32, tf32, bf16 or fp16, got \"" + name + "\"");
+  throw ConfigError(what + " must be fp64, fp32, tf32, bf16, fp16 or fp8, got \"" + name + "\"");
 }
 
 double unit_roundoff(Precision p) {
@@ -59,16 +61,28 @@ double unit_roundoff(Precision p) {
       return std::ldexp(1.0, -11);
     case Precision::bf16:
       return std::ldexp(1.0, -8);
+    case Precision::fp8:
+      return std::ldexp(1.0, -4);
   }
   return 0;
 }
 
+Precision storage_format(Precision p) {
+  return p == Precision::fp8 ? Precision::bf16 : p;
+}
+
+bool stores_reduced(Precision p) {
+  return p == Precision::bf16 || p == Precision::fp16 || p == Precision::fp8;
+}
+
 std::string overflow_message(Precision p) {
+  p = storage_format(p);
   return std::string("a finite value overflowed ") + to_string(p) +
          " (its largest finite value is " + (p == Precision::fp16 ? "65504" : "about 3.4e38") + ")";
 }
 
 bool round_to(Precision p, float* data, index_t n) {
+  p = storage_format(p);
   if (p == Precision::fp32 || p == Precision::fp64) return false;
   const auto& round = detail::isa_kernels().rounding.round;
   std::atomic<bool> over{false};

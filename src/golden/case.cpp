@@ -119,6 +119,11 @@ Case Case::from_json(const json& j) {
                       *c.precision == Precision::fp64)) {
     throw ConfigError("case.precision must be tf32, bf16 or fp16, in a float32 case");
   }
+  if (c.precision == Precision::fp8) {
+    throw ConfigError(
+        "case.precision fp8 is for op cases only (docs/fp8.md): a model case takes "
+        "tf32, bf16 or fp16");
+  }
   const std::size_t real = c.dtype == "float32" ? sizeof(float) : sizeof(double);
   if (c.config.encoder_decoder()) {
     if (c.tgt_len == 0) throw ConfigError("an encoder_decoder's case needs tgt_len (its target)");

@@ -150,6 +150,31 @@ TensorResult check_tensor(const File& golden, const safetensors::Tensor& g,
   return r;
 }
 
+// Under fp8, a tensor within its budget still fails when it is off the emulated run by more than
+// opts.fp8_recipe_k of the emulated error (CheckOptions::fp8_recipe_k).
+void judge_recipe(TensorResult& r, const std::vector<double>& cv, const std::vector<double>& emu,
+                  double emu_err, double scale, const CheckOptions& opts,
+                  const std::vector<std::int64_t>& shape) {
+  double dist = 0;
+  std::int64_t at = -1;
+  for (std::size_t i = 0; i < cv.size(); ++i) {
+    if (!std::isfinite(cv[i]) || !std::isfinite(emu[i])) continue;
+    const double d = std::abs(cv[i] - emu[i]);
+    if (d > dist) {
+      dist = d;
+      at = static_cast<std::int64_t>(i);
+    }
+  }
+  r.recipe_distance = emu_err > 0 ? dist / emu_err : 0;
+  const double allowed = opts.fp8_recipe_k * emu_err + 16 * std::ldexp(1.0, -24) * scale;
+  if (dist <= allowed) return;
+  const auto i = static_cast<std::size_t>(at);
+  r.status = Status::fail;
+  r.message = "off the fp8 recipe: max |candidate - emulated| is " + num(r.recipe_distance) +
+              " of the emulated error (allowed " + num(opts.fp8_recipe_k) + "), at " +
+              index_str(at, shape) + ": candidate " + num(cv[i]) + ", emulated " + num(emu[i]);
+}
+
 // One tensor under a reduced precision p: err(candidate) <= k * err(emulated) + floor * u * scale
 // against the float64 truth; vacuous when the emulated error exceeds kVacuous of the scale or
 // `behind_tie` (the tensor depends on a max-pooling argmax the budget does not resolve) is set.
@@ -184,7 +209,9 @@ TensorResult judge_budget(const File& golden, const safetensors::Tensor& g,
   r.max_abs = max_abs;
   r.max_rel = scale > 0 ? max_abs / scale : (max_abs > 0 ? INFINITY : 0);
   r.emulated_err = scale > 0 ? emu_err / scale : 0;
-  r.bound = opts.budget_k * emu_err + opts.budget_floor * unit_roundoff(p) * scale;
+  // The floor is in units of the storage format's u: bf16's for fp8, whose emulated error is
+  // already its quantization's.
+  r.bound = opts.budget_k * emu_err + opts.budget_floor * unit_roundoff(storage_format(p)) * scale;
   if (const auto n = detail::noise_terms(golden, g.name))
     r.bound = std::max(r.bound, detail::noise_bound(n, p == Precision::fp64, scale));
   r.ratio = r.bound > 0 ? max_abs / r.bound : (max_abs > 0 ? INFINITY : 0);
@@ -210,7 +237,9 @@ TensorResult judge_budget(const File& golden, const safetensors::Tensor& g,
     const auto i = static_cast<std::size_t>(worst);
     r.message = "worst at " + index_str(worst, g.shape) + ": candidate " + num(cv[i]) + ", truth " +
                 num(truth[i]) + ", emulated " + num(emu[i]);
+    return r;
   }
+  if (p == Precision::fp8) judge_recipe(r, cv, emu, emu_err, scale, opts, g.shape);
   return r;
 }
 

@@ -580,6 +580,11 @@ void emulate_generation(const File& golden, const Params<float>& params, const B
 std::map<std::string, std::vector<double>> emulate(const File& golden, Precision p) {
   validate(golden);
   if (is_op_file(golden)) return run_op(golden, p);
+  if (p == Precision::fp8) {
+    throw ConfigError(
+        "fp8 is judged on op cases only (docs/fp8.md): a model golden takes tf32, "
+        "bf16 or fp16");
+  }
   const Case c = case_of(golden);
   const EncoderConfig& cfg = c.config;
   if (cfg.encoder_decoder()) {

@@ -13,9 +13,17 @@
 
 #include "teo/contract.hpp"
 #include "teo/files.hpp"
+#include "teo/fp8.hpp"
 #include "teo/golden.hpp"
 
 namespace teo::golden::detail {
+
+// The fp8 recipe's keys (fp8_format, fp8_scaling, ...), as an op spec or a model case spells them.
+const std::vector<std::string>& fp8_keys();
+// Reads the fp8 keys j holds into r, each error naming where.key; returns whether j held any.
+bool read_fp8_keys(const nlohmann::json& j, Fp8Recipe& r, const std::string& where);
+// Writes every fp8 key of r.
+void write_fp8_keys(nlohmann::ordered_json& j, const Fp8Recipe& r);
 
 // A float32 golden's tolerance for its own error against float64: at most
 // kIllConditioned * FLT_EPSILON * sqrt(L) relative to each tensor's scale, where L is the case's

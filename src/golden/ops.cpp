@@ -148,6 +148,10 @@ ojson spec_json(const Spec& s, const OpCase& c) {
   j["dtype"] = c.dtype;
   j["seed"] = c.seed;
   if (c.precision) j["precision"] = to_string(*c.precision);
+  if (c.precision == Precision::fp8) {
+    detail::write_fp8_keys(j, c.fp8);
+    j["fp8_outlier"] = c.fp8_outlier;
+  }
   return j;
 }
 
@@ -155,6 +159,8 @@ Spec spec_of(const OpCase& c) {
   const json j = c.spec;  // Reader keeps a reference: not to a temporary conversion
   Reader r(j);
   for (const char* k : {"op", "dtype", "seed", "precision"}) r.use(k);
+  for (const auto& k : detail::fp8_keys()) r.use(k.c_str());
+  r.use("fp8_outlier");
   Spec s = parse_spec(op_named(c.op), r);
   fill_defaults(s);
   return s;
@@ -275,8 +281,10 @@ using Results = std::map<std::string, Tensor<Real>>;
 
 // The op forward and backward on v, in Real, emulating p when Real is float.
 template <class Real>
-Results<Real> run(const Spec& s, const Values& v, std::uint64_t seed, std::optional<Precision> p) {
-  const teo::detail::EmulationScope scope(std::is_same_v<Real, float> && p ? *p : Precision::fp32);
+Results<Real> run(const Spec& s, const Values& v, std::uint64_t seed, std::optional<Precision> p,
+                  const Fp8Recipe& fp8 = {}) {
+  const teo::detail::EmulationScope scope(std::is_same_v<Real, float> && p ? *p : Precision::fp32,
+                                          fp8);
   const auto slots = layout(s);
   RunContext<Real> c{s, v, seed, p, {}, {}};
   for (const auto& t : slots) c.shape[t.name] = t.shape;
@@ -298,6 +306,26 @@ Results<Real> run(const Spec& s, const Values& v, std::uint64_t seed, std::optio
 
 double draw(std::uint64_t seed, const std::string& name, std::int64_t i) {
   return 2.0 * rng::uniform01(seed, rng::stream_id(name), static_cast<std::uint64_t>(i)) - 1.0;
+}
+
+// An fp8 case's activations have channels of their own magnitudes, as LLM activations do: each
+// channel (the last dimension) is scaled by 2^u, u uniform in [-2, 2), and one channel in 16 (at
+// least one) by `outlier` more, so that blocks and tensors have amaxes of their own.
+void fp8_channel_magnitudes(std::vector<double>& x, std::int64_t channels, std::uint64_t seed,
+                            const std::string& name, double outlier) {
+  if (channels <= 0) return;
+  const std::uint64_t stream = rng::stream_id(name + ".fp8_channels");
+  std::vector<double> mag(static_cast<std::size_t>(channels));
+  const auto pick = static_cast<std::int64_t>(
+      rng::uniform01(seed, stream, static_cast<std::uint64_t>(2 * channels)) *
+      static_cast<double>(channels));
+  for (std::int64_t j = 0; j < channels; ++j) {
+    const auto u = static_cast<std::uint64_t>(j);
+    const double e = 4 * rng::uniform01(seed, stream, 2 * u) - 2;
+    const bool out = j == pick || rng::uniform01(seed, stream, 2 * u + 1) < 1.0 / 16;
+    mag[static_cast<std::size_t>(j)] = std::exp2(e) * (out ? outlier : 1.0);
+  }
+  for (std::size_t i = 0; i < x.size(); ++i) x[i] *= mag[i % mag.size()];
 }
 
 Values draw_inputs(const Spec& s, const OpCase& c) {
@@ -337,6 +365,9 @@ Values draw_inputs(const Spec& s, const OpCase& c) {
     std::vector<double> x(static_cast<std::size_t>(n));
     for (std::int64_t i = 0; i < n; ++i)
       x[static_cast<std::size_t>(i)] = t.offset + t.amp * draw(seed, t.name, i);
+    if (c.precision == Precision::fp8 && t.role == Role::input && t.shape.size() >= 2) {
+      fp8_channel_magnitudes(x, t.shape.back(), seed, t.name, c.fp8_outlier);
+    }
     as_stored(x, c);
     v.f[t.name] = std::move(x);
   }
@@ -466,8 +497,27 @@ OpCase OpCase::from_json(const json& j, const std::string& op, std::uint64_t max
     c.precision = parse_precision(j["precision"].get<std::string>(), "spec.precision");
     if (c.dtype != "float32" || *c.precision == Precision::fp32 ||
         *c.precision == Precision::fp64) {
-      throw ConfigError("spec.precision must be tf32, bf16 or fp16, in a float32 case");
+      throw ConfigError("spec.precision must be tf32, bf16, fp16 or fp8, in a float32 case");
     }
+  }
+  for (const auto& k : detail::fp8_keys()) {
+    if (!j.contains(k)) continue;
+    r.use(k.c_str());
+    if (c.precision != Precision::fp8) {
+      throw ConfigError("spec." + k + " applies to an fp8 case only (give \"precision\": \"fp8\")");
+    }
+  }
+  if (c.precision == Precision::fp8) detail::read_fp8_keys(j, c.fp8, "spec");
+  if (j.contains("fp8_outlier")) {
+    r.use("fp8_outlier");
+    const json& factor = j["fp8_outlier"];
+    if (c.precision != Precision::fp8) {
+      throw ConfigError("spec.fp8_outlier applies to an fp8 case only");
+    }
+    if (!factor.is_number() || !(factor.get<double>() >= 1) || !(factor.get<double>() <= 1e4)) {
+      throw ConfigError("spec.fp8_outlier must be a number from 1 to 1e4, got " + factor.dump());
+    }
+    c.fp8_outlier = factor.get<double>();
   }
   Spec s = parse_spec(o, r);
   r.finish();
@@ -594,11 +644,11 @@ std::map<std::string, std::vector<double>> run_op(const File& file, std::optiona
     for (auto& [n, x] : v.f) {
       for (auto& e : x) {
         float f = static_cast<float>(e);
-        if (*p == Precision::bf16 || *p == Precision::fp16) f = round_to(*p, f);
+        if (stores_reduced(*p)) f = round_to(*p, f);
         e = f;
       }
     }
-    collect(run<float>(s, v, c.seed, p));
+    collect(run<float>(s, v, c.seed, p, c.fp8));
   }
   return out;
 }
@@ -622,6 +672,8 @@ std::vector<OpCase> samples_of(const std::string& op) {
 std::vector<std::string> op_spec_keys(const std::string& op) {
   const OpDef& def = op_named(op);
   std::set<std::string> keys = {"op", "dtype", "seed", "precision"};
+  keys.insert(detail::fp8_keys().begin(), detail::fp8_keys().end());
+  keys.insert("fp8_outlier");
   keys.insert(def.config_keys.begin(), def.config_keys.end());
   if (def.lengths_key) keys.insert(def.lengths_key);
   for (const auto& c : samples_of(op))

@@ -269,6 +269,7 @@ std::string json_report(const std::vector<CaseReport>& reports) {
         tj["bound"] = number(t.bound);
         tj["ratio"] = number(t.ratio);
         if (r.budget) tj["emulated_err"] = number(t.emulated_err);
+        if (r.precision == "fp8") tj["recipe_distance"] = number(t.recipe_distance);
       }
       if (r.budget) tj["vacuous"] = t.status == Status::vacuous;
       if (!t.message.empty()) tj["message"] = t.message;

@@ -286,12 +286,19 @@ void set_in_parallel_region(bool v) {
 
 namespace {
 thread_local Precision tl_emulation = Precision::fp32;
-}
+thread_local Fp8Recipe tl_fp8;
+}  // namespace
 Precision emulation() {
   return tl_emulation;
 }
 void set_emulation(Precision p) {
   tl_emulation = p;
+}
+const Fp8Recipe& fp8_recipe() {
+  return tl_fp8;
+}
+void set_fp8_recipe(const Fp8Recipe& r) {
+  tl_fp8 = r;
 }
 
 const simd::IsaKernels& isa_kernels(Isa i) {
@@ -336,6 +343,7 @@ namespace {
 // p: an emulated product's operand.
 void rounded_operand(std::vector<float>& dst, const float* src, index_t rows, index_t cols,
                      index_t ld, Precision p) {
+  p = storage_format(p);
   dst.resize(static_cast<std::size_t>(rows * cols));
   const auto& round = detail::isa_kernels().rounding.round;
   float* out = dst.data();

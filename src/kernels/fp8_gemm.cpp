@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/fp8_product.hpp"
 #include "kernels/kernels_internal.hpp"
 #include "kernels/parallel.hpp"
 #include "teo/errors.hpp"
@@ -274,5 +275,31 @@ void fp8_gemm(const Fp8Operand& a, const Fp8Operand& b, float* c, index_t ldc,
     });
   }
 }
+
+namespace detail {
+
+void fp8_product(const Fp8Side& a, const Fp8Side& b, index_t m, index_t n, index_t k,
+                 bool accumulate, float* c, index_t ldc) {
+  if (m == 0 || n == 0) return;
+  if (k == 0) {
+    if (!accumulate)
+      for (index_t i = 0; i < m; ++i) std::fill(c + i * ldc, c + i * ldc + n, 0.0f);
+    return;
+  }
+  const Fp8Recipe& r = fp8_recipe();
+  const Fp8Operand qa = quantize_fp8(a.x, m, k, a.ld, a.transposed,
+                                     fp8_quantization(r, a.gradient, a.weight), a.what);
+  const Fp8Operand qb = quantize_fp8(b.x, n, k, b.ld, b.transposed,
+                                     fp8_quantization(r, b.gradient, b.weight), b.what);
+  if (!accumulate) return fp8_gemm(qa, qb, c, ldc, r.accumulate);
+  std::vector<float> out(static_cast<std::size_t>(m * n));
+  fp8_gemm(qa, qb, out.data(), n, r.accumulate);
+  for_blocks(m, std::max<index_t>(1, 16384 / n), [&](index_t i0, index_t i1) {
+    for (index_t i = i0; i < i1; ++i)
+      for (index_t j = 0; j < n; ++j) c[i * ldc + j] += out[i * n + j];
+  });
+}
+
+}  // namespace detail
 
 }  // namespace teo

@@ -12,6 +12,7 @@
 #include <tbb/task_arena.h>
 
 #include "teo/backend.hpp"
+#include "teo/fp8.hpp"
 #include "teo/types.hpp"
 
 namespace teo::detail {
@@ -26,18 +27,28 @@ void set_in_parallel_region(bool v);
 // The reduced precision a float computation on this thread emulates (docs/semantics.md, "Reduced
 // precision"): fp32 for none. gemm() rounds its float operands to it, and the attention kernels
 // round the score and probability rows they store. Tasks of parallel_for_each inherit the
-// caller's. Set it with EmulationScope.
+// caller's, with the fp8 recipe that Precision::fp8 uses. Set both with EmulationScope.
 Precision emulation();
 void set_emulation(Precision p);
+const Fp8Recipe& fp8_recipe();
+void set_fp8_recipe(const Fp8Recipe& r);
 class EmulationScope {
  public:
-  explicit EmulationScope(Precision p) : outer_(emulation()) { set_emulation(p); }
-  ~EmulationScope() { set_emulation(outer_); }
+  explicit EmulationScope(Precision p, const Fp8Recipe& fp8 = {})
+      : outer_(emulation()), outer_fp8_(fp8_recipe()) {
+    set_emulation(p);
+    set_fp8_recipe(fp8);
+  }
+  ~EmulationScope() {
+    set_emulation(outer_);
+    set_fp8_recipe(outer_fp8_);
+  }
   EmulationScope(const EmulationScope&) = delete;
   EmulationScope& operator=(const EmulationScope&) = delete;
 
  private:
   Precision outer_;
+  Fp8Recipe outer_fp8_;
 };
 
 // Runs body(i) for i in [0, n) in the arena with a static partitioner.
@@ -49,6 +60,7 @@ void parallel_for_each(std::int64_t n, F&& body) {
     return;
   }
   const Precision emulated = emulation();
+  const Fp8Recipe fp8 = fp8_recipe();
   arena().execute([&] {
     tbb::parallel_for(
         tbb::blocked_range<std::int64_t>(0, n, 1),
@@ -58,15 +70,18 @@ void parallel_for_each(std::int64_t n, F&& body) {
           struct Guard {
             bool outer = in_parallel_region();
             Precision outer_emulation = emulation();
-            explicit Guard(Precision p) {
+            Fp8Recipe outer_fp8 = fp8_recipe();
+            Guard(Precision p, const Fp8Recipe& r) {
               set_in_parallel_region(true);
               set_emulation(p);
+              set_fp8_recipe(r);
             }
             ~Guard() {
               set_in_parallel_region(outer);
               set_emulation(outer_emulation);
+              set_fp8_recipe(outer_fp8);
             }
-          } guard(emulated);
+          } guard(emulated, fp8);
           for (std::int64_t i = r.begin(); i != r.end(); ++i) body(i);
         },
         tbb::static_partitioner());

@@ -67,15 +67,14 @@ std::pair<P, index_t> head_block(P base, index_t bh, index_t heads, index_t seq_
   return {base + (bh / heads) * seq_len * heads * d_head + (bh % heads) * d_head, heads * d_head};
 }
 
-// Under bf16 or fp16 emulation (docs/semantics.md, "Reduced precision"), rounds the n stored
+// Under bf16, fp16 or fp8 emulation (docs/semantics.md, "Reduced precision"), rounds the n stored
 // values at p to the format, as a backend that keeps scores and probabilities in it does;
 // RangeError naming `what` on an fp16 overflow. A no-op otherwise, and for double.
 template <class Real>
 void store_rows(Real* p, index_t n, const char* what) {
   if constexpr (std::is_same_v<Real, float>) {
     const Precision e = detail::emulation();
-    if ((e == Precision::bf16 || e == Precision::fp16) &&
-        detail::isa_kernels().rounding.round(p, p, n, e)) {
+    if (stores_reduced(e) && detail::isa_kernels().rounding.round(p, p, n, storage_format(e))) {
       throw RangeError(std::string(what) + ": " + overflow_message(e));
     }
   }

@@ -409,7 +409,7 @@ TEO_INSTANTIATE(double)
 #undef TEO_INSTANTIATE
 
 void round_params(Params<float>& params, Precision p) {
-  if (p != Precision::bf16 && p != Precision::fp16) return;
+  if (!stores_reduced(p)) return;
   params.visit([&](const std::string& name, Tensor<float>& t) {
     if (round_to(p, t.data(), t.numel())) {
       throw RangeError("parameter " + name + ": " + overflow_message(p));

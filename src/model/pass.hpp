@@ -87,7 +87,7 @@ class Emulation {
     }
   }
   // True when named tensors are rounded: bf16 and fp16.
-  bool stores_reduced() const { return p_ == Precision::bf16 || p_ == Precision::fp16; }
+  bool stores_reduced() const { return teo::stores_reduced(p_); }
 
   // Rounds data (n values), named prefix + name, to the storage format.
   void operator()(Real* data, index_t n, std::string_view prefix, const char* name) const {

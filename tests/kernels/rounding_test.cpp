@@ -254,7 +254,7 @@ TEST(Rounding, NamesParseAndSixteenBitFormatsAreChecked) {
        {Precision::fp64, Precision::fp32, Precision::tf32, Precision::bf16, Precision::fp16})
     EXPECT_EQ(parse_precision(to_string(p), "--precision"), p);
   test::expect_throw<ConfigError>([] { parse_precision("bfloat16", "--precision"); },
-                                  "--precision must be fp64, fp32, tf32, bf16 or fp16, got "
+                                  "--precision must be fp64, fp32, tf32, bf16, fp16 or fp8, got "
                                   "\"bfloat16\"");
   float x = 1;
   std::uint16_t h = 0;

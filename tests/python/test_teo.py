@@ -483,7 +483,7 @@ def test_check_options_precision_only_and_tolerances():
     with pytest.raises(teo.ConfigError):
         teo.golden.check(g, cand, only="sideways")
     with pytest.raises(teo.ConfigError):
-        teo.golden.check(g, cand, precision="fp8")
+        teo.golden.check(g, cand, precision="fp4")
 
 
 def test_assert_matches_golden():

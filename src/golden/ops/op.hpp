@@ -197,7 +197,7 @@ const std::vector<std::int64_t>& spec_ints_of(const Values& v, const Spec& s,
 template <class Real>
 void store(Tensor<Real>& t, std::optional<Precision> p, const std::string& name) {
   if constexpr (std::is_same_v<Real, float>) {
-    if (p && (*p == Precision::bf16 || *p == Precision::fp16) && round_to(*p, t.data(), t.numel()))
+    if (p && stores_reduced(*p) && round_to(*p, t.data(), t.numel()))
       throw RangeError(name + ": " + overflow_message(*p));
   }
 }

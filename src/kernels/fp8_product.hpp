@@ -1,0 +1,28 @@
+// Internal: a matrix product with both operands quantized to fp8 under the thread's recipe
+// (detail::fp8_recipe()), as a Precision::fp8 pass computes every linear layer's products.
+#pragma once
+
+#include <string>
+
+#include "teo/types.hpp"
+
+namespace teo::detail {
+
+// One operand of fp8_product, as stored: op(X)(r, p) = x[r * ld + p], or x[p * ld + r] when
+// `transposed`. `gradient` picks the recipe's backward format, `weight` its weight blocks.
+struct Fp8Side {
+  const float* x = nullptr;
+  index_t ld = 0;
+  bool transposed = false;
+  bool gradient = false;
+  bool weight = false;
+  const char* what = "";  // names the operand in an error
+};
+
+// c (m, n, ldc) = op(A) (m, k) times op(B)^T, op(B) being (n, k), both quantized along k and
+// multiplied with fp8_gemm under the recipe; with `accumulate` the float32 product is added to c
+// (one rounding more), otherwise it overwrites c.
+void fp8_product(const Fp8Side& a, const Fp8Side& b, index_t m, index_t n, index_t k,
+                 bool accumulate, float* c, index_t ldc);
+
+}  // namespace teo::detail

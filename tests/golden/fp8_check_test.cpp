@@ -1,0 +1,243 @@
+// fp8 op cases (docs/fp8.md): the spec's recipe keys, the emulated linear products, and the
+// checker's fp8 rule: the emulated run passes; an independent linear that follows the recipe
+// passes; each recipe mutant fails at its tensor.
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "support.hpp"
+#include "teo/errors.hpp"
+#include "teo/fp8.hpp"
+#include "teo/golden.hpp"
+#include "teo/golden_ops.hpp"
+#include "teo/precision.hpp"
+
+namespace teo::golden {
+namespace {
+
+using nlohmann::json;
+using safetensors::DType;
+using safetensors::File;
+
+// With outlier channels an MX block's amax is often clamped from up to 511 scale units to 448,
+// the OCP rule's saturation, which puts the emulated error above the vacuity limit: the mx cases
+// keep every channel's own magnitude but no outliers.
+json linear_spec(const std::string& scaling, index_t k = 256) {
+  if (scaling == "mx") {
+    return {{"op", "linear"},     {"rows", 33},          {"in_features", k},
+            {"out_features", 24}, {"dtype", "float32"},  {"seed", 7},
+            {"precision", "fp8"}, {"fp8_scaling", "mx"}, {"fp8_outlier", 1}};
+  }
+  return {{"op", "linear"},     {"rows", 33}, {"in_features", k},   {"out_features", 24},
+          {"dtype", "float32"}, {"seed", 7},  {"precision", "fp8"}, {"fp8_scaling", scaling}};
+}
+
+// The golden's op run again under the recipe `spec` names (the golden's inputs, another recipe):
+// what a backend following that recipe computes.
+std::map<std::string, std::vector<double>> run_as(const File& golden, const json& spec) {
+  File f = golden;
+  for (auto& [k, v] : f.metadata)
+    if (k == "spec") v = OpCase::from_json(spec).spec.dump();
+  return run_op(f, Precision::fp8);
+}
+
+// A candidate of the results given, as float32; `only` keeps one tensor.
+File candidate(const File& golden, const std::map<std::string, std::vector<double>>& r,
+               const std::string& only = "") {
+  File c;
+  for (const auto& [name, v] : r) {
+    if (!only.empty() && name != only) continue;
+    const std::vector<float> f(v.begin(), v.end());
+    c.add<float>(name, golden.find(name)->shape, f.data(), f.size());
+  }
+  return c;
+}
+
+const TensorResult& result(const CaseReport& r, const std::string& name) {
+  for (const auto& t : r.tensors)
+    if (t.name == name) return t;
+  throw std::runtime_error("no tensor " + name);
+}
+
+CheckOptions fp8() {
+  CheckOptions o;
+  o.precision = Precision::fp8;
+  return o;
+}
+
+TEST(Fp8OpCase, TheRecipeIsSpelledOutAndNeedsAnFp8Case) {
+  const OpCase c = OpCase::from_json(linear_spec("block"));
+  EXPECT_EQ(c.spec["fp8_format"], "e4m3");
+  EXPECT_EQ(c.spec["fp8_block_k"], 128);
+  EXPECT_EQ(c.spec["fp8_weight_block"], 128);
+  EXPECT_EQ(c.spec["fp8_accumulate"], "fp32");
+  EXPECT_EQ(c.spec["fp8_saturate"], true);
+  EXPECT_EQ(c.fp8.scaling, Fp8Scaling::block);
+  json hybrid = linear_spec("mx");
+  hybrid["fp8_format"] = "hybrid";
+  const OpCase h = OpCase::from_json(hybrid);
+  EXPECT_EQ(h.fp8.forward, Fp8Format::e4m3);
+  EXPECT_EQ(h.fp8.backward, Fp8Format::e5m2);
+  EXPECT_EQ(h.spec["fp8_format"], "hybrid");
+  auto bad = [](json j, const char* key, json v, const std::string& msg) {
+    j[key] = v;
+    test::expect_throw<ConfigError>([&] { OpCase::from_json(j); }, msg);
+  };
+  bad(linear_spec("block"), "fp8_format", "e4m4", "spec.fp8_format must be e4m3, e5m2 or hybrid");
+  bad(linear_spec("block"), "fp8_scaling", "row", "spec.fp8_scaling must be tensor, block or mx");
+  bad(linear_spec("block"), "fp8_block_k", 0, "spec.fp8_block_k must be an integer from 1");
+  bad(linear_spec("block"), "fp8_accumulate", "fp16", "spec.fp8_accumulate must be fp32 or");
+  bad(linear_spec("block"), "fp8_mantissa_bits", 30, "spec.fp8_mantissa_bits must be an integer");
+  bad(linear_spec("block"), "fp8_saturate", 1, "spec.fp8_saturate must be true or false");
+  bad(linear_spec("block"), "fp8_outlier", 0.5, "spec.fp8_outlier must be a number from 1");
+  json bf16 = linear_spec("block");
+  bf16["precision"] = "bf16";
+  test::expect_throw<ConfigError>([&] { OpCase::from_json(bf16); },
+                                  "spec.fp8_scaling applies to an fp8 case only");
+}
+
+TEST(Fp8Check, TheEmulatedRunPassesOnEveryScalingAndItsRecipeDistanceIsZero) {
+  for (const char* scaling : {"tensor", "block", "mx"}) {
+    const File g = make_op(OpCase::from_json(linear_spec(scaling)));
+    const File c = candidate(g, run_op(g, Precision::fp8));
+    const CaseReport r = check(g, c, fp8());
+    EXPECT_EQ(r.precision, "fp8");
+    EXPECT_TRUE(r.budget);
+    EXPECT_EQ(r.failed, 0) << scaling << ": " << r.first_divergence;
+    EXPECT_EQ(r.passed, 4) << scaling;
+    for (const auto& t : r.tensors) {
+      EXPECT_EQ(t.recipe_distance, 0) << scaling << " " << t.name;
+      // fp8's error, not float's; the bias gradient is a float sum of bf16 values
+      if (t.name != "grad.param.bias") {
+        EXPECT_GT(t.emulated_err, 1e-3) << scaling << " " << t.name;
+      }
+    }
+  }
+}
+
+// The forward product written from the recipe's definition, independently of fp8_gemm: scales as
+// 448 / amax multiplied in (as Transformer Engine applies them), rounding by ml_dtypes' rule
+// (round_to_fp8), the sum in double; bias added, output rounded to bf16.
+std::vector<double> independent_forward(const File& g, bool block) {
+  const auto x = g.find("input.x")->float_values();
+  const auto w = g.find("param.weight")->float_values();
+  const auto bias = g.find("param.bias")->float_values();
+  const index_t rows = 33, k = 256, out = 24, bk = block ? 128 : k;
+  auto quantize = [&](const std::vector<double>& v, index_t n, index_t tile_rows) {
+    std::vector<double> q(v.size()), d(v.size());
+    for (index_t r0 = 0; r0 < n; r0 += tile_rows)
+      for (index_t k0 = 0; k0 < k; k0 += bk) {
+        double amax = 0;
+        const index_t r1 = block ? std::min(n, r0 + tile_rows) : n;
+        for (index_t r = r0; r < r1; ++r)
+          for (index_t p = k0; p < k0 + bk; ++p) amax = std::max(amax, std::abs(v[r * k + p]));
+        const float s = 448.0f / static_cast<float>(amax);
+        for (index_t r = r0; r < r1; ++r)
+          for (index_t p = k0; p < k0 + bk; ++p) {
+            q[r * k + p] =
+                round_to_fp8(Fp8Format::e4m3, true, static_cast<float>(v[r * k + p]) * s);
+            d[r * k + p] = 1.0 / static_cast<double>(s);
+          }
+        if (!block) return std::pair{q, d};
+      }
+    return std::pair{q, d};
+  };
+  const auto [qx, dx] = quantize(x, rows, 1);
+  const auto [qw, dw] = quantize(w, out, 128);
+  std::vector<double> y(static_cast<std::size_t>(rows * out));
+  for (index_t r = 0; r < rows; ++r)
+    for (index_t o = 0; o < out; ++o) {
+      double s = 0;
+      for (index_t p = 0; p < k; ++p)
+        s += qx[r * k + p] * dx[r * k + p] * qw[o * k + p] * dw[o * k + p];
+      y[r * out + o] = round_to(
+          Precision::bf16, static_cast<float>(static_cast<float>(s) + static_cast<float>(bias[o])));
+    }
+  return y;
+}
+
+TEST(Fp8Check, AnIndependentLinearThatFollowsTheRecipePasses) {
+  for (bool block : {false, true}) {
+    const File g = make_op(OpCase::from_json(linear_spec(block ? "block" : "tensor")));
+    std::map<std::string, std::vector<double>> r{{"output.y", independent_forward(g, block)}};
+    const CaseReport rep = check(g, candidate(g, r), fp8());
+    const auto& t = result(rep, "output.y");
+    EXPECT_EQ(t.status, Status::pass) << block << ": " << t.message;
+    EXPECT_LT(t.recipe_distance, 0.25) << block;
+  }
+}
+
+TEST(Fp8Check, RecipeMutantsFailAtTheirTensor) {
+  struct Mutant {
+    const char* what;
+    json golden, as;
+  };
+  json e5m2 = linear_spec("block");
+  e5m2["fp8_format"] = "e5m2";
+  json block32 = linear_spec("block");  // MX's blocks with amax / 448 scales: not powers of two
+  block32["fp8_block_k"] = 32;
+  block32["fp8_weight_block"] = 1;
+  json limited = linear_spec("tensor", 4096);
+  limited["fp8_accumulate"] = "limited";
+  json never = limited;
+  never["fp8_promote_every"] = 0;
+  const std::vector<Mutant> mutants = {
+      {"E5M2 where E4M3 is asked", linear_spec("block"), e5m2},
+      {"amax over the whole tensor where blocks are asked", linear_spec("block"),
+       linear_spec("tensor")},
+      {"an MX scale not rounded to a power of two", linear_spec("mx"), block32},
+      {"no promotion at K = 4096 under limited accumulation", limited, never},
+  };
+  for (const auto& m : mutants) {
+    const File g = make_op(OpCase::from_json(m.golden));
+    const CaseReport r = check(g, candidate(g, run_as(g, m.as), "output.y"), fp8());
+    const auto& t = result(r, "output.y");
+    EXPECT_EQ(t.status, Status::fail) << m.what << ": distance " << t.recipe_distance;
+    EXPECT_EQ(r.first_divergence, "output.y") << m.what;
+  }
+}
+
+TEST(Fp8Check, AScaleFromTheWrongBlockFailsAtTheOutput) {
+  const File g = make_op(OpCase::from_json(linear_spec("block")));
+  const auto x = g.find("input.x")->float_values();
+  const auto w = g.find("param.weight")->float_values();
+  const auto bias = g.find("param.bias")->float_values();
+  const std::vector<float> xf(x.begin(), x.end()), wf(w.begin(), w.end());
+  Fp8Quantization act{.scaling = Fp8Scaling::block, .block_rows = 1, .block_k = 128};
+  Fp8Quantization wt{.scaling = Fp8Scaling::block, .block_rows = 128, .block_k = 128};
+  Fp8Operand a = quantize_fp8(xf.data(), 33, 256, 256, false, act, "x");
+  const Fp8Operand b = quantize_fp8(wf.data(), 24, 256, 256, false, wt, "w");
+  // each row's second k block dequantized with its first block's scale
+  for (index_t r = 0; r < 33; ++r) a.scale[r * 2 + 1] = a.scale[r * 2];
+  std::vector<float> y(33 * 24);
+  fp8_gemm(a, b, y.data(), 24, {});
+  std::vector<double> out(y.size());
+  for (std::size_t i = 0; i < y.size(); ++i)
+    out[i] = round_to(Precision::bf16, y[i] + static_cast<float>(bias[i % 24]));
+  const CaseReport r = check(g, candidate(g, {{"output.y", out}}), fp8());
+  EXPECT_EQ(result(r, "output.y").status, Status::fail) << result(r, "output.y").recipe_distance;
+}
+
+TEST(Fp8Check, ModelGoldensAreRefusedWithANamedError) {
+  Case c;
+  c.config.vocab_size = 11;
+  c.config.max_len = 4;
+  c.config.d_model = 8;
+  c.config.num_heads = 2;
+  c.config.d_ff = 8;
+  c.config.num_layers = 1;
+  c.config.num_classes = 2;
+  c.batch = 1;
+  c.seq_len = 4;
+  c.dtype = "float32";
+  const File g = make(c);
+  test::expect_throw<ConfigError>([&] { emulate(g, Precision::fp8); },
+                                  "fp8 is judged on op cases only");
+}
+
+}  // namespace
+}  // namespace teo::golden

@@ -207,9 +207,9 @@ struct TensorResult {
   double bound = 0;    // the allowed max_abs
   double ratio = 0;    // max_abs / bound: the error in units of the allowed bound
   // Under a reduced precision: the emulated run's error relative to scale. A budget is vacuous
-  // (status vacuous, never a pass) when that is above 10%, or when the tensor lies behind a
-  // max-pooling argmax that is not resolved: the two largest values of a column within twice the
-  // emulated run's errors at them of each other.
+  // (status vacuous, never a pass) when that is above 10% (50% under fp8), or when the tensor lies
+  // behind a max-pooling argmax that is not resolved: the two largest values of a column within
+  // twice the emulated run's errors at them of each other.
   double emulated_err = 0;
   // Under fp8: max |candidate - emulated| / err(emulated) (0 when the emulated error is 0).
   double recipe_distance = 0;

@@ -418,10 +418,11 @@ struct ForwardOptions {
   bool train = true;
   std::uint64_t dropout_seed = 0;
   // The precision to emulate (docs/semantics.md, "Reduced precision"): unset runs in Real. A float
-  // pass takes fp32, tf32, bf16 or fp16; a double pass only fp64 (else ConfigError). Under bf16
-  // and fp16 every named activation is rounded to the format where it is produced, and an fp16
-  // overflow throws RangeError naming the tensor; the parameters are used as given (see
-  // round_params).
+  // pass takes fp32, tf32, bf16, fp16 or fp8; a double pass only fp64 (else ConfigError). Under
+  // bf16, fp16 and fp8 (stored as bf16) every named activation is rounded to the format where it
+  // is produced, and an fp16 overflow throws RangeError naming the tensor; the parameters are used
+  // as given (see round_params). fp8 runs every linear product under teo/fp8.hpp's default
+  // Fp8Recipe (E4M3, one scale per tensor, float32 accumulation).
   std::optional<Precision> precision = std::nullopt;
   // Dropout masks to replay instead of drawing them from dropout_seed, by site (the golden names:
   // "dropout.input", "dropout.layers.{i}.attn", ".residual1", ".ffn", ".residual2"); a site not

@@ -149,14 +149,19 @@ int run_bench(const BenchOptions& o, std::ostream& out) {
     // The emulated pass against the plain float32 pass above, timed in the same process.
     const Precision prec = parse_precision(o.precision, "--precision");
     if (o.dtype != "float32" || prec == Precision::fp32 || prec == Precision::fp64) {
-      throw ConfigError("--precision takes tf32, bf16 or fp16, with --dtype float32");
+      throw ConfigError("--precision takes tf32, bf16, fp16 or fp8, with --dtype float32");
     }
-    const bench::Result e = bench::measure<float>(p, o.repeats, o.warmup, prec);
-    const double efb = bench::median(e.fwd_bwd_ms);
-    out << std::fixed << std::setprecision(2) << "\n  " << o.precision
-        << " emulation: forward+backward median " << efb << " ms against " << fwd_bwd
-        << " ms in float32: +" << std::setprecision(1) << 100 * (efb / fwd_bwd - 1)
-        << "% for the rounding\n";
+    // fp8 is also timed next to bf16, its storage format: the difference is the quantization.
+    std::vector<Precision> runs = {prec};
+    if (prec == Precision::fp8) runs.insert(runs.begin(), Precision::bf16);
+    for (const Precision q : runs) {
+      const bench::Result e = bench::measure<float>(p, o.repeats, o.warmup, q);
+      const double efb = bench::median(e.fwd_bwd_ms);
+      out << std::fixed << std::setprecision(2) << "\n  " << to_string(q)
+          << " emulation: forward+backward median " << efb << " ms against " << fwd_bwd
+          << " ms in float32: +" << std::setprecision(1) << 100 * (efb / fwd_bwd - 1)
+          << "% for the rounding" << (q == Precision::fp8 ? " and quantization" : "") << "\n";
+    }
   }
   if (!o.with.empty()) {
     // The variant's cost as a ratio measured in one process: the plain preset and the variant

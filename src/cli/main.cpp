@@ -132,8 +132,9 @@ int main(int argc, char** argv) {
                     "config keys over the preset's, as a JSON object (e.g. "
                     "'{\"num_kv_heads\": 4, \"positional\": \"rope\"}'); the plain preset is "
                     "timed too and the cost printed");
-  bench->add_option("--precision", bench_opts.precision,
-                    "tf32, bf16 or fp16: also time the emulated pass and print its cost");
+  bench->add_option(
+      "--precision", bench_opts.precision,
+      "tf32, bf16, fp16 or fp8 (also timing bf16): also time the emulated pass and print its cost");
   CLI::App* golden =
       app.add_subcommand("golden", "Write golden files, or check a backend's output against them");
   golden->require_subcommand(1);

@@ -176,8 +176,8 @@ void judge_recipe(TensorResult& r, const std::vector<double>& cv, const std::vec
 }
 
 // One tensor under a reduced precision p: err(candidate) <= k * err(emulated) + floor * u * scale
-// against the float64 truth; vacuous when the emulated error exceeds kVacuous of the scale or
-// `behind_tie` (the tensor depends on a max-pooling argmax the budget does not resolve) is set.
+// against the float64 truth; vacuous when the emulated error exceeds vacuous_limit(p) of the scale
+// or `behind_tie` (the tensor depends on a max-pooling argmax the budget does not resolve) is set.
 TensorResult judge_budget(const File& golden, const safetensors::Tensor& g,
                           const safetensors::Tensor* c, bool f32, const std::vector<double>& emu,
                           Precision p, const CheckOptions& opts, const std::string& behind_tie) {
@@ -223,7 +223,7 @@ TensorResult judge_budget(const File& golden, const safetensors::Tensor& g,
                 num(truth[i]);
     return r;
   }
-  if (emu_err > detail::kVacuous * scale || !behind_tie.empty()) {
+  if (emu_err > detail::vacuous_limit(p) * scale || !behind_tie.empty()) {
     r.status = Status::vacuous;
     r.message = !behind_tie.empty()
                     ? "budget vacuous: behind the max-pooling argmax of " + behind_tie +

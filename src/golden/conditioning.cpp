@@ -151,7 +151,7 @@ void precision_conditioning(const File& f, const std::map<std::string, std::vect
     if (e == emu.end()) throw FormatError("the emulated run has no " + t.name);
     const double err = max_abs_diff(e->second, truth);
     release_judged(f, t);
-    if (err > kVacuous * scale) {
+    if (err > vacuous_limit(p) * scale) {
       throw IllConditioned("the " + std::string(to_string(p)) + " budget is vacuous at " +
                            stage_name(t.name) + ": the emulated error is " +
                            std::to_string(err / scale) + " of the tensor's scale");

@@ -31,6 +31,11 @@ void write_fp8_keys(nlohmann::ordered_json& j, const Fp8Recipe& r);
 inline constexpr double kIllConditioned = 16.0;
 // An emulated error above this fraction of a tensor's scale makes its budget vacuous.
 inline constexpr double kVacuous = 0.1;
+// Under fp8 the limit is 0.5: its recipe rule (CheckOptions::fp8_recipe_k) still judges a tensor
+// whose budget is loose, as gradients through two or three fp8 products are.
+inline double vacuous_limit(Precision p) {
+  return p == Precision::fp8 ? 0.5 : kVacuous;
+}
 
 // The float64 truth of golden tensor g: ref64.<name> in a float32 golden (FormatError when it is
 // missing or misshapen), g itself in a float64 one.

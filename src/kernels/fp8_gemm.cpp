@@ -67,8 +67,10 @@ void dense_copy(std::vector<float>& q, const float* x, index_t rows, index_t k, 
   }
 }
 
-// q = round_to_fp8(q / scale of its block), row by row.
-void scale_and_round(Fp8Operand& o, bool saturate, const std::string& what) {
+// q = round_to_fp8(q * mul of its block), or q / scale of its block where no multipliers are
+// given or the block's is 0 (fp8_max / amax overflowed float), row by row.
+void scale_and_round(Fp8Operand& o, bool saturate, const std::string& what,
+                     const std::vector<float>* mul = nullptr) {
   const index_t sc = o.scale_cols();
   const auto& round = detail::isa_kernels().rounding.round_fp8;
   std::atomic<bool> over{false};
@@ -76,8 +78,13 @@ void scale_and_round(Fp8Operand& o, bool saturate, const std::string& what) {
                      [&](index_t r0, index_t r1) {
                        for (index_t r = r0; r < r1; ++r) {
                          float* row = o.q.data() + r * o.k;
-                         const float* s = o.scale.data() + (r / o.block_rows) * sc;
-                         for (index_t p = 0; p < o.k; ++p) row[p] = row[p] / s[p / o.block_k];
+                         const index_t at = (r / o.block_rows) * sc;
+                         const float* s = o.scale.data() + at;
+                         const float* m = mul ? mul->data() + at : nullptr;
+                         for (index_t p = 0; p < o.k; ++p) {
+                           const index_t b = p / o.block_k;
+                           row[p] = m && m[b] != 0 ? row[p] * m[b] : row[p] / s[b];
+                         }
                          if (round(row, row, o.k, o.format, saturate)) over = true;
                        }
                      });
@@ -121,15 +128,22 @@ Fp8Operand quantize_fp8(const float* x, index_t rows, index_t k, index_t ld, boo
       }
     }
   });
+  // The multiplier fl(fp8_max / amax) quantizes, as Transformer Engine, torchao and DeepSeek-V3's
+  // kernels apply it; the scale fl(amax / fp8_max) dequantizes. mx's are exact powers of two.
   const float top = fp8_max(how.format);
-  for (float& s : o.scale) {
+  std::vector<float> mul(o.scale.size());
+  for (std::size_t i = 0; i < o.scale.size(); ++i) {
+    float& s = o.scale[i];
     if (how.scaling == Fp8Scaling::mx) {
       s = e8m0_value(mx_scale(s, how.format));
+      mul[i] = 1.0f / s;
     } else {
+      const float m = s > 0 ? top / s : 1.0f;
+      mul[i] = std::isfinite(m) ? m : 0.0f;
       s = s > 0 ? s / top : 1.0f;
     }
   }
-  scale_and_round(o, how.saturate, what);
+  scale_and_round(o, how.saturate, what, &mul);
   return o;
 }
 

@@ -83,7 +83,7 @@ class Emulation {
     if (!ok) {
       throw ConfigError(std::string("precision ") + to_string(p_) + " cannot run in " +
                         (std::is_same_v<Real, float> ? "float" : "double") +
-                        " (a float pass emulates fp32, tf32, bf16 or fp16; a double pass is fp64)");
+                        " (a float pass emulates fp32, tf32, bf16, fp16 or fp8; a double pass is fp64)");
     }
   }
   // True when named tensors are rounded: bf16 and fp16.

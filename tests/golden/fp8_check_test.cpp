@@ -23,15 +23,7 @@ using nlohmann::json;
 using safetensors::DType;
 using safetensors::File;
 
-// With outlier channels an MX block's amax is often clamped from up to 511 scale units to 448,
-// the OCP rule's saturation, which puts the emulated error above the vacuity limit: the mx cases
-// keep every channel's own magnitude but no outliers.
 json linear_spec(const std::string& scaling, index_t k = 256) {
-  if (scaling == "mx") {
-    return {{"op", "linear"},     {"rows", 33},          {"in_features", k},
-            {"out_features", 24}, {"dtype", "float32"},  {"seed", 7},
-            {"precision", "fp8"}, {"fp8_scaling", "mx"}, {"fp8_outlier", 1}};
-  }
   return {{"op", "linear"},     {"rows", 33}, {"in_features", k},   {"out_features", 24},
           {"dtype", "float32"}, {"seed", 7},  {"precision", "fp8"}, {"fp8_scaling", scaling}};
 }

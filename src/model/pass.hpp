@@ -81,9 +81,10 @@ class Emulation {
         scope_(std::is_same_v<Real, float> ? p_ : Precision::fp32) {
     const bool ok = std::is_same_v<Real, float> ? p_ != Precision::fp64 : p_ == Precision::fp64;
     if (!ok) {
-      throw ConfigError(std::string("precision ") + to_string(p_) + " cannot run in " +
-                        (std::is_same_v<Real, float> ? "float" : "double") +
-                        " (a float pass emulates fp32, tf32, bf16, fp16 or fp8; a double pass is fp64)");
+      throw ConfigError(
+          std::string("precision ") + to_string(p_) + " cannot run in " +
+          (std::is_same_v<Real, float> ? "float" : "double") +
+          " (a float pass emulates fp32, tf32, bf16, fp16 or fp8; a double pass is fp64)");
     }
   }
   // True when named tensors are rounded: bf16 and fp16.

@@ -173,7 +173,7 @@ struct CheckOptions {
   // tf32, bf16 or fp16 (or fp32 against a float64 golden) a tensor passes when
   //   err(candidate) <= budget_k * err(emulated) + budget_floor * u * scale,
   // err(x) = max |x - truth|, truth the float64 value, emulated = emulate(golden, precision),
-  // u = unit_roundoff(precision), scale as for float32.
+  // u = unit_roundoff(storage_format(precision)) (bf16's for fp8), scale as for float32.
   // Under fp8 a tensor must also follow the case's recipe (docs/fp8.md, "Judging"):
   //   max |candidate - emulated| <= fp8_recipe_k * err(emulated) + 16 * 2^-24 * scale,
   // since a backend that quantizes as the recipe says reproduces the emulated run's fp8 values, and

@@ -237,7 +237,7 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   check
       ->add_option("--budget-floor", check_opts.tolerances.budget_floor,
-                   "tf32/bf16/fp16/fp8: floor in units of the format's u * scale (4)")
+                   "tf32/bf16/fp16/fp8: floor in units of the storage format's u * scale (4)")
       ->check(CLI::NonNegativeNumber);
   check
       ->add_option("--fp8-recipe-k", check_opts.tolerances.fp8_recipe_k,

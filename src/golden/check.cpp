@@ -166,8 +166,9 @@ void judge_recipe(TensorResult& r, const std::vector<double>& cv, const std::vec
     }
   }
   r.recipe_distance = emu_err > 0 ? dist / emu_err : 0;
+  if (std::isinf(opts.fp8_recipe_k) || at < 0) return;
   const double allowed = opts.fp8_recipe_k * emu_err + 16 * std::ldexp(1.0, -24) * scale;
-  if (dist <= allowed) return;
+  if (!(dist > allowed)) return;
   const auto i = static_cast<std::size_t>(at);
   r.status = Status::fail;
   r.message = "off the fp8 recipe: max |candidate - emulated| is " + num(r.recipe_distance) +
@@ -385,7 +386,8 @@ Precision judged_precision(const File& golden, const File& candidate, bool f32,
     if (!implied) implied_by = t.name + " (" + safetensors::dtype_name(t.dtype) + ")";
     implied = p;
   }
-  if (opts.precision && implied && *opts.precision != *implied) {
+  if (opts.precision && implied && *opts.precision != *implied &&
+      storage_format(*opts.precision) != *implied) {
     throw ConfigError(std::string("--precision ") + to_string(*opts.precision) +
                       " conflicts with the candidate's " + implied_by + ", which implies " +
                       to_string(*implied));

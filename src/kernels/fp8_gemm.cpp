@@ -8,6 +8,7 @@
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -68,7 +69,7 @@ void dense_copy(std::vector<float>& q, const float* x, index_t rows, index_t k, 
 }
 
 // q = round_to_fp8(q * mul of its block), or q / scale of its block where no multipliers are
-// given or the block's is 0 (fp8_max / amax overflowed float), row by row.
+// given, row by row.
 void scale_and_round(Fp8Operand& o, bool saturate, const std::string& what,
                      const std::vector<float>* mul = nullptr) {
   const index_t sc = o.scale_cols();
@@ -83,7 +84,7 @@ void scale_and_round(Fp8Operand& o, bool saturate, const std::string& what,
                          const float* m = mul ? mul->data() + at : nullptr;
                          for (index_t p = 0; p < o.k; ++p) {
                            const index_t b = p / o.block_k;
-                           row[p] = m && m[b] != 0 ? row[p] * m[b] : row[p] / s[b];
+                           row[p] = m ? row[p] * m[b] : row[p] / s[b];
                          }
                          if (round(row, row, o.k, o.format, saturate)) over = true;
                        }
@@ -128,8 +129,9 @@ Fp8Operand quantize_fp8(const float* x, index_t rows, index_t k, index_t ld, boo
       }
     }
   });
-  // The multiplier fl(fp8_max / amax) quantizes, as Transformer Engine, torchao and DeepSeek-V3's
-  // kernels apply it; the scale fl(amax / fp8_max) dequantizes. mx's are exact powers of two.
+  // The multiplier fl(fp8_max / amax) quantizes, as Transformer Engine, torchao and DeepGEMM's
+  // reference casts apply it; the scale fl(amax / fp8_max) dequantizes. mx's are exact powers of
+  // two.
   const float top = fp8_max(how.format);
   std::vector<float> mul(o.scale.size());
   for (std::size_t i = 0; i < o.scale.size(); ++i) {
@@ -138,9 +140,12 @@ Fp8Operand quantize_fp8(const float* x, index_t rows, index_t k, index_t ld, boo
       s = e8m0_value(mx_scale(s, how.format));
       mul[i] = 1.0f / s;
     } else {
-      const float m = s > 0 ? top / s : 1.0f;
-      mul[i] = std::isfinite(m) ? m : 0.0f;
+      // A subnormal amax: the multiplier is clamped to float's largest value (as Transformer
+      // Engine clamps it) and the scale is its reciprocal where amax / fp8_max underflows.
+      const float m = s > 0 ? std::min(top / s, std::numeric_limits<float>::max()) : 1.0f;
+      mul[i] = m;
       s = s > 0 ? s / top : 1.0f;
+      if (s == 0) s = 1.0f / m;
     }
   }
   scale_and_round(o, how.saturate, what, &mul);

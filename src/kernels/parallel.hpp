@@ -32,9 +32,12 @@ Precision emulation();
 void set_emulation(Precision p);
 const Fp8Recipe& fp8_recipe();
 void set_fp8_recipe(const Fp8Recipe& r);
+// Without a recipe the scope keeps the thread's (a layer's pass inside an op case's run keeps the
+// case's recipe).
 class EmulationScope {
  public:
-  explicit EmulationScope(Precision p, const Fp8Recipe& fp8 = {})
+  explicit EmulationScope(Precision p) : EmulationScope(p, fp8_recipe()) {}
+  EmulationScope(Precision p, const Fp8Recipe& fp8)
       : outer_(emulation()), outer_fp8_(fp8_recipe()) {
     set_emulation(p);
     set_fp8_recipe(fp8);

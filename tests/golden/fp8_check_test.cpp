@@ -3,6 +3,8 @@
 // passes; each recipe mutant fails at its tensor.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -229,6 +231,45 @@ TEST(Fp8Check, ModelGoldensAreRefusedWithANamedError) {
   const File g = make(c);
   test::expect_throw<ConfigError>([&] { emulate(g, Precision::fp8); },
                                   "fp8 is judged on op cases only");
+}
+
+// A layer's pass inside an op case keeps the case's recipe: the encoder layer under its 1 x 32
+// blocks and under one scale per tensor gives different outputs, and a BF16 candidate (fp8's
+// storage format) is judged as fp8.
+TEST(Fp8Check, AnEncoderLayerRunsUnderItsCasesRecipeAndBf16CandidatesAreFp8s) {
+  json spec = {{"op", "encoder_layer"},
+               {"batch", 2},
+               {"seq_len", 8},
+               {"lengths", {8, 5}},
+               {"d_model", 32},
+               {"num_heads", 2},
+               {"d_ff", 64},
+               {"norm_first", true},
+               {"dtype", "float32"},
+               {"seed", 3},
+               {"precision", "fp8"},
+               {"fp8_scaling", "block"},
+               {"fp8_block_k", 16},
+               {"fp8_weight_block", 16}};
+  const File g = make_op(OpCase::from_json(spec));
+  const auto block = run_op(g, Precision::fp8);
+  spec["fp8_scaling"] = "tensor";
+  const auto tensor = run_as(g, spec);
+  EXPECT_NE(block.at("output.y"), tensor.at("output.y"));
+  File c;
+  for (const auto& [name, v] : block) {
+    std::vector<float> f(v.begin(), v.end());
+    std::vector<std::uint16_t> h(f.size());
+    to_bits(Precision::bf16, h.data(), f.data(), static_cast<index_t>(f.size()));
+    c.add(name, DType::BF16, g.find(name)->shape, h.data(), h.size() * sizeof(std::uint16_t));
+  }
+  const CaseReport r = check(g, c, fp8());
+  EXPECT_EQ(r.precision, "fp8");
+  EXPECT_EQ(r.failed, 0) << r.first_divergence;
+  EXPECT_GT(r.passed, 10);
+  CheckOptions loose = fp8();
+  loose.fp8_recipe_k = std::numeric_limits<double>::infinity();
+  EXPECT_EQ(check(g, c, loose).failed, 0);
 }
 
 }  // namespace

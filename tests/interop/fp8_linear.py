@@ -4,10 +4,9 @@ kernels, judged by `teo golden check --precision fp8` on every linear fp8 op cas
 
 For each golden/ops/linear_fp8_*.safetensors case it reads the inputs and the recipe
 (__metadata__.spec), computes output.y, grad.input.x, grad.param.weight and grad.param.bias as
-the recipe defines them, writes them as float32 and runs the checker. Differences from teo's
-emulation, on purpose: scales are multiplied in (fp8_max / amax, as Transformer Engine applies
-them) where teo divides by amax / fp8_max; products are summed in float64 where teo sums in
-float32 (a limited accumulator is modelled with frexp); ml_dtypes does the fp8 and bf16 casts.
+the recipe defines them, writes them as float32 and runs the checker. Its own loops, not teo's:
+products are summed in float64 where teo sums in float32 (a limited accumulator is modelled with
+frexp), and ml_dtypes does the fp8 and bf16 casts.
 
 Usage (with the project's virtual environment, where ml_dtypes is installed):
   .venv/bin/python tests/interop/fp8_linear.py TEO_BINARY GOLDEN_OPS_DIR WORK_DIR
@@ -73,7 +72,7 @@ def quantize(x, fmt, scaling, tile_rows, block_k):
             t = x[r0:r0 + tile_rows, k0:k0 + block_k]
             amax = np.float32(np.max(np.abs(t))) if t.size else np.float32(0)
             if scaling == "mx":
-                e = int(np.floor(np.log2(amax))) - emax if amax > 0 else -127
+                e = int(np.frexp(amax)[1]) - 1 - emax if amax > 0 else -127
                 mul = np.float32(2.0 ** -e)
                 d = 2.0 ** e
             else:

@@ -250,8 +250,8 @@ TEST(Rounding, OverflowIsReportedOnlyForAFiniteValueThatBecomesInfinite) {
 }
 
 TEST(Rounding, NamesParseAndSixteenBitFormatsAreChecked) {
-  for (Precision p :
-       {Precision::fp64, Precision::fp32, Precision::tf32, Precision::bf16, Precision::fp16})
+  for (Precision p : {Precision::fp64, Precision::fp32, Precision::tf32, Precision::bf16,
+                      Precision::fp16, Precision::fp8})
     EXPECT_EQ(parse_precision(to_string(p), "--precision"), p);
   test::expect_throw<ConfigError>([] { parse_precision("bfloat16", "--precision"); },
                                   "--precision must be fp64, fp32, tf32, bf16, fp16 or fp8, got "

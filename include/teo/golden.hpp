@@ -17,6 +17,7 @@
 
 #include "teo/config.hpp"
 #include "teo/contract.hpp"
+#include "teo/fp8.hpp"
 #include "teo/model.hpp"
 #include "teo/precision.hpp"
 #include "teo/safetensors.hpp"
@@ -37,10 +38,13 @@ struct Case {
   std::vector<std::int64_t> lengths;  // empty: every sequence is full
   std::string dtype = "float64";      // "float32" or "float64"
   std::uint64_t seed = 0;
-  // A precision case (float32 only): tf32, bf16 or fp16. Its parameters are rounded to the format
-  // (bf16, fp16) before the run, so that a backend holding them in the format holds them exactly,
-  // and generation refuses the case when that precision's budget would be vacuous on it.
+  // A precision case (float32 only): tf32, bf16, fp16 or fp8. Its parameters are rounded to the
+  // storage format (bf16, fp16; bf16 for fp8) before the run, so that a backend holding them in
+  // the format holds them exactly, and generation refuses the case when that precision's budget
+  // would be vacuous on it.
   std::optional<Precision> precision;
+  // The recipe of an fp8 case: the case's fp8_* keys (docs/fp8.md, "Emulated passes").
+  Fp8Recipe fp8;
   // A generation case (a decoder's, "generate": {"steps": T}): after the forward and backward, T
   // greedy steps through the KV cache, prompted by each sequence's first lengths[b] tokens
   // (docs/golden-format.md, "Generation"). 0: none.
@@ -51,8 +55,8 @@ struct Case {
   std::vector<std::int64_t> tgt_lengths;
 
   // CASE.json: the config keys plus "case": {batch, seq_len, lengths?, dtype, seed, precision?,
-  // generate?}. Throws ConfigError naming the bad key, ShapeError for sizes the config cannot
-  // take.
+  // fp8_*?, generate?}. Throws ConfigError naming the bad key, ShapeError for sizes the config
+  // cannot take.
   static Case from_json(const nlohmann::json& j);
   // CASE.json read from `path`: FileError when it cannot be read, and the errors of from_json
   // with the path in front.
@@ -116,6 +120,7 @@ struct RunOptions {
   std::optional<Precision> precision;
   bool backward = true;
   const std::map<std::string, std::vector<std::uint8_t>>* masks = nullptr;  // replayed masks
+  std::optional<Fp8Recipe> fp8;  // the recipe under fp8 (ForwardOptions::fp8)
 };
 template <class Real>
 safetensors::File run_tensors(const Params<Real>& params, const Batch& batch,
@@ -175,7 +180,8 @@ struct CheckOptions {
   // err(x) = max |x - truth|, truth the float64 value, emulated = emulate(golden, precision),
   // u = unit_roundoff(storage_format(precision)) (bf16's for fp8), scale as for float32.
   // Under fp8 a tensor must also follow the case's recipe (docs/fp8.md, "Judging"):
-  //   max |candidate - emulated| <= fp8_recipe_k * err(emulated) + 16 * 2^-24 * scale,
+  //   max (|candidate - emulated| - one bf16 step) <= fp8_recipe_k * err(emulated)
+  //                                                   + 16 * 2^-24 * scale,
   // since a backend that quantizes as the recipe says reproduces the emulated run's fp8 values, and
   // so its error, up to float32 accumulation and the odd rounding flip; another format, scale or
   // block gives an error of its own, as large as the emulated one.
@@ -211,7 +217,8 @@ struct TensorResult {
   // behind a max-pooling argmax that is not resolved: the two largest values of a column within
   // twice the emulated run's errors at them of each other.
   double emulated_err = 0;
-  // Under fp8: max |candidate - emulated| / err(emulated) (0 when the emulated error is 0).
+  // Under fp8: max (|candidate - emulated| - one bf16 step at the element) / err(emulated), 0 when
+  // the emulated error is 0 or when step 1 failed (then it is not computed).
   double recipe_distance = 0;
   std::string message;  // why it failed or was not checked; where the worst error is
   // Whether the values were compared: false for a missing tensor, a dtype or shape mismatch, and a

@@ -9,6 +9,7 @@
 
 #include "teo/config.hpp"
 #include "teo/decoder_layer.hpp"
+#include "teo/fp8.hpp"
 #include "teo/tensor.hpp"
 
 namespace teo {
@@ -421,9 +422,11 @@ struct ForwardOptions {
   // pass takes fp32, tf32, bf16, fp16 or fp8; a double pass only fp64 (else ConfigError). Under
   // bf16, fp16 and fp8 (stored as bf16) every named activation is rounded to the format where it
   // is produced, and an fp16 overflow throws RangeError naming the tensor; the parameters are used
-  // as given (see round_params). fp8 runs every linear product under teo/fp8.hpp's default
-  // Fp8Recipe (E4M3, one scale per tensor, float32 accumulation).
+  // as given (see round_params). fp8 runs every linear product under the recipe `fp8`.
   std::optional<Precision> precision = std::nullopt;
+  // The fp8 recipe (teo/fp8.hpp), read under Precision::fp8: unset is the thread's, which is the
+  // default Fp8Recipe (E4M3, one scale per tensor, float32 accumulation) outside an op case.
+  std::optional<Fp8Recipe> fp8 = std::nullopt;
   // Dropout masks to replay instead of drawing them from dropout_seed, by site (the golden names:
   // "dropout.input", "dropout.layers.{i}.attn", ".residual1", ".ffn", ".residual2"); a site not
   // given is drawn. Each must have its site's element count (ShapeError), nonzero meaning kept; a
@@ -435,6 +438,7 @@ struct BackwardOptions {
   // As ForwardOptions::precision; under bf16 and fp16 every named gradient, of activations and
   // parameters, is rounded where it is complete.
   std::optional<Precision> precision = std::nullopt;
+  std::optional<Fp8Recipe> fp8 = std::nullopt;  // as ForwardOptions::fp8
   // false: of each layer's activation gradients keep only dacts.layers[i].output (the golden
   // contract's); the others live in one layer's scratch, reused down the stack, and are left
   // empty. The bits of everything kept are the same; the memory of a deep model's backward pass

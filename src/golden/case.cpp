@@ -5,6 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "golden/golden_internal.hpp"
 #include "teo/files.hpp"
 #include "teo/golden.hpp"
 
@@ -92,7 +93,8 @@ Case Case::from_json(const json& j) {
       if (c.steps < 1) {
         throw ConfigError("case.generate.steps must be at least 1, got " + std::to_string(c.steps));
       }
-    } else {
+    } else if (std::ranges::find(detail::fp8_keys(), key) == detail::fp8_keys().end()) {
+      // the fp8 keys are read below
       throw ConfigError("case has the unknown key \"" + key + "\"");
     }
   }
@@ -117,12 +119,10 @@ Case Case::from_json(const json& j) {
   }
   if (c.precision && (c.dtype != "float32" || *c.precision == Precision::fp32 ||
                       *c.precision == Precision::fp64)) {
-    throw ConfigError("case.precision must be tf32, bf16 or fp16, in a float32 case");
+    throw ConfigError("case.precision must be tf32, bf16, fp16 or fp8, in a float32 case");
   }
-  if (c.precision == Precision::fp8) {
-    throw ConfigError(
-        "case.precision fp8 is for op cases only (docs/fp8.md): a model case takes "
-        "tf32, bf16 or fp16");
+  if (detail::read_fp8_keys(cj, c.fp8, "case") && c.precision != Precision::fp8) {
+    throw ConfigError("case: the fp8_* keys need \"precision\": \"fp8\" (docs/fp8.md)");
   }
   const std::size_t real = c.dtype == "float32" ? sizeof(float) : sizeof(double);
   if (c.config.encoder_decoder()) {
@@ -180,6 +180,7 @@ json Case::case_json() const {
   j["dtype"] = dtype;
   j["seed"] = seed;
   if (precision) j["precision"] = to_string(*precision);
+  if (precision == Precision::fp8) detail::write_fp8_keys(j, fp8);
   if (steps > 0) j["generate"] = {{"steps", steps}};
   if (config.encoder_decoder()) {
     j["tgt_len"] = tgt_len;

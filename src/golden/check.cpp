@@ -150,8 +150,17 @@ TensorResult check_tensor(const File& golden, const safetensors::Tensor& g,
   return r;
 }
 
+// One step of bf16 (fp8's storage format) at |x|: 2^(e - 8) for |x| in [2^(e-1), 2^e).
+double bf16_step(double x) {
+  int e = 0;
+  std::frexp(x, &e);
+  return x == 0 ? 0 : std::ldexp(1.0, std::max(e - 8, -133));
+}
+
 // Under fp8, a tensor within its budget still fails when it is off the emulated run by more than
-// opts.fp8_recipe_k of the emulated error (CheckOptions::fp8_recipe_k).
+// opts.fp8_recipe_k of the emulated error (CheckOptions::fp8_recipe_k). Each element's distance
+// beyond one bf16 step counts: a backend whose float32 sums run in another order may store the
+// neighbouring bf16 of any value.
 void judge_recipe(TensorResult& r, const std::vector<double>& cv, const std::vector<double>& emu,
                   double emu_err, double scale, const CheckOptions& opts,
                   const std::vector<std::int64_t>& shape) {
@@ -159,7 +168,8 @@ void judge_recipe(TensorResult& r, const std::vector<double>& cv, const std::vec
   std::int64_t at = -1;
   for (std::size_t i = 0; i < cv.size(); ++i) {
     if (!std::isfinite(cv[i]) || !std::isfinite(emu[i])) continue;
-    const double d = std::abs(cv[i] - emu[i]);
+    const double d =
+        std::abs(cv[i] - emu[i]) - bf16_step(std::max(std::abs(cv[i]), std::abs(emu[i])));
     if (d > dist) {
       dist = d;
       at = static_cast<std::int64_t>(i);
@@ -171,9 +181,10 @@ void judge_recipe(TensorResult& r, const std::vector<double>& cv, const std::vec
   if (!(dist > allowed)) return;
   const auto i = static_cast<std::size_t>(at);
   r.status = Status::fail;
-  r.message = "off the fp8 recipe: max |candidate - emulated| is " + num(r.recipe_distance) +
-              " of the emulated error (allowed " + num(opts.fp8_recipe_k) + "), at " +
-              index_str(at, shape) + ": candidate " + num(cv[i]) + ", emulated " + num(emu[i]);
+  r.message = "off the fp8 recipe: |candidate - emulated| beyond one bf16 step is " +
+              num(r.recipe_distance) + " of the emulated error (allowed " + num(opts.fp8_recipe_k) +
+              "), at " + index_str(at, shape) + ": candidate " + num(cv[i]) + ", emulated " +
+              num(emu[i]);
 }
 
 // One tensor under a reduced precision p: err(candidate) <= k * err(emulated) + floor * u * scale

@@ -70,7 +70,8 @@ bool read_fp8_keys(const nlohmann::json& j, Fp8Recipe& r, const std::string& whe
   return any;
 }
 
-void write_fp8_keys(nlohmann::ordered_json& j, const Fp8Recipe& r) {
+template <class Json>
+void write_fp8_keys(Json& j, const Fp8Recipe& r) {
   j["fp8_format"] = fp8_format_name(r);
   j["fp8_scaling"] = to_string(r.scaling);
   j["fp8_block_k"] = r.block_k;
@@ -80,5 +81,7 @@ void write_fp8_keys(nlohmann::ordered_json& j, const Fp8Recipe& r) {
   j["fp8_promote_every"] = r.accumulate.promote_every;
   j["fp8_saturate"] = r.saturate;
 }
+template void write_fp8_keys(nlohmann::json&, const Fp8Recipe&);
+template void write_fp8_keys(nlohmann::ordered_json&, const Fp8Recipe&);
 
 }  // namespace teo::golden::detail

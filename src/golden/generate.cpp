@@ -41,12 +41,13 @@ struct Run {
 
 template <class Real>
 Run<Real> run_case(const Params<Real>& params, const Batch& batch, std::uint64_t seed,
-                   std::optional<Precision> precision = std::nullopt) {
+                   std::optional<Precision> precision = std::nullopt, const Fp8Recipe& fp8 = {}) {
   Run<Real> r;
-  forward(params, batch, r.acts, {.train = true, .dropout_seed = seed, .precision = precision});
+  forward(params, batch, r.acts,
+          {.train = true, .dropout_seed = seed, .precision = precision, .fp8 = fp8});
   // the contract holds only each layer's output gradient: the rest need not outlive its layer
   backward(params, batch, r.acts, r.grads, r.dacts,
-           {.precision = precision, .layer_activation_grads = false});
+           {.precision = precision, .fp8 = fp8, .layer_activation_grads = false});
   return r;
 }
 
@@ -418,10 +419,11 @@ File run_tensors(const Params<Real>& params, const Batch& batch, const RunOption
           {.train = opts.train,
            .dropout_seed = opts.dropout_seed,
            .precision = opts.precision,
+           .fp8 = opts.fp8,
            .masks = opts.masks});
   if (opts.backward)
     backward(params, batch, r.acts, r.grads, r.dacts,
-             {.precision = opts.precision, .layer_activation_grads = false});
+             {.precision = opts.precision, .fp8 = opts.fp8, .layer_activation_grads = false});
   File f;
   const EncoderConfig& cfg = params.config;
   add_outs(f, run_outs(cfg, batch, r, opts.train && cfg.dropout > 0, opts.backward));
@@ -538,7 +540,7 @@ std::vector<double> pixels_from(const File& golden) {
 // the golden feeds it runs through the causal forward once (eval mode), and step t's logits are
 // its LM logits at position lengths[b] + t, the property generate() meets to rounding.
 void emulate_generation(const File& golden, const Params<float>& params, const Batch& prompt,
-                        index_t steps, Precision p,
+                        index_t steps, Precision p, const Fp8Recipe& fp8,
                         std::map<std::string, std::vector<double>>& out) {
   const auto* g = golden.find("input.generate.tokens");
   if (!g || g->dtype != DType::I64)
@@ -561,7 +563,7 @@ void emulate_generation(const File& golden, const Params<float>& params, const B
     grown.lengths[at(b)] = len + steps;
   }
   Activations<float> acts;
-  forward(params, grown, acts, {.train = false, .precision = p});
+  forward(params, grown, acts, {.train = false, .precision = p, .fp8 = fp8});
   const index_t V = params.config.vocab_size;
   for (index_t t = 0; t < steps; ++t) {
     std::vector<double> logits;
@@ -580,11 +582,6 @@ void emulate_generation(const File& golden, const Params<float>& params, const B
 std::map<std::string, std::vector<double>> emulate(const File& golden, Precision p) {
   validate(golden);
   if (is_op_file(golden)) return run_op(golden, p);
-  if (p == Precision::fp8) {
-    throw ConfigError(
-        "fp8 is judged on op cases only (docs/fp8.md): a model golden takes tf32, "
-        "bf16 or fp16");
-  }
   const Case c = case_of(golden);
   const EncoderConfig& cfg = c.config;
   if (cfg.encoder_decoder()) {
@@ -620,9 +617,11 @@ std::map<std::string, std::vector<double>> emulate(const File& golden, Precision
     *dst = t->values<std::int64_t>();
   }
   if (cfg.patches_input()) batch.pixels = pixels_from(golden);
-  auto run = run_case(params, batch, c.seed, p);
+  // An fp8 golden's own recipe; a golden of another precision judged as fp8 takes the default one.
+  const Fp8Recipe fp8 = c.precision == Precision::fp8 ? c.fp8 : Fp8Recipe{};
+  auto run = run_case(params, batch, c.seed, p, fp8);
   std::map<std::string, std::vector<double>> out;
-  if (c.steps > 0) emulate_generation(golden, params, batch, c.steps, p, out);
+  if (c.steps > 0) emulate_generation(golden, params, batch, c.steps, p, fp8, out);
   params = Params<float>();
   for (const auto& [spec, m] : run_masks(cfg, batch, run.acts)) {
     const std::string& n = spec.name;

@@ -22,8 +22,9 @@ namespace teo::golden::detail {
 const std::vector<std::string>& fp8_keys();
 // Reads the fp8 keys j holds into r, each error naming where.key; returns whether j held any.
 bool read_fp8_keys(const nlohmann::json& j, Fp8Recipe& r, const std::string& where);
-// Writes every fp8 key of r.
-void write_fp8_keys(nlohmann::ordered_json& j, const Fp8Recipe& r);
+// Writes every fp8 key of r (into a json or an ordered_json).
+template <class Json>
+void write_fp8_keys(Json& j, const Fp8Recipe& r);
 
 // A float32 golden's tolerance for its own error against float64: at most
 // kIllConditioned * FLT_EPSILON * sqrt(L) relative to each tensor's scale, where L is the case's

@@ -214,7 +214,7 @@ void forward(const Params<Real>& params, const Batch& batch, Activations<Real>& 
   validate_batch(cfg, batch, sizeof(Real));
   check_replayed_masks(cfg, batch, opts);
   const Dims d = dims_of(cfg, batch);
-  const Emulation<Real> store(opts.precision, "");
+  const Emulation<Real> store(opts.precision, "", opts.fp8);
   full_precision_only(cfg, opts.precision);
   allocate(acts, cfg, d, batch.tgt_len, static_cast<ZeroList<Real>*>(nullptr));
 
@@ -341,7 +341,7 @@ void encoder_forward(const Params<Real>& params, const Batch& batch, Activations
   validate_activations(params.config, batch, acts);
   check_replayed_masks(params.config, batch, opts);
   full_precision_only(params.config, opts.precision);
-  run_encoder(params, batch, acts, opts, Emulation<Real>(opts.precision, ""));
+  run_encoder(params, batch, acts, opts, Emulation<Real>(opts.precision, "", opts.fp8));
 }
 
 template <class Real>
@@ -353,7 +353,7 @@ void backward(const Params<Real>& params, const Batch& batch, const Activations<
   validate_activations(cfg, batch, acts);
   full_precision_only(cfg, opts.precision);
   const Dims d = dims_of(cfg, batch);
-  const Emulation<Real> store(opts.precision, "the gradient of ");
+  const Emulation<Real> store(opts.precision, "the gradient of ", opts.fp8);
   {
     // The gradients that accumulate from the start begin at zero (Params::zeros, with the fill
     // done by zero_fill): every parameter's, and the few activation gradients allocate() lists.
@@ -552,7 +552,7 @@ void encoder_layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P,
   Batch batch;
   const Dims d = layer_dims(cfg, P, x, lengths, batch);
   check_replayed_masks(cfg, batch, opts);
-  const Emulation<Real> store(opts.precision, "");
+  const Emulation<Real> store(opts.precision, "", opts.fp8);
   allocate_layer(L, d, static_cast<ZeroList<Real>*>(nullptr));
   layer_forward(cfg, P, L, x.data(), batch, d, "dropout.layers.0.", opts.train && cfg.dropout > 0.0,
                 MaskSource{opts.dropout_seed, opts.masks}, store);
@@ -570,7 +570,7 @@ void encoder_layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P
     throw ShapeError("encoder layer: dy is " + dy.shape().str() + " and the kept output " +
                      L.output.shape().str() + ", expected " + x.shape().str());
   }
-  const Emulation<Real> store(opts.precision, "the gradient of ");
+  const Emulation<Real> store(opts.precision, "the gradient of ", opts.fp8);
   ZeroList<Real> zero;
   G.configure(cfg);
   G.visit([&](const std::string& name, Tensor<Real>& t) {

@@ -75,10 +75,13 @@ inline constexpr index_t kElementGrain = 16384;
 template <class Real>
 class Emulation {
  public:
-  Emulation(std::optional<Precision> p, const char* kind)
+  // fp8: the recipe under Precision::fp8; unset keeps the thread's.
+  Emulation(std::optional<Precision> p, const char* kind,
+            const std::optional<Fp8Recipe>& fp8 = std::nullopt)
       : p_(p.value_or(std::is_same_v<Real, float> ? Precision::fp32 : Precision::fp64)),
         kind_(kind),
-        scope_(std::is_same_v<Real, float> ? p_ : Precision::fp32) {
+        scope_(std::is_same_v<Real, float> ? p_ : Precision::fp32,
+               fp8.value_or(detail::fp8_recipe())) {
     const bool ok = std::is_same_v<Real, float> ? p_ != Precision::fp64 : p_ == Precision::fp64;
     if (!ok) {
       throw ConfigError(

@@ -424,8 +424,9 @@ PYBIND11_MODULE(_teo, m) {
             replay[site] = std::vector<std::uint8_t>(arr.data(), arr.data() + arr.size());
           }
         }
-        const teo::golden::RunOptions opts{train, dropout_seed, precision_of(precision), backward,
-                                           masks ? &replay : nullptr};
+        const teo::golden::RunOptions opts{
+            train,       dropout_seed, precision_of(precision), backward, masks ? &replay : nullptr,
+            std::nullopt};
         const auto run_in = [&](auto real) {
           const auto p = params_from<decltype(real)>(cfg, params);
           return wire_of(
@@ -591,6 +592,8 @@ PYBIND11_MODULE(_teo, m) {
         o.budget_k = x;
       else if (key == "budget_floor")
         o.budget_floor = x;
+      else if (key == "fp8_recipe_k")
+        o.fp8_recipe_k = x;
       else
         throw teo::ConfigError("unknown check option \"" + key + "\"");
     }

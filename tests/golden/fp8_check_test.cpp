@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <iostream>
 #include <limits>
 #include <string>
 #include <vector>
@@ -192,6 +193,8 @@ TEST(Fp8Check, RecipeMutantsFailAtTheirTensor) {
     const auto& t = result(r, "output.y");
     EXPECT_EQ(t.status, Status::fail) << m.what << ": distance " << t.recipe_distance;
     EXPECT_EQ(r.first_divergence, "output.y") << m.what;
+    std::cout << m.what << ": ratio " << t.ratio << ", recipe distance " << t.recipe_distance
+              << "\n";  // docs/fp8.md's table
   }
 }
 
@@ -214,23 +217,6 @@ TEST(Fp8Check, AScaleFromTheWrongBlockFailsAtTheOutput) {
     out[i] = round_to(Precision::bf16, y[i] + static_cast<float>(bias[i % 24]));
   const CaseReport r = check(g, candidate(g, {{"output.y", out}}), fp8());
   EXPECT_EQ(result(r, "output.y").status, Status::fail) << result(r, "output.y").recipe_distance;
-}
-
-TEST(Fp8Check, ModelGoldensAreRefusedWithANamedError) {
-  Case c;
-  c.config.vocab_size = 11;
-  c.config.max_len = 4;
-  c.config.d_model = 8;
-  c.config.num_heads = 2;
-  c.config.d_ff = 8;
-  c.config.num_layers = 1;
-  c.config.num_classes = 2;
-  c.batch = 1;
-  c.seq_len = 4;
-  c.dtype = "float32";
-  const File g = make(c);
-  test::expect_throw<ConfigError>([&] { emulate(g, Precision::fp8); },
-                                  "fp8 is judged on op cases only");
 }
 
 // A layer's pass inside an op case keeps the case's recipe: the encoder layer under its 1 x 32

@@ -486,6 +486,20 @@ def test_check_options_precision_only_and_tolerances():
         teo.golden.check(g, cand, precision="fp4")
 
 
+def test_check_fp8_recipe_k():
+    # float32 outputs are more accurate than the fp8 recipe, but not what it computes: the recipe
+    # rule fails them, and fp8_recipe_k=inf leaves the budget alone to judge them
+    g = op_case("linear_fp8_tensor")
+    cand = {n: a for n, a in g.tensors.items() if n.startswith(("output.", "grad."))}
+    r = teo.golden.check(g, cand, precision="fp8")
+    assert not r.passed and r.precision == "fp8"
+    assert "off the fp8 recipe" in str(r)
+    r = teo.golden.check(g, cand, precision="fp8", fp8_recipe_k=float("inf"))
+    assert r.passed
+    with pytest.raises(teo.ConfigError, match="fp8_recipe_k"):
+        teo.golden.check(g, cand, precision="fp8", fp8_recipe_k=-1)
+
+
 def test_assert_matches_golden():
     g = case("post_relu_cls_f64")
     cand = {n: a.copy() for n, a in g.tensors.items() if n.startswith(("act.", "grad."))}

@@ -191,13 +191,15 @@ class Report:
 
 def check(golden, candidate, *, precision=None, only=None, require_all=False, allow_extra=False,
           hide_unchecked=False, bits=None, rtol=None, atol=None, k=None, floor_eps=None,
-          budget_k=None, budget_floor=None):
+          budget_k=None, budget_floor=None, fp8_recipe_k=None):
     """Judges candidate against golden by `teo golden check`'s rules and returns a Report.
 
     golden: a path or a loaded Golden. candidate: a path, a Golden, or a dict name -> array
     (numpy, ml_dtypes.bfloat16, float16, or torch tensors; uint16 bit patterns with
     bits={name: "BF16" or "F16"}). precision: what the candidate computed in (fp64, fp32,
-    tf32, bf16, fp16; default implied by its dtypes). only: "forward" or "backward".
+    tf32, bf16, fp16, fp8; default implied by its dtypes). only: "forward" or "backward".
+    budget_k, budget_floor and fp8_recipe_k are `teo golden check`'s --budget-k, --budget-floor
+    and --fp8-recipe-k (float("inf") turns the fp8 recipe rule off).
     A candidate tensor the golden does not name fails (a misspelling), unless allow_extra;
     hide_unchecked leaves the rows of tensors not in the candidate out of str(report).
     """
@@ -214,7 +216,8 @@ def check(golden, candidate, *, precision=None, only=None, require_all=False, al
         c_name = "<candidate>"
     tol = {name: value for name, value in
            (("rtol", rtol), ("atol", atol), ("k", k), ("floor_eps", floor_eps),
-            ("budget_k", budget_k), ("budget_floor", budget_floor)) if value is not None}
+            ("budget_k", budget_k), ("budget_floor", budget_floor),
+            ("fp8_recipe_k", fp8_recipe_k)) if value is not None}
     g_path = g.path or ("<%s op case>" % g.op if g.op else "<golden>")
     text, json_text, code, reason = _teo.check(
         list(g.metadata.items()), g.wire(), c_wire, os.path.basename(g_path), g_path, c_name,

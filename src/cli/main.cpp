@@ -241,8 +241,17 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   check
       ->add_option("--fp8-recipe-k", check_opts.tolerances.fp8_recipe_k,
-                   "fp8: how far from the emulated run, in units of its error (0.5)")
-      ->check(CLI::NonNegativeNumber);
+                   "fp8: how far from the emulated run, in units of its error (0.5; inf: no "
+                   "recipe rule)")
+      ->check(CLI::Validator(
+          [](std::string& v) -> std::string {
+            // CLI11's NonNegativeNumber stops at the largest double: inf is allowed here
+            double x = 0;
+            if (!CLI::detail::lexical_cast(v, x) || !(x >= 0))
+              return "must be a number >= 0 or inf";
+            return "";
+          },
+          "NONNEGATIVE or inf"));
   CLI::App* train = app.add_subcommand(
       "train", "Train the encoder to tell which language a word is (the CPU training demo)");
   std::string train_config;

@@ -375,8 +375,9 @@ void judge_names(const File& golden, const File& candidate, const CheckOptions& 
 
 namespace {
 
-// The precision a candidate is judged in: the flag, else what its BF16 or F16 tensors imply, else
-// the golden's dtype. A flag the dtypes contradict, or both BF16 and F16, is a ConfigError.
+// The precision a candidate is judged in: the flag, else what its BF16, F16 or F8 tensors imply
+// (F8 tensors fp8, with BF16 ones as its storage format), else the golden's dtype. A flag the
+// dtypes contradict, or both BF16 and F16, is a ConfigError.
 Precision judged_precision(const File& golden, const File& candidate, bool f32,
                            const CheckOptions& opts) {
   std::optional<Precision> implied;
@@ -388,7 +389,19 @@ Precision judged_precision(const File& golden, const File& candidate, bool f32,
     std::optional<Precision> p;
     if (t.dtype == DType::BF16) p = Precision::bf16;
     if (t.dtype == DType::F16) p = Precision::fp16;
+    if (t.dtype == DType::F8_E4M3 || t.dtype == DType::F8_E5M2) p = Precision::fp8;
     if (!p) continue;
+    const auto fp8_pair = [](Precision x, Precision y) {
+      return (x == Precision::fp8 && y == Precision::bf16) ||
+             (x == Precision::bf16 && y == Precision::fp8);
+    };
+    if (implied && fp8_pair(*implied, *p)) {
+      if (*p == Precision::fp8) {
+        implied = p;
+        implied_by = t.name + " (" + safetensors::dtype_name(t.dtype) + ")";
+      }
+      continue;
+    }
     if (implied && *implied != *p) {
       throw ConfigError("the candidate stores " + implied_by + " and " + t.name + " (" +
                         safetensors::dtype_name(t.dtype) +

@@ -582,4 +582,21 @@ TEST(Cli, EveryBadInputIsOneLineAndExitCode2) {
   EXPECT_EQ(run_cli("--help").code, 0);
 }
 
+// An fp8 model golden's own float32 outputs as the candidate: more accurate than fp8, but off its
+// recipe (they are not stored in bf16), so the recipe rule fails them by name; --fp8-recipe-k inf
+// judges by the budget alone, and a negative k is a named error.
+TEST(GoldenCli, Fp8RecipeKTurnsTheRecipeRuleOffAtInf) {
+  const std::string g = (kCorpus / "fp8_pre_block.safetensors").string();
+  const std::string args =
+      "golden check --precision fp8 --allow-extra --golden " + g + " --candidate " + g;
+  CliResult r = run_cli(args);
+  EXPECT_EQ(r.code, 1) << r.out;
+  EXPECT_NE(r.out.find("off the fp8 recipe"), std::string::npos) << r.out;
+  r = run_cli(args + " --fp8-recipe-k inf");
+  EXPECT_EQ(r.code, 0) << r.out;
+  r = run_cli(args + " --fp8-recipe-k -1");
+  EXPECT_EQ(r.code, 2) << r.out;  // a usage error
+  EXPECT_NE(r.out.find("--fp8-recipe-k: must be a number >= 0 or inf"), std::string::npos) << r.out;
+}
+
 }  // namespace

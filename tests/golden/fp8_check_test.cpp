@@ -258,5 +258,46 @@ TEST(Fp8Check, AnEncoderLayerRunsUnderItsCasesRecipeAndBf16CandidatesAreFp8s) {
   EXPECT_EQ(check(g, c, loose).failed, 0);
 }
 
+// F8_E4M3 / F8_E5M2 candidate tensors imply fp8, BF16 ones beside them are its storage format, and
+// F16 beside them is a conflict.
+TEST(Fp8Check, F8CandidateTensorsImplyFp8) {
+  const File g = make_op(OpCase::from_json(linear_spec("tensor")));
+  const auto emu = run_op(g, Precision::fp8);
+  const auto add = [&](File& c, const std::string& name, DType dtype) {
+    const auto& v = emu.at(name);
+    const std::vector<float> f(v.begin(), v.end());
+    const auto n = static_cast<index_t>(f.size());
+    if (dtype == DType::F8_E4M3 || dtype == DType::F8_E5M2) {
+      std::vector<std::uint8_t> b(f.size());
+      to_fp8_bits(dtype == DType::F8_E4M3 ? Fp8Format::e4m3 : Fp8Format::e5m2, true, b.data(),
+                  f.data(), n);
+      c.add(name, dtype, g.find(name)->shape, b.data(), b.size());
+    } else {
+      std::vector<std::uint16_t> h(f.size());
+      to_bits(dtype == DType::BF16 ? Precision::bf16 : Precision::fp16, h.data(), f.data(), n);
+      c.add(name, dtype, g.find(name)->shape, h.data(), h.size() * sizeof(std::uint16_t));
+    }
+  };
+  for (const DType f8 : {DType::F8_E4M3, DType::F8_E5M2}) {
+    File c;
+    add(c, "output.y", f8);
+    add(c, "grad.input.x", DType::BF16);
+    const CaseReport r = check(g, c, CheckOptions{});
+    EXPECT_EQ(r.precision, "fp8");
+    EXPECT_EQ(result(r, "grad.input.x").status, Status::pass);
+    EXPECT_TRUE(result(r, "output.y").compared);
+  }
+  File mixed;
+  add(mixed, "output.y", DType::F8_E4M3);
+  add(mixed, "grad.input.x", DType::F16);
+  test::expect_throw<ConfigError>([&] { check(g, mixed, CheckOptions{}); },
+                                  "one candidate is judged in one precision");
+  CheckOptions bf16;
+  bf16.precision = Precision::bf16;
+  File f8;
+  add(f8, "output.y", DType::F8_E4M3);
+  test::expect_throw<ConfigError>([&] { check(g, f8, bf16); }, "which implies fp8");
+}
+
 }  // namespace
 }  // namespace teo::golden

@@ -179,7 +179,8 @@ struct CheckOptions {
   //   err(candidate) <= budget_k * err(emulated) + budget_floor * u * scale,
   // err(x) = max |x - truth|, truth the float64 value, emulated = emulate(golden, precision),
   // u = unit_roundoff(storage_format(precision)) (bf16's for fp8), scale as for float32.
-  // Under fp8 a tensor must also follow the case's recipe (docs/fp8.md, "Judging"):
+  // Under fp8 a tensor of a linear op case must also follow the case's recipe (docs/fp8.md,
+  // "Judging"):
   //   max (|candidate - emulated| - one bf16 step) <= fp8_recipe_k * err(emulated)
   //                                                   + 16 * 2^-24 * scale,
   // since a backend that quantizes as the recipe says reproduces the emulated run's fp8 values, and
@@ -238,7 +239,10 @@ struct CaseReport {
   std::string first_divergence;       // "" when nothing failed
   std::string precision;              // what the candidate was judged as: fp64, fp32, bf16, ...
   bool budget = false;                // judged against the emulated run's error
-  std::uint64_t emulated_bytes = 0;   // the memory the emulated run's tensors took (budget only)
+  // Under fp8: whether the recipe rule decides (CheckOptions::fp8_recipe_k). Only where every fp8
+  // operand is a golden input (the linear op); elsewhere recipe_distance is reported, not judged.
+  bool recipe_rule = false;
+  std::uint64_t emulated_bytes = 0;  // the memory the emulated run's tensors took (budget only)
   int passed = 0, failed = 0, not_checked = 0, vacuous = 0;
   // Op cases: optional outputs (attention's scores and probs) the candidate does not hold. They
   // are not in `tensors` and never count against it.

@@ -80,6 +80,14 @@ void print_text(const std::vector<CaseReport>& reports, std::ostream& out,
       out << "  judged as " << rep.precision << ": err/bound = max|candidate - truth| / (k * "
           << "max|emulated - truth| + floor * u * scale); emulated = the emulated run's error / "
           << "scale\n";
+      if (rep.precision == "fp8") {
+        out << (rep.recipe_rule
+                    ? "  fp8 recipe rule: |candidate - emulated| beyond one bf16 step <= "
+                      "fp8_recipe_k * max|emulated - truth| (docs/fp8.md)\n"
+                    : "  fp8 recipe rule: reported, not judged (some fp8 operand is computed, not "
+                      "a "
+                      "golden input: docs/fp8.md)\n");
+      }
       out << "  emulated reference: " << std::fixed << std::setprecision(1)
           << static_cast<double>(rep.emulated_bytes) / 1e6 << " MB, computed once for this case\n";
       out.unsetf(std::ios::floatfield);
@@ -247,6 +255,7 @@ std::string json_report(const std::vector<CaseReport>& reports) {
                                                        : nlohmann::ordered_json(r.first_divergence);
     c["precision"] = r.precision;
     if (r.budget) c["emulated_bytes"] = r.emulated_bytes;
+    if (r.precision == "fp8") c["recipe_rule"] = r.recipe_rule;
     c["passed"] = r.passed;
     c["failed"] = r.failed;
     c["not_checked"] = r.not_checked;

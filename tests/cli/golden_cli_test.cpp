@@ -582,11 +582,11 @@ TEST(Cli, EveryBadInputIsOneLineAndExitCode2) {
   EXPECT_EQ(run_cli("--help").code, 0);
 }
 
-// An fp8 model golden's own float32 outputs as the candidate: more accurate than fp8, but off its
-// recipe (they are not stored in bf16), so the recipe rule fails them by name; --fp8-recipe-k inf
+// A linear fp8 op case's own float32 outputs as the candidate: more accurate than fp8, but off its
+// recipe (they are not fp8 products), so the recipe rule fails them by name; --fp8-recipe-k inf
 // judges by the budget alone, and a negative k is a named error.
 TEST(GoldenCli, Fp8RecipeKTurnsTheRecipeRuleOffAtInf) {
-  const std::string g = (kCorpus / "fp8_pre_block.safetensors").string();
+  const std::string g = (kCorpus / "ops" / "linear_fp8_tensor.safetensors").string();
   const std::string args =
       "golden check --precision fp8 --allow-extra --golden " + g + " --candidate " + g;
   CliResult r = run_cli(args);

@@ -5,7 +5,6 @@
 #include <cmath>
 #include <filesystem>
 #include <iostream>
-#include <limits>
 #include <set>
 #include <string>
 #include <vector>
@@ -146,9 +145,11 @@ TEST(Fp8Model, TheEmulatedRunAndTeosOtherBackendsPass) {
   EXPECT_EQ(moved.failed, 0) << moved.first_divergence;
 }
 
-// A backend that quantizes with E5M2 where the case asks E4M3 is within the bf16-style budget but
-// off the recipe, first at a tensor of layer 0.
-TEST(Fp8Model, AFormatMutantFailsAtTheFirstLayer) {
+// In a model the recipe rule reports, and does not decide: a faithful backend's bf16 values differ
+// from the emulated run's by rounding flips, which move its fp8 roundings by as much as a recipe
+// bug does (tests/interop/fp8_models.py measures both). A backend that quantizes with E5M2 where
+// the case asks E4M3 passes every budget, and its recipe distance at the first linear shows it.
+TEST(Fp8Model, TheRecipeRuleReportsAndDoesNotDecideInAModel) {
   set_backend(Backend::reference);
   const File g = make(Case::from_json(case_json("block")));
   File e5m2 = g;
@@ -159,16 +160,11 @@ TEST(Fp8Model, AFormatMutantFailsAtTheFirstLayer) {
     v = cj.dump();
   }
   const CaseReport r = check(g, bf16_candidate(g, emulate(e5m2, Precision::fp8)), fp8());
-  EXPECT_GT(r.failed, 0);
-  EXPECT_EQ(r.first_divergence, "layers.0.q");
-  const auto& q = result(r, "act.layers.0.q");
-  EXPECT_EQ(q.status, Status::fail);
-  EXPECT_NE(q.message.find("off the fp8 recipe"), std::string::npos) << q.message;
-  CheckOptions loose = fp8();
-  loose.fp8_recipe_k = std::numeric_limits<double>::infinity();
-  const CaseReport budget_only = check(g, bf16_candidate(g, emulate(e5m2, Precision::fp8)), loose);
-  // the bf16-style budget alone does not see it: that is what the recipe rule is for
-  EXPECT_EQ(budget_only.failed, 0) << budget_only.first_divergence;
+  EXPECT_FALSE(r.recipe_rule);
+  EXPECT_EQ(r.failed, 0) << r.first_divergence;
+  EXPECT_GT(result(r, "act.layers.0.q").recipe_distance, 1.0);
+  const CaseReport own = check(g, bf16_candidate(g, emulate(g, Precision::fp8)), fp8());
+  EXPECT_EQ(result(own, "act.layers.0.q").recipe_distance, 0);
 }
 
 // The committed fp8 model cases (golden/fp8_*): at least six, covering every scaling and format,

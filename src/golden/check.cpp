@@ -189,7 +189,8 @@ void judge_recipe(TensorResult& r, const std::vector<double>& cv, const std::vec
 }
 
 // One tensor under a reduced precision p: err(candidate) <= k * err(emulated) + floor * u * scale
-// against the float64 truth; vacuous when the emulated error exceeds vacuous_limit(p) of the scale
+// against the float64 truth; vacuous when the emulated error exceeds vacuous_limit(p, recipe_rule)
+// of the scale
 // or `behind_tie` (the tensor depends on a max-pooling argmax the budget does not resolve) is set.
 TensorResult judge_budget(const File& golden, const safetensors::Tensor& g,
                           const safetensors::Tensor* c, bool f32, const std::vector<double>& emu,
@@ -237,7 +238,7 @@ TensorResult judge_budget(const File& golden, const safetensors::Tensor& g,
                 num(truth[i]);
     return r;
   }
-  if (emu_err > detail::vacuous_limit(p) * scale || !behind_tie.empty()) {
+  if (emu_err > detail::vacuous_limit(p, recipe_rule) * scale || !behind_tie.empty()) {
     r.status = Status::vacuous;
     r.message = !behind_tie.empty()
                     ? "budget vacuous: behind the max-pooling argmax of " + behind_tie +
@@ -468,8 +469,8 @@ CaseReport check(const File& golden, const File& candidate, const CheckOptions& 
   // bf16 values upstream differ from the emulated run's by rounding flips, which move its fp8
   // roundings (and, through an amax, a whole operand's scale) by as much as a recipe bug does
   // (docs/fp8.md, "Judging").
-  rep.recipe_rule =
-      budget && p == Precision::fp8 && op && op_case_of(golden).spec["op"] == "linear";
+  rep.recipe_rule = budget && p == Precision::fp8 && op && std::isfinite(opts.fp8_recipe_k) &&
+                    op_case_of(golden).spec["op"] == "linear";
   for (const auto& [n, v] : emu) rep.emulated_bytes += v.size() * sizeof(double);
   std::size_t judged = 0, at = 0;
   for (const auto& g : golden.tensors) judged += wanted(g.name, opts.only, op) ? 1 : 0;

@@ -140,12 +140,13 @@ Fp8Operand quantize_fp8(const float* x, index_t rows, index_t k, index_t ld, boo
       s = e8m0_value(mx_scale(s, how.format));
       mul[i] = 1.0f / s;
     } else {
-      // A subnormal amax: the multiplier is clamped to float's largest value (as Transformer
-      // Engine clamps it) and the scale is its reciprocal where amax / fp8_max underflows.
-      const float m = s > 0 ? std::min(top / s, std::numeric_limits<float>::max()) : 1.0f;
+      // An amax so small that fp8_max / amax overflows: the multiplier is clamped to float's
+      // largest value (as Transformer Engine clamps it) and the scale is its reciprocal, so that
+      // q * scale stays the value.
+      const float ratio = s > 0 ? top / s : 1.0f;
+      const float m = std::min(ratio, std::numeric_limits<float>::max());
       mul[i] = m;
-      s = s > 0 ? s / top : 1.0f;
-      if (s == 0) s = 1.0f / m;
+      s = s > 0 ? (m < ratio ? 1.0f / m : s / top) : 1.0f;
     }
   }
   scale_and_round(o, how.saturate, what, &mul);

@@ -217,7 +217,12 @@ TEST(OpCorpus, EveryCasePassesAgainstItselfAndItsEmulatedRuns) {
       }
       const auto low = golden::check(f, f, o);
       EXPECT_EQ(low.failed, 0) << e.name;
-      EXPECT_EQ(low.vacuous, 0) << e.name;
+      // without the recipe rule an fp8 tensor whose emulated error is above bf16's 0.1 of its
+      // scale is vacuous (docs/fp8.md, "Judging"): gradients through two or three fp8 products
+      if (o.precision == teo::Precision::fp8)
+        EXPECT_LE(low.vacuous, low.passed) << e.name;
+      else
+        EXPECT_EQ(low.vacuous, 0) << e.name;
       EXPECT_TRUE(low.budget) << e.name;
     }
   }

@@ -96,7 +96,7 @@ def recipe_of(path):
 def check(teo, golden, cand):
     report = cand + ".json"
     p = subprocess.run([teo, "golden", "check", "--golden", golden, "--candidate", cand,
-                        "--precision", "fp8", "--require-all", "--json", report],
+                        "--precision", "fp8", "--json", report],
                        capture_output=True, text=True)
     rep = json.load(open(report)) if os.path.exists(report) else {"cases": []}
     return p, [t for c in rep["cases"] for t in c["tensors"]], rep
@@ -116,13 +116,18 @@ def main(argv):
         os.makedirs(out, exist_ok=True)
         tb.process(path, out, check=False,
                    variant=Fp8Variant(dtype="bfloat16", recipe=json.dumps(r)))
-        p, ts, _ = check(teo, path, os.path.join(out, os.path.basename(path)))
+        p, ts, rep = check(teo, path, os.path.join(out, os.path.basename(path)))
         worst = "worst ratio %.3g, worst recipe distance %.3g" % (
             max((t.get("ratio") or 0 for t in ts), default=0),
             max((t.get("recipe_distance") or 0 for t in ts), default=0))
-        print("%-34s %s %s" % (os.path.basename(path), "pass" if p.returncode == 0 else "FAIL",
-                               worst))
-        if p.returncode != 0:
+        # every tensor judged or vacuous (gradients whose fp8 error is above 0.1 of their scale
+        # are not judged where the recipe rule does not decide), none missing
+        missing = sum(c["not_checked"] for c in rep["cases"]) if rep["cases"] else 1
+        vacuous = sum(c["vacuous"] for c in rep["cases"])
+        ok = p.returncode == 0 and missing == 0
+        print("%-34s %s %s, %d vacuous" % (os.path.basename(path), "pass" if ok else "FAIL",
+                                           worst, vacuous))
+        if not ok:
             failures += 1
             print(p.stdout + p.stderr)
 

@@ -50,6 +50,21 @@ TEST(Fp8Quantize, TensorScalingMapsTheAmaxTo448AndRoundsEveryValue) {
   }
 }
 
+// An amax so small that 448 / amax overflows float (below 448 / FLT_MAX, about 1.3e-36, a normal
+// float): the multiplier is clamped and the scale is its reciprocal, so q * scale stays x.
+TEST(Fp8Quantize, ATinyAmaxKeepsQTimesScaleEqualToTheValue) {
+  for (const float amax : {1e-37f, 1e-39f, 1e-40f}) {
+    const std::vector<float> x = {amax, -amax / 2, 0.0f};
+    const auto o = quantize_fp8(x.data(), 1, 3, 3, false, recipe(Fp8Scaling::tensor), "x");
+    ASSERT_EQ(o.scale.size(), 1u);
+    EXPECT_GT(o.scale[0], 0.0f) << amax;
+    for (std::size_t i = 0; i < x.size(); ++i) {
+      const double back = double(o.q[i]) * o.scale[0];
+      EXPECT_LE(std::fabs(back - x[i]), std::fabs(x[i]) / 16 * 1.0001) << amax << " " << i;
+    }
+  }
+}
+
 TEST(Fp8Quantize, BlockScalingScalesEachBlockByItsOwnAmax) {
   const index_t rows = 5, k = 300;  // blocks of 2 x 128: 3 x 3, the last ones partial
   auto x = uniform_vector<float>(rows * k, 2, "x");

@@ -62,6 +62,19 @@ File bf16_candidate(const File& golden, const std::map<std::string, std::vector<
   return c;
 }
 
+// The golden with one key of its case metadata changed: what a backend running that recipe
+// emulates.
+File with_case_key(const File& golden, const std::string& key, const json& value) {
+  File f = golden;
+  for (auto& [k, v] : f.metadata) {
+    if (k != "case") continue;
+    json cj = json::parse(v);
+    cj[key] = value;
+    v = cj.dump();
+  }
+  return f;
+}
+
 const TensorResult& result(const CaseReport& r, const std::string& name) {
   for (const auto& t : r.tensors)
     if (t.name == name) return t;
@@ -108,13 +121,7 @@ TEST(Fp8Model, TheEmulatedRunAndTeosOtherBackendsPass) {
   set_backend(Backend::reference);
   const File g = make(Case::from_json(case_json("block")));
   const auto emu = emulate(g, Precision::fp8);
-  File as_tensor = g;
-  for (auto& [k, v] : as_tensor.metadata) {
-    if (k != "case") continue;
-    json cj = json::parse(v);
-    cj["fp8_scaling"] = "tensor";
-    v = cj.dump();
-  }
+  const File as_tensor = with_case_key(g, "fp8_scaling", "tensor");
   EXPECT_NE(emulate(as_tensor, Precision::fp8).at("act.layers.0.output"),
             emu.at("act.layers.0.output"));
 
@@ -152,13 +159,7 @@ TEST(Fp8Model, TheEmulatedRunAndTeosOtherBackendsPass) {
 TEST(Fp8Model, TheRecipeRuleReportsAndDoesNotDecideInAModel) {
   set_backend(Backend::reference);
   const File g = make(Case::from_json(case_json("block")));
-  File e5m2 = g;
-  for (auto& [k, v] : e5m2.metadata) {
-    if (k != "case") continue;
-    json cj = json::parse(v);
-    cj["fp8_format"] = "e5m2";
-    v = cj.dump();
-  }
+  const File e5m2 = with_case_key(g, "fp8_format", "e5m2");
   const CaseReport r = check(g, bf16_candidate(g, emulate(e5m2, Precision::fp8)), fp8());
   EXPECT_FALSE(r.recipe_rule);
   EXPECT_EQ(r.failed, 0) << r.first_divergence;

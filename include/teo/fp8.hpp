@@ -124,8 +124,10 @@ void fp8_gemm(const Fp8Operand& a, const Fp8Operand& b, float* c, index_t ldc,
 // - scaling, with `block`'s tiles: activations and gradients 1 x block_k along the contraction,
 //   weights weight_block x block_k;
 // - saturate: overflow after scaling saturates (else it is a RangeError naming the tensor);
-// - accumulate: the products' accumulator.
-// Attention's products round their operands to bf16, as every other product of the pass.
+// - accumulate: the products' accumulator;
+// - attention: attention's forward products (q k^T and p v) in fp8 too, as FlashAttention 3's fp8
+//   forward computes them (docs/fp8.md, "Attention"); otherwise attention's products round their
+//   operands to bf16, as every other product of the pass.
 struct Fp8Recipe {
   Fp8Format forward = Fp8Format::e4m3;
   Fp8Format backward = Fp8Format::e4m3;
@@ -134,6 +136,7 @@ struct Fp8Recipe {
   index_t weight_block = 128;
   bool saturate = true;
   Fp8Accumulation accumulate;
+  bool attention = false;
   bool operator==(const Fp8Recipe&) const = default;
 };
 // "e4m3", "e5m2" or "hybrid" (forward E4M3, backward E5M2); any other pair is "e4m3/e5m2" style.

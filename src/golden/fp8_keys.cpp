@@ -32,8 +32,9 @@ bool bool_key(const nlohmann::json& v, const std::string& name) {
 
 const std::vector<std::string>& fp8_keys() {
   static const std::vector<std::string> keys = {
-      "fp8_format",     "fp8_scaling",       "fp8_block_k",       "fp8_weight_block",
-      "fp8_accumulate", "fp8_mantissa_bits", "fp8_promote_every", "fp8_saturate"};
+      "fp8_format",        "fp8_scaling",    "fp8_block_k",
+      "fp8_weight_block",  "fp8_accumulate", "fp8_mantissa_bits",
+      "fp8_promote_every", "fp8_saturate",   "fp8_attention"};
   return keys;
 }
 
@@ -64,6 +65,8 @@ bool read_fp8_keys(const nlohmann::json& j, Fp8Recipe& r, const std::string& whe
       r.accumulate.promote_every = int_key(v, name, 0, 1 << 30);
     } else if (key == "fp8_saturate") {
       r.saturate = bool_key(v, name);
+    } else if (key == "fp8_attention") {
+      r.attention = bool_key(v, name);
     }
   }
   validate(r, where);
@@ -80,6 +83,7 @@ void write_fp8_keys(Json& j, const Fp8Recipe& r) {
   j["fp8_mantissa_bits"] = r.accumulate.mantissa_bits;
   j["fp8_promote_every"] = r.accumulate.promote_every;
   j["fp8_saturate"] = r.saturate;
+  if (r.attention) j["fp8_attention"] = true;  // absent: attention's products in bf16
 }
 template void write_fp8_keys(nlohmann::json&, const Fp8Recipe&);
 template void write_fp8_keys(nlohmann::ordered_json&, const Fp8Recipe&);

@@ -10,6 +10,7 @@
 
 #include "kernels/kernels_internal.hpp"
 #include "kernels/parallel.hpp"
+#include "layers/attention_fp8.hpp"
 #include "teo/kernels.hpp"
 #include "teo/layers/softmax.hpp"
 #include "teo/precision.hpp"
@@ -78,6 +79,46 @@ void store_rows(Real* p, index_t n, const char* what) {
       throw RangeError(std::string(what) + ": " + overflow_message(e));
     }
   }
+}
+
+// Where attention runs its forward products in fp8 (attention_fp8.hpp): the quantized operands of
+// the (batch, K/V head) block a head belongs to, and the head's first query row among them. Null
+// heads: the products are gemm()'s.
+struct Fp8Rows {
+  const detail::Fp8AttentionHeads* heads = nullptr;
+  index_t row0 = 0;
+};
+
+// One task's fp8 operands, quantized at the first head of each (batch, K/V head) block, before any
+// of its rows, so that the materialised and the row-blocked paths multiply the same values.
+template <class Real>
+class Fp8Group {
+ public:
+  Fp8Group() {
+    if constexpr (std::is_same_v<Real, float>) used_ = detail::fp8_attention();
+  }
+  // q: the group's first query head, whose G * Sq rows are the group's.
+  void start(index_t hg, const Real* q, index_t q_rows, const Real* k, const Real* v, index_t skv,
+             index_t dh, index_t dv) {
+    if constexpr (std::is_same_v<Real, float>) {
+      if (used_ && hg == 0) heads_ = detail::quantize_heads(q, q_rows, k, v, skv, dh, dv);
+    }
+  }
+  Fp8Rows rows(index_t hg, index_t sq) const { return {used_ ? &heads_ : nullptr, hg * sq}; }
+
+ private:
+  bool used_ = false;
+  detail::Fp8AttentionHeads heads_;
+};
+
+// context rows (rows, Dv; stride ldc) = p (rows, Skv) * v (Skv, Dv): in fp8 where f8 says so.
+template <class Real>
+void context_rows(const Fp8Rows& f8, const Real* p, index_t rows, index_t skv, const Real* vh,
+                  index_t d_v, Real* ch, index_t ldc) {
+  if constexpr (std::is_same_v<Real, float>) {
+    if (f8.heads) return detail::fp8_context(*f8.heads, p, rows, ch, ldc);
+  }
+  gemm<Real>(Trans::no, Trans::no, rows, d_v, skv, Real(1), p, skv, vh, d_v, Real(0), ch, ldc);
 }
 
 // How one head scores its rows: the scale, the mask and the variant's terms.
@@ -218,16 +259,25 @@ Real log_sum_exp(const Real* s, index_t n, const HeadRule<Real>& rule) {
 // biased, masked keys -inf) and probs (rows, Skv) their softmax (with the sink), each rounded
 // where it is stored under bf16 or fp16 emulation; raw (rows, Skv), when not null, gets alpha q k^T
 // before the cap, psink (rows), when not null, the sink's share of each row, and lse (rows), when
-// not null, each row's log-sum-exp. The materialised and the row-blocked paths both compute every
-// row here, so they agree bit for bit.
+// not null, each row's log-sum-exp; q k^T is an fp8 product where f8 says so. The materialised and
+// the row-blocked paths both compute every row here, so they agree bit for bit.
 template <class Real>
 void score_rows(Real* sc, Real* pr, Real* raw, Real* psink, Real* lse, const Real* qh,
                 const Real* kh, SeqRule seq, index_t i0, index_t i1, index_t skv, index_t d_head,
-                const HeadRule<Real>& rule, SinkRow<Real>& ext) {
+                const HeadRule<Real>& rule, SinkRow<Real>& ext, const Fp8Rows& f8) {
   const Real neg_inf = -std::numeric_limits<Real>::infinity();
   // scores (rows, Skv) = q (rows, Dh) * k^T (Dh, Skv) * alpha
-  gemm<Real>(Trans::no, Trans::yes, i1 - i0, skv, d_head, rule.alpha, qh + i0 * d_head, d_head, kh,
-             d_head, Real(0), sc, skv);
+  bool done = false;
+  if constexpr (std::is_same_v<Real, float>) {
+    if (f8.heads) {
+      detail::fp8_scores(*f8.heads, f8.row0 + i0, i1 - i0, rule.alpha, sc);
+      done = true;
+    }
+  }
+  if (!done) {
+    gemm<Real>(Trans::no, Trans::yes, i1 - i0, skv, d_head, rule.alpha, qh + i0 * d_head, d_head,
+               kh, d_head, Real(0), sc, skv);
+  }
   if (raw) std::copy(sc, sc + (i1 - i0) * skv, raw);
   for (index_t i = i0; i < i1; ++i) {
     Real* srow = sc + (i - i0) * skv;
@@ -399,15 +449,17 @@ void attention_forward(const AttentionArgs<Real>& a, const AttentionForward<Real
     std::vector<Real> dropped = buffer<Real>(drop_mask, ss);   // (Sq, Skv)
     std::vector<Real> psink = buffer<Real>(rules.sunk(), sq);  // (Sq)
     SinkRow<Real> ext(rules.sunk(), skv);
-    rules.each_head(bg0, bg1, [&](index_t bg, index_t, index_t h, index_t bh) {
+    Fp8Group<Real> f8;
+    rules.each_head(bg0, bg1, [&](index_t bg, index_t hg, index_t h, index_t bh) {
       const Real* kh = k + bg * skv * dh;   // (Skv, Dh)
       const Real* vh = v + bg * skv * d_v;  // (Skv, Dv)
       const Real* qh = q + bh * sq * dh;    // (Sq, Dh)
       Real* sc = scores + bh * ss;          // (Sq, Skv)
       Real* pr = probs + bh * ss;           // (Sq, Skv)
+      f8.start(hg, qh, rules.group() * sq, kh, vh, skv, dh, d_v);
       score_rows(sc, pr, static_cast<Real*>(nullptr), psink.data(),
                  t.lse ? t.lse + bh * sq : nullptr, qh, kh, seq_rule(a, bh / heads), 0, sq, skv, dh,
-                 rules(h), ext);
+                 rules(h), ext, f8.rows(hg, sq));
       const Real* pv = pr;
       if (drop_mask) {
         const std::uint8_t* m = drop_mask + bh * ss;
@@ -416,7 +468,7 @@ void attention_forward(const AttentionArgs<Real>& a, const AttentionForward<Real
       }
       // context (Sq, Dv) = dropout(probs) (Sq, Skv) * v (Skv, Dv); the strides change no value
       const auto [ch, ldc] = head_block(context, bh, heads, sq, d_v, a.merged_context);
-      gemm<Real>(Trans::no, Trans::no, sq, d_v, skv, Real(1), pv, skv, vh, d_v, Real(0), ch, ldc);
+      context_rows(f8.rows(hg, sq), pv, sq, skv, vh, d_v, ch, ldc);
     });
   });
 }
@@ -452,6 +504,7 @@ void attention_backward(const AttentionArgs<Real>& a, const AttentionBackward<Re
     std::vector<Real> raw = buffer<Real>(rules.capped(), ss), dsr = raw;
     std::vector<Real> psink = buffer<Real>(rules.sunk(), sq);
     SinkRow<Real> ext(rules.sunk(), skv);
+    Fp8Group<Real> f8;
     rules.each_head(bg0, bg1, [&](index_t bg, index_t hg, index_t h, index_t bh) {
       const index_t koff = bg * skv * dh, voff = bg * skv * d_v, off = bh * sq * dh;
       const Real bkv = hg == 0 ? beta : Real(1);
@@ -474,9 +527,10 @@ void attention_backward(const AttentionArgs<Real>& a, const AttentionBackward<Re
       const Real* dl = t.dlse ? t.dlse + bh * sq : nullptr;  // (Sq)
       score_grad_rows(dp, ds, pr, dc, ldc, v + voff, m, drop_scale, sq, skv, d_v, dl);
       if (rules.recompute()) {
+        f8.start(hg, q + off, rules.group() * sq, k + koff, v + voff, skv, dh, d_v);
         score_rows(sc.data(), pr2.data(), rule.capped ? raw.data() : nullptr, psink.data(),
                    static_cast<Real*>(nullptr), q + off, k + koff, seq_rule(a, bh / heads), 0, sq,
-                   skv, dh, rule, ext);
+                   skv, dh, rule, ext, f8.rows(hg, sq));
       }
       Real dsink = 0;
       const Real* dsq = variant_grad_rows(dsr.data(), &dsink, ds, dp, pr, raw.data(), psink.data(),
@@ -510,17 +564,19 @@ void attention_forward_rows(const AttentionArgs<Real>& a, const AttentionForward
     std::vector<Real> pr(static_cast<std::size_t>(rb * skv));  // (rows, Skv)
     std::vector<Real> psink = buffer<Real>(rules.sunk(), rb);  // (rows)
     SinkRow<Real> ext(rules.sunk(), skv);
-    rules.each_head(bg0, bg1, [&](index_t bg, index_t, index_t h, index_t bh) {
+    Fp8Group<Real> f8;
+    rules.each_head(bg0, bg1, [&](index_t bg, index_t hg, index_t h, index_t bh) {
       const index_t koff = bg * skv * dh, voff = bg * skv * d_v, off = bh * sq * dh;
       const HeadRule<Real> rule = rules(h);
+      f8.start(hg, q + off, rules.group() * sq, k + koff, v + voff, skv, dh, d_v);
       for (index_t i0 = 0; i0 < sq; i0 += rb) {
         const index_t i1 = std::min(sq, i0 + rb);
         score_rows(sc.data(), pr.data(), static_cast<Real*>(nullptr), psink.data(),
                    t.lse ? t.lse + bh * sq + i0 : nullptr, q + off, k + koff,
-                   seq_rule(a, bh / heads), i0, i1, skv, dh, rule, ext);
+                   seq_rule(a, bh / heads), i0, i1, skv, dh, rule, ext, f8.rows(hg, sq));
         // context rows (rows, Dv) = probs (rows, Skv) * v (Skv, Dv)
-        gemm<Real>(Trans::no, Trans::no, i1 - i0, d_v, skv, Real(1), pr.data(), skv, v + voff, d_v,
-                   Real(0), context + bh * sq * d_v + i0 * d_v, d_v);
+        context_rows(f8.rows(hg, sq), pr.data(), i1 - i0, skv, v + voff, d_v,
+                     context + bh * sq * d_v + i0 * d_v, d_v);
       }
     });
   });
@@ -553,9 +609,11 @@ void attention_backward_rows(const AttentionArgs<Real>& a, const AttentionBackwa
     std::vector<Real> raw = buffer<Real>(rules.capped(), rb * skv), dsr = raw;
     std::vector<Real> psink = buffer<Real>(rules.sunk(), rb);  // (rows)
     SinkRow<Real> ext(rules.sunk(), skv);
+    Fp8Group<Real> f8;
     rules.each_head(bg0, bg1, [&](index_t bg, index_t hg, index_t h, index_t bh) {
       const index_t koff = bg * skv * dh, voff = bg * skv * d_v, off = bh * sq * dh;
       const HeadRule<Real> rule = rules(h);
+      f8.start(hg, q + off, rules.group() * sq, k + koff, v + voff, skv, dh, d_v);
       Real dsink = 0;
       for (index_t i0 = 0; i0 < sq; i0 += rb) {
         const index_t i1 = std::min(sq, i0 + rb), rows = i1 - i0;
@@ -565,7 +623,7 @@ void attention_backward_rows(const AttentionArgs<Real>& a, const AttentionBackwa
         const Real* dc = dcontext + bh * sq * d_v + i0 * d_v;  // (rows, Dv)
         score_rows(sc.data(), pr.data(), rule.capped ? raw.data() : nullptr, psink.data(),
                    static_cast<Real*>(nullptr), q + off, k + koff, seq_rule(a, bh / heads), i0, i1,
-                   skv, dh, rule, ext);
+                   skv, dh, rule, ext, f8.rows(hg, sq));
         // dv (Skv, Dv) += probs^T (Skv, rows) * dcontext (rows, Dv)
         gemm<Real>(Trans::yes, Trans::no, skv, d_v, rows, Real(1), pr.data(), skv, dc, d_v, b,
                    dv + voff, d_v);

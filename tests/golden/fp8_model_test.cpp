@@ -152,6 +152,29 @@ TEST(Fp8Model, TheEmulatedRunAndTeosOtherBackendsPass) {
   EXPECT_EQ(moved.failed, 0) << moved.first_divergence;
 }
 
+// fp8_attention in a model case: the case spells the key (absent when off), the pass computes
+// attention's products in fp8 from the first scores on (the queries before them are unchanged),
+// and a backend whose attention stays in bf16, more exact, passes the budget.
+TEST(Fp8Model, Fp8AttentionReachesTheModelsAttention) {
+  set_backend(Backend::reference);
+  json cj = case_json("block");
+  cj["case"]["fp8_attention"] = true;
+  const Case c = Case::from_json(cj);
+  EXPECT_TRUE(c.fp8.attention);
+  EXPECT_EQ(c.case_json()["fp8_attention"], true);
+  EXPECT_FALSE(Case::from_json(case_json("block")).case_json().contains("fp8_attention"));
+  const File g = make(c);
+  const auto emu = emulate(g, Precision::fp8);
+  const auto bf16_attention = emulate(with_case_key(g, "fp8_attention", false), Precision::fp8);
+  EXPECT_EQ(emu.at("act.layers.0.q"), bf16_attention.at("act.layers.0.q"));
+  EXPECT_NE(emu.at("act.layers.0.scores"), bf16_attention.at("act.layers.0.scores"));
+  EXPECT_NE(emu.at("act.layers.0.context"), bf16_attention.at("act.layers.0.context"));
+  const CaseReport own = check(g, bf16_candidate(g, emu), fp8());
+  EXPECT_EQ(own.failed, 0) << own.first_divergence;
+  const CaseReport other = check(g, bf16_candidate(g, bf16_attention), fp8());
+  EXPECT_EQ(other.failed, 0) << other.first_divergence;
+}
+
 // In a model the recipe rule reports, and does not decide: a faithful backend's bf16 values differ
 // from the emulated run's by rounding flips, which move its fp8 roundings by as much as a recipe
 // bug does (tests/interop/fp8_models.py measures both). A backend that quantizes with E5M2 where

@@ -59,6 +59,11 @@ void fp8_context(const Fp8AttentionHeads& h, const float* p, index_t rows, float
                  index_t ldc) {
   const Fp8Recipe& r = fp8_recipe();
   const index_t skv = h.vt.k;
+  if (skv == 0) {  // no keys: an empty sum
+    for (index_t i = 0; i < rows; ++i)
+      std::fill(context + i * ldc, context + i * ldc + h.vt.rows, 0.0f);
+    return;
+  }
   std::vector<float> scales(static_cast<std::size_t>(rows));
   for (index_t i = 0; i < rows; ++i) {
     const float* row = p + i * skv;

@@ -101,7 +101,7 @@ Result run(const Problem& p, bool rows, Precision emulated = Precision::fp8,
     attention_backward_rows(a, g);
     return o;
   }
-  o.scores.assign(n(p.b * p.h * p.sq * p.skv), -7);
+  o.scores.assign(std::max<std::size_t>(n(p.b * p.h * p.sq * p.skv), 1), -7);  // never null
   o.probs = o.scores;
   std::vector<float> dprobs(o.scores.size()), dscores(o.scores.size());
   f.scores = o.scores.data();
@@ -240,6 +240,22 @@ TEST(Fp8Attention, ARecipeWithoutAttentionRunsItInBf16) {
     EXPECT_TRUE(same_bits(off.dq, bf16.dq)) << rows;
     EXPECT_TRUE(same_bits(off.dk, bf16.dk)) << rows;
     EXPECT_TRUE(same_bits(off.dv, bf16.dv)) << rows;
+  }
+}
+
+// Degenerate sizes take the fp8 path without error: no keys give a context of zeros (and lse
+// -inf), as in every precision.
+TEST(Fp8Attention, NoKeysGiveAZeroContext) {
+  Problem p(false);
+  p.skv = 0;
+  p.lk = {0, 0};
+  p.k = {0.0f};  // never read; not null
+  p.v = {0.0f};
+  for (bool rows : {false, true}) {
+    const Result r = run(p, rows);
+    for (float c : r.context) EXPECT_EQ(c, 0.0f);
+    for (float l : r.lse) EXPECT_EQ(l, -std::numeric_limits<float>::infinity());
+    for (float d : r.dq) EXPECT_EQ(d, 0.0f);
   }
 }
 

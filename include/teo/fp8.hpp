@@ -127,7 +127,10 @@ void fp8_gemm(const Fp8Operand& a, const Fp8Operand& b, float* c, index_t ldc,
 // - accumulate: the products' accumulator;
 // - attention: attention's forward products (q k^T and p v) in fp8 too, as FlashAttention 3's fp8
 //   forward computes them (docs/fp8.md, "Attention"); otherwise attention's products round their
-//   operands to bf16, as every other product of the pass.
+//   operands to bf16, as every other product of the pass;
+// - delayed: the operands' scales are given (Transformer Engine's delayed scaling: one scale per
+//   tensor, from an amax history), not computed from their amax; the linear op case reads them
+//   from its inputs input.fp8_scale.* (docs/fp8.md, "Delayed scaling").
 struct Fp8Recipe {
   Fp8Format forward = Fp8Format::e4m3;
   Fp8Format backward = Fp8Format::e4m3;
@@ -137,6 +140,7 @@ struct Fp8Recipe {
   bool saturate = true;
   Fp8Accumulation accumulate;
   bool attention = false;
+  bool delayed = false;
   bool operator==(const Fp8Recipe&) const = default;
 };
 // "e4m3", "e5m2" or "hybrid" (forward E4M3, backward E5M2); any other pair is "e4m3/e5m2" style.

@@ -148,6 +148,11 @@ void validate(const Fp8Recipe& r, const std::string& what) {
     }
   };
   positive(r.block_k, "fp8_block_k");
+  if (r.delayed && r.scaling != Fp8Scaling::tensor) {
+    throw ConfigError(what +
+                      ".fp8_scales: delayed scales are one per tensor, as Transformer "
+                      "Engine's delayed scaling keeps them: give \"fp8_scaling\": \"tensor\"");
+  }
   positive(r.weight_block, "fp8_weight_block");
   if (r.accumulate.mantissa_bits < 1 || r.accumulate.mantissa_bits > 23) {
     throw ConfigError(what + ".fp8_mantissa_bits must be 1 to 23, got " +

@@ -124,6 +124,11 @@ Case Case::from_json(const json& j) {
   if (detail::read_fp8_keys(cj, c.fp8, "case") && c.precision != Precision::fp8) {
     throw ConfigError("case: the fp8_* keys need \"precision\": \"fp8\" (docs/fp8.md)");
   }
+  if (c.fp8.delayed) {
+    throw ConfigError(
+        "case.fp8_scales: delayed scales are inputs of the linear op case only (docs/fp8.md); "
+        "a model case computes its scales");
+  }
   const std::size_t real = c.dtype == "float32" ? sizeof(float) : sizeof(double);
   if (c.config.encoder_decoder()) {
     if (c.tgt_len == 0) throw ConfigError("an encoder_decoder's case needs tgt_len (its target)");

@@ -32,9 +32,9 @@ bool bool_key(const nlohmann::json& v, const std::string& name) {
 
 const std::vector<std::string>& fp8_keys() {
   static const std::vector<std::string> keys = {
-      "fp8_format",        "fp8_scaling",    "fp8_block_k",
-      "fp8_weight_block",  "fp8_accumulate", "fp8_mantissa_bits",
-      "fp8_promote_every", "fp8_saturate",   "fp8_attention"};
+      "fp8_format",     "fp8_scaling",       "fp8_block_k",       "fp8_weight_block",
+      "fp8_accumulate", "fp8_mantissa_bits", "fp8_promote_every", "fp8_saturate",
+      "fp8_attention",  "fp8_scales"};
   return keys;
 }
 
@@ -67,6 +67,12 @@ bool read_fp8_keys(const nlohmann::json& j, Fp8Recipe& r, const std::string& whe
       r.saturate = bool_key(v, name);
     } else if (key == "fp8_attention") {
       r.attention = bool_key(v, name);
+    } else if (key == "fp8_scales") {
+      const std::string a = string_key(v, name);
+      if (a != "current" && a != "delayed") {
+        throw ConfigError(name + " must be current or delayed, got \"" + a + "\"");
+      }
+      r.delayed = a == "delayed";
     }
   }
   validate(r, where);
@@ -84,6 +90,7 @@ void write_fp8_keys(Json& j, const Fp8Recipe& r) {
   j["fp8_promote_every"] = r.accumulate.promote_every;
   j["fp8_saturate"] = r.saturate;
   if (r.attention) j["fp8_attention"] = true;  // absent: attention's products in bf16
+  if (r.delayed) j["fp8_scales"] = "delayed";  // absent: current scaling
 }
 template void write_fp8_keys(nlohmann::json&, const Fp8Recipe&);
 template void write_fp8_keys(nlohmann::ordered_json&, const Fp8Recipe&);

@@ -25,6 +25,9 @@ bool read_fp8_keys(const nlohmann::json& j, Fp8Recipe& r, const std::string& whe
 // Writes every fp8 key of r (into a json or an ordered_json).
 template <class Json>
 void write_fp8_keys(Json& j, const Fp8Recipe& r);
+// Whether every fp8 operand of the op named `op` is one of its case's inputs (the linear op): the
+// recipe rule decides there, and delayed scales apply.
+bool fp8_operands_are_inputs(const std::string& op);
 
 // A float32 golden's tolerance for its own error against float64: at most
 // kIllConditioned * FLT_EPSILON * sqrt(L) relative to each tensor's scale, where L is the case's

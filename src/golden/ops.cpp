@@ -155,6 +155,18 @@ ojson spec_json(const Spec& s, const OpCase& c) {
   return j;
 }
 
+// Whether c's operands take delayed scales: ConfigError unless the op's fp8 operands are all
+// inputs (the linear op).
+bool fp8_delayed(const OpDef& def, const OpCase& c) {
+  if (c.precision != Precision::fp8 || !c.fp8.delayed) return false;
+  if (!def.fp8_operands_are_inputs) {
+    throw ConfigError(std::string("spec.fp8_scales: delayed scales are inputs of the linear op "
+                                  "case only, not of ") +
+                      def.name + ", which computes some of its fp8 operands");
+  }
+  return true;
+}
+
 Spec spec_of(const OpCase& c) {
   const json j = c.spec;  // Reader keeps a reference: not to a temporary conversion
   Reader r(j);
@@ -162,6 +174,7 @@ Spec spec_of(const OpCase& c) {
   for (const auto& k : detail::fp8_keys()) r.use(k.c_str());
   r.use("fp8_outlier");
   Spec s = parse_spec(op_named(c.op), r);
+  s.fp8_delayed = fp8_delayed(*s.def, c);
   fill_defaults(s);
   return s;
 }
@@ -521,6 +534,7 @@ OpCase OpCase::from_json(const json& j, const std::string& op, std::uint64_t max
   }
   Spec s = parse_spec(o, r);
   r.finish();
+  s.fp8_delayed = fp8_delayed(o, c);
   const std::uint64_t need = bytes_of(s, c.dtype == "float32");
   if (need > max_bytes) {
     throw ShapeError("the " + c.op + " case needs about " + std::to_string(need >> 20) +
@@ -568,6 +582,10 @@ OpCase op_case_of(const File& file) {
 }
 
 namespace detail {
+
+bool fp8_operands_are_inputs(const std::string& op) {
+  return ops::op_named(op).fp8_operands_are_inputs;
+}
 
 void validate_op_file(const File& f, bool inputs_only) {
   const OpCase c = op_case_of(f);

@@ -298,6 +298,22 @@ void fp8_gemm(const Fp8Operand& a, const Fp8Operand& b, float* c, index_t ldc,
 
 namespace detail {
 
+namespace {
+thread_local Fp8DelayedScales tl_delayed;
+}  // namespace
+
+const Fp8DelayedScales& fp8_delayed_scales() {
+  return tl_delayed;
+}
+
+Fp8DelayedScope::Fp8DelayedScope(const Fp8DelayedScales& s) : outer_(tl_delayed) {
+  tl_delayed = s;
+}
+
+Fp8DelayedScope::~Fp8DelayedScope() {
+  tl_delayed = outer_;
+}
+
 void fp8_product(const Fp8Side& a, const Fp8Side& b, index_t m, index_t n, index_t k,
                  bool accumulate, float* c, index_t ldc) {
   if (m == 0 || n == 0) return;
@@ -307,10 +323,20 @@ void fp8_product(const Fp8Side& a, const Fp8Side& b, index_t m, index_t n, index
     return;
   }
   const Fp8Recipe& r = fp8_recipe();
-  const Fp8Operand qa = quantize_fp8(a.x, m, k, a.ld, a.transposed,
-                                     fp8_quantization(r, a.gradient, a.weight), a.what);
-  const Fp8Operand qb = quantize_fp8(b.x, n, k, b.ld, b.transposed,
-                                     fp8_quantization(r, b.gradient, b.weight), b.what);
+  const auto quantize = [&](const Fp8Side& s, index_t rows) {
+    const Fp8Quantization how = fp8_quantization(r, s.gradient, s.weight);
+    if (!r.delayed) return quantize_fp8(s.x, rows, k, s.ld, s.transposed, how, s.what);
+    const Fp8DelayedScales& d = tl_delayed;
+    const float given = s.gradient ? d.gradient : s.weight ? d.weight : d.input;
+    if (given == 0) {
+      throw ConfigError(std::string(s.what) +
+                        ": the recipe's scales are delayed (fp8_scales) and none is given");
+    }
+    // one scale per tensor (validate(Fp8Recipe) refuses delayed blocks)
+    return quantize_fp8(s.x, rows, k, s.ld, s.transposed, how, std::vector<float>{given}, s.what);
+  };
+  const Fp8Operand qa = quantize(a, m);
+  const Fp8Operand qb = quantize(b, n);
   if (!accumulate) return fp8_gemm(qa, qb, c, ldc, r.accumulate);
   std::vector<float> out(static_cast<std::size_t>(m * n));
   fp8_gemm(qa, qb, out.data(), n, r.accumulate);

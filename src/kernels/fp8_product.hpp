@@ -19,9 +19,29 @@ struct Fp8Side {
   const char* what = "";  // names the operand in an error
 };
 
+// Delayed scales (Fp8Recipe::delayed): the dequantization scale of a linear layer's input, weight
+// and output gradient, one per tensor; each operand is quantized as round_to_fp8(x / scale).
+struct Fp8DelayedScales {
+  float input = 0, weight = 0, gradient = 0;
+};
+// The thread's delayed scales (all 0 outside a scope).
+const Fp8DelayedScales& fp8_delayed_scales();
+// Sets the thread's delayed scales for the scope's life (the linear op case's run).
+class Fp8DelayedScope {
+ public:
+  explicit Fp8DelayedScope(const Fp8DelayedScales& s);
+  ~Fp8DelayedScope();
+  Fp8DelayedScope(const Fp8DelayedScope&) = delete;
+  Fp8DelayedScope& operator=(const Fp8DelayedScope&) = delete;
+
+ private:
+  Fp8DelayedScales outer_;
+};
+
 // c (m, n, ldc) = op(A) (m, k) times op(B)^T, op(B) being (n, k), both quantized along k and
-// multiplied with fp8_gemm under the recipe; with `accumulate` the float32 product is added to c
-// (one rounding more), otherwise it overwrites c.
+// multiplied with fp8_gemm under the recipe (with the thread's delayed scales when the recipe's
+// scales are delayed: a ConfigError naming the operand where none is set); with `accumulate` the
+// float32 product is added to c (one rounding more), otherwise it overwrites c.
 void fp8_product(const Fp8Side& a, const Fp8Side& b, index_t m, index_t n, index_t k,
                  bool accumulate, float* c, index_t ldc);
 

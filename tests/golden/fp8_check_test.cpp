@@ -7,6 +7,7 @@
 #include <iostream>
 #include <limits>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -196,6 +197,62 @@ TEST(Fp8Check, RecipeMutantsFailAtTheirTensor) {
     std::cout << m.what << ": ratio " << t.ratio << ", recipe distance " << t.recipe_distance
               << "\n";  // docs/fp8.md's table
   }
+}
+
+// Delayed scaling (fp8_scales "delayed"): the scales are the case's inputs input.fp8_scale.*, the
+// emulated run quantizes x, W and dY by them and passes at recipe distance 0, and a backend that
+// computes current scales instead fails at output.y. The key's errors are named.
+TEST(Fp8Check, DelayedScalesAreTheCasesInputsAndABackendIgnoringThemFails) {
+  json spec = linear_spec("tensor");
+  spec["fp8_format"] = "hybrid";
+  spec["fp8_scales"] = "delayed";
+  const OpCase c = OpCase::from_json(spec);
+  EXPECT_EQ(c.spec["fp8_scales"], "delayed");
+  EXPECT_FALSE(OpCase::from_json(linear_spec("tensor")).spec.contains("fp8_scales"));
+  const File g = make_op(c);
+  // each scale lies between its tensor's current scale, amax / fp8_max, and twice that
+  const std::vector<std::tuple<const char*, const char*, double>> scales = {
+      {"input.fp8_scale.x", "input.x", 448},
+      {"input.fp8_scale.weight", "param.weight", 448},
+      {"input.fp8_scale.grad_y", "grad.output.y", 57344}};  // hybrid: E5M2 gradients
+  for (const auto& [name, of, top] : scales) {
+    const auto* t = g.find(name);
+    ASSERT_NE(t, nullptr) << name;
+    EXPECT_EQ(t->shape, std::vector<std::int64_t>{1}) << name;
+    double amax = 0;
+    for (double v : g.find(of)->float_values()) amax = std::max(amax, std::fabs(v));
+    const double d = t->float_values()[0];
+    EXPECT_GE(d, amax / top * 0.99) << name;
+    EXPECT_LE(d, 2 * amax / top * 1.01) << name;
+  }
+  const CaseReport own = check(g, candidate(g, run_op(g, Precision::fp8)), fp8());
+  EXPECT_TRUE(own.recipe_rule);
+  EXPECT_EQ(own.failed, 0) << own.first_divergence;
+  for (const auto& t : own.tensors) EXPECT_EQ(t.recipe_distance, 0) << t.name;
+
+  json current = spec;
+  current.erase("fp8_scales");
+  const CaseReport r = check(g, candidate(g, run_as(g, current), "output.y"), fp8());
+  const auto& t = result(r, "output.y");
+  EXPECT_EQ(t.status, Status::fail) << "distance " << t.recipe_distance;
+  EXPECT_EQ(r.first_divergence, "output.y");
+  std::cout << "current scales where delayed ones are given: ratio " << t.ratio
+            << ", recipe distance " << t.recipe_distance << "\n";  // docs/fp8.md
+
+  json blocks = spec;
+  blocks["fp8_scaling"] = "block";
+  test::expect_throw<ConfigError>([&] { OpCase::from_json(blocks); },
+                                  "spec.fp8_scales: delayed scales are one per tensor");
+  json history = spec;
+  history["fp8_scales"] = "history";
+  test::expect_throw<ConfigError>([&] { OpCase::from_json(history); },
+                                  "spec.fp8_scales must be current or delayed");
+  const json ffn = {
+      {"op", "ffn"},        {"rows", 4}, {"d_model", 8},       {"d_ff", 8},
+      {"dtype", "float32"}, {"seed", 1}, {"precision", "fp8"}, {"fp8_scales", "delayed"}};
+  test::expect_throw<ConfigError>(
+      [&] { OpCase::from_json(ffn); },
+      "delayed scales are inputs of the linear op case only, not of ffn");
 }
 
 TEST(Fp8Check, AScaleFromTheWrongBlockFailsAtTheOutput) {

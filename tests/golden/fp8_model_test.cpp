@@ -109,6 +109,10 @@ TEST(Fp8Model, TheCaseSpellsItsRecipeAndItsKeysNeedAnFp8Case) {
   typo["case"]["fp8_blocks"] = 8;
   test::expect_throw<ConfigError>([&] { Case::from_json(typo); },
                                   "case has the unknown key \"fp8_blocks\"");
+  json delayed = case_json("tensor");
+  delayed["case"]["fp8_scales"] = "delayed";
+  test::expect_throw<ConfigError>([&] { Case::from_json(delayed); },
+                                  "delayed scales are inputs of the linear op case only");
   json bad = case_json("rows");
   test::expect_throw<ConfigError>([&] { Case::from_json(bad); },
                                   "case.fp8_scaling must be tensor, block or mx");

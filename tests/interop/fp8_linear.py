@@ -2,8 +2,8 @@
 """An fp8 linear layer written from docs/fp8.md with numpy and ml_dtypes, independently of teo's
 kernels, judged by `teo golden check --precision fp8` on every linear fp8 op case.
 
-For each golden/ops/linear_fp8_*.safetensors case it reads the inputs and the recipe
-(__metadata__.spec), computes output.y, grad.input.x, grad.param.weight and grad.param.bias as
+For each golden/ops/linear_fp8_*.safetensors case it reads the inputs (with the delayed scales
+input.fp8_scale.* where the case gives them) and the recipe (__metadata__.spec), computes output.y, grad.input.x, grad.param.weight and grad.param.bias as
 the recipe defines them, writes them as float32 and runs the checker. Its own loops, not teo's:
 products are summed in float64 where teo sums in float32 (a limited accumulator is modelled with
 frexp), and ml_dtypes does the fp8 and bf16 casts.
@@ -58,10 +58,15 @@ def bf16(x):
     return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
 
 
-def quantize(x, fmt, scaling, tile_rows, block_k):
-    """x (rows, k) float32 -> (q * d as float64, the fp8 values), d per tile of the recipe."""
+def quantize(x, fmt, scaling, tile_rows, block_k, given=None):
+    """x (rows, k) float32 -> (q * d as float64, the fp8 values), d per tile of the recipe; a
+    delayed scale `given` (one per tensor) quantizes x / d instead."""
     dtype, fmax, emax = FP8[fmt]
     rows, k = x.shape
+    if given is not None:
+        d = np.float32(given)
+        q = np.clip(x / d, -fmax, fmax).astype(dtype).astype(np.float64)
+        return q * np.float64(d)
     if scaling == "tensor":
         tile_rows, block_k = rows, k
     elif scaling == "mx":
@@ -116,17 +121,21 @@ def linear(t, r):
     sc, bk, wb = r["fp8_scaling"], r["fp8_block_k"], r["fp8_weight_block"]
     x, w = bf16(t["input.x"]), bf16(t["param.weight"])
     g = bf16(t["grad.output.y"])
+    delayed = r.get("fp8_scales") == "delayed"  # the case's scales (input.fp8_scale.*)
+    sx, sw, sg = ((t["input.fp8_scale." + n][0] for n in ("x", "weight", "grad_y")) if delayed
+                  else (None, None, None))
     blocks_k = lambda k: k if sc == "tensor" else (32 if sc == "mx" else bk)  # noqa: E731
     out = {}
-    y = product(quantize(x, fwd, sc, 1, bk), quantize(w, fwd, sc, wb, bk), r, blocks_k(x.shape[1]))
+    y = product(quantize(x, fwd, sc, 1, bk, sx), quantize(w, fwd, sc, wb, bk, sw), r,
+                blocks_k(x.shape[1]))
     if "param.bias" in t:
         y = y.astype(np.float32) + bf16(t["param.bias"])
     out["output.y"] = bf16(y)
-    dx = product(quantize(g, bwd, sc, 1, bk), quantize(w.T.copy(), fwd, sc, wb, bk), r,
+    dx = product(quantize(g, bwd, sc, 1, bk, sg), quantize(w.T.copy(), fwd, sc, wb, bk, sw), r,
                  blocks_k(g.shape[1]))
     out["grad.input.x"] = bf16(dx)
-    dw = product(quantize(g.T.copy(), bwd, sc, 1, bk), quantize(x.T.copy(), fwd, sc, 1, bk), r,
-                 blocks_k(g.shape[0]))
+    dw = product(quantize(g.T.copy(), bwd, sc, 1, bk, sg), quantize(x.T.copy(), fwd, sc, 1, bk, sx),
+                 r, blocks_k(g.shape[0]))
     out["grad.param.weight"] = bf16(dw)
     if "param.bias" in t:
         out["grad.param.bias"] = bf16(np.sum(g.astype(np.float64), axis=0))

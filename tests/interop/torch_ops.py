@@ -713,8 +713,9 @@ def run_op(path, dtype=None, mutant=None):
             t = t.to(mode.dtype)
             if mode.name == "float16":
                 t = t.half().float()
-            t.requires_grad_(True)
-            leaves[name] = t
+            if "grad." + name in tensors:  # a differentiable input (not, say, an fp8 scale)
+                t.requires_grad_(True)
+                leaves[name] = t
         T[name] = t
     out = OPS[spec["op"]](spec, T, mode)
     total = None

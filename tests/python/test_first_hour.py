@@ -278,7 +278,7 @@ def test_the_keywords_are_the_op_registrys():
                    "lse_grad"}
     # the fp8 recipe's keys (docs/fp8.md) belong to every op case, not to one function
     fp8 = {"fp8_format", "fp8_scaling", "fp8_block_k", "fp8_weight_block", "fp8_accumulate",
-           "fp8_mantissa_bits", "fp8_promote_every", "fp8_saturate", "fp8_attention", "fp8_outlier"}
+           "fp8_mantissa_bits", "fp8_promote_every", "fp8_saturate", "fp8_attention", "fp8_scales", "fp8_outlier"}
     assert fp8 <= set(_teo.op_keys("linear"))
     assert set(_teo.op_keys("attention")) - fp8 == by_function | set(teo.ops.ATTENTION_VARIANT_KEYS)
     assert {"num_heads", "d_ff", "norm_first", "sliding_window", "attn_sinks"} \

@@ -1,8 +1,12 @@
 // The linear op (docs/golden-format.md, "Op cases"): y = x W^T + b.
 #include <cmath>
+#include <optional>
 
 #include "golden/ops/op.hpp"
+#include "kernels/fp8_product.hpp"
+#include "teo/fp8.hpp"
 #include "teo/layers/linear.hpp"
+#include "teo/rng.hpp"
 
 namespace teo::golden::ops {
 
@@ -31,6 +35,28 @@ void tensors(const Spec& s, OpTensors& t) {
   t.in.push_back(float_slot("param.weight", {s.out_f, s.in_f}, Role::param, inv_sqrt_in));
   if (s.bias) t.in.push_back(float_slot("param.bias", {s.out_f}, Role::param, inv_sqrt_in));
   t.out.push_back(float_slot("output.y", {s.rows, s.out_f}, Role::output));
+  if (s.fp8_delayed) {  // the dequantization scales of x, W and dY (docs/fp8.md)
+    for (const char* n : {"input.fp8_scale.x", "input.fp8_scale.weight", "input.fp8_scale.grad_y"})
+      t.fixed.push_back(float_slot(n, {1}, Role::input));
+  }
+}
+
+// Delayed scales come from an amax history: here each is the tensor's current amax / fp8_max
+// times 2^u, u uniform in [0, 1) (drawn from the scale's own stream), as stored: up to twice the
+// current scale, so that nothing saturates and each value keeps up to one bit less.
+void draw(const Spec& s, const OpCase& c, Values& v) {
+  if (!s.fp8_delayed) return;
+  const auto set = [&](const char* scale, const char* of, Fp8Format f) {
+    double amax = 0;
+    for (double x : v.f.at(of)) amax = std::max(amax, std::fabs(x));
+    const double u = rng::uniform01(c.seed, rng::stream_id(scale), 0);
+    std::vector<double> d{amax > 0 ? amax / fp8_max(f) * std::exp2(u) : 1.0};
+    as_stored(d, c);
+    v.f.at(scale) = d;
+  };
+  set("input.fp8_scale.x", "input.x", c.fp8.forward);
+  set("input.fp8_scale.weight", "param.weight", c.fp8.forward);
+  set("input.fp8_scale.grad_y", "grad.output.y", c.fp8.backward);
 }
 
 index_t longest_reduction(const Spec& s) {
@@ -43,6 +69,14 @@ void run(RunContext<Real>& c) {
   auto& r = c.r;
   const auto x = c.in("input.x"), w = c.in("param.weight"), dy = c.in("grad.output.y");
   const Tensor<Real> b = s.bias ? c.in("param.bias") : Tensor<Real>();
+  std::optional<teo::detail::Fp8DelayedScope> delayed;
+  if constexpr (std::is_same_v<Real, float>) {
+    if (s.fp8_delayed) {
+      delayed.emplace(teo::detail::Fp8DelayedScales{.input = c.in("input.fp8_scale.x")[0],
+                                                    .weight = c.in("input.fp8_scale.weight")[0],
+                                                    .gradient = c.in("input.fp8_scale.grad_y")[0]});
+    }
+  }
   linear_forward(r["output.y"].data(), x.data(), w.data(), s.bias ? b.data() : nullptr, s.rows,
                  s.in_f, s.out_f);
   c.done("output.y");
@@ -62,8 +96,10 @@ const OpDef& linear_op() {
       .write_options = write_options,
       .tensors = tensors,
       .longest_reduction = longest_reduction,
+      .draw = draw,
       .run_float = run<float>,
       .run_double = run<double>,
+      .fp8_operands_are_inputs = true,
       .samples = {R"({"rows": 5, "in_features": 4, "out_features": 3})",
                   R"({"rows": 3, "in_features": 2, "out_features": 4, "bias": false})"},
   };

@@ -56,6 +56,9 @@ struct Spec {
   std::vector<std::int64_t> kv_lengths;
   std::optional<std::pair<index_t, index_t>> full_kv_lengths;
   bool top_left = false, lse = false;
+  // linear under an fp8 recipe with delayed scales: the operands' scales are inputs
+  // (input.fp8_scale.*)
+  bool fp8_delayed = false;
   bool lse_grad = false;  // the lse takes an upstream gradient (a split-KV backward's)
   std::optional<double> scale;
   // attention_kvcache: each sequence's cached tokens, and the cache (contiguous: max_len rows per
@@ -153,7 +156,7 @@ struct Slot {
 // them (layout()).
 struct OpTensors {
   std::vector<Slot> in;     // the differentiable float inputs and parameters
-  std::vector<Slot> fixed;  // integer inputs and masks
+  std::vector<Slot> fixed;  // integer inputs, masks and fp8 scales: inputs without a gradient
   std::vector<Slot> out;    // the outputs
 };
 
@@ -270,6 +273,10 @@ struct OpDef {
   void (*run_double)(RunContext<double>& c) = nullptr;
   // Forward only (serving has no backward): the case has no upstream or input gradients.
   bool forward_only = false;
+  // The op is one fp8 product per pass direction, each of whose operands is an input, a parameter
+  // or the upstream gradient: its fp8 cases take delayed scales (fp8_scales), and the checker's
+  // recipe rule decides on them (docs/fp8.md, "Judging").
+  bool fp8_operands_are_inputs = false;
   // Small specs of the op (its keys without op, dtype and seed), as JSON, that the generic tests
   // run through every op: finite differences of the backward, the bad-spec table. Together they
   // reach every branch of the op's run (each option, each path).

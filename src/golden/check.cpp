@@ -466,10 +466,9 @@ CaseReport check(const File& golden, const File& candidate, const CheckOptions& 
   rep.precision = to_string(budget ? p : f32 ? Precision::fp32 : Precision::fp64);
   rep.budget = budget;
   // Only in a linear op case is every fp8 operand a golden input (OpDef::fp8_operands_are_inputs).
-  // Elsewhere a faithful backend's
-  // bf16 values upstream differ from the emulated run's by rounding flips, which move its fp8
-  // roundings (and, through an amax, a whole operand's scale) by as much as a recipe bug does
-  // (docs/fp8.md, "Judging").
+  // Elsewhere a faithful backend's bf16 values upstream differ from the emulated run's by rounding
+  // flips, which move its fp8 roundings (and, through an amax, a whole operand's scale) by as much
+  // as a recipe bug does (docs/fp8.md, "Judging").
   rep.recipe_rule = budget && p == Precision::fp8 && op && std::isfinite(opts.fp8_recipe_k) &&
                     detail::fp8_operands_are_inputs(op_case_of(golden).op);
   for (const auto& [n, v] : emu) rep.emulated_bytes += v.size() * sizeof(double);

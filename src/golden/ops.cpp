@@ -535,6 +535,9 @@ OpCase OpCase::from_json(const json& j, const std::string& op, std::uint64_t max
   Spec s = parse_spec(o, r);
   r.finish();
   s.fp8_delayed = fp8_delayed(o, c);
+  if (c.precision == Precision::fp8 && c.fp8.attention && !o.has_attention) {
+    throw ConfigError("spec.fp8_attention: the " + c.op + " op has no attention to run in fp8");
+  }
   const std::uint64_t need = bytes_of(s, c.dtype == "float32");
   if (need > max_bytes) {
     throw ShapeError("the " + c.op + " case needs about " + std::to_string(need >> 20) +

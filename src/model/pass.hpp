@@ -82,6 +82,11 @@ class Emulation {
         kind_(kind),
         scope_(std::is_same_v<Real, float> ? p_ : Precision::fp32,
                fp8.value_or(detail::fp8_recipe())) {
+    if (fp8 && fp8->delayed) {
+      throw ConfigError(
+          "the fp8 recipe's delayed scales (fp8_scales) are inputs of the linear op case; a "
+          "pass computes its scales from each operand's amax");
+    }
     const bool ok = std::is_same_v<Real, float> ? p_ != Precision::fp64 : p_ == Precision::fp64;
     if (!ok) {
       throw ConfigError(

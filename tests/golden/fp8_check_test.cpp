@@ -253,6 +253,11 @@ TEST(Fp8Check, DelayedScalesAreTheCasesInputsAndABackendIgnoringThemFails) {
   test::expect_throw<ConfigError>(
       [&] { OpCase::from_json(ffn); },
       "delayed scales are inputs of the linear op case only, not of ffn");
+  json ffn_attention = ffn;
+  ffn_attention.erase("fp8_scales");
+  ffn_attention["fp8_attention"] = true;
+  test::expect_throw<ConfigError>([&] { OpCase::from_json(ffn_attention); },
+                                  "spec.fp8_attention: the ffn op has no attention");
 }
 
 TEST(Fp8Check, AScaleFromTheWrongBlockFailsAtTheOutput) {

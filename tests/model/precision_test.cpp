@@ -186,6 +186,14 @@ TEST_F(Precisions, APrecisionTheTypeCannotRunIsAConfigError) {
   test::expect_throw<ConfigError>(
       [&] { forward(Params<float>::init(c, 1), b, a32, {.precision = Precision::fp64}); },
       "precision fp64 cannot run in float");
+  // delayed fp8 scales are a linear op case's inputs: a pass has none to take
+  Fp8Recipe delayed;
+  delayed.delayed = true;
+  test::expect_throw<ConfigError>(
+      [&] {
+        forward(Params<float>::init(c, 1), b, a32, {.precision = Precision::fp8, .fp8 = delayed});
+      },
+      "delayed scales (fp8_scales) are inputs of the linear op case");
 }
 
 }  // namespace

@@ -331,6 +331,7 @@ const OpDef& attention_op() {
       .working_bytes = working_bytes,
       .run_float = run<float>,
       .run_double = run<double>,
+      .has_attention = true,
       .samples =
           {R"({"batch": 2, "num_heads": 2, "seq_len": 4, "d_head": 3, "lengths": [4, 2], "causal": true, "scale": 0.7, "probs": true})",
            R"({"batch": 2, "num_heads": 2, "seq_len": 4, "d_head": 3, "lengths": [4, 2], "causal": true, "scale": 0.7, "probs": false})",

@@ -393,6 +393,7 @@ const OpDef& attention_kvcache_op() {
       .run_float = run<float>,
       .run_double = run<double>,
       .forward_only = true,
+      .has_attention = true,
       .samples =
           {R"({"batch": 2, "num_heads": 2, "q_len": 2, "d_head": 3, "max_len": 6, "cache_lengths": [4, 1]})",
            R"({"batch": 3, "num_heads": 4, "num_kv_heads": 2, "q_len": 3, "d_head": 4, "d_head_v": 3, "layout": "paged", "page_size": 2, "cache_lengths": [0, 5, 2], "positional": "rope", "attn_sinks": true, "sliding_window": 4, "attn_logit_softcap": 2.0})",

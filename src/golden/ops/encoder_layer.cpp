@@ -126,6 +126,7 @@ const OpDef& encoder_layer_op() {
       .draw = draw,
       .run_float = run<float>,
       .run_double = run<double>,
+      .has_attention = true,
       .samples =
           {R"({"batch": 2, "seq_len": 3, "lengths": [3, 2], "d_model": 4, "num_heads": 2, "d_ff": 6, "norm_first": false, "dropout": 0.0})",
            R"({"batch": 2, "seq_len": 3, "lengths": [3, 2], "d_model": 4, "num_heads": 2, "d_ff": 6, "norm_first": true, "dropout": 0.2})"},

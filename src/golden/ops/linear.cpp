@@ -1,6 +1,9 @@
 // The linear op (docs/golden-format.md, "Op cases"): y = x W^T + b.
+#include <algorithm>
 #include <cmath>
 #include <optional>
+#include <type_traits>
+#include <vector>
 
 #include "golden/ops/op.hpp"
 #include "kernels/fp8_product.hpp"
@@ -42,14 +45,15 @@ void tensors(const Spec& s, OpTensors& t) {
 }
 
 // Delayed scales come from an amax history: here each is the tensor's current amax / fp8_max
-// times 2^u, u uniform in [0, 1) (drawn from the scale's own stream), as stored: up to twice the
-// current scale, so that nothing saturates and each value keeps up to one bit less.
+// times 2^u, u uniform in [1/64, 1) (drawn from the scale's own stream), as stored: up to twice
+// the current scale, and above it even after the bf16 rounding (2^(1/64) > 1 + 2^-9, half a bf16
+// step), so that nothing saturates and each value keeps up to one bit less.
 void draw(const Spec& s, const OpCase& c, Values& v) {
   if (!s.fp8_delayed) return;
   const auto set = [&](const char* scale, const char* of, Fp8Format f) {
     double amax = 0;
     for (double x : v.f.at(of)) amax = std::max(amax, std::fabs(x));
-    const double u = rng::uniform01(c.seed, rng::stream_id(scale), 0);
+    const double u = (1 + 63 * rng::uniform01(c.seed, rng::stream_id(scale), 0)) / 64;
     std::vector<double> d{amax > 0 ? amax / fp8_max(f) * std::exp2(u) : 1.0};
     as_stored(d, c);
     v.f.at(scale) = d;

@@ -277,6 +277,8 @@ struct OpDef {
   // or the upstream gradient: its fp8 cases take delayed scales (fp8_scales), and the checker's
   // recipe rule decides on them (docs/fp8.md, "Judging").
   bool fp8_operands_are_inputs = false;
+  // The op runs attention: its fp8 cases may ask for fp8_attention.
+  bool has_attention = false;
   // Small specs of the op (its keys without op, dtype and seed), as JSON, that the generic tests
   // run through every op: finite differences of the backward, the bad-spec table. Together they
   // reach every branch of the op's run (each option, each path).

@@ -111,6 +111,18 @@ class Fp8Group {
   detail::Fp8AttentionHeads heads_;
 };
 
+// scores rows [i0, i1) (rows, Skv) = alpha * q (rows, Dh) * k^T (Dh, Skv): in fp8 where f8 says
+// so.
+template <class Real>
+void score_product(const Fp8Rows& f8, const Real* qh, const Real* kh, index_t i0, index_t i1,
+                   index_t skv, index_t d_head, Real alpha, Real* sc) {
+  if constexpr (std::is_same_v<Real, float>) {
+    if (f8.heads) return detail::fp8_scores(*f8.heads, f8.row0 + i0, i1 - i0, alpha, sc);
+  }
+  gemm<Real>(Trans::no, Trans::yes, i1 - i0, skv, d_head, alpha, qh + i0 * d_head, d_head, kh,
+             d_head, Real(0), sc, skv);
+}
+
 // context rows (rows, Dv; stride ldc) = p (rows, Skv) * v (Skv, Dv): in fp8 where f8 says so.
 template <class Real>
 void context_rows(const Fp8Rows& f8, const Real* p, index_t rows, index_t skv, const Real* vh,
@@ -266,18 +278,7 @@ void score_rows(Real* sc, Real* pr, Real* raw, Real* psink, Real* lse, const Rea
                 const Real* kh, SeqRule seq, index_t i0, index_t i1, index_t skv, index_t d_head,
                 const HeadRule<Real>& rule, SinkRow<Real>& ext, const Fp8Rows& f8) {
   const Real neg_inf = -std::numeric_limits<Real>::infinity();
-  // scores (rows, Skv) = q (rows, Dh) * k^T (Dh, Skv) * alpha
-  bool done = false;
-  if constexpr (std::is_same_v<Real, float>) {
-    if (f8.heads) {
-      detail::fp8_scores(*f8.heads, f8.row0 + i0, i1 - i0, rule.alpha, sc);
-      done = true;
-    }
-  }
-  if (!done) {
-    gemm<Real>(Trans::no, Trans::yes, i1 - i0, skv, d_head, rule.alpha, qh + i0 * d_head, d_head,
-               kh, d_head, Real(0), sc, skv);
-  }
+  score_product(f8, qh, kh, i0, i1, skv, d_head, rule.alpha, sc);
   if (raw) std::copy(sc, sc + (i1 - i0) * skv, raw);
   for (index_t i = i0; i < i1; ++i) {
     Real* srow = sc + (i - i0) * skv;

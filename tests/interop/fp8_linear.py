@@ -142,6 +142,24 @@ def linear(t, r):
     return out
 
 
+def check(teo, golden, work, tensors):
+    """Writes `tensors` as the candidate of the op case at `golden` (in `work`) and runs
+    `teo golden check --precision fp8 --require-all` on it: (passed, the checker's output, its JSON
+    report's tensor rows, its first divergence)."""
+    cand = os.path.join(work, os.path.basename(golden))
+    write(cand, tensors)
+    report = cand + ".json"
+    p = subprocess.run([teo, "golden", "check", "--golden", golden, "--candidate", cand,
+                        "--precision", "fp8", "--require-all", "--json", report],
+                       capture_output=True, text=True)
+    rows, first = [], ""
+    if os.path.exists(report):
+        rep = json.load(open(report))
+        rows = [x for c in rep["cases"] for x in c["tensors"]]
+        first = rep["cases"][0].get("first_divergence") or ""
+    return p.returncode == 0, p.stdout + p.stderr, rows, first
+
+
 def main(argv):
     teo, golden_dir, work = argv[1:4]
     os.makedirs(work, exist_ok=True)
@@ -152,23 +170,15 @@ def main(argv):
     failures = 0
     for path in cases:
         t, meta = read(path)
-        spec = json.loads(meta["spec"])
-        cand = os.path.join(work, os.path.basename(path))
-        write(cand, linear(t, spec))
-        report = cand + ".json"
-        p = subprocess.run([teo, "golden", "check", "--golden", path, "--candidate", cand,
-                            "--precision", "fp8", "--require-all", "--json", report],
-                           capture_output=True, text=True)
-        rep = json.load(open(report)) if os.path.exists(report) else None
+        passed, output, ts, _ = check(teo, path, work, linear(t, json.loads(meta["spec"])))
         worst = ""
-        if rep:
-            ts = [x for c in rep["cases"] for x in c["tensors"]]
+        if ts:
             worst = "worst ratio %.3g, worst recipe distance %.3g" % (
                 max(x.get("ratio") or 0 for x in ts), max(x.get("recipe_distance") or 0 for x in ts))
-        print("%-40s %s %s" % (os.path.basename(path), "pass" if p.returncode == 0 else "FAIL", worst))
-        if p.returncode != 0:
+        print("%-40s %s %s" % (os.path.basename(path), "pass" if passed else "FAIL", worst))
+        if not passed:
             failures += 1
-            print(p.stdout + p.stderr)
+            print(output)
     return 1 if failures else 0
 
 

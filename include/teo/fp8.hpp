@@ -155,4 +155,12 @@ void validate(const Fp8Recipe& r, const std::string& what);
 // `weight` the weight_block x block_k tiles (else 1 x block_k).
 Fp8Quantization fp8_quantization(const Fp8Recipe& r, bool gradient, bool weight);
 
+// The block of an operand of (rows, k) values that one scale covers under `how`: the whole operand
+// (at least 1 x 1) for tensor scaling, block_rows x block_k for block, 1 x 32 for mx; its scales
+// then form a (ceil(rows / block_rows), ceil(k / block_k)) grid, as Fp8Operand::scale holds them.
+struct Fp8Block {
+  index_t rows = 1, k = 1;
+};
+Fp8Block fp8_block(const Fp8Quantization& how, index_t rows, index_t k);
+
 }  // namespace teo

@@ -104,8 +104,9 @@ std::uint64_t generate_file(const Case& c, const std::string& path, const Genera
 // of a model case; output.*, grad.input.*, grad.param.* of an op case), only those whose name
 // matches one of `patterns`, comma-separated globs (`*` any run of characters, dots included;
 // `?` one character), with their ref64.* twins; inputs, parameters, upstream gradients and masks
-// are always kept. The patterns are recorded as __metadata__.kept. ConfigError naming the pattern
-// when one matches no tensor, or when there is none.
+// are always kept. An op case's fp8 operands (fp8.*, make_op) are kept only when a glob matches
+// them, each with its .scale. The patterns are recorded as __metadata__.kept. ConfigError naming
+// the pattern when one matches no tensor, or when there is none.
 void keep_only(safetensors::File& f, const std::string& patterns);
 // Which of `names` keep_only keeps (the same rules and errors); `op` for an op case's names.
 std::vector<bool> kept_names(const std::vector<std::string>& names, const std::string& patterns,

@@ -59,8 +59,11 @@ struct OpCase {
 // the current backend; a float32 case also carries ref64.* (the same op in float64 on the same
 // float32-valued inputs). A float32 case that is not at rounding level against float64, or a
 // precision case whose budget would be vacuous, throws IllConditioned unless allowed (then
-// __metadata__.ill_conditioned says why).
-safetensors::File make_op(const OpCase& c, bool allow_ill_conditioned = false);
+// __metadata__.ill_conditioned says why). A non-empty `keep` stores only what keep_only keeps;
+// globs matching fp8.* in an fp8 linear case also store the quantized operands of its products
+// (docs/golden-format.md, "fp8 operands"), which are stored only when asked for.
+safetensors::File make_op(const OpCase& c, bool allow_ill_conditioned = false,
+                          const std::string& keep = "");
 
 // The op case an op file was made from (__metadata__.op and spec); FormatError when they are
 // missing or malformed.

@@ -117,8 +117,7 @@ int run_golden_export(const GoldenExportOptions& opts, std::ostream& out) {
 
 int run_golden_op(const GoldenOpOptions& opts, std::ostream& out) {
   const golden::OpCase c = golden::OpCase::from_file(opts.spec_path, opts.op);
-  safetensors::File f = golden::make_op(c, opts.allow_ill_conditioned);
-  if (!opts.keep.empty()) golden::keep_only(f, opts.keep);
+  const safetensors::File f = golden::make_op(c, opts.allow_ill_conditioned, opts.keep);
   const std::string bytes = safetensors::serialize(f);
   write_file_atomic(opts.out_path, bytes, opts.force);
   out << "wrote " << opts.out_path << " (" << bytes.size() << " bytes)\n";
@@ -148,8 +147,9 @@ void list_one(const std::string& path, std::ostream& out) {
         << (c.precision ? std::string(" ") + to_string(*c.precision) : "") << "\n";
     out << "  spec " << c.spec.dump() << "\n";
     for (const auto& t : f.tensors) {
+      // fp8.*: the stored fp8 operands a backend may be fed instead of quantizing its own
       if (t.name.starts_with("input.") || t.name.starts_with("param.") ||
-          t.name.starts_with("grad.output.")) {
+          t.name.starts_with("grad.output.") || t.name.starts_with("fp8.")) {
         out << "  reads  " << t.name << " " << dims_str(t.shape) << " "
             << safetensors::dtype_name(t.dtype) << "\n";
       }

@@ -188,7 +188,8 @@ int main(int argc, char** argv) {
   op->add_option("--out", op_opts.out_path, "the .safetensors file to write")->required();
   op->add_flag("--force", op_opts.force, "overwrite an existing --out file");
   op->add_option("--keep", op_opts.keep,
-                 "store only the outputs and gradients matching these comma-separated globs");
+                 "store only the outputs and gradients matching these comma-separated globs; "
+                 "in an fp8 linear case fp8.* adds the quantized operands (e.g. '*')");
   op->add_flag("--allow-ill-conditioned", op_opts.allow_ill_conditioned,
                "write a float32 case whose own error is not at rounding level, marked as such");
   std::string list_path = "golden";

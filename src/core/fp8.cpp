@@ -1,5 +1,6 @@
 // The fp8 formats and E8M0 scales: names, constants, and rounding through the ISA's kernels
 // (simd/fp8_kernels.hpp). Quantization and the product are in kernels/fp8_gemm.cpp.
+#include <algorithm>
 #include <atomic>
 #include <bit>
 #include <cmath>
@@ -172,6 +173,18 @@ Fp8Quantization fp8_quantization(const Fp8Recipe& r, bool gradient, bool weight)
   q.block_k = r.block_k;
   q.saturate = r.saturate;
   return q;
+}
+
+Fp8Block fp8_block(const Fp8Quantization& how, index_t rows, index_t k) {
+  switch (how.scaling) {
+    case Fp8Scaling::tensor:
+      return {std::max<index_t>(rows, 1), std::max<index_t>(k, 1)};
+    case Fp8Scaling::block:
+      return {how.block_rows, how.block_k};
+    case Fp8Scaling::mx:
+      return {1, 32};  // OCP MX: 32 values share one scale
+  }
+  return {};
 }
 
 }  // namespace teo

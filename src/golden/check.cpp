@@ -465,7 +465,7 @@ CaseReport check(const File& golden, const File& candidate, const CheckOptions& 
   CaseReport rep;
   rep.precision = to_string(budget ? p : f32 ? Precision::fp32 : Precision::fp64);
   rep.budget = budget;
-  // Only in a linear op case is every fp8 operand a golden input (OpDef::fp8_operands_are_inputs).
+  // Only in a linear op case is every fp8 operand a golden input (OpDef::fp8_operands).
   // Elsewhere a faithful backend's bf16 values upstream differ from the emulated run's by rounding
   // flips, which move its fp8 roundings (and, through an amax, a whole operand's scale) by as much
   // as a recipe bug does (docs/fp8.md, "Judging").

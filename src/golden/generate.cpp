@@ -458,10 +458,13 @@ std::vector<bool> kept_names(const std::vector<std::string>& names, const std::s
   };
   std::vector<bool> used(globs.size(), false), stays(names.size(), false);
   for (std::size_t k = 0; k < names.size(); ++k) {
-    // a ref64 twin follows its tensor; inputs, parameters and masks always stay
+    // a ref64 twin follows its tensor, an fp8 operand's scales follow it; inputs, parameters and
+    // masks always stay
     const std::string& full = names[k];
-    const std::string name = full.starts_with("ref64.") ? full.substr(6) : full;
-    if (!detail::is_judged(name, op)) {
+    std::string name = full.starts_with("ref64.") ? full.substr(6) : full;
+    const bool fp8 = op && name.starts_with("fp8.");
+    if (fp8 && name.ends_with(".scale")) name.resize(name.size() - 6);
+    if (!fp8 && !detail::is_judged(name, op)) {
       stays[k] = true;
       continue;
     }
@@ -476,7 +479,9 @@ std::vector<bool> kept_names(const std::vector<std::string>& names, const std::s
     if (!used[i]) {
       throw ConfigError("--keep pattern \"" + globs[i] +
                         "\" matches no computed tensor of this case (" +
-                        (op ? "output.*, grad.input.*, grad.param.*" : "act.*, grad.*") + ")");
+                        (op ? "output.*, grad.input.*, grad.param.*; fp8.* in an fp8 linear case"
+                            : "act.*, grad.*") +
+                        ")");
     }
   }
   return stays;

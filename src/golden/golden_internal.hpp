@@ -139,6 +139,7 @@ struct ExpectedTensor {
   safetensors::DType dtype;
   std::vector<std::int64_t> shape;
   std::string symbolic;
+  bool optional = false;  // may be absent (an fp8 operand, stored only when --keep asks)
 };
 
 // FormatError naming the tensor unless f holds exactly `want`: each of them with its dtype and

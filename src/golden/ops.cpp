@@ -159,13 +159,15 @@ ojson spec_json(const Spec& s, const OpCase& c) {
 // inputs (the linear op).
 bool fp8_delayed(const OpDef& def, const OpCase& c) {
   if (c.precision != Precision::fp8 || !c.fp8.delayed) return false;
-  if (!def.fp8_operands_are_inputs) {
+  if (!def.fp8_operands) {
     throw ConfigError(std::string("spec.fp8_scales: delayed scales are inputs of the linear op "
                                   "case only, not of ") +
                       def.name + ", which computes some of its fp8 operands");
   }
   return true;
 }
+
+}  // namespace
 
 Spec spec_of(const OpCase& c) {
   const json j = c.spec;  // Reader keeps a reference: not to a temporary conversion
@@ -178,6 +180,8 @@ Spec spec_of(const OpCase& c) {
   fill_defaults(s);
   return s;
 }
+
+namespace {
 
 // ---- the tensors of a case --------------------------------------------------------------------
 
@@ -587,7 +591,7 @@ OpCase op_case_of(const File& file) {
 namespace detail {
 
 bool fp8_operands_are_inputs(const std::string& op) {
-  return ops::op_named(op).fp8_operands_are_inputs;
+  return ops::op_named(op).fp8_operands != nullptr;
 }
 
 void validate_op_file(const File& f, bool inputs_only) {
@@ -616,7 +620,12 @@ void validate_op_file(const File& f, bool inputs_only) {
     want.push_back({t.name, d, t.shape, sym});
     if (f32 && is_result(t.role)) want.push_back({"ref64." + t.name, DType::F64, t.shape, sym});
   }
-  if (!inputs_only) expect_tensors(f, want, /*op=*/true);
+  if (!inputs_only) {
+    const auto operands = fp8_operand_tensors(c, s);
+    want.insert(want.end(), operands.begin(), operands.end());
+    expect_tensors(f, want, /*op=*/true);
+    check_fp8_operands(f, operands);
+  }
   // the integer inputs an op may have: token ids, labels, lengths and block tables
   std::set<std::string> ints;
   for (const auto& t : layout(s))
@@ -640,11 +649,13 @@ void validate_op_file(const File& f, bool inputs_only) {
 
 std::set<std::string> op_contract_names(const File& f) {
   const OpCase c = op_case_of(f);
+  const Spec s = spec_of(c);
   std::set<std::string> out;
-  for (const auto& t : layout(spec_of(c))) {
+  for (const auto& t : layout(s)) {
     out.insert(t.name);
     if (c.dtype == "float32" && is_result(t.role)) out.insert("ref64." + t.name);
   }
+  for (const auto& t : fp8_operand_tensors(c, s)) out.insert(t.name);
   return out;
 }
 
@@ -718,7 +729,7 @@ std::vector<ContractTensor> op_contract(const OpCase& c) {
   return out;
 }
 
-safetensors::File make_op(const OpCase& c, bool allow_ill_conditioned) {
+safetensors::File make_op(const OpCase& c, bool allow_ill_conditioned, const std::string& keep) {
   const Spec s = spec_of(c);
   File f = c.dtype == "float32" ? make_typed<float>(c, s) : make_typed<double>(c, s);
   if (c.dtype == "float32") {
@@ -735,6 +746,25 @@ safetensors::File make_op(const OpCase& c, bool allow_ill_conditioned) {
     }
     if (!why.empty()) f.metadata.emplace_back("ill_conditioned", why);
   }
+  if (keep.empty()) return f;
+  // the fp8 operands are chosen with the computed tensors, and computed only when chosen
+  const auto operands = fp8_operand_tensors(c, s);
+  std::vector<std::string> names;
+  for (const auto& t : f.tensors) names.push_back(t.name);
+  for (std::size_t i = 0; i < operands.size(); i += 2) names.push_back(operands[i].name);
+  const auto stays = kept_names(names, keep, /*op=*/true);
+  std::vector<bool> wanted(operands.size(), false);
+  bool any = false;
+  for (std::size_t i = 0; i < operands.size(); i += 2) {
+    wanted[i] = stays[f.tensors.size() + i / 2];
+    any = any || wanted[i];
+  }
+  std::vector<safetensors::Tensor> kept;
+  for (std::size_t k = 0; k < f.tensors.size(); ++k)
+    if (stays[k]) kept.push_back(std::move(f.tensors[k]));
+  f.tensors = std::move(kept);
+  f.metadata.emplace_back("kept", keep);
+  if (any) add_fp8_operands(f, operands, wanted);
   return f;
 }
 

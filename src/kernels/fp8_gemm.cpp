@@ -28,24 +28,13 @@ index_t ceil_div(index_t a, index_t b) {
 
 // The block shape a recipe gives an operand of (rows, k).
 void set_blocks(Fp8Operand& o, const Fp8Quantization& how, const std::string& what) {
-  switch (how.scaling) {
-    case Fp8Scaling::tensor:
-      o.block_rows = std::max<index_t>(o.rows, 1);
-      o.block_k = std::max<index_t>(o.k, 1);
-      return;
-    case Fp8Scaling::block:
-      if (how.block_rows < 1 || how.block_k < 1) {
-        throw ConfigError(what + ": an fp8 scale block must be at least 1 x 1, got " +
-                          std::to_string(how.block_rows) + " x " + std::to_string(how.block_k));
-      }
-      o.block_rows = how.block_rows;
-      o.block_k = how.block_k;
-      return;
-    case Fp8Scaling::mx:
-      o.block_rows = 1;
-      o.block_k = 32;  // OCP MX: 32 values share one scale
-      return;
+  if (how.scaling == Fp8Scaling::block && (how.block_rows < 1 || how.block_k < 1)) {
+    throw ConfigError(what + ": an fp8 scale block must be at least 1 x 1, got " +
+                      std::to_string(how.block_rows) + " x " + std::to_string(how.block_k));
   }
+  const Fp8Block b = fp8_block(how, o.rows, o.k);
+  o.block_rows = b.rows;
+  o.block_k = b.k;
 }
 
 // op(X) copied densely, row-major (rows, k); a non-finite value is a RangeError naming what.
@@ -300,7 +289,16 @@ namespace detail {
 
 namespace {
 thread_local Fp8DelayedScales tl_delayed;
+thread_local Fp8Recorder* tl_recorder = nullptr;
 }  // namespace
+
+Fp8Recorder::Fp8Recorder() : outer_(tl_recorder) {
+  tl_recorder = this;
+}
+
+Fp8Recorder::~Fp8Recorder() {
+  tl_recorder = outer_;
+}
 
 const Fp8DelayedScales& fp8_delayed_scales() {
   return tl_delayed;
@@ -337,6 +335,10 @@ void fp8_product(const Fp8Side& a, const Fp8Side& b, index_t m, index_t n, index
   };
   const Fp8Operand qa = quantize(a, m);
   const Fp8Operand qb = quantize(b, n);
+  if (tl_recorder) {
+    if (a.kept) tl_recorder->add(a.kept, qa);
+    if (b.kept) tl_recorder->add(b.kept, qb);
+  }
   if (!accumulate) return fp8_gemm(qa, qb, c, ldc, r.accumulate);
   std::vector<float> out(static_cast<std::size_t>(m * n));
   fp8_gemm(qa, qb, out.data(), n, r.accumulate);

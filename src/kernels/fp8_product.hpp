@@ -3,7 +3,9 @@
 #pragma once
 
 #include <string>
+#include <vector>
 
+#include "teo/fp8.hpp"
 #include "teo/types.hpp"
 
 namespace teo::detail {
@@ -17,6 +19,28 @@ struct Fp8Side {
   bool gradient = false;
   bool weight = false;
   const char* what = "";  // names the operand in an error
+  // names the operand among its op's products where an Fp8Recorder keeps them (e.g. "y.x")
+  const char* kept = nullptr;
+};
+
+// Keeps, for its life, every operand fp8_product quantizes on this thread whose side names it
+// (Fp8Side::kept), in the order quantized: the linear op case's fp8 operands (`--keep fp8.*`).
+class Fp8Recorder {
+ public:
+  struct Operand {
+    std::string name;
+    Fp8Operand value;
+  };
+  Fp8Recorder();
+  ~Fp8Recorder();
+  Fp8Recorder(const Fp8Recorder&) = delete;
+  Fp8Recorder& operator=(const Fp8Recorder&) = delete;
+  const std::vector<Operand>& operands() const { return kept_; }
+  void add(const char* name, const Fp8Operand& o) { kept_.push_back({name, o}); }
+
+ private:
+  std::vector<Operand> kept_;
+  Fp8Recorder* outer_;
 };
 
 // Delayed scales (Fp8Recipe::delayed): the dequantization scale of a linear layer's input, weight

@@ -28,9 +28,10 @@ void linear_forward(Real* out, const Real* in, const Real* weight, const Real* b
   // out (rows, out_f) = in (rows, in_f) * weight^T (in_f, out_f)
   if constexpr (std::is_same_v<Real, float>) {
     if (in_fp8<Real>()) {
-      detail::fp8_product({.x = in, .ld = in_f, .what = "a linear layer's input"},
-                          {.x = weight, .ld = in_f, .weight = true, .what = "a linear weight"},
-                          rows, out_f, in_f, false, out, out_f);
+      detail::fp8_product(
+          {.x = in, .ld = in_f, .what = "a linear layer's input", .kept = "y.x"},
+          {.x = weight, .ld = in_f, .weight = true, .what = "a linear weight", .kept = "y.weight"},
+          rows, out_f, in_f, false, out, out_f);
       if (bias) add_bias(out, bias, rows, out_f);
       return;
     }
@@ -63,10 +64,17 @@ void linear_backward(Real* din, Real* dweight, Real* dbias, const Real* dout, co
     const Real beta = din_write == GradWrite::overwrite ? Real(0) : Real(1);
     if constexpr (std::is_same_v<Real, float>) {
       if (fp8) {
-        const detail::Fp8Side g{
-            .x = dout, .ld = out_f, .gradient = true, .what = "a linear layer's output gradient"};
-        const detail::Fp8Side w{
-            .x = weight, .ld = in_f, .transposed = true, .weight = true, .what = "a linear weight"};
+        const detail::Fp8Side g{.x = dout,
+                                .ld = out_f,
+                                .gradient = true,
+                                .what = "a linear layer's output gradient",
+                                .kept = "grad_x.grad_y"};
+        const detail::Fp8Side w{.x = weight,
+                                .ld = in_f,
+                                .transposed = true,
+                                .weight = true,
+                                .what = "a linear weight",
+                                .kept = "grad_x.weight"};
         detail::fp8_product(g, w, rows, in_f, out_f, beta != 0, din, in_f);
       }
     }
@@ -82,9 +90,13 @@ void linear_backward(Real* din, Real* dweight, Real* dbias, const Real* dout, co
                               .ld = out_f,
                               .transposed = true,
                               .gradient = true,
-                              .what = "a linear layer's output gradient"};
-      const detail::Fp8Side x{
-          .x = in, .ld = in_f, .transposed = true, .what = "a linear layer's input"};
+                              .what = "a linear layer's output gradient",
+                              .kept = "grad_weight.grad_y"};
+      const detail::Fp8Side x{.x = in,
+                              .ld = in_f,
+                              .transposed = true,
+                              .what = "a linear layer's input",
+                              .kept = "grad_weight.x"};
       detail::fp8_product(g, x, out_f, in_f, rows, true, dweight, in_f);
     }
   }

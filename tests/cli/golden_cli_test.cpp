@@ -461,6 +461,32 @@ TEST(GoldenCli, OpWritesTheCommittedCaseAndListShowsItsContract) {
   }
 }
 
+// `golden op --keep '*'` on an fp8 linear case stores its products' fp8 operands with their
+// scales; `golden list` shows them among what a backend reads, and the case still checks.
+TEST(GoldenCli, OpKeepStoresAnFp8LinearCasesOperands) {
+  const fs::path dir = fresh_dir("teo_golden_cli_fp8_keep");
+  std::ofstream(dir / "spec.json")
+      << R"({"op": "linear", "rows": 3, "in_features": 40, "out_features": 5, "dtype": "float32",
+            "seed": 2, "precision": "fp8", "fp8_scaling": "mx"})";
+  const std::string out = (dir / "k.safetensors").string();
+  CliResult r =
+      run_cli("golden op --spec " + (dir / "spec.json").string() + " --out " + out + " --keep '*'");
+  ASSERT_EQ(r.code, 0) << r.out;
+  r = run_cli("golden list --golden " + out);
+  EXPECT_EQ(r.code, 0) << r.out;
+  for (const char* line : {"reads  fp8.y.x (3, 40) F8_E4M3", "reads  fp8.y.x.scale (3, 2) F32",
+                           "reads  fp8.grad_weight.x (40, 3) F8_E4M3", "writes output.y (3, 5)"}) {
+    EXPECT_NE(r.out.find(line), std::string::npos) << line << "\n" << r.out;
+  }
+  r = run_cli("golden check --golden " + out + " --candidate " + out);
+  EXPECT_EQ(r.code, 0) << r.out;
+  r = run_cli("golden op --spec " + (dir / "spec.json").string() + " --out " + out +
+              " --force --keep 'fp8.z.*'");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.out.find("--keep pattern \"fp8.z.*\" matches no computed tensor"), std::string::npos)
+      << r.out;
+}
+
 // A corpus with ops/ refuses as a whole: an existing op case stops generation before any file of
 // either kind is written.
 TEST(GoldenCli, GenerateCorpusRefusesAnExistingOpCaseBeforeWritingAnything) {

@@ -21,7 +21,6 @@ Usage (with the project's virtual environment, where ml_dtypes is installed):
 Exits 1 when a case fails (passes, under a mutant) or none is found.
 """
 
-import glob
 import json
 import os
 import sys
@@ -29,7 +28,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from fp8_linear import FP8, bf16, check, read  # noqa: E402
+from fp8_linear import FP8, bf16, check, op_cases, read  # noqa: E402
 
 
 def cast(x, fmt, mul, saturate=True):
@@ -69,7 +68,7 @@ def attention(t, s, mutant):
     q, k, v = bf16(t["input.q"]), bf16(t["input.k"]), bf16(t["input.v"])
     do = bf16(t["grad.output.context"])
     b_, h_, sq, dh = q.shape
-    kvh, skv, dv = k.shape[1], k.shape[2], v.shape[3]
+    kvh, skv = k.shape[1], k.shape[2]
     g_ = h_ // kvh
     alpha = s["scale"]
     lq, lk = t["input.q_lengths"], t["input.kv_lengths"]
@@ -131,13 +130,8 @@ def main(argv):
             print("unknown mutant " + mutant)
             return 2
     teo, golden_dir, work = argv[1:4]
-    os.makedirs(work, exist_ok=True)
-    cases = sorted(glob.glob(os.path.join(golden_dir, "attention_fp8*.safetensors")))
-    if not cases:
-        print("no attention fp8 op case in " + golden_dir)
-        return 1
     wrong = 0
-    for path in cases:
+    for path in op_cases(golden_dir, "attention_fp8*.safetensors", work):
         t, meta = read(path)
         passed, output, ts, first = check(teo, path, work,
                                           attention(t, json.loads(meta["spec"]), mutant))

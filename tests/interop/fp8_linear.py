@@ -24,7 +24,8 @@ import ml_dtypes
 import numpy as np
 
 FP8 = {"e4m3": (ml_dtypes.float8_e4m3fn, 448.0, 8), "e5m2": (ml_dtypes.float8_e5m2, 57344.0, 15)}
-NP = {"F32": np.float32, "F64": np.float64, "I64": np.int64}
+NP = {"F32": np.float32, "F64": np.float64, "I64": np.int64, "F8_E4M3": ml_dtypes.float8_e4m3fn,
+      "F8_E5M2": ml_dtypes.float8_e5m2}
 
 
 def read(path):
@@ -58,20 +59,28 @@ def bf16(x):
     return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
 
 
-def quantize(x, fmt, scaling, tile_rows, block_k, given=None):
-    """x (rows, k) float32 -> (q * d as float64, the fp8 values), d per tile of the recipe; a
-    delayed scale `given` (one per tensor) quantizes x / d instead."""
+def block_of(scaling, tile_rows, block_k, rows, k):
+    """The block one scale covers: the whole operand, tile_rows x block_k, or MX's 1 x 32."""
+    if scaling == "tensor":
+        return max(rows, 1), max(k, 1)
+    return (1, 32) if scaling == "mx" else (tile_rows, block_k)
+
+
+def quantize(x, fmt, scaling, tile_rows, block_k, given=None, parts=False):
+    """x (rows, k) float32 -> q * d as float64, d per block of the recipe; a delayed scale `given`
+    (one per tensor) quantizes x / d instead. With `parts`, also the fp8 values q and the float32
+    dequantization scales per block as teo stores them (amax / fp8_max, MX's 2^e, the given)."""
     dtype, fmax, emax = FP8[fmt]
     rows, k = x.shape
     if given is not None:
         d = np.float32(given)
-        q = np.clip(x / d, -fmax, fmax).astype(dtype).astype(np.float64)
-        return q * np.float64(d)
-    if scaling == "tensor":
-        tile_rows, block_k = rows, k
-    elif scaling == "mx":
-        tile_rows, block_k = 1, 32
+        q = np.clip(x / d, -fmax, fmax).astype(dtype)
+        value = q.astype(np.float64) * np.float64(d)
+        return (value, q, np.full((1, 1), d, np.float32)) if parts else value
+    tile_rows, block_k = block_of(scaling, tile_rows, block_k, rows, k)
     value = np.zeros((rows, k))
+    qs = np.zeros((rows, k), dtype)
+    scales = np.zeros((-(-rows // tile_rows), -(-k // block_k)), np.float32)
     for r0 in range(0, rows, tile_rows):
         for k0 in range(0, k, block_k):
             t = x[r0:r0 + tile_rows, k0:k0 + block_k]
@@ -80,13 +89,17 @@ def quantize(x, fmt, scaling, tile_rows, block_k, given=None):
                 e = int(np.frexp(amax)[1]) - 1 - emax if amax > 0 else -127
                 mul = np.float32(2.0 ** -e)
                 d = 2.0 ** e
+                stored = np.float32(d)
             else:
                 mul = np.float32(fmax) / amax if amax > 0 else np.float32(1)
                 d = 1.0 / np.float64(mul)
+                stored = amax / np.float32(fmax) if amax > 0 else np.float32(1)
             s = np.clip(t * mul, -fmax, fmax)  # saturate, then round to nearest even
-            q = s.astype(dtype).astype(np.float64)
-            value[r0:r0 + tile_rows, k0:k0 + block_k] = q * d
-    return value
+            q = s.astype(dtype)
+            qs[r0:r0 + tile_rows, k0:k0 + block_k] = q
+            value[r0:r0 + tile_rows, k0:k0 + block_k] = q.astype(np.float64) * d
+            scales[r0 // tile_rows, k0 // block_k] = stored
+    return (value, qs, scales) if parts else value
 
 
 def truncate(x, bits):
@@ -115,30 +128,46 @@ def product(a, b, r, blocks):
     return total
 
 
-def linear(t, r):
-    fwd = "e4m3" if r["fp8_format"] in ("e4m3", "hybrid") else "e5m2"
-    bwd = "e5m2" if r["fp8_format"] in ("e5m2", "hybrid") else "e4m3"
-    sc, bk, wb = r["fp8_scaling"], r["fp8_block_k"], r["fp8_weight_block"]
-    x, w = bf16(t["input.x"]), bf16(t["param.weight"])
-    g = bf16(t["grad.output.y"])
+def formats(r):
+    """The forward and the output gradient's fp8 formats."""
+    return ("e4m3" if r["fp8_format"] in ("e4m3", "hybrid") else "e5m2",
+            "e5m2" if r["fp8_format"] in ("e5m2", "hybrid") else "e4m3")
+
+
+def operands(t, r):
+    """The three products' six operands, each (rows, k) along its contraction and named as teo
+    stores them (fp8.<name>): {name: (values, format, tile rows, delayed scale or None)}."""
+    fwd, bwd = formats(r)
+    wb = r["fp8_weight_block"]
+    x, w, g = bf16(t["input.x"]), bf16(t["param.weight"]), bf16(t["grad.output.y"])
     delayed = r.get("fp8_scales") == "delayed"  # the case's scales (input.fp8_scale.*)
     sx, sw, sg = ((t["input.fp8_scale." + n][0] for n in ("x", "weight", "grad_y")) if delayed
                   else (None, None, None))
-    blocks_k = lambda k: k if sc == "tensor" else (32 if sc == "mx" else bk)  # noqa: E731
+    return {"y.x": (x, fwd, 1, sx), "y.weight": (w, fwd, wb, sw),
+            "grad_x.grad_y": (g, bwd, 1, sg), "grad_x.weight": (w.T.copy(), fwd, wb, sw),
+            "grad_weight.grad_y": (g.T.copy(), bwd, 1, sg), "grad_weight.x": (x.T.copy(), fwd, 1, sx)}
+
+
+# Each product's result and its two operands: result = a @ b^T.
+PRODUCTS = (("output.y", "y.x", "y.weight"), ("grad.input.x", "grad_x.grad_y", "grad_x.weight"),
+            ("grad.param.weight", "grad_weight.grad_y", "grad_weight.x"))
+
+
+def linear(t, r, values=None):
+    """The linear case's results from the dequantized operands `values` ({name: q * d}), by
+    default this file's own quantization of the case's inputs."""
+    sc, bk = r["fp8_scaling"], r["fp8_block_k"]
+    if values is None:
+        values = {n: quantize(a, f, sc, tr, bk, d) for n, (a, f, tr, d) in operands(t, r).items()}
     out = {}
-    y = product(quantize(x, fwd, sc, 1, bk, sx), quantize(w, fwd, sc, wb, bk, sw), r,
-                blocks_k(x.shape[1]))
+    for name, a, b in PRODUCTS:
+        k = values[a].shape[1]
+        y = product(values[a], values[b], r, block_of(sc, 1, bk, 1, k)[1])
+        if name == "output.y" and "param.bias" in t:
+            y = y.astype(np.float32) + bf16(t["param.bias"])
+        out[name] = bf16(y)
     if "param.bias" in t:
-        y = y.astype(np.float32) + bf16(t["param.bias"])
-    out["output.y"] = bf16(y)
-    dx = product(quantize(g, bwd, sc, 1, bk, sg), quantize(w.T.copy(), fwd, sc, wb, bk, sw), r,
-                 blocks_k(g.shape[1]))
-    out["grad.input.x"] = bf16(dx)
-    dw = product(quantize(g.T.copy(), bwd, sc, 1, bk, sg), quantize(x.T.copy(), fwd, sc, 1, bk, sx),
-                 r, blocks_k(g.shape[0]))
-    out["grad.param.weight"] = bf16(dw)
-    if "param.bias" in t:
-        out["grad.param.bias"] = bf16(np.sum(g.astype(np.float64), axis=0))
+        out["grad.param.bias"] = bf16(np.sum(bf16(t["grad.output.y"]).astype(np.float64), axis=0))
     return out
 
 
@@ -146,6 +175,7 @@ def check(teo, golden, work, tensors):
     """Writes `tensors` as the candidate of the op case at `golden` (in `work`) and runs
     `teo golden check --precision fp8 --require-all` on it: (passed, the checker's output, its JSON
     report's tensor rows, its first divergence)."""
+    os.makedirs(work, exist_ok=True)
     cand = os.path.join(work, os.path.basename(golden))
     write(cand, tensors)
     report = cand + ".json"
@@ -160,22 +190,32 @@ def check(teo, golden, work, tensors):
     return p.returncode == 0, p.stdout + p.stderr, rows, first
 
 
+def op_cases(golden_dir, pattern, work):
+    """The op cases of golden_dir matching `pattern`, sorted (creating `work`); exits 1 saying so
+    when there is none."""
+    os.makedirs(work, exist_ok=True)
+    found = sorted(glob.glob(os.path.join(golden_dir, pattern)))
+    if not found:
+        raise SystemExit("no op case %s in %s" % (pattern, golden_dir))
+    return found
+
+
+def verdict(path, passed, rows):
+    """A case's line: its file, pass or FAIL, the worst ratio and recipe distance of its tensors."""
+    worst = ""
+    if rows:
+        worst = "worst ratio %.3g, worst recipe distance %.3g" % (
+            max(x.get("ratio") or 0 for x in rows), max(x.get("recipe_distance") or 0 for x in rows))
+    return "%-40s %s %s" % (os.path.basename(path), "pass" if passed else "FAIL", worst)
+
+
 def main(argv):
     teo, golden_dir, work = argv[1:4]
-    os.makedirs(work, exist_ok=True)
-    cases = sorted(glob.glob(os.path.join(golden_dir, "linear_fp8_*.safetensors")))
-    if not cases:
-        print("no linear fp8 op case in " + golden_dir)
-        return 1
     failures = 0
-    for path in cases:
+    for path in op_cases(golden_dir, "linear_fp8_*.safetensors", work):
         t, meta = read(path)
         passed, output, ts, _ = check(teo, path, work, linear(t, json.loads(meta["spec"])))
-        worst = ""
-        if ts:
-            worst = "worst ratio %.3g, worst recipe distance %.3g" % (
-                max(x.get("ratio") or 0 for x in ts), max(x.get("recipe_distance") or 0 for x in ts))
-        print("%-40s %s %s" % (os.path.basename(path), "pass" if passed else "FAIL", worst))
+        print(verdict(path, passed, ts))
         if not passed:
             failures += 1
             print(output)

@@ -67,6 +67,17 @@ index_t longest_reduction(const Spec& s) {
   return std::max({s.in_f, s.out_f, s.rows});
 }
 
+// The three products' operands, as linear_forward and linear_backward name them: y = x W^T,
+// grad_x = dY W (op(W) = W^T), grad_weight = dY^T x (op(dY) = dY^T, op(x) = x^T).
+std::vector<Fp8OperandSlot> fp8_operands(const Spec& s) {
+  return {{"y.x", s.rows, s.in_f, false, false},
+          {"y.weight", s.out_f, s.in_f, false, true},
+          {"grad_x.grad_y", s.rows, s.out_f, true, false},
+          {"grad_x.weight", s.in_f, s.out_f, false, true},
+          {"grad_weight.grad_y", s.out_f, s.rows, true, false},
+          {"grad_weight.x", s.in_f, s.rows, false, false}};
+}
+
 template <class Real>
 void run(RunContext<Real>& c) {
   const Spec& s = c.s;
@@ -103,7 +114,7 @@ const OpDef& linear_op() {
       .draw = draw,
       .run_float = run<float>,
       .run_double = run<double>,
-      .fp8_operands_are_inputs = true,
+      .fp8_operands = fp8_operands,
       .samples = {R"({"rows": 5, "in_features": 4, "out_features": 3})",
                   R"({"rows": 3, "in_features": 2, "out_features": 4, "bias": false})"},
   };

@@ -17,6 +17,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "golden/golden_internal.hpp"
 #include "teo/config.hpp"
 #include "teo/golden_ops.hpp"
 #include "teo/precision.hpp"
@@ -239,6 +240,15 @@ struct RunContext {
   void done(const std::string& n) { store(r.at(n), p, n); }
 };
 
+// One operand of an op's fp8 product as fp8_product quantizes it: op(X) of (rows, k), k the
+// contraction; `name` is its Fp8Side::kept, `gradient` and `weight` its Fp8Side's. A case stores
+// it as fp8.<name> with fp8.<name>.scale (docs/golden-format.md, "fp8 operands").
+struct Fp8OperandSlot {
+  const char* name = "";
+  index_t rows = 0, k = 0;
+  bool gradient = false, weight = false;
+};
+
 // One op: everything that differs from one op to another. ops.cpp's generic code reads nothing
 // else, so an op is one file defining one of these, listed once in registry() (ops.cpp).
 struct OpDef {
@@ -273,10 +283,11 @@ struct OpDef {
   void (*run_double)(RunContext<double>& c) = nullptr;
   // Forward only (serving has no backward): the case has no upstream or input gradients.
   bool forward_only = false;
-  // The op is one fp8 product per pass direction, each of whose operands is an input, a parameter
-  // or the upstream gradient: its fp8 cases take delayed scales (fp8_scales), and the checker's
-  // recipe rule decides on them (docs/fp8.md, "Judging").
-  bool fp8_operands_are_inputs = false;
+  // Non-null when each of the op's fp8 products multiplies inputs, parameters or the upstream
+  // gradient only: the operands of those products. Its fp8 cases then take delayed scales
+  // (fp8_scales), can store the quantized operands (--keep fp8.*), and the checker's recipe rule
+  // decides on them (docs/fp8.md, "Judging").
+  std::vector<Fp8OperandSlot> (*fp8_operands)(const Spec& s) = nullptr;
   // The op runs attention: its fp8 cases may ask for fp8_attention.
   bool has_attention = false;
   // Small specs of the op (its keys without op, dtype and seed), as JSON, that the generic tests
@@ -284,6 +295,23 @@ struct OpDef {
   // reach every branch of the op's run (each option, each path).
   std::vector<const char*> samples{};
 };
+
+// The spec of a case, parsed and with its defaults filled in.
+Spec spec_of(const OpCase& c);
+
+// The fp8 operands a case can store (--keep fp8.*; docs/golden-format.md, "fp8 operands"): for
+// each operand of its op's fp8 products, fp8.<name> (rows, k) in its format's F8 dtype, then
+// fp8.<name>.scale (float32, one per block), both optional; none unless the case is fp8 and its
+// op lists fp8_operands.
+std::vector<detail::ExpectedTensor> fp8_operand_tensors(const OpCase& c, const Spec& s);
+// FormatError unless each fp8 operand of `operands` that f holds comes with its scales (and they
+// with it), every scale finite and positive.
+void check_fp8_operands(const safetensors::File& f,
+                        const std::vector<detail::ExpectedTensor>& operands);
+// Adds to the op case f the operands of `operands` (as fp8_operand_tensors lists them) whose values
+// are `wanted` (index by index), with their scales, as the case's emulated fp8 run quantizes them.
+void add_fp8_operands(safetensors::File& f, const std::vector<detail::ExpectedTensor>& operands,
+                      const std::vector<bool>& wanted);
 
 // The ops, in the order the docs list them.
 const std::vector<const OpDef*>& registry();

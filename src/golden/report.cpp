@@ -103,15 +103,19 @@ void print_text(const std::vector<CaseReport>& reports, std::ostream& out,
     }
     out << "  " << std::left << std::setw(44) << "tensor" << std::right << std::setw(11)
         << "max_abs" << std::setw(11) << "max_rel" << std::setw(11) << "err/bound";
+    // fp8: each tensor's distance from the emulated run in its errors (the recipe rule's)
+    const bool fp8 = rep.budget && rep.precision == "fp8";
     if (rep.budget) out << std::setw(11) << "emulated";
+    if (fp8) out << std::setw(11) << "recipe";
     out << "  result\n";
     for (const auto& t : rep.tensors) {
       if (text.hide_unchecked && t.status == Status::not_checked) continue;
       out << "  " << std::left << std::setw(44) << t.name << std::right;
-      const int columns = rep.budget ? 44 : 33;
+      const int columns = fp8 ? 55 : rep.budget ? 44 : 33;
       if (t.status == Status::not_checked) {
         out << std::setw(11) << "-" << std::setw(11) << "-" << std::setw(11) << "-";
         if (rep.budget) out << std::setw(11) << "-";
+        if (fp8) out << std::setw(11) << "-";
       } else if (!t.compared) {
         // what differs, in the numbers' place: there are no numbers to compare
         out << std::setw(columns) << t.mismatch;
@@ -119,6 +123,7 @@ void print_text(const std::vector<CaseReport>& reports, std::ostream& out,
         out << std::setw(11) << sci(t.max_abs) << std::setw(11) << sci(t.max_rel) << std::setw(11)
             << sci(t.ratio);
         if (rep.budget) out << std::setw(11) << sci(t.emulated_err);
+        if (fp8) out << std::setw(11) << sci(t.recipe_distance);
       }
       out << "  " << status_str(t.status);
       if (!t.message.empty() && t.status != Status::pass && t.message != t.mismatch)

@@ -5,6 +5,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cstring>
 #include <mutex>
 #include <set>
@@ -12,15 +13,18 @@
 
 #include <nlohmann/json.hpp>
 
+#include "golden/golden_internal.hpp"
 #include "teo/backend.hpp"
 #include "teo/errors.hpp"
 #include "teo/files.hpp"
+#include "teo/fp8.hpp"
 #include "teo/generate.hpp"
 #include "teo/golden.hpp"
 #include "teo/golden_ops.hpp"
 #include "teo/model.hpp"
 #include "teo/precision.hpp"
 #include "teo/safetensors.hpp"
+#include "teo/suggest.hpp"
 
 namespace py = pybind11;
 using nlohmann::json;
@@ -264,6 +268,26 @@ std::optional<teo::Precision> precision_of(const std::optional<std::string>& p) 
   return teo::parse_precision(*p, "precision");
 }
 
+// teo.run's fp8 recipe: a JSON object of the fp8 keys an op spec takes (docs/fp8.md), read only
+// under precision fp8; an unknown key, a bad value, or a recipe without fp8 is a ConfigError.
+teo::Fp8Recipe fp8_recipe_of(const std::string& text, std::optional<teo::Precision> p) {
+  if (p != teo::Precision::fp8) {
+    throw teo::ConfigError("fp8 (the recipe) applies with precision=\"fp8\" only, got precision=" +
+                           (p ? "\"" + std::string(teo::to_string(*p)) + "\"" : "None"));
+  }
+  const nlohmann::json j = nlohmann::json::parse(text);
+  if (!j.is_object()) throw teo::ConfigError("fp8 must be a dict of fp8_* keys");
+  const auto& keys = teo::golden::detail::fp8_keys();
+  for (const auto& [k, v] : j.items()) {
+    if (std::find(keys.begin(), keys.end(), k) == keys.end())
+      throw teo::ConfigError("fp8: unknown key \"" + k + "\"" + teo::did_you_mean(k, keys));
+  }
+  teo::Fp8Recipe r;
+  teo::golden::detail::read_fp8_keys(j, r, "fp8");
+  teo::validate(r, "fp8");
+  return r;
+}
+
 // ---- the exceptions -----------------------------------------------------------------------------
 
 // Raises the Python class teo.<name> (defined in teo/__init__.py with its builtin base).
@@ -412,7 +436,8 @@ PYBIND11_MODULE(_teo, m) {
       [](const teo::EncoderConfig& cfg, const py::dict& params, const py::dict& batch, bool train,
          std::uint64_t dropout_seed, const std::optional<std::string>& precision, bool backward,
          const std::optional<std::string>& backend, std::optional<int> threads,
-         const std::string& dtype, const std::optional<py::dict>& masks) {
+         const std::string& dtype, const std::optional<py::dict>& masks,
+         const std::optional<std::string>& fp8) {
         const teo::Batch b = batch_from(cfg, batch);
         std::map<std::string, std::vector<std::uint8_t>> replay;
         if (masks) {
@@ -424,9 +449,14 @@ PYBIND11_MODULE(_teo, m) {
             replay[site] = std::vector<std::uint8_t>(arr.data(), arr.data() + arr.size());
           }
         }
+        const std::optional<teo::Precision> emulated = precision_of(precision);
         const teo::golden::RunOptions opts{
-            train,       dropout_seed, precision_of(precision), backward, masks ? &replay : nullptr,
-            std::nullopt};
+            train,
+            dropout_seed,
+            emulated,
+            backward,
+            masks ? &replay : nullptr,
+            fp8 ? std::optional(fp8_recipe_of(*fp8, emulated)) : std::nullopt};
         const auto run_in = [&](auto real) {
           const auto p = params_from<decltype(real)>(cfg, params);
           return wire_of(
@@ -438,7 +468,7 @@ PYBIND11_MODULE(_teo, m) {
       },
       py::arg("cfg"), py::arg("params"), py::arg("batch"), py::arg("train"),
       py::arg("dropout_seed"), py::arg("precision"), py::arg("backward"), py::arg("backend"),
-      py::arg("threads"), py::arg("dtype"), py::arg("masks"));
+      py::arg("threads"), py::arg("dtype"), py::arg("masks"), py::arg("fp8"));
 
   m.def(
       "generate",

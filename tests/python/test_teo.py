@@ -108,6 +108,34 @@ def test_run_options_forward_only_eval_mode_simd_threads_and_precision():
     assert abs(float(bf["act.loss"]) - float(out["act.loss"])) < 0.05
 
 
+def test_run_fp8_takes_the_recipe():
+    # fp8_pre_block's own recipe (4 x 4 blocks) gives the checker's emulated run: recipe distance 0
+    # at every tensor; the default recipe (one scale per tensor) is another run
+    g = case("fp8_pre_block")
+    recipe = {k: v for k, v in g.case.items() if k.startswith("fp8_")}
+    assert recipe["fp8_scaling"] == "block"
+    p32, batch = g.params(), g.batch()
+    kw = dict(train=True, dropout_seed=g.case["seed"], precision="fp8")
+    own = teo.run(g.config, p32, batch, fp8=recipe, **kw)
+    cand = {n: a for n, a in own.items() if n.startswith(("act.", "grad."))}
+    r = teo.golden.check(g, cand, precision="fp8")
+    assert r.passed and r.counts["passed"] == len(cand) - r.counts["vacuous"], str(r)
+    assert max(t.recipe_distance for t in r.tensors) == 0
+    default = teo.run(g.config, p32, batch, **kw)
+    assert all(same_bits(default[n], a) for n, a in teo.run(g.config, p32, batch, fp8={},
+                                                            **kw).items())
+    r = teo.golden.check(g, {n: default[n] for n in cand}, precision="fp8")
+    assert max(t.recipe_distance for t in r.tensors) > 0.5
+    with pytest.raises(teo.ConfigError, match='applies with precision="fp8" only'):
+        teo.run(g.config, p32, batch, precision="bf16", fp8=recipe)
+    with pytest.raises(teo.ConfigError, match='unknown key "fp8_scalling"; did you mean'):
+        teo.run(g.config, p32, batch, fp8={"fp8_scalling": "mx"}, **kw)
+    with pytest.raises(teo.ConfigError, match="fp8.fp8_block_k must be an integer"):
+        teo.run(g.config, p32, batch, fp8={"fp8_block_k": 0}, **kw)
+    with pytest.raises(teo.ConfigError, match="delayed scales"):
+        teo.run(g.config, p32, batch, fp8={"fp8_scales": "delayed"}, **kw)
+
+
 def test_run_replays_given_masks():
     g = case("dropout_post_f64")
     params = {n[6:]: a for n, a in g.tensors.items() if n.startswith("param.")}

@@ -1,5 +1,7 @@
 """The model: parameters, batches and one run, as dicts of numpy arrays."""
 
+import json
+
 import numpy as np
 
 from . import _teo
@@ -69,7 +71,7 @@ def _golden_names(params, batch, masks):
 
 
 def run(cfg, params, batch, *, train=False, dropout_seed=0, masks=None, precision=None,
-        backward=True, backend=None, threads=None):
+        fp8=None, backward=True, backend=None, threads=None):
     """Forward (and backward, from the mean loss) on params and batch.
 
     Returns every act.* tensor of the golden contract, every grad.* tensor when backward is set,
@@ -82,8 +84,10 @@ def run(cfg, params, batch, *, train=False, dropout_seed=0, masks=None, precisio
     ({"dropout.input": ...}) replay dropout masks in train mode instead of drawing them from
     dropout_seed. Arrays may be numpy arrays or torch tensors. A golden's Golden.params(),
     Golden.batch() and Golden.masks() give its own. precision emulates tf32, bf16 or fp16 in a
-    float32 run. backend ("reference", "simd", "blas"; default TEO_BACKEND's, else reference)
-    and threads apply to this call only.
+    float32 run, and "fp8" every linear product in fp8 under the recipe fp8, a dict of the fp8
+    keys an op spec takes ({"fp8_format": "hybrid", "fp8_scaling": "block", ...}; docs/fp8.md;
+    default E4M3 with one scale per tensor). backend ("reference", "simd", "blas"; default
+    TEO_BACKEND's, else reference) and threads apply to this call only.
     """
     from . import ConfigError
     cfg = config_of(cfg)
@@ -101,8 +105,11 @@ def run(cfg, params, batch, *, train=False, dropout_seed=0, masks=None, precisio
         raise ConfigError("params must be all float32 or all float64 arrays, got %s"
                           % sorted(str(d) for d in dtypes))
     dtype = str(next(iter(dtypes)))
+    if fp8 is not None and not isinstance(fp8, dict):
+        raise ConfigError("fp8 must be a dict of fp8_* keys, got %s" % type(fp8).__name__)
     wire = _teo.run(cfg, params, batch, bool(train), int(dropout_seed), precision, bool(backward),
-                    backend_of(backend), threads, dtype, masks)
+                    backend_of(backend), threads, dtype, masks,
+                    None if fp8 is None else json.dumps(fp8))
     return arrays_of(wire)
 
 

@@ -141,6 +141,8 @@ class TensorReport:
         self.max_rel = d.get("max_rel")
         self.bound = d.get("bound")
         self.ratio = d.get("ratio")
+        # fp8: the distance from the emulated run in its errors (docs/fp8.md, "Judging")
+        self.recipe_distance = d.get("recipe_distance")
         self.message = d.get("message", "")
         self.mismatch = d.get("mismatch")  # what differs when no values were compared
         self.suggestion = d.get("suggestion")  # a name not in the golden: the closest golden name

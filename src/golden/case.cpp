@@ -95,6 +95,11 @@ Case Case::from_json(const json& j) {
       }
     } else if (std::ranges::find(detail::fp8_keys(), key) == detail::fp8_keys().end()) {
       // the fp8 keys are read below
+      if (key == "fp8_outlier") {
+        throw ConfigError(
+            "case.fp8_outlier is an op case's key: a model case's activations come from its "
+            "embeddings, with no outlier channels drawn (docs/fp8.md)");
+      }
       throw ConfigError("case has the unknown key \"" + key + "\"");
     }
   }

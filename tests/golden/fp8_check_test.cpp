@@ -13,6 +13,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "check_support.hpp"
 #include "support.hpp"
 #include "teo/errors.hpp"
 #include "teo/fp8.hpp"
@@ -53,17 +54,8 @@ File candidate(const File& golden, const std::map<std::string, std::vector<doubl
   return c;
 }
 
-const TensorResult& result(const CaseReport& r, const std::string& name) {
-  for (const auto& t : r.tensors)
-    if (t.name == name) return t;
-  throw std::runtime_error("no tensor " + name);
-}
-
-CheckOptions fp8() {
-  CheckOptions o;
-  o.precision = Precision::fp8;
-  return o;
-}
+using test_support::fp8;
+using test_support::result;
 
 TEST(Fp8OpCase, TheRecipeIsSpelledOutAndNeedsAnFp8Case) {
   const OpCase c = OpCase::from_json(linear_spec("block"));

@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "check_support.hpp"
 #include "support.hpp"
 #include "teo/backend.hpp"
 #include "teo/errors.hpp"
@@ -75,17 +76,8 @@ File with_case_key(const File& golden, const std::string& key, const json& value
   return f;
 }
 
-const TensorResult& result(const CaseReport& r, const std::string& name) {
-  for (const auto& t : r.tensors)
-    if (t.name == name) return t;
-  throw std::runtime_error("no tensor " + name);
-}
-
-CheckOptions fp8() {
-  CheckOptions o;
-  o.precision = Precision::fp8;
-  return o;
-}
+using test_support::fp8;
+using test_support::result;
 
 TEST(Fp8Model, TheCaseSpellsItsRecipeAndItsKeysNeedAnFp8Case) {
   const Case c = Case::from_json(case_json("block", "hybrid"));
@@ -109,6 +101,10 @@ TEST(Fp8Model, TheCaseSpellsItsRecipeAndItsKeysNeedAnFp8Case) {
   typo["case"]["fp8_blocks"] = 8;
   test::expect_throw<ConfigError>([&] { Case::from_json(typo); },
                                   "case has the unknown key \"fp8_blocks\"");
+  json outlier = case_json("block");
+  outlier["case"]["fp8_outlier"] = 4;
+  test::expect_throw<ConfigError>([&] { Case::from_json(outlier); },
+                                  "case.fp8_outlier is an op case's key");
   json delayed = case_json("tensor");
   delayed["case"]["fp8_scales"] = "delayed";
   test::expect_throw<ConfigError>([&] { Case::from_json(delayed); },

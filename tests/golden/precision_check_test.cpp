@@ -6,6 +6,7 @@
 #include <cstring>
 #include <iostream>
 
+#include "check_support.hpp"
 #include "golden/golden_internal.hpp"
 #include "support.hpp"
 #include "teo/golden.hpp"
@@ -58,11 +59,7 @@ File emulated_candidate(const File& golden, Precision p, DType dtype, const std:
   return c;
 }
 
-const TensorResult& result(const CaseReport& r, const std::string& name) {
-  for (const auto& t : r.tensors)
-    if (t.name == name) return t;
-  throw std::runtime_error("no tensor " + name);
-}
+using test_support::result;
 
 TEST(PrecisionCheck, TheEmulatedRunInItsOwnFormatPassesAndImpliesItsPrecision) {
   const File g = make(small_case(false, Pooling::mean, 5));

@@ -424,8 +424,9 @@ struct ForwardOptions {
   // is produced, and an fp16 overflow throws RangeError naming the tensor; the parameters are used
   // as given (see round_params). fp8 runs every linear product under the recipe `fp8`.
   std::optional<Precision> precision = std::nullopt;
-  // The fp8 recipe (teo/fp8.hpp), read under Precision::fp8: unset is the thread's, which is the
-  // default Fp8Recipe (E4M3, one scale per tensor, float32 accumulation) outside an op case.
+  // The fp8 recipe (teo/fp8.hpp), read under Precision::fp8 (under any other precision a recipe
+  // is a ConfigError): unset is the thread's, which is the default Fp8Recipe (E4M3, one scale per
+  // tensor, float32 accumulation) outside an op case.
   std::optional<Fp8Recipe> fp8 = std::nullopt;
   // Dropout masks to replay instead of drawing them from dropout_seed, by site (the golden names:
   // "dropout.input", "dropout.layers.{i}.attn", ".residual1", ".ffn", ".residual2"); a site not

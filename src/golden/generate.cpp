@@ -41,7 +41,8 @@ struct Run {
 
 template <class Real>
 Run<Real> run_case(const Params<Real>& params, const Batch& batch, std::uint64_t seed,
-                   std::optional<Precision> precision = std::nullopt, const Fp8Recipe& fp8 = {}) {
+                   std::optional<Precision> precision = std::nullopt,
+                   const std::optional<Fp8Recipe>& fp8 = std::nullopt) {
   Run<Real> r;
   forward(params, batch, r.acts,
           {.train = true, .dropout_seed = seed, .precision = precision, .fp8 = fp8});
@@ -545,7 +546,7 @@ std::vector<double> pixels_from(const File& golden) {
 // the golden feeds it runs through the causal forward once (eval mode), and step t's logits are
 // its LM logits at position lengths[b] + t, the property generate() meets to rounding.
 void emulate_generation(const File& golden, const Params<float>& params, const Batch& prompt,
-                        index_t steps, Precision p, const Fp8Recipe& fp8,
+                        index_t steps, Precision p, const std::optional<Fp8Recipe>& fp8,
                         std::map<std::string, std::vector<double>>& out) {
   const auto* g = golden.find("input.generate.tokens");
   if (!g || g->dtype != DType::I64)
@@ -622,8 +623,9 @@ std::map<std::string, std::vector<double>> emulate(const File& golden, Precision
     *dst = t->values<std::int64_t>();
   }
   if (cfg.patches_input()) batch.pixels = pixels_from(golden);
-  // An fp8 golden's own recipe; a golden of another precision judged as fp8 takes the default one.
-  const Fp8Recipe fp8 = c.precision == Precision::fp8 ? c.fp8 : Fp8Recipe{};
+  // Judged as fp8: an fp8 golden's own recipe; a golden of another precision takes the default one.
+  std::optional<Fp8Recipe> fp8;
+  if (p == Precision::fp8) fp8 = c.precision == Precision::fp8 ? c.fp8 : Fp8Recipe{};
   auto run = run_case(params, batch, c.seed, p, fp8);
   std::map<std::string, std::vector<double>> out;
   if (c.steps > 0) emulate_generation(golden, params, batch, c.steps, p, fp8, out);

@@ -75,13 +75,18 @@ inline constexpr index_t kElementGrain = 16384;
 template <class Real>
 class Emulation {
  public:
-  // fp8: the recipe under Precision::fp8; unset keeps the thread's.
+  // fp8: the recipe under Precision::fp8 (ConfigError under any other); unset keeps the thread's.
   Emulation(std::optional<Precision> p, const char* kind,
             const std::optional<Fp8Recipe>& fp8 = std::nullopt)
       : p_(p.value_or(std::is_same_v<Real, float> ? Precision::fp32 : Precision::fp64)),
         kind_(kind),
         scope_(std::is_same_v<Real, float> ? p_ : Precision::fp32,
                fp8.value_or(detail::fp8_recipe())) {
+    if (fp8 && p_ != Precision::fp8) {
+      throw ConfigError(std::string("an fp8 recipe (the pass options' fp8) is read under precision "
+                                    "fp8 only; this pass emulates ") +
+                        to_string(p_));
+    }
     if (fp8 && fp8->delayed) {
       throw ConfigError(
           "the fp8 recipe's delayed scales (fp8_scales) are inputs of the linear op case; a "

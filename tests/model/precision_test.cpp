@@ -194,6 +194,17 @@ TEST_F(Precisions, APrecisionTheTypeCannotRunIsAConfigError) {
         forward(Params<float>::init(c, 1), b, a32, {.precision = Precision::fp8, .fp8 = delayed});
       },
       "delayed scales (fp8_scales) are inputs of the linear op case");
+  // a recipe outside fp8 would be ignored: it is refused instead
+  test::expect_throw<ConfigError>(
+      [&] {
+        forward(Params<float>::init(c, 1), b, a32,
+                {.precision = Precision::bf16, .fp8 = Fp8Recipe{}});
+      },
+      "an fp8 recipe (the pass options' fp8) is read under precision fp8 only; this pass "
+      "emulates bf16");
+  test::expect_throw<ConfigError>(
+      [&] { forward(Params<float>::init(c, 1), b, a32, {.fp8 = Fp8Recipe{}}); },
+      "this pass emulates fp32");
 }
 
 }  // namespace

@@ -3,6 +3,8 @@
 # fuzzer-no-link in CFLAGS/CXXFLAGS, LIB_FUZZING_ENGINE=-fsanitize=fuzzer, fresh OUT and WORK),
 # checks that $OUT holds the five fuzzers with their seed corpora and dictionaries, and runs each
 # fuzzer for SECONDS (default 3) from its unzipped seed corpus. Exit 0 when all of that holds.
+# The compiles go through ccache (scripts/cache.sh; CMake reads CMAKE_CXX_COMPILER_LAUNCHER from
+# the environment, so the build script itself is what the engines run) unless TEO_CCACHE=0.
 # Usage: fuzz/clusterfuzzlite_test.sh WORK_DIR [SECONDS]
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -15,6 +17,12 @@ if ! command -v clang++ >/dev/null || ! command -v zip >/dev/null || ! command -
 fi
 rm -rf "$dir"
 mkdir -p "$dir/out" "$dir/work"
+source "$root/scripts/cache.sh"
+if ((${#ccache_launcher[@]})); then
+  export CMAKE_CXX_COMPILER_LAUNCHER=ccache CMAKE_C_COMPILER_LAUNCHER=ccache
+else
+  unset CMAKE_CXX_COMPILER_LAUNCHER CMAKE_C_COMPILER_LAUNCHER
+fi
 export CC=clang CXX=clang++
 export CFLAGS="-O1 -fno-omit-frame-pointer -gline-tables-only -fsanitize=address -fsanitize-address-use-after-scope -fsanitize=fuzzer-no-link"
 export CXXFLAGS="$CFLAGS"

@@ -19,7 +19,19 @@ mkdir -p "$out/include"
 ln -sfn /usr/include/xsimd "$out/include/xsimd"
 flags=(-std=c++20 -O2 -g0 -ffp-contract=off -static -Wall -Wextra
        -I"$root/include" -I"$root/src" -isystem "$out/include")
-aarch64-linux-gnu-g++ "${flags[@]}" -o "$out/isa_selftest" \
-  "$root/tests/kernels/isa_selftest.cpp" \
-  "$root/src/kernels/simd/neon.cpp" "$root/src/kernels/simd/scalar.cpp" "$root/src/core/memory.cpp"
+# One compile per source, through ccache where scripts/cache.sh finds it, then the link.
+source "$root/scripts/cache.sh"
+cc=(aarch64-linux-gnu-g++)
+if ((${#ccache_launcher[@]})); then cc=(ccache aarch64-linux-gnu-g++); fi
+objects=()
+for src in tests/kernels/isa_selftest.cpp src/kernels/simd/neon.cpp src/kernels/simd/scalar.cpp \
+    src/core/memory.cpp; do
+  obj="$out/$(basename "$src" .cpp).o"
+  "${cc[@]}" "${flags[@]}" -c -o "$obj" "$root/$src" &
+  objects+=("$obj")
+done
+wait_all=0
+for job in $(jobs -p); do wait "$job" || wait_all=1; done
+if [ $wait_all != 0 ]; then echo "neon-selftest: a compile failed"; exit 1; fi
+aarch64-linux-gnu-g++ "${flags[@]}" -o "$out/isa_selftest" "${objects[@]}"
 qemu-aarch64 "$out/isa_selftest"

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/float_sweep.hpp"
 #include "kernels/kernels_internal.hpp"
 #include "support.hpp"
 #include "teo/fp8.hpp"
@@ -111,9 +112,10 @@ std::uint8_t ref_e8m0(std::uint32_t u, bool up, int offset) {
   return static_cast<std::uint8_t>(std::clamp(log2 + 127 - offset, 0, 254));
 }
 
-// Each format's code is computed once per pattern, then read saturating and not; the values come
-// from a 256-entry table of ref_fp8_to_float.
-TEST(Fp8Rounding, EveryFloatRoundsAsTheIntegerReferenceOnEveryIsa) {
+// Each ISA's narrow_fp8 and round_fp8 against the reference on the float bit patterns `patterns`
+// (every one when null; float_sweep.hpp). Each format's code is computed once per pattern, then
+// read saturating and not; the values come from a 256-entry table of ref_fp8_to_float.
+void sweep(const std::vector<std::uint32_t>* patterns) {
   ScopedSettings keep;
   set_backend(Backend::simd);
   constexpr std::int64_t kChunk = 1 << 16;
@@ -125,14 +127,12 @@ TEST(Fp8Rounding, EveryFloatRoundsAsTheIntegerReferenceOnEveryIsa) {
     value[0][i] = ref_fp8_to_float(static_cast<std::uint8_t>(i), kE4M3);
     value[1][i] = ref_fp8_to_float(static_cast<std::uint8_t>(i), kE5M2);
   }
-  parallel_tasks(std::int64_t{1} << 16, [&](std::int64_t chunk) {
-    thread_local std::vector<std::uint32_t> in(kChunk), want_value(kChunk);
+  test::for_float_chunks(patterns, [&](const std::uint32_t* in, std::int64_t n) {
+    thread_local std::vector<std::uint32_t> want_value(kChunk);
     thread_local std::vector<int> code(kChunk);
     thread_local std::vector<std::uint8_t> want(kChunk), got8(kChunk);
     thread_local std::vector<float> got(kChunk);
-    for (std::int64_t i = 0; i < kChunk; ++i)
-      in[i] = static_cast<std::uint32_t>(chunk * kChunk + i);
-    const float* x = reinterpret_cast<const float*>(in.data());
+    const float* x = reinterpret_cast<const float*>(in);
     const auto report = [&](Isa isa, const std::string& what, std::int64_t i, std::uint32_t g,
                             std::uint32_t w) {
       ++mismatches;
@@ -143,23 +143,23 @@ TEST(Fp8Rounding, EveryFloatRoundsAsTheIntegerReferenceOnEveryIsa) {
     };
     for (Fp8Format f : {Fp8Format::e4m3, Fp8Format::e5m2}) {
       const RefFormat& F = ref_format(f);
-      for (std::int64_t i = 0; i < kChunk; ++i) code[i] = ref_code(in[i], F);
+      for (std::int64_t i = 0; i < n; ++i) code[i] = ref_code(in[i], F);
       for (bool sat : {false, true}) {
-        for (std::int64_t i = 0; i < kChunk; ++i) {
+        for (std::int64_t i = 0; i < n; ++i) {
           want[i] = ref_fp8(in[i], code[i], F, sat);
           want_value[i] = value[f == Fp8Format::e5m2][want[i]];
         }
         const std::string what = std::string(to_string(f)) + (sat ? " saturating" : "");
         for (Isa isa : isas) {
           const auto& k = detail::isa_kernels(isa).rounding;
-          k.narrow_fp8(got8.data(), x, kChunk, f, sat);
-          if (std::memcmp(got8.data(), want.data(), kChunk) != 0) {
-            for (std::int64_t i = 0; i < kChunk; ++i)
+          k.narrow_fp8(got8.data(), x, n, f, sat);
+          if (std::memcmp(got8.data(), want.data(), n) != 0) {
+            for (std::int64_t i = 0; i < n; ++i)
               if (got8[i] != want[i]) report(isa, what + " bits", i, got8[i], want[i]);
           }
-          k.round_fp8(got.data(), x, kChunk, f, sat);
-          if (std::memcmp(got.data(), want_value.data(), kChunk * sizeof(float)) != 0) {
-            for (std::int64_t i = 0; i < kChunk; ++i) {
+          k.round_fp8(got.data(), x, n, f, sat);
+          if (std::memcmp(got.data(), want_value.data(), n * sizeof(float)) != 0) {
+            for (std::int64_t i = 0; i < n; ++i) {
               const auto g = std::bit_cast<std::uint32_t>(got[i]);
               if (g != want_value[i]) report(isa, what, i, g, want_value[i]);
             }
@@ -169,6 +169,17 @@ TEST(Fp8Rounding, EveryFloatRoundsAsTheIntegerReferenceOnEveryIsa) {
     }
   });
   EXPECT_EQ(mismatches.load(), 0);
+}
+
+// Every float bit pattern (label exhaustive: scripts/test.sh --full).
+TEST(Fp8Rounding, EveryFloatRoundsAsTheIntegerReferenceOnEveryIsa) {
+  sweep(nullptr);
+}
+
+// What CI runs instead: every rounding boundary of every format and 2^24 fresh random floats.
+TEST(Fp8Rounding, BoundaryAndRandomFloatsRoundAsTheIntegerReferenceOnEveryIsa) {
+  const auto patterns = test::boundary_and_random_floats(test::sweep_seed());
+  sweep(&patterns);
 }
 
 // E8M0 depends only on a float's sign and exponent and on whether its mantissa is 0, or for a

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/float_sweep.hpp"
 #include "kernels/kernels_internal.hpp"
 #include "support.hpp"
 #include "teo/precision.hpp"
@@ -92,31 +93,30 @@ std::uint32_t ref_bf16_to_float(std::uint16_t h) {
   return is_nan_bits(u) ? u | 0x00400000u : u;
 }
 
-// Every float bit pattern, in chunks of 2^16 spread over the threads; every ISA's round, narrow
-// (to bits, and to float) against the reference; the first few mismatches are printed.
-TEST(Rounding, EveryFloatRoundsAsTheIntegerReferenceOnEveryIsa) {
+// Each ISA's round and narrow (to bits, and to float) against the reference on the float bit
+// patterns `patterns` (every one when null; float_sweep.hpp); the first few mismatches are
+// printed.
+void sweep(const std::vector<std::uint32_t>* patterns) {
   ScopedSettings keep;
   set_backend(Backend::simd);
   constexpr std::int64_t kChunk = 1 << 16;
   std::atomic<std::int64_t> mismatches{0};
   std::atomic<int> printed{0};
   const auto isas = supported_isas();
-  parallel_tasks(std::int64_t{1} << 16, [&](std::int64_t chunk) {
+  test::for_float_chunks(patterns, [&](const std::uint32_t* in, std::int64_t n) {
     // one set of buffers per thread, reused by its chunks
-    thread_local std::vector<std::uint32_t> in(kChunk), want_bf16(kChunk), want_fp16(kChunk),
-        want_tf32(kChunk);
+    thread_local std::vector<std::uint32_t> want_bf16(kChunk), want_fp16(kChunk), want_tf32(kChunk);
     thread_local std::vector<std::uint16_t> bits_bf16(kChunk), bits_fp16(kChunk), got16(kChunk);
     thread_local std::vector<float> got(kChunk);
-    for (std::int64_t i = 0; i < kChunk; ++i) {
-      const auto u = static_cast<std::uint32_t>(chunk * kChunk + i);
-      in[i] = u;
+    for (std::int64_t i = 0; i < n; ++i) {
+      const std::uint32_t u = in[i];
       bits_bf16[i] = static_cast<std::uint16_t>(ref_drop(u, 16) >> 16);
       bits_fp16[i] = ref_fp16(u);
       want_bf16[i] = ref_bf16_to_float(bits_bf16[i]);
       want_fp16[i] = ref_fp16_to_float(bits_fp16[i]);
       want_tf32[i] = ref_drop(u, 13);
     }
-    const float* x = reinterpret_cast<const float*>(in.data());
+    const float* x = reinterpret_cast<const float*>(in);
     const auto report = [&](Isa isa, const char* what, std::int64_t i, std::uint32_t g,
                             std::uint32_t w) {
       ++mismatches;
@@ -129,17 +129,17 @@ TEST(Rounding, EveryFloatRoundsAsTheIntegerReferenceOnEveryIsa) {
       const auto& k = detail::isa_kernels(isa).rounding;
       for (auto [p, want] :
            {std::pair{Precision::bf16, &bits_bf16}, std::pair{Precision::fp16, &bits_fp16}}) {
-        k.narrow(got16.data(), x, kChunk, p);
-        if (std::memcmp(got16.data(), want->data(), kChunk * sizeof(std::uint16_t)) == 0) continue;
-        for (std::int64_t i = 0; i < kChunk; ++i)
+        k.narrow(got16.data(), x, n, p);
+        if (std::memcmp(got16.data(), want->data(), n * sizeof(std::uint16_t)) == 0) continue;
+        for (std::int64_t i = 0; i < n; ++i)
           if (got16[i] != (*want)[i]) report(isa, to_string(p), i, got16[i], (*want)[i]);
       }
       for (auto [p, want] :
            {std::pair{Precision::bf16, &want_bf16}, std::pair{Precision::fp16, &want_fp16},
             std::pair{Precision::tf32, &want_tf32}}) {
-        k.round(got.data(), x, kChunk, p);
-        if (std::memcmp(got.data(), want->data(), kChunk * sizeof(float)) == 0) continue;
-        for (std::int64_t i = 0; i < kChunk; ++i) {
+        k.round(got.data(), x, n, p);
+        if (std::memcmp(got.data(), want->data(), n * sizeof(float)) == 0) continue;
+        for (std::int64_t i = 0; i < n; ++i) {
           const auto g = std::bit_cast<std::uint32_t>(got[i]);
           if (g != (*want)[i]) report(isa, to_string(p), i, g, (*want)[i]);
         }
@@ -147,6 +147,17 @@ TEST(Rounding, EveryFloatRoundsAsTheIntegerReferenceOnEveryIsa) {
     }
   });
   EXPECT_EQ(mismatches.load(), 0);
+}
+
+// Every float bit pattern (label exhaustive: scripts/test.sh --full).
+TEST(Rounding, EveryFloatRoundsAsTheIntegerReferenceOnEveryIsa) {
+  sweep(nullptr);
+}
+
+// What CI runs instead: every rounding boundary of every format and 2^24 fresh random floats.
+TEST(Rounding, BoundaryAndRandomFloatsRoundAsTheIntegerReferenceOnEveryIsa) {
+  const auto patterns = test::boundary_and_random_floats(test::sweep_seed());
+  sweep(&patterns);
 }
 
 TEST(Rounding, EveryHalfPatternWidensExactlyOnEveryIsa) {

@@ -18,7 +18,20 @@ fi
 "$work/venv/bin/python" -m pip install -q "ml_dtypes>=0.2,<0.5"
 # `pip wheel` builds the wheel (scikit-build-core and pybind11 come from the index into pip's
 # build environment); installing that wheel is what `pip install .` does in one step.
-"$work/venv/bin/python" -m pip wheel -q --no-deps -w "$work/wheels" "$work/src"
+# The compiles go through ccache where scripts/cache.sh finds it (CMake reads the launcher from the
+# environment), with the build folder at the copy's build/ and paths hashed relative to the copy:
+# the same relative paths and, with TEO_WERROR as scripts/build.sh sets it, the same flags as the
+# Release tree, so that the library's objects are the cache's entries from that build and only
+# the module itself and the links are new. The wheel is the one `pip install .` builds.
+source "$root/scripts/cache.sh"
+settings=()
+if ((${#ccache_launcher[@]})); then
+  export CMAKE_CXX_COMPILER_LAUNCHER=ccache CCACHE_BASEDIR="$work/src"
+  settings=(--config-settings=build-dir="$work/src/build"
+            --config-settings=cmake.define.TEO_WERROR=ON)
+fi
+export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
+"$work/venv/bin/python" -m pip wheel -q --no-deps "${settings[@]}" -w "$work/wheels" "$work/src"
 "$work/venv/bin/python" -m pip install -q "$work"/wheels/teo-*.whl
 cd "$work"
 "$work/venv/bin/python" - "$root/golden" <<'PY'

@@ -36,7 +36,7 @@ stage() {  # NAME COMMAND...: runs COMMAND, records its wall time and exit statu
 }
 # The ten slowest tests of a ctest log, from ctest's own timings: "seconds name".
 test_times() {  # LOG
-  sed -nE 's/^ *[0-9]+\/[0-9]+ Test +#[0-9]+: ([^ ]+) \.+.* ([0-9.]+) sec$/\2 \1/p' "$1" | sort -rn
+  sed -nE 's/^ *[0-9]+\/[0-9]+ Test +#[0-9]+: ([^ ]+) .* ([0-9.]+) sec$/\2 \1/p' "$1" | sort -rn
 }
 print_summary() {
   echo

@@ -22,11 +22,13 @@ fi
 # environment), with the build folder at the copy's build/ and paths hashed relative to the copy:
 # the same relative paths and, with TEO_WERROR as scripts/build.sh sets it, the same flags as the
 # Release tree, so that the library's objects are the cache's entries from that build and only
-# the module itself and the links are new. The wheel is the one `pip install .` builds.
+# the module itself and the links are new. ccache hashes the compiler's name too, and
+# scikit-build-core would otherwise name Python's (x86_64-linux-gnu-g++), so CXX is the one CMake
+# picks for the Release tree. The wheel is the one `pip install .` builds.
 source "$root/scripts/cache.sh"
 settings=()
 if ((${#ccache_launcher[@]})); then
-  export CMAKE_CXX_COMPILER_LAUNCHER=ccache CCACHE_BASEDIR="$work/src"
+  export CMAKE_CXX_COMPILER_LAUNCHER=ccache CCACHE_BASEDIR="$work/src" CXX="${CXX:-c++}"
   settings=(--config-settings=build-dir="$work/src/build"
             --config-settings=cmake.define.TEO_WERROR=ON)
 fi

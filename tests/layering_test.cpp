@@ -10,6 +10,8 @@
 
 #include <gtest/gtest.h>
 
+#include "test_paths.hpp"
+
 namespace {
 
 namespace fs = std::filesystem;

@@ -19,6 +19,7 @@
 
 #include "teo/model.hpp"
 #include "teo/rng.hpp"
+#include "test_paths.hpp"
 
 namespace teo::test {
 

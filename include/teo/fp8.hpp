@@ -112,7 +112,10 @@ struct Fp8Accumulation {
 // c (m, n, leading dimension ldc) = the product of a (m, k) and b (n, k) as an fp8 tensor core
 // computes it (docs/fp8.md, "The product"): per k block, the sum of q_a * q_b times the two blocks'
 // scales, summed in float32; with mx the power-of-two scales apply to each product. The operands'
-// k, and their block_k where both are scaled by blocks, must agree (ShapeError otherwise).
+// k, and their block_k where both are scaled by blocks, must agree (ShapeError otherwise). An
+// operand built by hand must be one quantize_fp8 could build: q of rows x k values, a block of at
+// least 1 x 1 (1 x 32 under mx, the whole operand under tensor scaling) and one scale per block
+// (ShapeError otherwise), each finite and positive (ConfigError otherwise).
 void fp8_gemm(const Fp8Operand& a, const Fp8Operand& b, float* c, index_t ldc,
               const Fp8Accumulation& acc);
 

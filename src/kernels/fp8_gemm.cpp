@@ -224,10 +224,57 @@ void limited_gemm(const Fp8Operand& a, const Fp8Operand& b, float* c, index_t ld
   });
 }
 
+// A caller-built operand must be one quantize_fp8 could have built, or the product would read
+// past its values or scales, or divide by a block of 0: sizes of at least 0, a block of at least
+// 1 x 1 (MX: 1 x 32; tensor scaling: one block for the whole operand), q holding rows x k values
+// and scale one per block, each finite and positive. Otherwise a ShapeError or ConfigError naming
+// the operand.
+void check_operand(const Fp8Operand& o, const char* which) {
+  const std::string w = std::string("fp8_gemm: operand ") + which;
+  const auto dims = [](index_t r, index_t c) {
+    return std::to_string(r) + " x " + std::to_string(c);
+  };
+  if (o.rows < 0 || o.k < 0) throw ShapeError(w + " has a negative size, " + dims(o.rows, o.k));
+  if (o.k > 0 && o.rows > std::numeric_limits<index_t>::max() / o.k) {
+    throw ShapeError(w + "'s size " + dims(o.rows, o.k) + " overflows");
+  }
+  if (o.block_rows < 1 || o.block_k < 1) {
+    throw ShapeError(w + "'s scale block is " + dims(o.block_rows, o.block_k) +
+                     "; a block is at least 1 x 1");
+  }
+  if (o.scaling == Fp8Scaling::mx && (o.block_rows != 1 || o.block_k != 32)) {
+    throw ShapeError(w + "'s scale block is " + dims(o.block_rows, o.block_k) +
+                     "; under mx scaling it is 1 x 32");
+  }
+  if (static_cast<index_t>(o.q.size()) != o.rows * o.k) {
+    throw ShapeError(w + " holds " + std::to_string(o.q.size()) + " values; its rows x k is " +
+                     dims(o.rows, o.k));
+  }
+  const index_t blocks = ceil_div(o.rows, o.block_rows) * o.scale_cols();
+  if (o.scaling == Fp8Scaling::tensor && blocks > 1) {
+    throw ShapeError(w + " is scaled per tensor, but its scale block " +
+                     dims(o.block_rows, o.block_k) + " does not cover its " + dims(o.rows, o.k) +
+                     " values");
+  }
+  if (static_cast<index_t>(o.scale.size()) != blocks) {
+    throw ShapeError(w + " holds " + std::to_string(o.scale.size()) + " scale(s); its " +
+                     dims(ceil_div(o.rows, o.block_rows), o.scale_cols()) + " blocks need " +
+                     std::to_string(blocks));
+  }
+  for (std::size_t i = 0; i < o.scale.size(); ++i) {
+    if (!(std::isfinite(o.scale[i]) && o.scale[i] > 0)) {
+      throw ConfigError(w + "'s scale " + std::to_string(i) + " is " + std::to_string(o.scale[i]) +
+                        "; a scale must be finite and positive");
+    }
+  }
+}
+
 }  // namespace
 
 void fp8_gemm(const Fp8Operand& a, const Fp8Operand& b, float* c, index_t ldc,
               const Fp8Accumulation& acc) {
+  check_operand(a, "a");
+  check_operand(b, "b");
   if (a.k != b.k) {
     throw ShapeError("fp8_gemm: the operands' k differ (" + std::to_string(a.k) + " and " +
                      std::to_string(b.k) + ")");

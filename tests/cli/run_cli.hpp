@@ -7,6 +7,8 @@
 #include <cstdio>
 #include <string>
 
+#include "test_paths.hpp"
+
 namespace teo::test {
 
 struct CliResult {

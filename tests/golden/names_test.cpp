@@ -12,6 +12,7 @@
 #include "teo/golden.hpp"
 #include "teo/names.hpp"
 #include "teo/precision.hpp"
+#include "test_paths.hpp"
 
 namespace {
 

@@ -11,6 +11,7 @@
 
 #include "teo/golden.hpp"
 #include "teo/golden_ops.hpp"
+#include "test_paths.hpp"
 
 namespace {
 

@@ -323,5 +323,50 @@ TEST(Fp8Gemm, MismatchedOperandsAndSettingsAreNamedErrors) {
   for (float v : c) EXPECT_EQ(v, 0.0f);
 }
 
+// A caller-built operand that quantize_fp8 could not have built is a named error before any
+// value is read: without the checks each of these read past q or the scales, or divided by 0.
+TEST(Fp8Gemm, AMalformedOperandIsANamedErrorBeforeAnyRead) {
+  const auto o = operands(Fp8Scaling::block, 2, 3, 200, 9);  // b: 128 x 128 blocks, 1 x 2
+  const auto mx = operands(Fp8Scaling::mx, 2, 3, 64, 9);
+  const auto t = operands(Fp8Scaling::tensor, 2, 3, 64, 9);
+  float c[6];
+  const auto expect = [&](const Fp8Operand& a, const Fp8Operand& b, const std::string& needle,
+                          bool config = false) {
+    if (config) {
+      test::expect_throw<ConfigError>([&] { fp8_gemm(a, b, c, 3, {}); }, needle);
+    } else {
+      test::expect_throw<ShapeError>([&] { fp8_gemm(a, b, c, 3, {}); }, needle);
+    }
+  };
+  auto bad = o.a;
+  bad.q.pop_back();
+  expect(bad, o.b, "operand a holds 399 values; its rows x k is 2 x 200");
+  bad = o.b;
+  bad.scale.pop_back();
+  expect(o.a, bad, "operand b holds 1 scale(s); its 1 x 2 blocks need 2");
+  bad = o.a;
+  bad.block_rows = 0;
+  expect(bad, o.b, "operand a's scale block is 0 x 128; a block is at least 1 x 1");
+  bad = mx.b;
+  bad.block_k = 16;
+  bad.scale.resize(bad.scale.size() * 2, 1.0f);
+  expect(mx.a, bad, "operand b's scale block is 1 x 16; under mx scaling it is 1 x 32");
+  bad = t.a;
+  bad.block_k = 32;
+  bad.scale.resize(2, 1.0f);
+  expect(bad, t.b, "operand a is scaled per tensor, but its scale block 2 x 32 does not cover");
+  bad = o.b;
+  bad.scale[1] = 0.0f;
+  expect(o.a, bad, "operand b's scale 1 is 0.000000; a scale must be finite and positive", true);
+  bad = o.a;
+  bad.scale[0] = NAN;
+  expect(bad, o.b, "operand a's scale 0 is nan", true);
+  bad = t.b;
+  bad.rows = -1;
+  expect(t.a, bad, "operand b has a negative size, -1 x 64");
+  // The well-formed operands still multiply.
+  EXPECT_NO_THROW(fp8_gemm(o.a, o.b, c, 3, {}));
+}
+
 }  // namespace
 }  // namespace teo

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Installs every Debian 12 package teo needs to build and run; with --test, also what the test
+# Installs every Debian 12 package teo needs to build and run (ccache among them, which the build
+# scripts compile through: scripts/cache.sh); with --test, also what the test
 # suite needs (PyTorch, the second backend the golden corpus is checked against). With --test or
 # --python it also makes the virtual environment .venv for the Python module (`pip install .`):
 # on Debian's /usr/bin/python3 with --system-site-packages, so that Debian's numpy and PyTorch
@@ -7,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 packages=(
-  build-essential cmake ninja-build git pkg-config
+  build-essential cmake ninja-build git pkg-config ccache
   libxsimd-dev libtbb-dev libopenblas-dev
   python3-dev pybind11-dev python3-numpy python3-venv
   nlohmann-json3-dev libcli11-dev

@@ -26,6 +26,16 @@ index_t ceil_div(index_t a, index_t b) {
   return (a + b - 1) / b;
 }
 
+// Each scale finite and positive, else a ConfigError "<prefix><index> is <value>; ...".
+void check_scales(const std::vector<float>& scales, const std::string& prefix) {
+  for (std::size_t i = 0; i < scales.size(); ++i) {
+    if (!(std::isfinite(scales[i]) && scales[i] > 0)) {
+      throw ConfigError(prefix + std::to_string(i) + " is " + std::to_string(scales[i]) +
+                        "; a scale must be finite and positive");
+    }
+  }
+}
+
 // The block shape a recipe gives an operand of (rows, k).
 void set_blocks(Fp8Operand& o, const Fp8Quantization& how, const std::string& what) {
   if (how.scaling == Fp8Scaling::block && (how.block_rows < 1 || how.block_k < 1)) {
@@ -152,12 +162,7 @@ Fp8Operand quantize_fp8(const float* x, index_t rows, index_t k, index_t ld, boo
                       std::to_string(o.scale_cols()) + " blocks), got " +
                       std::to_string(scales.size()));
   }
-  for (std::size_t i = 0; i < scales.size(); ++i) {
-    if (!(std::isfinite(scales[i]) && scales[i] > 0)) {
-      throw ConfigError(what + ": fp8 scale " + std::to_string(i) + " is " +
-                        std::to_string(scales[i]) + "; a scale must be finite and positive");
-    }
-  }
+  check_scales(scales, what + ": fp8 scale ");
   o.scale = scales;
   scale_and_round(o, how.saturate, what);
   return o;
@@ -261,12 +266,7 @@ void check_operand(const Fp8Operand& o, const char* which) {
                      dims(ceil_div(o.rows, o.block_rows), o.scale_cols()) + " blocks need " +
                      std::to_string(blocks));
   }
-  for (std::size_t i = 0; i < o.scale.size(); ++i) {
-    if (!(std::isfinite(o.scale[i]) && o.scale[i] > 0)) {
-      throw ConfigError(w + "'s scale " + std::to_string(i) + " is " + std::to_string(o.scale[i]) +
-                        "; a scale must be finite and positive");
-    }
-  }
+  check_scales(o.scale, w + "'s scale ");
 }
 
 }  // namespace

@@ -34,9 +34,12 @@ stage() {  # NAME COMMAND...: runs COMMAND, records its wall time and exit statu
     $(((SECONDS - t0) % 60)) "$([ $rc = 0 ] && echo ok || echo "FAILED ($rc)")")")
   return $rc
 }
-# The ten slowest tests of a ctest log, from ctest's own timings: "seconds name".
-test_times() {  # LOG
-  sed -nE 's/^ *[0-9]+\/[0-9]+ Test +#[0-9]+: ([^ ]+) .* ([0-9.]+) sec$/\2 \1/p' "$1" | sort -rn
+# The tests of a ctest log, slowest first, from ctest's own timings: "seconds name". With N, the
+# first N only; awk reads its input to the end, so sort never writes into a closed pipe (a `head`
+# here let sort die of SIGPIPE under pipefail, and the run exit 141 after every test had passed).
+test_times() {  # LOG [N]
+  sed -nE 's/^ *[0-9]+\/[0-9]+ Test +#[0-9]+: ([^ ]+) .* ([0-9.]+) sec$/\2 \1/p' "$1" | sort -rn |
+    awk -v n="${2:-0}" 'n == 0 || NR <= n'
 }
 print_summary() {
   echo
@@ -51,7 +54,7 @@ print_summary() {
   for d in "${ctest_dirs[@]}"; do
     [ -s "$d/ctest.log" ] || continue
     echo "---- the ten slowest tests in $d (seconds) ----"
-    test_times "$d/ctest.log" | head -n 10
+    test_times "$d/ctest.log" 10
   done
 }
 # ccache's hit and miss counters, to report this run's share.
@@ -62,7 +65,8 @@ ccache_counts() {
 }
 ccache_at_start=""
 if ((${#ccache_launcher[@]})); then ccache_at_start=$(ccache_counts); fi
-trap print_summary EXIT
+# The summary never changes the run's exit status: it is what the run did, printed.
+trap 'rc=$?; print_summary || echo "scripts/test.sh: the summary failed ($?)"; exit $rc' EXIT
 
 # Each ctest run writes a JUnit report beside its log; a failure is summarised at the end (below),
 # with each failed test's own output, so that the last screen of a CI log explains it.

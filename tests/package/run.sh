@@ -20,10 +20,10 @@ cmake -S "$here" -B "$work/cmake" "${generator[@]}" -DCMAKE_PREFIX_PATH="$prefix
 cmake --build "$work/cmake" > "$work/build.log"
 from_cmake=$("$work/cmake/consumer")
 
-PKG_CONFIG_PATH="$(dirname "$(find "$prefix" -name teo.pc | head -n 1)")"
+PKG_CONFIG_PATH="$(dirname "$(find "$prefix" -name teo.pc -print -quit)")"
 export PKG_CONFIG_PATH
-cmake_version=$(grep -o 'PACKAGE_VERSION "[^"]*"' "$(find "$prefix" -name teoConfigVersion.cmake)" |
-  head -n 1 | cut -d'"' -f2)
+cmake_version=$(grep -m 1 -o 'PACKAGE_VERSION "[^"]*"' \
+  "$(find "$prefix" -name teoConfigVersion.cmake -print -quit)" | cut -d'"' -f2)
 if [ "$(pkg-config --modversion teo)" != "$cmake_version" ] ||
    [ "$("$prefix/bin/teo" --version)" != "teo $cmake_version" ]; then
   echo "package: versions disagree: teo.pc $(pkg-config --modversion teo)," \

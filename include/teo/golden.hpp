@@ -240,6 +240,9 @@ struct CaseReport {
   std::string first_divergence;       // "" when nothing failed
   std::string precision;              // what the candidate was judged as: fp64, fp32, bf16, ...
   bool budget = false;                // judged against the emulated run's error
+  // What the reader must know before the rows, printed first: why the precision is not the
+  // golden's own (the candidate's dtypes implied another), that the golden is ill-conditioned.
+  std::vector<std::string> notes;
   // Under fp8: whether the recipe rule decides (CheckOptions::fp8_recipe_k). Only where every fp8
   // operand is a golden input (the linear op); elsewhere recipe_distance is reported, not judged.
   bool recipe_rule = false;

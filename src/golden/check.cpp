@@ -94,8 +94,29 @@ bool decided_before_values(TensorResult& r, const safetensors::Tensor& g,
   return false;
 }
 
+// The largest finite |truth|; 0 when every finite entry is 0.
+double max_magnitude(const std::vector<double>& truth) {
+  double m = 0;
+  for (double x : truth)
+    if (std::isfinite(x)) m = std::max(m, std::abs(x));
+  return m;
+}
+
+// A bound no smaller than the truth it judges passes a zero candidate: such a tensor is not
+// judged (vacuous), never passed. A noise-only tensor (the key bias gradient, 0 in exact
+// arithmetic) and a truth exactly 0 keep their own rules: there a zero is the right answer.
+// Returns whether r was made vacuous.
+bool vacuous_bound(TensorResult& r, double max_truth, bool noise_only) {
+  if (noise_only || !(max_truth > 0) || r.bound < max_truth) return false;
+  r.status = Status::vacuous;
+  r.message = "bound vacuous: the bound " + num(r.bound) + " is at least the truth's largest " +
+              "magnitude " + num(max_truth) + ", so a zero would pass";
+  return true;
+}
+
 TensorResult check_tensor(const File& golden, const safetensors::Tensor& g,
-                          const safetensors::Tensor* c, bool f32, const CheckOptions& opts) {
+                          const safetensors::Tensor* c, bool f32, const CheckOptions& opts,
+                          double ill_conditioned_limit) {
   TensorResult r;
   if (decided_before_values(r, g, c, /*any_float=*/false)) return r;
   r.compared = true;
@@ -132,17 +153,29 @@ TensorResult check_tensor(const File& golden, const safetensors::Tensor& g,
   r.bound =
       f32 ? opts.k * teo_err + opts.floor_eps * FLT_EPSILON * scale : opts.rtol * scale + opts.atol;
   // A tensor of pure rounding noise: any order of summation of its n terms is right.
-  if (const auto n = detail::noise_terms(golden, g.name))
-    r.bound = std::max(r.bound, detail::noise_bound(n, !f32, scale));
+  const auto n = detail::noise_terms(golden, g.name);
+  if (n) r.bound = std::max(r.bound, detail::noise_bound(n, !f32, scale));
   r.ratio = r.bound > 0 ? max_abs / r.bound : (max_abs > 0 ? INFINITY : 0);
-  const bool ok = nonfinite_count == 0 && max_abs <= r.bound;
-  r.status = ok ? Status::pass : Status::fail;
   if (nonfinite_count > 0) {
     const auto i = static_cast<std::size_t>(nonfinite_at);
+    r.status = Status::fail;
     r.message = std::to_string(nonfinite_count) + " NaN/Inf mismatch(es), first at " +
                 index_str(nonfinite_at, g.shape) + ": candidate " + num(cv[i]) + ", golden " +
                 num(gv[i]);
-  } else if (!ok && worst >= 0) {
+    return r;
+  }
+  // teo's own float32 run is off its float64 truth by more than generation allows (a golden
+  // written with --allow-ill-conditioned): its error says nothing about a candidate's.
+  if (f32 && teo_err > ill_conditioned_limit * scale) {
+    r.status = Status::vacuous;
+    r.message = "ill-conditioned: teo's own float32 error is " + num(teo_err / scale) +
+                " of the scale, above the " + num(ill_conditioned_limit) +
+                " generation allows (the golden was written with --allow-ill-conditioned)";
+    return r;
+  }
+  if (vacuous_bound(r, max_magnitude(ref), n > 0)) return r;
+  r.status = max_abs <= r.bound ? Status::pass : Status::fail;
+  if (r.status == Status::fail && worst >= 0) {
     const auto i = static_cast<std::size_t>(worst);
     r.message = "worst at " + index_str(worst, g.shape) + ": candidate " + num(cv[i]) +
                 ", reference " + num(ref[i]);
@@ -227,8 +260,8 @@ TensorResult judge_budget(const File& golden, const safetensors::Tensor& g,
   // The floor is in units of the storage format's u: bf16's for fp8, whose emulated error is
   // already its quantization's.
   r.bound = opts.budget_k * emu_err + opts.budget_floor * unit_roundoff(storage_format(p)) * scale;
-  if (const auto n = detail::noise_terms(golden, g.name))
-    r.bound = std::max(r.bound, detail::noise_bound(n, p == Precision::fp64, scale));
+  const auto n = detail::noise_terms(golden, g.name);
+  if (n) r.bound = std::max(r.bound, detail::noise_bound(n, p == Precision::fp64, scale));
   r.ratio = r.bound > 0 ? max_abs / r.bound : (max_abs > 0 ? INFINITY : 0);
   if (nonfinite_count > 0) {
     const auto i = static_cast<std::size_t>(nonfinite_at);
@@ -247,6 +280,7 @@ TensorResult judge_budget(const File& golden, const safetensors::Tensor& g,
                           num(r.emulated_err) + " of the scale";
     return r;
   }
+  if (vacuous_bound(r, max_magnitude(truth), n > 0)) return r;
   r.status = max_abs <= r.bound ? Status::pass : Status::fail;
   if (r.status == Status::fail && worst >= 0) {
     const auto i = static_cast<std::size_t>(worst);
@@ -378,11 +412,18 @@ void judge_names(const File& golden, const File& candidate, const CheckOptions& 
 
 namespace {
 
-// The precision a candidate is judged in: the flag, else what its BF16, F16 or F8 tensors imply
-// (F8 tensors fp8, with BF16 ones as its storage format), else the golden's dtype. A flag the
-// dtypes contradict, or both BF16 and F16, is a ConfigError.
+// The precision a golden was made for: a precision case's (tf32, bf16, fp16, fp8), else none.
+std::optional<Precision> golden_precision(const File& golden) {
+  return is_op_file(golden) ? op_case_of(golden).precision : case_of(golden).precision;
+}
+
+// The precision a candidate is judged in: the flag; else the golden's own precision case, unless
+// the candidate's BF16, F16 or F8 tensors imply another (F8 tensors fp8, with BF16 ones as its
+// storage format); else what they imply; else the golden's dtype. A flag the dtypes contradict,
+// or both BF16 and F16, is a ConfigError. `note` says why, when the precision is not the golden's
+// own and no flag chose it.
 Precision judged_precision(const File& golden, const File& candidate, bool f32,
-                           const CheckOptions& opts) {
+                           const CheckOptions& opts, std::string& note) {
   std::optional<Precision> implied;
   std::string implied_by;
   for (const auto& t : candidate.tensors) {
@@ -420,8 +461,16 @@ Precision judged_precision(const File& golden, const File& candidate, bool f32,
                       to_string(*implied));
   }
   if (opts.precision) return *opts.precision;
-  if (implied) return *implied;
-  return f32 ? Precision::fp32 : Precision::fp64;
+  const std::optional<Precision> own = golden_precision(golden);
+  // a candidate in the golden's precision, or in its storage format, or upcast to float
+  if (own && (!implied || *implied == *own || storage_format(*own) == *implied)) return *own;
+  if (!implied) return f32 ? Precision::fp32 : Precision::fp64;
+  note = std::string("judged as ") + to_string(*implied) + ", which the candidate's " + implied_by +
+         " implies; the golden is " +
+         (own ? std::string("a ") + to_string(*own) + " case (--precision " + to_string(*own) +
+                    " judges it as one)"
+              : std::string("a ") + (f32 ? "float32" : "float64") + " case with no precision");
+  return *implied;
 }
 
 }  // namespace
@@ -442,7 +491,8 @@ CaseReport check(const File& golden, const File& candidate, const CheckOptions& 
     return check(golden, *renamed, in_teo_names);
   }
   const bool f32 = golden_is_f32(golden);
-  const Precision p = judged_precision(golden, candidate, f32, opts);
+  std::string precision_note;
+  const Precision p = judged_precision(golden, candidate, f32, opts, precision_note);
   // fp64, and fp32 against a float32 golden, are the plain checks; everything else is judged
   // against the emulated run's error.
   const bool budget = p != Precision::fp64 && !(p == Precision::fp32 && f32);
@@ -465,6 +515,13 @@ CaseReport check(const File& golden, const File& candidate, const CheckOptions& 
   CaseReport rep;
   rep.precision = to_string(budget ? p : f32 ? Precision::fp32 : Precision::fp64);
   rep.budget = budget;
+  if (!precision_note.empty()) rep.notes.push_back(precision_note);
+  if (const std::string* ill = golden.meta("ill_conditioned")) {
+    rep.notes.push_back("the golden was written with --allow-ill-conditioned (" + *ill +
+                        "): its ill-conditioned tensors are not judged");
+  }
+  // the float32 rule: tensors on which teo's own float32 run is ill-conditioned are not judged
+  const double ill_limit = f32 && !budget ? detail::conditioning_limit(golden) : 0;
   // Only in a linear op case is every fp8 operand a golden input (OpDef::fp8_operands).
   // Elsewhere a faithful backend's bf16 values upstream differ from the emulated run's by rounding
   // flips, which move its fp8 roundings (and, through an amax, a whole operand's scale) by as much
@@ -493,7 +550,7 @@ CaseReport check(const File& golden, const File& candidate, const CheckOptions& 
                                          !op && detail::behind_pooling_argmax(g.name) ? tie : "",
                                          rep.recipe_rule));
     } else {
-      rep.tensors.push_back(check_tensor(golden, g, c, f32, opts));
+      rep.tensors.push_back(check_tensor(golden, g, c, f32, opts, ill_limit));
     }
     detail::release_judged(golden, g);
     if (c) safetensors::release(*c);

@@ -27,12 +27,14 @@ std::vector<double> truth_of(const File& golden, const safetensors::Tensor& g, b
 
 double scale_of(const File& golden, const std::string& name, const std::vector<double>& truth,
                 bool f32) {
-  // A bias gradient sums the same per-row output gradients as its weight's gradient (which
-  // weights them by inputs of order 1), so their rounding noise has the same scale. The key bias
-  // gradient is 0 in exact arithmetic (softmax ignores a per-row shift) and holds nothing but
-  // that noise, so its scale comes from the weight gradient.
+  // A tensor's scale is its own truth's largest magnitude; a bias gradient's too. (A bias gradient
+  // once borrowed its weight gradient's, which sums the same output gradients weighted by the
+  // inputs: with fp8's outlier inputs at 100 times the rest, a bound from that scale was larger
+  // than the whole truth.) The key bias gradient is 0 in exact arithmetic (softmax ignores a
+  // per-row shift) and holds nothing but rounding noise: its scale is that of the sums it is made
+  // of, which its weight gradient's bounds from below.
   double scale = 0;
-  if (name.starts_with("grad.") && name.ends_with(".bias")) {
+  if (name.starts_with("grad.") && name.ends_with(".bias") && noise_terms(golden, name) > 0) {
     const std::string w = name.substr(0, name.size() - 4) + "weight";
     if (const auto* wt = golden.find(f32 ? "ref64." + w : w)) {
       for (double x : wt->float_values())
@@ -66,9 +68,20 @@ double inputs_scale(const File& golden) {
 }
 
 std::int64_t noise_terms(const File& golden, const std::string& name) {
+  if (!name.starts_with("grad.") || !name.ends_with(".k.bias")) return 0;
   if (is_op_file(golden)) {
-    if (name != "grad.param.attn.k.bias") return 0;
     const OpCase c = op_case_of(golden);
+    const auto size = [&](const char* key) {
+      return c.spec.contains(key) ? c.spec.at(key).get<std::int64_t>() : std::int64_t{0};
+    };
+    // the decoder layer: masked self-attention over its own rows, cross-attention over the
+    // memory's (no positions, sinks or softcap: a key bias is pure noise in both)
+    if (c.op == "decoder_layer") {
+      if (name == "grad.param.self_attn.k.bias") return size("batch") * size("seq_len");
+      if (name == "grad.param.cross_attn.k.bias") return size("batch") * size("memory_len");
+      return 0;
+    }
+    if (name != "grad.param.attn.k.bias") return 0;
     // the layer's attention options, as its spec spells them
     EncoderConfig layer;
     layer.positional =
@@ -77,10 +90,14 @@ std::int64_t noise_terms(const File& golden, const std::string& name) {
     if (c.spec.contains("attn_logit_softcap") && !c.spec.at("attn_logit_softcap").is_null())
       layer.attn_logit_softcap = c.spec.at("attn_logit_softcap").get<double>();
     if (!contract::noise_only("grad.layers.0.attn.k.bias", layer)) return 0;
-    return c.spec.at("batch").get<std::int64_t>() * c.spec.at("seq_len").get<std::int64_t>();
+    return size("batch") * size("seq_len");
   }
   const Case c = case_of(golden);
   if (!contract::noise_only(name, c.config)) return 0;
+  // the key rows each sum runs over: an encoder_decoder's self-attention keys are the target's,
+  // its cross-attention keys the source's (seq_len)
+  if (name.starts_with("grad.decoder.") && name.ends_with(".self_attn.k.bias"))
+    return c.batch * c.tgt_len;
   return c.batch * c.seq_len;
 }
 
@@ -116,6 +133,12 @@ bool is_judged(const std::string& name, bool op_case) {
            name.starts_with("grad.param.");
   }
   return name.starts_with("act.") || name.starts_with("grad.");
+}
+
+double conditioning_limit(const File& f) {
+  const index_t L =
+      is_op_file(f) ? longest_reduction(op_case_of(f)) : longest_reduction(case_of(f));
+  return kIllConditioned * FLT_EPSILON * std::sqrt(static_cast<double>(std::max<index_t>(L, 1)));
 }
 
 std::string float32_conditioning(const File& f, index_t L,

@@ -23,6 +23,20 @@
 
 namespace teo::golden {
 
+namespace detail {
+
+index_t longest_reduction(const Case& c) {
+  const EncoderConfig& cfg = c.config;
+  // a decoder's LM head also sums over the vocabulary (its softmax, and dx = dlogits W)
+  // an encoder_decoder's target sums over its length too
+  return std::max({cfg.d_model, cfg.d_ff, c.seq_len, c.batch * c.seq_len, c.tgt_len,
+                   c.batch * c.tgt_len, cfg.lm() ? cfg.target_vocab() : index_t{1},
+                   // the patch embedding sums over a flattened patch, Ch P P
+                   cfg.channels * cfg.patch_size * cfg.patch_size});
+}
+
+}  // namespace detail
+
 namespace {
 
 using nlohmann::json;
@@ -382,14 +396,9 @@ void generate_typed(const Case& c, Sink& sink, const GenerateOptions& opts) {
     memory::release_cached_memory();
     stage("conditioning check");
     const File& f = sink.contents();
-    // a decoder's LM head also sums over the vocabulary (its softmax, and dx = dlogits W)
-    // an encoder_decoder's target sums over its length too
-    const index_t L = std::max({cfg.d_model, cfg.d_ff, c.seq_len, c.batch * c.seq_len, c.tgt_len,
-                                c.batch * c.tgt_len, cfg.lm() ? cfg.target_vocab() : index_t{1},
-                                // the patch embedding sums over a flattened patch, Ch P P
-                                cfg.channels * cfg.patch_size * cfg.patch_size});
     why = detail::float32_conditioning(
-        f, L, [&] { return detail::ill_conditioning_cause(f, cfg); }, opts.allow_ill_conditioned);
+        f, detail::longest_reduction(c), [&] { return detail::ill_conditioning_cause(f, cfg); },
+        opts.allow_ill_conditioned);
     if (c.precision && why.empty()) {
       try {
         detail::precision_conditioning(f, emulate(f, *c.precision), *c.precision, &cfg);

@@ -16,6 +16,10 @@
 #include "teo/fp8.hpp"
 #include "teo/golden.hpp"
 
+namespace teo::golden {
+struct OpCase;
+}
+
 namespace teo::golden::detail {
 
 // The fp8 recipe's keys (fp8_format, fp8_scaling, ...), as an op spec or a model case spells them.
@@ -102,6 +106,14 @@ std::string ill_conditioning_cause(const safetensors::File& golden, const Encode
 // Whether a tensor of a golden is judged by the checker: act.* and grad.* in a model case;
 // output.*, grad.input.* and grad.param.* in an op case (grad.output.* is an op's input).
 bool is_judged(const std::string& name, bool op_case);
+
+// The case's longest reduction L, which the float32 conditioning limit
+// kIllConditioned * FLT_EPSILON * sqrt(L) grows with: a model case's max(d_model, d_ff, seq_len,
+// batch * seq_len, ...), an op case's own (OpDef::longest_reduction).
+index_t longest_reduction(const Case& c);
+index_t longest_reduction(const OpCase& c);
+// That limit for the golden `f` (a model or an op case).
+double conditioning_limit(const safetensors::File& f);
 
 // Refuses (IllConditioned) a float32 golden (model or op case) whose own error against ref64 is
 // beyond kIllConditioned * FLT_EPSILON * sqrt(L) of some judged tensor's scale; with `allow`,

@@ -729,12 +729,19 @@ std::vector<ContractTensor> op_contract(const OpCase& c) {
   return out;
 }
 
+namespace detail {
+index_t longest_reduction(const OpCase& c) {
+  const Spec s = spec_of(c);
+  return s.def->longest_reduction(s);
+}
+}  // namespace detail
+
 safetensors::File make_op(const OpCase& c, bool allow_ill_conditioned, const std::string& keep) {
   const Spec s = spec_of(c);
   File f = c.dtype == "float32" ? make_typed<float>(c, s) : make_typed<double>(c, s);
   if (c.dtype == "float32") {
     std::string why = detail::float32_conditioning(
-        f, s.def->longest_reduction(s), [] { return std::string("none found in a single op"); },
+        f, detail::longest_reduction(c), [] { return std::string("none found in a single op"); },
         allow_ill_conditioned);
     if (c.precision && why.empty()) {
       try {

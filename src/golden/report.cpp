@@ -76,6 +76,7 @@ void print_text(const std::vector<CaseReport>& reports, std::ostream& out,
     }
     out << "case " << rep.name << "  (golden " << rep.golden_path << ", candidate "
         << rep.candidate_path << ")\n";
+    for (const auto& n : rep.notes) out << "  note: " << n << "\n";
     if (rep.budget) {
       out << "  judged as " << rep.precision << ": err/bound = max|candidate - truth| / (k * "
           << "max|emulated - truth| + floor * u * scale); emulated = the emulated run's error / "
@@ -145,7 +146,7 @@ void print_text(const std::vector<CaseReport>& reports, std::ostream& out,
     }
     if (rep.unknown > 0)
       out << " (" << rep.unknown << " of them candidate names not in the golden)";
-    if (rep.vacuous > 0) out << ", " << rep.vacuous << " vacuous (budget meaningless: not judged)";
+    if (rep.vacuous > 0) out << ", " << rep.vacuous << " vacuous (not judged)";
     if (rep.budget) {
       double worst = 0;
       for (const auto& t : rep.tensors)
@@ -259,6 +260,7 @@ std::string json_report(const std::vector<CaseReport>& reports) {
     c["first_divergence"] = r.first_divergence.empty() ? nlohmann::ordered_json(nullptr)
                                                        : nlohmann::ordered_json(r.first_divergence);
     c["precision"] = r.precision;
+    c["notes"] = r.notes;
     if (r.budget) c["emulated_bytes"] = r.emulated_bytes;
     if (r.precision == "fp8") c["recipe_rule"] = r.recipe_rule;
     c["passed"] = r.passed;
@@ -285,7 +287,7 @@ std::string json_report(const std::vector<CaseReport>& reports) {
         if (r.budget) tj["emulated_err"] = number(t.emulated_err);
         if (r.precision == "fp8") tj["recipe_distance"] = number(t.recipe_distance);
       }
-      if (r.budget) tj["vacuous"] = t.status == Status::vacuous;
+      tj["vacuous"] = t.status == Status::vacuous;
       if (!t.message.empty()) tj["message"] = t.message;
       ts.push_back(std::move(tj));
     }

@@ -162,6 +162,8 @@ class Report:
         case = json.loads(json_text)["cases"][0]
         self.first_divergence = case["first_divergence"]
         self.precision = case["precision"]
+        # why the precision is not the golden's own, that the golden is ill-conditioned
+        self.notes = case.get("notes", [])
         self.tensors = [TensorReport(t) for t in case["tensors"]]
         self.optional_missing = case.get("optional_missing", [])
         # candidate names the golden does not hold: failures, or accepted with allow_extra

@@ -39,7 +39,9 @@ st::File mutant_of(const st::File& golden, Mutant m) {
                            : t.name.starts_with("act.") || t.name.starts_with("grad.");
     if (!judged) continue;
     auto v = t.float_values();
-    for (double& x : v) x = m == Mutant::zero ? 0.0 : -x;
+    // a masked score's -inf stays: a zero there fails as a NaN/Inf mismatch, which would hide
+    // whether the finite values are judged
+    for (double& x : v) x = !std::isfinite(x) ? x : m == Mutant::zero ? 0.0 : -x;
     if (t.dtype == st::DType::F64) {
       c.add<double>(t.name, t.shape, v.data(), v.size());
     } else {

@@ -1,6 +1,11 @@
 // Writing a corpus directory (model cases and op cases alike): the file names of cases.json, the
 // refusal to overwrite, and the manifest (golden_internal.hpp).
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
+#include <utility>
+
+#include <unistd.h>
 
 #include "golden_internal.hpp"
 #include "teo/files.hpp"
@@ -45,32 +50,59 @@ void refuse_existing(const std::string& dir, const std::vector<std::string>& nam
   }
 }
 
-void write_corpus(const std::string& dir, const std::vector<std::string>& names, std::ostream& log,
-                  const std::function<std::pair<std::string, std::string>(std::size_t)>& make) {
+CorpusWriter::~CorpusWriter() {
+  for (const auto& f : files_) {
+    if (f.fd < 0) continue;
+    ::close(f.fd);
+    ::unlink(f.tmp.c_str());
+  }
+}
+
+void CorpusWriter::stage(
+    const std::string& dir, const std::vector<std::string>& names, std::ostream& log,
+    const std::function<std::pair<std::string, std::string>(std::size_t)>& make) {
   namespace fs = std::filesystem;
-  nlohmann::ordered_json files = nlohmann::ordered_json::array();
-  std::uint64_t total = 0;
+  log_ = &log;
+  Dir d{dir, nlohmann::ordered_json::array(), 0, names.size()};
   for (std::size_t i = 0; i < names.size(); ++i) {
     const auto [bytes, description] = make(i);
     const std::string file = names[i] + ".safetensors";
-    write_file_atomic((fs::path(dir) / file).string(), bytes, /*overwrite=*/true);
+    const std::string path = (fs::path(dir) / file).string();
+    auto [fd, tmp] = open_temp_beside(path, /*overwrite=*/true);
+    files_.push_back({fd, tmp, path});
+    if (!write_all_at(fd, bytes.data(), bytes.size(), 0)) {
+      throw FileError(path + ": cannot write the temporary file: " + std::strerror(errno));
+    }
     nlohmann::ordered_json m;
     m["file"] = file;
     m["sha256"] = sha256_hex(bytes);
     m["bytes"] = bytes.size();
     m["description"] = description;
-    files.push_back(std::move(m));
-    total += bytes.size();
+    d.files.push_back(std::move(m));
+    d.total += bytes.size();
     log << file << "  " << bytes.size() << " bytes\n";
   }
-  nlohmann::ordered_json manifest;
-  manifest["format"] = "teo-golden-manifest/1";
-  manifest["teo_version"] = TEO_VERSION;
-  manifest["total_bytes"] = total;
-  manifest["files"] = std::move(files);
-  write_file_atomic((fs::path(dir) / "manifest.json").string(), manifest.dump(2) + "\n",
-                    /*overwrite=*/true);
-  log << names.size() << " cases, " << total << " bytes\n";
+  dirs_.push_back(std::move(d));
+}
+
+void CorpusWriter::commit() {
+  namespace fs = std::filesystem;
+  for (auto& f : files_) {
+    const int fd = std::exchange(f.fd, -1);  // commit_temp closes it, or removes the file
+    commit_temp(fd, f.tmp, f.path, /*overwrite=*/true);
+  }
+  for (auto& d : dirs_) {
+    nlohmann::ordered_json manifest;
+    manifest["format"] = "teo-golden-manifest/1";
+    manifest["teo_version"] = TEO_VERSION;
+    manifest["total_bytes"] = d.total;
+    manifest["files"] = std::move(d.files);
+    write_file_atomic((fs::path(d.dir) / "manifest.json").string(), manifest.dump(2) + "\n",
+                      /*overwrite=*/true);
+    if (log_) *log_ << d.dir << ": " << d.cases << " cases, " << d.total << " bytes\n";
+  }
+  files_.clear();
+  dirs_.clear();
 }
 
 }  // namespace teo::golden::detail

@@ -681,10 +681,13 @@ void generate_corpus(const std::string& dir, std::ostream& log, bool overwrite) 
           ops.string(), detail::names_of(read_op_corpus_cases((ops / "cases.json").string())));
     }
   }
-  detail::write_corpus(dir, names, log, [&](std::size_t i) {
+  // every case of both corpora is made before any file under its final name changes
+  detail::CorpusWriter writer;
+  writer.stage(dir, names, log, [&](std::size_t i) {
     return std::pair{safetensors::serialize(make(entries[i].spec)), entries[i].description};
   });
-  if (have_ops) generate_op_corpus(ops.string(), log, /*overwrite=*/true);
+  if (have_ops) detail::stage_op_corpus(ops.string(), log, writer);
+  writer.commit();
 }
 
 }  // namespace teo::golden

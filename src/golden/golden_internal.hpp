@@ -224,9 +224,40 @@ std::vector<std::string> names_of(const Entries& entries) {
 // FileError when <dir>/manifest.json or any <dir>/<name>.safetensors exists.
 void refuse_existing(const std::string& dir, const std::vector<std::string>& names);
 
-// Writes <dir>/<names[i]>.safetensors from make(i) = {bytes, description}, each through a
-// temporary file and a rename, then <dir>/manifest.json (sha256, size and description per file).
-void write_corpus(const std::string& dir, const std::vector<std::string>& names, std::ostream& log,
-                  const std::function<std::pair<std::string, std::string>(std::size_t)>& make);
+// A corpus written whole or not at all: stage() writes each case of a directory to a temporary
+// file beside its final name; commit() renames every staged case into place and then writes each
+// directory's manifest.json (sha256, size and description per file). Until commit, nothing under
+// a final name changes: a case that throws (an IllConditioned seed, an interruption), in the model
+// corpus or in its op corpus, leaves every committed file and manifest as it was, and the
+// destructor removes the temporary files.
+class CorpusWriter {
+ public:
+  CorpusWriter() = default;
+  CorpusWriter(const CorpusWriter&) = delete;
+  CorpusWriter& operator=(const CorpusWriter&) = delete;
+  ~CorpusWriter();
+  // Writes <dir>/<names[i]>.safetensors's bytes from make(i) = {bytes, description}, staged.
+  void stage(const std::string& dir, const std::vector<std::string>& names, std::ostream& log,
+             const std::function<std::pair<std::string, std::string>(std::size_t)>& make);
+  void commit();
+
+ private:
+  struct File {
+    int fd = -1;
+    std::string tmp, path;
+  };
+  struct Dir {
+    std::string dir;
+    nlohmann::ordered_json files;
+    std::uint64_t total = 0;
+    std::size_t cases = 0;
+  };
+  std::vector<File> files_;
+  std::vector<Dir> dirs_;
+  std::ostream* log_ = nullptr;
+};
+
+// Stages every case of the op corpus <dir>/cases.json into `writer`.
+void stage_op_corpus(const std::string& dir, std::ostream& log, CorpusWriter& writer);
 
 }  // namespace teo::golden::detail

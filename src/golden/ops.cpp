@@ -780,14 +780,25 @@ std::vector<OpCorpusEntry> read_op_corpus_cases(const std::string& path) {
       path, [](const json& spec) { return OpCase::from_json(spec); });
 }
 
-void generate_op_corpus(const std::string& dir, std::ostream& log, bool overwrite) {
+namespace detail {
+void stage_op_corpus(const std::string& dir, std::ostream& log, CorpusWriter& writer) {
   namespace fs = std::filesystem;
   const auto entries = read_op_corpus_cases((fs::path(dir) / "cases.json").string());
-  const auto names = detail::names_of(entries);
-  if (!overwrite) detail::refuse_existing(dir, names);
-  detail::write_corpus(dir, names, log, [&](std::size_t i) {
+  writer.stage(dir, names_of(entries), log, [&](std::size_t i) {
     return std::pair{safetensors::serialize(make_op(entries[i].spec)), entries[i].description};
   });
+}
+}  // namespace detail
+
+void generate_op_corpus(const std::string& dir, std::ostream& log, bool overwrite) {
+  namespace fs = std::filesystem;
+  if (!overwrite) {
+    detail::refuse_existing(
+        dir, detail::names_of(read_op_corpus_cases((fs::path(dir) / "cases.json").string())));
+  }
+  detail::CorpusWriter writer;
+  detail::stage_op_corpus(dir, log, writer);
+  writer.commit();
 }
 
 }  // namespace teo::golden

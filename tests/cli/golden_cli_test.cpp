@@ -511,6 +511,55 @@ TEST(GoldenCli, GenerateCorpusRefusesAnExistingOpCaseBeforeWritingAnything) {
   EXPECT_TRUE(slurp(dir / "ops" / op_file) == slurp(kCorpus / "ops" / op_file));
 }
 
+// A corpus run that fails half-way changes nothing: every case of the model corpus and of its op
+// corpus is made before any file under its final name is replaced, and no temporary file stays.
+// The failure here is a case whose file name is too long to create, once among the op cases
+// (after the model cases were made) and once among the model cases.
+TEST(GoldenCli, GenerateCorpusThatFailsHalfWayChangesNothing) {
+  const fs::path dir = fresh_dir("teo_golden_cli_half");
+  auto cases = nlohmann::json::parse(slurp(kCorpus / "cases.json"));
+  cases["cases"] = nlohmann::json::array({cases["cases"][0]});
+  auto ops = nlohmann::json::parse(slurp(kCorpus / "ops" / "cases.json"));
+  ops["cases"] = nlohmann::json::array({ops["cases"][0]});
+  fs::create_directories(dir / "ops");
+  std::ofstream(dir / "cases.json") << cases.dump();
+  std::ofstream(dir / "ops" / "cases.json") << ops.dump();
+  ASSERT_EQ(run_cli("golden generate --corpus " + dir.string()).code, 0);
+  const auto snapshot = [&] {
+    std::map<std::string, std::string> files;
+    for (const auto& e : fs::recursive_directory_iterator(dir))
+      if (e.is_regular_file()) files[e.path().string()] = slurp(e.path());
+    return files;
+  };
+  // every case changed (another seed), then one that cannot be written
+  auto reseeded = [](nlohmann::json j) {
+    for (auto& c : j["cases"]) {
+      auto& seed = c.contains("case") ? c["case"]["seed"] : c["seed"];
+      seed = seed.get<int>() + 1;
+    }
+    return j;
+  };
+  const auto too_long = [](nlohmann::json j) {
+    auto extra = j["cases"][0];
+    extra["name"] = std::string(300, 'x');
+    j["cases"].push_back(extra);
+    return j;
+  };
+  for (const bool in_ops : {true, false}) {
+    std::ofstream(dir / "cases.json")
+        << (in_ops ? reseeded(cases) : too_long(reseeded(cases))).dump();
+    std::ofstream(dir / "ops" / "cases.json")
+        << (in_ops ? too_long(reseeded(ops)) : reseeded(ops)).dump();
+    const auto before = snapshot();
+    const CliResult r = run_cli("golden generate --corpus " + dir.string() + " --force");
+    EXPECT_NE(r.code, 0) << r.out;
+    EXPECT_NE(r.out.find("xxxxxxxx"), std::string::npos) << r.out;
+    EXPECT_TRUE(snapshot() == before)
+        << (in_ops ? "an op case" : "a model case")
+        << " failed, and the corpus changed (or a temporary file stayed)";
+  }
+}
+
 // A write error on standard output (a full disk) is not a success.
 TEST(Cli, AWriteErrorOnStandardOutputIsNotSuccess) {
   if (!fs::exists("/dev/full")) GTEST_SKIP() << "no /dev/full here";

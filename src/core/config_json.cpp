@@ -360,6 +360,16 @@ EncoderConfig EncoderConfig::from_json(const nlohmann::json& j) {
           "vocab_size applies only to input \"tokens\": input \"patches\" has no ids");
     if (!j.contains("max_len") && c.patches() > 0) c.max_len = 1 + c.patches();
   }
+  // SwiGLU's gate is silu: an activation that says otherwise is refused by name, and one left out
+  // is silu, so that a written spec says what the gate computes
+  if (c.ffn == FfnKind::swiglu) {
+    if (j.contains("activation") && c.activation != Activation::silu) {
+      throw ConfigError(std::string("ffn \"swiglu\" gates with silu: activation must be left out "
+                                    "or \"silu\", got \"") +
+                        to_string(c.activation) + "\"");
+    }
+    c.activation = Activation::silu;
+  }
   c.validate();
   return c;
 }
@@ -388,22 +398,24 @@ EncoderConfig EncoderConfig::from_file(const std::string& path) {
 }
 
 nlohmann::json EncoderConfig::to_json() const {
-  nlohmann::json j{{"vocab_size", vocab_size},
-                   {"max_len", max_len},
-                   {"d_model", d_model},
-                   {"num_heads", num_heads},
-                   {"d_ff", d_ff},
-                   {"num_layers", num_layers},
-                   {"norm_first", norm_first},
-                   {"activation", to_string(activation)},
-                   {"layer_norm_eps", layer_norm_eps},
-                   {"positional", to_string(positional)},
-                   {"embed_scale", embed_scale},
-                   {"pooling", to_string(pooling)},
-                   {"num_classes", num_classes},
-                   {"dropout", dropout},
-                   {"label_smoothing", label_smoothing},
-                   {"causal", causal}};
+  nlohmann::json j{
+      {"vocab_size", vocab_size},
+      {"max_len", max_len},
+      {"d_model", d_model},
+      {"num_heads", num_heads},
+      {"d_ff", d_ff},
+      {"num_layers", num_layers},
+      {"norm_first", norm_first},
+      // SwiGLU gates with silu, whatever a C++ caller left in `activation`
+      {"activation", to_string(ffn == FfnKind::swiglu ? Activation::silu : activation)},
+      {"layer_norm_eps", layer_norm_eps},
+      {"positional", to_string(positional)},
+      {"embed_scale", embed_scale},
+      {"pooling", to_string(pooling)},
+      {"num_classes", num_classes},
+      {"dropout", dropout},
+      {"label_smoothing", label_smoothing},
+      {"causal", causal}};
   if (lm()) {
     j["architecture"] = to_string(architecture);
     j.erase("pooling");

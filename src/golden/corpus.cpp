@@ -9,6 +9,7 @@
 
 #include "golden_internal.hpp"
 #include "teo/files.hpp"
+#include "teo/golden_ops.hpp"
 #include "teo/sha256.hpp"
 
 namespace teo::golden::detail {
@@ -105,4 +106,26 @@ void CorpusWriter::commit() {
   dirs_.clear();
 }
 
+void stage_op_corpus(const std::string& dir, std::ostream& log, CorpusWriter& writer) {
+  namespace fs = std::filesystem;
+  const auto entries = read_op_corpus_cases((fs::path(dir) / "cases.json").string());
+  writer.stage(dir, names_of(entries), log, [&](std::size_t i) {
+    return std::pair{safetensors::serialize(make_op(entries[i].spec)), entries[i].description};
+  });
+}
 }  // namespace teo::golden::detail
+
+namespace teo::golden {
+
+void generate_op_corpus(const std::string& dir, std::ostream& log, bool overwrite) {
+  namespace fs = std::filesystem;
+  if (!overwrite) {
+    detail::refuse_existing(
+        dir, detail::names_of(read_op_corpus_cases((fs::path(dir) / "cases.json").string())));
+  }
+  detail::CorpusWriter writer;
+  detail::stage_op_corpus(dir, log, writer);
+  writer.commit();
+}
+
+}  // namespace teo::golden

@@ -516,6 +516,11 @@ OpCase OpCase::from_json(const json& j, const std::string& op, std::uint64_t max
         *c.precision == Precision::fp64) {
       throw ConfigError("spec.precision must be tf32, bf16, fp16 or fp8, in a float32 case");
     }
+    if (!o.emulates_precision) {
+      throw ConfigError("spec.precision: the " + c.op +
+                        " op emulates no reduced precision (docs/semantics.md, 17.4): its cases "
+                        "are float32 and float64 only");
+    }
   }
   for (const auto& k : detail::fp8_keys()) {
     if (!j.contains(k)) continue;
@@ -670,6 +675,10 @@ std::map<std::string, std::vector<double>> run_op(const File& file, std::optiona
   const auto collect = [&](auto&& r) {
     for (auto& [n, t] : r) out[n] = std::vector<double>(t.begin(), t.end());
   };
+  if (p && *p != Precision::fp32 && *p != Precision::fp64 && !s.def->emulates_precision) {
+    throw ConfigError("the " + c.op + " op emulates no reduced precision (docs/semantics.md, " +
+                      "17.4): it is judged in fp32 or fp64 only, not " + to_string(*p));
+  }
   if (!p || *p == Precision::fp64) {
     collect(run<double>(s, v, c.seed, std::nullopt));
   } else {
@@ -778,27 +787,6 @@ safetensors::File make_op(const OpCase& c, bool allow_ill_conditioned, const std
 std::vector<OpCorpusEntry> read_op_corpus_cases(const std::string& path) {
   return detail::read_corpus<OpCorpusEntry>(
       path, [](const json& spec) { return OpCase::from_json(spec); });
-}
-
-namespace detail {
-void stage_op_corpus(const std::string& dir, std::ostream& log, CorpusWriter& writer) {
-  namespace fs = std::filesystem;
-  const auto entries = read_op_corpus_cases((fs::path(dir) / "cases.json").string());
-  writer.stage(dir, names_of(entries), log, [&](std::size_t i) {
-    return std::pair{safetensors::serialize(make_op(entries[i].spec)), entries[i].description};
-  });
-}
-}  // namespace detail
-
-void generate_op_corpus(const std::string& dir, std::ostream& log, bool overwrite) {
-  namespace fs = std::filesystem;
-  if (!overwrite) {
-    detail::refuse_existing(
-        dir, detail::names_of(read_op_corpus_cases((fs::path(dir) / "cases.json").string())));
-  }
-  detail::CorpusWriter writer;
-  detail::stage_op_corpus(dir, log, writer);
-  writer.commit();
 }
 
 }  // namespace teo::golden

@@ -95,6 +95,13 @@ Batch Batch::random(const EncoderConfig& cfg, index_t batch, index_t seq_len, st
   for (std::size_t i = 0; i < b.tokens.size(); ++i)
     b.tokens[i] = static_cast<std::int64_t>(rng::bits(seed, tok_stream, i) %
                                             static_cast<std::uint64_t>(cfg.vocab_size));
+  // a padded position holds the pad token, as a real batch's does (BERT's and RoBERTa's
+  // padding_idx), so that a backend that embeds it or learns its row is caught
+  if (cfg.padding_idx && !b.tokens.empty()) {
+    for (index_t r = 0; r < batch; ++r)
+      for (index_t s = b.lengths[static_cast<std::size_t>(r)]; s < seq_len; ++s)
+        b.tokens[static_cast<std::size_t>(r * seq_len + s)] = *cfg.padding_idx;
+  }
   for (std::size_t i = 0; i < b.labels.size(); ++i)
     b.labels[i] = static_cast<std::int64_t>(rng::bits(seed, lab_stream, i) %
                                             static_cast<std::uint64_t>(cfg.num_classes));

@@ -2,7 +2,8 @@
 // pass; a bias gradient is judged on its own scale, fp8 outliers or not; a precision case is judged
 // in its own precision unless the candidate's dtypes say otherwise, and the report says so; an
 // ill-conditioned golden says so, and does not judge its ill-conditioned tensors; the decoder's key
-// bias gradients are judged as the noise they are.
+// bias gradients are judged as the noise they are. Then the review's smaller findings: the decoder
+// layer's precision, SwiGLU's activation, BERT's pad token.
 #include <gtest/gtest.h>
 
 #include <cfloat>
@@ -15,6 +16,8 @@
 
 #include "check_support.hpp"
 #include "golden/golden_internal.hpp"
+#include "teo/config.hpp"
+#include "teo/errors.hpp"
 #include "teo/golden.hpp"
 #include "teo/golden_ops.hpp"
 #include "teo/precision.hpp"
@@ -293,3 +296,72 @@ TEST(Vacuity, DecoderKeyBiasGradientsAreNoiseOverTheRowsTheySum) {
 }
 
 }  // namespace
+
+// ---- the review's other findings ----------------------------------------------------------------
+
+namespace findings {
+
+// The decoder layer emulates no reduced precision (semantics 17.4): a precision case of it, a
+// reduced-precision run of it, and a check in a reduced precision are refused by name.
+TEST(ReviewFindings, TheDecoderLayerRefusesAReducedPrecisionByName) {
+  nlohmann::json spec = nlohmann::json::parse(
+      R"({"op": "decoder_layer", "batch": 2, "seq_len": 3, "memory_len": 4, "d_model": 4,
+          "num_heads": 2, "d_ff": 6, "dtype": "float32", "seed": 1, "precision": "bf16"})");
+  try {
+    teo::golden::OpCase::from_json(spec);
+    ADD_FAILURE() << "a bf16 decoder_layer case was accepted";
+  } catch (const teo::ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("emulates no reduced precision"), std::string::npos)
+        << e.what();
+  }
+  const st::File g = st::read((kCorpus / "ops" / "decoder_layer_bart_f32.safetensors").string());
+  EXPECT_THROW(teo::golden::run_op(g, Precision::bf16), teo::ConfigError);
+  CheckOptions bf16;
+  bf16.precision = Precision::bf16;
+  EXPECT_THROW(teo::golden::check(g, truth_candidate(g), bf16), teo::ConfigError);
+  CheckOptions fp32;
+  fp32.precision = Precision::fp32;
+  EXPECT_EQ(teo::golden::check(g, truth_candidate(g), fp32).failed, 0);
+}
+
+// SwiGLU gates with silu: "activation": "gelu" beside it is refused, and a left-out activation is
+// written as silu (the committed swiglu cases' specs say so).
+TEST(ReviewFindings, SwigluWithAnotherActivationIsRefusedAndItsSpecSaysSilu) {
+  auto j = nlohmann::json::parse(R"({"vocab_size": 8, "max_len": 4, "d_model": 4, "num_heads": 2,
+      "d_ff": 6, "num_layers": 1, "num_classes": 2, "ffn": "swiglu"})");
+  EXPECT_EQ(teo::EncoderConfig::from_json(j).to_json()["activation"], "silu");
+  j["activation"] = "gelu";
+  EXPECT_THROW(teo::EncoderConfig::from_json(j), teo::ConfigError);
+  j["activation"] = "silu";
+  EXPECT_NO_THROW(teo::EncoderConfig::from_json(j));
+  for (const char* f : {"ffn_swiglu_f64", "ffn_swiglu_bf16"}) {
+    const st::File g = st::read((kCorpus / "ops" / (std::string(f) + ".safetensors")).string());
+    EXPECT_EQ(teo::golden::op_case_of(g).spec.at("activation"), "silu") << f;
+  }
+}
+
+// Every committed case with a padding_idx (BERT, RoBERTa) holds that pad token at its padded
+// positions, and some case of each padding_idx has padded positions at all.
+TEST(ReviewFindings, BertAndRobertaCasesHoldThePadTokenWherePadded) {
+  int cases = 0, padded = 0;
+  for (const auto& e : fs::directory_iterator(kCorpus)) {
+    if (e.path().extension() != ".safetensors") continue;
+    const st::File g = st::read(e.path().string());
+    const auto c = teo::golden::case_of(g);
+    if (!c.config.padding_idx || !g.find("input.tokens")) continue;
+    ++cases;
+    const auto tokens = g.find("input.tokens")->int_values();
+    const auto lengths = g.find("input.lengths")->int_values();
+    for (std::int64_t b = 0; b < c.batch; ++b) {
+      for (std::int64_t s = lengths[static_cast<std::size_t>(b)]; s < c.seq_len; ++s) {
+        ++padded;
+        EXPECT_EQ(tokens[static_cast<std::size_t>(b * c.seq_len + s)], *c.config.padding_idx)
+            << e.path().filename() << " at (" << b << ", " << s << ")";
+      }
+    }
+  }
+  EXPECT_GE(cases, 7);
+  EXPECT_GT(padded, 7);
+}
+
+}  // namespace findings

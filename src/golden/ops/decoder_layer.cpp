@@ -116,6 +116,7 @@ const OpDef& decoder_layer_op() {
       .run_float = run<float>,
       .run_double = run<double>,
       .has_attention = true,
+      .emulates_precision = false,
       .samples =
           {R"({"batch": 2, "seq_len": 3, "lengths": [3, 2], "memory_len": 4, "memory_lengths": [4, 1], "d_model": 4, "num_heads": 2, "d_ff": 6, "norm_first": false})",
            R"({"batch": 2, "seq_len": 3, "lengths": [3, 1], "memory_len": 2, "memory_lengths": [2, 0], "d_model": 4, "num_heads": 2, "num_kv_heads": 1, "d_ff": 6, "norm_first": true, "norm": "rmsnorm", "ffn": "swiglu", "ffn_bias": false, "attn_bias": false})",

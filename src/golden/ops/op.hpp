@@ -290,6 +290,10 @@ struct OpDef {
   std::vector<Fp8OperandSlot> (*fp8_operands)(const Spec& s) = nullptr;
   // The op runs attention: its fp8 cases may ask for fp8_attention.
   bool has_attention = false;
+  // Whether run_float emulates a reduced precision (stores every stage rounded as semantics
+  // "Reduced precision" says). An op that does not (the decoder layer, semantics 17.4) refuses a
+  // precision case and a reduced-precision run by name.
+  bool emulates_precision = true;
   // Small specs of the op (its keys without op, dtype and seed), as JSON, that the generic tests
   // run through every op: finite differences of the backward, the bad-spec table. Together they
   // reach every branch of the op's run (each option, each path).

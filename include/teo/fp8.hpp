@@ -86,7 +86,8 @@ struct Fp8Quantization {
 // The operand op(X) of (rows, k) values, where op(X)(r, p) = x[r * ld + p], or x[p * ld + r] when
 // `transposed`, quantized with current scaling: each block's scale is d = amax / fp8_max (float
 // division; 1 for a block of zeros), or for mx the E8M0 power of two mx_scale(amax); q =
-// round_to_fp8(x * m), m = fp8_max / amax (float division, at most float's largest value; 1 / d
+// round_to_fp8(x * m), m = fp8_max / amax (float division, at most float's largest value,
+// and then d = 1 / m, so that q * d still gives x; 1 / d
 // for mx, exactly), as Transformer Engine, torchao and DeepGEMM's reference casts quantize. A
 // non-finite value is a RangeError naming `what`.
 Fp8Operand quantize_fp8(const float* x, index_t rows, index_t k, index_t ld, bool transposed,

@@ -170,12 +170,15 @@ struct CheckOptions {
   double atol = 1e-12;
   // float32 goldens: pass when max|c - ref64| <= k * max|g - ref64| + floor,
   // floor = floor_eps * FLT_EPSILON * scale, scale = max|ref64|.
-  // For a bias gradient, scale is the larger of its own and its weight gradient's maximum.
+  // A bias gradient's scale is its own maximum too; the key bias gradient's (pure noise) its
+  // weight gradient's. In every rule a bound at least max |truth| makes the tensor vacuous.
   double k = 4.0;
   double floor_eps = 8.0;
   Only only = Only::all;
   // The precision the candidate computed in (docs/golden-format.md, "Low-precision backends").
-  // Unset: implied by the candidate's BF16 or F16 tensors, else the golden's own dtype. Under
+  // Unset: a precision case's own precision, unless the candidate's BF16, F16 or F8 tensors imply
+  // another (then that one, and CaseReport::notes says so); else what they imply; else the
+  // golden's own dtype. Under
   // tf32, bf16 or fp16 (or fp32 against a float64 golden) a tensor passes when
   //   err(candidate) <= budget_k * err(emulated) + budget_floor * u * scale,
   // err(x) = max |x - truth|, truth the float64 value, emulated = emulate(golden, precision),

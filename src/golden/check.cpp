@@ -280,7 +280,23 @@ TensorResult judge_budget(const File& golden, const safetensors::Tensor& g,
                           num(r.emulated_err) + " of the scale";
     return r;
   }
-  if (vacuous_bound(r, max_magnitude(truth), n > 0)) return r;
+  // Where the fp8 recipe rule decides it judges too: a zero is off the recipe unless the rule's
+  // own allowance reaches the truth, so that allowance, not the budget, must stay below it.
+  const bool recipe_decides =
+      p == Precision::fp8 && recipe_rule && std::isfinite(opts.fp8_recipe_k);
+  const double max_truth = max_magnitude(truth);
+  if (recipe_decides) {
+    TensorResult by_recipe = r;
+    by_recipe.bound =
+        opts.fp8_recipe_k * emu_err + 16 * std::ldexp(1.0, -24) * scale + bf16_step(max_truth);
+    if (vacuous_bound(by_recipe, max_truth, n > 0)) {
+      r.status = by_recipe.status;
+      r.message = "recipe " + by_recipe.message;
+      return r;
+    }
+  } else if (vacuous_bound(r, max_truth, n > 0)) {
+    return r;
+  }
   r.status = max_abs <= r.bound ? Status::pass : Status::fail;
   if (r.status == Status::fail && worst >= 0) {
     const auto i = static_cast<std::size_t>(worst);

@@ -9,6 +9,7 @@
 #include <cfloat>
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <sstream>
 #include <string>
@@ -365,3 +366,30 @@ TEST(ReviewFindings, BertAndRobertaCasesHoldThePadTokenWherePadded) {
 }
 
 }  // namespace findings
+
+namespace docs {
+
+// docs/golden-format.md's table of vacuity limits ("Vacuous budgets") is the code's.
+TEST(Vacuity, TheDocsTableOfLimitsIsTheCode) {
+  std::ifstream in(kCorpus.parent_path() / "docs" / "golden-format.md");
+  std::string line;
+  bool in_table = false;
+  int rows = 0;
+  while (std::getline(in, line)) {
+    if (line.starts_with("| precision | vacuous above")) {
+      in_table = true;
+      continue;
+    }
+    if (!in_table || line.starts_with("|---")) continue;
+    if (!line.starts_with("| `")) break;
+    const auto name = line.substr(3, line.find('`', 3) - 3);
+    const double limit = std::stod(line.substr(line.rfind('|', line.size() - 2) + 1));
+    const bool recipe = line.find("where the recipe rule decides") != std::string::npos;
+    const Precision p = teo::parse_precision(name, "the docs' table");
+    EXPECT_EQ(limit, teo::golden::detail::vacuous_limit(p, recipe)) << line;
+    ++rows;
+  }
+  EXPECT_EQ(rows, 6) << "the table under \"Vacuous budgets\" in docs/golden-format.md";
+}
+
+}  // namespace docs

@@ -514,6 +514,20 @@ def test_check_options_precision_only_and_tolerances():
         teo.golden.check(g, cand, precision="fp4")
 
 
+def test_check_judges_a_precision_case_in_its_precision_and_says_why_not():
+    # attention_bf16's float32 outputs against the bf16 case: judged as bf16, its own precision
+    g = op_case("attention_bf16")
+    cand = {n: a for n, a in g.tensors.items() if n.startswith(("output.", "grad.input."))}
+    r = teo.golden.check(g, cand)
+    assert r.passed and r.precision == "bf16" and r.notes == []
+    # the same values as float16: the dtypes imply fp16, and the note says so
+    half = {n: a.astype(np.float16) for n, a in cand.items() if np.isfinite(a).all()}
+    r = teo.golden.check(g, half)
+    assert r.precision == "fp16"
+    assert len(r.notes) == 1 and "the golden is a bf16 case" in r.notes[0]
+    assert str(r).splitlines()[1] == "  note: " + r.notes[0]
+
+
 def test_check_fp8_recipe_k():
     # float32 outputs are more accurate than the fp8 recipe, but not what it computes: the recipe
     # rule fails them, and fp8_recipe_k=inf leaves the budget alone to judge them

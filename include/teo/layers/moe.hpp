@@ -1,0 +1,81 @@
+// A mixture-of-experts block's routed experts (docs/semantics.md, 19.2): the router's choice, the
+// (token, slot) pairs in the grouped layout the fused kernels use, each expert's gated FFN over
+// its rows through teo's GEMM, the combine, and the exact backward of all of it, the router's
+// gradient included. Shared experts are the dense FFN beside it (the caller's).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "teo/errors.hpp"
+#include "teo/layers/moe_router.hpp"
+
+namespace teo {
+
+// swiglu: h = silu(x W_gate^T + b_gate) * (x W_up^T + b_up) (Mixtral, Qwen, DeepSeek, Llama 4).
+// clamped_swiglu (gpt-oss): g = min(x W_gate^T + b_gate, limit), u = clamp(x W_up^T + b_up,
+// -limit, limit), h = (u + 1) * g * sigmoid(alpha g).
+enum class ExpertKind { swiglu, clamped_swiglu };
+
+struct MoeSpec {
+  RouterSpec router;
+  ExpertKind kind = ExpertKind::swiglu;
+  index_t d_model = 0, d_ff = 0;  // D, and each expert's F (moe_d_ff)
+  double alpha = 1.702, limit = 7.0;
+  // Where the routing weight multiplies: the expert's output (everyone), or its input (Llama 4,
+  // which is not the same through the nonlinear expert).
+  bool weight_at_input = false;
+  // ConfigError naming the key.
+  void validate() const;
+};
+
+// The block's parameters, not owned. Shapes: gate (E, D), gate_bias (E), correction (E);
+// w_gate, w_up (E, F, D), w_down (E, D, F); b_gate, b_up (E, F), b_down (E, D). Every bias and
+// the correction may be null. Expert weights are read through expert() only, so that a
+// quantized format can plug in there.
+template <class Real>
+struct MoeWeights {
+  const Real *gate = nullptr, *gate_bias = nullptr, *correction = nullptr;
+  const Real *w_gate = nullptr, *w_up = nullptr, *w_down = nullptr;
+  const Real *b_gate = nullptr, *b_up = nullptr, *b_down = nullptr;
+};
+
+// Their gradients, accumulated (+=), each the shape of its weight; null where the weight is.
+template <class Real>
+struct MoeGrads {
+  Real *gate = nullptr, *gate_bias = nullptr;
+  Real *w_gate = nullptr, *w_up = nullptr, *w_down = nullptr;
+  Real *b_gate = nullptr, *b_up = nullptr, *b_down = nullptr;
+};
+
+// The forward's results, in the grouped layout: the N = T k (token, slot) pairs sorted by expert,
+// stably by their index t k + j.
+template <class Real>
+struct MoeActs {
+  std::vector<Real> logits;  // (T, E)
+  Routing<Real> routing;
+  std::vector<std::int32_t> offsets;      // (E + 1): expert e's rows are [offsets[e], offsets[e+1])
+  std::vector<std::int32_t> source_rows;  // (N): the pair t k + j each row holds
+  std::vector<Real> expert_in;            // (N, D): x[t], times its weight with weight_at_input
+  std::vector<Real> gate_pre, up_pre;     // (N, F): the two projections, biases added
+  std::vector<Real> hidden;               // (N, F): the expert's middle, h
+  std::vector<Real> expert_out;           // (N, D): h W_down^T + b_down, before any weight
+  std::vector<Real> y;                    // (T, D)
+};
+
+// y[t] = sum over slots j = 0, 1, ..., k-1, in that order, of w_tj * expert_out[row of (t, j)]
+// (weight at the output), or of expert_out[row of (t, j)] (at the input). replay (T, k) or null:
+// the routing given (router::route's replay).
+template <class Real>
+void moe_forward(const MoeSpec& spec, const MoeWeights<Real>& w, const Real* x, index_t tokens,
+                 const std::int32_t* replay, MoeActs<Real>& acts);
+
+// dx (T, D), written: the gradient of sum(dy * y) + aux_coef * aux + z_coef * z, with aux and z
+// the router's load-balancing and z losses; the parameters' into g. Each expert's weight
+// gradients sum its rows in row order; an expert with no row has zero gradients.
+template <class Real>
+void moe_backward(const MoeSpec& spec, const MoeWeights<Real>& w, const Real* x, index_t tokens,
+                  const MoeActs<Real>& acts, const Real* dy, Real aux_coef, Real z_coef, Real* dx,
+                  MoeGrads<Real>& g);
+
+}  // namespace teo

@@ -105,12 +105,14 @@ double max_magnitude(const std::vector<double>& truth) {
 // A bound no smaller than the truth it judges passes a zero candidate: such a tensor is not
 // judged (vacuous), never passed. A noise-only tensor (the key bias gradient, 0 in exact
 // arithmetic) and a truth exactly 0 keep their own rules: there a zero is the right answer.
-// Returns whether r was made vacuous.
-bool vacuous_bound(TensorResult& r, double max_truth, bool noise_only) {
-  if (noise_only || !(max_truth > 0) || r.bound < max_truth) return false;
+// `what` names the bound in the message. Returns whether r was made vacuous.
+bool vacuous_bound(TensorResult& r, double bound, double max_truth, bool noise_only,
+                   const char* what = "bound") {
+  if (noise_only || !(max_truth > 0) || bound < max_truth) return false;
   r.status = Status::vacuous;
-  r.message = "bound vacuous: the bound " + num(r.bound) + " is at least the truth's largest " +
-              "magnitude " + num(max_truth) + ", so a zero would pass";
+  r.message = std::string(what) + " vacuous: the " + what + " " + num(bound) +
+              " is at least the truth's largest magnitude " + num(max_truth) +
+              ", so a zero would pass";
   return true;
 }
 
@@ -173,7 +175,7 @@ TensorResult check_tensor(const File& golden, const safetensors::Tensor& g,
                 " generation allows (the golden was written with --allow-ill-conditioned)";
     return r;
   }
-  if (vacuous_bound(r, max_magnitude(ref), n > 0)) return r;
+  if (vacuous_bound(r, r.bound, max_magnitude(ref), n > 0)) return r;
   r.status = max_abs <= r.bound ? Status::pass : Status::fail;
   if (r.status == Status::fail && worst >= 0) {
     const auto i = static_cast<std::size_t>(worst);
@@ -188,6 +190,12 @@ double bf16_step(double x) {
   int e = 0;
   std::frexp(x, &e);
   return x == 0 ? 0 : std::ldexp(1.0, std::max(e - 8, -133));
+}
+
+// What the fp8 recipe rule allows beyond one bf16 step: fp8_recipe_k of the emulated error, plus
+// float32 accumulation's 16 * 2^-24 of the scale.
+double recipe_allowance(const CheckOptions& opts, double emu_err, double scale) {
+  return opts.fp8_recipe_k * emu_err + 16 * std::ldexp(1.0, -24) * scale;
 }
 
 // Under fp8, a tensor within its budget still fails when it is off the emulated run by more than
@@ -211,7 +219,7 @@ void judge_recipe(TensorResult& r, const std::vector<double>& cv, const std::vec
   }
   r.recipe_distance = emu_err > 0 ? dist / emu_err : 0;
   if (!decides || std::isinf(opts.fp8_recipe_k) || at < 0) return;
-  const double allowed = opts.fp8_recipe_k * emu_err + 16 * std::ldexp(1.0, -24) * scale;
+  const double allowed = recipe_allowance(opts, emu_err, scale);
   if (!(dist > allowed)) return;
   const auto i = static_cast<std::size_t>(at);
   r.status = Status::fail;
@@ -285,16 +293,9 @@ TensorResult judge_budget(const File& golden, const safetensors::Tensor& g,
   const bool recipe_decides =
       p == Precision::fp8 && recipe_rule && std::isfinite(opts.fp8_recipe_k);
   const double max_truth = max_magnitude(truth);
-  if (recipe_decides) {
-    TensorResult by_recipe = r;
-    by_recipe.bound =
-        opts.fp8_recipe_k * emu_err + 16 * std::ldexp(1.0, -24) * scale + bf16_step(max_truth);
-    if (vacuous_bound(by_recipe, max_truth, n > 0)) {
-      r.status = by_recipe.status;
-      r.message = "recipe " + by_recipe.message;
-      return r;
-    }
-  } else if (vacuous_bound(r, max_truth, n > 0)) {
+  const double judging =
+      recipe_decides ? recipe_allowance(opts, emu_err, scale) + bf16_step(max_truth) : r.bound;
+  if (vacuous_bound(r, judging, max_truth, n > 0, recipe_decides ? "recipe allowance" : "bound")) {
     return r;
   }
   r.status = max_abs <= r.bound ? Status::pass : Status::fail;

@@ -63,8 +63,7 @@ void CorpusWriter::stage(
     const std::string& dir, const std::vector<std::string>& names, std::ostream& log,
     const std::function<std::pair<std::string, std::string>(std::size_t)>& make) {
   namespace fs = std::filesystem;
-  log_ = &log;
-  Dir d{dir, nlohmann::ordered_json::array(), 0, names.size()};
+  Dir d{dir, nlohmann::ordered_json::array(), 0};
   for (std::size_t i = 0; i < names.size(); ++i) {
     const auto [bytes, description] = make(i);
     const std::string file = names[i] + ".safetensors";
@@ -86,7 +85,7 @@ void CorpusWriter::stage(
   dirs_.push_back(std::move(d));
 }
 
-void CorpusWriter::commit() {
+void CorpusWriter::commit(std::ostream& log) {
   namespace fs = std::filesystem;
   for (auto& f : files_) {
     const int fd = std::exchange(f.fd, -1);  // commit_temp closes it, or removes the file
@@ -97,10 +96,11 @@ void CorpusWriter::commit() {
     manifest["format"] = "teo-golden-manifest/1";
     manifest["teo_version"] = TEO_VERSION;
     manifest["total_bytes"] = d.total;
+    const std::size_t cases = d.files.size();
     manifest["files"] = std::move(d.files);
     write_file_atomic((fs::path(d.dir) / "manifest.json").string(), manifest.dump(2) + "\n",
                       /*overwrite=*/true);
-    if (log_) *log_ << d.dir << ": " << d.cases << " cases, " << d.total << " bytes\n";
+    log << d.dir << ": " << cases << " cases, " << d.total << " bytes\n";
   }
   files_.clear();
   dirs_.clear();
@@ -125,7 +125,7 @@ void generate_op_corpus(const std::string& dir, std::ostream& log, bool overwrit
   }
   detail::CorpusWriter writer;
   detail::stage_op_corpus(dir, log, writer);
-  writer.commit();
+  writer.commit(log);
 }
 
 }  // namespace teo::golden

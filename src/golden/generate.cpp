@@ -687,7 +687,7 @@ void generate_corpus(const std::string& dir, std::ostream& log, bool overwrite) 
     return std::pair{safetensors::serialize(make(entries[i].spec)), entries[i].description};
   });
   if (have_ops) detail::stage_op_corpus(ops.string(), log, writer);
-  writer.commit();
+  writer.commit(log);
 }
 
 }  // namespace teo::golden

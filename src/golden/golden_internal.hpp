@@ -239,7 +239,7 @@ class CorpusWriter {
   // Writes <dir>/<names[i]>.safetensors's bytes from make(i) = {bytes, description}, staged.
   void stage(const std::string& dir, const std::vector<std::string>& names, std::ostream& log,
              const std::function<std::pair<std::string, std::string>(std::size_t)>& make);
-  void commit();
+  void commit(std::ostream& log);
 
  private:
   struct File {
@@ -248,13 +248,11 @@ class CorpusWriter {
   };
   struct Dir {
     std::string dir;
-    nlohmann::ordered_json files;
+    nlohmann::ordered_json files;  // the manifest's entries
     std::uint64_t total = 0;
-    std::size_t cases = 0;
   };
   std::vector<File> files_;
   std::vector<Dir> dirs_;
-  std::ostream* log_ = nullptr;
 };
 
 // Stages every case of the op corpus <dir>/cases.json into `writer`.

@@ -8,6 +8,8 @@
 #include <cmath>
 #include <string>
 
+#include "layers/logistic.hpp"
+
 #include "teo/layers/feed_forward.hpp"
 #include "teo/layers/linear.hpp"
 
@@ -31,21 +33,21 @@ std::size_t at(index_t i) {
   return static_cast<std::size_t>(i);
 }
 
-// Expert e's slice of a (E, rows, cols) weight, or null: the one place expert weights are read.
-template <class Real>
-const Real* expert(const Real* w, index_t e, index_t rows, index_t cols) {
-  return w ? w + e * rows * cols : nullptr;
-}
-template <class Real>
-Real* expert(Real* w, index_t e, index_t rows, index_t cols) {
+// Expert e's slice of a (E, rows, cols) weight or gradient, or null: the one place expert weights
+// are read.
+template <class P>
+P* expert(P* w, index_t e, index_t rows, index_t cols) {
   return w ? w + e * rows * cols : nullptr;
 }
 
-template <class Real>
-Real sigmoid(Real x) {
-  if (x >= 0) return Real(1) / (Real(1) + std::exp(-x));
-  const Real e = std::exp(x);
-  return e / (Real(1) + e);
+using detail::sigmoid;
+
+// The inverse of source_rows: the row that holds each pair.
+std::vector<index_t> rows_of_pairs(const std::vector<std::int32_t>& source_rows) {
+  std::vector<index_t> row_of(source_rows.size());
+  for (std::size_t r = 0; r < source_rows.size(); ++r)
+    row_of[at(source_rows[r])] = static_cast<index_t>(r);
+  return row_of;
 }
 
 }  // namespace
@@ -100,8 +102,7 @@ void moe_forward(const MoeSpec& spec, const MoeWeights<Real>& w, const Real* x, 
                    expert(w.b_down, e, 1, D), n, F, D);
   }
   // the combine: each token's slots in order
-  std::vector<index_t> row_of(at(N));
-  for (index_t r = 0; r < N; ++r) row_of[at(a.source_rows[at(r)])] = r;
+  const std::vector<index_t> row_of = rows_of_pairs(a.source_rows);
   a.y.assign(at(tokens * D), Real(0));
   for (index_t t = 0; t < tokens; ++t) {
     for (index_t j = 0; j < k; ++j) {
@@ -168,8 +169,7 @@ void moe_backward(const MoeSpec& spec, const MoeWeights<Real>& w, const Real* x,
                     expert(w.w_up, e, F, D), n, D, F, GradWrite::accumulate);
   }
   // back to the tokens, slots in order; with the weight at the input, its gradient too
-  std::vector<index_t> row_of(at(N));
-  for (index_t r = 0; r < N; ++r) row_of[at(a.source_rows[at(r)])] = r;
+  const std::vector<index_t> row_of = rows_of_pairs(a.source_rows);
   std::fill(dx, dx + tokens * D, Real(0));
   for (index_t t = 0; t < tokens; ++t) {
     for (index_t j = 0; j < k; ++j) {

@@ -8,6 +8,8 @@
 #include <numeric>
 #include <string>
 
+#include "layers/logistic.hpp"
+
 namespace teo {
 
 void RouterSpec::validate() const {
@@ -38,13 +40,7 @@ void RouterSpec::validate() const {
 
 namespace {
 
-template <class Real>
-Real sigmoid(Real x) {
-  // exp of a non-positive value only: no overflow
-  if (x >= 0) return Real(1) / (Real(1) + std::exp(-x));
-  const Real e = std::exp(x);
-  return e / (Real(1) + e);
-}
+using detail::sigmoid;
 
 // softmax of n values into y, summed in index order.
 template <class Real>

@@ -1,4 +1,5 @@
-// What the checker's tests share: a report's row by name, and options judging as fp8.
+// What the checker's tests share: a report's row by name, options judging as fp8, and an
+// ill-conditioned case.
 #pragma once
 
 #include <stdexcept>
@@ -21,6 +22,19 @@ inline CheckOptions fp8() {
   CheckOptions o;
   o.precision = Precision::fp8;
   return o;
+}
+
+// `base` made ill-conditioned in float32: post-norm with d_model 2, so every LayerNorm output is
+// +-1 and max pooling ties. Generation refuses it without --allow-ill-conditioned.
+inline Case ill_conditioned(Case base) {
+  base.config.d_model = 2;
+  base.config.num_heads = 1;
+  base.config.num_kv_heads.reset();
+  base.config.norm_first = false;
+  base.config.pooling = Pooling::max;
+  base.dtype = "float32";
+  base.precision.reset();
+  return base;
 }
 
 }  // namespace teo::golden::test_support

@@ -19,7 +19,9 @@
 #include <vector>
 
 #include <gtest/gtest.h>
+
 #include <nlohmann/json.hpp>
+#include "check_support.hpp"
 
 #include "golden/naive_backend.hpp"
 #include "support.hpp"
@@ -118,14 +120,7 @@ TEST(GoldenGenerateFile, StreamsMakesBytesAndLeavesNothingWhenStopped) {
     for (const auto& e : fs::directory_iterator(dir)) n += e.is_regular_file() ? 1 : 0;
     return n;
   };
-  golden::Case ill = corpus().front().spec;
-  ill.config.d_model = 2;  // post-norm: every LayerNorm output is +-1, so max pooling ties
-  ill.config.num_heads = 1;
-  ill.config.num_kv_heads.reset();
-  ill.config.norm_first = false;
-  ill.config.pooling = teo::Pooling::max;
-  ill.dtype = "float32";
-  ill.precision.reset();
+  const golden::Case ill = golden::test_support::ill_conditioned(corpus().front().spec);
   golden::GenerateOptions opts;
   opts.overwrite = true;
   opts.allow_ill_conditioned = true;

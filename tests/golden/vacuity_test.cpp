@@ -17,6 +17,7 @@
 
 #include "check_support.hpp"
 #include "golden/golden_internal.hpp"
+#include "support.hpp"
 #include "teo/config.hpp"
 #include "teo/errors.hpp"
 #include "teo/golden.hpp"
@@ -218,17 +219,10 @@ TEST(Vacuity, APrecisionCaseIsJudgedInItsOwnPrecisionByDefault) {
 // ---- an ill-conditioned golden ------------------------------------------------------------------
 
 TEST(Vacuity, AnIllConditionedGoldenSaysSoAndDoesNotJudgeItsIllConditionedTensors) {
-  // post-norm with d_model 2: every LayerNorm output is +-1, so max pooling ties
   const auto cases = teo::golden::read_corpus_cases((kCorpus / "cases.json").string());
-  teo::golden::Case ill = cases.front().spec;
-  ill.config.d_model = 2;
-  ill.config.num_heads = 1;
-  ill.config.num_kv_heads.reset();
-  ill.config.norm_first = false;
-  ill.config.pooling = teo::Pooling::max;
-  ill.dtype = "float32";
-  ill.precision.reset();
-  const st::File g = teo::golden::make(ill, /*allow_ill_conditioned=*/true);
+  const st::File g =
+      teo::golden::make(teo::golden::test_support::ill_conditioned(cases.front().spec),
+                        /*allow_ill_conditioned=*/true);
   ASSERT_NE(g.meta("ill_conditioned"), nullptr);
   const double limit = teo::golden::detail::conditioning_limit(g);
   const CaseReport zero = teo::golden::check(g,
@@ -308,13 +302,8 @@ TEST(ReviewFindings, TheDecoderLayerRefusesAReducedPrecisionByName) {
   nlohmann::json spec = nlohmann::json::parse(
       R"({"op": "decoder_layer", "batch": 2, "seq_len": 3, "memory_len": 4, "d_model": 4,
           "num_heads": 2, "d_ff": 6, "dtype": "float32", "seed": 1, "precision": "bf16"})");
-  try {
-    teo::golden::OpCase::from_json(spec);
-    ADD_FAILURE() << "a bf16 decoder_layer case was accepted";
-  } catch (const teo::ConfigError& e) {
-    EXPECT_NE(std::string(e.what()).find("emulates no reduced precision"), std::string::npos)
-        << e.what();
-  }
+  teo::test::expect_throw<teo::ConfigError>([&] { teo::golden::OpCase::from_json(spec); },
+                                            "emulates no reduced precision");
   const st::File g = st::read((kCorpus / "ops" / "decoder_layer_bart_f32.safetensors").string());
   EXPECT_THROW(teo::golden::run_op(g, Precision::bf16), teo::ConfigError);
   CheckOptions bf16;

@@ -34,10 +34,7 @@ st::File mutant_of(const st::File& golden, Mutant m) {
   const bool op = teo::golden::is_op_file(golden);
   st::File c;
   for (const auto& t : golden.tensors) {
-    const bool judged = op ? t.name.starts_with("output.") || t.name.starts_with("grad.input.") ||
-                                 t.name.starts_with("grad.param.")
-                           : t.name.starts_with("act.") || t.name.starts_with("grad.");
-    if (!judged) continue;
+    if (!teo::golden::detail::is_judged(t.name, op)) continue;
     auto v = t.float_values();
     // a masked score's -inf stays: a zero there fails as a NaN/Inf mismatch, which would hide
     // whether the finite values are judged
@@ -67,9 +64,8 @@ std::string precision_of(const st::File& g) {
   const bool op = teo::golden::is_op_file(g);
   const auto p = op ? teo::golden::op_case_of(g).precision : teo::golden::case_of(g).precision;
   if (p) return teo::to_string(*p);
-  const bool f32 = op ? teo::golden::op_case_of(g).dtype == "float32"
-                      : teo::golden::case_of(g).dtype == "float32";
-  return f32 ? "fp32" : "fp64";
+  const auto dtype = op ? teo::golden::op_case_of(g).dtype : teo::golden::case_of(g).dtype;
+  return dtype == "float32" ? "fp32" : "fp64";
 }
 
 struct Tally {

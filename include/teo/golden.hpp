@@ -208,7 +208,10 @@ struct CheckOptions {
   std::function<void(const std::string& what, bool detail)> progress;
 };
 
-enum class Status { pass, fail, not_checked, vacuous };
+// ambiguous: a routed case's tensor that depends, as a whole, on the routing of a token the
+// candidate routed otherwise within the tolerance of its precision (docs/golden-format.md,
+// "Routing"), and output.topk_ids when only such tokens differ: neither passed nor failed.
+enum class Status { pass, fail, not_checked, vacuous, ambiguous };
 
 struct TensorResult {
   std::string name;  // "act.layers.0.probs", "grad.head.weight", ...
@@ -234,6 +237,19 @@ struct TensorResult {
   std::string mismatch;
   // A candidate name not in the golden: the closest golden name, or "".
   std::string suggestion;
+  // A routed case's tensor judged without the rows of its ambiguous tokens: which ("" when none
+  // was left out).
+  std::string excluded;
+};
+
+// A token a routed case's candidate routed otherwise than the golden, within the tolerance of the
+// judged precision: a disagreement of rounding, not a wrong expert.
+struct AmbiguousToken {
+  std::string layer;  // "" in an op case
+  std::int64_t token = 0;
+  double margin = 0;                            // the golden's selection margin
+  double tolerance = 0;                         // what the judged precision can move it by
+  std::vector<std::int64_t> golden, candidate;  // the experts chosen, in slot order
 };
 
 struct CaseReport {
@@ -250,7 +266,10 @@ struct CaseReport {
   // operand is a golden input (the linear op); elsewhere recipe_distance is reported, not judged.
   bool recipe_rule = false;
   std::uint64_t emulated_bytes = 0;  // the memory the emulated run's tensors took (budget only)
-  int passed = 0, failed = 0, not_checked = 0, vacuous = 0;
+  int passed = 0, failed = 0, not_checked = 0, vacuous = 0, ambiguous = 0;
+  // Routed cases: the tokens routed otherwise within the tolerance (each tensor they
+  // contaminate is ambiguous as a whole, or judged without their rows).
+  std::vector<AmbiguousToken> ambiguous_tokens;
   // Op cases: optional outputs (attention's scores and probs) the candidate does not hold. They
   // are not in `tensors` and never count against it.
   std::vector<std::string> optional_missing;

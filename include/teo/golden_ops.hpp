@@ -87,6 +87,7 @@ struct ContractTensor {
   std::string name;
   std::vector<std::int64_t> shape;
   bool optional = false;
+  bool integer = false;  // I32 (the experts a router chose), else the case's float type
 };
 std::vector<ContractTensor> op_contract(const OpCase& c);
 

@@ -11,6 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "golden/check_routing.hpp"
 #include "golden_internal.hpp"
 #include "teo/golden_ops.hpp"
 #include "teo/names.hpp"
@@ -40,11 +41,7 @@ std::string index_str(std::int64_t flat, const std::vector<std::int64_t>& shape)
   return s + "]";
 }
 
-std::string num(double v) {
-  std::ostringstream os;
-  os << std::setprecision(17) << v;
-  return os.str();
-}
+using detail::full_digits;
 
 bool same_nonfinite(double g, double c) {
   if (std::isnan(g)) return std::isnan(c);
@@ -110,8 +107,8 @@ bool vacuous_bound(TensorResult& r, double bound, double max_truth, bool noise_o
                    const char* what = "bound") {
   if (noise_only || !(max_truth > 0) || bound < max_truth) return false;
   r.status = Status::vacuous;
-  r.message = std::string(what) + " vacuous: the " + what + " " + num(bound) +
-              " is at least the truth's largest magnitude " + num(max_truth) +
+  r.message = std::string(what) + " vacuous: the " + what + " " + full_digits(bound) +
+              " is at least the truth's largest magnitude " + full_digits(max_truth) +
               ", so a zero would pass";
   return true;
 }
@@ -162,16 +159,16 @@ TensorResult check_tensor(const File& golden, const safetensors::Tensor& g,
     const auto i = static_cast<std::size_t>(nonfinite_at);
     r.status = Status::fail;
     r.message = std::to_string(nonfinite_count) + " NaN/Inf mismatch(es), first at " +
-                index_str(nonfinite_at, g.shape) + ": candidate " + num(cv[i]) + ", golden " +
-                num(gv[i]);
+                index_str(nonfinite_at, g.shape) + ": candidate " + full_digits(cv[i]) +
+                ", golden " + full_digits(gv[i]);
     return r;
   }
   // teo's own float32 run is off its float64 truth by more than generation allows (a golden
   // written with --allow-ill-conditioned): its error says nothing about a candidate's.
   if (f32 && teo_err > ill_conditioned_limit * scale) {
     r.status = Status::vacuous;
-    r.message = "ill-conditioned: teo's own float32 error is " + num(teo_err / scale) +
-                " of the scale, above the " + num(ill_conditioned_limit) +
+    r.message = "ill-conditioned: teo's own float32 error is " + full_digits(teo_err / scale) +
+                " of the scale, above the " + full_digits(ill_conditioned_limit) +
                 " generation allows (the golden was written with --allow-ill-conditioned)";
     return r;
   }
@@ -179,8 +176,8 @@ TensorResult check_tensor(const File& golden, const safetensors::Tensor& g,
   r.status = max_abs <= r.bound ? Status::pass : Status::fail;
   if (r.status == Status::fail && worst >= 0) {
     const auto i = static_cast<std::size_t>(worst);
-    r.message = "worst at " + index_str(worst, g.shape) + ": candidate " + num(cv[i]) +
-                ", reference " + num(ref[i]);
+    r.message = "worst at " + index_str(worst, g.shape) + ": candidate " + full_digits(cv[i]) +
+                ", reference " + full_digits(ref[i]);
   }
   return r;
 }
@@ -224,9 +221,9 @@ void judge_recipe(TensorResult& r, const std::vector<double>& cv, const std::vec
   const auto i = static_cast<std::size_t>(at);
   r.status = Status::fail;
   r.message = "off the fp8 recipe: |candidate - emulated| beyond one bf16 step is " +
-              num(r.recipe_distance) + " of the emulated error (allowed " + num(opts.fp8_recipe_k) +
-              "), at " + index_str(at, shape) + ": candidate " + num(cv[i]) + ", emulated " +
-              num(emu[i]);
+              full_digits(r.recipe_distance) + " of the emulated error (allowed " +
+              full_digits(opts.fp8_recipe_k) + "), at " + index_str(at, shape) + ": candidate " +
+              full_digits(cv[i]) + ", emulated " + full_digits(emu[i]);
 }
 
 // One tensor under a reduced precision p: err(candidate) <= k * err(emulated) + floor * u * scale
@@ -275,8 +272,8 @@ TensorResult judge_budget(const File& golden, const safetensors::Tensor& g,
     const auto i = static_cast<std::size_t>(nonfinite_at);
     r.status = Status::fail;
     r.message = std::to_string(nonfinite_count) + " NaN/Inf mismatch(es), first at " +
-                index_str(nonfinite_at, g.shape) + ": candidate " + num(cv[i]) + ", truth " +
-                num(truth[i]);
+                index_str(nonfinite_at, g.shape) + ": candidate " + full_digits(cv[i]) +
+                ", truth " + full_digits(truth[i]);
     return r;
   }
   if (emu_err > detail::vacuous_limit(p, recipe_rule) * scale || !behind_tie.empty()) {
@@ -285,7 +282,7 @@ TensorResult judge_budget(const File& golden, const safetensors::Tensor& g,
                     ? "budget vacuous: behind the max-pooling argmax of " + behind_tie +
                           ", which the " + to_string(p) + " budget does not resolve"
                     : "budget vacuous: the emulated " + std::string(to_string(p)) + " error is " +
-                          num(r.emulated_err) + " of the scale";
+                          full_digits(r.emulated_err) + " of the scale";
     return r;
   }
   // Where the fp8 recipe rule decides it judges too: a zero is off the recipe unless the rule's
@@ -301,8 +298,8 @@ TensorResult judge_budget(const File& golden, const safetensors::Tensor& g,
   r.status = max_abs <= r.bound ? Status::pass : Status::fail;
   if (r.status == Status::fail && worst >= 0) {
     const auto i = static_cast<std::size_t>(worst);
-    r.message = "worst at " + index_str(worst, g.shape) + ": candidate " + num(cv[i]) + ", truth " +
-                num(truth[i]) + ", emulated " + num(emu[i]);
+    r.message = "worst at " + index_str(worst, g.shape) + ": candidate " + full_digits(cv[i]) +
+                ", truth " + full_digits(truth[i]) + ", emulated " + full_digits(emu[i]);
     return r;
   }
   if (p == Precision::fp8) judge_recipe(r, cv, emu, emu_err, scale, opts, g.shape, recipe_rule);
@@ -546,6 +543,16 @@ CaseReport check(const File& golden, const File& candidate, const CheckOptions& 
   rep.recipe_rule = budget && p == Precision::fp8 && op && std::isfinite(opts.fp8_recipe_k) &&
                     detail::fp8_operands_are_inputs(op_case_of(golden).op);
   for (const auto& [n, v] : emu) rep.emulated_bytes += v.size() * sizeof(double);
+  // A routed case: its routing first, token by token (the emulated run replays the golden's)
+  const auto routed = op ? detail::routed_case(golden) : std::nullopt;
+  std::optional<detail::RoutingJudgement> routing;
+  if (routed) {
+    routing = detail::judge_routing(golden, candidate, *routed, f32,
+                                    budget ? p
+                                    : f32  ? Precision::fp32
+                                           : Precision::fp64);
+    rep.ambiguous_tokens = routing->ambiguous;
+  }
   std::size_t judged = 0, at = 0;
   for (const auto& g : golden.tensors) judged += wanted(g.name, opts.only, op) ? 1 : 0;
   for (const auto& g : golden.tensors) {
@@ -560,14 +567,37 @@ CaseReport check(const File& golden, const File& candidate, const CheckOptions& 
       rep.optional_missing.push_back(g.name);
       continue;
     }
-    if (budget) {
+    // what ambiguous tokens contaminate: as a whole (not judged), or row by row (left out)
+    const auto dependence = routing && !routing->rows.empty() && c
+                                ? routed->dependence(g.name)
+                                : detail::RoutingDependence::none;
+    std::optional<safetensors::Tensor> patched;
+    if (dependence == detail::RoutingDependence::token_rows && g.dtype != DType::I32 &&
+        safetensors::is_float(c->dtype) && c->shape == g.shape && (budget || c->dtype == g.dtype)) {
+      patched = detail::without_rows(*c, g, routing->rows, budget ? DType::F64 : c->dtype);
+    }
+    const safetensors::Tensor* judged_c = patched ? &*patched : c;
+    if (routing && g.name == "output.topk_ids") {
+      rep.tensors.push_back(routing->ids);
+    } else if (dependence == detail::RoutingDependence::whole) {
+      TensorResult r;
+      r.name = g.name;
+      r.status = Status::ambiguous;
+      r.message = "not judged: it depends on the routing of the ambiguous token(s) " +
+                  detail::tokens_str(routing->rows);
+      rep.tensors.push_back(r);
+    } else if (budget) {
       const auto e = emu.find(g.name);
       if (e == emu.end()) throw FormatError("the golden's " + g.name + " is not in the contract");
-      rep.tensors.push_back(judge_budget(golden, g, c, f32, e->second, p, opts,
+      rep.tensors.push_back(judge_budget(golden, g, judged_c, f32, e->second, p, opts,
                                          !op && detail::behind_pooling_argmax(g.name) ? tie : "",
                                          rep.recipe_rule));
     } else {
-      rep.tensors.push_back(check_tensor(golden, g, c, f32, opts, ill_limit));
+      rep.tensors.push_back(check_tensor(golden, g, judged_c, f32, opts, ill_limit));
+    }
+    if (patched) {
+      rep.tensors.back().excluded =
+          "the rows of the ambiguous token(s) " + detail::tokens_str(routing->rows) + " left out";
     }
     detail::release_judged(golden, g);
     if (c) safetensors::release(*c);
@@ -579,13 +609,14 @@ CaseReport check(const File& golden, const File& candidate, const CheckOptions& 
     }
     if (r.status == Status::not_checked) ++rep.not_checked;
     if (r.status == Status::vacuous) ++rep.vacuous;
+    if (r.status == Status::ambiguous) ++rep.ambiguous;
   }
   judge_names(golden, candidate, opts, op, rep);
   return rep;
 }
 
 Verdict verdict(const std::vector<CaseReport>& reports, bool require_all) {
-  int failed = 0, passed = 0, not_checked = 0, vacuous = 0;
+  int failed = 0, passed = 0, not_checked = 0, vacuous = 0, ambiguous = 0;
   std::string orphans, examined;
   int examined_count = 0;
   for (const auto& r : reports) {
@@ -597,6 +628,7 @@ Verdict verdict(const std::vector<CaseReport>& reports, bool require_all) {
     passed += r.passed;
     not_checked += r.not_checked;
     vacuous += r.vacuous;
+    ambiguous += r.ambiguous;
     if (!r.no_candidate && ++examined_count <= 3)
       examined += (examined.empty() ? "" : ", ") + r.candidate_path;
   }
@@ -605,7 +637,10 @@ Verdict verdict(const std::vector<CaseReport>& reports, bool require_all) {
     return {1, "candidate file(s) with no golden of their name: " + orphans +
                    " (--allow-extra accepts them)"};
   }
-  if (passed == 0 && vacuous > 0) return {1, "every judged tensor's budget is vacuous"};
+  if (passed == 0 && vacuous > 0 && ambiguous == 0)
+    return {1, "every judged tensor's budget is vacuous"};
+  if (passed == 0 && ambiguous > 0)
+    return {1, "no tensor passed: every judged one is vacuous or ambiguous by routing"};
   if (passed == 0 && examined_count == 0)
     return {1, "nothing was checked: no golden has a candidate file of its name"};
   if (passed == 0) {
@@ -622,9 +657,21 @@ Verdict verdict(const std::vector<CaseReport>& reports, bool require_all) {
     return {1, std::to_string(vacuous) +
                    " tensor(s) with a vacuous budget (not judged), and --require-all was given"};
   }
-  if (vacuous > 0) {
-    return {0, "warning: " + std::to_string(vacuous) +
-                   " tensor(s) with a vacuous budget were not judged"};
+  if (require_all && ambiguous > 0) {
+    return {1, std::to_string(ambiguous) +
+                   " tensor(s) ambiguous by routing (not judged), and --require-all was given: "
+                   "router replay (input.moe.topk_ids) judges the experts alone"};
+  }
+  if (vacuous > 0 || ambiguous > 0) {
+    std::string w = "warning: ";
+    if (vacuous > 0)
+      w += std::to_string(vacuous) + " tensor(s) with a vacuous budget were not judged";
+    if (vacuous > 0 && ambiguous > 0) w += "; ";
+    if (ambiguous > 0) {
+      w += std::to_string(ambiguous) +
+           " tensor(s) ambiguous by routing were not judged (router replay judges the experts)";
+    }
+    return {0, w};
   }
   return {};
 }

@@ -3,8 +3,11 @@
 
 #include <cstddef>
 #include <functional>
+#include <iomanip>
+#include <optional>
 #include <ostream>
 #include <set>
+#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -15,6 +18,7 @@
 #include "teo/files.hpp"
 #include "teo/fp8.hpp"
 #include "teo/golden.hpp"
+#include "teo/layers/moe_router.hpp"
 
 namespace teo::golden {
 struct OpCase;
@@ -32,6 +36,28 @@ void write_fp8_keys(Json& j, const Fp8Recipe& r);
 // Whether every fp8 operand of the op named `op` is one of its case's inputs (the linear op): the
 // recipe rule decides there, and delayed scales apply.
 bool fp8_operands_are_inputs(const std::string& op);
+
+// v with every digit a double has ("0.10000000000000001"), as the checker's messages write numbers.
+inline std::string full_digits(double v) {
+  std::ostringstream os;
+  os << std::setprecision(17) << v;
+  return os.str();
+}
+
+// How a routed case's result depends on its tokens' routing: not at all (the logits, the scores
+// before the choice), row by row (its first dimension is the token: the chosen weights, y), or
+// as a whole (the grouped layout, the gradients of the experts and the gate, the aux loss).
+enum class RoutingDependence { none, token_rows, whole };
+// A routed op case (moe_router, moe): what the checker needs to judge its routing
+// (docs/golden-format.md, "Routing").
+struct RoutedCase {
+  RouterSpec router;
+  index_t tokens = 0, d_model = 0;
+  bool replayed = false;  // the case gives input.moe.topk_ids
+  std::function<RoutingDependence(const std::string& name)> dependence;
+};
+// The routing of an op case whose op routes, or nothing.
+std::optional<RoutedCase> routed_case(const safetensors::File& golden);
 
 // A float32 golden's tolerance for its own error against float64: at most
 // kIllConditioned * FLT_EPSILON * sqrt(L) relative to each tensor's scale, where L is the case's

@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "golden/ops/op.hpp"
+#include "golden/ops/router_spec.hpp"
 #include "golden_internal.hpp"
 #include "kernels/parallel.hpp"
 #include "model/model_internal.hpp"
@@ -37,7 +38,7 @@ const std::vector<const OpDef*>& registry() {
       &activation_op(),      &ffn_op(),        &attention_op(),       &attention_kvcache_op(),
       &attention_merge_op(), &embedding_op(),  &patch_embedding_op(), &pooling_op(),
       &cross_entropy_op(),   &lm_head_op(),    &dropout_op(),         &encoder_layer_op(),
-      &decoder_layer_op()};
+      &decoder_layer_op(),   &moe_router_op()};
   return ops;
 }
 
@@ -52,41 +53,17 @@ const OpDef& op_named(const std::string& name) {
                     all + ")");
 }
 
-// The attention ops' positions: inside attention only (none, rope or alibi, default none). RoPE
-// takes its rotary_dim from d_head, and its scaling's original context from seq_len, unless given;
-// both are then spelled out in the normalised spec.
-void parse_rows_cols(Spec& s, Reader& r) {
-  s.rows = r.size("rows", 0);
-  s.cols = r.size("cols", 1);
-}
-
-void write_rows_cols(const Spec& s, ojson& j) {
-  j["rows"] = s.rows;
-  j["cols"] = s.cols;
-}
-
-void parse_rows_d_model(Spec& s, Reader& r) {
-  s.rows = r.size("rows", 0);
-  s.cols = r.size("d_model", 1);
-}
-
-void write_rows_d_model(const Spec& s, ojson& j) {
-  j["rows"] = s.rows;
-  j["d_model"] = s.cols;
-}
-
-void attention_positions(Spec& s, const char* op) {
-  EncoderConfig& c = s.cfg;
+void attention_positions(EncoderConfig& c, index_t d_head, index_t longest, const char* op) {
   if (c.positional == Positional::sinusoidal || c.positional == Positional::learned) {
     throw ConfigError(std::string("spec.positional of the ") + op +
                       " op is \"none\", \"rope\" or \"alibi\", got \"" + to_string(c.positional) +
                       "\"");
   }
   if (c.positional != Positional::rope) return;
-  const index_t r = c.rotary_dim.value_or(s.d_head);
-  if (r % 2 != 0 || r > s.d_head) {
-    throw ConfigError("spec.rotary_dim must be even and in [0, d_head = " +
-                      std::to_string(s.d_head) + "], got " + std::to_string(r));
+  const index_t r = c.rotary_dim.value_or(d_head);
+  if (r % 2 != 0 || r > d_head) {
+    throw ConfigError("spec.rotary_dim must be even and in [0, d_head = " + std::to_string(d_head) +
+                      "], got " + std::to_string(r));
   }
   if (c.rope_scaling.type == RopeScalingType::ntk && r == 2) {
     throw ConfigError("spec.rope_scaling of type \"ntk\" needs rotary_dim > 2");
@@ -94,7 +71,7 @@ void attention_positions(Spec& s, const char* op) {
   c.rotary_dim = r;
   const auto t = c.rope_scaling.type;
   if ((t == RopeScalingType::ntk || t == RopeScalingType::yarn) && !c.rope_scaling.original_max_len)
-    c.rope_scaling.original_max_len = std::max(s.seq, s.kv_seq);
+    c.rope_scaling.original_max_len = longest;
 }
 
 namespace {
@@ -103,27 +80,11 @@ Spec parse_spec(const OpDef& def, Reader& r) {
   Spec s;
   s.def = &def;
   r.for_op(&def);
-  s.cfg = r.config(def.config_keys, def.base_config);
   def.parse(s, r);
-  if (def.lengths_key && !s.own_lengths) {
-    // visible entries per row, else lengths per sequence
-    const bool rows = def.lengths_per_row;
-    s.lengths = r.prefix_lengths(def.lengths_key, rows ? s.rows : s.batch, rows ? s.cols : s.seq,
-                                 s.full_lengths);
-  }
   return s;
 }
 
 void fill_defaults(Spec& s) {
-  if (s.full_lengths) {
-    s.lengths.assign(static_cast<std::size_t>(s.full_lengths->first), s.full_lengths->second);
-    s.full_lengths.reset();
-  }
-  if (s.full_kv_lengths) {
-    s.kv_lengths.assign(static_cast<std::size_t>(s.full_kv_lengths->first),
-                        s.full_kv_lengths->second);
-    s.full_kv_lengths.reset();
-  }
   if (s.def->fill) s.def->fill(s);
 }
 
@@ -134,8 +95,7 @@ ojson spec_json(const Spec& s, const OpCase& c) {
   ojson j;
   j["op"] = c.op;
   def.write_sizes(s, j);
-  if (def.lengths_key && !s.own_lengths) j[def.lengths_key] = s.lengths;
-  const json cfg = s.cfg.to_json();
+  const json cfg = def.config_of ? def.config_of(s)->to_json() : json::object();
   // The variants' keys are spelled out when in use, as the model config writes them; so is the
   // positional of the ops whose default is none.
   const bool none_default = def.base_config.value("positional", "") == "none";
@@ -203,7 +163,7 @@ std::vector<Slot> layout(const Spec& s) {
   for (const auto& x : out) all.push_back(x);
   if (s.def->forward_only) return all;
   for (const auto& x : out) {
-    if (x.optional) continue;  // no gradient flows into an optional output
+    if (x.optional || x.no_grad) continue;  // no gradient flows into these
     all.push_back(float_slot("grad." + x.name, x.shape, Role::grad_output));
   }
   for (const auto& x : in) {
@@ -264,11 +224,15 @@ void check_range(const std::vector<std::int64_t>& v, std::int64_t hi, const std:
 }
 
 const std::vector<std::int64_t>* spec_ints(const Spec& s, const std::string& name) {
-  if (name == "input.lengths" || name == "input.q_lengths") return &s.lengths;
-  if (name == "input.kv_lengths" || name == "input.memory_lengths") return &s.kv_lengths;
-  if (name == "input.cache_lengths") return &s.kv.cache_lengths;
-  if (name == "input.block_table") return &s.kv.block_table;
-  return nullptr;
+  return s.def->spec_ints ? s.def->spec_ints(s, name) : nullptr;
+}
+
+// The bound of the drawn integer input `name`: std::logic_error if its op gives none.
+OpDef::IntBound int_bound(const Spec& s, const std::string& name) {
+  const OpDef::IntBound b = s.def->int_bound ? s.def->int_bound(s, name) : OpDef::IntBound{};
+  if (b.hi <= 0)
+    throw std::logic_error(std::string("the ") + s.def->name + " op has no bound of " + name);
+  return b;
 }
 
 const std::vector<std::int64_t>& spec_ints_of(const Values& v, const Spec& s,
@@ -299,11 +263,11 @@ using Results = std::map<std::string, Tensor<Real>>;
 // The op forward and backward on v, in Real, emulating p when Real is float.
 template <class Real>
 Results<Real> run(const Spec& s, const Values& v, std::uint64_t seed, std::optional<Precision> p,
-                  const Fp8Recipe& fp8 = {}) {
+                  const Fp8Recipe& fp8 = {}, const std::vector<std::int64_t>* routing = nullptr) {
   const teo::detail::EmulationScope scope(std::is_same_v<Real, float> && p ? *p : Precision::fp32,
                                           fp8);
   const auto slots = layout(s);
-  RunContext<Real> c{s, v, seed, p, {}, {}};
+  RunContext<Real> c{s, v, seed, p, {}, {}, routing};
   for (const auto& t : slots) c.shape[t.name] = t.shape;
   // Every result starts as zeros of its shape (the backward functions accumulate).
   for (const auto& t : slots) {
@@ -349,6 +313,7 @@ Values draw_inputs(const Spec& s, const OpCase& c) {
   Values v;
   const std::uint64_t seed = c.seed;
   for (const auto& t : layout(s)) {
+    if (is_result(t.role)) continue;
     const std::int64_t n = numel(t.shape);
     if (t.dtype == DType::I64 || t.dtype == DType::I32) {
       std::vector<std::int64_t> x(static_cast<std::size_t>(n));
@@ -356,9 +321,7 @@ Values draw_inputs(const Spec& s, const OpCase& c) {
         x = *given;
       } else {
         // tokens, token types, labels
-        const index_t hi = t.name == "input.tokens"        ? s.vocab
-                           : t.name == "input.token_types" ? s.cfg.type_vocab_size.value_or(1)
-                                                           : s.cols;
+        const index_t hi = int_bound(s, t.name).hi;
         for (std::int64_t i = 0; i < n; ++i) {
           x[static_cast<std::size_t>(i)] = std::min<std::int64_t>(
               hi - 1, static_cast<std::int64_t>(rng::uniform01(seed, rng::stream_id(t.name),
@@ -374,7 +337,7 @@ Values draw_inputs(const Spec& s, const OpCase& c) {
       // The dropout op's mask at site "input.mask"; the layer's at the sites its forward uses.
       const std::string site =
           t.name == "input.mask" ? t.name : "dropout.layers.0." + t.name.substr(11);
-      dropout_mask(m.data(), n, seed, site, s.cfg.dropout);
+      dropout_mask(m.data(), n, seed, site, s.def->config_of(s)->dropout);
       v.u8[t.name] = std::move(m);
       continue;
     }
@@ -420,6 +383,13 @@ void add_results(File& f, const std::vector<Slot>& slots, const Results<Real>& r
   for (const auto& t : slots) {
     if (!is_result(t.role)) continue;
     const Tensor<Real>& x = r.at(t.name);
+    if (t.dtype == DType::I32) {
+      // integer outputs (exact in Real) have no ref64 twin
+      if (!prefix.empty()) continue;
+      const std::vector<std::int32_t> ids(x.begin(), x.end());
+      f.add<std::int32_t>(t.name, t.shape, ids.data(), ids.size());
+      continue;
+    }
     f.add<Real>(prefix + t.name, t.shape, x.data(), static_cast<std::size_t>(x.numel()));
   }
 }
@@ -623,7 +593,8 @@ void validate_op_file(const File& f, bool inputs_only) {
       continue;
     }
     want.push_back({t.name, d, t.shape, sym});
-    if (f32 && is_result(t.role)) want.push_back({"ref64." + t.name, DType::F64, t.shape, sym});
+    if (f32 && is_result(t.role) && t.dtype == DType::F64)
+      want.push_back({"ref64." + t.name, DType::F64, t.shape, sym});
   }
   if (!inputs_only) {
     const auto operands = fp8_operand_tensors(c, s);
@@ -631,22 +602,20 @@ void validate_op_file(const File& f, bool inputs_only) {
     expect_tensors(f, want, /*op=*/true);
     check_fp8_operands(f, operands);
   }
-  // the integer inputs an op may have: token ids, labels, lengths and block tables
+  // the integer inputs an op may have: those its spec determines (lengths and block tables),
+  // and those drawn below a bound (token ids, labels)
   std::set<std::string> ints;
   for (const auto& t : layout(s))
-    if (t.dtype == DType::I64 || t.dtype == DType::I32) ints.insert(t.name);
-  if (ints.contains("input.tokens"))
-    expect_in_range(f, "input.tokens", s.vocab, false, "vocab_size");
-  if (ints.contains("input.labels"))
-    expect_in_range(f, "input.labels", s.cols, false, "num_classes");
-  if (ints.contains("input.token_types")) {
-    expect_in_range(f, "input.token_types", s.cfg.type_vocab_size.value_or(1), false,
-                    "type_vocab_size");
-  }
+    if ((t.dtype == DType::I64 || t.dtype == DType::I32) && !is_result(t.role)) ints.insert(t.name);
   for (const auto& name : ints) {
     const auto* expected = spec_ints(s, name);
+    if (!expected) {
+      const auto b = int_bound(s, name);
+      expect_in_range(f, name, b.hi, false, b.key);
+      continue;
+    }
     const auto* t = f.find(name);
-    if (!expected || !t) continue;
+    if (!t) continue;
     if (t->int_values() != *expected)
       throw FormatError("the op case's " + name + " are not its spec's " + name.substr(6));
   }
@@ -658,7 +627,8 @@ std::set<std::string> op_contract_names(const File& f) {
   std::set<std::string> out;
   for (const auto& t : layout(s)) {
     out.insert(t.name);
-    if (c.dtype == "float32" && is_result(t.role)) out.insert("ref64." + t.name);
+    if (c.dtype == "float32" && is_result(t.role) && t.dtype == DType::F64)
+      out.insert("ref64." + t.name);
   }
   for (const auto& t : fp8_operand_tensors(c, s)) out.insert(t.name);
   return out;
@@ -679,8 +649,13 @@ std::map<std::string, std::vector<double>> run_op(const File& file, std::optiona
     throw ConfigError("the " + c.op + " op emulates no reduced precision (docs/semantics.md, " +
                       "17.4): it is judged in fp32 or fp64 only, not " + to_string(*p));
   }
+  // A routed op judged in a precision runs on the golden's own routing.
+  std::vector<std::int64_t> routing;
+  const auto* ids = s.def->router_of ? file.find("output.topk_ids") : nullptr;
+  if (p && ids) routing = ids->int_values();
+  const auto* given = p && ids ? &routing : nullptr;
   if (!p || *p == Precision::fp64) {
-    collect(run<double>(s, v, c.seed, std::nullopt));
+    collect(run<double>(s, v, c.seed, std::nullopt, {}, given));
   } else {
     for (auto& [n, x] : v.f) {
       for (auto& e : x) {
@@ -689,10 +664,30 @@ std::map<std::string, std::vector<double>> run_op(const File& file, std::optiona
         e = f;
       }
     }
-    collect(run<float>(s, v, c.seed, p, c.fp8));
+    collect(run<float>(s, v, c.seed, p, c.fp8, given));
   }
   return out;
 }
+
+namespace detail {
+
+std::optional<RoutedCase> routed_case(const File& golden) {
+  if (!is_op_file(golden)) return std::nullopt;
+  const OpCase c = op_case_of(golden);
+  auto s = std::make_shared<const Spec>(spec_of(c));
+  if (!s->def->router_of) return std::nullopt;
+  const RouterPart& p = *s->def->router_of(*s);
+  RoutedCase r;
+  r.router = p.router;
+  r.tokens = p.tokens;
+  r.d_model = p.d_model;
+  r.replayed = p.replay;
+  const auto dep = s->def->routing_dependence;
+  r.dependence = [s, dep](const std::string& name) { return dep(*s, name); };
+  return r;
+}
+
+}  // namespace detail
 
 namespace {
 
@@ -716,7 +711,6 @@ std::vector<std::string> op_spec_keys(const std::string& op) {
   keys.insert(detail::fp8_keys().begin(), detail::fp8_keys().end());
   keys.insert("fp8_outlier");
   keys.insert(def.config_keys.begin(), def.config_keys.end());
-  if (def.lengths_key) keys.insert(def.lengths_key);
   for (const auto& c : samples_of(op))
     for (const auto& item : c.spec.items()) keys.insert(item.key());
   return {keys.begin(), keys.end()};
@@ -733,7 +727,7 @@ std::vector<std::string> op_optional_outputs(const std::string& op) {
 std::vector<ContractTensor> op_contract(const OpCase& c) {
   std::vector<ContractTensor> out;
   for (const auto& t : layout(spec_of(c))) {
-    if (is_result(t.role)) out.push_back({t.name, t.shape, t.optional});
+    if (is_result(t.role)) out.push_back({t.name, t.shape, t.optional, t.dtype == DType::I32});
   }
   return out;
 }

@@ -23,6 +23,8 @@ const char* status_str(Status s) {
       return "not checked";
     case Status::vacuous:
       return "VACUOUS (not judged)";
+    case Status::ambiguous:
+      return "AMBIGUOUS (not judged)";
   }
   return "?";
 }
@@ -129,6 +131,7 @@ void print_text(const std::vector<CaseReport>& reports, std::ostream& out,
       out << "  " << status_str(t.status);
       if (!t.message.empty() && t.status != Status::pass && t.message != t.mismatch)
         out << "  (" << t.message << ")";
+      if (!t.excluded.empty()) out << "  (" << t.excluded << ")";
       out << "\n";
     }
     if (text.hide_unchecked && rep.not_checked > 0)
@@ -147,6 +150,7 @@ void print_text(const std::vector<CaseReport>& reports, std::ostream& out,
     if (rep.unknown > 0)
       out << " (" << rep.unknown << " of them candidate names not in the golden)";
     if (rep.vacuous > 0) out << ", " << rep.vacuous << " vacuous (not judged)";
+    if (rep.ambiguous > 0) out << ", " << rep.ambiguous << " ambiguous by routing (not judged)";
     if (rep.budget) {
       double worst = 0;
       for (const auto& t : rep.tensors)
@@ -155,6 +159,26 @@ void print_text(const std::vector<CaseReport>& reports, std::ostream& out,
       out << "; worst fraction of budget " << sci(worst);
     }
     out << "\n";
+    if (!rep.ambiguous_tokens.empty()) {
+      out << "  ambiguous routing: " << rep.ambiguous_tokens.size()
+          << " token(s) routed otherwise within the " << rep.precision
+          << " tolerance (a disagreement of rounding, not a wrong expert):\n";
+      std::size_t shown = 0;
+      for (const auto& a : rep.ambiguous_tokens) {
+        if (++shown > 10) {
+          out << "    ...\n";
+          break;
+        }
+        out << "    " << (a.layer.empty() ? "" : a.layer + " ") << "token " << a.token
+            << ": candidate [";
+        for (std::size_t i = 0; i < a.candidate.size(); ++i)
+          out << (i ? ", " : "") << a.candidate[i];
+        out << "], golden [";
+        for (std::size_t i = 0; i < a.golden.size(); ++i) out << (i ? ", " : "") << a.golden[i];
+        out << "], margin " << sci(a.margin) << " <= tolerance " << sci(a.tolerance) << "\n";
+      }
+      out << "  router replay (a golden with input.moe.topk_ids) judges the experts alone\n";
+    }
     if (!rep.optional_missing.empty()) {
       out << "  optional outputs not in the candidate (never required):";
       for (const auto& n : rep.optional_missing) out << " " << n;
@@ -193,7 +217,7 @@ std::string junit_xml(const std::vector<CaseReport>& reports) {
   for (const auto& r : reports) {
     tests += r.no_golden ? 1 : static_cast<int>(r.tensors.size());
     failures += r.no_golden ? !r.accepted : r.failed;
-    skipped += r.no_golden ? r.accepted : r.not_checked + r.vacuous;
+    skipped += r.no_golden ? r.accepted : r.not_checked + r.vacuous + r.ambiguous;
   }
   o << "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n";
   o << "<testsuites name=\"teo golden check\" tests=\"" << tests << "\" failures=\"" << failures
@@ -210,10 +234,22 @@ std::string junit_xml(const std::vector<CaseReport>& reports) {
       continue;
     }
     o << "  <testsuite name=\"" << xml_escape(r.name) << "\" tests=\"" << r.tensors.size()
-      << "\" failures=\"" << r.failed << "\" skipped=\"" << r.not_checked + r.vacuous << "\">\n";
-    if (!r.first_divergence.empty()) {
-      o << "    <properties><property name=\"first_divergence\" value=\""
-        << xml_escape(r.first_divergence) << "\"/></properties>\n";
+      << "\" failures=\"" << r.failed << "\" skipped=\"" << r.not_checked + r.vacuous + r.ambiguous
+      << "\">\n";
+    if (!r.first_divergence.empty() || !r.ambiguous_tokens.empty()) {
+      o << "    <properties>";
+      if (!r.first_divergence.empty()) {
+        o << "<property name=\"first_divergence\" value=\"" << xml_escape(r.first_divergence)
+          << "\"/>";
+      }
+      for (const auto& a : r.ambiguous_tokens) {
+        o << "<property name=\"ambiguous_token\" value=\""
+          << xml_escape((a.layer.empty() ? "" : a.layer + " ") + "token " +
+                        std::to_string(a.token) + " margin " + sci(a.margin) + " tolerance " +
+                        sci(a.tolerance))
+          << "\"/>";
+      }
+      o << "</properties>\n";
     }
     for (const auto& t : r.tensors) {
       o << "    <testcase classname=\"" << xml_escape(r.name) << "\" name=\"" << xml_escape(t.name)
@@ -225,7 +261,8 @@ std::string junit_xml(const std::vector<CaseReport>& reports) {
       if (t.status == Status::fail) {
         o << "<failure message=\"" << xml_escape(t.message.empty() ? detail : t.message) << "\">"
           << xml_escape(detail) << "</failure>";
-      } else if (t.status == Status::not_checked || t.status == Status::vacuous) {
+      } else if (t.status == Status::not_checked || t.status == Status::vacuous ||
+                 t.status == Status::ambiguous) {
         o << "<skipped message=\"" << xml_escape(t.message) << "\"/>";
       }
       o << "</testcase>\n";
@@ -238,7 +275,7 @@ std::string junit_xml(const std::vector<CaseReport>& reports) {
 
 std::string json_report(const std::vector<CaseReport>& reports) {
   nlohmann::ordered_json cases = nlohmann::ordered_json::array();
-  int passed = 0, failed = 0, not_checked = 0, vacuous = 0;
+  int passed = 0, failed = 0, not_checked = 0, vacuous = 0, ambiguous = 0;
   // Non-finite numbers are not JSON; an infinite ratio is written as null.
   auto number = [](double v) {
     return std::isfinite(v) ? nlohmann::ordered_json(v) : nlohmann::ordered_json(nullptr);
@@ -267,14 +304,29 @@ std::string json_report(const std::vector<CaseReport>& reports) {
     c["failed"] = r.failed;
     c["not_checked"] = r.not_checked;
     c["vacuous"] = r.vacuous;
+    c["ambiguous"] = r.ambiguous;
+    auto tokens = nlohmann::ordered_json::array();
+    for (const auto& a : r.ambiguous_tokens) {
+      nlohmann::ordered_json aj;
+      aj["layer"] =
+          a.layer.empty() ? nlohmann::ordered_json(nullptr) : nlohmann::ordered_json(a.layer);
+      aj["token"] = a.token;
+      aj["margin"] = number(a.margin);
+      aj["tolerance"] = number(a.tolerance);
+      aj["golden"] = a.golden;
+      aj["candidate"] = a.candidate;
+      tokens.push_back(std::move(aj));
+    }
+    c["ambiguous_tokens"] = std::move(tokens);
     auto ts = nlohmann::ordered_json::array();
     for (const auto& t : r.tensors) {
       nlohmann::ordered_json tj;
       tj["name"] = t.name;
-      tj["status"] = t.status == Status::pass      ? "pass"
-                     : t.status == Status::fail    ? "fail"
-                     : t.status == Status::vacuous ? "vacuous"
-                                                   : "not_checked";
+      tj["status"] = t.status == Status::pass        ? "pass"
+                     : t.status == Status::fail      ? "fail"
+                     : t.status == Status::vacuous   ? "vacuous"
+                     : t.status == Status::ambiguous ? "ambiguous"
+                                                     : "not_checked";
       if (t.status != Status::not_checked && !t.compared) {
         // nothing was compared: the numbers do not exist
         for (const char* k : {"max_abs", "max_rel", "bound", "ratio"}) tj[k] = nullptr;
@@ -289,6 +341,7 @@ std::string json_report(const std::vector<CaseReport>& reports) {
       }
       tj["vacuous"] = t.status == Status::vacuous;
       if (!t.message.empty()) tj["message"] = t.message;
+      if (!t.excluded.empty()) tj["excluded"] = t.excluded;
       ts.push_back(std::move(tj));
     }
     c["tensors"] = std::move(ts);
@@ -301,6 +354,7 @@ std::string json_report(const std::vector<CaseReport>& reports) {
     failed += r.failed;
     not_checked += r.not_checked;
     vacuous += r.vacuous;
+    ambiguous += r.ambiguous;
   }
   nlohmann::ordered_json j;
   j["format"] = "teo-golden-check/1";
@@ -308,6 +362,7 @@ std::string json_report(const std::vector<CaseReport>& reports) {
   j["failed"] = failed;
   j["not_checked"] = not_checked;
   j["vacuous"] = vacuous;
+  j["ambiguous"] = ambiguous;
   j["cases"] = std::move(cases);
   return j.dump(2) + "\n";
 }

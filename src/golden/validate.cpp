@@ -59,7 +59,7 @@ void expect_in_range(const File& f, const std::string& name, std::int64_t hi, bo
                      const std::string& bound) {
   const auto* t = f.find(name);
   if (!t) return;
-  const auto v = t->values<std::int64_t>();
+  const auto v = t->int_values();
   for (std::size_t i = 0; i < v.size(); ++i) {
     if (v[i] < 0 || v[i] > hi || (!inclusive && v[i] == hi)) {
       throw FormatError("the golden's " + name + " holds " + std::to_string(v[i]) + " at [" +

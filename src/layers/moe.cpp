@@ -54,13 +54,18 @@ std::vector<index_t> rows_of_pairs(const std::vector<std::int32_t>& source_rows)
 
 template <class Real>
 void moe_forward(const MoeSpec& spec, const MoeWeights<Real>& w, const Real* x, index_t tokens,
-                 const std::int32_t* replay, MoeActs<Real>& a) {
+                 const std::int32_t* replay, MoeActs<Real>& a, const MoeStore<Real>& store) {
+  const auto stored = [&](const char* stage, std::vector<Real>& v) {
+    if (store) store(stage, v.data(), static_cast<index_t>(v.size()));
+  };
   spec.validate();
   const index_t E = spec.router.experts, k = spec.router.top_k, D = spec.d_model, F = spec.d_ff;
   const index_t N = tokens * k;
   a.logits.assign(at(tokens * E), Real(0));
   linear_forward(a.logits.data(), x, w.gate, w.gate_bias, tokens, D, E);
+  stored("logits", a.logits);
   route(spec.router, a.logits.data(), w.correction, replay, tokens, a.routing);
+  stored("topk_weights", a.routing.weights);
   // the grouped layout: a counting sort by expert, stable in the pair index
   a.offsets.assign(at(E + 1), 0);
   for (index_t p = 0; p < N; ++p) ++a.offsets[at(a.routing.ids[at(p)] + 1)];
@@ -76,6 +81,7 @@ void moe_forward(const MoeSpec& spec, const MoeWeights<Real>& w, const Real* x, 
     for (index_t d = 0; d < D; ++d)
       a.expert_in[at(r * D + d)] = spec.weight_at_input ? scale * x[t * D + d] : x[t * D + d];
   }
+  stored("expert_in", a.expert_in);
   a.gate_pre.assign(at(N * F), Real(0));
   a.up_pre.assign(at(N * F), Real(0));
   a.hidden.assign(at(N * F), Real(0));
@@ -89,6 +95,10 @@ void moe_forward(const MoeSpec& spec, const MoeWeights<Real>& w, const Real* x, 
     Real* h = a.hidden.data() + r0 * F;
     linear_forward(g, in, expert(w.w_gate, e, F, D), expert(w.b_gate, e, 1, F), n, D, F);
     linear_forward(u, in, expert(w.w_up, e, F, D), expert(w.b_up, e, 1, F), n, D, F);
+    if (store) {
+      store("gate_pre", g, n * F);
+      store("up_pre", u, n * F);
+    }
     if (spec.kind == ExpertKind::swiglu) {
       gated_forward(h, g, u, n * F, Activation::silu);
     } else {
@@ -98,8 +108,10 @@ void moe_forward(const MoeSpec& spec, const MoeWeights<Real>& w, const Real* x, 
         h[i] = (uc + Real(1)) * (gc * sigmoid(alpha * gc));
       }
     }
+    if (store) store("expert_hidden", h, n * F);
     linear_forward(a.expert_out.data() + r0 * D, h, expert(w.w_down, e, D, F),
                    expert(w.b_down, e, 1, D), n, F, D);
+    if (store) store("expert_out", a.expert_out.data() + r0 * D, n * D);
   }
   // the combine: each token's slots in order
   const std::vector<index_t> row_of = rows_of_pairs(a.source_rows);
@@ -114,12 +126,16 @@ void moe_forward(const MoeSpec& spec, const MoeWeights<Real>& w, const Real* x, 
       }
     }
   }
+  stored("y", a.y);
 }
 
 template <class Real>
 void moe_backward(const MoeSpec& spec, const MoeWeights<Real>& w, const Real* x, index_t tokens,
                   const MoeActs<Real>& a, const Real* dy, Real aux_coef, Real z_coef, Real* dx,
-                  MoeGrads<Real>& g) {
+                  MoeGrads<Real>& g, const MoeStore<Real>& store) {
+  const auto stored = [&](const char* stage, std::vector<Real>& v) {
+    if (store) store(stage, v.data(), static_cast<index_t>(v.size()));
+  };
   const index_t E = spec.router.experts, k = spec.router.top_k, D = spec.d_model, F = spec.d_ff;
   const index_t N = tokens * k;
   std::vector<Real> dout(at(N * D)), dweights(at(N), Real(0));
@@ -135,6 +151,7 @@ void moe_backward(const MoeSpec& spec, const MoeWeights<Real>& w, const Real* x,
     }
     if (!spec.weight_at_input) dweights[at(p)] = dot;
   }
+  stored("grad.expert_out", dout);
   // through each expert
   std::vector<Real> din(at(N * D), Real(0)), dh(at(N * F)), dg(at(N * F)), du(at(N * F));
   for (index_t e = 0; e < E; ++e) {
@@ -149,6 +166,7 @@ void moe_backward(const MoeSpec& spec, const MoeWeights<Real>& w, const Real* x,
     linear_backward(dhe, expert(g.w_down, e, D, F), expert(g.b_down, e, 1, D), dout.data() + r0 * D,
                     a.hidden.data() + r0 * F, expert(w.w_down, e, D, F), n, F, D,
                     GradWrite::overwrite);
+    if (store) store("grad.expert_hidden", dhe, n * F);
     if (spec.kind == ExpertKind::swiglu) {
       gated_backward(dge, due, dhe, gp, up, n * F, Activation::silu);
     } else {
@@ -162,11 +180,16 @@ void moe_backward(const MoeSpec& spec, const MoeWeights<Real>& w, const Real* x,
         due[i] = up[i] >= -limit && up[i] <= limit ? dhe[i] * glu : Real(0);
       }
     }
+    if (store) {
+      store("grad.gate_pre", dge, n * F);
+      store("grad.up_pre", due, n * F);
+    }
     Real* dine = din.data() + r0 * D;
     linear_backward(dine, expert(g.w_gate, e, F, D), expert(g.b_gate, e, 1, F), dge, in,
                     expert(w.w_gate, e, F, D), n, D, F, GradWrite::overwrite);
     linear_backward(dine, expert(g.w_up, e, F, D), expert(g.b_up, e, 1, F), due, in,
                     expert(w.w_up, e, F, D), n, D, F, GradWrite::accumulate);
+    if (store) store("grad.expert_in", dine, n * D);
   }
   // back to the tokens, slots in order; with the weight at the input, its gradient too
   const std::vector<index_t> row_of = rows_of_pairs(a.source_rows);
@@ -196,16 +219,17 @@ void moe_backward(const MoeSpec& spec, const MoeWeights<Real>& w, const Real* x,
                                  dlogits.data());
   }
   if (z_coef != Real(0)) router_z_loss_backward(a.logits.data(), tokens, E, z_coef, dlogits.data());
+  stored("grad.logits", dlogits);
   linear_backward(dx, g.gate, g.gate_bias, dlogits.data(), x, w.gate, tokens, D, E,
                   GradWrite::accumulate);
 }
 
 #define TEO_MOE(Real)                                                                             \
   template void moe_forward<Real>(const MoeSpec&, const MoeWeights<Real>&, const Real*, index_t,  \
-                                  const std::int32_t*, MoeActs<Real>&);                           \
+                                  const std::int32_t*, MoeActs<Real>&, const MoeStore<Real>&);    \
   template void moe_backward<Real>(const MoeSpec&, const MoeWeights<Real>&, const Real*, index_t, \
                                    const MoeActs<Real>&, const Real*, Real, Real, Real*,          \
-                                   MoeGrads<Real>&);
+                                   MoeGrads<Real>&, const MoeStore<Real>&);
 TEO_MOE(float)
 TEO_MOE(double)
 #undef TEO_MOE

@@ -135,9 +135,12 @@ void route(const RouterSpec& spec, const Real* logits, const Real* correction,
     } else {
       for (index_t j = 0; j < k; ++j) ids[j] = static_cast<std::int32_t>(order[at(j)]);
     }
-    // the margin: the worst chosen against the best not chosen
-    Real worst_in = Real(kInf), best_out = -Real(kInf);
+    // the margin: each chosen against the next (the order of ids), and the worst chosen against
+    // the best not chosen
+    Real worst_in = Real(kInf), best_out = -Real(kInf), order_gap = Real(kInf);
     for (index_t j = 0; j < k; ++j) worst_in = std::min(worst_in, sel[at(ids[j])]);
+    for (index_t j = 0; j + 1 < k; ++j)
+      order_gap = std::min(order_gap, sel[at(ids[j])] - sel[at(ids[j + 1])]);
     for (index_t i = 0; i < n; ++i) {
       const index_t e = order[at(i)];
       if (std::find(ids, ids + k, static_cast<std::int32_t>(e)) == ids + k) {
@@ -145,7 +148,7 @@ void route(const RouterSpec& spec, const Real* logits, const Real* correction,
         break;
       }
     }
-    out.margin[at(t)] = std::min(worst_in - best_out, group_margin);
+    out.margin[at(t)] = std::min({worst_in - best_out, order_gap, group_margin});
     // the weights
     if (score_first) {
       for (index_t j = 0; j < k; ++j) pre[at(j)] = s[ids[j]];

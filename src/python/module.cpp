@@ -537,6 +537,13 @@ PYBIND11_MODULE(_teo, m) {
         py::dict out;
         for (const auto& t : teo::golden::op_contract(c)) {
           const auto& v = r.at(t.name);
+          if (t.integer) {  // the experts chosen: exact integers
+            py::array_t<std::int32_t> ids(t.shape);
+            for (std::size_t i = 0; i < v.size(); ++i)
+              ids.mutable_data()[i] = static_cast<std::int32_t>(v[i]);
+            out[t.name.c_str()] = std::move(ids);
+            continue;
+          }
           py::array_t<double> a(t.shape);
           if (!v.empty()) std::memcpy(a.mutable_data(), v.data(), v.size() * sizeof(double));
           out[t.name.c_str()] = std::move(a);

@@ -72,9 +72,10 @@ TEST(GoldenCorpus, ManifestMatchesTheCommittedFiles) {
   EXPECT_GE(corpus().size(), 40u);
   // The model cases and the op cases (golden/ops) share one budget: a clone stays small, and a
   // new family of cases pays for itself by keeping its cases small (tiny widths, few layers).
+  // 30 MB until the mixtures of experts (2026-12), whose op and model cases have 2 MB of it.
   const json ops = json::parse(slurp(kCorpus / "ops" / "manifest.json"));
-  EXPECT_LE(total + ops["total_bytes"].get<std::uint64_t>(), 30u * 1000 * 1000)
-      << "the corpus stays under 30 MB";
+  EXPECT_LE(total + ops["total_bytes"].get<std::uint64_t>(), 32u * 1000 * 1000)
+      << "the corpus stays under 32 MB";
   EXPECT_EQ(m["total_bytes"], total);
 }
 

@@ -266,6 +266,13 @@ void set_values(st::Tensor& t, const std::vector<double>& v) {
 void expect_backward_matches_fd(const golden::OpCase& c) {
   SCOPED_TRACE(c.spec.dump());
   const st::File base = golden::make_op(c);
+  // A router's choice is piecewise constant: the differences are taken away from its edges, with
+  // every token's selection margin far above what the step moves a score (h times the inputs'
+  // and weights' scale, at most 1e-4 here). A tie case sits on an edge by construction.
+  if (c.spec.value("ties", false)) return;
+  if (const auto* m = base.find("output.selection_margin")) {
+    for (double v : m->float_values()) ASSERT_GT(v, 1e-3) << "a sample's token near an edge";
+  }
   const auto grads = golden::run_op(base);
   int checked = 0;
   for (const auto& [gname, g] : grads) {

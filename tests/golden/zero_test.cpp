@@ -35,6 +35,13 @@ st::File mutant_of(const st::File& golden, Mutant m) {
   st::File c;
   for (const auto& t : golden.tensors) {
     if (!teo::golden::detail::is_judged(t.name, op)) continue;
+    if (t.dtype == st::DType::I32) {
+      // the experts a router chose: zeros, or the ids negated (no expert has one)
+      auto ids = t.values<std::int32_t>();
+      for (auto& x : ids) x = m == Mutant::zero ? 0 : -x - 1;
+      c.add<std::int32_t>(t.name, t.shape, ids.data(), ids.size());
+      continue;
+    }
     auto v = t.float_values();
     // a masked score's -inf stays: a zero there fails as a NaN/Inf mismatch, which would hide
     // whether the finite values are judged

@@ -72,7 +72,7 @@ ST_DTYPES = {
 }
 ST_NAMES = {np.dtype("<f8"): "F64", np.dtype("<f4"): "F32",
             np.dtype("<f2"): "F16", np.dtype("<i8"): "I64",
-            np.dtype("u1"): "U8"}
+            np.dtype("<i4"): "I32", np.dtype("u1"): "U8"}
 
 
 def st_read(path):

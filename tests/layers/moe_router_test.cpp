@@ -54,8 +54,9 @@ TEST(MoeRouter, SoftmaxTopKChoosesTheLargestAndWeighsThemByTheirScores) {
   EXPECT_DOUBLE_EQ(r.scores[1], std::exp(2.0) / sum);
   EXPECT_DOUBLE_EQ(r.weights[0], r.scores[1]);
   EXPECT_DOUBLE_EQ(r.weights[1], r.scores[3]);
-  // the margin: the 2nd score minus the 3rd, in score units
-  EXPECT_DOUBLE_EQ(r.margin[0], r.scores[3] - r.scores[0]);
+  // the margin: the smaller of the 1st score minus the 2nd and the 2nd minus the 3rd, in score
+  // units
+  EXPECT_DOUBLE_EQ(r.margin[0], std::min(r.scores[1] - r.scores[3], r.scores[3] - r.scores[0]));
   // renormalised and scaled: weights over the two chosen, times 2.5
   RouterSpec n = spec_of(4, 2);
   n.norm_topk_prob = true;
@@ -69,10 +70,13 @@ TEST(MoeRouter, EqualScoresGoToTheLowerExpertFirstWithMarginZero) {
   const auto r = routed(spec_of(4, 2), {1.0, 3.0, 3.0, 3.0});
   EXPECT_EQ(r.ids, (std::vector<std::int32_t>{1, 2}));
   EXPECT_EQ(r.margin[0], 0.0);
-  // k equal to E: nothing is left to choose
+  // k equal to E: nothing is left to choose, only the order of the chosen
   const auto all = routed(spec_of(3, 3), {0.1, 0.2, 0.3});
   EXPECT_EQ(all.ids, (std::vector<std::int32_t>{2, 1, 0}));
-  EXPECT_EQ(all.margin[0], std::numeric_limits<double>::infinity());
+  EXPECT_DOUBLE_EQ(all.margin[0],
+                   std::min(all.scores[2] - all.scores[1], all.scores[1] - all.scores[0]));
+  // and with one expert, nothing to order either
+  EXPECT_EQ(routed(spec_of(1, 1), {0.4}).margin[0], std::numeric_limits<double>::infinity());
 }
 
 // DeepSeek-V3: sigmoid scores, the correction bias chooses but never weighs, 4 groups choose 2 by
@@ -81,16 +85,20 @@ TEST(MoeRouter, GroupsAndTheCorrectionBiasChooseAndOnlyTheScoresWeigh) {
   RouterSpec s = spec_of(8, 2, RouterScoring::sigmoid);
   s.groups = 4;
   s.topk_groups = 2;
-  //                          g0         g1         g2         g3
-  const std::vector<double> l = {3.0, -4.0, 1.0, 1.0, 0.9, 0.9, -3.0, -3.0};
+  //                          g0         g1          g2         g3
+  const std::vector<double> l = {3.0, -4.0, 1.0, 0.95, 0.9, 0.9, -3.0, -3.0};
   const auto r = routed(s, l);
-  // group scores (sigmoid sums): g0 0.971, g1 1.462, g2 1.422, g3 0.095: g1 and g2 are chosen,
+  // group scores (sigmoid sums): g0 0.971, g1 1.452, g2 1.422, g3 0.095: g1 and g2 are chosen,
   // and expert 0, the best single score, is not eligible
   EXPECT_EQ(r.ids, (std::vector<std::int32_t>{2, 3}));
   const auto sg = [](double x) { return 1 / (1 + std::exp(-x)); };
   EXPECT_DOUBLE_EQ(r.weights[0], sg(1.0));
-  // the expert margin (expert 3 against 4) is below the group margin (g2 against g0)
-  EXPECT_NEAR(r.margin[0], std::min(sg(1.0) - sg(0.9), 2 * sg(0.9) - (sg(3.0) + sg(-4.0))), 1e-15);
+  // the smallest gap: expert 2 against 3 (their order), 3 against 4 (the k-th against the next),
+  // the group margin (g2 against g0)
+  EXPECT_NEAR(
+      r.margin[0],
+      std::min({sg(1.0) - sg(0.95), sg(0.95) - sg(0.9), 2 * sg(0.9) - (sg(3.0) + sg(-4.0))}),
+      1e-15);
   // V2's group score (the max) chooses g0 and g1
   s.group_score = GroupScore::max;
   EXPECT_EQ(routed(s, l).ids, (std::vector<std::int32_t>{0, 2}));

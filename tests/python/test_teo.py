@@ -403,6 +403,18 @@ def _op_args(g):
     if op == "cross_entropy":
         return ((t["input.logits"], t["input.labels"]),
                 {"label_smoothing": s["label_smoothing"], "grad_loss": t["grad.output.loss"]})
+    if op == "moe_router":
+        keys = ("router_scoring", "router_order", "norm_topk_prob", "routed_scaling_factor",
+                "aux_losses", "router_groups", "topk_groups", "group_score")
+        kw = {k: s[k] for k in keys if k in s}
+        return ((t["input.x"], t["param.gate.weight"]),
+                dict(kw, num_experts_per_tok=s["num_experts_per_tok"],
+                     gate_bias=t.get("param.gate.bias"),
+                     e_score_correction_bias=t.get("param.gate.e_score_correction_bias"),
+                     topk_ids=t.get("input.moe.topk_ids"),
+                     grad_topk_weights=t["grad.output.topk_weights"],
+                     grad_aux_loss=t.get("grad.output.aux_loss"),
+                     grad_z_loss=t.get("grad.output.z_loss")))
     params = {n[len("param."):]: a for n, a in t.items() if n.startswith("param.")}
     if op == "decoder_layer":
         opts = {k: s[k] for k in teo.ops.DECODER_LAYER_OPTIONS if k in s}

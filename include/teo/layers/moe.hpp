@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 #include "teo/errors.hpp"
@@ -63,12 +64,20 @@ struct MoeActs {
   std::vector<Real> y;                    // (T, D)
 };
 
+// Where a backend stores a stage, a reduced-precision emulation rounds it: store(stage, data, n)
+// is called on each stage once it is complete ("logits", "topk_weights", "expert_in", "gate_pre",
+// "up_pre", "expert_hidden", "expert_out", "y"; backward: "grad.expert_out",
+// "grad.expert_hidden", "grad.gate_pre", "grad.up_pre", "grad.expert_in", "grad.logits"), and
+// the stages after it read what it left. Empty: nothing is rounded.
+template <class Real>
+using MoeStore = std::function<void(const char* stage, Real* data, index_t n)>;
+
 // y[t] = sum over slots j = 0, 1, ..., k-1, in that order, of w_tj * expert_out[row of (t, j)]
 // (weight at the output), or of expert_out[row of (t, j)] (at the input). replay (T, k) or null:
 // the routing given (router::route's replay).
 template <class Real>
 void moe_forward(const MoeSpec& spec, const MoeWeights<Real>& w, const Real* x, index_t tokens,
-                 const std::int32_t* replay, MoeActs<Real>& acts);
+                 const std::int32_t* replay, MoeActs<Real>& acts, const MoeStore<Real>& store = {});
 
 // dx (T, D), written: the gradient of sum(dy * y) + aux_coef * aux + z_coef * z, with aux and z
 // the router's load-balancing and z losses; the parameters' into g. Each expert's weight
@@ -76,6 +85,6 @@ void moe_forward(const MoeSpec& spec, const MoeWeights<Real>& w, const Real* x, 
 template <class Real>
 void moe_backward(const MoeSpec& spec, const MoeWeights<Real>& w, const Real* x, index_t tokens,
                   const MoeActs<Real>& acts, const Real* dy, Real aux_coef, Real z_coef, Real* dx,
-                  MoeGrads<Real>& g);
+                  MoeGrads<Real>& g, const MoeStore<Real>& store = {});
 
 }  // namespace teo

@@ -50,10 +50,11 @@ struct Routing {
   // (T, k): each chosen expert's score, divided by the k scores' sum with norm_topk_prob, times
   // routed_scaling_factor.
   std::vector<Real> weights;
-  // (T): how far the choice is from changing, in selection-score units: the k-th eligible
-  // selection score minus the (k+1)-th, and with groups the smaller of that and the
-  // topk_groups-th group score minus the next one. +inf when nothing is left to choose; 0 at a
-  // tie; negative when `ids` was replayed and is not the router's own choice.
+  // (T): how far `ids` is from changing, in selection-score units: the smallest of the gaps
+  // between consecutive chosen experts (ids[j] minus ids[j+1], their order), the k-th eligible
+  // selection score minus the (k+1)-th, and with groups the topk_groups-th group score minus the
+  // next one. +inf when nothing is left to choose or order; 0 at a tie; negative when `ids` was
+  // replayed and is not the router's own choice.
   std::vector<Real> margin;
 };
 

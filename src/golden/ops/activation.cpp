@@ -9,7 +9,31 @@ namespace teo::golden::ops {
 
 namespace {
 
-void tensors(const Spec& s, OpTensors& t) {
+// The op's spec: rows of cols entries, and the config's activation.
+struct ActivationSpec {
+  index_t rows = 0, cols = 0;
+  EncoderConfig cfg;
+};
+
+const ActivationSpec& own(const Spec& s) {
+  return s.as<ActivationSpec>();
+}
+
+void parse(Spec& spec, Reader& r) {
+  auto& s = spec.own.emplace<ActivationSpec>();
+  s.cfg = r.op_config();
+  s.rows = r.size("rows", 0);
+  s.cols = r.size("cols", 1);
+}
+
+void write_sizes(const Spec& spec, ojson& j) {
+  const auto& s = own(spec);
+  j["rows"] = s.rows;
+  j["cols"] = s.cols;
+}
+
+void tensors(const Spec& spec, OpTensors& t) {
+  const auto& s = own(spec);
   t.in.push_back(float_slot("input.x", {s.rows, s.cols}, Role::input, 3));
   t.out.push_back(float_slot("output.y", {s.rows, s.cols}, Role::output));
 }
@@ -21,7 +45,7 @@ index_t longest_reduction(const Spec&) {
 
 template <class Real>
 void run(RunContext<Real>& c) {
-  const Spec& s = c.s;
+  const auto& s = own(c.s);
   auto& r = c.r;
   const auto x = c.in("input.x"), dy = c.in("grad.output.y");
   activation_forward(r["output.y"].data(), x.data(), x.numel(), s.cfg.activation);
@@ -35,8 +59,9 @@ const OpDef& activation_op() {
   static const OpDef def{
       .name = "activation",
       .config_keys = {"activation"},
-      .parse = parse_rows_cols,
-      .write_sizes = write_rows_cols,
+      .parse = parse,
+      .write_sizes = write_sizes,
+      .config_of = config_in<ActivationSpec>,
       .tensors = tensors,
       .longest_reduction = longest_reduction,
       .run_float = run<float>,

@@ -16,7 +16,28 @@ namespace teo::golden::ops {
 
 namespace {
 
-void parse(Spec& s, Reader& r) {
+// The op's spec: batch sequences of num_heads query heads (num_kv_heads key and value heads) of
+// d_head (values d_head_v). Queries and keys of one length (seq_len, kv_seq the same) with each
+// sequence's lengths, or of their own (split: q_len and kv_len, q_lengths in `lengths` and
+// kv_lengths), the causal diagonal's alignment, the scale, which optional outputs the case has,
+// and the attention variants of the config.
+struct AttentionSpec {
+  index_t batch = 0, heads = 0, seq = 0, kv_seq = 0, d_head = 0, d_head_v = 0, kv_heads = 0;
+  bool split = false;
+  Lengths lengths, kv_lengths;
+  bool top_left = false, probs = true, lse = false;
+  bool lse_grad = false;  // the lse takes an upstream gradient (a split-KV backward's)
+  std::optional<double> scale;
+  EncoderConfig cfg;
+};
+
+const AttentionSpec& own(const Spec& s) {
+  return s.as<AttentionSpec>();
+}
+
+void parse(Spec& spec, Reader& r) {
+  auto& s = spec.own.emplace<AttentionSpec>();
+  s.cfg = r.op_config();
   s.batch = r.size("batch", 0);
   s.heads = r.size("num_heads", 1);
   // seq_len (queries and keys of one length, lengths for both), or q_len and kv_len (q_lengths
@@ -54,7 +75,7 @@ void parse(Spec& s, Reader& r) {
   }
   s.scale = r.number("scale");
   s.top_left = r.choice("causal_align", {"bottom_right", "top_left"}, "bottom_right") == "top_left";
-  attention_positions(s, "attention");
+  attention_positions(s.cfg, s.d_head, std::max(s.seq, s.kv_seq), "attention");
   if (split && s.cfg.positional == Positional::rope &&
       s.cfg.rope_scaling.type == RopeScalingType::ntk) {
     throw ConfigError(
@@ -70,17 +91,33 @@ void parse(Spec& s, Reader& r) {
   s.lse_grad = r.flag("lse_grad", false);
   s.lse = r.flag("lse", split || s.lse_grad);
   if (s.lse_grad && !s.lse) throw ConfigError("spec.lse_grad needs lse: true");
+  s.split = split;
   if (split) {
-    s.own_lengths = true;
-    s.lengths = r.prefix_lengths("q_lengths", s.batch, s.seq, s.full_lengths);
-    s.kv_lengths = r.prefix_lengths("kv_lengths", s.batch, s.kv_seq, s.full_kv_lengths);
+    s.lengths = r.lengths("q_lengths", s.batch, s.seq);
+    s.kv_lengths = r.lengths("kv_lengths", s.batch, s.kv_seq);
+  } else {
+    s.lengths = r.lengths("lengths", s.batch, s.seq);
   }
 }
 
-void write_sizes(const Spec& s, ojson& j) {
+void fill(Spec& spec) {
+  auto& s = spec.as<AttentionSpec>();
+  s.lengths.fill();
+  s.kv_lengths.fill();
+}
+
+const std::vector<std::int64_t>* given_ints(const Spec& spec, const std::string& name) {
+  const auto& s = own(spec);
+  if (name == (s.split ? "input.q_lengths" : "input.lengths")) return &s.lengths.values;
+  if (s.split && name == "input.kv_lengths") return &s.kv_lengths.values;
+  return nullptr;
+}
+
+void write_sizes(const Spec& spec, ojson& j) {
+  const auto& s = own(spec);
   j["batch"] = s.batch;
   j["num_heads"] = s.heads;
-  if (s.own_lengths) {
+  if (s.split) {
     j["q_len"] = s.seq;
     j["kv_len"] = s.kv_seq;
   } else {
@@ -89,28 +126,32 @@ void write_sizes(const Spec& s, ojson& j) {
   j["d_head"] = s.d_head;
   if (s.d_head_v != s.d_head) j["d_head_v"] = s.d_head_v;
   if (s.kv_heads != s.heads) j["num_kv_heads"] = s.kv_heads;
-  if (s.own_lengths) {
-    j["q_lengths"] = s.lengths;
-    j["kv_lengths"] = s.kv_lengths;
+  if (s.split) {
+    j["q_lengths"] = s.lengths.values;
+    j["kv_lengths"] = s.kv_lengths.values;
+  } else {
+    j["lengths"] = s.lengths.values;
   }
 }
 
-void write_options(const Spec& s, ojson& j) {
+void write_options(const Spec& spec, ojson& j) {
+  const auto& s = own(spec);
   j["scale"] = s.scale ? *s.scale : 1.0 / std::sqrt(static_cast<double>(s.d_head));
   j["probs"] = s.probs;
-  if (s.own_lengths) j["causal_align"] = s.top_left ? "top_left" : "bottom_right";
-  if (s.lse || s.own_lengths) j["lse"] = s.lse;
+  if (s.split) j["causal_align"] = s.top_left ? "top_left" : "bottom_right";
+  if (s.lse || s.split) j["lse"] = s.lse;
   if (s.lse_grad) j["lse_grad"] = true;
 }
 
-void tensors(const Spec& s, OpTensors& t) {
+void tensors(const Spec& spec, OpTensors& t) {
+  const auto& s = own(spec);
   const Dims q = {s.batch, s.heads, s.seq, s.d_head};
   const Dims k = {s.batch, s.kv_heads, s.kv_seq, s.d_head};
   const Dims v = {s.batch, s.kv_heads, s.kv_seq, s.d_head_v};
   t.in.push_back(float_slot("input.q", q, Role::input));
   t.in.push_back(float_slot("input.k", k, Role::input));
   t.in.push_back(float_slot("input.v", v, Role::input));
-  if (s.own_lengths) {
+  if (s.split) {
     t.fixed.push_back({"input.q_lengths", DType::I64, {s.batch}, Role::input});
     t.fixed.push_back({"input.kv_lengths", DType::I64, {s.batch}, Role::input});
   } else {
@@ -140,11 +181,13 @@ void tensors(const Spec& s, OpTensors& t) {
       float_slot("output.context", {s.batch, s.heads, s.seq, s.d_head_v}, Role::output));
 }
 
-index_t longest_reduction(const Spec& s) {
+index_t longest_reduction(const Spec& spec) {
+  const auto& s = own(spec);
   return std::max({s.seq, s.kv_seq, s.d_head, s.d_head_v});
 }
 
-double working_bytes(const Spec& s) {
+double working_bytes(const Spec& spec) {
+  const auto& s = own(spec);
   const auto d = [](index_t x) { return static_cast<double>(x); };
   // RoPE's table of cos and sin, over every position used, and k and v with their padding
   // zeroed
@@ -159,7 +202,7 @@ double working_bytes(const Spec& s) {
 // RoPE of the op: key j at position j, query i of sequence b at i + shift_b (shift_b =
 // kv_lengths[b] - q_lengths[b] bottom-right, else 0); the table covers every position used.
 template <class Real>
-Rotary<Real> rotary(const Spec& s, const std::vector<std::int64_t>& q_len,
+Rotary<Real> rotary(const AttentionSpec& s, const std::vector<std::int64_t>& q_len,
                     const std::vector<std::int64_t>& kv_len) {
   std::vector<index_t> shift;
   index_t end = s.kv_seq;
@@ -179,7 +222,7 @@ Rotary<Real> rotary(const Spec& s, const std::vector<std::int64_t>& q_len,
 }
 
 // Whether some sequence has fewer keys than the case's rows.
-bool padded(const Spec& s, const std::vector<std::int64_t>& kv_len) {
+bool padded(const AttentionSpec& s, const std::vector<std::int64_t>& kv_len) {
   return std::any_of(kv_len.begin(), kv_len.end(), [&](std::int64_t l) { return l < s.kv_seq; });
 }
 
@@ -196,15 +239,15 @@ void zero_past(Tensor<Real>& x, const std::vector<std::int64_t>& len, index_t he
 
 template <class Real>
 void run(RunContext<Real>& c) {
-  const Spec& s = c.s;
+  const auto& s = own(c.s);
   auto& r = c.r;
   const Values& v = c.v;
   const auto p = c.p;
   const auto q = c.in("input.q"), k = c.in("input.k"), vv = c.in("input.v");
   const auto dc = c.in("grad.output.context");
-  const bool split = s.own_lengths;
-  const auto& len = spec_ints_of(v, s, split ? "input.q_lengths" : "input.lengths");
-  const auto& kv_len = split ? spec_ints_of(v, s, "input.kv_lengths") : len;
+  const bool split = s.split;
+  const auto& len = spec_ints_of(v, c.s, split ? "input.q_lengths" : "input.lengths");
+  const auto& kv_len = split ? spec_ints_of(v, c.s, "input.kv_lengths") : len;
   const bool rope = s.cfg.positional == Positional::rope;
   const Tensor<Real> sinks = s.cfg.attn_sinks ? c.in("param.sinks") : Tensor<Real>();
   // The op's config has one head: its sizes and K/V heads come from the spec.
@@ -322,10 +365,12 @@ const OpDef& attention_op() {
       .name = "attention",
       .config_keys = attention_config_keys(),
       .base_config = attention_base_config(/*causal=*/false),
-      .lengths_key = "lengths",
       .parse = parse,
+      .fill = fill,
       .write_sizes = write_sizes,
       .write_options = write_options,
+      .config_of = config_in<AttentionSpec>,
+      .spec_ints = given_ints,
       .tensors = tensors,
       .longest_reduction = longest_reduction,
       .working_bytes = working_bytes,

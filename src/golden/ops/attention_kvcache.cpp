@@ -19,12 +19,36 @@ namespace teo::golden::ops {
 
 namespace {
 
+// The op's spec: batch sequences of q_len new tokens, num_heads query heads (num_kv_heads key and
+// value heads) of d_head (values d_head_v), the scale, whether the lse is an output, the attention
+// variants of the config; and the cache: each sequence's cached tokens, contiguous (max_len rows
+// per sequence) or paged (num_pages pages of page_size rows, and the block table (batch,
+// max_pages), row by row). kv_seq is the most keys any sequence attends to.
+struct KvCacheSpec {
+  index_t batch = 0, heads = 0, seq = 0, d_head = 0, d_head_v = 0, kv_heads = 0, kv_seq = 0;
+  std::optional<double> scale;
+  bool lse = true;
+  struct Cache {
+    std::vector<std::int64_t> cache_lengths;
+    bool paged = false;
+    index_t page_size = 0, num_pages = 0, max_pages = 0;
+    std::string page_order;  // in_order, reversed or shuffled; empty: the spec gives the table
+    std::vector<std::int64_t> block_table;
+  } kv;
+  index_t max_len = 0;  // the rows of a sequence's cache (paged: max_pages * page_size)
+  EncoderConfig cfg;
+};
+
+const KvCacheSpec& own(const Spec& s) {
+  return s.as<KvCacheSpec>();
+}
+
 index_t pages_for(index_t tokens, index_t page_size) {
   return (tokens + page_size - 1) / page_size;
 }
 
 // The pages each sequence uses once the step's tokens are appended.
-std::vector<index_t> pages_used(const Spec& s) {
+std::vector<index_t> pages_used(const KvCacheSpec& s) {
   std::vector<index_t> used;
   used.reserve(s.kv.cache_lengths.size());
   for (auto c : s.kv.cache_lengths) used.push_back(pages_for(c + s.seq, s.kv.page_size));
@@ -34,7 +58,7 @@ std::vector<index_t> pages_used(const Spec& s) {
 // An explicit block table: B rows of max_pages entries in [0, num_pages) (num_pages: the given
 // one, else the largest entry + 1); each sequence's used entries are pages no other entry in use
 // names.
-void parse_block_table(Spec& s, Reader& r, const json& t) {
+void parse_block_table(KvCacheSpec& s, Reader& r, const json& t) {
   auto& kv = s.kv;
   if (!t.is_array() || static_cast<index_t>(t.size()) != s.batch) {
     throw ShapeError("spec.block_table must be an array of batch = " + std::to_string(s.batch) +
@@ -69,7 +93,7 @@ void parse_block_table(Spec& s, Reader& r, const json& t) {
 // The block table of a page order: sequence by sequence, its used entries take the next pages of
 // the order (0, 1, ... in order; num_pages - 1, ... reversed; a fixed permutation of the pages,
 // shuffled), and its unused entries page 0.
-void order_block_table(Spec& s) {
+void order_block_table(KvCacheSpec& s) {
   auto& kv = s.kv;
   std::vector<index_t> order(static_cast<std::size_t>(kv.num_pages));
   std::iota(order.begin(), order.end(), index_t{0});
@@ -91,7 +115,9 @@ void order_block_table(Spec& s) {
       kv.block_table[static_cast<std::size_t>(b * kv.max_pages + p)] = order[next++];
 }
 
-void parse(Spec& s, Reader& r) {
+void parse(Spec& spec, Reader& r) {
+  auto& s = spec.own.emplace<KvCacheSpec>();
+  s.cfg = r.op_config();
   auto& kv = s.kv;
   s.batch = r.size("batch", 0);
   s.heads = r.size("num_heads", 1);
@@ -178,7 +204,7 @@ void parse(Spec& s, Reader& r) {
   // the keys: each sequence's cached tokens and the new ones
   s.kv_seq = 0;  // no sequences: no keys
   for (auto c : kv.cache_lengths) s.kv_seq = std::max(s.kv_seq, c + s.seq);
-  attention_positions(s, "attention_kvcache");
+  attention_positions(s.cfg, s.d_head, s.kv_seq, "attention_kvcache");
   if (s.cfg.positional == Positional::rope && s.cfg.rope_scaling.type == RopeScalingType::ntk) {
     throw ConfigError(
         "spec.rope_scaling \"ntk\" (dynamic) is not defined for a KV cache step: its base "
@@ -187,11 +213,20 @@ void parse(Spec& s, Reader& r) {
   s.lse = r.flag("lse", true);
 }
 
-void fill(Spec& s) {
+void fill(Spec& spec) {
+  auto& s = spec.as<KvCacheSpec>();
   if (s.kv.paged && s.kv.block_table.empty()) order_block_table(s);
 }
 
-void write_sizes(const Spec& s, ojson& j) {
+const std::vector<std::int64_t>* given_ints(const Spec& spec, const std::string& name) {
+  const auto& s = own(spec);
+  if (name == "input.cache_lengths") return &s.kv.cache_lengths;
+  if (name == "input.block_table") return &s.kv.block_table;
+  return nullptr;
+}
+
+void write_sizes(const Spec& spec, ojson& j) {
+  const auto& s = own(spec);
   const auto& kv = s.kv;
   j["batch"] = s.batch;
   j["num_heads"] = s.heads;
@@ -209,7 +244,8 @@ void write_sizes(const Spec& s, ojson& j) {
   j["cache_lengths"] = kv.cache_lengths;
 }
 
-void write_options(const Spec& s, ojson& j) {
+void write_options(const Spec& spec, ojson& j) {
+  const auto& s = own(spec);
   const auto& kv = s.kv;
   if (kv.paged && !kv.page_order.empty()) {
     j["max_pages"] = kv.max_pages;
@@ -227,12 +263,13 @@ void write_options(const Spec& s, ojson& j) {
 }
 
 // The cache's shape for a head size d: (B, Hkv, max_len, d) or (num_pages, page_size, Hkv, d).
-Dims cache_dims(const Spec& s, index_t d) {
+Dims cache_dims(const KvCacheSpec& s, index_t d) {
   if (s.kv.paged) return {s.kv.num_pages, s.kv.page_size, s.kv_heads, d};
   return {s.batch, s.kv_heads, s.max_len, d};
 }
 
-void tensors(const Spec& s, OpTensors& t) {
+void tensors(const Spec& spec, OpTensors& t) {
+  const auto& s = own(spec);
   const bool paged = s.kv.paged;
   const Dims q = {s.batch, s.heads, s.seq, s.d_head};
   t.in.push_back(float_slot("input.q", q, Role::input));
@@ -261,21 +298,23 @@ void tensors(const Spec& s, OpTensors& t) {
       float_slot("output.context", {s.batch, s.heads, s.seq, s.d_head_v}, Role::output));
 }
 
-index_t longest_reduction(const Spec& s) {
+index_t longest_reduction(const Spec& spec) {
+  const auto& s = own(spec);
   return std::max({s.kv_seq, s.d_head, s.d_head_v});
 }
 
 // The attention reads a contiguous cache in place when every sequence fills it; otherwise it
 // gathers each sequence's keys, leaving out the rows past them, which it must never read (they
 // may hold anything, NaN included).
-bool in_place(const Spec& s) {
+bool in_place(const KvCacheSpec& s) {
   if (s.kv.paged) return false;
   for (auto c : s.kv.cache_lengths)
     if (c + s.seq != s.max_len) return false;
   return true;
 }
 
-double working_bytes(const Spec& s) {
+double working_bytes(const Spec& spec) {
+  const auto& s = own(spec);
   // the keys and values gathered per sequence (unless the contiguous cache is read in place),
   // the rotated new keys, and RoPE's table of cos and sin
   const auto d = [](index_t x) { return static_cast<double>(x); };
@@ -287,7 +326,7 @@ double working_bytes(const Spec& s) {
 
 // Where row t of sequence b, K/V head g, sits in a cache of head size d.
 struct CacheIndex {
-  const Spec& s;
+  const KvCacheSpec& s;
   const std::int64_t* table;
   index_t operator()(index_t b, index_t g, index_t t, index_t d) const {
     const auto& kv = s.kv;
@@ -299,7 +338,7 @@ struct CacheIndex {
 
 template <class Real>
 void run(RunContext<Real>& c) {
-  const Spec& s = c.s;
+  const auto& s = own(c.s);
   auto& r = c.r;
   const bool paged = s.kv.paged;
   const std::string k_in = paged ? "input.k_pages" : "input.k_cache";
@@ -307,8 +346,8 @@ void run(RunContext<Real>& c) {
   const std::string k_out = paged ? "output.k_pages" : "output.k_cache";
   const std::string v_out = paged ? "output.v_pages" : "output.v_cache";
   const auto q = c.in("input.q"), k_new = c.in("input.k_new"), v_new = c.in("input.v_new");
-  const auto& cache = spec_ints_of(c.v, s, "input.cache_lengths");
-  const CacheIndex at{s, paged ? spec_ints_of(c.v, s, "input.block_table").data() : nullptr};
+  const auto& cache = spec_ints_of(c.v, c.s, "input.cache_lengths");
+  const CacheIndex at{s, paged ? spec_ints_of(c.v, c.s, "input.block_table").data() : nullptr};
   const index_t B = s.batch, Hkv = s.kv_heads, Sq = s.seq, Dh = s.d_head, Dv = s.d_head_v;
   // RoPE: new token i of sequence b at position cache_lengths[b] + i
   const bool rope = s.cfg.positional == Positional::rope;
@@ -387,6 +426,8 @@ const OpDef& attention_kvcache_op() {
       .fill = fill,
       .write_sizes = write_sizes,
       .write_options = write_options,
+      .config_of = config_in<KvCacheSpec>,
+      .spec_ints = given_ints,
       .tensors = tensors,
       .longest_reduction = longest_reduction,
       .working_bytes = working_bytes,

@@ -14,7 +14,19 @@ namespace teo::golden::ops {
 
 namespace {
 
-void parse(Spec& s, Reader& r) {
+// The op's spec: num_parts parts of (batch, num_heads, q_len) rows of d_head_v, and the parts that
+// are empty (sorted).
+struct AttentionMergeSpec {
+  index_t parts = 0, batch = 0, heads = 0, seq = 0, d_head_v = 0;
+  std::vector<std::int64_t> empty_parts;
+};
+
+const AttentionMergeSpec& own(const Spec& s) {
+  return s.as<AttentionMergeSpec>();
+}
+
+void parse(Spec& spec, Reader& r) {
+  auto& s = spec.own.emplace<AttentionMergeSpec>();
   s.parts = r.size("num_parts", 1);
   s.batch = r.size("batch", 0);
   s.heads = r.size("num_heads", 1);
@@ -37,7 +49,8 @@ void parse(Spec& s, Reader& r) {
   r.use("empty_parts");
 }
 
-void write_sizes(const Spec& s, ojson& j) {
+void write_sizes(const Spec& spec, ojson& j) {
+  const auto& s = own(spec);
   j["num_parts"] = s.parts;
   j["batch"] = s.batch;
   j["num_heads"] = s.heads;
@@ -45,11 +58,13 @@ void write_sizes(const Spec& s, ojson& j) {
   j["d_head_v"] = s.d_head_v;
 }
 
-void write_options(const Spec& s, ojson& j) {
+void write_options(const Spec& spec, ojson& j) {
+  const auto& s = own(spec);
   j["empty_parts"] = s.empty_parts;
 }
 
-void tensors(const Spec& s, OpTensors& t) {
+void tensors(const Spec& spec, OpTensors& t) {
+  const auto& s = own(spec);
   const Dims rows = {s.batch, s.heads, s.seq};
   t.in.push_back(float_slot("input.context_parts", {s.parts, s.batch, s.heads, s.seq, s.d_head_v},
                             Role::input));
@@ -61,11 +76,13 @@ void tensors(const Spec& s, OpTensors& t) {
       float_slot("output.context", {s.batch, s.heads, s.seq, s.d_head_v}, Role::output));
 }
 
-index_t longest_reduction(const Spec& s) {
+index_t longest_reduction(const Spec& spec) {
+  const auto& s = own(spec);
   return std::max(s.parts, s.d_head_v);
 }
 
-void draw(const Spec& s, const OpCase&, Values& v) {
+void draw(const Spec& spec, const OpCase&, Values& v) {
+  const auto& s = own(spec);
   // an empty part: lse -inf and a context of 0, as a kernel gives for a split with no keys
   const index_t rows = s.batch * s.heads * s.seq;
   auto& c = v.f.at("input.context_parts");
@@ -78,7 +95,7 @@ void draw(const Spec& s, const OpCase&, Values& v) {
 
 template <class Real>
 void run(RunContext<Real>& c) {
-  const Spec& s = c.s;
+  const auto& s = own(c.s);
   auto& r = c.r;
   const auto cp = c.in("input.context_parts"), lp = c.in("input.lse_parts");
   const auto dctx = c.in("grad.output.context"), dlse = c.in("grad.output.lse");

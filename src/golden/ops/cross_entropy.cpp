@@ -8,41 +8,63 @@ namespace teo::golden::ops {
 
 namespace {
 
-void parse(Spec& s, Reader& r) {
-  s.rows = r.size("batch", 0);
-  s.cols = r.size("num_classes", 1);
+// The op's spec: batch rows of num_classes logits, and the config's label smoothing.
+struct CrossEntropySpec {
+  index_t batch = 0, num_classes = 0;
+  EncoderConfig cfg;
+};
+
+const CrossEntropySpec& own(const Spec& s) {
+  return s.as<CrossEntropySpec>();
 }
 
-void write_sizes(const Spec& s, ojson& j) {
-  j["batch"] = s.rows;
-  j["num_classes"] = s.cols;
+void parse(Spec& spec, Reader& r) {
+  auto& s = spec.own.emplace<CrossEntropySpec>();
+  s.cfg = r.op_config();
+  s.batch = r.size("batch", 0);
+  s.num_classes = r.size("num_classes", 1);
 }
 
-void tensors(const Spec& s, OpTensors& t) {
-  t.in.push_back(float_slot("input.logits", {s.rows, s.cols}, Role::input, 2));
-  t.fixed.push_back({"input.labels", DType::I64, {s.rows}, Role::input});
+void write_sizes(const Spec& spec, ojson& j) {
+  const auto& s = own(spec);
+  j["batch"] = s.batch;
+  j["num_classes"] = s.num_classes;
+}
+
+// the labels, in [0, num_classes)
+OpDef::IntBound int_bound(const Spec& spec, const std::string& name) {
+  const auto& s = own(spec);
+  if (name == "input.labels") return {s.num_classes, "num_classes"};
+  return {};
+}
+
+void tensors(const Spec& spec, OpTensors& t) {
+  const auto& s = own(spec);
+  t.in.push_back(float_slot("input.logits", {s.batch, s.num_classes}, Role::input, 2));
+  t.fixed.push_back({"input.labels", DType::I64, {s.batch}, Role::input});
   t.out.push_back(float_slot("output.loss", {}, Role::output));
 }
 
-index_t longest_reduction(const Spec& s) {
-  return std::max(s.cols, s.rows);
+index_t longest_reduction(const Spec& spec) {
+  const auto& s = own(spec);
+  return std::max(s.num_classes, s.batch);
 }
 
 template <class Real>
 void run(RunContext<Real>& c) {
-  const Spec& s = c.s;
+  const auto& s = own(c.s);
   auto& r = c.r;
   const Values& v = c.v;
   const auto x = c.in("input.logits"), dy = c.in("grad.output.loss");
-  const auto& labels = ints_of(v.i64, "input.labels", s.rows);
-  check_range(labels, s.cols, "input.labels");
-  Tensor<Real> probs({s.rows, s.cols});
+  const auto& labels = ints_of(v.i64, "input.labels", s.batch);
+  check_range(labels, s.num_classes, "input.labels");
+  Tensor<Real> probs({s.batch, s.num_classes});
   const Real smoothing = static_cast<Real>(s.cfg.label_smoothing);
-  r["output.loss"][0] =
-      cross_entropy_forward(probs.data(), x.data(), labels.data(), s.rows, s.cols, smoothing);
+  r["output.loss"][0] = cross_entropy_forward(probs.data(), x.data(), labels.data(), s.batch,
+                                              s.num_classes, smoothing);
   c.done("output.loss");
-  cross_entropy_backward(r["grad.input.logits"].data(), probs.data(), labels.data(), s.rows, s.cols,
-                         smoothing, dy[0]);
+  cross_entropy_backward(r["grad.input.logits"].data(), probs.data(), labels.data(), s.batch,
+                         s.num_classes, smoothing, dy[0]);
 }
 
 }  // namespace
@@ -53,6 +75,8 @@ const OpDef& cross_entropy_op() {
       .config_keys = {"label_smoothing"},
       .parse = parse,
       .write_sizes = write_sizes,
+      .config_of = config_in<CrossEntropySpec>,
+      .int_bound = int_bound,
       .tensors = tensors,
       .longest_reduction = longest_reduction,
       .run_float = run<float>,

@@ -10,36 +10,72 @@ namespace teo::golden::ops {
 
 namespace {
 
-void parse(Spec& s, Reader& r) {
+// The op's spec: batch sequences of seq_len rows, each's real tokens (lengths); with memory, cross-
+// attention over input.memory (batch, memory_len, d_model) with each's memory_lengths; and the
+// layer the config describes.
+struct DecoderLayerSpec {
+  index_t batch = 0, seq = 0;
+  Lengths lengths;
+  bool memory = false;
+  index_t memory_len = 0;
+  Lengths memory_lengths;
+  EncoderConfig cfg;
+};
+
+const DecoderLayerSpec& own(const Spec& s) {
+  return s.as<DecoderLayerSpec>();
+}
+
+void parse(Spec& spec, Reader& r) {
+  auto& s = spec.own.emplace<DecoderLayerSpec>();
+  s.cfg = r.op_config();
   s.batch = r.size("batch", 0);
   s.seq = r.size("seq_len", 1);
   s.memory = r.has("memory_len");
   if (s.memory) {
-    s.kv_seq = r.size("memory_len", 0);
-    s.kv_lengths = r.prefix_lengths("memory_lengths", s.batch, s.kv_seq, s.full_kv_lengths);
+    s.memory_len = r.size("memory_len", 0);
+    s.memory_lengths = r.lengths("memory_lengths", s.batch, s.memory_len);
   } else if (r.has("memory_lengths")) {
     throw ConfigError("spec.memory_lengths goes with memory_len (the memory's rows)");
   }
+  s.lengths = r.lengths("lengths", s.batch, s.seq);
 }
 
-void write_sizes(const Spec& s, ojson& j) {
+void fill(Spec& spec) {
+  auto& s = spec.as<DecoderLayerSpec>();
+  s.lengths.fill();
+  s.memory_lengths.fill();
+}
+
+const std::vector<std::int64_t>* given_ints(const Spec& spec, const std::string& name) {
+  const auto& s = own(spec);
+  if (name == "input.lengths") return &s.lengths.values;
+  if (name == "input.memory_lengths") return &s.memory_lengths.values;
+  return nullptr;
+}
+
+void write_sizes(const Spec& spec, ojson& j) {
+  const auto& s = own(spec);
   j["batch"] = s.batch;
   j["seq_len"] = s.seq;
+  j["lengths"] = s.lengths.values;
 }
 
-void write_options(const Spec& s, ojson& j) {
+void write_options(const Spec& spec, ojson& j) {
+  const auto& s = own(spec);
   if (!s.memory) return;
-  j["memory_len"] = s.kv_seq;
-  j["memory_lengths"] = s.kv_lengths;
+  j["memory_len"] = s.memory_len;
+  j["memory_lengths"] = s.memory_lengths.values;
 }
 
-void tensors(const Spec& s, OpTensors& t) {
+void tensors(const Spec& spec, OpTensors& t) {
+  const auto& s = own(spec);
   const EncoderConfig& c = s.cfg;
   const index_t D = c.d_model;
   t.in.push_back(float_slot("input.x", {s.batch, s.seq, D}, Role::input));
   t.fixed.push_back({"input.lengths", DType::I64, {s.batch}, Role::input});
   if (s.memory) {
-    t.in.push_back(float_slot("input.memory", {s.batch, s.kv_seq, D}, Role::input));
+    t.in.push_back(float_slot("input.memory", {s.batch, s.memory_len, D}, Role::input));
     t.fixed.push_back({"input.memory_lengths", DType::I64, {s.batch}, Role::input});
   }
   // Weights uniform in +-1/sqrt(fan_in), biases +-0.1, norm weights around 1.
@@ -56,28 +92,30 @@ void tensors(const Spec& s, OpTensors& t) {
   t.out.push_back(float_slot("output.y", {s.batch, s.seq, D}, Role::output));
 }
 
-index_t longest_reduction(const Spec& s) {
+index_t longest_reduction(const Spec& spec) {
+  const auto& s = own(spec);
   return std::max(
-      {s.cfg.d_model, s.cfg.d_ff, s.seq, s.kv_seq, s.batch * s.seq, s.batch * s.kv_seq});
+      {s.cfg.d_model, s.cfg.d_ff, s.seq, s.memory_len, s.batch * s.seq, s.batch * s.memory_len});
 }
 
-double working_bytes(const Spec& s) {
+double working_bytes(const Spec& spec) {
+  const auto& s = own(spec);
   const auto d = [](index_t x) { return static_cast<double>(x); };
   const double bt = d(s.batch) * d(s.seq);
-  return (4 * bt * d(s.cfg.num_heads) * (d(s.seq) + d(s.kv_seq)) + 24 * bt * d(s.cfg.d_model) +
-          4 * bt * d(s.cfg.d_ff) + 8 * d(s.batch) * d(s.kv_seq) * d(s.cfg.d_model)) *
+  return (4 * bt * d(s.cfg.num_heads) * (d(s.seq) + d(s.memory_len)) + 24 * bt * d(s.cfg.d_model) +
+          4 * bt * d(s.cfg.d_ff) + 8 * d(s.batch) * d(s.memory_len) * d(s.cfg.d_model)) *
          8;
 }
 
 template <class Real>
 void run(RunContext<Real>& c) {
-  const Spec& s = c.s;
+  const auto& s = own(c.s);
   auto& r = c.r;
   const auto x = c.in("input.x"), dy = c.in("grad.output.y");
-  const auto& len = spec_ints_of(c.v, s);
+  const auto& len = spec_ints_of(c.v, c.s);
   const Tensor<Real> memory = s.memory ? c.in("input.memory") : Tensor<Real>();
   const std::vector<std::int64_t> none;
-  const auto& mem_len = s.memory ? spec_ints_of(c.v, s, "input.memory_lengths") : none;
+  const auto& mem_len = s.memory ? spec_ints_of(c.v, c.s, "input.memory_lengths") : none;
   auto P = DecoderLayerParams<Real>::zeros(s.cfg, s.memory);
   P.visit(s.cfg.norm_first, [&](const std::string& n, Tensor<Real>& t) { t = c.in("param." + n); });
   DecoderLayerActs<Real> A;
@@ -106,10 +144,12 @@ const OpDef& decoder_layer_op() {
                           {"positional", "none"},
                           {"causal", true},
                           {"dropout", 0.0}},
-      .lengths_key = "lengths",
       .parse = parse,
+      .fill = fill,
       .write_sizes = write_sizes,
       .write_options = write_options,
+      .config_of = config_in<DecoderLayerSpec>,
+      .spec_ints = given_ints,
       .tensors = tensors,
       .longest_reduction = longest_reduction,
       .working_bytes = working_bytes,

@@ -12,11 +12,33 @@ namespace teo::golden::ops {
 
 namespace {
 
-void parse(Spec& s, Reader& r) {
+// The op's spec: batch sequences of seq_len tokens of a vocabulary of vocab_size, embedded in
+// d_model; learned positions' table of max_len rows (0 with sinusoidal ones); and the config's
+// positions, scale, token types and embedding norm.
+struct EmbeddingSpec {
+  index_t batch = 0, seq = 0, vocab = 0, d_model = 0, max_len = 0;
+  EncoderConfig cfg;
+};
+
+const EmbeddingSpec& own(const Spec& s) {
+  return s.as<EmbeddingSpec>();
+}
+
+// the tokens, in [0, vocab_size), and the token types, in [0, type_vocab_size)
+OpDef::IntBound int_bound(const Spec& spec, const std::string& name) {
+  const auto& s = own(spec);
+  if (name == "input.tokens") return {s.vocab, "vocab_size"};
+  if (name == "input.token_types") return {s.cfg.type_vocab_size.value_or(1), "type_vocab_size"};
+  return {};
+}
+
+void parse(Spec& spec, Reader& r) {
+  auto& s = spec.own.emplace<EmbeddingSpec>();
+  s.cfg = r.op_config();
   s.batch = r.size("batch", 0);
   s.seq = r.size("seq_len", 1);
   s.vocab = r.size("vocab_size", 1);
-  s.cols = r.size("d_model", 1);
+  s.d_model = r.size("d_model", 1);
   if (s.cfg.positional != Positional::sinusoidal && s.cfg.positional != Positional::learned) {
     throw ConfigError(
         "spec.positional of the embedding op is \"sinusoidal\" or \"learned\", got \"" +
@@ -41,52 +63,56 @@ void parse(Spec& s, Reader& r) {
   }
 }
 
-void write_sizes(const Spec& s, ojson& j) {
+void write_sizes(const Spec& spec, ojson& j) {
+  const auto& s = own(spec);
   j["batch"] = s.batch;
   j["seq_len"] = s.seq;
   j["vocab_size"] = s.vocab;
-  j["d_model"] = s.cols;
+  j["d_model"] = s.d_model;
 }
 
-void write_options(const Spec& s, ojson& j) {
+void write_options(const Spec& spec, ojson& j) {
+  const auto& s = own(spec);
   if (s.max_len) j["max_len"] = s.max_len;
   if (s.cfg.embedding_norm) j["layer_norm_eps"] = s.cfg.layer_norm_eps;
 }
 
-void tensors(const Spec& s, OpTensors& t) {
+void tensors(const Spec& spec, OpTensors& t) {
+  const auto& s = own(spec);
   t.fixed.push_back({"input.tokens", DType::I64, {s.batch, s.seq}, Role::input});
   if (s.cfg.type_vocab_size)
     t.fixed.push_back({"input.token_types", DType::I64, {s.batch, s.seq}, Role::input});
-  t.in.push_back(float_slot("param.weight", {s.vocab, s.cols}, Role::param));
+  t.in.push_back(float_slot("param.weight", {s.vocab, s.d_model}, Role::param));
   if (s.cfg.positional == Positional::learned) {
-    t.in.push_back(float_slot("param.pos_weight", {s.max_len, s.cols}, Role::param, 0.5));
+    t.in.push_back(float_slot("param.pos_weight", {s.max_len, s.d_model}, Role::param, 0.5));
   }
   if (s.cfg.type_vocab_size) {
     t.in.push_back(
-        float_slot("param.type_weight", {*s.cfg.type_vocab_size, s.cols}, Role::param, 0.5));
+        float_slot("param.type_weight", {*s.cfg.type_vocab_size, s.d_model}, Role::param, 0.5));
   }
   if (s.cfg.embedding_norm) {
-    t.in.push_back(float_slot("param.norm_weight", {s.cols}, Role::param, 0.5, 1));
+    t.in.push_back(float_slot("param.norm_weight", {s.d_model}, Role::param, 0.5, 1));
     if (s.cfg.norm == Norm::layernorm)
-      t.in.push_back(float_slot("param.norm_bias", {s.cols}, Role::param));
+      t.in.push_back(float_slot("param.norm_bias", {s.d_model}, Role::param));
   }
-  t.out.push_back(float_slot("output.x", {s.batch, s.seq, s.cols}, Role::output));
+  t.out.push_back(float_slot("output.x", {s.batch, s.seq, s.d_model}, Role::output));
 }
 
-index_t longest_reduction(const Spec& s) {
+index_t longest_reduction(const Spec& spec) {
+  const auto& s = own(spec);
   return std::max<index_t>(s.batch * s.seq, s.batch);
 }
 
 template <class Real>
 void run(RunContext<Real>& c) {
-  const Spec& s = c.s;
+  const auto& s = own(c.s);
   auto& r = c.r;
   const Values& v = c.v;
   const auto p = c.p;
   const auto& tokens = ints_of(v.i64, "input.tokens", s.batch * s.seq);
   check_range(tokens, s.vocab, "input.tokens");
   const auto w = c.in("param.weight"), dy = c.in("grad.output.x");
-  const index_t n = s.batch * s.seq, D = s.cols;
+  const index_t n = s.batch * s.seq, D = s.d_model;
   const Real scale =
       s.cfg.embed_scale ? static_cast<Real>(std::sqrt(static_cast<double>(D))) : Real(1);
   // As the model: embedding and positional are each stored, then their sum.
@@ -165,6 +191,8 @@ const OpDef& embedding_op() {
       .parse = parse,
       .write_sizes = write_sizes,
       .write_options = write_options,
+      .config_of = config_in<EmbeddingSpec>,
+      .int_bound = int_bound,
       .tensors = tensors,
       .longest_reduction = longest_reduction,
       .run_float = run<float>,

@@ -10,20 +10,44 @@ namespace teo::golden::ops {
 
 namespace {
 
-void parse(Spec& s, Reader& r) {
+// The op's spec: batch sequences of seq_len rows, each's real tokens (lengths), and the layer the
+// config describes.
+struct EncoderLayerSpec {
+  index_t batch = 0, seq = 0;
+  Lengths lengths;
+  EncoderConfig cfg;
+};
+
+const EncoderLayerSpec& own(const Spec& s) {
+  return s.as<EncoderLayerSpec>();
+}
+
+void parse(Spec& spec, Reader& r) {
+  auto& s = spec.own.emplace<EncoderLayerSpec>();
+  s.cfg = r.op_config();
   s.batch = r.size("batch", 0);
   s.seq = r.size("seq_len", 1);
-  s.cols = s.cfg.d_model;
-  s.d_head = s.cfg.d_head();
-  attention_positions(s, "encoder_layer");
+  attention_positions(s.cfg, s.cfg.d_head(), s.seq, "encoder_layer");
+  s.lengths = r.lengths("lengths", s.batch, s.seq);
 }
 
-void write_sizes(const Spec& s, ojson& j) {
+void fill(Spec& spec) {
+  spec.as<EncoderLayerSpec>().lengths.fill();
+}
+
+const std::vector<std::int64_t>* given_ints(const Spec& spec, const std::string& name) {
+  return name == "input.lengths" ? &own(spec).lengths.values : nullptr;
+}
+
+void write_sizes(const Spec& spec, ojson& j) {
+  const auto& s = own(spec);
   j["batch"] = s.batch;
   j["seq_len"] = s.seq;
+  j["lengths"] = s.lengths.values;
 }
 
-void tensors(const Spec& s, OpTensors& t) {
+void tensors(const Spec& spec, OpTensors& t) {
+  const auto& s = own(spec);
   const EncoderConfig& c = s.cfg;
   const Dims bsd = {s.batch, s.seq, c.d_model};
   t.in.push_back(float_slot("input.x", bsd, Role::input));
@@ -45,11 +69,13 @@ void tensors(const Spec& s, OpTensors& t) {
   t.out.push_back(float_slot("output.y", bsd, Role::output));
 }
 
-index_t longest_reduction(const Spec& s) {
+index_t longest_reduction(const Spec& spec) {
+  const auto& s = own(spec);
   return std::max({s.cfg.d_model, s.cfg.d_ff, s.seq, s.batch * s.seq});
 }
 
-double working_bytes(const Spec& s) {
+double working_bytes(const Spec& spec) {
+  const auto& s = own(spec);
   // the layer's kept activations and their gradients
   const auto d = [](index_t x) { return static_cast<double>(x); };
   const double bs = d(s.batch) * d(s.seq);
@@ -58,7 +84,8 @@ double working_bytes(const Spec& s) {
          8 * 2;
 }
 
-void draw(const Spec& s, const OpCase& c, Values& v) {
+void draw(const Spec& spec, const OpCase& c, Values& v) {
+  const auto& s = own(spec);
   // The parameters are the model's initialisation of layer 0, as stored.
   const auto layer = std::move(Params<double>::init(s.cfg, c.seed).layers.at(0));
   layer.visit([&](const std::string& n, const Tensor<double>& t) {
@@ -70,13 +97,13 @@ void draw(const Spec& s, const OpCase& c, Values& v) {
 
 template <class Real>
 void run(RunContext<Real>& c) {
-  const Spec& s = c.s;
+  const auto& s = own(c.s);
   auto& r = c.r;
   const Values& v = c.v;
   const auto p = c.p;
   const std::uint64_t seed = c.seed;
   const auto x = c.in("input.x"), dy = c.in("grad.output.y");
-  const auto& len = spec_ints_of(v, s);
+  const auto& len = spec_ints_of(v, c.s);
   LayerParams<Real> P, G;
   P.configure(s.cfg);
   P.visit([&](const std::string& n, Tensor<Real>& t) { t = c.in("param." + n); });
@@ -117,9 +144,11 @@ const OpDef& encoder_layer_op() {
                       "ffn_bias",        "attn_bias"},
       .base_config =
           json{{"num_layers", 1}, {"vocab_size", 1}, {"num_classes", 1}, {"positional", "none"}},
-      .lengths_key = "lengths",
       .parse = parse,
+      .fill = fill,
       .write_sizes = write_sizes,
+      .config_of = config_in<EncoderLayerSpec>,
+      .spec_ints = given_ints,
       .tensors = tensors,
       .longest_reduction = longest_reduction,
       .working_bytes = working_bytes,

@@ -10,15 +10,29 @@ namespace teo::golden::ops {
 
 namespace {
 
-void parse(Spec& s, Reader& r) {
+// The op's spec: rows of the config's d_model, and the FFN the config describes.
+struct FfnSpec {
+  index_t rows = 0;
+  EncoderConfig cfg;
+};
+
+const FfnSpec& own(const Spec& s) {
+  return s.as<FfnSpec>();
+}
+
+void parse(Spec& spec, Reader& r) {
+  auto& s = spec.own.emplace<FfnSpec>();
+  s.cfg = r.op_config();
   s.rows = r.size("rows", 0);
 }
 
-void write_sizes(const Spec& s, ojson& j) {
+void write_sizes(const Spec& spec, ojson& j) {
+  const auto& s = own(spec);
   j["rows"] = s.rows;
 }
 
-void tensors(const Spec& s, OpTensors& t) {
+void tensors(const Spec& spec, OpTensors& t) {
+  const auto& s = own(spec);
   const EncoderConfig& c = s.cfg;
   const index_t D = c.d_model, F = c.d_ff;
   const double in_d = 1.0 / std::sqrt(static_cast<double>(D));
@@ -39,15 +53,16 @@ void tensors(const Spec& s, OpTensors& t) {
   t.out.push_back(float_slot("output.y", {s.rows, D}, Role::output));
 }
 
-index_t longest_reduction(const Spec& s) {
+index_t longest_reduction(const Spec& spec) {
+  const auto& s = own(spec);
   return std::max({s.cfg.d_model, s.cfg.d_ff, s.rows});
 }
 
 template <class Real>
 void run(RunContext<Real>& c) {
-  const EncoderConfig& cfg = c.s.cfg;
+  const EncoderConfig& cfg = own(c.s).cfg;
   auto& r = c.r;
-  const index_t N = c.s.rows, D = cfg.d_model, F = cfg.d_ff;
+  const index_t N = own(c.s).rows, D = cfg.d_model, F = cfg.d_ff;
   const Activation act = cfg.ffn_activation();
   const bool gated = cfg.gated(), bias = cfg.ffn_bias;
   const auto param = [&](const char* n) { return c.in(std::string("param.") + n); };
@@ -99,6 +114,7 @@ const OpDef& ffn_op() {
       .base_config = json{{"num_heads", 1}},
       .parse = parse,
       .write_sizes = write_sizes,
+      .config_of = config_in<FfnSpec>,
       .tensors = tensors,
       .longest_reduction = longest_reduction,
       .run_float = run<float>,

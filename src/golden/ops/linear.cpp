@@ -15,30 +15,44 @@ namespace teo::golden::ops {
 
 namespace {
 
-void parse(Spec& s, Reader& r) {
+// The op's spec: rows of in_features, out_features, and whether it has a bias.
+struct LinearSpec {
+  index_t rows = 0, in_f = 0, out_f = 0;
+  bool bias = true;
+};
+
+const LinearSpec& own(const Spec& s) {
+  return s.as<LinearSpec>();
+}
+
+void parse(Spec& spec, Reader& r) {
+  auto& s = spec.own.emplace<LinearSpec>();
   s.rows = r.size("rows", 0);
   s.in_f = r.size("in_features", 1);
   s.out_f = r.size("out_features", 1);
   s.bias = r.flag("bias", true);
 }
 
-void write_sizes(const Spec& s, ojson& j) {
+void write_sizes(const Spec& spec, ojson& j) {
+  const auto& s = own(spec);
   j["rows"] = s.rows;
   j["in_features"] = s.in_f;
   j["out_features"] = s.out_f;
 }
 
-void write_options(const Spec& s, ojson& j) {
+void write_options(const Spec& spec, ojson& j) {
+  const auto& s = own(spec);
   j["bias"] = s.bias;
 }
 
-void tensors(const Spec& s, OpTensors& t) {
+void tensors(const Spec& spec, OpTensors& t) {
+  const auto& s = own(spec);
   const double inv_sqrt_in = 1.0 / std::sqrt(static_cast<double>(std::max<index_t>(s.in_f, 1)));
   t.in.push_back(float_slot("input.x", {s.rows, s.in_f}, Role::input));
   t.in.push_back(float_slot("param.weight", {s.out_f, s.in_f}, Role::param, inv_sqrt_in));
   if (s.bias) t.in.push_back(float_slot("param.bias", {s.out_f}, Role::param, inv_sqrt_in));
   t.out.push_back(float_slot("output.y", {s.rows, s.out_f}, Role::output));
-  if (s.fp8_delayed) {  // the dequantization scales of x, W and dY (docs/fp8.md)
+  if (spec.fp8_delayed) {  // the dequantization scales of x, W and dY (docs/fp8.md)
     for (const char* n : {"input.fp8_scale.x", "input.fp8_scale.weight", "input.fp8_scale.grad_y"})
       t.fixed.push_back(float_slot(n, {1}, Role::input));
   }
@@ -48,8 +62,8 @@ void tensors(const Spec& s, OpTensors& t) {
 // times 2^u, u uniform in [1/64, 1) (drawn from the scale's own stream), as stored: up to twice
 // the current scale, and above it even after the bf16 rounding (2^(1/64) > 1 + 2^-9, half a bf16
 // step), so that nothing saturates and each value keeps up to one bit less.
-void draw(const Spec& s, const OpCase& c, Values& v) {
-  if (!s.fp8_delayed) return;
+void draw(const Spec& spec, const OpCase& c, Values& v) {
+  if (!spec.fp8_delayed) return;
   const auto set = [&](const char* scale, const char* of, Fp8Format f) {
     double amax = 0;
     for (double x : v.f.at(of)) amax = std::max(amax, std::fabs(x));
@@ -63,13 +77,15 @@ void draw(const Spec& s, const OpCase& c, Values& v) {
   set("input.fp8_scale.grad_y", "grad.output.y", c.fp8.backward);
 }
 
-index_t longest_reduction(const Spec& s) {
+index_t longest_reduction(const Spec& spec) {
+  const auto& s = own(spec);
   return std::max({s.in_f, s.out_f, s.rows});
 }
 
 // The three products' operands, as linear_forward and linear_backward name them: y = x W^T,
 // grad_x = dY W (op(W) = W^T), grad_weight = dY^T x (op(dY) = dY^T, op(x) = x^T).
-std::vector<Fp8OperandSlot> fp8_operands(const Spec& s) {
+std::vector<Fp8OperandSlot> fp8_operands(const Spec& spec) {
+  const auto& s = own(spec);
   return {{"y.x", s.rows, s.in_f, false, false},
           {"y.weight", s.out_f, s.in_f, false, true},
           {"grad_x.grad_y", s.rows, s.out_f, true, false},
@@ -80,13 +96,13 @@ std::vector<Fp8OperandSlot> fp8_operands(const Spec& s) {
 
 template <class Real>
 void run(RunContext<Real>& c) {
-  const Spec& s = c.s;
+  const auto& s = own(c.s);
   auto& r = c.r;
   const auto x = c.in("input.x"), w = c.in("param.weight"), dy = c.in("grad.output.y");
   const Tensor<Real> b = s.bias ? c.in("param.bias") : Tensor<Real>();
   std::optional<teo::detail::Fp8DelayedScope> delayed;
   if constexpr (std::is_same_v<Real, float>) {
-    if (s.fp8_delayed) {
+    if (c.s.fp8_delayed) {
       delayed.emplace(teo::detail::Fp8DelayedScales{.input = c.in("input.fp8_scale.x")[0],
                                                     .weight = c.in("input.fp8_scale.weight")[0],
                                                     .gradient = c.in("input.fp8_scale.grad_y")[0]});

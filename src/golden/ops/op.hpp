@@ -6,11 +6,13 @@
 #pragma once
 
 #include <algorithm>
+#include <any>
 #include <cmath>
 #include <cstdint>
 #include <map>
 #include <optional>
 #include <set>
+#include <stdexcept>
 #include <string>
 #include <utility>
 #include <vector>
@@ -32,6 +34,7 @@ using Dims = std::vector<std::int64_t>;
 using safetensors::DType;
 
 struct OpDef;
+struct RouterPart;
 
 // Attention stores scores and probs (B, H, S, S) by default up to this many entries each; beyond
 // it the case uses the row-blocked path and omits them.
@@ -39,50 +42,39 @@ inline constexpr std::int64_t kProbsDefaultLimit = std::int64_t{1} << 22;
 // The largest size any one dimension may take.
 inline constexpr std::int64_t kMaxDim = std::int64_t{1} << 31;
 
-// The parsed spec of a case: the sizes and options its op reads (each op uses its own few).
+// The parsed spec of a case. The shared part is what every case has whatever its op: the op, and
+// whether the case's fp8 scales are inputs (its precision's). The rest is the op's own spec type
+// (`own`), declared, parsed and validated in the op's file.
 struct Spec {
   const OpDef* def = nullptr;
-  index_t rows = 0, cols = 0, in_f = 0, out_f = 0;
-  index_t batch = 0, heads = 0, seq = 0, d_head = 0, kv_heads = 0;
-  std::vector<std::int64_t> lengths;  // per sequence (B), or per row (visible entries)
-  // Lengths not given: (count, value), filled in by fill_defaults once the size is accepted.
-  std::optional<std::pair<index_t, index_t>> full_lengths;
-  bool bias = true, probs = true;
-  // Attention with queries and keys of different lengths (q_len, kv_len): the key rows, the keys
-  // of each sequence (and their default, as full_lengths), the value head size, the alignment of
-  // the causal diagonal, and whether the log-sum-exp is an output. own_lengths: the op reads its
-  // lengths itself (q_lengths, kv_lengths) instead of through its lengths_key.
-  bool own_lengths = false;
-  index_t kv_seq = 0, d_head_v = 0;
-  std::vector<std::int64_t> kv_lengths;
-  std::optional<std::pair<index_t, index_t>> full_kv_lengths;
-  bool top_left = false, lse = false;
   // linear under an fp8 recipe with delayed scales: the operands' scales are inputs
   // (input.fp8_scale.*)
   bool fp8_delayed = false;
-  bool lse_grad = false;  // the lse takes an upstream gradient (a split-KV backward's)
-  std::optional<double> scale;
-  // attention_kvcache: each sequence's cached tokens, and the cache (contiguous: max_len rows per
-  // sequence; paged: num_pages pages of page_size rows, and the block table (B, max_pages), row
-  // by row).
-  struct KvCache {
-    std::vector<std::int64_t> cache_lengths;
-    bool paged = false;
-    index_t page_size = 0, num_pages = 0, max_pages = 0;
-    std::string page_order;  // in_order, reversed or shuffled; empty: the spec gives the table
-    std::vector<std::int64_t> block_table;
-  } kv;
-  // attention_merge: the parts, and those that are empty (lse -inf, context 0)
-  index_t parts = 0;
-  std::vector<std::int64_t> empty_parts;
-  index_t vocab = 0, max_len = 0;
-  // decoder_layer: cross-attention over input.memory (B, kv_seq, D) with input.memory_lengths
-  // (in kv_lengths)
-  bool memory = false;
-  // patch_embedding: images of `channels` channels, image_size x image_size, in patch_size
-  // patches
-  index_t channels = 0, image_size = 0, patch_size = 0;
-  EncoderConfig cfg;  // the model-config keys of the op, spelled as the config spells them
+  std::any own;
+
+  // The op's spec, of its own type T; std::logic_error if the op's spec is of another type.
+  template <class T>
+  const T& as() const {
+    const T* o = std::any_cast<T>(&own);
+    if (!o) throw std::logic_error("an op's spec read as another op's");
+    return *o;
+  }
+  template <class T>
+  T& as() {
+    return const_cast<T&>(std::as_const(*this).as<T>());
+  }
+};
+
+// A lengths key's values: per sequence (B values in [0, seq_len]) or per row. When the key is
+// not given, (count, value) until fill() builds them, once the case's size has been accepted.
+struct Lengths {
+  std::vector<std::int64_t> values;
+  std::optional<std::pair<index_t, index_t>> full;
+  void fill() {
+    if (!full) return;
+    values.assign(static_cast<std::size_t>(full->first), full->second);
+    full.reset();
+  }
 };
 
 // Reads a spec object key by key; finish() rejects the keys nobody asked for.
@@ -108,6 +100,10 @@ class Reader {
   // The model-config keys among `keys`, read by EncoderConfig::from_json (its errors name them)
   // on top of `base`.
   EncoderConfig config(const std::vector<const char*>& keys, const json& base);
+  // The model-config keys of the op (for_op), on top of its base config.
+  EncoderConfig op_config();
+  // Lengths `key`: (n) values in [0, max], or the default of n copies of max (prefix_lengths).
+  Lengths lengths(const char* key, index_t n, index_t max);
   void finish() const;
   void use(const char* key) { used_.insert(key); }
   // The value of a key the caller has checked is present.
@@ -123,22 +119,21 @@ class Reader {
   const OpDef* def_ = nullptr;
 };
 
-// The sizes of an element-wise or row-wise op: rows >= 0 and cols >= 1, read and written back.
-void parse_rows_cols(Spec& s, Reader& r);
-void write_rows_cols(const Spec& s, ojson& j);
-// The sizes of a norm: rows >= 0 and d_model >= 1 (in s.cols).
-void parse_rows_d_model(Spec& s, Reader& r);
-void write_rows_d_model(const Spec& s, ojson& j);
+// The model config of an op whose spec type T holds it as `cfg` (OpDef::config_of).
+template <class T>
+const EncoderConfig* config_in(const Spec& s) {
+  return &s.as<T>().cfg;
+}
 
 // The attention ops' model-config keys (the variants of semantics section 14 and causal), and the
 // config they are read on top of: one head, no positions, causal as given.
 const std::vector<const char*>& attention_config_keys();
 json attention_base_config(bool causal);
 
-// The attention ops' positions: none, rope or alibi (default none). RoPE takes its rotary_dim from
-// d_head, and its scaling's original context from seq_len, unless given; both are then spelled out
-// in the normalised spec.
-void attention_positions(Spec& s, const char* op);
+// The attention ops' positions in c: none, rope or alibi (default none). RoPE takes its rotary_dim
+// from d_head, and its scaling's original context from the longest of the op's sequences
+// (`longest`), unless given; both are then spelled out in the normalised spec.
+void attention_positions(EncoderConfig& c, index_t d_head, index_t longest, const char* op);
 
 enum class Role { input, param, output, grad_output, grad_input, grad_param };
 
@@ -151,7 +146,18 @@ struct Slot {
   double amp = 1;         // float inputs: values are drawn uniform in [-amp, amp)
   double offset = 0;      // ... plus offset
   bool optional = false;  // an output a fused kernel may omit
+  // An output no upstream gradient flows into (a router's choice, its scores and margins). An
+  // integer output (I32: the experts chosen) is one always; it has no ref64 twin, since the
+  // generator keeps every such choice the same in float32 and float64.
+  bool no_grad = false;
 };
+
+// An integer output of the case (I32), held as exact values of the run's Real.
+inline Slot int_output(std::string n, Dims shape) {
+  Slot s{std::move(n), safetensors::DType::I32, std::move(shape), Role::output};
+  s.no_grad = true;
+  return s;
+}
 
 // What an op declares of its tensors; ops.cpp adds the upstream and input gradients and orders
 // them (layout()).
@@ -187,9 +193,9 @@ const std::vector<T>& ints_of(const std::map<std::string, std::vector<T>>& m,
 // A golden's token ids and labels must lie in [0, hi): FormatError otherwise.
 void check_range(const std::vector<std::int64_t>& v, std::int64_t hi, const std::string& what);
 
-// The spec's values of an integer tensor of a case that the spec determines (input.lengths and
-// input.q_lengths: the lengths; input.kv_lengths: the keys'; input.cache_lengths and
-// input.block_table: the KV cache's), or null for any other name.
+// The spec's values of an integer tensor of a case that the spec determines (the op's
+// OpDef::spec_ints: its lengths, a KV cache's lengths and block table), or null for any other
+// name.
 const std::vector<std::int64_t>* spec_ints(const Spec& s, const std::string& name);
 // The case's integer tensor `name` that the spec determines, FormatError unless it holds the
 // spec's values.
@@ -220,6 +226,9 @@ struct RunContext {
   std::optional<Precision> p;
   std::map<std::string, Dims> shape;
   std::map<std::string, Tensor<Real>> r;
+  // A routed op's routing to replay, (T, k), or null: the golden's own when the checker
+  // emulates a precision, so that the emulated error is the experts' arithmetic's alone.
+  const std::vector<std::int64_t>* routing = nullptr;
 
   // Input `n` as a tensor of its shape, in Real.
   Tensor<Real> in(const std::string& n) const {
@@ -254,21 +263,36 @@ struct Fp8OperandSlot {
 struct OpDef {
   const char* name = "";
   // The model-config keys the spec takes (read, validated and written back as EncoderConfig spells
-  // them), and the config they are read on top of.
+  // them), and the config they are read on top of (Reader::op_config).
   std::vector<const char*> config_keys{};
   json base_config = json::object();
-  // The key of the op's lengths, or null: per sequence, (batch) values in [0, seq_len], or
-  // with lengths_per_row, (rows) values in [0, cols].
-  const char* lengths_key = nullptr;
-  bool lengths_per_row = false;
-  // Reads the op's sizes and options (after its config keys, which are in s.cfg).
+  // Reads the op's spec into s.own: its config keys first (Reader::op_config), its sizes, lengths
+  // and options.
   void (*parse)(Spec& s, Reader& r) = nullptr;
-  // Completes the spec once its size has been accepted (what is too big to build before), or
-  // null.
+  // Completes the spec once its size has been accepted (default lengths, what is too big to build
+  // before), or null.
   void (*fill)(Spec& s) = nullptr;
-  // Writes the op's sizes, then (after the lengths and config keys) its options, normalised.
+  // Writes the op's sizes and lengths, then (after the config keys) its options, normalised.
   void (*write_sizes)(const Spec& s, ojson& j) = nullptr;
   void (*write_options)(const Spec& s, ojson& j) = nullptr;
+  // The op's model config (config_in<T>), where config_keys is not empty: its keys are written
+  // back, its dropout draws the masks and its type_vocab_size bounds the token types.
+  const EncoderConfig* (*config_of)(const Spec& s) = nullptr;
+  // The values of the integer tensors the spec determines (its lengths, a KV cache's lengths and
+  // block table), or null for any other name; null when it has none.
+  const std::vector<std::int64_t>* (*spec_ints)(const Spec& s, const std::string& name) = nullptr;
+  // Integer inputs drawn uniform in [0, hi) (token ids, labels) are checked against hi, which the
+  // spec key `key` sets: the bound of `name`, or hi 0 when the op has no such input.
+  struct IntBound {
+    index_t hi = 0;
+    const char* key = "";
+  };
+  IntBound (*int_bound)(const Spec& s, const std::string& name) = nullptr;
+  // An op that routes tokens to experts: its router part (the checker judges output.topk_ids
+  // exactly, tells an ambiguous routing from a wrong one, and leaves out what an ambiguous token
+  // contaminates, as `routing_dependence` says), or null.
+  const RouterPart* (*router_of)(const Spec& s) = nullptr;
+  detail::RoutingDependence (*routing_dependence)(const Spec& s, const std::string& name) = nullptr;
   // Its tensors.
   void (*tensors)(const Spec& s, OpTensors& t) = nullptr;
   // The longest sum behind any one result: the float32 conditioning test's L.
@@ -340,5 +364,6 @@ const OpDef& lm_head_op();
 const OpDef& dropout_op();
 const OpDef& encoder_layer_op();
 const OpDef& decoder_layer_op();
+const OpDef& moe_router_op();
 
 }  // namespace teo::golden::ops

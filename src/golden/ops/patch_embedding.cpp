@@ -9,60 +9,73 @@ namespace teo::golden::ops {
 
 namespace {
 
-PatchDims dims(const Spec& s) {
-  return {s.batch, s.channels, s.image_size, s.patch_size, s.cols};
+// The op's spec: batch images of `channels` channels, image_size x image_size, in patch_size
+// patches, projected to d_model.
+struct PatchEmbeddingSpec {
+  index_t batch = 0, channels = 0, image_size = 0, patch_size = 0, d_model = 0;
+};
+
+const PatchEmbeddingSpec& own(const Spec& s) {
+  return s.as<PatchEmbeddingSpec>();
 }
 
-void parse(Spec& s, Reader& r) {
+PatchDims dims(const PatchEmbeddingSpec& s) {
+  return {s.batch, s.channels, s.image_size, s.patch_size, s.d_model};
+}
+
+void parse(Spec& spec, Reader& r) {
+  auto& s = spec.own.emplace<PatchEmbeddingSpec>();
   s.batch = r.size("batch", 0);
   s.channels = r.size("channels", 1);
   s.image_size = r.size("image_size", 1);
   s.patch_size = r.size("patch_size", 1);
-  s.cols = r.size("d_model", 1);
+  s.d_model = r.size("d_model", 1);
   if (s.image_size % s.patch_size != 0) {
     throw ConfigError("spec.image_size " + std::to_string(s.image_size) +
                       " must be a multiple of patch_size " + std::to_string(s.patch_size));
   }
 }
 
-void write_sizes(const Spec& s, ojson& j) {
+void write_sizes(const Spec& spec, ojson& j) {
+  const auto& s = own(spec);
   j["batch"] = s.batch;
   j["channels"] = s.channels;
   j["image_size"] = s.image_size;
   j["patch_size"] = s.patch_size;
-  j["d_model"] = s.cols;
+  j["d_model"] = s.d_model;
 }
 
-void write_options(const Spec&, ojson&) {}
-
-void tensors(const Spec& s, OpTensors& t) {
+void tensors(const Spec& spec, OpTensors& t) {
+  const auto& s = own(spec);
   const PatchDims d = dims(s);
   const double bound = 1.0 / std::sqrt(static_cast<double>(d.patch_len()));
   t.in.push_back(
       float_slot("input.pixels", {s.batch, s.channels, s.image_size, s.image_size}, Role::input));
-  t.in.push_back(float_slot("param.weight", {s.cols, s.channels, s.patch_size, s.patch_size},
+  t.in.push_back(float_slot("param.weight", {s.d_model, s.channels, s.patch_size, s.patch_size},
                             Role::param, bound));
-  t.in.push_back(float_slot("param.bias", {s.cols}, Role::param, bound));
-  t.in.push_back(float_slot("param.cls_token", {s.cols}, Role::param));
-  t.out.push_back(float_slot("output.x", {s.batch, 1 + d.patches(), s.cols}, Role::output));
+  t.in.push_back(float_slot("param.bias", {s.d_model}, Role::param, bound));
+  t.in.push_back(float_slot("param.cls_token", {s.d_model}, Role::param));
+  t.out.push_back(float_slot("output.x", {s.batch, 1 + d.patches(), s.d_model}, Role::output));
 }
 
-index_t longest_reduction(const Spec& s) {
+index_t longest_reduction(const Spec& spec) {
+  const auto& s = own(spec);
   const PatchDims d = dims(s);
-  return std::max({d.patch_len(), s.batch * d.patches(), s.batch, s.cols});
+  return std::max({d.patch_len(), s.batch * d.patches(), s.batch, s.d_model});
 }
 
 // The patches (B Np, K) twice (forward and backward), the projections and their gradient
 // (B Np, D), and the pixels' gradient as patches.
-double working_bytes(const Spec& s) {
+double working_bytes(const Spec& spec) {
+  const auto& s = own(spec);
   const PatchDims d = dims(s);
   const auto rows = static_cast<double>(s.batch * d.patches());
-  return 8 * rows * (3 * static_cast<double>(d.patch_len()) + 2 * static_cast<double>(s.cols));
+  return 8 * rows * (3 * static_cast<double>(d.patch_len()) + 2 * static_cast<double>(s.d_model));
 }
 
 template <class Real>
 void run(RunContext<Real>& c) {
-  const Spec& s = c.s;
+  const auto& s = own(c.s);
   auto& r = c.r;
   const PatchDims d = dims(s);
   const auto x = c.in("input.pixels"), w = c.in("param.weight"), b = c.in("param.bias");
@@ -82,7 +95,6 @@ const OpDef& patch_embedding_op() {
       .config_keys = {},
       .parse = parse,
       .write_sizes = write_sizes,
-      .write_options = write_options,
       .tensors = tensors,
       .longest_reduction = longest_reduction,
       .working_bytes = working_bytes,

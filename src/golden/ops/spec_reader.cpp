@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <set>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -88,6 +89,17 @@ EncoderConfig Reader::config(const std::vector<const char*>& keys, const json& b
   } catch (const ConfigError& e) {
     throw ConfigError(std::string("spec: ") + e.what());
   }
+}
+
+EncoderConfig Reader::op_config() {
+  if (!def_) throw std::logic_error("Reader::op_config before for_op");
+  return config(def_->config_keys, def_->base_config);
+}
+
+Lengths Reader::lengths(const char* key, index_t n, index_t max) {
+  Lengths l;
+  l.values = prefix_lengths(key, n, max, l.full);
+  return l;
 }
 
 std::string Reader::choice(const char* key, const std::vector<std::string>& options,

@@ -131,8 +131,10 @@ def op_case(op, *, backend=None, threads=None, **spec):
 
 
 class TensorReport:
-    """One tensor's verdict: status is "pass", "fail", "not_checked" or "vacuous"; ratio is the
-    error as a fraction of its bound (below 1 passes)."""
+    """One tensor's verdict: status is "pass", "fail", "not_checked", "vacuous" or "ambiguous"
+    (a routed case's tensor that the routing of an ambiguous token decides); ratio is the error
+    as a fraction of its bound (below 1 passes); excluded says which rows of ambiguous tokens
+    were left out."""
 
     def __init__(self, d):
         self.name = d["name"]
@@ -146,6 +148,7 @@ class TensorReport:
         self.message = d.get("message", "")
         self.mismatch = d.get("mismatch")  # what differs when no values were compared
         self.suggestion = d.get("suggestion")  # a name not in the golden: the closest golden name
+        self.excluded = d.get("excluded", "")
 
     def __repr__(self):
         return "<%s %s ratio=%s>" % (self.name, self.status, self.ratio)
@@ -169,7 +172,11 @@ class Report:
         # candidate names the golden does not hold: failures, or accepted with allow_extra
         self.unknown = [t.name for t in self.tensors if t.mismatch == "not in the golden"]
         self.extra = case.get("extra", [])
-        self.counts = {k: case[k] for k in ("passed", "failed", "not_checked", "vacuous")}
+        self.counts = {k: case[k]
+                       for k in ("passed", "failed", "not_checked", "vacuous", "ambiguous")}
+        # routed cases: the tokens routed otherwise within the tolerance (dicts with layer,
+        # token, margin, tolerance, golden and candidate)
+        self.ambiguous_tokens = case.get("ambiguous_tokens", [])
 
     @property
     def passed(self):
@@ -187,6 +194,8 @@ class Report:
     def __repr__(self):
         c = self.counts
         vacuous = ", %d vacuous" % c["vacuous"] if c.get("vacuous") else ""
+        if c.get("ambiguous"):
+            vacuous += ", %d ambiguous" % c["ambiguous"]
         return ("<teo.golden.Report %s %d passed, %d failed, %d not checked%s, "
                 "first divergence: %s>" % ("PASS" if self.passed else "FAIL", c["passed"],
                                            c["failed"], c["not_checked"], vacuous,

@@ -441,6 +441,39 @@ def cross_entropy(logits, labels, *, label_smoothing=0.0, grad_loss=None, **kw):
                  {"output.loss": grad_loss}, **kw)
 
 
+@_public()
+def moe_router(x, gate_weight, *, num_experts_per_tok, gate_bias=None,
+               e_score_correction_bias=None, topk_ids=None, router_scoring="softmax",
+               router_order="score_then_topk", router_groups=1, topk_groups=None,
+               group_score="top2_sum", norm_topk_prob=False, routed_scaling_factor=1.0,
+               aux_losses=True, grad_topk_weights=None, grad_aux_loss=None, grad_z_loss=None,
+               **kw):
+    """A mixture of experts' router (docs/semantics.md, 19.1) on x (T, D) with the gate
+    (E, D): output.logits, output.scores, output.topk_ids (int32), output.topk_weights,
+    output.selection_margin and, with aux_losses, output.aux_loss and output.z_loss, with the
+    gradients. topk_ids (T, k) replays a routing; e_score_correction_bias is DeepSeek-V3's."""
+    x = _real(x, "x", "moe_router")
+    gate_weight = _real(gate_weight, "gate_weight", "moe_router")
+    t, d = _rows(x)
+    e = _dims(gate_weight, 2, "(E, D)", "gate_weight", "moe_router")[0]
+    spec = {"tokens": t, "d_model": d, "num_experts": e,
+            "num_experts_per_tok": num_experts_per_tok, "router_scoring": router_scoring,
+            "router_order": router_order, "norm_topk_prob": norm_topk_prob,
+            "routed_scaling_factor": routed_scaling_factor, "router_bias": gate_bias is not None,
+            "selection_bias": e_score_correction_bias is not None,
+            "replay_routing": topk_ids is not None, "aux_losses": aux_losses}
+    if router_groups != 1:
+        spec.update(router_groups=router_groups, topk_groups=topk_groups, group_score=group_score)
+    inputs = {"input.x": x, "param.gate.weight": gate_weight, "param.gate.bias": gate_bias,
+              "param.gate.e_score_correction_bias": e_score_correction_bias}
+    if topk_ids is not None:
+        inputs["input.moe.topk_ids"] = _int_array(topk_ids, "topk_ids", "moe_router").astype(
+            np.int32)
+    return _call("moe_router", spec, inputs,
+                 {"output.topk_weights": grad_topk_weights, "output.aux_loss": grad_aux_loss,
+                  "output.z_loss": grad_z_loss}, **kw)
+
+
 # The encoder_layer spec keys the function fills in from its arguments; the op's other keys (the
 # registry's) are its options.
 _LAYER_SET = ("op", "dtype", "seed", "batch", "seq_len", "lengths", "d_model")

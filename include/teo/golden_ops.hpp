@@ -88,6 +88,9 @@ struct ContractTensor {
   std::vector<std::int64_t> shape;
   bool optional = false;
   bool integer = false;  // I32 (the experts a router chose), else the case's float type
+  // An output the case gives an upstream gradient for (grad.output.<name>): not optional, not a
+  // router's choice, margin or grouped layout, not of a forward-only op.
+  bool upstream = false;
 };
 std::vector<ContractTensor> op_contract(const OpCase& c);
 

@@ -308,7 +308,8 @@ TensorResult judge_budget(const File& golden, const safetensors::Tensor& g,
 
 bool wanted(const std::string& name, Only only, bool op) {
   if (!detail::is_judged(name, op)) return false;
-  const bool fwd = op ? name.starts_with("output.") : name.starts_with("act.");
+  const bool fwd =
+      op ? name.starts_with("output.") || name.starts_with("act.") : name.starts_with("act.");
   if (only == Only::forward) return fwd;
   if (only == Only::backward) return !fwd;
   return true;
@@ -579,6 +580,8 @@ CaseReport check(const File& golden, const File& candidate, const CheckOptions& 
     const safetensors::Tensor* judged_c = patched ? &*patched : c;
     if (routing && g.name == "output.topk_ids") {
       rep.tensors.push_back(routing->ids);
+    } else if (g.dtype == DType::I32 && dependence != detail::RoutingDependence::whole) {
+      rep.tensors.push_back(detail::judge_exact_ints(g, c));
     } else if (dependence == detail::RoutingDependence::whole) {
       TensorResult r;
       r.name = g.name;

@@ -76,6 +76,48 @@ std::vector<double> selection_scores(const RouterSpec& r, const std::vector<doub
 
 }  // namespace
 
+TensorResult judge_exact_ints(const safetensors::Tensor& g, const safetensors::Tensor* c) {
+  TensorResult r;
+  r.name = g.name;
+  if (!c) {
+    r.status = Status::not_checked;
+    r.message = "not in the candidate";
+    return r;
+  }
+  if (c->dtype != DType::I32 && c->dtype != DType::I64) {
+    r.status = Status::fail;
+    r.mismatch = std::string("dtype ") + safetensors::dtype_name(c->dtype) + " (not I32 or I64)";
+    r.message =
+        "an integer result: I32 (or I64), not " + std::string(safetensors::dtype_name(c->dtype));
+    return r;
+  }
+  if (c->shape != g.shape) {
+    r.status = Status::fail;
+    r.message = "shape mismatch: candidate " + c->shape_str() + ", golden " + g.shape_str();
+    r.mismatch = r.message;
+    return r;
+  }
+  r.compared = true;
+  const auto gv = g.int_values(), cv = c->int_values();
+  std::int64_t wrong = 0, first = -1;
+  for (std::size_t i = 0; i < gv.size(); ++i) {
+    if (gv[i] == cv[i]) continue;
+    if (first < 0) first = static_cast<std::int64_t>(i);
+    ++wrong;
+  }
+  r.max_abs = static_cast<double>(wrong);
+  r.max_rel = gv.empty() ? 0 : r.max_abs / static_cast<double>(gv.size());
+  r.status = wrong == 0 ? Status::pass : Status::fail;
+  if (wrong > 0) {
+    const auto i = static_cast<std::size_t>(first);
+    r.ratio = INFINITY;
+    r.message = std::to_string(wrong) + " entr" + (wrong == 1 ? "y differs" : "ies differ") +
+                "; first at [" + std::to_string(first) + "]: candidate " + std::to_string(cv[i]) +
+                ", golden " + std::to_string(gv[i]);
+  }
+  return r;
+}
+
 std::string tokens_str(const std::set<std::int64_t>& rows) {
   std::string s;
   int n = 0;

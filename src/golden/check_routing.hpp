@@ -34,6 +34,11 @@ RoutingJudgement judge_routing(const safetensors::File& golden, const safetensor
 safetensors::Tensor without_rows(const safetensors::Tensor& c, const safetensors::Tensor& g,
                                  const std::set<std::int64_t>& rows, safetensors::DType dtype);
 
+// An integer result other than the choice (the grouped layout's offsets and source rows), judged
+// exactly: pass when every entry is the golden's, else fail naming the first that is not. I32 or
+// I64 candidates are read.
+TensorResult judge_exact_ints(const safetensors::Tensor& g, const safetensors::Tensor* c);
+
 // "3, 7, 12" (the first 8, then "...").
 std::string tokens_str(const std::set<std::int64_t>& rows);
 

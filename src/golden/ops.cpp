@@ -10,7 +10,6 @@
 #include <sstream>
 
 #include "golden/ops/op.hpp"
-#include "golden/ops/router_spec.hpp"
 #include "golden_internal.hpp"
 #include "kernels/parallel.hpp"
 #include "model/model_internal.hpp"
@@ -33,12 +32,25 @@ using safetensors::File;
 const std::vector<const OpDef*>& registry() {
   // The ops, in the order the docs list them. A new op is one file in this folder and one line
   // here.
-  static const std::vector<const OpDef*> ops = {
-      &linear_op(),          &layer_norm_op(), &rms_norm_op(),        &softmax_op(),
-      &activation_op(),      &ffn_op(),        &attention_op(),       &attention_kvcache_op(),
-      &attention_merge_op(), &embedding_op(),  &patch_embedding_op(), &pooling_op(),
-      &cross_entropy_op(),   &lm_head_op(),    &dropout_op(),         &encoder_layer_op(),
-      &decoder_layer_op(),   &moe_router_op()};
+  static const std::vector<const OpDef*> ops = {&linear_op(),
+                                                &layer_norm_op(),
+                                                &rms_norm_op(),
+                                                &softmax_op(),
+                                                &activation_op(),
+                                                &ffn_op(),
+                                                &attention_op(),
+                                                &attention_kvcache_op(),
+                                                &attention_merge_op(),
+                                                &embedding_op(),
+                                                &patch_embedding_op(),
+                                                &pooling_op(),
+                                                &cross_entropy_op(),
+                                                &lm_head_op(),
+                                                &dropout_op(),
+                                                &encoder_layer_op(),
+                                                &decoder_layer_op(),
+                                                &moe_router_op(),
+                                                &moe_op()};
   return ops;
 }
 
@@ -669,26 +681,6 @@ std::map<std::string, std::vector<double>> run_op(const File& file, std::optiona
   return out;
 }
 
-namespace detail {
-
-std::optional<RoutedCase> routed_case(const File& golden) {
-  if (!is_op_file(golden)) return std::nullopt;
-  const OpCase c = op_case_of(golden);
-  auto s = std::make_shared<const Spec>(spec_of(c));
-  if (!s->def->router_of) return std::nullopt;
-  const RouterPart& p = *s->def->router_of(*s);
-  RoutedCase r;
-  r.router = p.router;
-  r.tokens = p.tokens;
-  r.d_model = p.d_model;
-  r.replayed = p.replay;
-  const auto dep = s->def->routing_dependence;
-  r.dependence = [s, dep](const std::string& name) { return dep(*s, name); };
-  return r;
-}
-
-}  // namespace detail
-
 namespace {
 
 // The op's sample specs, normalised (dtype float64, seed 0).
@@ -726,8 +718,12 @@ std::vector<std::string> op_optional_outputs(const std::string& op) {
 
 std::vector<ContractTensor> op_contract(const OpCase& c) {
   std::vector<ContractTensor> out;
-  for (const auto& t : layout(spec_of(c))) {
-    if (is_result(t.role)) out.push_back({t.name, t.shape, t.optional, t.dtype == DType::I32});
+  const Spec s = spec_of(c);
+  for (const auto& t : layout(s)) {
+    if (!is_result(t.role)) continue;
+    const bool upstream =
+        t.role == Role::output && !t.optional && !t.no_grad && !s.def->forward_only;
+    out.push_back({t.name, t.shape, t.optional, t.dtype == DType::I32, upstream});
   }
   return out;
 }

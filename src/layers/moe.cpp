@@ -6,8 +6,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <string>
 
+#include "kernels/parallel.hpp"
 #include "layers/logistic.hpp"
 
 #include "teo/layers/feed_forward.hpp"
@@ -62,7 +64,12 @@ void moe_forward(const MoeSpec& spec, const MoeWeights<Real>& w, const Real* x, 
   const index_t E = spec.router.experts, k = spec.router.top_k, D = spec.d_model, F = spec.d_ff;
   const index_t N = tokens * k;
   a.logits.assign(at(tokens * E), Real(0));
-  linear_forward(a.logits.data(), x, w.gate, w.gate_bias, tokens, D, E);
+  {
+    // under fp8 the gate keeps bf16, as DeepSeek-V3's fp8 recipe keeps its gating
+    std::optional<detail::EmulationScope> gate;
+    if (detail::emulation() == Precision::fp8) gate.emplace(Precision::bf16);
+    linear_forward(a.logits.data(), x, w.gate, w.gate_bias, tokens, D, E);
+  }
   stored("logits", a.logits);
   route(spec.router, a.logits.data(), w.correction, replay, tokens, a.routing);
   stored("topk_weights", a.routing.weights);
@@ -220,6 +227,8 @@ void moe_backward(const MoeSpec& spec, const MoeWeights<Real>& w, const Real* x,
   }
   if (z_coef != Real(0)) router_z_loss_backward(a.logits.data(), tokens, E, z_coef, dlogits.data());
   stored("grad.logits", dlogits);
+  std::optional<detail::EmulationScope> gate;
+  if (detail::emulation() == Precision::fp8) gate.emplace(Precision::bf16);
   linear_backward(dx, g.gate, g.gate_bias, dlogits.data(), x, w.gate, tokens, D, E,
                   GradWrite::accumulate);
 }

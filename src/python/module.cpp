@@ -559,7 +559,9 @@ PYBIND11_MODULE(_teo, m) {
   m.def("op_contract", [](const std::string& op, const py::dict& spec) {
     const auto c = teo::golden::OpCase::from_json(json::parse(to_text(spec)), op);
     std::vector<std::tuple<std::string, std::vector<std::int64_t>, bool>> out;
-    for (const auto& t : teo::golden::op_contract(c)) out.emplace_back(t.name, t.shape, t.optional);
+    // the third: whether the output takes no upstream gradient (optional, a router's choice)
+    for (const auto& t : teo::golden::op_contract(c))
+      out.emplace_back(t.name, t.shape, t.optional || !t.upstream);
     return out;
   });
   m.def(

@@ -282,6 +282,75 @@ TEST(Routing, ANearTieRoutedOtherwiseIsAmbiguousInEveryReportAndReplayJudgesTheE
   }
 }
 
+// The moe cases do what they exist for: forced loads are met exactly (the block edges kernels
+// tile by), gpt-oss's clamps are active for gate and up values, and every moe case's layout is
+// a stable counting sort of its choice.
+TEST(Routing, TheMoeCorpusMeetsItsLoadsAndActivatesTheClamps) {
+  const fs::path dir = fs::path(TEO_SOURCE_DIR) / "golden" / "ops";
+  int cases = 0, loads = 0, clamped = 0;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    const std::string name = e.path().filename().string();
+    if (!name.starts_with("moe_") || name.starts_with("moe_router_")) continue;
+    SCOPED_TRACE(name);
+    ++cases;
+    const st::File g = st::read(e.path().string());
+    const auto spec = golden::op_case_of(g).spec;
+    const auto ids = g.find("output.topk_ids")->int_values();
+    const auto offsets = g.find("act.moe.expert_offsets")->int_values();
+    const auto rows = g.find("act.moe.source_rows")->int_values();
+    const std::int64_t E = spec["num_experts"];
+    // the layout: expert e's rows hold its pairs, in increasing pair index
+    std::vector<std::int64_t> want;
+    std::vector<std::int64_t> count(static_cast<std::size_t>(E + 1), 0);
+    for (std::int64_t x = 0; x < E; ++x) {
+      for (std::size_t p = 0; p < ids.size(); ++p)
+        if (ids[p] == x) want.push_back(static_cast<std::int64_t>(p));
+      count[static_cast<std::size_t>(x + 1)] = static_cast<std::int64_t>(want.size());
+    }
+    EXPECT_EQ(rows, want);
+    EXPECT_EQ(offsets, count);
+    if (spec.contains("expert_loads")) {
+      for (std::int64_t x = 0; x < E; ++x) {
+        const auto i = static_cast<std::size_t>(x);
+        EXPECT_EQ(offsets[i + 1] - offsets[i], spec["expert_loads"][i].get<std::int64_t>());
+      }
+      ++loads;
+    }
+    if (spec["expert_kind"] == "clamped_swiglu") {
+      // the pre-activations, row by row from expert_in: some gate above the limit, some up
+      // beyond it either way
+      const double limit = spec["swiglu_limit"];
+      const auto in = g.find("act.moe.expert_in")->float_values();
+      const auto wg = g.find("param.experts.w_gate")->float_values();
+      const auto wu = g.find("param.experts.w_up")->float_values();
+      const auto bg = g.find("param.experts.b_gate")->float_values();
+      const auto bu = g.find("param.experts.b_up")->float_values();
+      const std::int64_t D = spec["d_model"], F = spec["moe_d_ff"];
+      int gate_over = 0, up_over = 0;
+      for (std::int64_t x = 0; x < E; ++x)
+        for (auto r = offsets[static_cast<std::size_t>(x)];
+             r < offsets[static_cast<std::size_t>(x + 1)]; ++r)
+          for (std::int64_t f = 0; f < F; ++f) {
+            double gs = bg[static_cast<std::size_t>(x * F + f)],
+                   us = bu[static_cast<std::size_t>(x * F + f)];
+            for (std::int64_t d = 0; d < D; ++d) {
+              const double v = in[static_cast<std::size_t>(r * D + d)];
+              gs += v * wg[static_cast<std::size_t>((x * F + f) * D + d)];
+              us += v * wu[static_cast<std::size_t>((x * F + f) * D + d)];
+            }
+            gate_over += gs > limit;
+            up_over += std::abs(us) > limit;
+          }
+      EXPECT_GT(gate_over, 0);
+      EXPECT_GT(up_over, 0);
+      ++clamped;
+    }
+  }
+  EXPECT_GE(cases, 10);
+  EXPECT_GE(loads, 1);
+  EXPECT_GE(clamped, 1);
+}
+
 // The tolerance is a bound, not a guess: a backend emulated in bf16, fp16 or tf32 that routes by
 // itself is never told it chose a wrong expert, for every scoring, order and group rule.
 TEST(Routing, NoEmulatedBackendIsEverToldItChoseAWrongExpert) {

@@ -123,6 +123,18 @@ MUTANTS = {
                         "a group's score its best instead of the sum of its best two"),
     "aux_fraction_of_pairs": ("moe_router_mixtral_f64", "output.aux_loss",
                               "the aux loss's f_e over the T k pairs instead of the T tokens"),
+    "unsorted_topk_shared_fusion": ("moe_qwen2_shared_gate_f64", "output.topk_ids",
+                                    "unsorted top-k slots, the last replaced by the shared "
+                                    "expert (sglang #8125)"),
+    "shared_fed_output": ("moe_deepseek_v3_f64", "moe.shared_out",
+                          "the shared expert fed the routed output instead of the input "
+                          "(vllm #28939)"),
+    "unpermute_wrong_index": ("moe_mixtral_f64", "output.y",
+                              "the combine reads row source_rows[p] instead of the row of p"),
+    "expert_of_128_dropped": ("moe_block_edges_f64", "moe.expert_out",
+                              "an expert with exactly 128 rows dropped (DeepGEMM #365)"),
+    "weight_at_output": ("moe_llama4_f32", "moe.expert_in",
+                         "Llama 4's routing weight applied at the output, not the input"),
     "memory_padding_ignored": ("decoder_layer_post_f64", "output.y",
                                "cross-attention without the source padding mask"),
 }
@@ -388,6 +400,94 @@ def op_moe_router(spec, T, mode):
         out["output.aux_loss"] = aux.to(dt)
         out["output.z_loss"] = z.to(dt)
     return out
+
+
+def moe_expert(spec, xe, e, T, mode):
+    """Expert e on its rows xe: SwiGLU, or gpt-oss's clamped SwiGLU (the clamps pass the gradient
+    within them, as torch.clamp does)."""
+    b = (lambda n: T[n][e] if n in T else None)
+    g = mode.linear(xe, T["param.experts.w_gate"][e], b("param.experts.b_gate"))
+    u = mode.linear(xe, T["param.experts.w_up"][e], b("param.experts.b_up"))
+    if spec["expert_kind"] == "clamped_swiglu":
+        limit, alpha = spec["swiglu_limit"], spec["swiglu_alpha"]
+        gc, uc = g.clamp(max=limit), u.clamp(-limit, limit)
+        h = (uc + 1) * (gc * torch.sigmoid(alpha * gc))
+    else:
+        h = F.silu(g) * u
+    h = mode.store(h)
+    return h, mode.store(mode.linear(h, T["param.experts.w_down"][e], b("param.experts.b_down")))
+
+
+def op_moe(spec, T, mode):
+    """A mixture-of-experts block: the router, the (token, slot) pairs sorted by expert (stably),
+    each expert over its rows, the combine in slot order, and the shared experts (a SwiGLU FFN on
+    every token, Qwen2-MoE's sigmoid gate on it)."""
+    x = T["input.x"]
+    logits = mode.linear(x, T["param.gate.weight"], T.get("param.gate.bias"))
+    ids, w, scores, margin = router_choice(spec, T, logits, mode)
+    dt = logits.dtype
+    w = mode.store(w.to(dt))
+    n_tok, k = ids.shape
+    E, D = spec["num_experts"], x.shape[1]
+    at_input = spec["weight_at"] == "input" and mode.mutant != "weight_at_output"
+    if mode.mutant == "unsorted_topk_shared_fusion":
+        # sglang #8125: the slots in expert order, and the last one's expert replaced by the
+        # shared expert (which sglang fuses into that slot)
+        ids, perm = torch.sort(ids, -1)
+        w = w.gather(1, perm)
+        w = torch.cat([w[:, :-1], torch.zeros_like(w[:, -1:])], -1)
+    flat = ids.reshape(-1)
+    order = torch.sort(flat, stable=True).indices  # the grouped layout: by expert, stably
+    counts = torch.bincount(flat, minlength=E)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+    x_in = x[order // k]
+    if at_input:
+        x_in = x_in * w.reshape(-1)[order].unsqueeze(-1)
+    x_in = mode.store(x_in)
+    hs, outs = [], []
+    for e in range(E):
+        r0, r1 = int(offsets[e]), int(offsets[e + 1])
+        if r0 == r1:
+            continue
+        h, o = moe_expert(spec, x_in[r0:r1], e, T, mode)
+        if mode.mutant == "expert_of_128_dropped" and r1 - r0 == 128:
+            o = torch.zeros_like(o)
+        hs.append(h)
+        outs.append(o)
+    Fe = spec["moe_d_ff"]
+    hidden = torch.cat(hs) if hs else x.new_zeros((0, Fe))
+    out = torch.cat(outs) if outs else x.new_zeros((0, D))
+    row_of = torch.empty_like(order)
+    row_of[order] = torch.arange(order.numel())
+    if mode.mutant == "unpermute_wrong_index":
+        row_of = order  # the pair each row holds, read as the row of each pair
+    pairs = out[row_of].reshape(n_tok, k, D)
+    y = x.new_zeros((n_tok, D))
+    for j in range(k):
+        y = y + (pairs[:, j] if at_input else w[:, j:j + 1] * pairs[:, j])
+    y = mode.store(y)
+    res = {"output.logits": logits, "output.scores": scores.detach().to(dt),
+           "output.topk_ids": ids.int(), "output.topk_weights": w,
+           "output.selection_margin": margin.to(dt),
+           "act.moe.expert_offsets": offsets.int(), "act.moe.source_rows": order.int(),
+           "act.moe.expert_in": x_in, "act.moe.expert_hidden": hidden, "act.moe.expert_out": out}
+    if spec["shared_d_ff"] > 0:
+        s_in = y if mode.mutant == "shared_fed_output" else x
+        sg = mode.linear(s_in, T["param.shared.gate.weight"], None)
+        su = mode.linear(s_in, T["param.shared.fc1.weight"], None)
+        sh = mode.store(F.silu(mode.store(sg)) * mode.store(su))
+        so = mode.store(mode.linear(sh, T["param.shared.fc2.weight"], None))
+        if spec["shared_expert_gate"]:
+            so = mode.store(torch.sigmoid(mode.linear(x, T["param.shared_gate.weight"], None))
+                            * so)
+        res["act.moe.shared_out"] = so
+        y = mode.store(y + so)
+    res["output.y"] = y
+    if spec["aux_losses"]:
+        aux, z = router_losses(spec, logits, ids, mode)
+        res["output.aux_loss"] = aux.to(dt)
+        res["output.z_loss"] = z.to(dt)
+    return res
 
 
 def op_lm_head(spec, T, mode):
@@ -828,7 +928,7 @@ def run_op(path, dtype=None, mutant=None):
     mode = Mode(dtype or spec["dtype"], mutant)
     T, leaves = {}, {}
     for name, arr in tensors.items():
-        if name.startswith("ref64.") or name.startswith("output.") or (
+        if name.startswith("ref64.") or name.startswith("output.") or name.startswith("act.") or (
                 name.startswith("grad.") and not name.startswith("grad.output.")):
             continue
         t = torch.from_numpy(arr)

@@ -416,6 +416,13 @@ def _op_args(g):
                      grad_aux_loss=t.get("grad.output.aux_loss"),
                      grad_z_loss=t.get("grad.output.z_loss")))
     params = {n[len("param."):]: a for n, a in t.items() if n.startswith("param.")}
+    if op == "moe":
+        kw = {k: s[k] for k in teo.ops.MOE_OPTIONS if k in s}
+        return ((t["input.x"], params),
+                dict(kw, num_experts_per_tok=s["num_experts_per_tok"],
+                     topk_ids=t.get("input.moe.topk_ids"), grad_y=t["grad.output.y"],
+                     grad_aux_loss=t.get("grad.output.aux_loss"),
+                     grad_z_loss=t.get("grad.output.z_loss")))
     if op == "decoder_layer":
         opts = {k: s[k] for k in teo.ops.DECODER_LAYER_OPTIONS if k in s}
         return ((t["input.x"], t["input.lengths"], params),

@@ -365,5 +365,6 @@ const OpDef& dropout_op();
 const OpDef& encoder_layer_op();
 const OpDef& decoder_layer_op();
 const OpDef& moe_router_op();
+const OpDef& moe_op();
 
 }  // namespace teo::golden::ops

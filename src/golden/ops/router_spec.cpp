@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 
 #include "golden/routing.hpp"
 #include "kernels/parallel.hpp"
@@ -181,8 +182,20 @@ void draw_router(const RouterPart& p, const OpCase& c, Values& v) {
 }
 
 template <class Real>
+std::vector<std::int32_t> replayed_ids(const RouterPart& p, const RunContext<Real>& c) {
+  const index_t T = p.tokens, k = p.router.top_k;
+  if (!c.routing && !p.replay) return {};
+  const auto& given = c.routing ? *c.routing : ints_of(c.v.i64, "input.moe.topk_ids", T * k);
+  if (static_cast<index_t>(given.size()) != T * k) {
+    throw FormatError("the routing to replay has " + std::to_string(given.size()) +
+                      " ids, expected " + std::to_string(T * k));
+  }
+  return {given.begin(), given.end()};
+}
+
+template <class Real>
 RouterRun<Real> router_forward(const RouterPart& p, RunContext<Real>& c, const Tensor<Real>& x) {
-  const index_t T = p.tokens, D = p.d_model, E = p.router.experts, k = p.router.top_k;
+  const index_t T = p.tokens, D = p.d_model, E = p.router.experts;
   std::optional<teo::detail::EmulationScope> gate;
   if (teo::detail::emulation() == Precision::fp8) gate.emplace(Precision::bf16);
   RouterRun<Real> run;
@@ -193,16 +206,7 @@ RouterRun<Real> router_forward(const RouterPart& p, RunContext<Real>& c, const T
   store(run.logits, c.p, "output.logits");
   const Tensor<Real> corr =
       p.selection_bias ? c.in("param.gate.e_score_correction_bias") : Tensor<Real>();
-  // the routing given: the case's (router replay), or the golden's when a precision is emulated
-  std::vector<std::int32_t> replay;
-  if (c.routing || p.replay) {
-    const auto& given = c.routing ? *c.routing : ints_of(c.v.i64, "input.moe.topk_ids", T * k);
-    if (static_cast<index_t>(given.size()) != T * k) {
-      throw FormatError("the routing to replay has " + std::to_string(given.size()) +
-                        " ids, expected " + std::to_string(T * k));
-    }
-    replay.assign(given.begin(), given.end());
-  }
+  const std::vector<std::int32_t> replay = replayed_ids(p, c);
   route(p.router, run.logits.data(), p.selection_bias ? corr.data() : nullptr,
         replay.empty() ? nullptr : replay.data(), T, run.routing);
   return run;
@@ -246,6 +250,8 @@ void router_backward(const RouterPart& p, RunContext<Real>& c, const Tensor<Real
 }
 
 #define TEO_ROUTER(Real)                                                                           \
+  template std::vector<std::int32_t> replayed_ids<Real>(const RouterPart&,                         \
+                                                        const RunContext<Real>&);                  \
   template RouterRun<Real> router_forward<Real>(const RouterPart&, RunContext<Real>&,              \
                                                 const Tensor<Real>&);                              \
   template void write_routing<Real>(const RouterPart&, RunContext<Real>&, const RouterRun<Real>&); \
@@ -257,3 +263,25 @@ TEO_ROUTER(double)
 #undef TEO_ROUTER
 
 }  // namespace teo::golden::ops
+
+namespace teo::golden::detail {
+
+std::optional<RoutedCase> routed_case(const safetensors::File& golden) {
+  if (!is_op_file(golden)) return std::nullopt;
+  const OpCase c = op_case_of(golden);
+  using ops::RouterPart;
+  using ops::Spec;
+  auto s = std::make_shared<const Spec>(ops::spec_of(c));
+  if (!s->def->router_of) return std::nullopt;
+  const RouterPart& p = *s->def->router_of(*s);
+  RoutedCase r;
+  r.router = p.router;
+  r.tokens = p.tokens;
+  r.d_model = p.d_model;
+  r.replayed = p.replay;
+  const auto dep = s->def->routing_dependence;
+  r.dependence = [s, dep](const std::string& name) { return dep(*s, name); };
+  return r;
+}
+
+}  // namespace teo::golden::detail

@@ -58,6 +58,11 @@ struct RouterRun {
 };
 template <class Real>
 RouterRun<Real> router_forward(const RouterPart& p, RunContext<Real>& c, const Tensor<Real>& x);
+// The routing to replay, (T k) ids: the golden's when the checker emulates a precision
+// (RunContext::routing), else the case's input.moe.topk_ids with replay_routing; empty when the
+// router routes by itself.
+template <class Real>
+std::vector<std::int32_t> replayed_ids(const RouterPart& p, const RunContext<Real>& c);
 // Writes output.logits, output.scores, output.topk_ids, output.topk_weights and
 // output.selection_margin, each rounded as stored.
 template <class Real>

@@ -56,8 +56,8 @@ def _call(op, spec, inputs, upstream, precision=None, backend=None, threads=None
     spec = json_value(dict(spec, dtype=dtype, seed=0))
     contract = _teo.op_contract(op, spec)
     backward = any(name.startswith("grad.") for name, _, _ in contract)  # else forward only
-    for name, shape, optional in contract:
-        if optional or not backward or not name.startswith("output."):
+    for name, shape, no_upstream in contract:
+        if no_upstream or not backward or not name.startswith("output."):
             continue
         g = upstream.get(name)
         arrays["grad." + name] = (np.ones(shape, dtype=dtype) if g is None
@@ -472,6 +472,46 @@ def moe_router(x, gate_weight, *, num_experts_per_tok, gate_bias=None,
     return _call("moe_router", spec, inputs,
                  {"output.topk_weights": grad_topk_weights, "output.aux_loss": grad_aux_loss,
                   "output.z_loss": grad_z_loss}, **kw)
+
+
+# The moe op's router and expert options (its spec keys the function does not fill in).
+MOE_OPTIONS = ("router_scoring", "router_order", "router_groups", "topk_groups", "group_score",
+               "norm_topk_prob", "routed_scaling_factor", "expert_kind", "swiglu_alpha",
+               "swiglu_limit", "weight_at", "shared_expert_gate", "aux_losses")
+
+
+@_public(*MOE_OPTIONS)
+def moe(x, params, *, num_experts_per_tok, topk_ids=None, grad_y=None, grad_aux_loss=None,
+        grad_z_loss=None, **options):
+    """A mixture-of-experts block (docs/semantics.md, 19) on x (T, D). params by teo's names
+    without "param.": gate.weight (E, D) and optionally gate.bias, gate.e_score_correction_bias;
+    experts.w_gate, experts.w_up (E, F, D), experts.w_down (E, D, F) and optionally their biases
+    experts.b_gate, experts.b_up (E, F), experts.b_down (E, D); shared experts shared.gate.weight,
+    shared.fc1.weight (Fs, D), shared.fc2.weight (D, Fs) and shared_gate.weight (1, D). Returns
+    the router's outputs, the grouped layout (act.moe.*), output.y and the gradients."""
+    from . import ConfigError
+    x = _real(x, "x", "moe")
+    t, d = _rows(x)
+    p = {n: _real(a, n, "moe") for n, a in params.items() if a is not None}
+    for need in ("gate.weight", "experts.w_gate", "experts.w_up", "experts.w_down"):
+        if need not in p:
+            raise ConfigError("teo.ops.moe: params needs %s" % need)
+    e = _dims(p["gate.weight"], 2, "(E, D)", "gate.weight", "moe")[0]
+    f = _dims(p["experts.w_gate"], 3, "(E, F, D)", "experts.w_gate", "moe")[1]
+    spec = {"tokens": t, "d_model": d, "num_experts": e, "num_experts_per_tok": num_experts_per_tok,
+            "moe_d_ff": f, "router_bias": "gate.bias" in p,
+            "selection_bias": "gate.e_score_correction_bias" in p,
+            "expert_bias": "experts.b_gate" in p, "replay_routing": topk_ids is not None,
+            "shared_d_ff": p["shared.gate.weight"].shape[0] if "shared.gate.weight" in p else 0}
+    spec.update({k: v for k, v in options.items() if v is not None and k not in RUN_KEYS})
+    spec.setdefault("shared_expert_gate", "shared_gate.weight" in p)
+    inputs = {"input.x": x}
+    inputs.update({"param." + n: a for n, a in p.items()})
+    if topk_ids is not None:
+        inputs["input.moe.topk_ids"] = _int_array(topk_ids, "topk_ids", "moe").astype(np.int32)
+    return _call("moe", spec, inputs, {"output.y": grad_y, "output.aux_loss": grad_aux_loss,
+                                      "output.z_loss": grad_z_loss},
+                 **{k: options[k] for k in RUN_KEYS if k in options})
 
 
 # The encoder_layer spec keys the function fills in from its arguments; the op's other keys (the

@@ -9,33 +9,14 @@ namespace teo::golden::ops {
 
 namespace {
 
-// The op's spec: rows of cols entries, and the config's activation.
-struct ActivationSpec {
-  index_t rows = 0, cols = 0;
-  EncoderConfig cfg;
-};
-
-const ActivationSpec& own(const Spec& s) {
-  return s.as<ActivationSpec>();
-}
-
-void parse(Spec& spec, Reader& r) {
-  auto& s = spec.own.emplace<ActivationSpec>();
-  s.cfg = r.op_config();
-  s.rows = r.size("rows", 0);
-  s.cols = r.size("cols", 1);
-}
-
-void write_sizes(const Spec& spec, ojson& j) {
-  const auto& s = own(spec);
-  j["rows"] = s.rows;
-  j["cols"] = s.cols;
+const RowsSpec& own(const Spec& s) {
+  return s.as<RowsSpec>();
 }
 
 void tensors(const Spec& spec, OpTensors& t) {
   const auto& s = own(spec);
-  t.in.push_back(float_slot("input.x", {s.rows, s.cols}, Role::input, 3));
-  t.out.push_back(float_slot("output.y", {s.rows, s.cols}, Role::output));
+  t.in.push_back(float_slot("input.x", {s.rows, s.width}, Role::input, 3));
+  t.out.push_back(float_slot("output.y", {s.rows, s.width}, Role::output));
 }
 
 // element-wise: no sums
@@ -59,9 +40,9 @@ const OpDef& activation_op() {
   static const OpDef def{
       .name = "activation",
       .config_keys = {"activation"},
-      .parse = parse,
-      .write_sizes = write_sizes,
-      .config_of = config_in<ActivationSpec>,
+      .parse = parse_rows<kCols>,
+      .write_sizes = write_rows<kCols>,
+      .config_of = config_in<RowsSpec>,
       .tensors = tensors,
       .longest_reduction = longest_reduction,
       .run_float = run<float>,

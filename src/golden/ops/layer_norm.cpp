@@ -8,40 +8,21 @@ namespace teo::golden::ops {
 
 namespace {
 
-// The op's spec: rows of d_model entries, and the config's layer_norm_eps.
-struct NormSpec {
-  index_t rows = 0, d_model = 0;
-  EncoderConfig cfg;
-};
-
-const NormSpec& own(const Spec& s) {
-  return s.as<NormSpec>();
-}
-
-void parse(Spec& spec, Reader& r) {
-  auto& s = spec.own.emplace<NormSpec>();
-  s.cfg = r.op_config();
-  s.rows = r.size("rows", 0);
-  s.d_model = r.size("d_model", 1);
-}
-
-void write_sizes(const Spec& spec, ojson& j) {
-  const auto& s = own(spec);
-  j["rows"] = s.rows;
-  j["d_model"] = s.d_model;
+const RowsSpec& own(const Spec& s) {
+  return s.as<RowsSpec>();
 }
 
 void tensors(const Spec& spec, OpTensors& t) {
   const auto& s = own(spec);
-  t.in.push_back(float_slot("input.x", {s.rows, s.d_model}, Role::input, 2, 0.5));
-  t.in.push_back(float_slot("param.weight", {s.d_model}, Role::param, 0.5, 1));
-  t.in.push_back(float_slot("param.bias", {s.d_model}, Role::param, 0.5));
-  t.out.push_back(float_slot("output.y", {s.rows, s.d_model}, Role::output));
+  t.in.push_back(float_slot("input.x", {s.rows, s.width}, Role::input, 2, 0.5));
+  t.in.push_back(float_slot("param.weight", {s.width}, Role::param, 0.5, 1));
+  t.in.push_back(float_slot("param.bias", {s.width}, Role::param, 0.5));
+  t.out.push_back(float_slot("output.y", {s.rows, s.width}, Role::output));
 }
 
 index_t longest_reduction(const Spec& spec) {
   const auto& s = own(spec);
-  return std::max(s.d_model, s.rows);
+  return std::max(s.width, s.rows);
 }
 
 template <class Real>
@@ -52,11 +33,11 @@ void run(RunContext<Real>& c) {
   const auto dy = c.in("grad.output.y");
   Tensor<Real> mean({s.rows}), rstd({s.rows});
   layer_norm_forward(r["output.y"].data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(),
-                     s.rows, s.d_model, static_cast<Real>(s.cfg.layer_norm_eps));
+                     s.rows, s.width, static_cast<Real>(s.cfg.layer_norm_eps));
   c.done("output.y");
   layer_norm_backward(r["grad.input.x"].data(), r["grad.param.weight"].data(),
                       r["grad.param.bias"].data(), dy.data(), x.data(), w.data(), mean.data(),
-                      rstd.data(), s.rows, s.d_model);
+                      rstd.data(), s.rows, s.width);
 }
 
 }  // namespace
@@ -65,9 +46,9 @@ const OpDef& layer_norm_op() {
   static const OpDef def{
       .name = "layer_norm",
       .config_keys = {"layer_norm_eps"},
-      .parse = parse,
-      .write_sizes = write_sizes,
-      .config_of = config_in<NormSpec>,
+      .parse = parse_rows<kDModel>,
+      .write_sizes = write_rows<kDModel>,
+      .config_of = config_in<RowsSpec>,
       .tensors = tensors,
       .longest_reduction = longest_reduction,
       .run_float = run<float>,

@@ -195,19 +195,14 @@ const RouterPart* router_of(const Spec& spec) {
   return &own(spec).router;
 }
 
-// The choice and y row by row (each token's output is its own experts'); the grouped layout, the
-// aux loss and every gradient as a whole; the logits, the z-loss, score_then_topk's scores and
-// the shared experts not at all.
+// The router's outputs as router_dependence says, y row by row (each token's output is its own
+// experts'), the shared experts not at all; the grouped layout, the aux loss and every gradient
+// as a whole.
 detail::RoutingDependence routing_dependence(const Spec& spec, const std::string& name) {
   using detail::RoutingDependence;
-  const bool chosen_scores = own(spec).router.router.order == RouterOrder::topk_then_score;
-  if (name == "output.logits" || name == "output.z_loss" || name == "act.moe.shared_out")
-    return RoutingDependence::none;
-  if (name == "output.scores")
-    return chosen_scores ? RoutingDependence::token_rows : RoutingDependence::none;
-  if (name == "output.topk_ids" || name == "output.topk_weights" ||
-      name == "output.selection_margin" || name == "output.y")
-    return RoutingDependence::token_rows;
+  if (const auto d = router_dependence(own(spec).router, name)) return *d;
+  if (name == "output.y") return RoutingDependence::token_rows;
+  if (name == "act.moe.shared_out") return RoutingDependence::none;
   return RoutingDependence::whole;
 }
 

@@ -62,19 +62,10 @@ const RouterPart* router_of(const Spec& spec) {
   return &own(spec).router;
 }
 
-// The choice, its weights and margins row by row; under topk_then_score the scores too (the
-// chosen experts' only); the aux loss and every gradient (the aux loss's reaches every logit) as
-// a whole; the logits, the z-loss and score_then_topk's scores not at all.
+// The router's outputs as router_dependence says; the aux loss and every gradient (the aux loss's
+// reaches every logit) as a whole.
 detail::RoutingDependence routing_dependence(const Spec& spec, const std::string& name) {
-  using detail::RoutingDependence;
-  const bool chosen_scores = own(spec).router.router.order == RouterOrder::topk_then_score;
-  if (name == "output.logits" || name == "output.z_loss") return RoutingDependence::none;
-  if (name == "output.scores")
-    return chosen_scores ? RoutingDependence::token_rows : RoutingDependence::none;
-  if (name == "output.topk_ids" || name == "output.topk_weights" ||
-      name == "output.selection_margin")
-    return RoutingDependence::token_rows;
-  return RoutingDependence::whole;
+  return router_dependence(own(spec).router, name).value_or(detail::RoutingDependence::whole);
 }
 
 void draw(const Spec& spec, const OpCase& c, Values& v) {

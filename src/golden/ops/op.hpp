@@ -119,6 +119,30 @@ class Reader {
   const OpDef* def_ = nullptr;
 };
 
+// The spec of an op over rows of one width and its config keys: the element-wise ops' (rows of
+// `cols`: activation, dropout) and the norms' (rows of `d_model`: layer_norm, rms_norm), each
+// read and written under its own key.
+struct RowsSpec {
+  index_t rows = 0, width = 0;
+  EncoderConfig cfg;
+};
+// parse and write_sizes of a RowsSpec whose width is spec key `Key`.
+template <const char* Key>
+void parse_rows(Spec& spec, Reader& r) {
+  auto& s = spec.own.emplace<RowsSpec>();
+  s.cfg = r.op_config();
+  s.rows = r.size("rows", 0);
+  s.width = r.size(Key, 1);
+}
+template <const char* Key>
+void write_rows(const Spec& spec, ojson& j) {
+  const auto& s = spec.as<RowsSpec>();
+  j["rows"] = s.rows;
+  j[Key] = s.width;
+}
+inline constexpr char kCols[] = "cols";
+inline constexpr char kDModel[] = "d_model";
+
 // The model config of an op whose spec type T holds it as `cfg` (OpDef::config_of).
 template <class T>
 const EncoderConfig* config_in(const Spec& s) {

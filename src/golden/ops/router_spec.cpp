@@ -126,6 +126,20 @@ void router_outputs(const RouterPart& p, OpTensors& t, bool weights_grad) {
   t.out.push_back(margin);
 }
 
+std::optional<detail::RoutingDependence> router_dependence(const RouterPart& p,
+                                                           const std::string& name) {
+  using detail::RoutingDependence;
+  if (name == "output.logits" || name == "output.z_loss") return RoutingDependence::none;
+  if (name == "output.scores") {
+    return p.router.order == RouterOrder::topk_then_score ? RoutingDependence::token_rows
+                                                          : RoutingDependence::none;
+  }
+  if (name == "output.topk_ids" || name == "output.topk_weights" ||
+      name == "output.selection_margin")
+    return RoutingDependence::token_rows;
+  return std::nullopt;
+}
+
 OpDef::IntBound router_int_bound(const RouterPart& p, const std::string& name) {
   if (name == "input.moe.topk_ids") return {p.router.experts, "num_experts"};
   return {};

@@ -38,6 +38,11 @@ void router_inputs(const RouterPart& p, OpTensors& t);
 // output.topk_weights, output.selection_margin (optional); `weights_grad` whether topk_weights
 // takes an upstream gradient (the router op's; the moe op's weights are internal).
 void router_outputs(const RouterPart& p, OpTensors& t, bool weights_grad);
+// How a router output depends on the routing (the logits and z-loss not at all, score_then_topk's
+// scores neither, the choice, its weights and margins and topk_then_score's scores row by row),
+// or nothing for a name that is not one.
+std::optional<detail::RoutingDependence> router_dependence(const RouterPart& p,
+                                                           const std::string& name);
 // Integer inputs: input.moe.topk_ids in [0, num_experts).
 OpDef::IntBound router_int_bound(const RouterPart& p, const std::string& name);
 

@@ -65,7 +65,7 @@ def torch_names(cfg):
 def transformer_encoder(cfg, params):
     """nn.TransformerEncoder with the config's layers, holding the golden's parameters."""
     # the config keys of the attention variants (docs/semantics.md section 14), when in use
-    variants = set(cfg.to_dict()) - set(teo.EncoderConfig().to_dict())
+    variants = set(cfg.to_dict()) - set(teo.ModelConfig().to_dict())
     assert not variants, "nn.TransformerEncoderLayer has no %s" % sorted(variants)
     activation = {"relu": "relu", "gelu": "gelu",
                   "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}[cfg.activation]

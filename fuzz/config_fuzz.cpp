@@ -1,4 +1,4 @@
-// Harness 2: the config and case JSON parsers (EncoderConfig, a golden CASE.json, the training
+// Harness 2: the config and case JSON parsers (ModelConfig, a golden CASE.json, the training
 // options) on arbitrary text. Each either throws a teo::Error or gives a value that survives a
 // round trip through its own JSON.
 #include <cstdint>
@@ -14,9 +14,9 @@
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   const std::string text(reinterpret_cast<const char*>(data), size);
   try {
-    const auto cfg = teo::EncoderConfig::from_json_text(text);
-    teo::fuzz::require(teo::EncoderConfig::from_json(cfg.to_json()) == cfg,
-                       "EncoderConfig JSON round trip");
+    const auto cfg = teo::ModelConfig::from_json_text(text);
+    teo::fuzz::require(teo::ModelConfig::from_json(cfg.to_json()) == cfg,
+                       "ModelConfig JSON round trip");
   } catch (const teo::Error&) {
   }
   nlohmann::json j;

@@ -41,9 +41,9 @@ Result run(const teo::Params<double>& params, const teo::Batch& batch, teo::Back
     r.values.insert(r.values.end(), t.begin(), t.end());
   });
   r.argmax = acts.pool_argmax;
-  const teo::Tensor<double>& top = params.config.norm_first ? acts.final_norm
-                                   : acts.layers.empty()    ? acts.input
-                                                            : acts.layers.back().output;
+  const teo::Tensor<double>& top = params.config.norms.norm_first ? acts.final_norm
+                                   : acts.layers.empty()          ? acts.input
+                                                                  : acts.layers.back().output;
   r.pooled_from.assign(top.begin(), top.end());
   return r;
 }
@@ -71,49 +71,50 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   }();
   (void)limited;
   teo::fuzz::Bytes in(data, size);
-  teo::EncoderConfig cfg;
-  cfg.vocab_size = in.pick(1, 40);
-  cfg.max_len = in.pick(1, 24);
-  cfg.num_heads = in.pick(1, 4);
+  teo::ModelConfig cfg;
+  cfg.embeddings.vocab_size = in.pick(1, 40);
+  cfg.embeddings.max_len = in.pick(1, 24);
+  cfg.attention.num_heads = in.pick(1, 4);
   // d_model a multiple of num_heads, sometimes plus 1 (indivisible), saturating on overflow.
   std::int64_t d_model = 0;
-  if (__builtin_mul_overflow(cfg.num_heads, in.pick(1, 5), &d_model)) d_model = INT64_MAX - 1;
+  if (__builtin_mul_overflow(cfg.attention.num_heads, in.pick(1, 5), &d_model))
+    d_model = INT64_MAX - 1;
   cfg.d_model = d_model + (in.byte() == 7 ? 1 : 0);
-  cfg.d_ff = in.pick(1, 24);
+  cfg.ffn.d_ff = in.pick(1, 24);
   cfg.num_layers = in.pick(0, 3);
-  cfg.num_classes = in.pick(1, 6);
-  cfg.norm_first = in.flag();
-  cfg.causal = in.flag();
-  cfg.embed_scale = in.flag();
-  cfg.activation = static_cast<teo::Activation>(in.byte() % 3);
-  cfg.pooling = static_cast<teo::Pooling>(in.byte() % 3);
-  cfg.positional = static_cast<teo::Positional>(in.byte() % 5);
+  cfg.head.num_classes = in.pick(1, 6);
+  cfg.norms.norm_first = in.flag();
+  cfg.attention.causal = in.flag();
+  cfg.embeddings.embed_scale = in.flag();
+  cfg.ffn.activation = static_cast<teo::Activation>(in.byte() % 3);
+  cfg.head.pooling = static_cast<teo::Pooling>(in.byte() % 3);
+  cfg.embeddings.positional = static_cast<teo::Positional>(in.byte() % 5);
   // The attention variants, with their invalid values (validation must name each).
-  if (in.flag()) cfg.num_kv_heads = in.pick(0, 4);
-  if (cfg.positional == teo::Positional::rope) {
-    cfg.rope_style = in.flag() ? teo::RopeStyle::interleaved : teo::RopeStyle::neox;
-    if (in.flag()) cfg.rotary_dim = in.pick(-2, 10);
-    if (in.byte() == 3) cfg.rope_base = in.real01() * 4;  // below 1 now and then
-    cfg.rope_scaling.type = static_cast<teo::RopeScalingType>(in.byte() % 4);
-    if (cfg.rope_scaling.type != teo::RopeScalingType::none) {
-      cfg.rope_scaling.factor = 0.5 + in.real01() * 8;  // below 1 now and then
-      if (cfg.rope_scaling.type != teo::RopeScalingType::linear && in.flag())
-        cfg.rope_scaling.original_max_len = in.pick(0, 30);
-      if (cfg.rope_scaling.type == teo::RopeScalingType::yarn && in.flag()) {
-        cfg.rope_scaling.beta_fast = in.real01() * 64;
-        cfg.rope_scaling.beta_slow = in.real01() * 2;
+  if (in.flag()) cfg.attention.num_kv_heads = in.pick(0, 4);
+  if (cfg.embeddings.positional == teo::Positional::rope) {
+    cfg.attention.rope_style = in.flag() ? teo::RopeStyle::interleaved : teo::RopeStyle::neox;
+    if (in.flag()) cfg.attention.rotary_dim = in.pick(-2, 10);
+    if (in.byte() == 3) cfg.attention.rope_base = in.real01() * 4;  // below 1 now and then
+    cfg.attention.rope_scaling.type = static_cast<teo::RopeScalingType>(in.byte() % 4);
+    if (cfg.attention.rope_scaling.type != teo::RopeScalingType::none) {
+      cfg.attention.rope_scaling.factor = 0.5 + in.real01() * 8;  // below 1 now and then
+      if (cfg.attention.rope_scaling.type != teo::RopeScalingType::linear && in.flag())
+        cfg.attention.rope_scaling.original_max_len = in.pick(0, 30);
+      if (cfg.attention.rope_scaling.type == teo::RopeScalingType::yarn && in.flag()) {
+        cfg.attention.rope_scaling.beta_fast = in.real01() * 64;
+        cfg.attention.rope_scaling.beta_slow = in.real01() * 2;
       }
     }
   }
-  if (cfg.positional == teo::Positional::alibi && in.flag())
-    cfg.alibi_max_bias = in.real01() * 16 - 1;
-  if (in.flag()) cfg.position_offset = in.pick(0, 200000);
-  if (in.flag()) cfg.sliding_window = in.pick(0, 30);
-  if (in.flag()) cfg.attn_logit_softcap = in.byte() == 2 ? -1.0 : in.real01() * 5;
-  cfg.attn_sinks = in.flag();
+  if (cfg.embeddings.positional == teo::Positional::alibi && in.flag())
+    cfg.attention.alibi_max_bias = in.real01() * 16 - 1;
+  if (in.flag()) cfg.embeddings.position_offset = in.pick(0, 200000);
+  if (in.flag()) cfg.attention.sliding_window = in.pick(0, 30);
+  if (in.flag()) cfg.attention.attn_logit_softcap = in.byte() == 2 ? -1.0 : in.real01() * 5;
+  cfg.attention.attn_sinks = in.flag();
   cfg.dropout = in.byte() < 200 ? 0.0 : in.real01() * 1.1;
-  cfg.label_smoothing = in.byte() < 200 ? 0.0 : in.real01() * 1.1;
-  cfg.layer_norm_eps = in.byte() == 0 ? -1.0 : 1e-5;
+  cfg.head.label_smoothing = in.byte() < 200 ? 0.0 : in.real01() * 1.1;
+  cfg.norms.layer_norm_eps = in.byte() == 0 ? -1.0 : 1e-5;
   const std::int64_t B = in.pick(0, 4);
   std::int64_t S = in.pick(1, 24);
   std::vector<std::int64_t> lengths;
@@ -123,23 +124,24 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const std::uint64_t seed = in.u64();
   // The real encoders' keys (semantics 18), read after the rest so that older inputs keep their
   // configs; valid for architecture "encoder" only, which this harness builds.
-  if (in.flag()) cfg.type_vocab_size = in.pick(0, 3);
-  cfg.embedding_norm = in.flag();
-  if (in.flag()) cfg.pooler = teo::Pooler::dense_tanh;
+  if (in.flag()) cfg.embeddings.type_vocab_size = in.pick(0, 3);
+  cfg.embeddings.embedding_norm = in.flag();
+  if (in.flag()) cfg.head.pooler = teo::Pooler::dense_tanh;
   // ViT's images (semantics 18.5), with invalid sizes now and then; usually with the sequence and
   // max_len they imply, so that valid ones run.
   if (in.byte() >= 192) {
-    cfg.input = teo::InputKind::patches;
-    cfg.image_size = in.pick(0, 12);
-    cfg.patch_size = in.pick(0, 6);
-    cfg.channels = in.pick(0, 3);
-    if (cfg.patch_size > 0 && cfg.image_size % cfg.patch_size == 0 && in.byte() < 224) {
-      cfg.max_len = 1 + cfg.patches();
-      S = cfg.max_len;
+    cfg.embeddings.input = teo::InputKind::patches;
+    cfg.embeddings.image_size = in.pick(0, 12);
+    cfg.embeddings.patch_size = in.pick(0, 6);
+    cfg.embeddings.channels = in.pick(0, 3);
+    if (cfg.embeddings.patch_size > 0 &&
+        cfg.embeddings.image_size % cfg.embeddings.patch_size == 0 && in.byte() < 224) {
+      cfg.embeddings.max_len = 1 + cfg.patches();
+      S = cfg.embeddings.max_len;
       lengths.clear();
-      cfg.embed_scale = false;
-      cfg.type_vocab_size.reset();
-      cfg.position_offset = 0;
+      cfg.embeddings.embed_scale = false;
+      cfg.embeddings.type_vocab_size.reset();
+      cfg.embeddings.position_offset = 0;
     }
   }
   // Validation first: it allocates nothing, and every input goes through it.
@@ -155,15 +157,17 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   // never writes slow units. The bound covers every size the unit tests and goldens exercise.
   constexpr double kMaxWork = 1 << 16;
   const double N = static_cast<double>(B) * static_cast<double>(S);
-  const double D = static_cast<double>(cfg.d_model), F = static_cast<double>(cfg.d_ff);
+  const double D = static_cast<double>(cfg.d_model), F = static_cast<double>(cfg.ffn.d_ff);
   // A layer also costs a fixed amount whatever its size (some thirty tensors and calls, each
   // slow under the sanitizers), counted as kLayerCost multiply-adds: it caps the depth at 16.
   constexpr double kLayerCost = 1 << 12;
   const double work =
       static_cast<double>(cfg.num_layers) *
           (kLayerCost + N * (4 * D * D + 2 * D * F) + 2 * N * static_cast<double>(S) * D) +
-      N * D + static_cast<double>(B) * D * static_cast<double>(cfg.num_classes) +
-      N * D * static_cast<double>(cfg.channels * cfg.patch_size * cfg.patch_size);
+      N * D + static_cast<double>(B) * D * static_cast<double>(cfg.head.num_classes) +
+      N * D *
+          static_cast<double>(cfg.embeddings.channels * cfg.embeddings.patch_size *
+                              cfg.embeddings.patch_size);
   if (work > kMaxWork) return 0;
   teo::Params<double> params;
   teo::Batch batch;
@@ -174,7 +178,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     return 0;  // rejected by name before anything was allocated
   }
   // Corrupt a token or label now and then: validation must name it.
-  if (in.byte() == 9 && !batch.tokens.empty()) batch.tokens[0] = cfg.vocab_size;
+  if (in.byte() == 9 && !batch.tokens.empty()) batch.tokens[0] = cfg.embeddings.vocab_size;
   if (in.byte() == 9 && !batch.labels.empty()) batch.labels[0] = -1;
   if (in.byte() == 9 && !batch.token_types.empty()) batch.token_types[0] = -1;
   if (in.byte() == 9 && !batch.pixels.empty()) batch.pixels[0] = NAN;
@@ -212,7 +216,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
           teo::fuzz::require(std::abs(at(ref.argmax[i]) - at(got.argmax[i])) <= 1e-9 * top_scale,
                              "max pooling chose differently only at a near tie");
         }
-        compared = static_cast<std::size_t>(B * cfg.num_classes + 1);
+        compared = static_cast<std::size_t>(B * cfg.head.num_classes + 1);
       }
       const auto [err, scale] = difference(ref.values, got.values, compared);
       teo::fuzz::require(err <= 1e-9 * scale,

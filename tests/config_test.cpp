@@ -7,55 +7,54 @@ namespace teo {
 namespace {
 
 TEST(Config, JsonRoundTripPreservesEveryField) {
-  EncoderConfig c;
-  c.vocab_size = 1000;
-  c.max_len = 77;
+  ModelConfig c;
+  c.embeddings.vocab_size = 1000;
+  c.embeddings.max_len = 77;
   c.d_model = 48;
-  c.num_heads = 6;
-  c.d_ff = 100;
+  c.attention.num_heads = 6;
+  c.ffn.d_ff = 100;
   c.num_layers = 3;
-  c.norm_first = true;
-  c.activation = Activation::gelu_tanh;
-  c.layer_norm_eps = 1e-6;
-  c.positional = Positional::learned;
-  c.embed_scale = true;
-  c.pooling = Pooling::max;
-  c.num_classes = 7;
+  c.norms.norm_first = true;
+  c.ffn.activation = Activation::gelu_tanh;
+  c.norms.layer_norm_eps = 1e-6;
+  c.embeddings.positional = Positional::learned;
+  c.embeddings.embed_scale = true;
+  c.head.pooling = Pooling::max;
+  c.head.num_classes = 7;
   c.dropout = 0.125;
-  c.label_smoothing = 0.05;
-  c.causal = true;
+  c.head.label_smoothing = 0.05;
+  c.attention.causal = true;
   const auto j = c.to_json();
   EXPECT_EQ(j.size(), 16u);
-  EXPECT_EQ(EncoderConfig::from_json(j), c);
-  EXPECT_EQ(EncoderConfig::from_json_text(j.dump()), c);
+  EXPECT_EQ(ModelConfig::from_json(j), c);
+  EXPECT_EQ(ModelConfig::from_json_text(j.dump()), c);
 }
 
 TEST(Config, VariantKeysRoundTripAndAppearOnlyWhenUsed) {
-  EncoderConfig c;
-  c.num_heads = 4;
-  c.num_kv_heads = 2;
-  c.positional = Positional::rope;
-  c.rope_style = RopeStyle::interleaved;
-  c.rotary_dim = 2;
-  c.rope_base = 500000.0;
-  c.rope_scaling = {.type = RopeScalingType::yarn,
-                    .factor = 8.0,
-                    .original_max_len = 16,
-                    .beta_fast = 16.0,
-                    .beta_slow = 2.0};
-  c.position_offset = 123456;
-  c.sliding_window = 5;
-  c.attn_logit_softcap = 30.0;
-  c.attn_sinks = true;
-  EXPECT_EQ(EncoderConfig::from_json(c.to_json()), c);
-  EncoderConfig a;
-  a.positional = Positional::alibi;
-  a.alibi_max_bias = 4.0;
-  EXPECT_EQ(EncoderConfig::from_json(a.to_json()), a);
-  EXPECT_EQ(EncoderConfig{}.to_json().size(), 16u);  // a plain config reads as it always has
-  EXPECT_EQ(
-      EncoderConfig::from_json_text(R"({"sliding_window": null, "attn_logit_softcap": null})"),
-      EncoderConfig{});
+  ModelConfig c;
+  c.attention.num_heads = 4;
+  c.attention.num_kv_heads = 2;
+  c.embeddings.positional = Positional::rope;
+  c.attention.rope_style = RopeStyle::interleaved;
+  c.attention.rotary_dim = 2;
+  c.attention.rope_base = 500000.0;
+  c.attention.rope_scaling = {.type = RopeScalingType::yarn,
+                              .factor = 8.0,
+                              .original_max_len = 16,
+                              .beta_fast = 16.0,
+                              .beta_slow = 2.0};
+  c.embeddings.position_offset = 123456;
+  c.attention.sliding_window = 5;
+  c.attention.attn_logit_softcap = 30.0;
+  c.attention.attn_sinks = true;
+  EXPECT_EQ(ModelConfig::from_json(c.to_json()), c);
+  ModelConfig a;
+  a.embeddings.positional = Positional::alibi;
+  a.attention.alibi_max_bias = 4.0;
+  EXPECT_EQ(ModelConfig::from_json(a.to_json()), a);
+  EXPECT_EQ(ModelConfig{}.to_json().size(), 16u);  // a plain config reads as it always has
+  EXPECT_EQ(ModelConfig::from_json_text(R"({"sliding_window": null, "attn_logit_softcap": null})"),
+            ModelConfig{});
 }
 
 void expect_config_error(const std::string& text, const std::string& needle);
@@ -112,25 +111,24 @@ TEST(Config, InvalidVariantValuesAreNamedErrors) {
 // The block variants and decoders: their keys round-trip, appear only when used, and a decoder is
 // causal unless its JSON says otherwise (which is refused).
 TEST(Config, BlockAndDecoderKeysRoundTripAndAppearOnlyWhenUsed) {
-  EncoderConfig c;
-  c.norm = Norm::rmsnorm;
-  c.ffn = FfnKind::swiglu;
-  c.activation = Activation::silu;
-  c.ffn_bias = c.attn_bias = c.head_bias = false;
-  EXPECT_EQ(EncoderConfig::from_json(c.to_json()), c);
+  ModelConfig c;
+  c.norms.norm = Norm::rmsnorm;
+  c.ffn.kind = FfnKind::swiglu;
+  c.ffn.activation = Activation::silu;
+  c.ffn.ffn_bias = c.attention.attn_bias = c.head.head_bias = false;
+  EXPECT_EQ(ModelConfig::from_json(c.to_json()), c);
   c.architecture = Architecture::decoder;
-  c.causal = true;
-  c.tie_embeddings = true;
-  EXPECT_EQ(EncoderConfig::from_json(c.to_json()), c);
+  c.attention.causal = true;
+  c.head.tie_embeddings = true;
+  EXPECT_EQ(ModelConfig::from_json(c.to_json()), c);
   EXPECT_FALSE(c.to_json().contains("pooling"));
   EXPECT_FALSE(c.to_json().contains("num_classes"));
-  EXPECT_FALSE(EncoderConfig{}.to_json().contains("architecture"));
-  EXPECT_TRUE(EncoderConfig::from_json_text(R"({"architecture": "decoder"})").causal);
-  EXPECT_EQ(EncoderConfig::from_json_text(R"({"ffn": "geglu", "activation": "gelu_tanh"})")
+  EXPECT_FALSE(ModelConfig{}.to_json().contains("architecture"));
+  EXPECT_TRUE(ModelConfig::from_json_text(R"({"architecture": "decoder"})").attention.causal);
+  EXPECT_EQ(ModelConfig::from_json_text(R"({"ffn": "geglu", "activation": "gelu_tanh"})")
                 .ffn_activation(),
             Activation::gelu_tanh);
-  EXPECT_EQ(EncoderConfig::from_json_text(R"({"ffn": "swiglu"})").ffn_activation(),
-            Activation::silu);
+  EXPECT_EQ(ModelConfig::from_json_text(R"({"ffn": "swiglu"})").ffn_activation(), Activation::silu);
 }
 
 TEST(Config, InvalidBlockAndDecoderValuesAreNamedErrors) {
@@ -149,13 +147,13 @@ TEST(Config, InvalidBlockAndDecoderValuesAreNamedErrors) {
 // input "patches" (ViT, semantics 18.5): its keys round-trip, max_len follows from the sizes, and
 // what an image has not (token ids, their keys) is a named error.
 TEST(Config, PatchesInputKeysRoundTripAndTheirLimitsAreNamed) {
-  const auto c = EncoderConfig::from_json_text(
+  const auto c = ModelConfig::from_json_text(
       R"({"input": "patches", "image_size": 8, "patch_size": 4, "channels": 3})");
   EXPECT_EQ(c.patches(), 4);
-  EXPECT_EQ(c.max_len, 5);  // [CLS] and 4 patches
+  EXPECT_EQ(c.embeddings.max_len, 5);  // [CLS] and 4 patches
   EXPECT_FALSE(c.to_json().contains("vocab_size"));
-  EXPECT_EQ(EncoderConfig::from_json(c.to_json()), c);
-  EXPECT_FALSE(EncoderConfig{}.to_json().contains("input"));
+  EXPECT_EQ(ModelConfig::from_json(c.to_json()), c);
+  EXPECT_FALSE(ModelConfig{}.to_json().contains("input"));
   const std::string vit = R"("input": "patches", "image_size": 8, "patch_size": 4, "channels": 3)";
   expect_config_error(R"({"input": "pixels"})", "input");
   expect_config_error(R"({"image_size": 8})", "image_size");
@@ -168,7 +166,7 @@ TEST(Config, PatchesInputKeysRoundTripAndTheirLimitsAreNamed) {
   expect_config_error("{" + vit + R"(, "padding_idx": 0})", "padding_idx");
   expect_config_error("{" + vit + R"(, "architecture": "decoder"})", "architecture");
   // the images count against the memory limits before anything is allocated
-  const auto big = EncoderConfig::from_json_text(
+  const auto big = ModelConfig::from_json_text(
       R"({"input": "patches", "image_size": 32, "patch_size": 8, "channels": 1, "d_model": 16,
           "num_heads": 1, "d_ff": 8})");
   try {
@@ -182,18 +180,18 @@ TEST(Config, PatchesInputKeysRoundTripAndTheirLimitsAreNamed) {
 // An encoder_decoder's keys round-trip and appear only when set; they belong to it alone, and its
 // decoder's limits (positions in the embeddings, no variants, no dropout) are named errors.
 TEST(Config, EncoderDecoderKeysRoundTripAndItsLimitsAreNamed) {
-  EncoderConfig c;
+  ModelConfig c;
   c.architecture = Architecture::encoder_decoder;
-  EXPECT_EQ(EncoderConfig::from_json(c.to_json()), c);
+  EXPECT_EQ(ModelConfig::from_json(c.to_json()), c);
   EXPECT_FALSE(c.to_json().contains("decoder_layers"));
   EXPECT_EQ(c.dec_layers(), c.num_layers);
-  EXPECT_EQ(c.target_vocab(), c.vocab_size);
-  EXPECT_FALSE(c.causal);  // the encoder's; the decoder's self-attention is always masked
+  EXPECT_EQ(c.target_vocab(), c.embeddings.vocab_size);
+  EXPECT_FALSE(c.attention.causal);  // the encoder's; the decoder's self-attention is always masked
   c.decoder_layers = 3;
-  c.decoder_vocab_size = 7;
-  c.decoder_positional = Positional::learned;
-  c.tie_embeddings = true;
-  EXPECT_EQ(EncoderConfig::from_json(c.to_json()), c);
+  c.embeddings.decoder_vocab_size = 7;
+  c.embeddings.decoder_positional = Positional::learned;
+  c.head.tie_embeddings = true;
+  EXPECT_EQ(ModelConfig::from_json(c.to_json()), c);
   EXPECT_EQ(c.target_vocab(), 7);
   EXPECT_EQ(c.dec_positional(), Positional::learned);
   for (const char* key : {"decoder_layers", "decoder_vocab_size"})
@@ -210,23 +208,23 @@ TEST(Config, EncoderDecoderKeysRoundTripAndItsLimitsAreNamed) {
 }
 
 TEST(Config, LearnedPositionsWithAnOffsetMustFitTheTable) {
-  EncoderConfig c;
-  c.positional = Positional::learned;
-  c.max_len = 10;
-  c.position_offset = 4;
+  ModelConfig c;
+  c.embeddings.positional = Positional::learned;
+  c.embeddings.max_len = 10;
+  c.embeddings.position_offset = 4;
   EXPECT_NO_THROW(validate_batch_shape(c, {2, 6}, 8));
   EXPECT_THROW(validate_batch_shape(c, {2, 7}, 8), ShapeError);
-  c.positional = Positional::sinusoidal;
+  c.embeddings.positional = Positional::sinusoidal;
   EXPECT_NO_THROW(validate_batch_shape(c, {2, 10}, 8));
 }
 
 TEST(Config, AbsentKeysKeepDefaults) {
-  EXPECT_EQ(EncoderConfig::from_json_text("{}"), EncoderConfig{});
+  EXPECT_EQ(ModelConfig::from_json_text("{}"), ModelConfig{});
 }
 
 void expect_config_error(const std::string& text, const std::string& needle) {
   try {
-    EncoderConfig::from_json_text(text);
+    ModelConfig::from_json_text(text);
     ADD_FAILURE() << "accepted: " << text;
   } catch (const ConfigError& e) {
     EXPECT_NE(std::string(e.what()).find(needle), std::string::npos)
@@ -260,25 +258,25 @@ TEST(Config, RejectsUnknownKeysWrongTypesAndBadValuesWithNamedError) {
 }
 
 TEST(Config, RejectsSizesWhoseByteCountOverflows) {
-  EncoderConfig c;
-  c.vocab_size = index_t{1} << 40;
+  ModelConfig c;
+  c.embeddings.vocab_size = index_t{1} << 40;
   c.d_model = index_t{1} << 30;
-  c.num_heads = 1;
+  c.attention.num_heads = 1;
   EXPECT_THROW(c.validate(), ShapeError);
-  EncoderConfig ok;
+  ModelConfig ok;
   EXPECT_NO_THROW(ok.validate());
-  EncoderConfig huge;  // no 64-bit overflow, but 2^53 bytes of parameters
-  huge.vocab_size = index_t{1} << 46;
+  ModelConfig huge;  // no 64-bit overflow, but 2^53 bytes of parameters
+  huge.embeddings.vocab_size = index_t{1} << 46;
   EXPECT_THROW(huge.validate(), ShapeError);
 }
 
 TEST(Config, BatchShapeValidation) {
-  EncoderConfig c;
+  ModelConfig c;
   EXPECT_NO_THROW(validate_batch_shape(c, {0, 1}, 8));
   EXPECT_THROW(validate_batch_shape(c, {-1, 4}, 8), ShapeError);
   EXPECT_THROW(validate_batch_shape(c, {2, 0}, 8), ShapeError);
-  EXPECT_THROW(validate_batch_shape(c, {2, c.max_len + 1}, 8), ShapeError);
-  c.max_len = index_t{1} << 40;
+  EXPECT_THROW(validate_batch_shape(c, {2, c.embeddings.max_len + 1}, 8), ShapeError);
+  c.embeddings.max_len = index_t{1} << 40;
   EXPECT_THROW(validate_batch_shape(c, {index_t{1} << 30, index_t{1} << 30}, 8), ShapeError);
 }
 
@@ -298,16 +296,16 @@ TEST(MemoryLimits, OversizedRequestsGetANamedErrorBeforeAnyAllocation) {
   const teo::MemoryLimits defaults = teo::memory_limits();
   EXPECT_GE(defaults.max_total_bytes, 1);
   EXPECT_EQ(defaults.max_tensor_elements, teo::index_t{1} << 32);
-  teo::EncoderConfig cfg;
+  teo::ModelConfig cfg;
   teo::set_memory_limits({.max_tensor_elements = 1000, .max_total_bytes = 1 << 30});
-  cfg.vocab_size = 1000;  // embedding 1000 x 16 elements
+  cfg.embeddings.vocab_size = 1000;  // embedding 1000 x 16 elements
   try {
     cfg.validate();
     FAIL() << "no error";
   } catch (const teo::ShapeError& e) {
     EXPECT_NE(std::string(e.what()).find("TEO_MAX_TENSOR_ELEMENTS"), std::string::npos) << e.what();
   }
-  cfg.vocab_size = 10;
+  cfg.embeddings.vocab_size = 10;
   EXPECT_NO_THROW(cfg.validate());
   try {
     teo::validate_batch_shape(cfg, {.batch = 100, .seq_len = 32}, sizeof(float));

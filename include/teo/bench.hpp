@@ -14,7 +14,7 @@
 namespace teo::bench {
 
 struct Preset {
-  EncoderConfig config;
+  ModelConfig config;
   index_t batch = 0, seq_len = 0;
 };
 
@@ -24,11 +24,11 @@ Preset preset(const std::string& name);
 
 // Forward FLOPs of the whole stack by the project's convention: per layer
 // 8 B S D^2 + 4 B S^2 D + 4 B S D F; forward+backward is 3x that.
-double forward_flops(const EncoderConfig& cfg, index_t batch, index_t seq_len);
+double forward_flops(const ModelConfig& cfg, index_t batch, index_t seq_len);
 
 // The GEMM FLOPs of each timed stage that has them, per run (backward stages do twice as many as
 // their forward ones).
-std::map<profile::Stage, double> stage_flops(const EncoderConfig& cfg, index_t batch,
+std::map<profile::Stage, double> stage_flops(const ModelConfig& cfg, index_t batch,
                                              index_t seq_len);
 
 struct Result {

@@ -1,4 +1,4 @@
-// EncoderConfig: the model's hyper-parameters, with JSON I/O and validation.
+// ModelConfig: the model's hyper-parameters, with JSON I/O and validation.
 #pragma once
 
 #include <cstdint>
@@ -55,64 +55,29 @@ struct RopeScaling {
   bool operator==(const RopeScaling&) const = default;
 };
 
-struct EncoderConfig {
-  Architecture architecture = Architecture::encoder;
+// The model's hyper-parameters in the sections the model has. Every field is named as its JSON
+// key (docs/semantics.md section 2), except ffn.kind, whose key is "ffn"; the JSON is flat.
+
+// What the model reads and how positions enter it.
+struct EmbeddingsConfig {
   index_t vocab_size = 64;
   index_t max_len = 32;
-  index_t d_model = 16;
-  index_t num_heads = 2;
-  index_t d_ff = 32;
-  index_t num_layers = 2;
-  bool norm_first = false;  // false: post-norm (the original paper); true: pre-norm + final_norm
-  Activation activation = Activation::gelu;
-  double layer_norm_eps = 1e-5;
   Positional positional = Positional::sinusoidal;
-  bool embed_scale = false;  // multiply token embeddings by sqrt(d_model)
-  Pooling pooling = Pooling::mean;
-  index_t num_classes = 4;
-  double dropout = 0.0;  // one probability for every dropout site
-  double label_smoothing = 0.0;
-  bool causal = false;
-
-  // Attention variants (docs/semantics.md, "Attention variants"); the defaults are the plain layer.
-  std::optional<index_t> num_kv_heads{};       // unset: num_heads; must divide it (1: MQA)
-  RopeStyle rope_style = RopeStyle::neox;      // rope only
-  std::optional<index_t> rotary_dim{};         // rope only; unset: d_head
-  double rope_base = 10000.0;                  // rope only
-  RopeScaling rope_scaling{};                  // rope only
-  double alibi_max_bias = 8.0;                 // alibi only
-  index_t position_offset = 0;                 // positions run from here to here + S - 1
-  std::optional<index_t> sliding_window{};     // W: each query sees W keys (counting itself)
-  std::optional<double> attn_logit_softcap{};  // c: logits c tanh(s / c)
-  bool attn_sinks = false;                     // a learned sink logit per head
-
-  // Block variants (docs/semantics.md, section 17.1); the defaults are the original layer.
-  Norm norm = Norm::layernorm;  // every norm of the model, final_norm included
-  FfnKind ffn = FfnKind::mlp;
-  bool ffn_bias = true;   // the FFN's linear maps have biases
-  bool attn_bias = true;  // the q, k, v and output projections have biases
-  bool head_bias = true;  // the head (the classifier's, or a decoder's LM head) has a bias
-  // decoder and encoder_decoder: the LM head is the (decoder's) embedding matrix, its gradient
-  // summed into the embedding's
-  bool tie_embeddings = false;
-  // encoder_decoder only (docs/semantics.md, section 17.5): the decoder's layers (unset:
-  // num_layers) and its vocabulary (unset: the encoder's, whose embedding matrix it then shares;
-  // set: its own decoder.embedding).
-  std::optional<index_t> decoder_layers{};
-  std::optional<index_t> decoder_vocab_size{};
-  // encoder_decoder only: the decoder's positions (sinusoidal, learned or none; unset: positional)
-  std::optional<Positional> decoder_positional{};
-
-  // Real encoders' embeddings and pooler (docs/semantics.md, section 18); architecture "encoder"
-  // only. Token-type (segment) embeddings over type_vocab_size types (unset: none), added to the
-  // token and position embeddings; a norm (of `norm`'s kind) over that sum before the input
-  // dropout; and the pooler between pooling and the head.
+  bool embed_scale = false;     // multiply token embeddings by sqrt(d_model)
+  index_t position_offset = 0;  // positions run from here to here + S - 1
+  // Real encoders' embeddings (docs/semantics.md, section 18); architecture "encoder" only.
+  // Token-type (segment) embeddings over type_vocab_size types (unset: none), added to the token
+  // and position embeddings; a norm (of norms.norm's kind) over that sum before the input dropout.
   std::optional<index_t> type_vocab_size{};
   bool embedding_norm = false;
-  Pooler pooler = Pooler::none;
   // The token whose embedding row gets no gradient from the lookup (nn.Embedding's padding_idx,
   // BERT's and RoBERTa's pad token; semantics 18.1); an encoder's or a decoder's. Unset: none.
   std::optional<index_t> padding_idx{};
+  // encoder_decoder only (docs/semantics.md, section 17.5): the decoder's vocabulary (unset: the
+  // encoder's, whose embedding matrix it then shares; set: its own decoder.embedding) and its
+  // positions (sinusoidal, learned or none; unset: positional).
+  std::optional<index_t> decoder_vocab_size{};
+  std::optional<Positional> decoder_positional{};
   // input "patches" (architecture "encoder" only): images (B, channels, image_size, image_size),
   // cut into (image_size / patch_size)^2 patches of patch_size^2 pixels per channel. The sequence
   // is the [CLS] token and the patches, 1 + patches() positions, and max_len is that length.
@@ -123,30 +88,105 @@ struct EncoderConfig {
   index_t patch_size = 0;
   index_t channels = 0;
 
-  index_t d_head() const { return d_model / num_heads; }
-  bool patches_input() const { return input == InputKind::patches; }
+  bool operator==(const EmbeddingsConfig&) const = default;
+};
+
+// Attention and its variants (docs/semantics.md, "Attention variants"); the defaults are the plain
+// layer.
+struct AttentionConfig {
+  index_t num_heads = 2;
+  bool causal = false;
+  std::optional<index_t> num_kv_heads{};       // unset: num_heads; must divide it (1: MQA)
+  RopeStyle rope_style = RopeStyle::neox;      // rope only
+  std::optional<index_t> rotary_dim{};         // rope only; unset: d_head
+  double rope_base = 10000.0;                  // rope only
+  RopeScaling rope_scaling{};                  // rope only
+  double alibi_max_bias = 8.0;                 // alibi only
+  std::optional<index_t> sliding_window{};     // W: each query sees W keys (counting itself)
+  std::optional<double> attn_logit_softcap{};  // c: logits c tanh(s / c)
+  bool attn_sinks = false;                     // a learned sink logit per head
+  bool attn_bias = true;                       // the q, k, v and output projections have biases
+
+  bool operator==(const AttentionConfig&) const = default;
+};
+
+// The feed-forward network (docs/semantics.md, section 17.1).
+struct FfnConfig {
+  FfnKind kind = FfnKind::mlp;  // JSON key "ffn"
+  index_t d_ff = 32;
+  Activation activation = Activation::gelu;
+  bool ffn_bias = true;  // the FFN's linear maps have biases
+
+  bool operator==(const FfnConfig&) const = default;
+};
+
+// The norms: their kind, epsilon and place.
+struct NormsConfig {
+  Norm norm = Norm::layernorm;  // every norm of the model, final_norm included
+  double layer_norm_eps = 1e-5;
+  bool norm_first = false;  // false: post-norm (the original paper); true: pre-norm + final_norm
+
+  bool operator==(const NormsConfig&) const = default;
+};
+
+// What reads the last hidden state: an encoder's pooling, pooler and classifier, or an LM head;
+// and the loss.
+struct HeadConfig {
+  Pooling pooling = Pooling::mean;
+  Pooler pooler = Pooler::none;  // encoder only: between pooling and the classifier
+  index_t num_classes = 4;
+  bool head_bias = true;  // the head (the classifier's, or a decoder's LM head) has a bias
+  // decoder and encoder_decoder: the LM head is the (decoder's) embedding matrix, its gradient
+  // summed into the embedding's
+  bool tie_embeddings = false;
+  double label_smoothing = 0.0;
+
+  bool operator==(const HeadConfig&) const = default;
+};
+
+struct ModelConfig {
+  Architecture architecture = Architecture::encoder;
+  index_t d_model = 16;
+  index_t num_layers = 2;
+  // encoder_decoder only: the decoder's layers (unset: num_layers)
+  std::optional<index_t> decoder_layers{};
+  double dropout = 0.0;  // one probability for every dropout site
+
+  EmbeddingsConfig embeddings{};
+  AttentionConfig attention{};
+  FfnConfig ffn{};
+  NormsConfig norms{};
+  HeadConfig head{};
+
+  index_t d_head() const { return d_model / attention.num_heads; }
+  bool patches_input() const { return embeddings.input == InputKind::patches; }
   // The number of patches of an image: (image_size / patch_size)^2; 0 with input "tokens", and
   // for sizes validate() refuses (not positive, or more than 2^20 patches a side).
   index_t patches() const {
-    if (!patches_input() || image_size <= 0 || patch_size <= 0) return 0;
-    const index_t side = image_size / patch_size;
+    const EmbeddingsConfig& e = embeddings;
+    if (!patches_input() || e.image_size <= 0 || e.patch_size <= 0) return 0;
+    const index_t side = e.image_size / e.patch_size;
     return side <= (index_t{1} << 20) ? side * side : 0;
   }
-  index_t kv_heads() const { return num_kv_heads.value_or(num_heads); }
-  index_t rotary() const { return rotary_dim.value_or(d_head()); }
-  bool gated() const { return ffn != FfnKind::mlp; }
+  index_t kv_heads() const { return attention.num_kv_heads.value_or(attention.num_heads); }
+  index_t rotary() const { return attention.rotary_dim.value_or(d_head()); }
+  bool gated() const { return ffn.kind != FfnKind::mlp; }
   bool encoder() const { return architecture == Architecture::encoder; }
   bool decoder() const { return architecture == Architecture::decoder; }
   bool encoder_decoder() const { return architecture == Architecture::encoder_decoder; }
   // An LM head over a vocabulary (a decoder, or an encoder-decoder's decoder): no pooling.
   bool lm() const { return decoder() || encoder_decoder(); }
   index_t dec_layers() const { return decoder_layers.value_or(num_layers); }
-  Positional dec_positional() const { return decoder_positional.value_or(positional); }
+  Positional dec_positional() const {
+    return embeddings.decoder_positional.value_or(embeddings.positional);
+  }
   // The vocabulary of the LM head (Vt): the decoder's own, else vocab_size.
-  index_t target_vocab() const { return decoder_vocab_size.value_or(vocab_size); }
+  index_t target_vocab() const {
+    return embeddings.decoder_vocab_size.value_or(embeddings.vocab_size);
+  }
   // The FFN's activation: silu for swiglu, else `activation` (gelu or gelu_tanh for geglu).
   Activation ffn_activation() const {
-    return ffn == FfnKind::swiglu ? Activation::silu : activation;
+    return ffn.kind == FfnKind::swiglu ? Activation::silu : ffn.activation;
   }
 
   // Throws ConfigError naming the first invalid field and its value; ShapeError when a parameter
@@ -155,16 +195,19 @@ struct EncoderConfig {
 
   // Reads every key present; absent keys keep their defaults. Unknown keys, wrong types and
   // out-of-range values throw ConfigError. The result is validated.
-  static EncoderConfig from_json(const nlohmann::json& j);
-  static EncoderConfig from_json_text(const std::string& text);
+  static ModelConfig from_json(const nlohmann::json& j);
+  static ModelConfig from_json_text(const std::string& text);
   // The architecture a config object names: "encoder" when the key is absent, and also when its
   // value is not a string (from_json then refuses that value by name).
   static std::string architecture_of(const nlohmann::json& j);
-  static EncoderConfig from_file(const std::string& path);
+  static ModelConfig from_file(const std::string& path);
   nlohmann::json to_json() const;
 
-  bool operator==(const EncoderConfig&) const = default;
+  bool operator==(const ModelConfig&) const = default;
 };
+
+// The name this type had before its sections.
+using EncoderConfig [[deprecated("use teo::ModelConfig")]] = ModelConfig;
 
 // The shape of one forward/backward call. Validated against a config before anything is
 // allocated: seq_len in [1, max_len], batch >= 0, and every activation's byte count fits in 64
@@ -174,7 +217,7 @@ struct BatchShape {
   index_t seq_len = 0;  // an encoder_decoder's source length
   index_t tgt_len = 0;  // an encoder_decoder's target length (0 for the other architectures)
 };
-void validate_batch_shape(const EncoderConfig& cfg, const BatchShape& shape, std::size_t real_size);
+void validate_batch_shape(const ModelConfig& cfg, const BatchShape& shape, std::size_t real_size);
 
 // Bounds that validation enforces before anything is allocated, so that an oversized request gets
 // a named ShapeError instead of being killed by the kernel for running out of memory.

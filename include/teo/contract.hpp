@@ -55,10 +55,10 @@ struct TensorSpec {
 };
 
 // The value of symbolic dimension `sym` under cfg and s; std::invalid_argument for an unknown one.
-index_t dim(const std::string& sym, const EncoderConfig& cfg, Sizes s);
+index_t dim(const std::string& sym, const ModelConfig& cfg, Sizes s);
 
 // The symbolic dimensions `dims` resolved under cfg and s.
-std::vector<index_t> shape(const std::vector<std::string>& dims, const EncoderConfig& cfg, Sizes s);
+std::vector<index_t> shape(const std::vector<std::string>& dims, const ModelConfig& cfg, Sizes s);
 
 // The symbolic shape of a parameter (without "param."), of an activation (without "act."), of a
 // dropout site ("dropout.input", "dropout.layers.0.ffn") and of any golden name: "param.X",
@@ -71,23 +71,23 @@ std::vector<std::string> dims_of(const std::string& golden_name);
 std::string symbolic(const std::vector<std::string>& dims);
 
 // The parameters present under cfg, in canonical order (Params::visit), named without "param.".
-std::vector<TensorSpec> params(const EncoderConfig& cfg);
+std::vector<TensorSpec> params(const ModelConfig& cfg);
 
 // Every activation forward keeps under cfg, in pipeline order (Activations::visit), named without
 // "act.". With `in_golden` (the default) it leaves out ffn_gate, ffn_pre and residual2, which the
 // model keeps for backward but a golden does not hold.
-std::vector<TensorSpec> activations(const EncoderConfig& cfg, Sizes s, bool in_golden = true);
+std::vector<TensorSpec> activations(const ModelConfig& cfg, Sizes s, bool in_golden = true);
 
 // The dropout sites of cfg ("dropout.input", "dropout.layers.{i}.attn", ...), whether or not
 // dropout applies.
-std::vector<TensorSpec> masks(const EncoderConfig& cfg, Sizes s);
+std::vector<TensorSpec> masks(const ModelConfig& cfg, Sizes s);
 
 // The gradients a golden holds, in the order backward produces them: grad.act.logits, the head,
 // grad.act.pooled (a decoder: grad.act.lm_logits, the LM head), the final norm, then from the last
 // layer down its output's gradient and its parameters' (the reverse of the order forward uses
 // them, weight before bias), grad.act.input and the embeddings. Every parameter has its
 // grad.<name>; a tied LM head's is in grad.embedding.weight.
-std::vector<TensorSpec> gradients(const EncoderConfig& cfg, Sizes s);
+std::vector<TensorSpec> gradients(const ModelConfig& cfg, Sizes s);
 
 // Whether a golden tensor of a model under cfg is 0 in exact arithmetic, so that it holds nothing
 // but the rounding noise of the sum that forms it: the key bias gradients
@@ -95,18 +95,18 @@ std::vector<TensorSpec> gradients(const EncoderConfig& cfg, Sizes s);
 // softmax ignores (so the sum over rows of dK is 0). Not so with RoPE (the bias is rotated by
 // position), sinks (the sink's logit is not shifted) or a soft-cap (tanh does not keep a shift):
 // there it is a real gradient.
-bool noise_only(const std::string& golden_name, const EncoderConfig& cfg);
+bool noise_only(const std::string& golden_name, const ModelConfig& cfg);
 
 // The tensors a generation case adds (none when s.steps is 0): the input input.generate.tokens
 // (T, B), the token each sequence is fed at each step, and per step t the activation
 // act.generate.{t}.logits (B, V), the logits after it.
-std::vector<TensorSpec> generation(const EncoderConfig& cfg, Sizes s);
+std::vector<TensorSpec> generation(const ModelConfig& cfg, Sizes s);
 
 // Every tensor of a model golden, in file order: the inputs (input.generate.tokens last), the
 // parameters, the dropout masks (when cfg.dropout > 0), the activations, the generation steps'
 // logits, the gradients, and for a float32 case the ref64 twin of each activation, generation
 // logits and gradient. Shapes resolved; dtype rules as stored (real means F32 in a
 // float32 case, F64 in a float64 one).
-std::vector<TensorSpec> model_case(const EncoderConfig& cfg, Sizes s, bool float32);
+std::vector<TensorSpec> model_case(const ModelConfig& cfg, Sizes s, bool float32);
 
 }  // namespace teo::contract

@@ -30,9 +30,9 @@ struct DecoderLayerParams {
   Tensor<Real> gate_weight, gate_bias, fc1_weight, fc1_bias, fc2_weight, fc2_bias;
 
   // Zeros of cfg's shapes, with the cross-attention block and norm2 when `cross`.
-  static DecoderLayerParams zeros(const EncoderConfig& cfg, bool cross);
+  static DecoderLayerParams zeros(const ModelConfig& cfg, bool cross);
   // The same tensors present, each of one element: what visit() lists, without the memory.
-  static DecoderLayerParams markers(const EncoderConfig& cfg, bool cross);
+  static DecoderLayerParams markers(const ModelConfig& cfg, bool cross);
   bool cross() const { return cross_attn.q_weight.numel() > 0; }
 
   // Every parameter present, in the order the layer uses them: "self_attn.q.weight",
@@ -113,7 +113,7 @@ struct DecoderLayerActs {
 // never. Eval mode: no dropout (ConfigError when cfg.dropout > 0). ShapeError for shapes that do
 // not fit P, cfg or each other.
 template <class Real>
-void decoder_layer_forward(const EncoderConfig& cfg, const DecoderLayerParams<Real>& P,
+void decoder_layer_forward(const ModelConfig& cfg, const DecoderLayerParams<Real>& P,
                            const Tensor<Real>& x, const std::vector<std::int64_t>& lengths,
                            const Tensor<Real>& memory,
                            const std::vector<std::int64_t>& memory_lengths,
@@ -122,7 +122,7 @@ void decoder_layer_forward(const EncoderConfig& cfg, const DecoderLayerParams<Re
 // Its backward from dy (B, T, D): dx and dmemory (B, Se, D; empty without cross-attention) are
 // overwritten, G is overwritten with the parameter gradients (the shapes of P).
 template <class Real>
-void decoder_layer_backward(const EncoderConfig& cfg, const DecoderLayerParams<Real>& P,
+void decoder_layer_backward(const ModelConfig& cfg, const DecoderLayerParams<Real>& P,
                             const Tensor<Real>& x, const std::vector<std::int64_t>& lengths,
                             const Tensor<Real>& memory,
                             const std::vector<std::int64_t>& memory_lengths,

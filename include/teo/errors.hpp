@@ -15,7 +15,7 @@ class Error : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-// An EncoderConfig field is missing, of the wrong type, unknown or out of range.
+// An ModelConfig field is missing, of the wrong type, unknown or out of range.
 class ConfigError : public Error {
  public:
   using Error::Error;

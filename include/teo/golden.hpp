@@ -32,7 +32,7 @@ inline constexpr const char* kFormat = "teo-golden/1";
 
 // One case: a model config plus the batch to run it on.
 struct Case {
-  EncoderConfig config;
+  ModelConfig config;
   index_t batch = 2;
   index_t seq_len = 8;
   std::vector<std::int64_t> lengths;  // empty: every sequence is full

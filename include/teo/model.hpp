@@ -36,11 +36,11 @@ struct Batch {
 
   // A batch whose tokens and labels (none for a decoder) are drawn from `seed` with the
   // counter-based generator; lengths default to seq_len.
-  static Batch random(const EncoderConfig& cfg, index_t batch, index_t seq_len, std::uint64_t seed,
+  static Batch random(const ModelConfig& cfg, index_t batch, index_t seq_len, std::uint64_t seed,
                       std::vector<std::int64_t> lengths = {});
   // An encoder_decoder's: sources of seq_len tokens (ids in [0, vocab_size)) and targets of
   // tgt_len (ids in [0, target_vocab())), each with its lengths (default: full).
-  static Batch random_seq2seq(const EncoderConfig& cfg, index_t batch, index_t seq_len,
+  static Batch random_seq2seq(const ModelConfig& cfg, index_t batch, index_t seq_len,
                               index_t tgt_len, std::uint64_t seed,
                               std::vector<std::int64_t> lengths = {},
                               std::vector<std::int64_t> tgt_lengths = {});
@@ -48,7 +48,7 @@ struct Batch {
 
 // Checks every size against the config (ShapeError) and every id and label (InputError), before
 // anything is allocated. forward() and backward() call it first.
-void validate_batch(const EncoderConfig& cfg, const Batch& batch, std::size_t real_size);
+void validate_batch(const ModelConfig& cfg, const Batch& batch, std::size_t real_size);
 
 template <class Real>
 struct LayerParams {
@@ -68,15 +68,15 @@ struct LayerParams {
   bool has_ffn_bias = true;
 
   // Sets the presence flags from a config.
-  void configure(const EncoderConfig& c) {
-    has_sinks = c.attn_sinks;
-    has_attn_bias = c.attn_bias;
-    has_norm_bias = c.norm == Norm::layernorm;
+  void configure(const ModelConfig& c) {
+    has_sinks = c.attention.attn_sinks;
+    has_attn_bias = c.attention.attn_bias;
+    has_norm_bias = c.norms.norm == Norm::layernorm;
     gated = c.gated();
-    has_ffn_bias = c.ffn_bias;
+    has_ffn_bias = c.ffn.ffn_bias;
   }
   // Whether the flags are those of c.
-  bool configured_for(const EncoderConfig& c) const {
+  bool configured_for(const ModelConfig& c) const {
     LayerParams<Real> want;
     want.configure(c);
     return has_sinks == want.has_sinks && has_attn_bias == want.has_attn_bias &&
@@ -126,7 +126,7 @@ struct LayerParams {
 // gradients.
 template <class Real>
 struct Params {
-  EncoderConfig config;
+  ModelConfig config;
   Tensor<Real> embedding_weight;  // (V, D); input tokens only
   // input patches only: the patch projection (D, Ch, P, P) as Conv2d lays it out, its bias (D)
   // and the [CLS] token (D)
@@ -146,9 +146,9 @@ struct Params {
   Tensor<Real> decoder_final_norm_weight, decoder_final_norm_bias;
 
   // Every parameter present for this config, all zero. Validates the config first.
-  static Params zeros(const EncoderConfig& cfg);
+  static Params zeros(const ModelConfig& cfg);
   // The deterministic initialisation from `seed` (docs/semantics.md, "Initialisation").
-  static Params init(const EncoderConfig& cfg, std::uint64_t seed);
+  static Params init(const ModelConfig& cfg, std::uint64_t seed);
 
   // Calls f(name, tensor) for every present parameter in canonical order.
   template <class F>
@@ -175,49 +175,50 @@ struct Params {
     } else {
       f("embedding.weight", self.embedding_weight);
     }
-    if (self.config.positional == Positional::learned)
+    if (self.config.embeddings.positional == Positional::learned)
       f("pos_embedding.weight", self.pos_embedding_weight);
-    if (self.config.type_vocab_size)
+    if (self.config.embeddings.type_vocab_size)
       f("token_type_embedding.weight", self.token_type_embedding_weight);
-    if (self.config.embedding_norm) {
+    if (self.config.embeddings.embedding_norm) {
       f("embedding_norm.weight", self.embedding_norm_weight);
-      if (self.config.norm == Norm::layernorm) f("embedding_norm.bias", self.embedding_norm_bias);
+      if (self.config.norms.norm == Norm::layernorm)
+        f("embedding_norm.bias", self.embedding_norm_bias);
     }
     for (std::size_t i = 0; i < self.layers.size(); ++i) {
       const std::string p = "layers." + std::to_string(i) + ".";
       self.layers[i].visit([&](const std::string& n, auto& t) { f(p + n, t); });
     }
-    if (self.config.norm_first) {
+    if (self.config.norms.norm_first) {
       f("final_norm.weight", self.final_norm_weight);
-      if (self.config.norm == Norm::layernorm) f("final_norm.bias", self.final_norm_bias);
+      if (self.config.norms.norm == Norm::layernorm) f("final_norm.bias", self.final_norm_bias);
     }
     if (self.config.encoder_decoder()) {
-      if (self.config.decoder_vocab_size)
+      if (self.config.embeddings.decoder_vocab_size)
         f("decoder.embedding.weight", self.decoder_embedding_weight);
       if (self.config.dec_positional() == Positional::learned)
         f("decoder.pos_embedding.weight", self.decoder_pos_embedding_weight);
       for (std::size_t i = 0; i < self.decoder_layers.size(); ++i) {
         const std::string p = "decoder.layers." + std::to_string(i) + ".";
-        self.decoder_layers[i].visit(self.config.norm_first,
+        self.decoder_layers[i].visit(self.config.norms.norm_first,
                                      [&](const std::string& n, auto& t) { f(p + n, t); });
       }
-      if (self.config.norm_first) {
+      if (self.config.norms.norm_first) {
         f("decoder.final_norm.weight", self.decoder_final_norm_weight);
-        if (self.config.norm == Norm::layernorm)
+        if (self.config.norms.norm == Norm::layernorm)
           f("decoder.final_norm.bias", self.decoder_final_norm_bias);
       }
     }
     if (self.config.lm()) {
-      if (!self.config.tie_embeddings) f("lm_head.weight", self.lm_head_weight);
-      if (self.config.head_bias) f("lm_head.bias", self.lm_head_bias);
+      if (!self.config.head.tie_embeddings) f("lm_head.weight", self.lm_head_weight);
+      if (self.config.head.head_bias) f("lm_head.bias", self.lm_head_bias);
       return;
     }
-    if (self.config.pooler == Pooler::dense_tanh) {
+    if (self.config.head.pooler == Pooler::dense_tanh) {
       f("pooler.weight", self.pooler_weight);
       f("pooler.bias", self.pooler_bias);
     }
     f("head.weight", self.head_weight);
-    if (self.config.head_bias) f("head.bias", self.head_bias);
+    if (self.config.head.head_bias) f("head.bias", self.head_bias);
   }
 };
 
@@ -290,17 +291,17 @@ struct Activations {
   // input, layers.{i}.{...} in the order they are computed, final_norm, pooled, logits (a decoder:
   // lm_logits), loss.
   // The flags above as the config sets them (Activations::visit names the tensors by them).
-  void configure(const EncoderConfig& c) {
-    norm_first = c.norm_first;
-    rotary = c.positional == Positional::rope;
+  void configure(const ModelConfig& c) {
+    norm_first = c.norms.norm_first;
+    rotary = c.embeddings.positional == Positional::rope;
     gated = c.gated();
     decoder = c.lm();
     encoder_decoder = c.encoder_decoder();
-    token_types = c.type_vocab_size.has_value();
-    embedding_norm = c.embedding_norm;
-    pooler = c.pooler == Pooler::dense_tanh;
+    token_types = c.embeddings.type_vocab_size.has_value();
+    embedding_norm = c.embeddings.embedding_norm;
+    pooler = c.head.pooler == Pooler::dense_tanh;
   }
-  bool configured_for(const EncoderConfig& c) const {
+  bool configured_for(const ModelConfig& c) const {
     Activations<Real> want;
     want.configure(c);
     return norm_first == want.norm_first && rotary == want.rotary && gated == want.gated &&
@@ -410,7 +411,7 @@ void validate_params(const Params<Real>& params);
 // Throws ShapeError naming the first kept activation, statistic or mask whose shape disagrees with
 // what forward() produces for this config and batch. encoder_forward() and backward() call it.
 template <class Real>
-void validate_activations(const EncoderConfig& cfg, const Batch& batch,
+void validate_activations(const ModelConfig& cfg, const Batch& batch,
                           const Activations<Real>& acts);
 
 struct ForwardOptions {
@@ -474,7 +475,7 @@ void backward(const Params<Real>& params, const Batch& batch, const Activations<
 // num_layers, vocabulary, positions, pooling and head are not used. ShapeError when x, lengths or
 // a parameter disagrees with cfg.
 template <class Real>
-void encoder_layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P,
+void encoder_layer_forward(const ModelConfig& cfg, const LayerParams<Real>& P,
                            const Tensor<Real>& x, const std::vector<std::int64_t>& lengths,
                            LayerActs<Real>& L, const ForwardOptions& opts = {});
 
@@ -482,7 +483,7 @@ void encoder_layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P,
 // (G, overwritten) and its named activations (dL, overwritten), from encoder_layer_forward on the
 // same arguments.
 template <class Real>
-void encoder_layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P,
+void encoder_layer_backward(const ModelConfig& cfg, const LayerParams<Real>& P,
                             const Tensor<Real>& x, const std::vector<std::int64_t>& lengths,
                             const LayerActs<Real>& L, const Tensor<Real>& dy, Tensor<Real>& dx,
                             LayerParams<Real>& G, LayerActs<Real>& dL,

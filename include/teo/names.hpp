@@ -56,7 +56,7 @@ struct NameMap {
 // ignore pattern covers, or a shape that disagrees with the config is a FormatError naming it.
 template <class Real>
 Params<Real> params_from_checkpoint(const safetensors::File& checkpoint, const NameMap& map,
-                                    const EncoderConfig& cfg, Params<Real> seeded);
+                                    const ModelConfig& cfg, Params<Real> seeded);
 
 // The teo config keys a checkpoint's config.json gives under `map` (its "fixed" keys, then each
 // mapped key); ConfigError naming an hf key the map neither maps nor ignores, or a value it
@@ -64,7 +64,7 @@ Params<Real> params_from_checkpoint(const safetensors::File& checkpoint, const N
 nlohmann::json config_from_hf(const nlohmann::json& hf, const NameMap& map);
 // config.json for `cfg` under `map` (its "export" keys and each mapped key); ConfigError naming
 // a teo key whose value the family cannot express.
-nlohmann::json hf_config_of(const EncoderConfig& cfg, const NameMap& map);
+nlohmann::json hf_config_of(const ModelConfig& cfg, const NameMap& map);
 
 // A golden's parameters (param.*) under the checkpoint's names, fused and transposed as the map
 // says, in the golden's dtype: what the family's loader reads.
@@ -73,6 +73,6 @@ safetensors::File checkpoint_of(const safetensors::File& golden, const NameMap& 
 // The candidate with every tensor "grad.<checkpoint name>" (or "param." for "grad.") renamed to
 // teo's "grad.<name>", split and transposed back as the map says; other tensors as they are.
 safetensors::File candidate_in_teo_names(const safetensors::File& candidate, const NameMap& map,
-                                         const EncoderConfig& cfg);
+                                         const ModelConfig& cfg);
 
 }  // namespace teo::names

@@ -26,14 +26,14 @@ bench::Preset with_keys(bench::Preset p, const std::string& with) {
   }
   if (!over.is_object()) throw ConfigError("--with must be a JSON object of config keys");
   j.update(over);
-  if (EncoderConfig::architecture_of(j) == "decoder") {
+  if (ModelConfig::architecture_of(j) == "decoder") {
     // a decoder is causal and has no classifier: the preset's encoder keys do not carry over
     if (!over.contains("causal")) j["causal"] = true;
     if (!over.contains("pooling")) j.erase("pooling");
     if (!over.contains("num_classes")) j.erase("num_classes");
   }
   try {
-    p.config = EncoderConfig::from_json(j);
+    p.config = ModelConfig::from_json(j);
   } catch (const ConfigError& e) {
     throw ConfigError(std::string("--with: ") + e.what());
   }
@@ -50,7 +50,7 @@ bench::Result measure(const bench::Preset& p, const BenchOptions& o) {
 int run_bench(const BenchOptions& o, std::ostream& out) {
   const bench::Preset plain = bench::preset(o.preset);
   const bench::Preset p = with_keys(plain, o.with);
-  const EncoderConfig& cfg = p.config;
+  const ModelConfig& cfg = p.config;
   // The yardstick first, in the same process: the FMA peak of this ISA, dtype and thread count.
   const bench::Peak peak =
       o.dtype == "float64" ? bench::fma_peak<double>() : bench::fma_peak<float>();
@@ -98,16 +98,16 @@ int run_bench(const BenchOptions& o, std::ostream& out) {
   out << "teo bench: preset " << o.preset << ", " << o.dtype << ", backend " << to_string(backend())
       << ", isa " << to_string(isa()) << ", threads " << num_threads()
       << (backend() == Backend::blas ? ", OpenBLAS kernels " + openblas_core() : "")
-      << "\n  B=" << p.batch << " S=" << p.seq_len << " D=" << cfg.d_model << " H=" << cfg.num_heads
-      << " F=" << cfg.d_ff << " layers=" << cfg.num_layers << " " << to_string(cfg.activation)
-      << (cfg.norm_first ? " pre-norm" : " post-norm") << ", dropout 0; " << o.repeats
-      << " timed runs after " << o.warmup << " warm-up\n  CPU " << cpu.describe() << "\n  FMA peak "
-      << std::fixed << std::setprecision(1) << peak.gflops << " GFLOP/s (" << peak.isa << ", "
-      << o.dtype << ", " << peak.threads << " thread(s) on " << peak.cores
-      << (peak.pinned ? " pinned" : " unpinned") << " CPU(s): " << peak.chains << " chains of "
-      << peak.lanes << "-lane FMAs per thread, the best of " << peak.rounds << " rounds; median "
-      << peak.median_gflops << ", slowest " << peak.min_gflops << "; one thread alone "
-      << peak.one_thread_gflops
+      << "\n  B=" << p.batch << " S=" << p.seq_len << " D=" << cfg.d_model
+      << " H=" << cfg.attention.num_heads << " F=" << cfg.ffn.d_ff << " layers=" << cfg.num_layers
+      << " " << to_string(cfg.ffn.activation) << (cfg.norms.norm_first ? " pre-norm" : " post-norm")
+      << ", dropout 0; " << o.repeats << " timed runs after " << o.warmup << " warm-up\n  CPU "
+      << cpu.describe() << "\n  FMA peak " << std::fixed << std::setprecision(1) << peak.gflops
+      << " GFLOP/s (" << peak.isa << ", " << o.dtype << ", " << peak.threads << " thread(s) on "
+      << peak.cores << (peak.pinned ? " pinned" : " unpinned") << " CPU(s): " << peak.chains
+      << " chains of " << peak.lanes << "-lane FMAs per thread, the best of " << peak.rounds
+      << " rounds; median " << peak.median_gflops << ", slowest " << peak.min_gflops
+      << "; one thread alone " << peak.one_thread_gflops
       << (peak.attempts > 1 ? ", after " + std::to_string(peak.attempts) + " attempts" : "")
       << ")\n";
   if (!peak.reliable)

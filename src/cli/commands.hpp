@@ -13,7 +13,7 @@ namespace teo::cli {
 
 // `teo shapes`: every stage's shape, forward then backward.
 struct ShapesOptions {
-  std::string config_path;  // empty: the built-in default EncoderConfig
+  std::string config_path;  // empty: the built-in default ModelConfig
   index_t batch = 2;
   index_t seq_len = 0;  // 0: min(8, max_len)
   std::string dtype = "float64";

@@ -164,7 +164,7 @@ void list_one(const std::string& path, std::ostream& out) {
   out << name << "  model  " << c.dtype
       << (c.precision ? std::string(" ") + to_string(*c.precision) : "") << "  "
       << c.config.num_layers << " layer(s), batch " << c.batch << ", seq_len " << c.seq_len
-      << ", d_model " << c.config.d_model << ", heads " << c.config.num_heads << "\n";
+      << ", d_model " << c.config.d_model << ", heads " << c.config.attention.num_heads << "\n";
   out << "  config " << c.config.to_json().dump() << "\n";
   out << "  case " << c.case_json().dump() << "\n";
   for (const auto& t : f.tensors) {

@@ -101,7 +101,7 @@ int main(int argc, char** argv) {
   teo::cli::ShapesOptions shapes_opts;
   CLI::App* shapes = app.add_subcommand(
       "shapes", "Run forward and backward and print every stage's shape, tokens to loss and back");
-  shapes->add_option("--config", shapes_opts.config_path, "EncoderConfig JSON (default: built-in)")
+  shapes->add_option("--config", shapes_opts.config_path, "ModelConfig JSON (default: built-in)")
       ->check(CLI::ExistingFile);
   shapes->add_option("--batch", shapes_opts.batch, "batch size")->check(CLI::Range(0, 1 << 20));
   shapes->add_option("--seq-len", shapes_opts.seq_len, "sequence length (default: min(8, max_len))")

@@ -18,7 +18,7 @@ namespace teo::cli {
 namespace {
 
 template <class Real>
-int run(const EncoderConfig& cfg, const ShapesOptions& o, std::ostream& out) {
+int run(const ModelConfig& cfg, const ShapesOptions& o, std::ostream& out) {
   std::vector<std::int64_t> lengths;
   // an image has no padding: every length is full
   for (index_t b = 0; b < o.batch; ++b)
@@ -39,12 +39,13 @@ int run(const EncoderConfig& cfg, const ShapesOptions& o, std::ostream& out) {
   backward(params, batch, acts, grads, dacts);
 
   out << "teo shapes: " << cfg.to_json().dump() << "\n";
-  out << "B=" << o.batch << " S=" << o.seq_len << " D=" << cfg.d_model << " H=" << cfg.num_heads
-      << " Dh=" << cfg.d_head() << " F=" << cfg.d_ff << " C=" << cfg.num_classes
-      << (cfg.patches_input()
-              ? " Ch=" + std::to_string(cfg.channels) + " Img=" + std::to_string(cfg.image_size) +
-                    " P=" + std::to_string(cfg.patch_size)
-              : " V=" + std::to_string(cfg.vocab_size))
+  out << "B=" << o.batch << " S=" << o.seq_len << " D=" << cfg.d_model
+      << " H=" << cfg.attention.num_heads << " Dh=" << cfg.d_head() << " F=" << cfg.ffn.d_ff
+      << " C=" << cfg.head.num_classes
+      << (cfg.patches_input() ? " Ch=" + std::to_string(cfg.embeddings.channels) +
+                                    " Img=" + std::to_string(cfg.embeddings.image_size) +
+                                    " P=" + std::to_string(cfg.embeddings.patch_size)
+                              : " V=" + std::to_string(cfg.embeddings.vocab_size))
       << "  dtype=" << o.dtype << "  parameters=" << params.count() << "\n\n";
   // Every row is the contract's; the shapes the run produced must be the ones it names.
   const contract::Sizes sizes{o.batch, o.seq_len, o.steps, batch.tgt_len};
@@ -96,22 +97,23 @@ int run(const EncoderConfig& cfg, const ShapesOptions& o, std::ostream& out) {
 }  // namespace
 
 int run_shapes(const ShapesOptions& o, std::ostream& out) {
-  const EncoderConfig cfg =
-      o.config_path.empty() ? EncoderConfig{} : EncoderConfig::from_file(o.config_path);
+  const ModelConfig cfg =
+      o.config_path.empty() ? ModelConfig{} : ModelConfig::from_file(o.config_path);
   cfg.validate();
   ShapesOptions opts = o;
   // images: the sequence is [CLS] and the patches, max_len long
   if (opts.seq_len == 0)
-    opts.seq_len = cfg.patches_input() ? cfg.max_len : std::min<index_t>(8, cfg.max_len);
+    opts.seq_len =
+        cfg.patches_input() ? cfg.embeddings.max_len : std::min<index_t>(8, cfg.embeddings.max_len);
   if (opts.tgt_len != 0 && !cfg.encoder_decoder())
     throw ConfigError("--tgt-len applies only to architecture \"encoder_decoder\"");
   if (cfg.encoder_decoder() && opts.tgt_len == 0) opts.tgt_len = opts.seq_len;
   if (opts.steps > 0 && !cfg.decoder())
     throw ConfigError("--steps needs a decoder (architecture \"decoder\")");
-  if (opts.steps > 0 && opts.steps > cfg.max_len - opts.seq_len) {
+  if (opts.steps > 0 && opts.steps > cfg.embeddings.max_len - opts.seq_len) {
     throw ShapeError("--steps " + std::to_string(opts.steps) + " after a prompt of " +
                      std::to_string(opts.seq_len) + " tokens runs past max_len " +
-                     std::to_string(cfg.max_len));
+                     std::to_string(cfg.embeddings.max_len));
   }
   if (opts.dtype == "float32") return run<float>(cfg, opts, out);
   return run<double>(cfg, opts, out);

@@ -162,12 +162,12 @@ int run_predict(const std::string& checkpoint, const std::vector<std::string>& w
                       ": the checkpoint is a language model (architecture \"decoder\"); teo "
                       "predict classifies words with an encoder's checkpoint");
   }
-  if (ck.options.model.num_classes != static_cast<index_t>(langs.size())) {
+  if (ck.options.model.head.num_classes != static_cast<index_t>(langs.size())) {
     throw FormatError(checkpoint + ": the checkpoint has " +
-                      std::to_string(ck.options.model.num_classes) + " classes");
+                      std::to_string(ck.options.model.head.num_classes) + " classes");
   }
-  const auto probs =
-      predict_from_checkpoint(ck, encode_words(ck.vocab, words, ck.options.model.max_len));
+  const auto probs = predict_from_checkpoint(
+      ck, encode_words(ck.vocab, words, ck.options.model.embeddings.max_len));
   for (std::size_t i = 0; i < words.size(); ++i) {
     const auto& p = probs[i];
     // The first class on ties, as the accuracy counts it.

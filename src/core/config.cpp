@@ -71,37 +71,39 @@ bool finite_positive(double v) {
 }
 
 // The attention variants' keys (docs/semantics.md, "Attention variants").
-void validate_variants(const EncoderConfig& c) {
-  if (c.num_kv_heads) {
-    const index_t kv = *c.num_kv_heads;
-    if (kv < 1 || kv > c.num_heads || c.num_heads % kv != 0) {
-      throw ConfigError("num_kv_heads must divide num_heads = " + std::to_string(c.num_heads) +
-                        " (1 for multi-query attention), got " + std::to_string(kv));
+void validate_variants(const ModelConfig& c) {
+  if (c.attention.num_kv_heads) {
+    const index_t kv = *c.attention.num_kv_heads;
+    if (kv < 1 || kv > c.attention.num_heads || c.attention.num_heads % kv != 0) {
+      throw ConfigError(
+          "num_kv_heads must divide num_heads = " + std::to_string(c.attention.num_heads) +
+          " (1 for multi-query attention), got " + std::to_string(kv));
     }
   }
-  if (c.position_offset < 0 || c.position_offset > (index_t{1} << 40)) {
+  if (c.embeddings.position_offset < 0 || c.embeddings.position_offset > (index_t{1} << 40)) {
     throw ConfigError("position_offset must be in [0, 2^40], got " +
-                      std::to_string(c.position_offset));
+                      std::to_string(c.embeddings.position_offset));
   }
-  if (c.sliding_window && *c.sliding_window < 1) {
+  if (c.attention.sliding_window && *c.attention.sliding_window < 1) {
     throw ConfigError("sliding_window must be >= 1 (or null for no window), got " +
-                      std::to_string(*c.sliding_window));
+                      std::to_string(*c.attention.sliding_window));
   }
-  if (c.attn_logit_softcap && !finite_positive(*c.attn_logit_softcap)) {
+  if (c.attention.attn_logit_softcap && !finite_positive(*c.attention.attn_logit_softcap)) {
     throw ConfigError("attn_logit_softcap must be finite and > 0 (or null for no cap), got " +
-                      fmt(*c.attn_logit_softcap));
+                      fmt(*c.attention.attn_logit_softcap));
   }
-  if (c.positional == Positional::alibi) {
-    if (!finite_positive(c.alibi_max_bias)) {
-      throw ConfigError("alibi_max_bias must be finite and > 0, got " + fmt(c.alibi_max_bias));
+  if (c.embeddings.positional == Positional::alibi) {
+    if (!finite_positive(c.attention.alibi_max_bias)) {
+      throw ConfigError("alibi_max_bias must be finite and > 0, got " +
+                        fmt(c.attention.alibi_max_bias));
     }
-  } else if (c.alibi_max_bias != 8.0) {
+  } else if (c.attention.alibi_max_bias != 8.0) {
     throw ConfigError("alibi_max_bias applies only to positional \"alibi\"");
   }
-  const RopeScaling& sc = c.rope_scaling;
-  if (c.positional != Positional::rope) {
-    if (c.rope_style != RopeStyle::neox || c.rotary_dim || c.rope_base != 10000.0 ||
-        !(sc == RopeScaling{})) {
+  const RopeScaling& sc = c.attention.rope_scaling;
+  if (c.embeddings.positional != Positional::rope) {
+    if (c.attention.rope_style != RopeStyle::neox || c.attention.rotary_dim ||
+        c.attention.rope_base != 10000.0 || !(sc == RopeScaling{})) {
       throw ConfigError(
           "rope_style, rotary_dim, rope_base and rope_scaling apply only to positional \"rope\"");
     }
@@ -112,8 +114,8 @@ void validate_variants(const EncoderConfig& c) {
     throw ConfigError("rotary_dim must be even and in [0, d_head = " + std::to_string(c.d_head()) +
                       "], got " + std::to_string(r));
   }
-  if (!(std::isfinite(c.rope_base) && c.rope_base > 1.0)) {
-    throw ConfigError("rope_base must be finite and > 1, got " + fmt(c.rope_base));
+  if (!(std::isfinite(c.attention.rope_base) && c.attention.rope_base > 1.0)) {
+    throw ConfigError("rope_base must be finite and > 1, got " + fmt(c.attention.rope_base));
   }
   if (sc.type == RopeScalingType::none) {
     if (!(sc == RopeScaling{})) {
@@ -149,9 +151,9 @@ void validate_variants(const EncoderConfig& c) {
 }
 
 // input "patches" and its sizes (docs/semantics.md, section 18.5).
-void validate_patches(const EncoderConfig& c) {
+void validate_patches(const ModelConfig& c) {
   if (!c.patches_input()) {
-    if (c.image_size || c.patch_size || c.channels)
+    if (c.embeddings.image_size || c.embeddings.patch_size || c.embeddings.channels)
       throw ConfigError("image_size, patch_size and channels apply only to input \"patches\"");
     return;
   }
@@ -159,73 +161,79 @@ void validate_patches(const EncoderConfig& c) {
     throw ConfigError(
         "input \"patches\" applies only to architecture \"encoder\" (ViT's classifier)");
   }
-  for (const auto& [name, v] :
-       {std::pair{"image_size", c.image_size}, std::pair{"patch_size", c.patch_size},
-        std::pair{"channels", c.channels}}) {
+  for (const auto& [name, v] : {std::pair{"image_size", c.embeddings.image_size},
+                                std::pair{"patch_size", c.embeddings.patch_size},
+                                std::pair{"channels", c.embeddings.channels}}) {
     if (v == 0) throw ConfigError(std::string("input \"patches\" needs ") + name);
     require_positive(name, v);
   }
-  if (c.image_size % c.patch_size != 0) {
-    throw ConfigError("image_size " + std::to_string(c.image_size) +
-                      " must be a multiple of patch_size " + std::to_string(c.patch_size));
+  if (c.embeddings.image_size % c.embeddings.patch_size != 0) {
+    throw ConfigError("image_size " + std::to_string(c.embeddings.image_size) +
+                      " must be a multiple of patch_size " +
+                      std::to_string(c.embeddings.patch_size));
   }
-  if (c.image_size > (index_t{1} << 20) || c.channels > (index_t{1} << 20)) {
+  if (c.embeddings.image_size > (index_t{1} << 20) || c.embeddings.channels > (index_t{1} << 20)) {
     throw ConfigError("image_size and channels must be <= 2^20, got " +
-                      std::to_string(c.image_size) + " and " + std::to_string(c.channels));
+                      std::to_string(c.embeddings.image_size) + " and " +
+                      std::to_string(c.embeddings.channels));
   }
-  if (c.embed_scale || c.type_vocab_size || c.padding_idx || c.position_offset != 0) {
+  if (c.embeddings.embed_scale || c.embeddings.type_vocab_size || c.embeddings.padding_idx ||
+      c.embeddings.position_offset != 0) {
     throw ConfigError(
         "input \"patches\" has no token ids: embed_scale (true), type_vocab_size, padding_idx "
         "and position_offset do not apply");
   }
-  if (c.max_len != 1 + c.patches()) {
+  if (c.embeddings.max_len != 1 + c.patches()) {
     throw ConfigError("with input \"patches\" the sequence is [CLS] and the " +
                       std::to_string(c.patches()) + " patches: max_len must be " +
                       std::to_string(1 + c.patches()) + " (or left out), got " +
-                      std::to_string(c.max_len));
+                      std::to_string(c.embeddings.max_len));
   }
 }
 
 // The block variants' keys (docs/semantics.md, section 17.1).
-void validate_block(const EncoderConfig& c) {
-  const Activation a = c.activation;
-  if (c.ffn == FfnKind::swiglu && a != Activation::gelu && a != Activation::silu) {
+void validate_block(const ModelConfig& c) {
+  const Activation a = c.ffn.activation;
+  if (c.ffn.kind == FfnKind::swiglu && a != Activation::gelu && a != Activation::silu) {
     throw ConfigError(std::string("ffn \"swiglu\" gates with silu: activation must be left out or "
                                   "\"silu\", got \"") +
                       to_string(a) + "\"");
   }
-  if (c.decoder() && !c.causal) {
+  if (c.decoder() && !c.attention.causal) {
     throw ConfigError(
         "a decoder's self-attention is causal: causal must be true (or left out) with architecture "
         "\"decoder\"");
   }
-  if (c.lm() && (c.pooling != Pooling::mean || c.num_classes != 4)) {
+  if (c.lm() && (c.head.pooling != Pooling::mean || c.head.num_classes != 4)) {
     throw ConfigError(
         "pooling and num_classes apply only to architecture \"encoder\" (a decoder's head is its "
         "LM head over the vocabulary)");
   }
-  if (c.tie_embeddings && !c.lm()) {
+  if (c.head.tie_embeddings && !c.lm()) {
     throw ConfigError(
         "tie_embeddings applies only to architecture \"decoder\" or \"encoder_decoder\" (the LM "
         "head)");
   }
-  if (!c.encoder() && (c.type_vocab_size || c.embedding_norm || c.pooler != Pooler::none)) {
+  if (!c.encoder() && (c.embeddings.type_vocab_size || c.embeddings.embedding_norm ||
+                       c.head.pooler != Pooler::none)) {
     throw ConfigError(
         "type_vocab_size, embedding_norm and pooler apply only to architecture \"encoder\" (the "
         "BERT, RoBERTa and ViT embeddings and pooler)");
   }
-  if (c.padding_idx &&
-      (c.encoder_decoder() || *c.padding_idx < 0 || *c.padding_idx >= c.vocab_size)) {
-    throw ConfigError(
-        "padding_idx must be a token id in [0, vocab_size = " + std::to_string(c.vocab_size) +
-        "), of an encoder or a decoder, got " + std::to_string(*c.padding_idx));
+  if (c.embeddings.padding_idx && (c.encoder_decoder() || *c.embeddings.padding_idx < 0 ||
+                                   *c.embeddings.padding_idx >= c.embeddings.vocab_size)) {
+    throw ConfigError("padding_idx must be a token id in [0, vocab_size = " +
+                      std::to_string(c.embeddings.vocab_size) +
+                      "), of an encoder or a decoder, got " +
+                      std::to_string(*c.embeddings.padding_idx));
   }
   validate_patches(c);
-  if (c.type_vocab_size && *c.type_vocab_size < 1) {
+  if (c.embeddings.type_vocab_size && *c.embeddings.type_vocab_size < 1) {
     throw ConfigError("type_vocab_size must be >= 1 (or left out for no token types), got " +
-                      std::to_string(*c.type_vocab_size));
+                      std::to_string(*c.embeddings.type_vocab_size));
   }
-  if (!c.encoder_decoder() && (c.decoder_layers || c.decoder_vocab_size || c.decoder_positional)) {
+  if (!c.encoder_decoder() &&
+      (c.decoder_layers || c.embeddings.decoder_vocab_size || c.embeddings.decoder_positional)) {
     throw ConfigError(
         "decoder_layers, decoder_vocab_size and decoder_positional apply only to architecture "
         "\"encoder_decoder\"");
@@ -233,18 +241,20 @@ void validate_block(const EncoderConfig& c) {
   if (c.encoder_decoder()) {
     if (c.decoder_layers && *c.decoder_layers < 0)
       throw ConfigError("decoder_layers must be >= 0, got " + std::to_string(*c.decoder_layers));
-    if (c.decoder_vocab_size && *c.decoder_vocab_size < 1) {
+    if (c.embeddings.decoder_vocab_size && *c.embeddings.decoder_vocab_size < 1) {
       throw ConfigError("decoder_vocab_size must be >= 1, got " +
-                        std::to_string(*c.decoder_vocab_size));
+                        std::to_string(*c.embeddings.decoder_vocab_size));
     }
     // the decoder layer of section 17.4: no positions inside attention, no attention variants,
     // no dropout
-    if (c.positional == Positional::rope || c.positional == Positional::alibi) {
+    if (c.embeddings.positional == Positional::rope ||
+        c.embeddings.positional == Positional::alibi) {
       throw ConfigError(std::string("an encoder_decoder's positions are added to the embeddings: "
                                     "positional must be sinusoidal, learned or none, got \"") +
-                        to_string(c.positional) + "\"");
+                        to_string(c.embeddings.positional) + "\"");
     }
-    if (c.num_kv_heads || c.sliding_window || c.attn_logit_softcap || c.attn_sinks) {
+    if (c.attention.num_kv_heads || c.attention.sliding_window || c.attention.attn_logit_softcap ||
+        c.attention.attn_sinks) {
       throw ConfigError(
           "an encoder_decoder takes no attention variants (num_kv_heads, sliding_window, "
           "attn_logit_softcap, attn_sinks)");
@@ -255,7 +265,7 @@ void validate_block(const EncoderConfig& c) {
           "runs without it; dropout must be 0");
     }
   }
-  if (c.ffn == FfnKind::geglu && a != Activation::gelu && a != Activation::gelu_tanh) {
+  if (c.ffn.kind == FfnKind::geglu && a != Activation::gelu && a != Activation::gelu_tanh) {
     throw ConfigError(std::string("ffn \"geglu\" gates with gelu: activation must be \"gelu\" or "
                                   "\"gelu_tanh\", got \"") +
                       to_string(a) + "\"");
@@ -264,34 +274,34 @@ void validate_block(const EncoderConfig& c) {
 
 }  // namespace
 
-void EncoderConfig::validate() const {
-  require_positive("vocab_size", vocab_size);
-  require_positive("max_len", max_len);
+void ModelConfig::validate() const {
+  require_positive("vocab_size", embeddings.vocab_size);
+  require_positive("max_len", embeddings.max_len);
   require_positive("d_model", d_model);
-  require_positive("num_heads", num_heads);
-  require_positive("d_ff", d_ff);
-  require_positive("num_classes", num_classes);
+  require_positive("num_heads", attention.num_heads);
+  require_positive("d_ff", ffn.d_ff);
+  require_positive("num_classes", head.num_classes);
   if (num_layers < 0) {
     throw ConfigError("num_layers must be >= 0, got " + std::to_string(num_layers));
   }
-  if (d_model % num_heads != 0) {
+  if (d_model % attention.num_heads != 0) {
     throw ConfigError("d_model must be divisible by num_heads: d_model " + std::to_string(d_model) +
-                      ", num_heads " + std::to_string(num_heads));
+                      ", num_heads " + std::to_string(attention.num_heads));
   }
   // eps is rounded to the dtype; below float's smallest normal it would vanish (or lose its
   // precision) in float32 and a constant row would give 0 * inf.
-  if (!(layer_norm_eps >= static_cast<double>(std::numeric_limits<float>::min())) ||
-      !(layer_norm_eps <= static_cast<double>(std::numeric_limits<float>::max()))) {
+  if (!(norms.layer_norm_eps >= static_cast<double>(std::numeric_limits<float>::min())) ||
+      !(norms.layer_norm_eps <= static_cast<double>(std::numeric_limits<float>::max()))) {
     throw ConfigError(
         "layer_norm_eps must be a normal float32 value in [1.1754943508222875e-38, "
         "3.4028234663852886e+38], got " +
-        fmt(layer_norm_eps));
+        fmt(norms.layer_norm_eps));
   }
   if (!(dropout >= 0.0 && dropout < 1.0)) {
     throw ConfigError("dropout must be in [0, 1), got " + fmt(dropout));
   }
-  if (!(label_smoothing >= 0.0 && label_smoothing <= 1.0)) {
-    throw ConfigError("label_smoothing must be in [0, 1], got " + fmt(label_smoothing));
+  if (!(head.label_smoothing >= 0.0 && head.label_smoothing <= 1.0)) {
+    throw ConfigError("label_smoothing must be in [0, 1], got " + fmt(head.label_smoothing));
   }
   validate_variants(*this);
   validate_block(*this);
@@ -300,19 +310,21 @@ void EncoderConfig::validate() const {
   const index_t d = d_model;
   // the token embedding (V, D), or the patch embedding (D, Ch, P, P) with its bias and [CLS]
   const index_t embed_weight =
-      patches_input() ? checked_mul(checked_mul(checked_mul(channels, patch_size, "patch"),
-                                                patch_size, "patch"),
-                                    d, "patch_embedding.weight")
-                      : checked_mul(vocab_size, d, "embedding.weight");
+      patches_input()
+          ? checked_mul(
+                checked_mul(checked_mul(embeddings.channels, embeddings.patch_size, "patch"),
+                            embeddings.patch_size, "patch"),
+                d, "patch_embedding.weight")
+          : checked_mul(embeddings.vocab_size, d, "embedding.weight");
   const index_t embed =
       checked_add(embed_weight, patches_input() ? checked_mul(d, 2, "cls_token") : 0, "embedding");
-  const index_t pos = checked_mul(max_len, d, "pos_embedding.weight");
+  const index_t pos = checked_mul(embeddings.max_len, d, "pos_embedding.weight");
   const index_t attn = checked_add(checked_mul(checked_mul(d, d, "attn weight"), 4, "attn weights"),
                                    checked_mul(d, 8, "attn and norm biases"), "attention");
   // a gated FFN's three weights (and biases) bound a plain one's two
   const index_t ffn_params =
-      checked_add(checked_mul(checked_mul(d_ff, d, "ffn weight"), 3, "ffn weights"),
-                  checked_add(checked_mul(d_ff, 2, "ffn biases"), d, "ffn biases"), "ffn");
+      checked_add(checked_mul(checked_mul(ffn.d_ff, d, "ffn weight"), 3, "ffn weights"),
+                  checked_add(checked_mul(ffn.d_ff, 2, "ffn biases"), d, "ffn biases"), "ffn");
   index_t layers = checked_mul(checked_add(attn, ffn_params, "layer"), num_layers, "all layers");
   // an encoder-decoder's decoder: two attention blocks, its embeddings and a second final norm
   index_t decoder_extra = 0;
@@ -320,38 +332,41 @@ void EncoderConfig::validate() const {
     decoder_extra = checked_add(
         checked_mul(checked_add(checked_mul(attn, 2, "decoder layer"), ffn_params, "decoder layer"),
                     dec_layers(), "decoder layers"),
-        checked_add(checked_add(decoder_vocab_size ? checked_mul(*decoder_vocab_size, d,
-                                                                 "decoder.embedding.weight")
-                                                   : 0,
-                                pos, "decoder embeddings"),
-                    checked_mul(d, 2, "decoder.final_norm"), "decoder embeddings"),
+        checked_add(
+            checked_add(embeddings.decoder_vocab_size ? checked_mul(*embeddings.decoder_vocab_size,
+                                                                    d, "decoder.embedding.weight")
+                                                      : 0,
+                        pos, "decoder embeddings"),
+            checked_mul(d, 2, "decoder.final_norm"), "decoder embeddings"),
         "decoder");
     layers = checked_add(layers, decoder_extra, "all layers");
   }
   // the head: the classifier's (C, D) and (C), or an LM head, (Vt, D) unless tied, (Vt)
-  const index_t head =
-      lm() ? checked_add(tie_embeddings ? 0 : checked_mul(target_vocab(), d, "lm_head.weight"),
-                         head_bias ? target_vocab() : 0, "lm_head")
-           : checked_add(checked_mul(num_classes, d, "head.weight"), num_classes, "head");
+  const index_t head_params =
+      lm() ? checked_add(head.tie_embeddings ? 0 : checked_mul(target_vocab(), d, "lm_head.weight"),
+                         head.head_bias ? target_vocab() : 0, "lm_head")
+           : checked_add(checked_mul(head.num_classes, d, "head.weight"), head.num_classes, "head");
   // token types (Tv, D), the embedding norm (2 D) and the pooler (D, D) + (D)
-  const index_t types =
-      type_vocab_size ? checked_mul(*type_vocab_size, d, "token_type_embedding.weight") : 0;
+  const index_t types = embeddings.type_vocab_size ? checked_mul(*embeddings.type_vocab_size, d,
+                                                                 "token_type_embedding.weight")
+                                                   : 0;
   const index_t extra = checked_add(
       checked_add(types, checked_mul(d, 2, "embedding_norm"), "embedding extras"),
-      pooler == Pooler::none ? 0 : checked_add(checked_mul(d, d, "pooler.weight"), d, "pooler"),
+      head.pooler == Pooler::none ? 0
+                                  : checked_add(checked_mul(d, d, "pooler.weight"), d, "pooler"),
       "embedding extras");
   const index_t total = checked_add(
       checked_add(checked_add(checked_add(embed, pos, "embeddings"), extra, "embeddings"),
-                  checked_add(layers, head, "layers + head"), "parameters"),
+                  checked_add(layers, head_params, "layers + head"), "parameters"),
       checked_mul(d, 2, "final_norm"), "parameters");
   const MemoryLimits lim = memory_limits();
   check_tensor_elements(embed_weight,
                         patches_input() ? "patch_embedding.weight" : "embedding.weight", lim);
   check_tensor_elements(pos, "pos_embedding.weight", lim);
   check_tensor_elements(types, "token_type_embedding.weight", lim);
-  check_tensor_elements(checked_mul(d_ff, d, "ffn weight"), "ffn.fc1.weight", lim);
+  check_tensor_elements(checked_mul(ffn.d_ff, d, "ffn weight"), "ffn.fc1.weight", lim);
   check_tensor_elements(checked_mul(d, d, "attn weight"), "attn.q.weight", lim);
-  check_tensor_elements(checked_mul(num_classes, d, "head.weight"), "head.weight", lim);
+  check_tensor_elements(checked_mul(head.num_classes, d, "head.weight"), "head.weight", lim);
   const index_t param_bytes =
       checked_mul(total, static_cast<index_t>(sizeof(double)), "parameter bytes");
   if (param_bytes > lim.max_total_bytes) {
@@ -366,53 +381,55 @@ void EncoderConfig::validate() const {
   }
 }
 
-void validate_batch_shape(const EncoderConfig& cfg, const BatchShape& shape,
-                          std::size_t real_size) {
+void validate_batch_shape(const ModelConfig& cfg, const BatchShape& shape, std::size_t real_size) {
   BatchShape s = shape;
   if (cfg.encoder_decoder()) {
     // The decoder's side: its own length within max_len; every bound below then takes the longer
     // of the two sequences and the decoder's layers (two attentions each) on top of the encoder's.
     if (s.tgt_len < 1) throw ShapeError("tgt_len must be >= 1, got " + std::to_string(s.tgt_len));
-    if (s.tgt_len > cfg.max_len) {
+    if (s.tgt_len > cfg.embeddings.max_len) {
       throw ShapeError("tgt_len " + std::to_string(s.tgt_len) + " exceeds max_len " +
-                       std::to_string(cfg.max_len));
+                       std::to_string(cfg.embeddings.max_len));
     }
     if (cfg.dec_positional() == Positional::learned &&
-        cfg.position_offset > cfg.max_len - s.tgt_len) {
-      throw ShapeError("position_offset " + std::to_string(cfg.position_offset) + " + tgt_len " +
-                       std::to_string(s.tgt_len) + " exceeds max_len " +
-                       std::to_string(cfg.max_len) + ", the learned table's rows");
+        cfg.embeddings.position_offset > cfg.embeddings.max_len - s.tgt_len) {
+      throw ShapeError("position_offset " + std::to_string(cfg.embeddings.position_offset) +
+                       " + tgt_len " + std::to_string(s.tgt_len) + " exceeds max_len " +
+                       std::to_string(cfg.embeddings.max_len) + ", the learned table's rows");
     }
   } else if (s.tgt_len != 0) {
     throw ShapeError("tgt_len applies only to architecture \"encoder_decoder\"");
   }
   if (s.batch < 0) throw ShapeError("batch must be >= 0, got " + std::to_string(s.batch));
   if (s.seq_len < 1) throw ShapeError("seq_len must be >= 1, got " + std::to_string(s.seq_len));
-  if (s.seq_len > cfg.max_len) {
+  if (s.seq_len > cfg.embeddings.max_len) {
     throw ShapeError("seq_len " + std::to_string(s.seq_len) + " exceeds max_len " +
-                     std::to_string(cfg.max_len));
+                     std::to_string(cfg.embeddings.max_len));
   }
-  if (cfg.positional == Positional::learned && cfg.position_offset > cfg.max_len - s.seq_len) {
-    throw ShapeError("position_offset " + std::to_string(cfg.position_offset) + " + seq_len " +
-                     std::to_string(s.seq_len) + " exceeds max_len " + std::to_string(cfg.max_len) +
-                     ", the learned table's rows");
+  if (cfg.embeddings.positional == Positional::learned &&
+      cfg.embeddings.position_offset > cfg.embeddings.max_len - s.seq_len) {
+    throw ShapeError("position_offset " + std::to_string(cfg.embeddings.position_offset) +
+                     " + seq_len " + std::to_string(s.seq_len) + " exceeds max_len " +
+                     std::to_string(cfg.embeddings.max_len) + ", the learned table's rows");
   }
   const auto bytes = static_cast<index_t>(real_size);
   const index_t longest = std::max(s.seq_len, s.tgt_len);
   const index_t tokens = checked_mul(s.batch, longest, "batch x seq_len");
   checked_mul(checked_mul(tokens, cfg.d_model, "batch x seq_len x d_model"), bytes,
               "batch x seq_len x d_model bytes");
-  checked_mul(checked_mul(tokens, cfg.d_ff, "batch x seq_len x d_ff"), bytes,
+  checked_mul(checked_mul(tokens, cfg.ffn.d_ff, "batch x seq_len x d_ff"), bytes,
               "batch x seq_len x d_ff bytes");
-  const index_t scores = checked_mul(checked_mul(tokens, cfg.num_heads, "batch x heads x seq_len"),
-                                     longest, "batch x heads x seq_len x seq_len");
+  const index_t scores =
+      checked_mul(checked_mul(tokens, cfg.attention.num_heads, "batch x heads x seq_len"), longest,
+                  "batch x heads x seq_len x seq_len");
   checked_mul(scores, bytes, "attention scores bytes");
-  checked_mul(checked_mul(s.batch, cfg.num_classes, "batch x num_classes"), bytes, "logits bytes");
+  checked_mul(checked_mul(s.batch, cfg.head.num_classes, "batch x num_classes"), bytes,
+              "logits bytes");
   const MemoryLimits lim = memory_limits();
   check_tensor_elements(checked_mul(tokens, cfg.d_model, "act"),
                         "a (batch, seq_len, d_model) activation", lim);
-  check_tensor_elements(checked_mul(tokens, cfg.d_ff, "act"), "a (batch, seq_len, d_ff) activation",
-                        lim);
+  check_tensor_elements(checked_mul(tokens, cfg.ffn.d_ff, "act"),
+                        "a (batch, seq_len, d_ff) activation", lim);
   check_tensor_elements(scores, "a (batch, heads, seq_len, seq_len) activation", lim);
   // a decoder's LM logits and their softmax, (B, S, V) each
   const index_t lm =
@@ -425,7 +442,7 @@ void validate_batch_shape(const EncoderConfig& cfg, const BatchShape& shape,
   // 5 (B,S,F)-sized and 3 (B,H,S,S)-sized buffers per layer, and the LM logits.
   const index_t per_layer = [&] {
     index_t a = checked_mul(checked_mul(tokens, cfg.d_model, "act"), 16, "layer activations");
-    index_t b = checked_mul(checked_mul(tokens, cfg.d_ff, "act"), 5, "layer activations");
+    index_t b = checked_mul(checked_mul(tokens, cfg.ffn.d_ff, "act"), 5, "layer activations");
     index_t c = checked_mul(scores, 3, "layer activations");
     if (a > INT64_MAX - b || a + b > INT64_MAX - c)
       throw ShapeError("layer activations overflow 64 bits");
@@ -435,8 +452,10 @@ void validate_batch_shape(const EncoderConfig& cfg, const BatchShape& shape,
   // while the patch embedding runs (the pixels and their patches, one row each)
   const index_t pixels =
       cfg.patches_input()
-          ? checked_mul(checked_mul(s.batch, cfg.channels, "batch x channels"),
-                        checked_mul(cfg.image_size, cfg.image_size, "image pixels"), "input.pixels")
+          ? checked_mul(
+                checked_mul(s.batch, cfg.embeddings.channels, "batch x channels"),
+                checked_mul(cfg.embeddings.image_size, cfg.embeddings.image_size, "image pixels"),
+                "input.pixels")
           : 0;
   check_tensor_elements(pixels, "input.pixels", lim);
   const index_t pixel_bytes =

@@ -44,7 +44,7 @@ Case Case::from_json(const json& j) {
   json cfg_json = j;
   cfg_json.erase("case");
   Case c;
-  c.config = EncoderConfig::from_json(cfg_json);
+  c.config = ModelConfig::from_json(cfg_json);
   const json& cj = j.at("case");
   if (!cj.is_object()) throw ConfigError("\"case\" must be an object");
   bool have_batch = false, have_seq = false, have_dtype = false, have_seed = false;
@@ -170,10 +170,10 @@ Case Case::from_json(const json& j) {
       throw ConfigError("case.generate needs a decoder (architecture \"decoder\")");
     const index_t longest =
         c.lengths.empty() ? c.seq_len : *std::max_element(c.lengths.begin(), c.lengths.end());
-    if (c.steps > c.config.max_len - longest) {
+    if (c.steps > c.config.embeddings.max_len - longest) {
       throw ShapeError("case.generate.steps " + std::to_string(c.steps) +
                        " after a prompt of length " + std::to_string(longest) +
-                       " runs past max_len " + std::to_string(c.config.max_len));
+                       " runs past max_len " + std::to_string(c.config.embeddings.max_len));
     }
   }
   return c;

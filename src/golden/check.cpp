@@ -521,9 +521,9 @@ CaseReport check(const File& golden, const File& candidate, const CheckOptions& 
     emu = emulate(golden, p);
   }
   if (budget && !op) {
-    const EncoderConfig cfg = case_of(golden).config;
+    const ModelConfig cfg = case_of(golden).config;
     const std::string top = detail::pooled_input_name(cfg);
-    if (const auto* t = golden.find(top); t && cfg.pooling == Pooling::max) {
+    if (const auto* t = golden.find(top); t && cfg.head.pooling == Pooling::max) {
       tie = detail::ambiguous_pooling(golden, cfg, detail::truth_of(golden, *t, f32), emu.at(top));
     }
   }

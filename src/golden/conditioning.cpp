@@ -83,12 +83,12 @@ std::int64_t noise_terms(const File& golden, const std::string& name) {
     }
     if (name != "grad.param.attn.k.bias") return 0;
     // the layer's attention options, as its spec spells them
-    EncoderConfig layer;
-    layer.positional =
+    ModelConfig layer;
+    layer.embeddings.positional =
         c.spec.value("positional", "none") == "rope" ? Positional::rope : Positional::none;
-    layer.attn_sinks = c.spec.value("attn_sinks", false);
+    layer.attention.attn_sinks = c.spec.value("attn_sinks", false);
     if (c.spec.contains("attn_logit_softcap") && !c.spec.at("attn_logit_softcap").is_null())
-      layer.attn_logit_softcap = c.spec.at("attn_logit_softcap").get<double>();
+      layer.attention.attn_logit_softcap = c.spec.at("attn_logit_softcap").get<double>();
     if (!contract::noise_only("grad.layers.0.attn.k.bias", layer)) return 0;
     return size("batch") * size("seq_len");
   }
@@ -165,7 +165,7 @@ std::string float32_conditioning(const File& f, index_t L,
 }
 
 void precision_conditioning(const File& f, const std::map<std::string, std::vector<double>>& emu,
-                            Precision p, const EncoderConfig* cfg) {
+                            Precision p, const ModelConfig* cfg) {
   const bool op = is_op_file(f);
   const std::string top = cfg ? pooled_input_name(*cfg) : "";
   for (const auto& t : f.tensors) {
@@ -181,7 +181,7 @@ void precision_conditioning(const File& f, const std::map<std::string, std::vect
                            stage_name(t.name) + ": the emulated error is " +
                            std::to_string(err / scale) + " of the tensor's scale");
     }
-    if (cfg && t.name == top && cfg->pooling == Pooling::max) {
+    if (cfg && t.name == top && cfg->head.pooling == Pooling::max) {
       const std::string where = ambiguous_pooling(f, *cfg, truth, e->second);
       if (!where.empty()) {
         throw IllConditioned("the " + std::string(to_string(p)) +
@@ -191,8 +191,8 @@ void precision_conditioning(const File& f, const std::map<std::string, std::vect
   }
 }
 
-std::string pooled_input_name(const EncoderConfig& cfg) {
-  if (cfg.norm_first) return "act.final_norm";
+std::string pooled_input_name(const ModelConfig& cfg) {
+  if (cfg.norms.norm_first) return "act.final_norm";
   if (cfg.num_layers == 0) return "act.input";
   return "act.layers." + std::to_string(cfg.num_layers - 1) + ".output";
 }
@@ -218,7 +218,7 @@ struct BatchDims {
   std::vector<std::int64_t> lengths;
 };
 
-BatchDims batch_dims(const File& golden, const EncoderConfig& cfg) {
+BatchDims batch_dims(const File& golden, const ModelConfig& cfg) {
   const auto* lt = golden.find("input.lengths");
   const auto* tt = golden.find("input.tokens");
   if (cfg.patches_input() && lt && lt->dtype == DType::I64 && lt->shape.size() == 1) {
@@ -243,9 +243,9 @@ index_t column_argmax(const std::vector<double>& v, const BatchDims& d, index_t 
 
 }  // namespace
 
-std::string ambiguous_pooling(const File& golden, const EncoderConfig& cfg,
+std::string ambiguous_pooling(const File& golden, const ModelConfig& cfg,
                               const std::vector<double>& top, const std::vector<double>& emulated) {
-  if (cfg.pooling != Pooling::max) return "";
+  if (cfg.head.pooling != Pooling::max) return "";
   const BatchDims d = batch_dims(golden, cfg);
   for (index_t b = 0; b < d.B; ++b) {
     for (index_t c = 0; c < d.D; ++c) {
@@ -274,9 +274,9 @@ std::string ambiguous_pooling(const File& golden, const EncoderConfig& cfg,
   return "";
 }
 
-std::string ill_conditioning_cause(const File& golden, const EncoderConfig& cfg) {
+std::string ill_conditioning_cause(const File& golden, const ModelConfig& cfg) {
   const BatchDims d = batch_dims(golden, cfg);
-  if (cfg.pooling == Pooling::max) {
+  if (cfg.head.pooling == Pooling::max) {
     const std::string top = pooled_input_name(cfg);
     const auto* g = golden.find(top);
     const auto* r = golden.find("ref64." + top);
@@ -290,7 +290,7 @@ std::string ill_conditioning_cause(const File& golden, const EncoderConfig& cfg)
           }
     }
   }
-  if (cfg.activation == Activation::relu) {
+  if (cfg.ffn.activation == Activation::relu) {
     for (index_t i = 0; i < cfg.num_layers; ++i) {
       const std::string h = "act.layers." + std::to_string(i) + ".ffn_hidden";
       const auto* g = golden.find(h);

@@ -26,13 +26,14 @@ namespace teo::golden {
 namespace detail {
 
 index_t longest_reduction(const Case& c) {
-  const EncoderConfig& cfg = c.config;
+  const ModelConfig& cfg = c.config;
   // a decoder's LM head also sums over the vocabulary (its softmax, and dx = dlogits W)
   // an encoder_decoder's target sums over its length too
-  return std::max({cfg.d_model, cfg.d_ff, c.seq_len, c.batch * c.seq_len, c.tgt_len,
-                   c.batch * c.tgt_len, cfg.lm() ? cfg.target_vocab() : index_t{1},
-                   // the patch embedding sums over a flattened patch, Ch P P
-                   cfg.channels * cfg.patch_size * cfg.patch_size});
+  return std::max(
+      {cfg.d_model, cfg.ffn.d_ff, c.seq_len, c.batch * c.seq_len, c.tgt_len, c.batch * c.tgt_len,
+       cfg.lm() ? cfg.target_vocab() : index_t{1},
+       // the patch embedding sums over a flattened patch, Ch P P
+       cfg.embeddings.channels * cfg.embeddings.patch_size * cfg.embeddings.patch_size});
 }
 
 }  // namespace detail
@@ -69,7 +70,7 @@ Run<Real> run_case(const Params<Real>& params, const Batch& batch, std::uint64_t
 // A run's tensors under their golden names, in the contract's order: the activations, then (with
 // `backward`) the gradients. The contract names them; the run only supplies the values.
 template <class Real>
-std::vector<std::pair<std::string, const Tensor<Real>*>> computed_tensors(const EncoderConfig& cfg,
+std::vector<std::pair<std::string, const Tensor<Real>*>> computed_tensors(const ModelConfig& cfg,
                                                                           const Batch& batch,
                                                                           const Run<Real>& run,
                                                                           bool backward) {
@@ -104,7 +105,7 @@ std::vector<std::pair<std::string, const Tensor<Real>*>> computed_tensors(const 
 // The dropout masks of a run, by their golden names (none when dropout is off).
 template <class Real>
 std::vector<std::pair<contract::TensorSpec, const std::vector<std::uint8_t>*>> run_masks(
-    const EncoderConfig& cfg, const Batch& batch, const Activations<Real>& acts) {
+    const ModelConfig& cfg, const Batch& batch, const Activations<Real>& acts) {
   std::vector<std::pair<contract::TensorSpec, const std::vector<std::uint8_t>*>> out;
   if (cfg.dropout <= 0) return out;
   std::map<std::string, const std::vector<std::uint8_t>*> by_site = {
@@ -148,7 +149,7 @@ Out out_of(std::string name, const Tensor<Real>& t) {
 // A run's dropout masks, activations and (with backward) gradients under their golden names, with
 // `prefix` before each name.
 template <class Real>
-std::vector<Out> run_outs(const EncoderConfig& cfg, const Batch& batch, const Run<Real>& run,
+std::vector<Out> run_outs(const ModelConfig& cfg, const Batch& batch, const Run<Real>& run,
                           bool masks, bool with_backward, const std::string& prefix = "") {
   std::vector<Out> out;
   if (masks) {
@@ -280,7 +281,7 @@ void generate_typed(const Case& c, Sink& sink, const GenerateOptions& opts) {
     if (opts.progress) opts.progress(s);
   };
   constexpr bool f32 = std::is_same_v<Real, float>;
-  const EncoderConfig& cfg = c.config;
+  const ModelConfig& cfg = c.config;
   const Batch batch = c.make_batch();
   std::optional<Params<Real>> params(Params<Real>::init(cfg, c.seed));
   if (opts.checkpoint) {
@@ -307,8 +308,10 @@ void generate_typed(const Case& c, Sink& sink, const GenerateOptions& opts) {
       out_of("input.token_types", {B, S}, batch.token_types.data(), batch.token_types.size())};
   // input patches: the images in the case's float type (their values are exact in it)
   const std::vector<Real> pixels(batch.pixels.begin(), batch.pixels.end());
-  outs.push_back(out_of("input.pixels", {B, cfg.channels, cfg.image_size, cfg.image_size},
-                        pixels.data(), pixels.size()));
+  outs.push_back(
+      out_of("input.pixels",
+             {B, cfg.embeddings.channels, cfg.embeddings.image_size, cfg.embeddings.image_size},
+             pixels.data(), pixels.size()));
   params->visit([&](const std::string& n, const Tensor<Real>& t) {
     outs.push_back(out_of("param." + n, t));
   });
@@ -435,7 +438,7 @@ File run_tensors(const Params<Real>& params, const Batch& batch, const RunOption
     backward(params, batch, r.acts, r.grads, r.dacts,
              {.precision = opts.precision, .fp8 = opts.fp8, .layer_activation_grads = false});
   File f;
-  const EncoderConfig& cfg = params.config;
+  const ModelConfig& cfg = params.config;
   add_outs(f, run_outs(cfg, batch, r, opts.train && cfg.dropout > 0, opts.backward));
   return f;
 }
@@ -579,7 +582,7 @@ void emulate_generation(const File& golden, const Params<float>& params, const B
   }
   Activations<float> acts;
   forward(params, grown, acts, {.train = false, .precision = p, .fp8 = fp8});
-  const index_t V = params.config.vocab_size;
+  const index_t V = params.config.embeddings.vocab_size;
   for (index_t t = 0; t < steps; ++t) {
     std::vector<double> logits;
     logits.reserve(at(B * V));
@@ -598,7 +601,7 @@ std::map<std::string, std::vector<double>> emulate(const File& golden, Precision
   validate(golden);
   if (is_op_file(golden)) return run_op(golden, p);
   const Case c = case_of(golden);
-  const EncoderConfig& cfg = c.config;
+  const ModelConfig& cfg = c.config;
   if (cfg.encoder_decoder()) {
     throw ConfigError(
         "an encoder_decoder golden has no reduced-precision budget (its decoder layer emulates "
@@ -624,7 +627,7 @@ std::map<std::string, std::vector<double>> emulate(const File& golden, Precision
         std::pair{"input.labels", &batch.labels},
         std::pair{"input.token_types", &batch.token_types}}) {
     if (cfg.decoder() && std::string_view(name) == "input.labels") continue;  // it has none
-    if (!cfg.type_vocab_size && std::string_view(name) == "input.token_types") continue;
+    if (!cfg.embeddings.type_vocab_size && std::string_view(name) == "input.token_types") continue;
     if (cfg.patches_input() && std::string_view(name) == "input.tokens") continue;  // pixels
     const auto* t = golden.find(name);
     if (!t || t->dtype != DType::I64)

@@ -110,7 +110,7 @@ double max_abs_diff(const std::vector<double>& x, const std::vector<double>& tru
 
 // The name of the activation max pooling reads: act.final_norm (pre-norm), the last layer's
 // output, or act.input without layers.
-std::string pooled_input_name(const EncoderConfig& cfg);
+std::string pooled_input_name(const ModelConfig& cfg);
 
 // Whether a contract tensor's value depends on which position max pooling picked: every gradient
 // upstream of the pooling (not loss, logits, pooled or the head's).
@@ -120,14 +120,14 @@ bool behind_pooling_argmax(const std::string& name);
 // pooled activation's truth (over the real positions) are further apart than twice the sum of
 // the emulated run's errors at those two positions (a run twice as noisy there could swap them),
 // else the first column where they are not, as "column (b, d): values x and y".
-std::string ambiguous_pooling(const safetensors::File& golden, const EncoderConfig& cfg,
+std::string ambiguous_pooling(const safetensors::File& golden, const ModelConfig& cfg,
                               const std::vector<double>& top_truth,
                               const std::vector<double>& top_emulated);
 
 // The cause of a float32 error that is not at rounding level, from the golden's float32 and
 // float64 activations: a max-pooling argmax that differs, a ReLU input whose sign differs, or
 // neither.
-std::string ill_conditioning_cause(const safetensors::File& golden, const EncoderConfig& cfg);
+std::string ill_conditioning_cause(const safetensors::File& golden, const ModelConfig& cfg);
 
 // Whether a tensor of a golden is judged by the checker: act.* and grad.* in a model case;
 // output.*, grad.input.* and grad.param.* in an op case (grad.output.* is an op's input).
@@ -153,7 +153,7 @@ std::string float32_conditioning(const safetensors::File& f, index_t L,
 // model case (cfg not null) under max pooling, an argmax the budget does not resolve.
 void precision_conditioning(const safetensors::File& f,
                             const std::map<std::string, std::vector<double>>& emu, Precision p,
-                            const EncoderConfig* cfg);
+                            const ModelConfig* cfg);
 
 // How a contract dtype rule is stored in a case of dtype float32 (f32) or float64.
 inline safetensors::DType stored_dtype(contract::DTypeRule rule, bool f32) {

@@ -52,7 +52,7 @@ struct Placed {
   std::string checkpoint;
 };
 
-std::vector<Placed> place(const NameMap& map, const EncoderConfig& cfg) {
+std::vector<Placed> place(const NameMap& map, const ModelConfig& cfg) {
   std::map<std::string, const Rule*> by_teo;
   for (const auto& r : map.rules) by_teo[r.teo] = &r;
   std::vector<Placed> out;
@@ -149,21 +149,21 @@ const st::Tensor* find_in(const st::File& f, const NameMap& map, const std::stri
 // cfg's JSON with every key a map may read spelled out, defaults included (to_json leaves out
 // the keys not in use), so that an export writes what a checkpoint's loader would otherwise
 // default differently.
-json effective_json(const EncoderConfig& cfg) {
+json effective_json(const ModelConfig& cfg) {
   json j = cfg.to_json();
   j["architecture"] = to_string(cfg.architecture);
-  j["attn_bias"] = cfg.attn_bias;
-  j["ffn_bias"] = cfg.ffn_bias;
-  j["head_bias"] = cfg.head_bias;
-  j["tie_embeddings"] = cfg.tie_embeddings;
-  j["norm"] = to_string(cfg.norm);
-  j["ffn"] = to_string(cfg.ffn);
+  j["attn_bias"] = cfg.attention.attn_bias;
+  j["ffn_bias"] = cfg.ffn.ffn_bias;
+  j["head_bias"] = cfg.head.head_bias;
+  j["tie_embeddings"] = cfg.head.tie_embeddings;
+  j["norm"] = to_string(cfg.norms.norm);
+  j["ffn"] = to_string(cfg.ffn.kind);
   j["num_kv_heads"] = cfg.kv_heads();
-  j["position_offset"] = cfg.position_offset;
-  j["attn_sinks"] = cfg.attn_sinks;
-  j["embedding_norm"] = cfg.embedding_norm;
-  j["pooler"] = to_string(cfg.pooler);
-  j["padding_idx"] = cfg.padding_idx ? json(*cfg.padding_idx) : json(nullptr);
+  j["position_offset"] = cfg.embeddings.position_offset;
+  j["attn_sinks"] = cfg.attention.attn_sinks;
+  j["embedding_norm"] = cfg.embeddings.embedding_norm;
+  j["pooler"] = to_string(cfg.head.pooler);
+  j["padding_idx"] = cfg.embeddings.padding_idx ? json(*cfg.embeddings.padding_idx) : json(nullptr);
   return j;
 }
 
@@ -312,7 +312,7 @@ NameMap NameMap::load(const std::string& family_or_path) {
 
 template <class Real>
 Params<Real> params_from_checkpoint(const st::File& checkpoint, const NameMap& map,
-                                    const EncoderConfig& cfg, Params<Real> seeded) {
+                                    const ModelConfig& cfg, Params<Real> seeded) {
   const auto placed = place(map, cfg);
   // Every check before any value moves: presence, shape, and no tensor left unread.
   std::set<std::string> read;
@@ -448,7 +448,7 @@ json config_from_hf(const json& hf, const NameMap& map) {
   return out;
 }
 
-json hf_config_of(const EncoderConfig& cfg, const NameMap& map) {
+json hf_config_of(const ModelConfig& cfg, const NameMap& map) {
   const json& c = map.config;
   const json teo = effective_json(cfg);
   json out = c.value("export", json::object());
@@ -484,9 +484,9 @@ json hf_config_of(const EncoderConfig& cfg, const NameMap& map) {
   json back = config_from_hf(out, map);
   for (const auto& k : c.value("free", json::array()))
     if (teo.contains(k.get<std::string>())) back[k.get<std::string>()] = teo.at(k);
-  EncoderConfig again;
+  ModelConfig again;
   try {
-    again = EncoderConfig::from_json(back);
+    again = ModelConfig::from_json(back);
   } catch (const ConfigError& e) {
     throw ConfigError(map.family + " cannot express this config: " + e.what());
   }
@@ -505,7 +505,7 @@ json hf_config_of(const EncoderConfig& cfg, const NameMap& map) {
 st::File checkpoint_of(const st::File& golden, const NameMap& map) {
   const auto* config = golden.meta("config");
   if (!config) throw FormatError("the golden has no config metadata");
-  const EncoderConfig cfg = EncoderConfig::from_json_text(*config);
+  const ModelConfig cfg = ModelConfig::from_json_text(*config);
   const auto placed = place(map, cfg);
   // checkpoint name -> its shape, dtype and values, assembled from every part
   struct Out {
@@ -544,7 +544,7 @@ st::File checkpoint_of(const st::File& golden, const NameMap& map) {
 }
 
 st::File candidate_in_teo_names(const st::File& candidate, const NameMap& map,
-                                const EncoderConfig& cfg) {
+                                const ModelConfig& cfg) {
   const auto placed = place(map, cfg);
   st::File out;
   out.metadata = candidate.metadata;
@@ -577,8 +577,8 @@ st::File candidate_in_teo_names(const st::File& candidate, const NameMap& map,
 }
 
 template Params<float> params_from_checkpoint<float>(const st::File&, const NameMap&,
-                                                     const EncoderConfig&, Params<float>);
+                                                     const ModelConfig&, Params<float>);
 template Params<double> params_from_checkpoint<double>(const st::File&, const NameMap&,
-                                                       const EncoderConfig&, Params<double>);
+                                                       const ModelConfig&, Params<double>);
 
 }  // namespace teo::names

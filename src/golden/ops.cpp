@@ -65,25 +65,27 @@ const OpDef& op_named(const std::string& name) {
                     all + ")");
 }
 
-void attention_positions(EncoderConfig& c, index_t d_head, index_t longest, const char* op) {
-  if (c.positional == Positional::sinusoidal || c.positional == Positional::learned) {
+void attention_positions(ModelConfig& c, index_t d_head, index_t longest, const char* op) {
+  if (c.embeddings.positional == Positional::sinusoidal ||
+      c.embeddings.positional == Positional::learned) {
     throw ConfigError(std::string("spec.positional of the ") + op +
-                      " op is \"none\", \"rope\" or \"alibi\", got \"" + to_string(c.positional) +
-                      "\"");
+                      " op is \"none\", \"rope\" or \"alibi\", got \"" +
+                      to_string(c.embeddings.positional) + "\"");
   }
-  if (c.positional != Positional::rope) return;
-  const index_t r = c.rotary_dim.value_or(d_head);
+  if (c.embeddings.positional != Positional::rope) return;
+  const index_t r = c.attention.rotary_dim.value_or(d_head);
   if (r % 2 != 0 || r > d_head) {
     throw ConfigError("spec.rotary_dim must be even and in [0, d_head = " + std::to_string(d_head) +
                       "], got " + std::to_string(r));
   }
-  if (c.rope_scaling.type == RopeScalingType::ntk && r == 2) {
+  if (c.attention.rope_scaling.type == RopeScalingType::ntk && r == 2) {
     throw ConfigError("spec.rope_scaling of type \"ntk\" needs rotary_dim > 2");
   }
-  c.rotary_dim = r;
-  const auto t = c.rope_scaling.type;
-  if ((t == RopeScalingType::ntk || t == RopeScalingType::yarn) && !c.rope_scaling.original_max_len)
-    c.rope_scaling.original_max_len = longest;
+  c.attention.rotary_dim = r;
+  const auto t = c.attention.rope_scaling.type;
+  if ((t == RopeScalingType::ntk || t == RopeScalingType::yarn) &&
+      !c.attention.rope_scaling.original_max_len)
+    c.attention.rope_scaling.original_max_len = longest;
 }
 
 namespace {

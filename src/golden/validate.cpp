@@ -96,13 +96,15 @@ void validate_model(const File& f) {
   for (const auto& t : contract::model_case(c.config, c.sizes(), f32))
     want.push_back({t.name, detail::stored_dtype(t.dtype, f32), t.shape, t.symbolic()});
   detail::expect_tensors(f, want, /*op=*/false);
-  detail::expect_in_range(f, "input.tokens", c.config.vocab_size, false, "vocab_size");
-  detail::expect_in_range(f, "input.src_tokens", c.config.vocab_size, false, "vocab_size");
+  detail::expect_in_range(f, "input.tokens", c.config.embeddings.vocab_size, false, "vocab_size");
+  detail::expect_in_range(f, "input.src_tokens", c.config.embeddings.vocab_size, false,
+                          "vocab_size");
   detail::expect_in_range(f, "input.tgt_tokens", c.config.target_vocab(), false,
                           "the decoder's vocabulary");
-  detail::expect_in_range(f, "input.generate.tokens", c.config.vocab_size, false, "vocab_size");
+  detail::expect_in_range(f, "input.generate.tokens", c.config.embeddings.vocab_size, false,
+                          "vocab_size");
   if (!c.config.lm())
-    detail::expect_in_range(f, "input.labels", c.config.num_classes, false, "num_classes");
+    detail::expect_in_range(f, "input.labels", c.config.head.num_classes, false, "num_classes");
   if (c.config.patches_input()) {
     for (double x : f.find("input.pixels")->float_values()) {
       if (!std::isfinite(x))

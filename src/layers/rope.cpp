@@ -19,11 +19,11 @@ double correction_dim(double rotations, double r, double base, double original) 
 
 }  // namespace
 
-RopeFrequencies rope_frequencies(const EncoderConfig& cfg, index_t seq_end) {
+RopeFrequencies rope_frequencies(const ModelConfig& cfg, index_t seq_end) {
   const index_t r = cfg.rotary();
-  const RopeScaling& sc = cfg.rope_scaling;
-  const double original = static_cast<double>(sc.original_max_len.value_or(cfg.max_len));
-  double base = cfg.rope_base;
+  const RopeScaling& sc = cfg.attention.rope_scaling;
+  const double original = static_cast<double>(sc.original_max_len.value_or(cfg.embeddings.max_len));
+  double base = cfg.attention.rope_base;
   if (sc.type == RopeScalingType::ntk) {
     // Dynamic NTK: the base grows once the sequence passes the original context.
     const double len = std::max(static_cast<double>(seq_end), original);
@@ -57,11 +57,11 @@ RopeFrequencies rope_frequencies(const EncoderConfig& cfg, index_t seq_end) {
 }
 
 template <class Real>
-void rope_table(Real* cos, Real* sin, const EncoderConfig& cfg, index_t seq_len) {
-  const RopeFrequencies f = rope_frequencies(cfg, cfg.position_offset + seq_len);
+void rope_table(Real* cos, Real* sin, const ModelConfig& cfg, index_t seq_len) {
+  const RopeFrequencies f = rope_frequencies(cfg, cfg.embeddings.position_offset + seq_len);
   const auto half = static_cast<index_t>(f.inv_freq.size());
   for (index_t s = 0; s < seq_len; ++s) {
-    const auto p = static_cast<double>(cfg.position_offset + s);  // exact: p <= 2^41
+    const auto p = static_cast<double>(cfg.embeddings.position_offset + s);  // exact: p <= 2^41
     for (index_t i = 0; i < half; ++i) {
       const double angle = p * f.inv_freq[static_cast<std::size_t>(i)];
       cos[s * half + i] = static_cast<Real>(std::cos(angle) * f.mscale);
@@ -110,7 +110,7 @@ void rope_backward(Real* dx, const Real* dout, const Real* cos, const Real* sin,
 }
 
 #define TEO_INSTANTIATE(Real)                                                                      \
-  template void rope_table<Real>(Real*, Real*, const EncoderConfig&, index_t);                     \
+  template void rope_table<Real>(Real*, Real*, const ModelConfig&, index_t);                       \
   template void rope_forward<Real>(Real*, const Real*, const Real*, const Real*, index_t, index_t, \
                                    index_t, index_t, RopeStyle);                                   \
   template void rope_backward<Real>(Real*, const Real*, const Real*, const Real*, index_t,         \

@@ -18,46 +18,45 @@ namespace teo::bench {
 
 Preset preset(const std::string& name) {
   Preset p;
-  EncoderConfig& c = p.config;
-  c.activation = Activation::gelu;
-  c.norm_first = false;
-  c.num_classes = 2;
-  c.vocab_size = 30522;
+  ModelConfig& c = p.config;
+  c.ffn.activation = Activation::gelu;
+  c.norms.norm_first = false;
+  c.head.num_classes = 2;
+  c.embeddings.vocab_size = 30522;
   if (name == "bert-base") {
     c.d_model = 768;
-    c.num_heads = 12;
-    c.d_ff = 3072;
+    c.attention.num_heads = 12;
+    c.ffn.d_ff = 3072;
     c.num_layers = 2;
     p.batch = 8;
     p.seq_len = 128;
   } else if (name == "small") {
     c.d_model = 256;
-    c.num_heads = 8;
-    c.d_ff = 1024;
+    c.attention.num_heads = 8;
+    c.ffn.d_ff = 1024;
     c.num_layers = 4;
     p.batch = 32;
     p.seq_len = 64;
   } else {
     throw ConfigError("preset must be bert-base or small, got \"" + name + "\"");
   }
-  c.max_len = p.seq_len;
+  c.embeddings.max_len = p.seq_len;
   c.validate();
   return p;
 }
 
-double forward_flops(const EncoderConfig& c, index_t batch, index_t seq_len) {
+double forward_flops(const ModelConfig& c, index_t batch, index_t seq_len) {
   const double B = static_cast<double>(batch), S = static_cast<double>(seq_len);
-  const double D = static_cast<double>(c.d_model), F = static_cast<double>(c.d_ff);
+  const double D = static_cast<double>(c.d_model), F = static_cast<double>(c.ffn.d_ff);
   // a gated FFN's third product (the gate) adds a third of its two
   const double ffn = (c.gated() ? 6 : 4) * B * S * D * F;
   return static_cast<double>(c.num_layers) * (8 * B * S * D * D + 4 * B * S * S * D + ffn);
 }
 
-std::map<profile::Stage, double> stage_flops(const EncoderConfig& c, index_t batch,
-                                             index_t seq_len) {
+std::map<profile::Stage, double> stage_flops(const ModelConfig& c, index_t batch, index_t seq_len) {
   using profile::Stage;
   const double L = static_cast<double>(c.num_layers), N = static_cast<double>(batch * seq_len);
-  const double D = static_cast<double>(c.d_model), F = static_cast<double>(c.d_ff);
+  const double D = static_cast<double>(c.d_model), F = static_cast<double>(c.ffn.d_ff);
   const double S = static_cast<double>(seq_len), B = static_cast<double>(batch);
   const double qkv = L * 6 * N * D * D, out = L * 2 * N * D * D, att = L * 4 * B * S * S * D;
   // the gate's product is timed with fc1's

@@ -215,7 +215,7 @@ Dims lookup(const std::map<std::string, Dims>& table, const std::string& key,
   return it->second;
 }
 
-TensorSpec spec(std::string name, Role role, DTypeRule dtype, Dims dims, const EncoderConfig& cfg,
+TensorSpec spec(std::string name, Role role, DTypeRule dtype, Dims dims, const ModelConfig& cfg,
                 Sizes s) {
   TensorSpec t{std::move(name), role, dtype, std::move(dims), {}};
   t.shape = shape(t.dims, cfg, s);
@@ -224,7 +224,7 @@ TensorSpec spec(std::string name, Role role, DTypeRule dtype, Dims dims, const E
 
 // The model's own structure on empty tensors: what Params::visit and Activations::visit name
 // for cfg, without allocating anything.
-Params<float> empty_params(const EncoderConfig& cfg) {
+Params<float> empty_params(const ModelConfig& cfg) {
   Params<float> p;
   p.config = cfg;
   p.layers.resize(static_cast<std::size_t>(std::max<index_t>(cfg.num_layers, 0)));
@@ -281,29 +281,29 @@ std::string TensorSpec::symbolic() const {
   return contract::symbolic(dims);
 }
 
-index_t dim(const std::string& sym, const EncoderConfig& cfg, Sizes s) {
+index_t dim(const std::string& sym, const ModelConfig& cfg, Sizes s) {
   if (sym == "B") return s.batch;
   if (sym == "S") return s.seq_len;
   if (sym == "D") return cfg.d_model;
-  if (sym == "H") return cfg.num_heads;
+  if (sym == "H") return cfg.attention.num_heads;
   if (sym == "Hkv") return cfg.kv_heads();
   if (sym == "Dh") return cfg.d_head();
   if (sym == "Hkv*Dh") return cfg.kv_heads() * cfg.d_head();
-  if (sym == "F") return cfg.d_ff;
-  if (sym == "V") return cfg.vocab_size;
-  if (sym == "C") return cfg.num_classes;
-  if (sym == "max_len") return cfg.max_len;
+  if (sym == "F") return cfg.ffn.d_ff;
+  if (sym == "V") return cfg.embeddings.vocab_size;
+  if (sym == "C") return cfg.head.num_classes;
+  if (sym == "max_len") return cfg.embeddings.max_len;
   if (sym == "T") return s.steps;
   if (sym == "St") return cfg.encoder_decoder() ? s.tgt_len : s.seq_len;
   if (sym == "Vt") return cfg.target_vocab();
-  if (sym == "Tv") return cfg.type_vocab_size.value_or(0);
-  if (sym == "Ch") return cfg.channels;
-  if (sym == "Img") return cfg.image_size;
-  if (sym == "P") return cfg.patch_size;
+  if (sym == "Tv") return cfg.embeddings.type_vocab_size.value_or(0);
+  if (sym == "Ch") return cfg.embeddings.channels;
+  if (sym == "Img") return cfg.embeddings.image_size;
+  if (sym == "P") return cfg.embeddings.patch_size;
   throw std::invalid_argument("unknown symbolic dimension \"" + sym + "\"");
 }
 
-std::vector<index_t> shape(const Dims& dims, const EncoderConfig& cfg, Sizes s) {
+std::vector<index_t> shape(const Dims& dims, const ModelConfig& cfg, Sizes s) {
   std::vector<index_t> out;
   out.reserve(dims.size());
   for (const auto& d : dims) out.push_back(dim(d, cfg, s));
@@ -351,7 +351,7 @@ Dims dims_of(const std::string& golden_name) {
   throw std::invalid_argument(golden_name + " is not a tensor name of the contract");
 }
 
-std::vector<TensorSpec> params(const EncoderConfig& cfg) {
+std::vector<TensorSpec> params(const ModelConfig& cfg) {
   std::vector<TensorSpec> out;
   empty_params(cfg).visit([&](const std::string& n, const Tensor<float>&) {
     out.push_back(spec(n, Role::param, DTypeRule::real, param_dims(n), cfg, {}));
@@ -359,7 +359,7 @@ std::vector<TensorSpec> params(const EncoderConfig& cfg) {
   return out;
 }
 
-std::vector<TensorSpec> activations(const EncoderConfig& cfg, Sizes s, bool in_golden) {
+std::vector<TensorSpec> activations(const ModelConfig& cfg, Sizes s, bool in_golden) {
   Activations<float> a;
   a.configure(cfg);
   a.layers.resize(static_cast<std::size_t>(std::max<index_t>(cfg.num_layers, 0)));
@@ -378,7 +378,7 @@ std::vector<TensorSpec> activations(const EncoderConfig& cfg, Sizes s, bool in_g
   return out;
 }
 
-std::vector<TensorSpec> masks(const EncoderConfig& cfg, Sizes s) {
+std::vector<TensorSpec> masks(const ModelConfig& cfg, Sizes s) {
   std::vector<TensorSpec> out;
   out.push_back(
       spec("dropout.input", Role::mask, DTypeRule::u8, mask_dims("dropout.input"), cfg, s));
@@ -390,7 +390,7 @@ std::vector<TensorSpec> masks(const EncoderConfig& cfg, Sizes s) {
   return out;
 }
 
-std::vector<TensorSpec> gradients(const EncoderConfig& cfg, Sizes s) {
+std::vector<TensorSpec> gradients(const ModelConfig& cfg, Sizes s) {
   // The parameters grouped by where forward uses them, in that order: the embeddings, each
   // layer's groups in its use order, the final norm, the head; the activation gradients of the
   // contract sit between the groups, where backward completes them.
@@ -439,7 +439,7 @@ std::vector<TensorSpec> gradients(const EncoderConfig& cfg, Sizes s) {
   for (const auto& n : top_front) add_group({param(n)});
   if (!top_norm.empty()) add_group(params_of(top_norm));
   add_group({act("input")});
-  const auto& order = layer_use_order(cfg.norm_first);
+  const auto& order = layer_use_order(cfg.norms.norm_first);
   for (std::size_t i = 0; i < layers.size(); ++i) {
     const std::string prefix = "layers." + std::to_string(i) + ".";
     std::vector<std::vector<std::string>> by_group(order.size());
@@ -494,8 +494,10 @@ std::vector<TensorSpec> gradients(const EncoderConfig& cfg, Sizes s) {
   return out;
 }
 
-bool noise_only(const std::string& golden_name, const EncoderConfig& cfg) {
-  if (cfg.positional == Positional::rope || cfg.attn_sinks || cfg.attn_logit_softcap) return false;
+bool noise_only(const std::string& golden_name, const ModelConfig& cfg) {
+  if (cfg.embeddings.positional == Positional::rope || cfg.attention.attn_sinks ||
+      cfg.attention.attn_logit_softcap)
+    return false;
   std::string n = golden_name;
   if (n.starts_with("ref64.")) n = n.substr(6);
   // an encoder_decoder's decoder layers: both attentions' key biases, for the same reason
@@ -506,7 +508,7 @@ bool noise_only(const std::string& golden_name, const EncoderConfig& cfg) {
   return n.starts_with("grad.layers.") && without_layer(n.substr(5)) == "attn.k.bias";
 }
 
-std::vector<TensorSpec> generation(const EncoderConfig& cfg, Sizes s) {
+std::vector<TensorSpec> generation(const ModelConfig& cfg, Sizes s) {
   std::vector<TensorSpec> out;
   if (s.steps <= 0) return out;
   out.push_back(spec("input.generate.tokens", Role::input, DTypeRule::i64, {"T", "B"}, cfg, s));
@@ -516,7 +518,7 @@ std::vector<TensorSpec> generation(const EncoderConfig& cfg, Sizes s) {
   return out;
 }
 
-std::vector<TensorSpec> model_case(const EncoderConfig& cfg, Sizes s, bool float32) {
+std::vector<TensorSpec> model_case(const ModelConfig& cfg, Sizes s, bool float32) {
   std::vector<TensorSpec> out;
   if (cfg.encoder_decoder()) {
     for (const char* n :
@@ -531,7 +533,7 @@ std::vector<TensorSpec> model_case(const EncoderConfig& cfg, Sizes s, bool float
   } else {
     for (const char* n : {"input.tokens", "input.lengths", "input.labels", "input.token_types"}) {
       if (cfg.decoder() && std::string_view(n) == "input.labels") continue;  // the next tokens
-      if (!cfg.type_vocab_size && std::string_view(n) == "input.token_types") continue;
+      if (!cfg.embeddings.type_vocab_size && std::string_view(n) == "input.token_types") continue;
       out.push_back(spec(n, Role::input, DTypeRule::i64, dims_of(n), cfg, s));
     }
   }

@@ -28,13 +28,13 @@ struct Sizes {
 
 // Each tensor of a's block, made by make(shape).
 template <class Real, class Make>
-void block_of(AttentionParams<Real>& a, const EncoderConfig& cfg, const Make& make) {
+void block_of(AttentionParams<Real>& a, const ModelConfig& cfg, const Make& make) {
   const index_t D = cfg.d_model, Dkv = cfg.kv_heads() * cfg.d_head();
   a.q_weight = make({D, D});
   a.k_weight = make({Dkv, D});
   a.v_weight = make({Dkv, D});
   a.o_weight = make({D, D});
-  if (cfg.attn_bias) {
+  if (cfg.attention.attn_bias) {
     a.q_bias = make({D});
     a.k_bias = make({Dkv});
     a.v_bias = make({Dkv});
@@ -44,12 +44,12 @@ void block_of(AttentionParams<Real>& a, const EncoderConfig& cfg, const Make& ma
 
 // The layer's tensors for cfg, each made by make(shape).
 template <class Real, class Make>
-DecoderLayerParams<Real> layer_of(const EncoderConfig& cfg, bool cross, const Make& make) {
+DecoderLayerParams<Real> layer_of(const ModelConfig& cfg, bool cross, const Make& make) {
   DecoderLayerParams<Real> p;
-  const index_t D = cfg.d_model, F = cfg.d_ff;
+  const index_t D = cfg.d_model, F = cfg.ffn.d_ff;
   block_of(p.self_attn, cfg, make);
   if (cross) block_of(p.cross_attn, cfg, make);
-  const bool ln = cfg.norm == Norm::layernorm;
+  const bool ln = cfg.norms.norm == Norm::layernorm;
   for (auto [w, b, on] : {std::tuple{&p.norm1_weight, &p.norm1_bias, true},
                           std::tuple{&p.norm2_weight, &p.norm2_bias, cross},
                           std::tuple{&p.norm3_weight, &p.norm3_bias, true}}) {
@@ -60,7 +60,7 @@ DecoderLayerParams<Real> layer_of(const EncoderConfig& cfg, bool cross, const Ma
   if (cfg.gated()) p.gate_weight = make({F, D});
   p.fc1_weight = make({F, D});
   p.fc2_weight = make({D, F});
-  if (cfg.ffn_bias) {
+  if (cfg.ffn.ffn_bias) {
     if (cfg.gated()) p.gate_bias = make({F});
     p.fc1_bias = make({F});
     p.fc2_bias = make({D});
@@ -91,23 +91,23 @@ void expect_lengths(const std::vector<std::int64_t>& len, index_t B, index_t max
 
 // The sizes of x and memory, checked against cfg, P and the lengths.
 template <class Real>
-Sizes check(const EncoderConfig& cfg, const DecoderLayerParams<Real>& P, const Tensor<Real>& x,
+Sizes check(const ModelConfig& cfg, const DecoderLayerParams<Real>& P, const Tensor<Real>& x,
             const std::vector<std::int64_t>& lengths, const Tensor<Real>& memory,
             const std::vector<std::int64_t>& memory_lengths) {
   cfg.validate();
   if (cfg.dropout > 0)
     throw ConfigError("decoder layer: dropout is not applied here (eval mode); set dropout 0");
   if (x.shape().rank() != 3) throw ShapeError("decoder layer: x must be (B, T, D)");
-  Sizes s{x.shape()[0],   x.shape()[1], 0,       cfg.d_model, cfg.num_heads,
-          cfg.kv_heads(), cfg.d_head(), cfg.d_ff};
+  Sizes s{x.shape()[0],   x.shape()[1], 0,           cfg.d_model, cfg.attention.num_heads,
+          cfg.kv_heads(), cfg.d_head(), cfg.ffn.d_ff};
   expect_shape(x.shape(), Shape({s.B, s.T, s.D}), "x");
   expect_lengths(lengths, s.B, s.T, "lengths");
   const auto want = DecoderLayerParams<Real>::zeros(cfg, P.cross());
   std::vector<Shape> shapes;
-  want.visit(cfg.norm_first,
+  want.visit(cfg.norms.norm_first,
              [&](const std::string&, const Tensor<Real>& t) { shapes.push_back(t.shape()); });
   std::size_t k = 0;
-  P.visit(cfg.norm_first, [&](const std::string& n, const Tensor<Real>& t) {
+  P.visit(cfg.norms.norm_first, [&](const std::string& n, const Tensor<Real>& t) {
     if (k >= shapes.size() || !(t.shape() == shapes[k]))
       throw ShapeError("decoder layer: parameter " + n + " is " + t.shape().str() +
                        ", not of cfg's shapes");
@@ -128,7 +128,7 @@ Sizes check(const EncoderConfig& cfg, const DecoderLayerParams<Real>& P, const T
 // The attention call of one block: T queries per sequence (lengths), over Skv keys (kv_lengths,
 // or the queries' own with self-attention).
 template <class Real>
-AttentionArgs<Real> block_args(const EncoderConfig& cfg, const Sizes& s, bool cross,
+AttentionArgs<Real> block_args(const ModelConfig& cfg, const Sizes& s, bool cross,
                                const std::vector<std::int64_t>& lengths,
                                const std::vector<std::int64_t>& memory_lengths) {
   AttentionArgs<Real> a;
@@ -137,7 +137,7 @@ AttentionArgs<Real> block_args(const EncoderConfig& cfg, const Sizes& s, bool cr
   a.seq_len = s.T;
   a.d_head = s.Dh;
   a.lengths = lengths.data();
-  a.causal = cross ? false : cfg.causal;
+  a.causal = cross ? false : cfg.attention.causal;
   a.variant.kv_heads = s.K;
   a.merged_context = true;
   if (cross) {
@@ -226,7 +226,7 @@ void block_backward(const AttentionArgs<Real>& args, const AttentionParams<Real>
 }
 
 template <class Real>
-void norm_fwd(const EncoderConfig& cfg, Tensor<Real>& out, Tensor<Real>& mean, Tensor<Real>& rstd,
+void norm_fwd(const ModelConfig& cfg, Tensor<Real>& out, Tensor<Real>& mean, Tensor<Real>& rstd,
               const Real* x, const Tensor<Real>& w, const Tensor<Real>& b, const Sizes& s) {
   out = Tensor<Real>::for_overwrite({s.B, s.T, s.D});
   mean = Tensor<Real>({s.N()});
@@ -239,25 +239,25 @@ void norm_fwd(const EncoderConfig& cfg, Tensor<Real>& out, Tensor<Real>& mean, T
 }  // namespace
 
 template <class Real>
-DecoderLayerParams<Real> DecoderLayerParams<Real>::zeros(const EncoderConfig& cfg, bool cross) {
+DecoderLayerParams<Real> DecoderLayerParams<Real>::zeros(const ModelConfig& cfg, bool cross) {
   return layer_of<Real>(cfg, cross,
                         [](std::initializer_list<index_t> dims) { return Tensor<Real>(dims); });
 }
 
 template <class Real>
-DecoderLayerParams<Real> DecoderLayerParams<Real>::markers(const EncoderConfig& cfg, bool cross) {
+DecoderLayerParams<Real> DecoderLayerParams<Real>::markers(const ModelConfig& cfg, bool cross) {
   return layer_of<Real>(cfg, cross,
                         [](std::initializer_list<index_t>) { return Tensor<Real>({1}); });
 }
 
 template <class Real>
-void decoder_layer_forward(const EncoderConfig& cfg, const DecoderLayerParams<Real>& P,
+void decoder_layer_forward(const ModelConfig& cfg, const DecoderLayerParams<Real>& P,
                            const Tensor<Real>& x, const std::vector<std::int64_t>& lengths,
                            const Tensor<Real>& memory,
                            const std::vector<std::int64_t>& memory_lengths,
                            DecoderLayerActs<Real>& A) {
   const Sizes s = check(cfg, P, x, lengths, memory, memory_lengths);
-  const bool pre = cfg.norm_first, cross = P.cross();
+  const bool pre = cfg.norms.norm_first, cross = P.cross();
   const index_t N = s.N(), nd = N * s.D;
   const auto block = [&](bool is_cross, const Tensor<Real>& w, const Tensor<Real>& b,
                          Tensor<Real>& norm, Tensor<Real>& mean, Tensor<Real>& rstd,
@@ -323,7 +323,7 @@ void decoder_layer_forward(const EncoderConfig& cfg, const DecoderLayerParams<Re
 }
 
 template <class Real>
-void decoder_layer_backward(const EncoderConfig& cfg, const DecoderLayerParams<Real>& P,
+void decoder_layer_backward(const ModelConfig& cfg, const DecoderLayerParams<Real>& P,
                             const Tensor<Real>& x, const std::vector<std::int64_t>& lengths,
                             const Tensor<Real>& memory,
                             const std::vector<std::int64_t>& memory_lengths,
@@ -331,7 +331,7 @@ void decoder_layer_backward(const EncoderConfig& cfg, const DecoderLayerParams<R
                             Tensor<Real>& dx, Tensor<Real>& dmemory, DecoderLayerParams<Real>& G) {
   const Sizes s = check(cfg, P, x, lengths, memory, memory_lengths);
   expect_shape(dy.shape(), x.shape(), "dy");
-  const bool pre = cfg.norm_first, cross = P.cross();
+  const bool pre = cfg.norms.norm_first, cross = P.cross();
   const index_t N = s.N(), nd = N * s.D;
   G = DecoderLayerParams<Real>::zeros(cfg, cross);
   dx = Tensor<Real>({s.B, s.T, s.D});
@@ -417,12 +417,12 @@ void decoder_layer_backward(const EncoderConfig& cfg, const DecoderLayerParams<R
 
 #define TEO_INSTANTIATE(Real)                                                                      \
   template struct DecoderLayerParams<Real>;                                                        \
-  template void decoder_layer_forward<Real>(const EncoderConfig&, const DecoderLayerParams<Real>&, \
+  template void decoder_layer_forward<Real>(const ModelConfig&, const DecoderLayerParams<Real>&,   \
                                             const Tensor<Real>&, const std::vector<std::int64_t>&, \
                                             const Tensor<Real>&, const std::vector<std::int64_t>&, \
                                             DecoderLayerActs<Real>&);                              \
   template void decoder_layer_backward<Real>(                                                      \
-      const EncoderConfig&, const DecoderLayerParams<Real>&, const Tensor<Real>&,                  \
+      const ModelConfig&, const DecoderLayerParams<Real>&, const Tensor<Real>&,                    \
       const std::vector<std::int64_t>&, const Tensor<Real>&, const std::vector<std::int64_t>&,     \
       const DecoderLayerActs<Real>&, const Tensor<Real>&, Tensor<Real>&, Tensor<Real>&,            \
       DecoderLayerParams<Real>&);

@@ -44,7 +44,7 @@ struct LayerCache {
 // (position + 1), and RoPE's tables over every position of the run.
 template <class Real>
 struct StepContext {
-  const EncoderConfig& cfg;
+  const ModelConfig& cfg;
   Dims d;                                // B sequences of S = 1 token
   index_t L;                             // cache rows per sequence
   std::vector<std::int64_t> pos;         // (B)
@@ -57,14 +57,14 @@ struct StepContext {
 template <class Real>
 void layer_step(const StepContext<Real>& c, const LayerParams<Real>& P, LayerCache<Real>& cache,
                 Tensor<Real>& h) {
-  const EncoderConfig& cfg = c.cfg;
+  const ModelConfig& cfg = c.cfg;
   const Dims& d = c.d;
   const index_t B = d.B, D = d.D;
   Tensor<Real> mean({B}), rstd({B});
   // attention block: norm1 (pre-norm), q/k/v as one product, RoPE, attention over the cache
   Tensor<Real> norm1({B, D});
   const Real* attn_in = h.data();
-  if (cfg.norm_first) {
+  if (cfg.norms.norm_first) {
     detail::norm_forward(cfg, norm1.data(), mean.data(), rstd.data(), h.data(),
                          P.norm1_weight.data(), data_or_null(P.norm1_bias), B, D);
     attn_in = norm1.data();
@@ -88,9 +88,9 @@ void layer_step(const StepContext<Real>& c, const LayerParams<Real>& P, LayerCac
       const Real* cs = c.rope->cos.data() + at;
       const Real* sn = c.rope->sin.data() + at;
       rope_forward(q_rot.data() + b * d.H * d.Dh, q.data() + b * d.H * d.Dh, cs, sn, d.H, 1, d.Dh,
-                   cfg.rotary(), cfg.rope_style);
+                   cfg.rotary(), cfg.attention.rope_style);
       rope_forward(k_rot.data() + b * d.K * d.Dh, k.data() + b * d.K * d.Dh, cs, sn, d.K, 1, d.Dh,
-                   cfg.rotary(), cfg.rope_style);
+                   cfg.rotary(), cfg.attention.rope_style);
     }
     q = std::move(q_rot);
     k = std::move(k_rot);
@@ -122,12 +122,12 @@ void layer_step(const StepContext<Real>& c, const LayerParams<Real>& P, LayerCac
   // FFN block: the norm before it, the FFN (fc1's bias, the activation: one pass, as the model's
   // fused middle; a gated FFN's steps apart), the second residual, post-norm's norm2
   Tensor<Real> norm2({B, D});
-  Tensor<Real>& ffn_in_t = cfg.norm_first ? norm2 : norm1;
+  Tensor<Real>& ffn_in_t = cfg.norms.norm_first ? norm2 : norm1;
   detail::norm_forward(cfg, ffn_in_t.data(), mean.data(), rstd.data(), residual1.data(),
-                       (cfg.norm_first ? P.norm2_weight : P.norm1_weight).data(),
-                       data_or_null(cfg.norm_first ? P.norm2_bias : P.norm1_bias), B, D);
+                       (cfg.norms.norm_first ? P.norm2_weight : P.norm1_weight).data(),
+                       data_or_null(cfg.norms.norm_first ? P.norm2_bias : P.norm1_bias), B, D);
   const Real* ffn_in = ffn_in_t.data();
-  const Real* base = cfg.norm_first ? residual1.data() : ffn_in;
+  const Real* base = cfg.norms.norm_first ? residual1.data() : ffn_in;
   const Activation act = cfg.ffn_activation();
   Tensor<Real> pre({B, d.F}), hidden({B, d.F});
   if (d.gated) {
@@ -146,7 +146,7 @@ void layer_step(const StepContext<Real>& c, const LayerParams<Real>& P, LayerCac
   linear_forward(ffn_out.data(), hidden.data(), P.fc2_weight.data(), data_or_null(P.fc2_bias), B,
                  d.F, D);
   detail::add3(residual2.data(), base, ffn_out.data(), B * D);
-  if (cfg.norm_first) {
+  if (cfg.norms.norm_first) {
     h = std::move(residual2);
   } else {
     detail::norm_forward(cfg, h.data(), mean.data(), rstd.data(), residual2.data(),
@@ -159,10 +159,11 @@ void layer_step(const StepContext<Real>& c, const LayerParams<Real>& P, LayerCac
 template <class Real>
 Generation<Real> generate(const Params<Real>& params, const Batch& prompt,
                           const GenerateOptions& opts) {
-  const EncoderConfig& cfg = params.config;
+  const ModelConfig& cfg = params.config;
   validate_params(params);
   if (!cfg.decoder()) throw ConfigError("generate needs a decoder (architecture \"decoder\")");
-  if (cfg.positional == Positional::rope && cfg.rope_scaling.type == RopeScalingType::ntk) {
+  if (cfg.embeddings.positional == Positional::rope &&
+      cfg.attention.rope_scaling.type == RopeScalingType::ntk) {
     throw ConfigError(
         "generate: rope_scaling \"ntk\" rotates by frequencies of the sequence's end, which a KV "
         "cache's earlier keys do not follow");
@@ -182,27 +183,28 @@ Generation<Real> generate(const Params<Real>& params, const Batch& prompt,
                          " tokens, expected batch = " + std::to_string(prompt.batch));
       }
       for (std::size_t b = 0; b < row.size(); ++b) {
-        if (row[b] < 0 || row[b] >= cfg.vocab_size) {
+        if (row[b] < 0 || row[b] >= cfg.embeddings.vocab_size) {
           throw InputError("generate: feed[" + std::to_string(t) + "][" + std::to_string(b) +
-                           "] = " + std::to_string(row[b]) +
-                           " is outside [0, vocab_size = " + std::to_string(cfg.vocab_size) + ")");
+                           "] = " + std::to_string(row[b]) + " is outside [0, vocab_size = " +
+                           std::to_string(cfg.embeddings.vocab_size) + ")");
         }
       }
     }
   }
-  if (opts.start_token < 0 || opts.start_token >= cfg.vocab_size) {
+  if (opts.start_token < 0 || opts.start_token >= cfg.embeddings.vocab_size) {
     throw InputError("generate: start_token " + std::to_string(opts.start_token) +
-                     " is outside [0, vocab_size = " + std::to_string(cfg.vocab_size) + ")");
+                     " is outside [0, vocab_size = " + std::to_string(cfg.embeddings.vocab_size) +
+                     ")");
   }
-  const index_t B = prompt.batch, V = cfg.vocab_size;
+  const index_t B = prompt.batch, V = cfg.embeddings.vocab_size;
   std::int64_t longest = 0;
   for (auto len : prompt.lengths) longest = std::max(longest, len);
   const index_t L = longest + opts.steps;  // cache rows: every position of the run
-  if (L > cfg.max_len ||
-      (cfg.positional == Positional::learned && cfg.position_offset + L > cfg.max_len)) {
+  if (L > cfg.embeddings.max_len || (cfg.embeddings.positional == Positional::learned &&
+                                     cfg.embeddings.position_offset + L > cfg.embeddings.max_len)) {
     throw ShapeError("generate: a prompt of " + std::to_string(longest) + " tokens and " +
                      std::to_string(opts.steps) + " steps reach position " + std::to_string(L) +
-                     ", past max_len " + std::to_string(cfg.max_len));
+                     ", past max_len " + std::to_string(cfg.embeddings.max_len));
   }
   Generation<Real> out;
   if (opts.steps == 0) return out;
@@ -249,9 +251,9 @@ Generation<Real> generate(const Params<Real>& params, const Batch& prompt,
   }
   // Positions 0 .. L - 1 of the sinusoidal table (from position_offset).
   Tensor<Real> table;
-  if (cfg.positional == Positional::sinusoidal) {
+  if (cfg.embeddings.positional == Positional::sinusoidal) {
     table = Tensor<Real>({L, d.D});
-    sinusoidal_table(table.data(), L, d.D, cfg.position_offset);
+    sinusoidal_table(table.data(), L, d.D, cfg.embeddings.position_offset);
   }
   // Step 0 feeds the prompt's greedy next token (the start token after an empty prompt).
   std::vector<std::int64_t> next(static_cast<std::size_t>(B), opts.start_token);
@@ -263,8 +265,9 @@ Generation<Real> generate(const Params<Real>& params, const Batch& prompt,
   }
   acts = Activations<Real>();
   const Real escale =
-      cfg.embed_scale ? static_cast<Real>(std::sqrt(static_cast<double>(d.D))) : Real(1);
-  const Tensor<Real>& lm_w = cfg.tie_embeddings ? params.embedding_weight : params.lm_head_weight;
+      cfg.embeddings.embed_scale ? static_cast<Real>(std::sqrt(static_cast<double>(d.D))) : Real(1);
+  const Tensor<Real>& lm_w =
+      cfg.head.tie_embeddings ? params.embedding_weight : params.lm_head_weight;
   for (index_t t = 0; t < opts.steps; ++t) {
     if (opts.feed) next = (*opts.feed)[static_cast<std::size_t>(t)];
     c.kv_len.assign(c.pos.begin(), c.pos.end());
@@ -274,10 +277,11 @@ Generation<Real> generate(const Params<Real>& params, const Batch& prompt,
     embedding_forward(h.data(), next.data(), params.embedding_weight.data(), B, d.D, escale);
     for (index_t b = 0; b < B; ++b) {
       const index_t p = c.pos[static_cast<std::size_t>(b)];
-      const Real* row = cfg.positional == Positional::sinusoidal ? table.data() + p * d.D
-                        : cfg.positional == Positional::learned
-                            ? params.pos_embedding_weight.data() + (cfg.position_offset + p) * d.D
-                            : nullptr;
+      const Real* row =
+          cfg.embeddings.positional == Positional::sinusoidal ? table.data() + p * d.D
+          : cfg.embeddings.positional == Positional::learned
+              ? params.pos_embedding_weight.data() + (cfg.embeddings.position_offset + p) * d.D
+              : nullptr;
       if (row)
         add_positional_forward(h.data() + b * d.D, h.data() + b * d.D, row, index_t{1}, index_t{1},
                                d.D);
@@ -285,7 +289,7 @@ Generation<Real> generate(const Params<Real>& params, const Batch& prompt,
     for (std::size_t l = 0; l < caches.size(); ++l) layer_step(c, params.layers[l], caches[l], h);
     const Real* top = h.data();
     Tensor<Real> fin({B, d.D}), mean({B}), rstd({B});
-    if (cfg.norm_first) {
+    if (cfg.norms.norm_first) {
       detail::norm_forward(cfg, fin.data(), mean.data(), rstd.data(), h.data(),
                            params.final_norm_weight.data(), data_or_null(params.final_norm_bias), B,
                            d.D);

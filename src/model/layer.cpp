@@ -57,7 +57,7 @@ namespace {
 // What every stage of one layer's forward pass reads, and the scratch the two residuals share.
 template <class Real>
 struct LayerForward {
-  const EncoderConfig& cfg;
+  const ModelConfig& cfg;
   const LayerParams<Real>& P;
   LayerActs<Real>& L;  // the layer's activations, written stage by stage
   const Batch& batch;
@@ -106,9 +106,9 @@ void LayerForward<Real>::qkv_forward(const Real* attn_in) const {
     // q_rot, k_rot = RoPE(q), RoPE(k)
     const RopeTables<Real> t(cfg, d.S);
     rope_forward(L.q_rot.data(), L.q.data(), t.cos.data(), t.sin.data(), d.B * d.H, d.S, d.Dh,
-                 cfg.rotary(), cfg.rope_style);
+                 cfg.rotary(), cfg.attention.rope_style);
     rope_forward(L.k_rot.data(), L.k.data(), t.cos.data(), t.sin.data(), d.B * d.K, d.S, d.Dh,
-                 cfg.rotary(), cfg.rope_style);
+                 cfg.rotary(), cfg.attention.rope_style);
     store(L.q_rot, name, "q_rot");
     store(L.k_rot, name, "k_rot");
   }
@@ -119,7 +119,7 @@ void LayerForward<Real>::qkv_forward(const Real* attn_in) const {
 template <class Real>
 void LayerForward<Real>::attention_block_forward(const Real* x) const {
   const Real* attn_in = x;
-  if (cfg.norm_first) {
+  if (cfg.norms.norm_first) {
     {
       profile::Scope stage(Stage::layer_norm);
       norm_forward(cfg, L.norm1.data(), L.norm1_mean.data(), L.norm1_rstd.data(), x,
@@ -230,7 +230,7 @@ void LayerForward<Real>::ffn_block_forward() const {
   const Real* ffn_in;  // the FFN's input, and the second residual's base
   {
     profile::Scope norm_scope(Stage::layer_norm);
-    if (cfg.norm_first) {
+    if (cfg.norms.norm_first) {
       norm_forward(cfg, L.norm2.data(), L.norm2_mean.data(), L.norm2_rstd.data(),
                    L.residual1.data(), P.norm2_weight.data(), data_or_null(P.norm2_bias), d.N, d.D);
       store(L.norm2, name, "norm2");
@@ -242,7 +242,7 @@ void LayerForward<Real>::ffn_block_forward() const {
       ffn_in = L.norm1.data();
     }
   }
-  const Real* base = cfg.norm_first ? L.residual1.data() : L.norm1.data();
+  const Real* base = cfg.norms.norm_first ? L.residual1.data() : L.norm1.data();
 
   ffn_forward(ffn_in);
   // residual2 = base + dropout(ffn_out)
@@ -255,7 +255,7 @@ void LayerForward<Real>::ffn_block_forward() const {
     store(L.residual2, name, "residual2");
   }
 
-  if (cfg.norm_first) {
+  if (cfg.norms.norm_first) {
     {
       profile::Scope stage(Stage::residual);
       copy(L.output.data(), L.residual2.data(), nd);
@@ -274,7 +274,7 @@ void LayerForward<Real>::ffn_block_forward() const {
 }  // namespace
 
 template <class Real>
-void layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P, LayerActs<Real>& L,
+void layer_forward(const ModelConfig& cfg, const LayerParams<Real>& P, LayerActs<Real>& L,
                    const Real* x, const Batch& batch, const Dims& d, const std::string& prefix,
                    bool drop, const MaskSource& seed, const Emulation<Real>& store) {
   const index_t nd = d.N * d.D;
@@ -310,7 +310,7 @@ namespace {
 // What every stage of one layer's backward pass reads.
 template <class Real>
 struct LayerBackward {
-  const EncoderConfig& cfg;
+  const ModelConfig& cfg;
   const LayerParams<Real>& P;
   const LayerActs<Real>& L;     // the forward pass's activations
   LayerParams<Real>& G;         // the parameter gradients, accumulated into
@@ -387,7 +387,7 @@ void LayerBackward<Real>::ffn_backward(Real* dffn_in, const Real* ffn_in) const 
   // ffn_pre = fc1(ffn_in), and ffn_gate = gate(ffn_in): the gate's term first
   {
     profile::Scope stage(Stage::bwd_ffn_fc1);
-    GradWrite write = cfg.norm_first ? GradWrite::overwrite : GradWrite::accumulate;
+    GradWrite write = cfg.norms.norm_first ? GradWrite::overwrite : GradWrite::accumulate;
     if (d.gated) {
       linear_backward(dffn_in, G.gate_weight.data(), data_or_null(G.gate_bias), dL.ffn_gate.data(),
                       ffn_in, P.gate_weight.data(), d.N, d.D, d.F, write);
@@ -395,7 +395,7 @@ void LayerBackward<Real>::ffn_backward(Real* dffn_in, const Real* ffn_in) const 
     }
     linear_backward(dffn_in, G.fc1_weight.data(), data_or_null(G.fc1_bias), dL.ffn_pre.data(),
                     ffn_in, P.fc1_weight.data(), d.N, d.D, d.F, write);
-    store(dffn_in, nd, name, cfg.norm_first ? "norm2" : "norm1");
+    store(dffn_in, nd, name, cfg.norms.norm_first ? "norm2" : "norm1");
   }
 }
 
@@ -406,7 +406,7 @@ void LayerBackward<Real>::ffn_block_backward() const {
   // in the forward pass this was: output = LN2(residual2) (post) or residual2 (pre)
   {
     profile::Scope stage(Stage::bwd_layer_norm);
-    if (cfg.norm_first) {
+    if (cfg.norms.norm_first) {
       copy(dL.residual2.data(), dL.output.data(), nd);
     } else {
       copy(dL.norm2.data(), dL.output.data(), nd);
@@ -417,7 +417,7 @@ void LayerBackward<Real>::ffn_block_backward() const {
     }
   }
   // residual2 = base + dropout(ffn_out); base = residual1 (pre) or norm1 (post)
-  Real* dbase = cfg.norm_first ? dL.residual1.data() : dL.norm1.data();
+  Real* dbase = cfg.norms.norm_first ? dL.residual1.data() : dL.norm1.data();
   {
     profile::Scope stage(Stage::bwd_residual);
     dropout_grad(dL.ffn_out.data(), dL.residual2.data(), L.masks.residual2, nd, p);
@@ -427,14 +427,14 @@ void LayerBackward<Real>::ffn_block_backward() const {
 
   // ffn_pre = fc1(ffn_in); ffn_in = norm2 (pre), its only reader, or norm1 (post), also the
   // second residual's base
-  const Real* ffn_in = cfg.norm_first ? L.norm2.data() : L.norm1.data();
-  Real* dffn_in = cfg.norm_first ? dL.norm2.data() : dL.norm1.data();
+  const Real* ffn_in = cfg.norms.norm_first ? L.norm2.data() : L.norm1.data();
+  Real* dffn_in = cfg.norms.norm_first ? dL.norm2.data() : dL.norm1.data();
   ffn_backward(dffn_in, ffn_in);
 
   // the norm between the two residuals: LN2(residual1) (pre) or LN1(residual1) (post)
   {
     profile::Scope stage(Stage::bwd_layer_norm);
-    if (cfg.norm_first) {
+    if (cfg.norms.norm_first) {
       norm_backward(cfg, dL.residual1.data(), G.norm2_weight.data(), data_or_null(G.norm2_bias),
                     dL.norm2.data(), L.residual1.data(), P.norm2_weight.data(), L.norm2_mean.data(),
                     L.norm2_rstd.data(), d.N, d.D);
@@ -469,7 +469,7 @@ void LayerBackward<Real>::qkv_backward(Real* dattn_in, const Real* attn_in) cons
   Tensor<Real> gw({lay.width, d.D}), gb({lay.width});
   linear_backward(dattn_in, gw.data(), P.has_attn_bias ? gb.data() : nullptr, dqkv.data(), attn_in,
                   wqkv.data(), d.N, d.D, lay.width,
-                  cfg.norm_first ? GradWrite::overwrite : GradWrite::accumulate);
+                  cfg.norms.norm_first ? GradWrite::overwrite : GradWrite::accumulate);
   Tensor<Real>* gws[3] = {&G.q_weight, &G.k_weight, &G.v_weight};
   Tensor<Real>* gbs[3] = {&G.q_bias, &G.k_bias, &G.v_bias};
   for (int i = 0; i < 3; ++i) {
@@ -525,20 +525,20 @@ void LayerBackward<Real>::attention_block_backward(Real* dx, const Real* x) cons
       store(dL.k_rot, name, "k_rot");
       const RopeTables<Real> t(cfg, d.S);
       rope_backward(dL.q.data(), dL.q_rot.data(), t.cos.data(), t.sin.data(), d.B * d.H, d.S, d.Dh,
-                    cfg.rotary(), cfg.rope_style);
+                    cfg.rotary(), cfg.attention.rope_style);
       rope_backward(dL.k.data(), dL.k_rot.data(), t.cos.data(), t.sin.data(), d.B * d.K, d.S, d.Dh,
-                    cfg.rotary(), cfg.rope_style);
+                    cfg.rotary(), cfg.attention.rope_style);
     }
     store(dL.q, name, "q");
     store(dL.k, name, "k");
     store(dL.v, name, "v");
   }
   // q, k, v = split(attn_in * W^T + b); attn_in = LN1(x) (pre) or x (post)
-  const Real* attn_in = cfg.norm_first ? L.norm1.data() : x;
+  const Real* attn_in = cfg.norms.norm_first ? L.norm1.data() : x;
   Real* dattn_in = dx;
-  if (cfg.norm_first) dattn_in = dL.norm1.data();
+  if (cfg.norms.norm_first) dattn_in = dL.norm1.data();
   qkv_backward(dattn_in, attn_in);
-  if (cfg.norm_first) {
+  if (cfg.norms.norm_first) {
     profile::Scope stage(Stage::bwd_layer_norm);
     store(dL.norm1, name, "norm1");
     norm_backward(cfg, dx, G.norm1_weight.data(), data_or_null(G.norm1_bias), dL.norm1.data(), x,
@@ -549,7 +549,7 @@ void LayerBackward<Real>::attention_block_backward(Real* dx, const Real* x) cons
 }  // namespace
 
 template <class Real>
-void layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P, const LayerActs<Real>& L,
+void layer_backward(const ModelConfig& cfg, const LayerParams<Real>& P, const LayerActs<Real>& L,
                     LayerParams<Real>& G, LayerActs<Real>& dL, Real* dx, const Real* x,
                     const std::int64_t* lengths, const Dims& d, std::string_view name,
                     const Emulation<Real>& store) {
@@ -576,9 +576,9 @@ void layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P, const 
 #define TEO_INSTANTIATE(Real)                                                                      \
   template void allocate_layer<Real>(LayerActs<Real>&, const Dims&, ZeroList<Real>*);              \
   template void layer_forward<Real>(                                                               \
-      const EncoderConfig&, const LayerParams<Real>&, LayerActs<Real>&, const Real*, const Batch&, \
+      const ModelConfig&, const LayerParams<Real>&, LayerActs<Real>&, const Real*, const Batch&,   \
       const Dims&, const std::string&, bool, const MaskSource&, const Emulation<Real>&);           \
-  template void layer_backward<Real>(const EncoderConfig&, const LayerParams<Real>&,               \
+  template void layer_backward<Real>(const ModelConfig&, const LayerParams<Real>&,                 \
                                      const LayerActs<Real>&, LayerParams<Real>&, LayerActs<Real>&, \
                                      Real*, const Real*, const std::int64_t*, const Dims&,         \
                                      std::string_view, const Emulation<Real>&);

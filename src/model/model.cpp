@@ -44,7 +44,7 @@ using profile::Stage;
 namespace {
 
 // An encoder_decoder runs in full precision only: its decoder layer emulates no reduced one.
-void full_precision_only(const EncoderConfig& cfg, std::optional<Precision> p) {
+void full_precision_only(const ModelConfig& cfg, std::optional<Precision> p) {
   if (cfg.encoder_decoder() && p && *p != Precision::fp32 && *p != Precision::fp64) {
     throw ConfigError(
         "an encoder_decoder runs in full precision only: its decoder layer "
@@ -54,8 +54,7 @@ void full_precision_only(const EncoderConfig& cfg, std::optional<Precision> p) {
 
 // ConfigError unless every replayed mask names a dropout site of cfg (the contract's) and dropout
 // applies; ShapeError unless each has its site's element count. Called before anything changes.
-void check_replayed_masks(const EncoderConfig& cfg, const Batch& batch,
-                          const ForwardOptions& opts) {
+void check_replayed_masks(const ModelConfig& cfg, const Batch& batch, const ForwardOptions& opts) {
   if (!opts.masks || opts.masks->empty()) return;
   if (!opts.train || cfg.dropout <= 0.0) {
     throw ConfigError(
@@ -101,7 +100,7 @@ void zero_fill(const ZeroList<Real>& tensors) {
 // the top of the stack (which pooling scatters into), the positional gradient, and the
 // statistics' gradients. backward() overwrites the rest.
 template <class Real>
-void allocate(Activations<Real>& a, const EncoderConfig& cfg, const Dims& d, index_t tgt_len,
+void allocate(Activations<Real>& a, const ModelConfig& cfg, const Dims& d, index_t tgt_len,
               ZeroList<Real>* zero, bool layers_whole = true) {
   a.configure(cfg);
   // an encoder_decoder's decoder side is shaped by seq2seq_forward and seq2seq_backward
@@ -114,8 +113,8 @@ void allocate(Activations<Real>& a, const EncoderConfig& cfg, const Dims& d, ind
   // the embedding extras of section 18: backward overwrites their gradients
   a.token_type = a.embedding_norm_out = a.embedding_norm_mean = a.embedding_norm_rstd =
       Tensor<Real>();
-  if (cfg.type_vocab_size) shape_as(a.token_type, {d.B, d.S, d.D}, nullptr);
-  if (cfg.embedding_norm) {
+  if (cfg.embeddings.type_vocab_size) shape_as(a.token_type, {d.B, d.S, d.D}, nullptr);
+  if (cfg.embeddings.embedding_norm) {
     shape_as(a.embedding_norm_out, {d.B, d.S, d.D}, nullptr);
     shape_as(a.embedding_norm_mean, {d.N}, zero);
     shape_as(a.embedding_norm_rstd, {d.N}, zero);
@@ -133,7 +132,7 @@ void allocate(Activations<Real>& a, const EncoderConfig& cfg, const Dims& d, ind
     }
   }
   if (zero && !a.layers.empty()) zero->push_back(&a.layers.back().output);
-  if (cfg.norm_first) {
+  if (cfg.norms.norm_first) {
     shape_as(a.final_norm, {d.B, d.S, d.D}, zero);
     shape_as(a.final_norm_mean, {d.N}, zero);
     shape_as(a.final_norm_rstd, {d.N}, zero);
@@ -151,8 +150,9 @@ void allocate(Activations<Real>& a, const EncoderConfig& cfg, const Dims& d, ind
     a.lm_logits = a.lm_probs = Tensor<Real>();
     a.pooled.reset({d.B, d.D});
     a.pooler_out = Tensor<Real>();
-    if (cfg.pooler == Pooler::dense_tanh) a.pooler_out.reset({d.B, d.D});
-    if (cfg.pooling == Pooling::max) a.pool_argmax.assign(static_cast<std::size_t>(d.B * d.D), -1);
+    if (cfg.head.pooler == Pooler::dense_tanh) a.pooler_out.reset({d.B, d.D});
+    if (cfg.head.pooling == Pooling::max)
+      a.pool_argmax.assign(static_cast<std::size_t>(d.B * d.D), -1);
     a.logits.reset({d.B, d.C});
     a.class_probs.reset({d.B, d.C});
   }
@@ -168,7 +168,7 @@ std::vector<std::int64_t> next_token_targets(const Batch& batch) {
 // The LM head's weight (V, D): its own, or the embedding matrix when tied.
 template <class Real>
 const Tensor<Real>& lm_head_weight(const Params<Real>& p) {
-  return p.config.tie_embeddings ? p.embedding_weight : p.lm_head_weight;
+  return p.config.head.tie_embeddings ? p.embedding_weight : p.lm_head_weight;
 }
 
 template <class Real>
@@ -194,8 +194,8 @@ std::vector<Real> pixels_of(const Batch& batch) {
   return std::vector<Real>(batch.pixels.begin(), batch.pixels.end());
 }
 
-PatchDims patch_dims(const EncoderConfig& cfg, const Dims& d) {
-  return {d.B, cfg.channels, cfg.image_size, cfg.patch_size, d.D};
+PatchDims patch_dims(const ModelConfig& cfg, const Dims& d) {
+  return {d.B, cfg.embeddings.channels, cfg.embeddings.image_size, cfg.embeddings.patch_size, d.D};
 }
 
 // The encoder's output: the final norm's (pre-norm), the last layer's, or the input's.
@@ -209,7 +209,7 @@ const Tensor<Real>& encoder_top(const Activations<Real>& a) {
 template <class Real>
 void forward(const Params<Real>& params, const Batch& batch, Activations<Real>& acts,
              const ForwardOptions& opts) {
-  const EncoderConfig& cfg = params.config;
+  const ModelConfig& cfg = params.config;
   validate_params(params);
   validate_batch(cfg, batch, sizeof(Real));
   check_replayed_masks(cfg, batch, opts);
@@ -227,23 +227,24 @@ void forward(const Params<Real>& params, const Batch& batch, Activations<Real>& 
           acts.embedding.data(), pixels.data(), params.patch_embedding_weight.data(),
           params.patch_embedding_bias.data(), params.cls_token.data(), patch_dims(cfg, d));
     } else {
-      const Real scale =
-          cfg.embed_scale ? static_cast<Real>(std::sqrt(static_cast<double>(d.D))) : Real(1);
+      const Real scale = cfg.embeddings.embed_scale
+                             ? static_cast<Real>(std::sqrt(static_cast<double>(d.D)))
+                             : Real(1);
       embedding_forward(acts.embedding.data(), batch.tokens.data(), params.embedding_weight.data(),
                         d.N, d.D, scale);
     }
     store(acts.embedding, "", "embedding");
     // rope, alibi and none add nothing here: their table is 0
-    if (cfg.positional == Positional::sinusoidal) {
-      sinusoidal_table(acts.positional.data(), d.S, d.D, cfg.position_offset);
-    } else if (cfg.positional == Positional::learned) {
-      copy(acts.positional.data(), params.pos_embedding_weight.data() + cfg.position_offset * d.D,
-           d.S * d.D);
+    if (cfg.embeddings.positional == Positional::sinusoidal) {
+      sinusoidal_table(acts.positional.data(), d.S, d.D, cfg.embeddings.position_offset);
+    } else if (cfg.embeddings.positional == Positional::learned) {
+      copy(acts.positional.data(),
+           params.pos_embedding_weight.data() + cfg.embeddings.position_offset * d.D, d.S * d.D);
     } else {
       acts.positional.zero();
     }
     store(acts.positional, "", "positional");
-    if (cfg.type_vocab_size) {
+    if (cfg.embeddings.type_vocab_size) {
       embedding_forward(acts.token_type.data(), batch.token_types.data(),
                         params.token_type_embedding_weight.data(), d.N, d.D, Real(1));
       store(acts.token_type, "", "token_type");
@@ -252,7 +253,7 @@ void forward(const Params<Real>& params, const Batch& batch, Activations<Real>& 
     // positional (+ token_type); the dropout applied in place
     embedding_sum(acts.input.data(), acts, d);
     const Real* dropped = acts.input.data();
-    if (cfg.embedding_norm) {
+    if (cfg.embeddings.embedding_norm) {
       detail::norm_forward(cfg, acts.embedding_norm_out.data(), acts.embedding_norm_mean.data(),
                            acts.embedding_norm_rstd.data(), acts.input.data(),
                            params.embedding_norm_weight.data(),
@@ -275,7 +276,7 @@ namespace {
 template <class Real>
 void run_encoder(const Params<Real>& params, const Batch& batch, Activations<Real>& acts,
                  const ForwardOptions& opts, const Emulation<Real>& store) {
-  const EncoderConfig& cfg = params.config;
+  const ModelConfig& cfg = params.config;
   const Dims d = dims_of(cfg, batch);
   const bool drop = opts.train && cfg.dropout > 0.0;
   const Real* x = acts.input.data();
@@ -286,7 +287,7 @@ void run_encoder(const Params<Real>& params, const Batch& batch, Activations<Rea
     x = acts.layers[i].output.data();
   }
   profile::Scope stage(Stage::head);
-  if (cfg.norm_first) {
+  if (cfg.norms.norm_first) {
     detail::norm_forward(cfg, acts.final_norm.data(), acts.final_norm_mean.data(),
                          acts.final_norm_rstd.data(), x, params.final_norm_weight.data(),
                          detail::data_or_null(params.final_norm_bias), d.N, d.D);
@@ -299,22 +300,23 @@ void run_encoder(const Params<Real>& params, const Batch& batch, Activations<Rea
   }
   if (cfg.decoder()) {
     // lm_logits = top W^T + b; the loss: cross-entropy of each position against the next token
-    const index_t V = cfg.vocab_size;
+    const index_t V = cfg.embeddings.vocab_size;
     linear_forward(acts.lm_logits.data(), x, lm_head_weight(params).data(),
                    detail::data_or_null(params.lm_head_bias), d.N, d.D, V);
     store(acts.lm_logits, "", "lm_logits");
     acts.loss[0] = cross_entropy_forward(acts.lm_probs.data(), acts.lm_logits.data(),
                                          next_token_targets(batch).data(), d.N, V,
-                                         static_cast<Real>(cfg.label_smoothing));
+                                         static_cast<Real>(cfg.head.label_smoothing));
     store(acts.loss, "", "loss");
     return;
   }
-  if (cfg.pooling == Pooling::max) acts.pool_argmax.assign(static_cast<std::size_t>(d.B * d.D), -1);
+  if (cfg.head.pooling == Pooling::max)
+    acts.pool_argmax.assign(static_cast<std::size_t>(d.B * d.D), -1);
   pooling_forward(acts.pooled.data(), acts.pool_argmax.data(), x, batch.lengths.data(), d.B, d.S,
-                  d.D, cfg.pooling);
+                  d.D, cfg.head.pooling);
   store(acts.pooled, "", "pooled");
   const Real* head_in = acts.pooled.data();
-  if (cfg.pooler == Pooler::dense_tanh) {
+  if (cfg.head.pooler == Pooler::dense_tanh) {
     // pooler = tanh(pooled Wp^T + bp), BERT's pooler
     linear_forward(acts.pooler_out.data(), acts.pooled.data(), params.pooler_weight.data(),
                    params.pooler_bias.data(), d.B, d.D, d.D);
@@ -327,7 +329,7 @@ void run_encoder(const Params<Real>& params, const Batch& batch, Activations<Rea
   store(acts.logits, "", "logits");
   acts.loss[0] =
       cross_entropy_forward(acts.class_probs.data(), acts.logits.data(), batch.labels.data(), d.B,
-                            d.C, static_cast<Real>(cfg.label_smoothing));
+                            d.C, static_cast<Real>(cfg.head.label_smoothing));
   store(acts.loss, "", "loss");
 }
 
@@ -347,7 +349,7 @@ void encoder_forward(const Params<Real>& params, const Batch& batch, Activations
 template <class Real>
 void backward(const Params<Real>& params, const Batch& batch, const Activations<Real>& acts,
               Params<Real>& grads, Activations<Real>& dacts, const BackwardOptions& opts) {
-  const EncoderConfig& cfg = params.config;
+  const ModelConfig& cfg = params.config;
   validate_params(params);
   validate_batch(cfg, batch, sizeof(Real));
   validate_activations(cfg, batch, acts);
@@ -382,26 +384,27 @@ void backward(const Params<Real>& params, const Batch& batch, const Activations<
     dacts.loss[0] = Real(1);
     Tensor<Real>& dlast = cfg.num_layers > 0 ? dacts.layers.back().output : dacts.input;
     const Real* last = cfg.num_layers > 0 ? acts.layers.back().output.data() : acts.input.data();
-    Real* dtop = cfg.norm_first ? dacts.final_norm.data() : dlast.data();
+    Real* dtop = cfg.norms.norm_first ? dacts.final_norm.data() : dlast.data();
     if (cfg.encoder_decoder()) {
       // the decoder side, which adds the memory's gradient into the encoder's top
       detail::seq2seq_backward(params, batch, acts, encoder_top(acts), grads, dacts, dtop);
     } else if (cfg.decoder()) {
-      const index_t V = cfg.vocab_size;
+      const index_t V = cfg.embeddings.vocab_size;
       cross_entropy_backward(dacts.lm_logits.data(), acts.lm_probs.data(),
                              next_token_targets(batch).data(), d.N, V,
-                             static_cast<Real>(cfg.label_smoothing), dacts.loss[0]);
+                             static_cast<Real>(cfg.head.label_smoothing), dacts.loss[0]);
       store(dacts.lm_logits, "", "lm_logits");
       // a tied head's weight gradient goes into the embedding's, before the lookup's
-      Real* dw = cfg.tie_embeddings ? grads.embedding_weight.data() : grads.lm_head_weight.data();
+      Real* dw =
+          cfg.head.tie_embeddings ? grads.embedding_weight.data() : grads.lm_head_weight.data();
       linear_backward(dtop, dw, detail::data_or_null(grads.lm_head_bias), dacts.lm_logits.data(),
-                      cfg.norm_first ? acts.final_norm.data() : last, lm_head_weight(params).data(),
-                      d.N, d.D, V);
+                      cfg.norms.norm_first ? acts.final_norm.data() : last,
+                      lm_head_weight(params).data(), d.N, d.D, V);
     } else {
       cross_entropy_backward(dacts.logits.data(), acts.class_probs.data(), batch.labels.data(), d.B,
-                             d.C, static_cast<Real>(cfg.label_smoothing), dacts.loss[0]);
+                             d.C, static_cast<Real>(cfg.head.label_smoothing), dacts.loss[0]);
       store(dacts.logits, "", "logits");
-      if (cfg.pooler == Pooler::dense_tanh) {
+      if (cfg.head.pooler == Pooler::dense_tanh) {
         linear_backward(dacts.pooler_out.data(), grads.head_weight.data(),
                         detail::data_or_null(grads.head_bias), dacts.logits.data(),
                         acts.pooler_out.data(), params.head_weight.data(), d.B, d.D, d.C);
@@ -423,9 +426,9 @@ void backward(const Params<Real>& params, const Batch& batch, const Activations<
       store(dacts.pooled, "", "pooled");
       // pooled = pool(top); top = final_norm(last) (pre) or last
       pooling_backward(dtop, dacts.pooled.data(), acts.pool_argmax.data(), batch.lengths.data(),
-                       d.B, d.S, d.D, cfg.pooling);
+                       d.B, d.S, d.D, cfg.head.pooling);
     }
-    if (cfg.norm_first) {
+    if (cfg.norms.norm_first) {
       store(dacts.final_norm, "", "final_norm");
       detail::norm_backward(cfg, dlast.data(), grads.final_norm_weight.data(),
                             detail::data_or_null(grads.final_norm_bias), dacts.final_norm.data(),
@@ -459,7 +462,7 @@ void backward(const Params<Real>& params, const Batch& batch, const Activations<
   // input = dropout(sum) or dropout(norm(sum)); sum = embedding + positional (+ token_type)
   profile::Scope stage(Stage::bwd_embedding);
   // d(sum) is the gradient of the embedding itself, written here first
-  if (cfg.embedding_norm) {
+  if (cfg.embeddings.embedding_norm) {
     dropout_grad(dacts.embedding_norm_out.data(), dacts.input.data(), acts.input_mask, d.N * d.D,
                  cfg.dropout);
     store(dacts.embedding_norm_out, "", "embedding_norm");
@@ -476,7 +479,7 @@ void backward(const Params<Real>& params, const Batch& batch, const Activations<
                  cfg.dropout);
   }
   store(dacts.embedding, "", "embedding");
-  if (cfg.type_vocab_size) {
+  if (cfg.embeddings.type_vocab_size) {
     // d(token_type) = d(sum): the rows' gradients, scattered into the table
     copy(dacts.token_type.data(), dacts.embedding.data(), d.N * d.D);
     store(dacts.token_type, "", "token_type");
@@ -485,9 +488,9 @@ void backward(const Params<Real>& params, const Batch& batch, const Activations<
   }
   add_positional_backward(dacts.positional.data(), dacts.embedding.data(), d.B, d.S, d.D);
   store(dacts.positional, "", "positional");
-  if (cfg.positional == Positional::learned) {
-    add(grads.pos_embedding_weight.data() + cfg.position_offset * d.D, dacts.positional.data(),
-        d.S * d.D);
+  if (cfg.embeddings.positional == Positional::learned) {
+    add(grads.pos_embedding_weight.data() + cfg.embeddings.position_offset * d.D,
+        dacts.positional.data(), d.S * d.D);
   }
   if (cfg.patches_input()) {
     const std::vector<Real> pixels = pixels_of<Real>(batch);
@@ -496,10 +499,11 @@ void backward(const Params<Real>& params, const Batch& batch, const Activations<
                              dacts.embedding.data(), pixels.data(),
                              params.patch_embedding_weight.data(), patch_dims(cfg, d));
   } else {
-    const Real scale =
-        cfg.embed_scale ? static_cast<Real>(std::sqrt(static_cast<double>(d.D))) : Real(1);
+    const Real scale = cfg.embeddings.embed_scale
+                           ? static_cast<Real>(std::sqrt(static_cast<double>(d.D)))
+                           : Real(1);
     embedding_backward(grads.embedding_weight.data(), dacts.embedding.data(), batch.tokens.data(),
-                       d.N, d.D, scale, cfg.padding_idx.value_or(-1));
+                       d.N, d.D, scale, cfg.embeddings.padding_idx.value_or(-1));
   }
   if (store.stores_reduced()) {
     grads.visit([&](const std::string& name, Tensor<Real>& g) { store(g, "", name.c_str()); });
@@ -510,7 +514,7 @@ namespace {
 
 // Checks the arguments of a single-layer pass (ShapeError) and returns its dimensions.
 template <class Real>
-Dims layer_dims(const EncoderConfig& cfg, const LayerParams<Real>& P, const Tensor<Real>& x,
+Dims layer_dims(const ModelConfig& cfg, const LayerParams<Real>& P, const Tensor<Real>& x,
                 const std::vector<std::int64_t>& lengths, Batch& batch) {
   cfg.validate();
   if (x.shape().rank() != 3 || x.dim(2) != cfg.d_model ||
@@ -546,7 +550,7 @@ Dims layer_dims(const EncoderConfig& cfg, const LayerParams<Real>& P, const Tens
 }  // namespace
 
 template <class Real>
-void encoder_layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P,
+void encoder_layer_forward(const ModelConfig& cfg, const LayerParams<Real>& P,
                            const Tensor<Real>& x, const std::vector<std::int64_t>& lengths,
                            LayerActs<Real>& L, const ForwardOptions& opts) {
   Batch batch;
@@ -559,7 +563,7 @@ void encoder_layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P,
 }
 
 template <class Real>
-void encoder_layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P,
+void encoder_layer_backward(const ModelConfig& cfg, const LayerParams<Real>& P,
                             const Tensor<Real>& x, const std::vector<std::int64_t>& lengths,
                             const LayerActs<Real>& L, const Tensor<Real>& dy, Tensor<Real>& dx,
                             LayerParams<Real>& G, LayerActs<Real>& dL,
@@ -589,11 +593,11 @@ void encoder_layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P
 }
 
 #define TEO_INSTANTIATE(Real)                                                                      \
-  template void encoder_layer_forward<Real>(const EncoderConfig&, const LayerParams<Real>&,        \
+  template void encoder_layer_forward<Real>(const ModelConfig&, const LayerParams<Real>&,          \
                                             const Tensor<Real>&, const std::vector<std::int64_t>&, \
                                             LayerActs<Real>&, const ForwardOptions&);              \
   template void encoder_layer_backward<Real>(                                                      \
-      const EncoderConfig&, const LayerParams<Real>&, const Tensor<Real>&,                         \
+      const ModelConfig&, const LayerParams<Real>&, const Tensor<Real>&,                           \
       const std::vector<std::int64_t>&, const LayerActs<Real>&, const Tensor<Real>&,               \
       Tensor<Real>&, LayerParams<Real>&, LayerActs<Real>&, const BackwardOptions&);                \
   template void forward<Real>(const Params<Real>&, const Batch&, Activations<Real>&,               \

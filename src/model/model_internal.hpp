@@ -11,19 +11,20 @@
 namespace teo::detail {
 
 // The shape of parameter `name` (a contract name such as "layers.0.fc1.weight") under `c`.
-Shape param_shape(const EncoderConfig& c, const std::string& name);
+Shape param_shape(const ModelConfig& c, const std::string& name);
 
 // The attention variant of cfg (docs/semantics.md section 14): its K/V heads, window, soft-cap and
 // ALiBi, with the sinks (H) and where their gradient goes (null unless attn_sinks).
 template <class Real>
-AttentionVariant<Real> attention_variant(const EncoderConfig& cfg, const Real* sinks,
+AttentionVariant<Real> attention_variant(const ModelConfig& cfg, const Real* sinks,
                                          Real* dsinks = nullptr) {
   AttentionVariant<Real> v;
   v.kv_heads = cfg.kv_heads();
-  v.window = cfg.sliding_window;
-  v.softcap = cfg.attn_logit_softcap;
-  if (cfg.positional == Positional::alibi) v.alibi_max_bias = cfg.alibi_max_bias;
-  if (cfg.attn_sinks) {
+  v.window = cfg.attention.sliding_window;
+  v.softcap = cfg.attention.attn_logit_softcap;
+  if (cfg.embeddings.positional == Positional::alibi)
+    v.alibi_max_bias = cfg.attention.alibi_max_bias;
+  if (cfg.attention.attn_sinks) {
     v.sinks = sinks;
     v.dsinks = dsinks;
   }
@@ -33,16 +34,16 @@ AttentionVariant<Real> attention_variant(const EncoderConfig& cfg, const Real* s
 // The attention call of cfg's layer on a batch of `batch` sequences of seq_len with these lengths:
 // its sizes, mask, variant and default scale; the caller sets the path's options.
 template <class Real>
-AttentionArgs<Real> attention_args(const EncoderConfig& cfg, index_t batch, index_t seq_len,
+AttentionArgs<Real> attention_args(const ModelConfig& cfg, index_t batch, index_t seq_len,
                                    const std::int64_t* lengths, const Real* sinks,
                                    Real* dsinks = nullptr) {
   AttentionArgs<Real> a;
   a.batch = batch;
-  a.heads = cfg.num_heads;
+  a.heads = cfg.attention.num_heads;
   a.seq_len = seq_len;
   a.d_head = cfg.d_head();
   a.lengths = lengths;
-  a.causal = cfg.causal;
+  a.causal = cfg.attention.causal;
   a.variant = attention_variant(cfg, sinks, dsinks);
   return a;
 }

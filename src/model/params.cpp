@@ -33,14 +33,15 @@ void validate_lengths(const std::vector<std::int64_t>& lengths, index_t batch, i
 
 // input patches: seq_len is 1 + patches, every length is full, the pixels are (B, Ch, Img, Img)
 // and finite.
-void validate_pixels(const EncoderConfig& cfg, const Batch& b, std::size_t real_size) {
+void validate_pixels(const ModelConfig& cfg, const Batch& b, std::size_t real_size) {
   const index_t S = 1 + cfg.patches();
   if (b.seq_len != S) {
     throw ShapeError("seq_len " + std::to_string(b.seq_len) +
                      " is not 1 + patches = " + std::to_string(S) +
                      ": with input \"patches\" the sequence is [CLS] and the " + "image's patches");
   }
-  const index_t want = b.batch * cfg.channels * cfg.image_size * cfg.image_size;
+  const index_t want =
+      b.batch * cfg.embeddings.channels * cfg.embeddings.image_size * cfg.embeddings.image_size;
   if (static_cast<index_t>(b.pixels.size()) != want) {
     throw ShapeError(
         "pixels has " + std::to_string(b.pixels.size()) +
@@ -66,7 +67,7 @@ void validate_pixels(const EncoderConfig& cfg, const Batch& b, std::size_t real_
 
 }  // namespace
 
-Batch Batch::random(const EncoderConfig& cfg, index_t batch, index_t seq_len, std::uint64_t seed,
+Batch Batch::random(const ModelConfig& cfg, index_t batch, index_t seq_len, std::uint64_t seed,
                     std::vector<std::int64_t> lengths) {
   cfg.validate();
   if (cfg.encoder_decoder())
@@ -82,8 +83,8 @@ Batch Batch::random(const EncoderConfig& cfg, index_t batch, index_t seq_len, st
   b.labels.resize(cfg.decoder() ? 0 : static_cast<std::size_t>(batch));  // a decoder has none
   if (cfg.patches_input()) {
     // multiples of 2^-8 in [-1, 1): exact in every format down to bf16 and fp16
-    b.pixels.resize(
-        static_cast<std::size_t>(batch * cfg.channels * cfg.image_size * cfg.image_size));
+    b.pixels.resize(static_cast<std::size_t>(
+        batch * cfg.embeddings.channels * cfg.embeddings.image_size * cfg.embeddings.image_size));
     const auto pix_stream = rng::stream_id("input.pixels");
     for (std::size_t i = 0; i < b.pixels.size(); ++i)
       b.pixels[i] = static_cast<double>(
@@ -94,32 +95,33 @@ Batch Batch::random(const EncoderConfig& cfg, index_t batch, index_t seq_len, st
   const auto lab_stream = rng::stream_id("input.labels");
   for (std::size_t i = 0; i < b.tokens.size(); ++i)
     b.tokens[i] = static_cast<std::int64_t>(rng::bits(seed, tok_stream, i) %
-                                            static_cast<std::uint64_t>(cfg.vocab_size));
+                                            static_cast<std::uint64_t>(cfg.embeddings.vocab_size));
   // a padded position holds the pad token, as a real batch's does (BERT's and RoBERTa's
   // padding_idx), so that a backend that embeds it or learns its row is caught
-  if (cfg.padding_idx && !b.tokens.empty()) {
+  if (cfg.embeddings.padding_idx && !b.tokens.empty()) {
     for (index_t r = 0; r < batch; ++r)
       for (index_t s = b.lengths[static_cast<std::size_t>(r)]; s < seq_len; ++s)
-        b.tokens[static_cast<std::size_t>(r * seq_len + s)] = *cfg.padding_idx;
+        b.tokens[static_cast<std::size_t>(r * seq_len + s)] = *cfg.embeddings.padding_idx;
   }
   for (std::size_t i = 0; i < b.labels.size(); ++i)
     b.labels[i] = static_cast<std::int64_t>(rng::bits(seed, lab_stream, i) %
-                                            static_cast<std::uint64_t>(cfg.num_classes));
-  if (cfg.type_vocab_size) {
+                                            static_cast<std::uint64_t>(cfg.head.num_classes));
+  if (cfg.embeddings.type_vocab_size) {
     // every position, padding included, as the tokens; a stream of its own, so the tokens and
     // labels are those of the same seed without token types
     b.token_types.resize(b.tokens.size());
     const auto type_stream = rng::stream_id("input.token_types");
     for (std::size_t i = 0; i < b.token_types.size(); ++i)
-      b.token_types[i] = static_cast<std::int64_t>(
-          rng::bits(seed, type_stream, i) % static_cast<std::uint64_t>(*cfg.type_vocab_size));
+      b.token_types[i] =
+          static_cast<std::int64_t>(rng::bits(seed, type_stream, i) %
+                                    static_cast<std::uint64_t>(*cfg.embeddings.type_vocab_size));
   }
   validate_batch(cfg, b, sizeof(double));
   return b;
 }
 
-Batch Batch::random_seq2seq(const EncoderConfig& cfg, index_t batch, index_t seq_len,
-                            index_t tgt_len, std::uint64_t seed, std::vector<std::int64_t> lengths,
+Batch Batch::random_seq2seq(const ModelConfig& cfg, index_t batch, index_t seq_len, index_t tgt_len,
+                            std::uint64_t seed, std::vector<std::int64_t> lengths,
                             std::vector<std::int64_t> tgt_lengths) {
   cfg.validate();
   if (!cfg.encoder_decoder())
@@ -143,13 +145,13 @@ Batch Batch::random_seq2seq(const EncoderConfig& cfg, index_t batch, index_t seq
     for (std::size_t i = 0; i < v.size(); ++i)
       v[i] = static_cast<std::int64_t>(rng::bits(seed, id, i) % static_cast<std::uint64_t>(hi));
   };
-  draw(b.tokens, batch * seq_len, "input.src_tokens", cfg.vocab_size);
+  draw(b.tokens, batch * seq_len, "input.src_tokens", cfg.embeddings.vocab_size);
   draw(b.tgt_tokens, batch * tgt_len, "input.tgt_tokens", cfg.target_vocab());
   validate_batch(cfg, b, sizeof(double));
   return b;
 }
 
-void validate_batch(const EncoderConfig& cfg, const Batch& b, std::size_t real_size) {
+void validate_batch(const ModelConfig& cfg, const Batch& b, std::size_t real_size) {
   validate_batch_shape(cfg, {b.batch, b.seq_len, cfg.encoder_decoder() ? b.tgt_len : 0}, real_size);
   if (cfg.encoder_decoder()) {
     const auto nt = static_cast<std::size_t>(b.batch * b.tgt_len);
@@ -186,31 +188,33 @@ void validate_batch(const EncoderConfig& cfg, const Batch& b, std::size_t real_s
   }
   validate_lengths(b.lengths, b.batch, b.seq_len);
   for (std::size_t i = 0; i < n; ++i) {
-    if (b.tokens[i] < 0 || b.tokens[i] >= cfg.vocab_size) {
+    if (b.tokens[i] < 0 || b.tokens[i] >= cfg.embeddings.vocab_size) {
       throw InputError("tokens[" + std::to_string(i / b.seq_len) + "][" +
                        std::to_string(i % b.seq_len) + "] = " + std::to_string(b.tokens[i]) +
-                       " is outside [0, vocab_size = " + std::to_string(cfg.vocab_size) + ")");
-    }
-  }
-  const auto types = static_cast<std::size_t>(cfg.type_vocab_size ? n : 0);
-  if (b.token_types.size() != types) {
-    throw ShapeError(
-        "token_types has " + std::to_string(b.token_types.size()) + " elements, expected " +
-        (cfg.type_vocab_size ? "batch x seq_len = " + std::to_string(n)
-                             : std::string("none: the config has no type_vocab_size")));
-  }
-  for (std::size_t i = 0; i < types; ++i) {
-    if (b.token_types[i] < 0 || b.token_types[i] >= *cfg.type_vocab_size) {
-      throw InputError("token_types[" + std::to_string(i / b.seq_len) + "][" +
-                       std::to_string(i % b.seq_len) + "] = " + std::to_string(b.token_types[i]) +
-                       " is outside [0, type_vocab_size = " + std::to_string(*cfg.type_vocab_size) +
+                       " is outside [0, vocab_size = " + std::to_string(cfg.embeddings.vocab_size) +
                        ")");
     }
   }
+  const auto types = static_cast<std::size_t>(cfg.embeddings.type_vocab_size ? n : 0);
+  if (b.token_types.size() != types) {
+    throw ShapeError(
+        "token_types has " + std::to_string(b.token_types.size()) + " elements, expected " +
+        (cfg.embeddings.type_vocab_size ? "batch x seq_len = " + std::to_string(n)
+                                        : std::string("none: the config has no type_vocab_size")));
+  }
+  for (std::size_t i = 0; i < types; ++i) {
+    if (b.token_types[i] < 0 || b.token_types[i] >= *cfg.embeddings.type_vocab_size) {
+      throw InputError("token_types[" + std::to_string(i / b.seq_len) + "][" +
+                       std::to_string(i % b.seq_len) + "] = " + std::to_string(b.token_types[i]) +
+                       " is outside [0, type_vocab_size = " +
+                       std::to_string(*cfg.embeddings.type_vocab_size) + ")");
+    }
+  }
   for (std::size_t i = 0; i < (cfg.lm() ? 0 : b.labels.size()); ++i) {
-    if (b.labels[i] < 0 || b.labels[i] >= cfg.num_classes) {
+    if (b.labels[i] < 0 || b.labels[i] >= cfg.head.num_classes) {
       throw InputError("labels[" + std::to_string(i) + "] = " + std::to_string(b.labels[i]) +
-                       " is outside [0, num_classes = " + std::to_string(cfg.num_classes) + ")");
+                       " is outside [0, num_classes = " + std::to_string(cfg.head.num_classes) +
+                       ")");
     }
   }
 }
@@ -221,14 +225,14 @@ void validate_batch(const EncoderConfig& cfg, const Batch& b, std::size_t real_s
 namespace detail {
 
 // The shape of parameter `name` under config c, from the contract's symbolic shape.
-Shape param_shape(const EncoderConfig& c, const std::string& name) {
+Shape param_shape(const ModelConfig& c, const std::string& name) {
   return Shape(contract::shape(contract::param_dims(name), c, {}));
 }
 
 }  // namespace detail
 
 template <class Real>
-Params<Real> Params<Real>::zeros(const EncoderConfig& cfg) {
+Params<Real> Params<Real>::zeros(const ModelConfig& cfg) {
   cfg.validate();
   Params p;
   p.config = cfg;
@@ -245,7 +249,7 @@ Params<Real> Params<Real>::zeros(const EncoderConfig& cfg) {
 }
 
 template <class Real>
-Params<Real> Params<Real>::init(const EncoderConfig& cfg, std::uint64_t seed) {
+Params<Real> Params<Real>::init(const ModelConfig& cfg, std::uint64_t seed) {
   Params p = zeros(cfg);
   p.visit([&](const std::string& name, Tensor<Real>& t) {
     const bool is_norm = name.find("norm") != std::string::npos;
@@ -256,7 +260,9 @@ Params<Real> Params<Real>::init(const EncoderConfig& cfg, std::uint64_t seed) {
     double bound;
     if (name.starts_with("patch_embedding.")) {
       // Conv2d's default bound, 1 / sqrt(fan_in), fan_in = Ch P P, for weight and bias alike
-      bound = 1.0 / std::sqrt(static_cast<double>(cfg.channels * cfg.patch_size * cfg.patch_size));
+      bound =
+          1.0 / std::sqrt(static_cast<double>(cfg.embeddings.channels * cfg.embeddings.patch_size *
+                                              cfg.embeddings.patch_size));
     } else if (name.ends_with("embedding.weight") || name == "cls_token") {
       bound = std::sqrt(3.0);  // variance 1, like PyTorch's N(0, 1) embedding
     } else if (name.ends_with(".attn.sinks")) {
@@ -264,7 +270,7 @@ Params<Real> Params<Real>::init(const EncoderConfig& cfg, std::uint64_t seed) {
     } else {
       // Linear: PyTorch's default bound 1 / sqrt(in_features) for weight and bias alike.
       const index_t in_features = name.ends_with(".weight")               ? t.dim(1)
-                                  : name.find("fc2") != std::string::npos ? cfg.d_ff
+                                  : name.find("fc2") != std::string::npos ? cfg.ffn.d_ff
                                                                           : cfg.d_model;
       bound = 1.0 / std::sqrt(static_cast<double>(in_features));
     }
@@ -301,17 +307,17 @@ void expect_size(const std::string& what, const std::vector<T>& v, index_t want,
 
 template <class Real>
 void validate_params(const Params<Real>& p) {
-  const EncoderConfig& c = p.config;
+  const ModelConfig& c = p.config;
   c.validate();
   if (p.layers.size() != static_cast<std::size_t>(c.num_layers)) {
     throw ShapeError("params has " + std::to_string(p.layers.size()) +
                      " layers, config.num_layers is " + std::to_string(c.num_layers));
   }
   for (std::size_t i = 0; i < p.layers.size(); ++i) {
-    if (p.layers[i].has_sinks != c.attn_sinks) {
+    if (p.layers[i].has_sinks != c.attention.attn_sinks) {
       throw ShapeError("parameter layers." + std::to_string(i) + ".attn.sinks is " +
-                       (c.attn_sinks ? "missing" : "present") + ", but config.attn_sinks is " +
-                       (c.attn_sinks ? "true" : "false"));
+                       (c.attention.attn_sinks ? "missing" : "present") +
+                       ", but config.attn_sinks is " + (c.attention.attn_sinks ? "true" : "false"));
     }
     if (!p.layers[i].configured_for(c)) {
       throw ShapeError("the parameters of layers." + std::to_string(i) +
@@ -327,10 +333,10 @@ void validate_params(const Params<Real>& p) {
   for (std::size_t i = 0; i < p.decoder_layers.size(); ++i) {
     // each holds exactly the tensors the config's decoder layer has (names checked by count)
     std::size_t have = 0, want = 0;
-    p.decoder_layers[i].visit(c.norm_first,
+    p.decoder_layers[i].visit(c.norms.norm_first,
                               [&](const std::string&, const Tensor<Real>&) { ++have; });
     DecoderLayerParams<Real>::markers(c, true).visit(
-        c.norm_first, [&](const std::string&, const Tensor<Real>&) { ++want; });
+        c.norms.norm_first, [&](const std::string&, const Tensor<Real>&) { ++want; });
     if (have != want || !p.decoder_layers[i].cross()) {
       throw ShapeError("the parameters of decoder.layers." + std::to_string(i) +
                        " are not those of the config: build them with Params::zeros");
@@ -342,7 +348,7 @@ void validate_params(const Params<Real>& p) {
 }
 
 template <class Real>
-void validate_activations(const EncoderConfig& c, const Batch& b, const Activations<Real>& a) {
+void validate_activations(const ModelConfig& c, const Batch& b, const Activations<Real>& a) {
   const index_t B = b.batch, S = b.seq_len, D = c.d_model, N = B * S;
   if (!a.configured_for(c) || a.layers.size() != static_cast<std::size_t>(c.num_layers) ||
       a.decoder_layers.size() !=
@@ -371,11 +377,11 @@ void validate_activations(const EncoderConfig& c, const Batch& b, const Activati
   }
   expect_size("mask dropout.input", a.input_mask,
               shape_of(contract::mask_dims("dropout.input")).numel(), true);
-  if (c.embedding_norm) {
+  if (c.embeddings.embedding_norm) {
     expect_shape("statistic embedding_norm mean", a.embedding_norm_mean.shape(), Shape({N}));
     expect_shape("statistic embedding_norm rstd", a.embedding_norm_rstd.shape(), Shape({N}));
   }
-  if (c.norm_first) {
+  if (c.norms.norm_first) {
     expect_shape("statistic final_norm mean", a.final_norm_mean.shape(), Shape({N}));
     expect_shape("statistic final_norm rstd", a.final_norm_rstd.shape(), Shape({N}));
   }
@@ -384,8 +390,8 @@ void validate_activations(const EncoderConfig& c, const Batch& b, const Activati
                  Shape({B, c.encoder_decoder() ? b.tgt_len : S, c.target_vocab()}));
     return;
   }
-  expect_shape("class_probs", a.class_probs.shape(), Shape({B, c.num_classes}));
-  if (c.pooling == Pooling::max) {
+  expect_shape("class_probs", a.class_probs.shape(), Shape({B, c.head.num_classes}));
+  if (c.head.pooling == Pooling::max) {
     expect_size("pool_argmax", a.pool_argmax, B * D, false);
     // The only activation that indexes memory: backward adds into position argmax of each real
     // sequence, so every entry must be a real position of this batch (rows of length 0 are not
@@ -406,10 +412,10 @@ void validate_activations(const EncoderConfig& c, const Batch& b, const Activati
   }
 }
 
-#define TEO_INSTANTIATE(Real)                                                  \
-  template struct Params<Real>;                                                \
-  template void validate_params<Real>(const Params<Real>&);                    \
-  template void validate_activations<Real>(const EncoderConfig&, const Batch&, \
+#define TEO_INSTANTIATE(Real)                                                \
+  template struct Params<Real>;                                              \
+  template void validate_params<Real>(const Params<Real>&);                  \
+  template void validate_activations<Real>(const ModelConfig&, const Batch&, \
                                            const Activations<Real>&);
 TEO_INSTANTIATE(float)
 TEO_INSTANTIATE(double)

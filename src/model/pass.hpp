@@ -31,18 +31,18 @@ struct Dims {
   bool gated;                       // the FFN is gated (ffn_gate)
 };
 
-inline Dims dims_of(const EncoderConfig& c, const Batch& b) {
+inline Dims dims_of(const ModelConfig& c, const Batch& b) {
   return {b.batch,
           b.seq_len,
           c.d_model,
-          c.num_heads,
+          c.attention.num_heads,
           c.d_head(),
-          c.d_ff,
-          c.num_classes,
+          c.ffn.d_ff,
+          c.head.num_classes,
           b.batch * b.seq_len,
           c.kv_heads(),
           c.kv_heads() * c.d_head(),
-          c.positional == Positional::rope,
+          c.embeddings.positional == Positional::rope,
           c.gated()};
 }
 
@@ -60,7 +60,7 @@ const Real* data_or_null(const Tensor<Real>& t) {
 template <class Real>
 struct RopeTables {
   std::vector<Real> cos, sin;
-  RopeTables(const EncoderConfig& cfg, index_t seq_len)
+  RopeTables(const ModelConfig& cfg, index_t seq_len)
       : cos(static_cast<std::size_t>(seq_len * (cfg.rotary() / 2))), sin(cos.size()) {
     rope_table(cos.data(), sin.data(), cfg, seq_len);
   }
@@ -229,10 +229,10 @@ void dropout_grad(Real* din, const Real* dout, const std::vector<std::uint8_t>& 
 // The config's norm over N rows of D: LayerNorm, or RMSNorm (which writes no mean and has no bias:
 // b and db are not read).
 template <class Real>
-void norm_forward(const EncoderConfig& cfg, Real* out, Real* mean, Real* rstd, const Real* x,
+void norm_forward(const ModelConfig& cfg, Real* out, Real* mean, Real* rstd, const Real* x,
                   const Real* w, const Real* b, index_t N, index_t D) {
-  const Real eps = static_cast<Real>(cfg.layer_norm_eps);
-  if (cfg.norm == Norm::rmsnorm) {
+  const Real eps = static_cast<Real>(cfg.norms.layer_norm_eps);
+  if (cfg.norms.norm == Norm::rmsnorm) {
     rms_norm_forward(out, rstd, x, w, N, D, eps);
   } else {
     layer_norm_forward(out, mean, rstd, x, w, b, N, D, eps);
@@ -241,10 +241,10 @@ void norm_forward(const EncoderConfig& cfg, Real* out, Real* mean, Real* rstd, c
 
 // Its backward: dx accumulated into (or overwritten), dw and db accumulated into.
 template <class Real>
-void norm_backward(const EncoderConfig& cfg, Real* dx, Real* dw, Real* db, const Real* dy,
+void norm_backward(const ModelConfig& cfg, Real* dx, Real* dw, Real* db, const Real* dy,
                    const Real* x, const Real* w, const Real* mean, const Real* rstd, index_t N,
                    index_t D, GradWrite write = GradWrite::accumulate) {
-  if (cfg.norm == Norm::rmsnorm) {
+  if (cfg.norms.norm == Norm::rmsnorm) {
     rms_norm_backward(dx, dw, dy, x, w, rstd, N, D, write);
   } else {
     layer_norm_backward(dx, dw, db, dy, x, w, mean, rstd, N, D, write);
@@ -295,7 +295,7 @@ void allocate_layer(LayerActs<Real>& l, const Dims& d, ZeroList<Real>* zero);
 // One layer's forward pass: writes every activation of L from its input x (B, S, D); `prefix`
 // ("dropout.layers.{i}.") names its dropout sites, whose masks come from `seed` when `drop`.
 template <class Real>
-void layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P, LayerActs<Real>& L,
+void layer_forward(const ModelConfig& cfg, const LayerParams<Real>& P, LayerActs<Real>& L,
                    const Real* x, const Batch& batch, const Dims& d, const std::string& prefix,
                    bool drop, const MaskSource& seed, const Emulation<Real>& store);
 
@@ -303,7 +303,7 @@ void layer_forward(const EncoderConfig& cfg, const LayerParams<Real>& P, LayerAc
 // read. Writes every other named gradient of dL, each by its first writer without reading it (so
 // none needs a zero-fill), and accumulates the parameter gradients into G.
 template <class Real>
-void layer_backward(const EncoderConfig& cfg, const LayerParams<Real>& P, const LayerActs<Real>& L,
+void layer_backward(const ModelConfig& cfg, const LayerParams<Real>& P, const LayerActs<Real>& L,
                     LayerParams<Real>& G, LayerActs<Real>& dL, Real* dx, const Real* x,
                     const std::int64_t* lengths, const Dims& d, std::string_view name,
                     const Emulation<Real>& store);

@@ -123,7 +123,7 @@ std::vector<std::int64_t> ints_from(const py::dict& d, const char* key) {
 }
 
 template <class Real>
-teo::Params<Real> params_from(const teo::EncoderConfig& cfg, const py::dict& d) {
+teo::Params<Real> params_from(const teo::ModelConfig& cfg, const py::dict& d) {
   auto p = teo::Params<Real>::zeros(cfg);
   std::size_t used = 0;
   p.visit([&](const std::string& name, teo::Tensor<Real>& t) {
@@ -178,7 +178,7 @@ teo::Batch seq2seq_batch_from(const py::dict& d) {
 
 // input "patches": {"pixels" (B, Ch, Img, Img) floats, "labels" (B), "lengths" (optional: every
 // length is 1 + patches)}.
-teo::Batch patches_batch_from(const teo::EncoderConfig& cfg, const py::dict& d) {
+teo::Batch patches_batch_from(const teo::ModelConfig& cfg, const py::dict& d) {
   for (const char* key : {"tokens", "token_types"}) {
     if (d.contains(key)) {
       throw teo::ConfigError(std::string("the batch has \"") + key +
@@ -197,13 +197,14 @@ teo::Batch patches_batch_from(const teo::EncoderConfig& cfg, const py::dict& d) 
   b.seq_len = 1 + cfg.patches();
   const auto px = py::array_t<double, py::array::c_style | py::array::forcecast>::ensure(arr);
   for (int k = 1; k < 4; ++k) {
-    const teo::index_t want = k == 1 ? cfg.channels : cfg.image_size;
+    const teo::index_t want = k == 1 ? cfg.embeddings.channels : cfg.embeddings.image_size;
     if (px.shape(k) != want) {
       throw teo::ShapeError("batch[\"pixels\"] is (" + std::to_string(px.shape(0)) + ", " +
                             std::to_string(px.shape(1)) + ", " + std::to_string(px.shape(2)) +
                             ", " + std::to_string(px.shape(3)) + "), expected (batch, " +
-                            std::to_string(cfg.channels) + ", " + std::to_string(cfg.image_size) +
-                            ", " + std::to_string(cfg.image_size) + ")");
+                            std::to_string(cfg.embeddings.channels) + ", " +
+                            std::to_string(cfg.embeddings.image_size) + ", " +
+                            std::to_string(cfg.embeddings.image_size) + ")");
     }
   }
   b.pixels.assign(px.data(), px.data() + px.size());
@@ -214,7 +215,7 @@ teo::Batch patches_batch_from(const teo::EncoderConfig& cfg, const py::dict& d) 
   return b;
 }
 
-teo::Batch batch_from(const teo::EncoderConfig& cfg, const py::dict& d) {
+teo::Batch batch_from(const teo::ModelConfig& cfg, const py::dict& d) {
   if (cfg.encoder_decoder()) return seq2seq_batch_from(d);
   if (cfg.patches_input()) return patches_batch_from(cfg, d);
   if (d.contains("pixels")) {
@@ -241,7 +242,7 @@ teo::Batch batch_from(const teo::EncoderConfig& cfg, const py::dict& d) {
   } else {
     b.labels = ints_from(d, "labels");
   }
-  if (cfg.type_vocab_size) {
+  if (cfg.embeddings.type_vocab_size) {
     b.token_types = ints_from(d, "token_types");
   } else if (d.contains("token_types")) {
     throw teo::ConfigError(
@@ -326,46 +327,42 @@ PYBIND11_MODULE(_teo, m) {
         }
       });
 
-  py::class_<teo::EncoderConfig>(m, "EncoderConfig")
-      .def(py::init([](const py::kwargs& kw) {
-             return teo::EncoderConfig::from_json_text(to_text(kw));
-           }),
-           "EncoderConfig(**keys): unknown keys and bad values raise ConfigError naming the field")
+  py::class_<teo::ModelConfig>(m, "ModelConfig")
+      .def(py::init(
+               [](const py::kwargs& kw) { return teo::ModelConfig::from_json_text(to_text(kw)); }),
+           "ModelConfig(**keys): unknown keys and bad values raise ConfigError naming the field")
       .def_static(
           "from_json",
           [](const py::object& obj) {
             const std::string text =
                 py::isinstance<py::str>(obj) ? obj.cast<std::string>() : to_text(obj);
-            return teo::EncoderConfig::from_json_text(text);
+            return teo::ModelConfig::from_json_text(text);
           },
           "From a JSON string or a dict")
-      .def("to_dict", [](const teo::EncoderConfig& c) { return from_text(c.to_json().dump()); })
-      .def("to_json", [](const teo::EncoderConfig& c) { return c.to_json().dump(); })
-      .def("__eq__",
-           [](const teo::EncoderConfig& a, const teo::EncoderConfig& b) { return a == b; })
+      .def("to_dict", [](const teo::ModelConfig& c) { return from_text(c.to_json().dump()); })
+      .def("to_json", [](const teo::ModelConfig& c) { return c.to_json().dump(); })
+      .def("__eq__", [](const teo::ModelConfig& a, const teo::ModelConfig& b) { return a == b; })
       .def("__repr__",
-           [](const teo::EncoderConfig& c) {
-             return "teo.EncoderConfig(" + c.to_json().dump() + ")";
-           })
-      .def("__getattr__", [](const teo::EncoderConfig& c, const std::string& key) -> py::object {
+           [](const teo::ModelConfig& c) { return "teo.ModelConfig(" + c.to_json().dump() + ")"; })
+      .def("__getattr__", [](const teo::ModelConfig& c, const std::string& key) -> py::object {
         json j = c.to_json();
         // the block variants' and the architecture's keys, which to_json writes only when set
         const json all = {{"architecture", teo::to_string(c.architecture)},
-                          {"norm", teo::to_string(c.norm)},
-                          {"ffn", teo::to_string(c.ffn)},
-                          {"ffn_bias", c.ffn_bias},
-                          {"attn_bias", c.attn_bias},
-                          {"head_bias", c.head_bias},
-                          {"tie_embeddings", c.tie_embeddings}};
+                          {"norm", teo::to_string(c.norms.norm)},
+                          {"ffn", teo::to_string(c.ffn.kind)},
+                          {"ffn_bias", c.ffn.ffn_bias},
+                          {"attn_bias", c.attention.attn_bias},
+                          {"head_bias", c.head.head_bias},
+                          {"tie_embeddings", c.head.tie_embeddings}};
         for (const auto& [k, v] : all.items())
           if (!j.contains(k)) j[k] = v;
-        if (!j.contains(key)) throw py::attribute_error("EncoderConfig has no field " + key);
+        if (!j.contains(key)) throw py::attribute_error("ModelConfig has no field " + key);
         return from_text(j.at(key).dump());
       });
 
   m.def(
       "init_params",
-      [](const teo::EncoderConfig& cfg, std::uint64_t seed, const std::string& dtype) -> py::dict {
+      [](const teo::ModelConfig& cfg, std::uint64_t seed, const std::string& dtype) -> py::dict {
         if (dtype == "float64") return params_dict(teo::Params<double>::init(cfg, seed));
         if (dtype == "float32") return params_dict(teo::Params<float>::init(cfg, seed));
         throw teo::ConfigError("dtype must be \"float32\" or \"float64\", got \"" + dtype + "\"");
@@ -374,9 +371,9 @@ PYBIND11_MODULE(_teo, m) {
 
   m.def(
       "random_batch",
-      [](const teo::EncoderConfig& cfg, teo::index_t batch, teo::index_t seq_len,
-         std::uint64_t seed, const std::optional<std::vector<std::int64_t>>& lengths,
-         teo::index_t tgt_len, const std::optional<std::vector<std::int64_t>>& tgt_lengths) {
+      [](const teo::ModelConfig& cfg, teo::index_t batch, teo::index_t seq_len, std::uint64_t seed,
+         const std::optional<std::vector<std::int64_t>>& lengths, teo::index_t tgt_len,
+         const std::optional<std::vector<std::int64_t>>& tgt_lengths) {
         const std::vector<std::int64_t> none;
         if (cfg.encoder_decoder()) {
           teo::validate_batch_shape(cfg, {batch, seq_len, tgt_len}, sizeof(double));
@@ -404,7 +401,8 @@ PYBIND11_MODULE(_teo, m) {
         const teo::Batch b = teo::Batch::random(cfg, batch, seq_len, seed, lengths.value_or(none));
         py::dict out;
         if (cfg.patches_input()) {
-          py::array_t<double> pixels({b.batch, cfg.channels, cfg.image_size, cfg.image_size});
+          py::array_t<double> pixels({b.batch, cfg.embeddings.channels, cfg.embeddings.image_size,
+                                      cfg.embeddings.image_size});
           if (!b.pixels.empty())
             std::memcpy(pixels.mutable_data(), b.pixels.data(), b.pixels.size() * 8);
           out["pixels"] = pixels;
@@ -420,7 +418,7 @@ PYBIND11_MODULE(_teo, m) {
           out["labels"] =
               py::array_t<std::int64_t>(static_cast<py::ssize_t>(b.labels.size()), b.labels.data());
         }
-        if (cfg.type_vocab_size) {
+        if (cfg.embeddings.type_vocab_size) {
           py::array_t<std::int64_t> types({b.batch, b.seq_len});
           if (!b.token_types.empty())
             std::memcpy(types.mutable_data(), b.token_types.data(), b.token_types.size() * 8);
@@ -433,7 +431,7 @@ PYBIND11_MODULE(_teo, m) {
 
   m.def(
       "run",
-      [](const teo::EncoderConfig& cfg, const py::dict& params, const py::dict& batch, bool train,
+      [](const teo::ModelConfig& cfg, const py::dict& params, const py::dict& batch, bool train,
          std::uint64_t dropout_seed, const std::optional<std::string>& precision, bool backward,
          const std::optional<std::string>& backend, std::optional<int> threads,
          const std::string& dtype, const std::optional<py::dict>& masks,
@@ -472,7 +470,7 @@ PYBIND11_MODULE(_teo, m) {
 
   m.def(
       "generate",
-      [](const teo::EncoderConfig& cfg, const py::dict& params, const py::dict& prompt,
+      [](const teo::ModelConfig& cfg, const py::dict& params, const py::dict& prompt,
          teo::index_t steps, std::int64_t start_token, const std::optional<py::object>& feed,
          const std::optional<std::string>& backend, std::optional<int> threads,
          const std::string& dtype) {
@@ -500,7 +498,7 @@ PYBIND11_MODULE(_teo, m) {
               },
               backend, threads);
           const auto T = static_cast<py::ssize_t>(g.tokens.size());
-          const auto B = static_cast<py::ssize_t>(b.batch), V = cfg.vocab_size;
+          const auto B = static_cast<py::ssize_t>(b.batch), V = cfg.embeddings.vocab_size;
           py::array_t<std::int64_t> tokens({T, B});
           py::array_t<Real> logits({T, B, static_cast<py::ssize_t>(V)});
           for (py::ssize_t t = 0; t < T; ++t) {

@@ -39,7 +39,7 @@ void add_params(st::File& f, const std::string& prefix, const Params<Real>& p) {
 }
 
 template <class Real>
-Params<Real> load_params(const st::File& f, const std::string& prefix, const EncoderConfig& cfg,
+Params<Real> load_params(const st::File& f, const std::string& prefix, const ModelConfig& cfg,
                          const std::string& path) {
   auto p = Params<Real>::zeros(cfg);
   p.visit([&](const std::string& n, Tensor<Real>& t) {
@@ -64,13 +64,13 @@ Checkpoint read_checkpoint(const std::string& path) {
   }
   try {
     ck.options.apply_json(meta_json(ck.file, "train", path));
-    ck.options.model = EncoderConfig::from_json(meta_json(ck.file, "config", path));
+    ck.options.model = ModelConfig::from_json(meta_json(ck.file, "config", path));
     ck.options.validate();
   } catch (const ConfigError& e) {
     throw FormatError(path + ": checkpoint settings: " + e.what());
   }
   ck.vocab = Vocab::from_json(meta_json(ck.file, "vocab", path));
-  if (ck.vocab.size() != ck.options.model.vocab_size) {
+  if (ck.vocab.size() != ck.options.model.embeddings.vocab_size) {
     throw FormatError(path + ": the checkpoint's vocabulary does not match its config");
   }
   const json p = meta_json(ck.file, "position", path);
@@ -139,7 +139,7 @@ TrainOptions resume_options(const Checkpoint& ck, const TrainOptions& requested)
 
 template <class Real>
 TrainState<Real> load_state(const Checkpoint& ck) {
-  const EncoderConfig& cfg = ck.options.model;
+  const ModelConfig& cfg = ck.options.model;
   TrainState<Real> s;
   s.params = load_params<Real>(ck.file, "param.", cfg, ck.path);
   s.adam.m = load_params<Real>(ck.file, "adam.m.", cfg, ck.path);
@@ -171,12 +171,12 @@ void save_checkpoint(const std::string& path, const TrainOptions& o, const Vocab
   write_file_atomic(path, st::serialize(f), true);
 }
 
-#define TEO_INSTANTIATE(Real)                                                                  \
-  template void add_params(st::File&, const std::string&, const Params<Real>&);                \
-  template Params<Real> load_params(const st::File&, const std::string&, const EncoderConfig&, \
-                                    const std::string&);                                       \
-  template TrainState<Real> load_state(const Checkpoint&);                                     \
-  template void save_checkpoint(const std::string&, const TrainOptions&, const Vocab&,         \
+#define TEO_INSTANTIATE(Real)                                                                \
+  template void add_params(st::File&, const std::string&, const Params<Real>&);              \
+  template Params<Real> load_params(const st::File&, const std::string&, const ModelConfig&, \
+                                    const std::string&);                                     \
+  template TrainState<Real> load_state(const Checkpoint&);                                   \
+  template void save_checkpoint(const std::string&, const TrainOptions&, const Vocab&,       \
                                 const TrainState<Real>&, const Position&);
 TEO_INSTANTIATE(float)
 TEO_INSTANTIATE(double)

@@ -31,7 +31,7 @@ void clip_by_norm(Params<Real>& grads, double norm, double max_norm) {
 }
 
 template <class Real>
-AdamW<Real> AdamW<Real>::zeros(const EncoderConfig& cfg) {
+AdamW<Real> AdamW<Real>::zeros(const ModelConfig& cfg) {
   return AdamW{Params<Real>::zeros(cfg), Params<Real>::zeros(cfg), 0};
 }
 

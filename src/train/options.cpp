@@ -192,12 +192,12 @@ void TrainOptions::apply_json(const json& j) {
     } else if (key == "data_dir") {
       data.dir = get_string(v, key);
     } else {
-      mj[key] = v;  // EncoderConfig rejects unknown keys and bad values
+      mj[key] = v;  // ModelConfig rejects unknown keys and bad values
     }
   }
-  // A decoder is causal unless the user said otherwise (which EncoderConfig refuses); it has no
+  // A decoder is causal unless the user said otherwise (which ModelConfig refuses); it has no
   // classifier, so the encoder's causal, pooling and num_classes do not carry over.
-  const std::string architecture = EncoderConfig::architecture_of(mj);
+  const std::string architecture = ModelConfig::architecture_of(mj);
   if (architecture == "decoder") {
     if (!j.contains("causal")) mj["causal"] = true;
     if (!j.contains("pooling")) mj.erase("pooling");
@@ -208,7 +208,7 @@ void TrainOptions::apply_json(const json& j) {
         "teo train trains architecture \"encoder\" or \"decoder\"; an encoder_decoder has no "
         "training demo (its goldens and teo.run cover it)");
   }
-  model = EncoderConfig::from_json(mj);
+  model = ModelConfig::from_json(mj);
 }
 
 json TrainOptions::to_json() const {
@@ -257,11 +257,11 @@ void TrainOptions::validate() const {
   need(optim.clip_norm >= 0, "clip_norm must be >= 0");
   need(data.per_language >= 10 && data.per_language <= 10'000'000,
        "per_language must be in [10, 10000000]");
-  need(model.max_len >= 3, "max_len must be at least 3 ([CLS], one character, [SEP])");
+  need(model.embeddings.max_len >= 3, "max_len must be at least 3 ([CLS], one character, [SEP])");
   need(!model.encoder_decoder(),
        "teo train trains architecture \"encoder\" or \"decoder\"; an encoder_decoder has no "
        "training demo (its goldens and teo.run cover it)");
-  need(!model.type_vocab_size,
+  need(!model.embeddings.type_vocab_size,
        "teo train's data has one segment per sentence: type_vocab_size (token types) has no "
        "training demo (embedding_norm and pooler train)");
   need(!model.patches_input(),

@@ -33,18 +33,18 @@ Dataset load_data(const TrainOptions& o) {
 
 // The options completed by the data: vocab_size, and an encoder's num_classes.
 TrainOptions with_data(TrainOptions o, const Vocab& vocab) {
-  o.model.vocab_size = vocab.size();
-  if (!o.model.decoder()) o.model.num_classes = static_cast<index_t>(languages().size());
+  o.model.embeddings.vocab_size = vocab.size();
+  if (!o.model.decoder()) o.model.head.num_classes = static_cast<index_t>(languages().size());
   return o;
 }
 
 // A batch as the model reads it: a decoder's has no labels (its targets are its next tokens).
-Batch for_model(Batch b, const EncoderConfig& cfg) {
+Batch for_model(Batch b, const ModelConfig& cfg) {
   if (cfg.decoder()) b.labels.clear();
   return b;
 }
 
-std::vector<Batch> for_model(std::vector<Batch> batches, const EncoderConfig& cfg) {
+std::vector<Batch> for_model(std::vector<Batch> batches, const ModelConfig& cfg) {
   for (auto& b : batches) b = for_model(std::move(b), cfg);
   return batches;
 }
@@ -84,7 +84,8 @@ Session<Real>::Session(const TrainOptions& options, const Checkpoint* ck)
   total_steps_ = steps_per_epoch_ * o.epochs;
   if (o.max_steps > 0) total_steps_ = std::min(total_steps_, o.max_steps);
   first_step_ = pos_.step;
-  valid_ = for_model(batches_in_order(vocab_, data_.valid, o.eval_batch, o.model.max_len), o.model);
+  valid_ = for_model(
+      batches_in_order(vocab_, data_.valid, o.eval_batch, o.model.embeddings.max_len), o.model);
 }
 
 template <class Real>
@@ -110,7 +111,7 @@ StepReport Session<Real>::step() {
     std::vector<const Example*> ex;
     for (std::size_t i : order_[static_cast<std::size_t>(pos_.micro + m)])
       ex.push_back(&data_.train[i]);
-    micro.push_back(for_model(make_batch(vocab_, ex, o.model.max_len), o.model));
+    micro.push_back(for_model(make_batch(vocab_, ex, o.model.embeddings.max_len), o.model));
   }
   if (trace_) trace_->add_batches(pos_.step + 1, micro);
   const StepStats s = trainer_.step(micro);
@@ -172,12 +173,12 @@ Summary Session<Real>::finish() {
   const TrainOptions& o = options_;
   if (trace_) trace_->write(o.trace, trainer_.params(), pos_.step - first_step_);
   Summary s;
-  s.test = trainer_.evaluate(
-      for_model(batches_in_order(vocab_, data_.test, o.eval_batch, o.model.max_len), o.model));
+  s.test = trainer_.evaluate(for_model(
+      batches_in_order(vocab_, data_.test, o.eval_batch, o.model.embeddings.max_len), o.model));
   nlohmann::json summary;
   if (o.model.decoder()) {
     TrigramLM tri;
-    tri.fit(vocab_, data_.train, data_.valid, o.model.max_len);
+    tri.fit(vocab_, data_.train, data_.valid, o.model.embeddings.max_len);
     s.test_perplexity = std::exp(s.test.loss);
     s.trigram_perplexity = tri.perplexity(data_.test);
     summary = {{"test_perplexity", s.test_perplexity},

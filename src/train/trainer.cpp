@@ -71,7 +71,7 @@ void axpy_params(Params<Real>& acc, const Params<Real>& g, Real scale) {
 }
 
 template <class Real>
-void check_batch(const EncoderConfig& cfg, const Batch& b) {
+void check_batch(const ModelConfig& cfg, const Batch& b) {
   if (b.batch < 1) throw InputError("a training batch must hold at least one sequence");
   validate_batch(cfg, b, sizeof(Real));
 }
@@ -109,7 +109,7 @@ StepStats Trainer<Real>::step(const std::vector<Batch>& micro_batches) {
   if (micro_batches.empty()) throw InputError("a training step needs at least one micro-batch");
   for (const Batch& b : micro_batches) check_batch<Real>(options_.model, b);
   const TrainOptions& o = options_;
-  const index_t C = o.model.num_classes;
+  const index_t C = o.model.head.num_classes;
   const index_t n_micro = static_cast<index_t>(micro_batches.size());
   const auto dropout_stream = rng::stream_id("train.dropout");
   StepStats stats;
@@ -129,8 +129,8 @@ StepStats Trainer<Real>::step(const std::vector<Batch>& micro_batches) {
       backward(state_.params, sh.batch, sh.acts, sh.grads, sh.dacts);
       sh.correct = sh.predictions = 0;
       if (o.model.decoder()) {
-        score_next_tokens(sh.acts, sh.batch, o.model.vocab_size, sh.correct, sh.predictions,
-                          nullptr);
+        score_next_tokens(sh.acts, sh.batch, o.model.embeddings.vocab_size, sh.correct,
+                          sh.predictions, nullptr);
         return;
       }
       for (index_t i = 0; i < sh.batch.batch; ++i) {
@@ -173,7 +173,7 @@ StepStats Trainer<Real>::step(const std::vector<Batch>& micro_batches) {
 
 template <class Real>
 Evaluation Trainer<Real>::evaluate(const std::vector<Batch>& batches) const {
-  const index_t C = options_.model.num_classes;
+  const index_t C = options_.model.head.num_classes;
   const bool decoder = options_.model.decoder();
   Evaluation e;
   if (!decoder) {
@@ -198,7 +198,7 @@ Evaluation Trainer<Real>::evaluate(const std::vector<Batch>& batches) const {
       const Batch& b = batches[k];
       forward(weights, b, acts, {.train = false, .dropout_seed = 0});
       if (decoder) {
-        score_next_tokens(acts, b, options_.model.vocab_size, results[k].correct,
+        score_next_tokens(acts, b, options_.model.embeddings.vocab_size, results[k].correct,
                           results[k].predictions, &results[k].loss_sum);
         continue;
       }
@@ -263,7 +263,7 @@ std::vector<std::vector<double>> predict_from_checkpoint(const Checkpoint& ck, c
                                       [](const auto& t) { return t.name.rfind("ema.", 0) == 0; });
     const Tensor<Real> probs = class_probabilities(
         load_params<Real>(ck.file, averaged ? "ema." : "param.", ck.options.model, ck.path), batch);
-    const index_t C = ck.options.model.num_classes;
+    const index_t C = ck.options.model.head.num_classes;
     std::vector<std::vector<double>> p(static_cast<std::size_t>(batch.batch));
     for (index_t i = 0; i < batch.batch; ++i) {
       for (index_t c = 0; c < C; ++c)

@@ -28,10 +28,10 @@ inline CheckOptions fp8() {
 // +-1 and max pooling ties. Generation refuses it without --allow-ill-conditioned.
 inline Case ill_conditioned(Case base) {
   base.config.d_model = 2;
-  base.config.num_heads = 1;
-  base.config.num_kv_heads.reset();
-  base.config.norm_first = false;
-  base.config.pooling = Pooling::max;
+  base.config.attention.num_heads = 1;
+  base.config.attention.num_kv_heads.reset();
+  base.config.norms.norm_first = false;
+  base.config.head.pooling = Pooling::max;
   base.dtype = "float32";
   base.precision.reset();
   return base;

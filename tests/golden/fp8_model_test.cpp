@@ -210,7 +210,7 @@ TEST(Fp8Model, TheCommittedCasesCoverEveryRecipeAndPassTheirEmulatedRun) {
     if (c.fp8.accumulate.limited) seen.insert("limited");
     if (c.config.decoder()) seen.insert("decoder");
     if (c.config.patches_input()) seen.insert("vit");
-    if (c.config.type_vocab_size) seen.insert("bert");
+    if (c.config.embeddings.type_vocab_size) seen.insert("bert");
     if (c.config.num_layers > 1) seen.insert("layers>1");
     const CaseReport r = check(g, bf16_candidate(g, emulate(g, Precision::fp8)), fp8());
     EXPECT_EQ(r.failed, 0) << name << ": " << r.first_divergence;

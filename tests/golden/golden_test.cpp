@@ -218,13 +218,13 @@ TEST(GoldenCorpus, CoversEveryFeature) {
   for (const auto& e : corpus()) {
     const auto& c = e.spec.config;
     seen.insert(e.spec.dtype);
-    seen.insert(c.norm_first ? "pre" : "post");
-    seen.insert(teo::to_string(c.activation));
-    seen.insert(std::string("pool:") + teo::to_string(c.pooling));
-    seen.insert(std::string("pe:") + teo::to_string(c.positional));
-    if (c.embed_scale) seen.insert("embed_scale");
-    if (c.causal) seen.insert("causal");
-    if (c.label_smoothing > 0) seen.insert("label_smoothing");
+    seen.insert(c.norms.norm_first ? "pre" : "post");
+    seen.insert(teo::to_string(c.ffn.activation));
+    seen.insert(std::string("pool:") + teo::to_string(c.head.pooling));
+    seen.insert(std::string("pe:") + teo::to_string(c.embeddings.positional));
+    if (c.embeddings.embed_scale) seen.insert("embed_scale");
+    if (c.attention.causal) seen.insert("causal");
+    if (c.head.label_smoothing > 0) seen.insert("label_smoothing");
     if (c.dropout > 0) seen.insert("dropout");
     const auto lens = e.spec.case_json()["lengths"].get<std::vector<std::int64_t>>();
     std::set<std::int64_t> distinct(lens.begin(), lens.end());
@@ -237,45 +237,47 @@ TEST(GoldenCorpus, CoversEveryFeature) {
     if (e.spec.seq_len == 1) seen.insert("seq1");
     if (e.spec.seq_len == 113) seen.insert("seq113");
     if ((c.d_model & (c.d_model - 1)) != 0) seen.insert("d_model_not_pow2");
-    if (c.num_heads == 1) seen.insert("one_head");
+    if (c.attention.num_heads == 1) seen.insert("one_head");
     if (c.d_head() % 2 == 1) seen.insert("odd_d_head");
     seen.insert("layers" + std::to_string(c.num_layers));
     if (e.spec.batch == 0) seen.insert("batch0");
     // the attention variants (docs/semantics.md section 14)
     const teo::index_t kv = c.kv_heads();
-    if (kv == 1 && c.num_heads > 1) seen.insert("mqa");
-    if (kv > 1 && kv < c.num_heads) seen.insert(c.num_heads / kv == 3 ? "gqa_ratio3" : "gqa");
-    if (c.positional == teo::Positional::rope) {
-      seen.insert(std::string("rope:") + teo::to_string(c.rope_style));
-      seen.insert(std::string("rope_scaling:") + teo::to_string(c.rope_scaling.type));
+    if (kv == 1 && c.attention.num_heads > 1) seen.insert("mqa");
+    if (kv > 1 && kv < c.attention.num_heads)
+      seen.insert(c.attention.num_heads / kv == 3 ? "gqa_ratio3" : "gqa");
+    if (c.embeddings.positional == teo::Positional::rope) {
+      seen.insert(std::string("rope:") + teo::to_string(c.attention.rope_style));
+      seen.insert(std::string("rope_scaling:") + teo::to_string(c.attention.rope_scaling.type));
       if (c.rotary() < c.d_head()) seen.insert("rope:partial");
-      if (c.position_offset >= 100000) seen.insert("rope:offset1e5");
+      if (c.embeddings.position_offset >= 100000) seen.insert("rope:offset1e5");
     }
-    if (c.position_offset > 0 && c.positional == teo::Positional::learned)
+    if (c.embeddings.position_offset > 0 && c.embeddings.positional == teo::Positional::learned)
       seen.insert("learned_offset");
-    if (c.positional == teo::Positional::alibi) seen.insert(c.causal ? "alibi:causal" : "alibi:bi");
-    if (c.sliding_window) {
-      const teo::index_t w = *c.sliding_window, s = e.spec.seq_len;
+    if (c.embeddings.positional == teo::Positional::alibi)
+      seen.insert(c.attention.causal ? "alibi:causal" : "alibi:bi");
+    if (c.attention.sliding_window) {
+      const teo::index_t w = *c.attention.sliding_window, s = e.spec.seq_len;
       seen.insert(w == 1       ? "window:1"
                   : w == s - 1 ? "window:S-1"
                   : w == s     ? "window:S"
                   : w == s + 3 ? "window:S+3"
                                : "window:other");
-      if (!c.causal && w > 1 && w < s) seen.insert("window:bidirectional");
+      if (!c.attention.causal && w > 1 && w < s) seen.insert("window:bidirectional");
     }
-    if (c.attn_logit_softcap) seen.insert("softcap");
+    if (c.attention.attn_logit_softcap) seen.insert("softcap");
     const bool has_len0 = std::find(lens.begin(), lens.end(), 0) != lens.end();
-    if (c.attn_sinks && has_len0) seen.insert("sinks");
-    if (c.num_kv_heads && c.positional == teo::Positional::rope && c.sliding_window &&
-        c.attn_logit_softcap && c.attn_sinks)
+    if (c.attention.attn_sinks && has_len0) seen.insert("sinks");
+    if (c.attention.num_kv_heads && c.embeddings.positional == teo::Positional::rope &&
+        c.attention.sliding_window && c.attention.attn_logit_softcap && c.attention.attn_sinks)
       seen.insert("every_variant");
     // the block variants and decoders (docs/semantics.md, section 17)
-    seen.insert(std::string("norm:") + teo::to_string(c.norm));
-    seen.insert(std::string("ffn:") + teo::to_string(c.ffn));
-    if (!c.attn_bias && !c.ffn_bias && !c.head_bias) seen.insert("no_biases");
+    seen.insert(std::string("norm:") + teo::to_string(c.norms.norm));
+    seen.insert(std::string("ffn:") + teo::to_string(c.ffn.kind));
+    if (!c.attention.attn_bias && !c.ffn.ffn_bias && !c.head.head_bias) seen.insert("no_biases");
     if (c.decoder()) {
-      seen.insert(c.tie_embeddings ? "decoder:tied" : "decoder:untied");
-      seen.insert(c.norm_first ? "decoder:pre" : "decoder:post");
+      seen.insert(c.head.tie_embeddings ? "decoder:tied" : "decoder:untied");
+      seen.insert(c.norms.norm_first ? "decoder:pre" : "decoder:post");
       if (e.spec.precision)
         seen.insert(std::string("decoder:") + teo::to_string(*e.spec.precision));
       // a sequence of length 0 or 1 has no target; a batch may have none at all
@@ -284,21 +286,24 @@ TEST(GoldenCorpus, CoversEveryFeature) {
       if (std::all_of(lens.begin(), lens.end(), [](auto l) { return l <= 1; }))
         seen.insert("decoder:no_target_at_all");
     } else if (c.encoder_decoder()) {
-      seen.insert(c.norm_first ? "seq2seq:pre" : "seq2seq:post");
-      seen.insert(c.decoder_vocab_size ? "seq2seq:own_vocab" : "seq2seq:shared_vocab");
-      if (c.tie_embeddings) seen.insert("seq2seq:tied");
+      seen.insert(c.norms.norm_first ? "seq2seq:pre" : "seq2seq:post");
+      seen.insert(c.embeddings.decoder_vocab_size ? "seq2seq:own_vocab" : "seq2seq:shared_vocab");
+      if (c.head.tie_embeddings) seen.insert("seq2seq:tied");
       if (c.dec_layers() != c.num_layers) seen.insert("seq2seq:decoder_layers");
       if (has_len0) seen.insert("seq2seq:source_length0");
       const auto tl = e.spec.case_json()["tgt_lengths"].get<std::vector<std::int64_t>>();
       if (std::find(tl.begin(), tl.end(), 0) != tl.end()) seen.insert("seq2seq:empty_target");
       if (e.spec.dtype == "float32") seen.insert("seq2seq:float32");
-    } else if (c.norm == teo::Norm::rmsnorm) {
+    } else if (c.norms.norm == teo::Norm::rmsnorm) {
       seen.insert("encoder:rmsnorm");
     }
     // the real encoders of semantics 18, each in float64, float32 (and BERT and ViT in bf16)
     const std::string kind = e.spec.precision ? teo::to_string(*e.spec.precision) : e.spec.dtype;
-    if (c.type_vocab_size && c.embedding_norm && c.pooler == teo::Pooler::dense_tanh)
-      seen.insert((c.padding_idx == 1 && c.position_offset == 2 ? "roberta:" : "bert:") + kind);
+    if (c.embeddings.type_vocab_size && c.embeddings.embedding_norm &&
+        c.head.pooler == teo::Pooler::dense_tanh)
+      seen.insert((c.embeddings.padding_idx == 1 && c.embeddings.position_offset == 2 ? "roberta:"
+                                                                                      : "bert:") +
+                  kind);
     if (c.patches_input()) seen.insert("vit:" + kind);
     if (e.spec.steps > 0) {
       const auto has = [&](std::int64_t n) {
@@ -414,10 +419,10 @@ TEST(GoldenCorpus, FilesFollowTheNamingContract) {
   const auto& e = *std::find_if(corpus().begin(), corpus().end(),
                                 [](const auto& x) { return x.name == "dropout_post_f32"; });
   const auto& c = e.spec.config;
-  const std::int64_t B = e.spec.batch, S = e.spec.seq_len, D = c.d_model, H = c.num_heads,
-                     Dh = c.d_head(), F = c.d_ff, C = c.num_classes;
+  const std::int64_t B = e.spec.batch, S = e.spec.seq_len, D = c.d_model, H = c.attention.num_heads,
+                     Dh = c.d_head(), F = c.ffn.d_ff, C = c.head.num_classes;
   EXPECT_EQ(*f.meta("format"), "teo-golden/1");
-  EXPECT_EQ(teo::EncoderConfig::from_json_text(*f.meta("config")), c);
+  EXPECT_EQ(teo::ModelConfig::from_json_text(*f.meta("config")), c);
   EXPECT_EQ(json::parse(*f.meta("case")), e.spec.case_json());
   EXPECT_EQ(*f.meta("teo_version"), TEO_VERSION);
   using D_ = st::DType;
@@ -425,7 +430,7 @@ TEST(GoldenCorpus, FilesFollowTheNamingContract) {
       {"input.tokens", D_::I64, {B, S}},
       {"input.lengths", D_::I64, {B}},
       {"input.labels", D_::I64, {B}},
-      {"param.embedding.weight", D_::F32, {c.vocab_size, D}},
+      {"param.embedding.weight", D_::F32, {c.embeddings.vocab_size, D}},
       {"param.layers.1.ffn.fc1.weight", D_::F32, {F, D}},
       {"param.head.bias", D_::F32, {C}},
       {"dropout.input", D_::U8, {B, S, D}},
@@ -450,9 +455,9 @@ TEST(GoldenCorpus, FilesFollowTheNamingContract) {
       {"grad.act.layers.0.output", D_::F32, {B, S, D}},
       {"grad.act.input", D_::F32, {B, S, D}},
       {"grad.layers.0.attn.q.weight", D_::F32, {D, D}},
-      {"grad.embedding.weight", D_::F32, {c.vocab_size, D}},
+      {"grad.embedding.weight", D_::F32, {c.embeddings.vocab_size, D}},
       {"ref64.act.layers.0.probs", D_::F64, {B, H, S, S}},
-      {"ref64.grad.embedding.weight", D_::F64, {c.vocab_size, D}},
+      {"ref64.grad.embedding.weight", D_::F64, {c.embeddings.vocab_size, D}},
   };
   for (const auto& [name, dtype, shape] : want) {
     const auto* t = f.find(name);

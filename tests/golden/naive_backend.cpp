@@ -261,31 +261,32 @@ class Variants {
  public:
   // S positions; `shift_from` (per sequence, or empty): the position of index s >= shift_from[b]
   // is s + 1 (the generation mutant's off-by-one position).
-  Variants(const EncoderConfig& cfg, std::int64_t S, Mutation mut,
+  Variants(const ModelConfig& cfg, std::int64_t S, Mutation mut,
            std::vector<std::int64_t> shift_from = {})
       : cfg_(cfg), mut_(mut), from_(std::move(shift_from)), seq_(S) {
-    const std::int64_t H = cfg.num_heads;
-    if (cfg.positional == Positional::alibi) {
+    const std::int64_t H = cfg.attention.num_heads;
+    if (cfg.embeddings.positional == Positional::alibi) {
       std::int64_t m = 1;
       while (2 * m <= H) m *= 2;
       for (std::int64_t h = 0; h < H; ++h) {
         const double step =
             h < m ? static_cast<double>(h + 1) / static_cast<double>(m)
                   : (2.0 * static_cast<double>(h - m) + 1) / (2.0 * static_cast<double>(m));
-        slopes_.push_back(std::pow(2.0, -cfg.alibi_max_bias * step));
+        slopes_.push_back(std::pow(2.0, -cfg.attention.alibi_max_bias * step));
       }
     }
-    if (cfg.sliding_window) window_ = *cfg.sliding_window + (mut == Mutation::window_one_wider);
-    if (cfg.positional != Positional::rope) return;
+    if (cfg.attention.sliding_window)
+      window_ = *cfg.attention.sliding_window + (mut == Mutation::window_one_wider);
+    if (cfg.embeddings.positional != Positional::rope) return;
     // RoPE's angles, in double: inv_freq[t] = base^(-2t / r), then the scaling.
     const std::int64_t r = cfg.rotary();
     half_ = r / 2;
-    const RopeScaling& sc = cfg.rope_scaling;
-    const double orig = static_cast<double>(sc.original_max_len.value_or(cfg.max_len));
+    const RopeScaling& sc = cfg.attention.rope_scaling;
+    const double orig = static_cast<double>(sc.original_max_len.value_or(cfg.embeddings.max_len));
     const double rd = static_cast<double>(r);
-    double base = cfg.rope_base;
+    double base = cfg.attention.rope_base;
     if (sc.type == RopeScalingType::ntk) {
-      const double len = std::max(static_cast<double>(cfg.position_offset + S), orig);
+      const double len = std::max(static_cast<double>(cfg.embeddings.position_offset + S), orig);
       base *= std::pow(sc.factor * len / orig - (sc.factor - 1), rd / (rd - 2));
     }
     std::vector<double> inv(static_cast<std::size_t>(half_));
@@ -309,7 +310,7 @@ class Variants {
       mscale = 0.1 * std::log(sc.factor) + 1;
     }
     for (std::int64_t s = 0; s < S + (from_.empty() ? 0 : 1); ++s) {
-      double pos = static_cast<double>(cfg.position_offset + s);
+      double pos = static_cast<double>(cfg.embeddings.position_offset + s);
       if (mut == Mutation::rope_bf16_positions) {
         int e = 0;
         const double m = std::frexp(pos, &e);  // pos = m 2^e, m in [0.5, 1)
@@ -329,7 +330,7 @@ class Variants {
 
   // Key j visible from query i of a sequence of `len` real tokens.
   bool visible(std::int64_t i, std::int64_t j, std::int64_t len) const {
-    if (j >= len || (cfg_.causal && j > i)) return false;
+    if (j >= len || (cfg_.attention.causal && j > i)) return false;
     const std::int64_t dist = i > j ? i - j : j - i;
     return window_ == 0 || dist < window_;
   }
@@ -337,13 +338,14 @@ class Variants {
   // The final logit from the scaled score s: cap, bias, mask (or, mutated, mask first).
   double logit(double s, std::int64_t h, std::int64_t i, std::int64_t j, bool vis) const {
     const double inf = std::numeric_limits<double>::infinity();
-    const auto dist = static_cast<double>(cfg_.causal ? i - j : (i > j ? i - j : j - i));
+    const auto dist = static_cast<double>(cfg_.attention.causal ? i - j : (i > j ? i - j : j - i));
     const double bias = slopes_.empty() ? 0.0
                                         : (mut_ == Mutation::alibi_sign_flipped ? 1.0 : -1.0) *
                                               slopes_[ix(h)] * dist;
     const auto cap = [&](double z) {
-      return cfg_.attn_logit_softcap
-                 ? *cfg_.attn_logit_softcap * std::tanh(z / *cfg_.attn_logit_softcap)
+      return cfg_.attention.attn_logit_softcap
+                 ? *cfg_.attention.attn_logit_softcap *
+                       std::tanh(z / *cfg_.attention.attn_logit_softcap)
                  : z;
     };
     if (mut_ == Mutation::softcap_after_mask) return cap(vis ? s + bias : -inf);
@@ -352,8 +354,8 @@ class Variants {
 
   // d logit / d s at a visible score: 1 - tanh^2(s / c), or 1 without a cap.
   double cap_grad(double s) const {
-    if (!cfg_.attn_logit_softcap) return 1.0;
-    const double t = std::tanh(s / *cfg_.attn_logit_softcap);
+    if (!cfg_.attention.attn_logit_softcap) return 1.0;
+    const double t = std::tanh(s / *cfg_.attention.attn_logit_softcap);
     return 1 - t * t;
   }
 
@@ -362,7 +364,7 @@ class Variants {
     Vec o = x;
     const std::int64_t S = seq_;
     const bool neox =
-        (cfg_.rope_style == RopeStyle::neox) != (mut_ == Mutation::rope_other_convention);
+        (cfg_.attention.rope_style == RopeStyle::neox) != (mut_ == Mutation::rope_other_convention);
     const auto per_seq = from_.empty() ? rows : rows / static_cast<std::int64_t>(from_.size());
     for (std::int64_t r = 0; r < rows; ++r)
       for (std::int64_t s = 0; s < S; ++s)
@@ -380,7 +382,7 @@ class Variants {
   }
 
  private:
-  const EncoderConfig& cfg_;
+  const ModelConfig& cfg_;
   Mutation mut_;
   std::vector<std::int64_t> from_;
   std::int64_t seq_ = 0;
@@ -419,20 +421,21 @@ File run(const File& golden, Mutation mut, bool with_backward,
   const std::string* cfg_text = golden.meta("config");
   const std::string* case_text = golden.meta("case");
   if (!cfg_text || !case_text) throw FormatError("golden has no config or case metadata");
-  const EncoderConfig cfg = EncoderConfig::from_json_text(*cfg_text);
+  const ModelConfig cfg = ModelConfig::from_json_text(*cfg_text);
   const auto cj = nlohmann::json::parse(*case_text);
   const std::int64_t B = cj.at("batch"), S = cj.at("seq_len");
-  const std::int64_t D = cfg.d_model, H = cfg.num_heads, Dh = D / H, F = cfg.d_ff;
-  const std::int64_t C = cfg.num_classes, L = cfg.num_layers, N = B * S;
-  const std::int64_t K = cfg.kv_heads(), G = H / K, Dkv = K * Dh, P0 = cfg.position_offset;
-  const bool pre = cfg.norm_first;
+  const std::int64_t D = cfg.d_model, H = cfg.attention.num_heads, Dh = D / H, F = cfg.ffn.d_ff;
+  const std::int64_t C = cfg.head.num_classes, L = cfg.num_layers, N = B * S;
+  const std::int64_t K = cfg.kv_heads(), G = H / K, Dkv = K * Dh,
+                     P0 = cfg.embeddings.position_offset;
+  const bool pre = cfg.norms.norm_first;
   const bool patches = cfg.patches_input();
   const auto tokens = patches ? std::vector<std::int64_t>() : ints(golden, "input.tokens");
   const auto lengths = ints(golden, "input.lengths");
   const bool decoder = cfg.decoder();
   const auto labels = decoder ? std::vector<std::int64_t>() : ints(golden, "input.labels");
-  const std::int64_t V = cfg.vocab_size;
-  const bool rms = cfg.norm == teo::Norm::rmsnorm, gated = cfg.gated();
+  const std::int64_t V = cfg.embeddings.vocab_size;
+  const bool rms = cfg.norms.norm == teo::Norm::rmsnorm, gated = cfg.gated();
   const Activation act_fn = cfg.ffn_activation();
   const double p = cfg.dropout;
   const double keep_scale = p > 0 && mut != Mutation::dropout_scale_missing ? 1.0 / (1.0 - p) : 1.0;
@@ -449,9 +452,9 @@ File run(const File& golden, Mutation mut, bool with_backward,
   };
   // The config's norm of rows of D under parameters `pfx`.weight (and .bias).
   auto norm = [&](const Vec& xin, const std::string& pfx) {
-    if (rms) return rms_norm(xin, N, D, param(pfx + ".weight"), cfg.layer_norm_eps);
-    return layer_norm(xin, N, D, param(pfx + ".weight"), param(pfx + ".bias"), cfg.layer_norm_eps,
-                      mut);
+    if (rms) return rms_norm(xin, N, D, param(pfx + ".weight"), cfg.norms.layer_norm_eps);
+    return layer_norm(xin, N, D, param(pfx + ".weight"), param(pfx + ".bias"),
+                      cfg.norms.layer_norm_eps, mut);
   };
   auto at = [](Vec& v, std::int64_t i) -> double& { return v[ix(i)]; };
 
@@ -462,12 +465,13 @@ File run(const File& golden, Mutation mut, bool with_backward,
   // ---- forward ----------------------------------------------------------------------------
 
   // Embedding and positions.
-  const double escale = cfg.embed_scale ? std::sqrt(static_cast<double>(D)) : 1.0;
+  const double escale = cfg.embeddings.embed_scale ? std::sqrt(static_cast<double>(D)) : 1.0;
   Vec embedding(ix(N * D));
   // ViT (semantics 18.5): position 0 of image b is cls_token; position 1 + py Gp + px is the
   // patch at (py, px), sum over (ch, i, j) of W[c, ch, i, j] pixels[b, ch, py P + i, px P + j],
   // plus the bias. patch_at(b, n, k): pixel k of patch n, k = (ch P + i) P + j.
-  const std::int64_t Ch = cfg.channels, Img = cfg.image_size, Pp = cfg.patch_size;
+  const std::int64_t Ch = cfg.embeddings.channels, Img = cfg.embeddings.image_size,
+                     Pp = cfg.embeddings.patch_size;
   const std::int64_t Gp = patches ? Img / Pp : 0, Np = Gp * Gp, Kp = Ch * Pp * Pp;
   const Vec pixels = patches ? doubles(golden, "input.pixels") : Vec();
   auto patch_at = [&](std::int64_t b, std::int64_t n, std::int64_t k) {
@@ -503,13 +507,13 @@ File run(const File& golden, Mutation mut, bool with_backward,
   // Positions P0 .. P0 + S - 1 (one more for the shifted ones); none, rope and alibi add nothing
   // here.
   const std::int64_t PS = S + (shift_from.empty() ? 0 : 1);
-  if (cfg.positional == Positional::learned && P0 + PS > cfg.max_len)
+  if (cfg.embeddings.positional == Positional::learned && P0 + PS > cfg.embeddings.max_len)
     throw ShapeError("the shifted positions run past max_len");
   Vec positional(ix(PS * D), 0.0);
-  if (cfg.positional == Positional::learned) {
+  if (cfg.embeddings.positional == Positional::learned) {
     const Vec pw = param("pos_embedding.weight");
     for (std::int64_t i = 0; i < PS * D; ++i) at(positional, i) = pw[ix(P0 * D + i)];
-  } else if (cfg.positional == Positional::sinusoidal) {
+  } else if (cfg.embeddings.positional == Positional::sinusoidal) {
     for (std::int64_t s = 0; s < PS; ++s) {
       for (std::int64_t c = 0; c < D; ++c) {
         const std::int64_t two_i = c - c % 2 + (mut == Mutation::pe_frequency_off_by_one ? 2 : 0);
@@ -521,7 +525,7 @@ File run(const File& golden, Mutation mut, bool with_backward,
     }
   }
   // token_type[t] = token_type_embedding.weight[token_types[t]] (type_vocab_size only)
-  const bool types = cfg.type_vocab_size.has_value();
+  const bool types = cfg.embeddings.type_vocab_size.has_value();
   const auto token_types = types ? ints(golden, "input.token_types") : std::vector<std::int64_t>();
   Vec token_type(types ? ix(N * D) : 0, 0.0);
   if (types) {
@@ -546,10 +550,10 @@ File run(const File& golden, Mutation mut, bool with_backward,
   // input = drop(norm(sum)) with embedding_norm (the mutant: norm(drop(sum))), else drop(sum)
   Norm emb_norm;
   Vec input;
-  if (cfg.embedding_norm && mut == Mutation::embedding_norm_after_dropout) {
+  if (cfg.embeddings.embedding_norm && mut == Mutation::embedding_norm_after_dropout) {
     emb_norm = norm(apply(sum, input_mask), "embedding_norm");
     input = emb_norm.y;
-  } else if (cfg.embedding_norm) {
+  } else if (cfg.embeddings.embedding_norm) {
     emb_norm = norm(sum, "embedding_norm");
     input = apply(emb_norm.y, input_mask);
   } else {
@@ -558,7 +562,7 @@ File run(const File& golden, Mutation mut, bool with_backward,
   out.act("embedding", {B, S, D}, embedding);
   out.act("positional", {S, D}, positional);
   if (types) out.act("token_type", {B, S, D}, token_type);
-  if (cfg.embedding_norm) out.act("embedding_norm", {B, S, D}, emb_norm.y);
+  if (cfg.embeddings.embedding_norm) out.act("embedding_norm", {B, S, D}, emb_norm.y);
   out.act("input", {B, S, D}, input);
 
   const double alpha =
@@ -587,10 +591,10 @@ File run(const File& golden, Mutation mut, bool with_backward,
   };
 
   // The attention variants (docs/semantics.md section 14).
-  EncoderConfig attn_cfg = cfg;
-  if (mut == Mutation::decoder_not_causal) attn_cfg.causal = false;
+  ModelConfig attn_cfg = cfg;
+  if (mut == Mutation::decoder_not_causal) attn_cfg.attention.causal = false;
   const Variants var(attn_cfg, S, mut, shift_from);
-  const bool rope = cfg.positional == Positional::rope;
+  const bool rope = cfg.embeddings.positional == Positional::rope;
   std::vector<LayerSaved> saved(ix(L));
   Vec x = input;
   for (std::int64_t l = 0; l < L; ++l) {
@@ -614,7 +618,7 @@ File run(const File& golden, Mutation mut, bool with_backward,
       sv.k_rot = var.rotate(sv.k, B * K, Dh, false);
     }
     const Vec &q = rope ? sv.q_rot : sv.q, &k = rope ? sv.k_rot : sv.k, &v = sv.v;
-    const Vec sinks = cfg.attn_sinks ? lp("attn.sinks") : Vec();
+    const Vec sinks = cfg.attention.attn_sinks ? lp("attn.sinks") : Vec();
     Vec scores(ix(B * H * S * S));
     sv.raw.assign(scores.size(), 0.0);
     sv.psink.assign(ix(B * H * S), 0.0);
@@ -645,7 +649,7 @@ File run(const File& golden, Mutation mut, bool with_backward,
         // each key); a row or column with nothing visible is 0.
         // With sinks, each row's sink logit joins the softmax; its share is kept apart.
         const bool by_col = mut == Mutation::softmax_wrong_axis;
-        const bool sunk = cfg.attn_sinks;
+        const bool sunk = cfg.attention.attn_sinks;
         for (std::int64_t a = 0; a < S; ++a) {
           double mx = sunk ? sinks[ix(h)] : -inf;
           for (std::int64_t z = 0; z < S; ++z) {
@@ -748,7 +752,7 @@ File run(const File& golden, Mutation mut, bool with_backward,
   }
   const Vec& top = x;
 
-  const double eps = mut == Mutation::label_smoothing_ignored ? 0.0 : cfg.label_smoothing;
+  const double eps = mut == Mutation::label_smoothing_ignored ? 0.0 : cfg.head.label_smoothing;
   double loss = 0;
   // an encoder's pooling and classifier head
   Vec pooled(ix(B * D), 0.0), pooler, head_w, logits, class_probs;
@@ -759,7 +763,7 @@ File run(const File& golden, Mutation mut, bool with_backward,
   std::vector<std::int64_t> targets;
   std::int64_t counted = 0;
   if (decoder) {
-    lm_w = param(cfg.tie_embeddings ? "embedding.weight" : "lm_head.weight");
+    lm_w = param(cfg.head.tie_embeddings ? "embedding.weight" : "lm_head.weight");
     lm_logits = linear(top, N, D, lm_w, bias("lm_head.bias", V), V);
     lm_probs.assign(lm_logits.size(), 0.0);
     targets.assign(ix(N), -1);
@@ -783,9 +787,9 @@ File run(const File& golden, Mutation mut, bool with_backward,
       for (std::int64_t c = 0; c < D; ++c) {
         auto tp = [&](std::int64_t s) { return top[ix((b * S + s) * D + c)]; };
         double r = 0;
-        if (cfg.pooling == Pooling::cls) {
+        if (cfg.head.pooling == Pooling::cls) {
           r = tp(0);
-        } else if (cfg.pooling == Pooling::max) {
+        } else if (cfg.head.pooling == Pooling::max) {
           std::int64_t best = 0;
           for (std::int64_t s = 1; s < len; ++s) {
             if (tp(s) > tp(best) || (std::isnan(tp(s)) && !std::isnan(tp(best)))) best = s;
@@ -801,12 +805,12 @@ File run(const File& golden, Mutation mut, bool with_backward,
       }
     }
     // pooler = tanh(pooled Wp^T + bp) (pooler dense_tanh; the mutant leaves out the tanh)
-    if (cfg.pooler == Pooler::dense_tanh) {
+    if (cfg.head.pooler == Pooler::dense_tanh) {
       pooler = linear(pooled, B, D, param("pooler.weight"), param("pooler.bias"), D);
       if (mut != Mutation::pooler_without_tanh)
         for (double& v : pooler) v = std::tanh(v);
     }
-    const Vec& head_in = cfg.pooler == Pooler::dense_tanh ? pooler : pooled;
+    const Vec& head_in = cfg.head.pooler == Pooler::dense_tanh ? pooler : pooled;
     head_w = param("head.weight");
     logits = linear(head_in, B, D, head_w, bias("head.bias", C), C);
     class_probs.assign(ix(B * C), 0.0);
@@ -814,7 +818,7 @@ File run(const File& golden, Mutation mut, bool with_backward,
       loss += smoothed_ce(logits.data() + b * C, C, labels[ix(b)], eps, class_probs.data() + b * C);
     if (B > 0) loss /= static_cast<double>(B);
     out.act("pooled", {B, D}, pooled);
-    if (cfg.pooler == Pooler::dense_tanh) out.act("pooler", {B, D}, pooler);
+    if (cfg.head.pooler == Pooler::dense_tanh) out.act("pooler", {B, D}, pooler);
     out.act("logits", {B, C}, logits);
   }
   out.act("loss", {}, Vec{loss});
@@ -873,7 +877,7 @@ File run(const File& golden, Mutation mut, bool with_backward,
     // lm_logits = top W^T + b, W = embedding.weight when tied: its gradient adds to the
     // embedding's (the mutant drops it)
     Vec dropped_w(lm_w.size(), 0.0);
-    Vec& g_w = !cfg.tie_embeddings                       ? grad("lm_head.weight")
+    Vec& g_w = !cfg.head.tie_embeddings                  ? grad("lm_head.weight")
                : mut == Mutation::tied_head_grad_dropped ? dropped_w
                                                          : grad("embedding.weight");
     linear_backward(g_lm, top, lm_w, N, D, V, g_top, g_w, bgrad("lm_head.bias", V));
@@ -890,7 +894,7 @@ File run(const File& golden, Mutation mut, bool with_backward,
 
     // logits = head_in Wh^T + bh, head_in = pooler or pooled
     Vec g_pooled(ix(B * D), 0.0);
-    if (cfg.pooler == Pooler::dense_tanh) {
+    if (cfg.head.pooler == Pooler::dense_tanh) {
       Vec g_pooler(ix(B * D), 0.0);
       linear_backward(g_logits, pooler, head_w, B, D, C, g_pooler, grad("head.weight"),
                       bgrad("head.bias", C));
@@ -913,9 +917,9 @@ File run(const File& golden, Mutation mut, bool with_backward,
       if (len == 0) continue;  // pooled = 0: no dependence on top
       for (std::int64_t c = 0; c < D; ++c) {
         const double g = at(g_pooled, b * D + c);
-        if (cfg.pooling == Pooling::cls) {
+        if (cfg.head.pooling == Pooling::cls) {
           at(g_top, (b * S) * D + c) += g;
-        } else if (cfg.pooling == Pooling::max) {
+        } else if (cfg.head.pooling == Pooling::max) {
           at(g_top, (b * S + argmax[ix(b * D + c)]) * D + c) += g;
         } else {
           const std::int64_t n = mut == Mutation::mean_pool_includes_padding ? S : len;
@@ -1031,7 +1035,7 @@ File run(const File& golden, Mutation mut, bool with_backward,
         double row_dot = 0;
         for (std::int64_t j = 0; j < S; ++j) row_dot += pr[j] * gprobs[ix(j)];
         // With a sink (whose own gprobs is 0): gsink += p_sink (0 - row_dot).
-        if (cfg.attn_sinks) lg("attn.sinks")[ix(h)] -= sv.psink[ix(base + i)] * row_dot;
+        if (cfg.attention.attn_sinks) lg("attn.sinks")[ix(h)] -= sv.psink[ix(base + i)] * row_dot;
         if (mut == Mutation::softmax_backward_no_row_sum) row_dot = 0;
         for (std::int64_t j = 0; j < S; ++j) gscores[ix(j)] = pr[j] * (gprobs[ix(j)] - row_dot);
         // scores[i,j] = cap(alpha sum_c q[i,c] k[j,c]) + bias  (visible j; masked: a constant)
@@ -1073,7 +1077,7 @@ File run(const File& golden, Mutation mut, bool with_backward,
 
   // input = drop_in(sum), or drop_in(en) with en = norm(sum)
   Vec g_sum(ix(N * D), 0.0);
-  if (cfg.embedding_norm) {
+  if (cfg.embeddings.embedding_norm) {
     norm_backward(unapply(g_x, input_mask), sum, emb_norm, "embedding_norm", g_sum);
   } else {
     g_sum = unapply(g_x, input_mask);
@@ -1106,13 +1110,13 @@ File run(const File& golden, Mutation mut, bool with_backward,
   } else {
     Vec& g_emb_w = grad("embedding.weight");
     for (std::int64_t t = 0; t < N; ++t) {
-      if (cfg.padding_idx && tokens[ix(t)] == *cfg.padding_idx) continue;
+      if (cfg.embeddings.padding_idx && tokens[ix(t)] == *cfg.embeddings.padding_idx) continue;
       for (std::int64_t c = 0; c < D; ++c) {
         g_emb_w[ix(tokens[ix(t)] * D + c)] += g_sum[ix(t * D + c)] * escale;
       }
     }
   }
-  if (cfg.positional == Positional::learned) {
+  if (cfg.embeddings.positional == Positional::learned) {
     Vec& g_pos_w = grad("pos_embedding.weight");
     for (std::int64_t t = 0; t < N; ++t) {
       for (std::int64_t c = 0; c < D; ++c)
@@ -1157,7 +1161,7 @@ File run(const File& golden, Mutation mut, bool with_backward,
 File generation_steps(const File& golden, Mutation mut) {
   auto cj = nlohmann::json::parse(*golden.meta("case"));
   const std::int64_t B = cj.at("batch"), S = cj.at("seq_len"), T = cj.at("generate").at("steps");
-  const EncoderConfig cfg = EncoderConfig::from_json_text(*golden.meta("config"));
+  const ModelConfig cfg = ModelConfig::from_json_text(*golden.meta("config"));
   const auto tokens = ints(golden, "input.tokens"), lengths = ints(golden, "input.lengths");
   const auto fed = ints(golden, "input.generate.tokens");  // (T, B)
   std::int64_t S2 = 0;
@@ -1186,7 +1190,7 @@ File generation_steps(const File& golden, Mutation mut) {
   const File r = run(g, shifted ? Mutation::none : mut, false,
                      shifted ? lengths : std::vector<std::int64_t>{});
   const auto* lm = r.find("act.lm_logits");
-  const std::int64_t V = cfg.vocab_size;
+  const std::int64_t V = cfg.embeddings.vocab_size;
   const auto lm_bytes = lm->data();
   const std::size_t elem = lm_bytes.size() / ix(B * S2 * V);
   File out;

@@ -78,7 +78,7 @@ TEST_P(BuiltinMap, RoundTripsTheGoldensParametersAndConfig) {
     check(through_checkpoint<double>(g, map));
   const json hf = names::hf_config_of(cfg, map);
   json back = names::config_from_hf(hf, map);
-  EXPECT_EQ(teo::EncoderConfig::from_json(back), cfg) << hf.dump();
+  EXPECT_EQ(teo::ModelConfig::from_json(back), cfg) << hf.dump();
   // the golden's parameters back through the checkpoint give the same checkpoint bytes
   const st::File ckpt = names::checkpoint_of(g, map);
   st::File again;
@@ -149,7 +149,7 @@ TEST(Names, VitLeadingOnesAndConvWeightKeepTheirValues) {
       {"pos_embedding.weight", "vit.embeddings.position_embeddings", {1, S, D}},
       {"patch_embedding.weight",
        "vit.embeddings.patch_embeddings.projection.weight",
-       {D, cfg.channels, cfg.patch_size, cfg.patch_size}},
+       {D, cfg.embeddings.channels, cfg.embeddings.patch_size, cfg.embeddings.patch_size}},
   };
   for (const auto& w : want) {
     const auto* t = ckpt.find(w.hf);
@@ -264,7 +264,7 @@ TEST(Names, ConfigJsonKeysAreMappedOrRefusedByName) {
   EXPECT_NE(err("hidden_act", "tanh").find("hidden_act"), std::string::npos);
   // a config the family cannot express is refused by its keys
   auto pre = cfg;
-  pre.norm_first = true;
+  pre.norms.norm_first = true;
   EXPECT_NE(error_of([&] { names::hf_config_of(pre, map); }).find("norm_first"), std::string::npos);
   // GPT-2's n_inner null is 4 n_embd
   const auto gpt2 = names::NameMap::load("hf-gpt2");
@@ -287,7 +287,7 @@ TEST(Names, ConfigJsonDefaultsAreTheConfigClasss) {
   EXPECT_EQ(back.at("num_classes"), 2);
   EXPECT_EQ(back.at("type_vocab_size"), 2);
   auto no_types = cfg;
-  no_types.type_vocab_size.reset();
+  no_types.embeddings.type_vocab_size.reset();
   EXPECT_NE(error_of([&] { names::hf_config_of(no_types, map); }).find("type_vocab_size"),
             std::string::npos);
   hf["classifier_dropout"] = 0.5;

@@ -679,12 +679,12 @@ TEST(OpCases, CheckerNamesTheFirstDivergenceAndNeverRequiresOptionalOutputs) {
 // One layer of the whole model, from the same input, parameters, dropout masks and upstream
 // gradient, gives the op's bits, forward and backward.
 TEST(OpCases, EncoderLayerCaseIsTheModelsFirstLayerForwardAndBackward) {
-  teo::EncoderConfig cfg;
+  teo::ModelConfig cfg;
   cfg.num_layers = 1;
   cfg.d_model = 8;
-  cfg.num_heads = 2;
-  cfg.d_ff = 12;
-  cfg.norm_first = true;
+  cfg.attention.num_heads = 2;
+  cfg.ffn.d_ff = 12;
+  cfg.norms.norm_first = true;
   cfg.dropout = 0.2;
   const std::uint64_t seed = 11;  // the op case's seed (spec()), so the layer's masks agree
   const auto params = teo::Params<double>::init(cfg, 5);

@@ -21,15 +21,15 @@ using safetensors::File;
 
 Case small_case(bool pre, Pooling pooling, std::uint64_t seed) {
   Case c;
-  c.config.vocab_size = 30;
-  c.config.max_len = 12;
+  c.config.embeddings.vocab_size = 30;
+  c.config.embeddings.max_len = 12;
   c.config.d_model = 12;
-  c.config.num_heads = 3;
-  c.config.d_ff = 24;
+  c.config.attention.num_heads = 3;
+  c.config.ffn.d_ff = 24;
   c.config.num_layers = 2;
-  c.config.norm_first = pre;
-  c.config.pooling = pooling;
-  c.config.num_classes = 4;
+  c.config.norms.norm_first = pre;
+  c.config.head.pooling = pooling;
+  c.config.head.num_classes = 4;
   c.batch = 3;
   c.seq_len = 9;
   c.lengths = {9, 5, 2};
@@ -127,7 +127,7 @@ TEST(PrecisionCheck, TensorsBehindAnUnresolvedMaxPoolingTieAreVacuousNeverPassed
   // The first seed of this max-pooling shape whose pooled columns hold two values within bf16's
   // noise: the generator refuses it as a bf16 precision case, naming the tie.
   Case c = small_case(true, Pooling::max, 0);
-  c.config.activation = Activation::gelu_tanh;
+  c.config.ffn.activation = Activation::gelu_tanh;
   c.precision = Precision::bf16;
   std::uint64_t seed = 1;
   for (;; ++seed) {
@@ -160,7 +160,7 @@ TEST(PrecisionCheck, IllConditionedFloat32CasesAreRefusedOrMarked) {
   // d_model 2, post-norm: every LayerNorm output is +-1 exactly, so max pooling ties
   Case c = small_case(false, Pooling::max, 3);
   c.config.d_model = 2;
-  c.config.num_heads = 1;
+  c.config.attention.num_heads = 1;
   test::expect_throw<IllConditioned>([&] { make(c); }, "a tie in max pooling");
   const File f = make(c, /*allow_ill_conditioned=*/true);
   ASSERT_NE(f.meta("ill_conditioned"), nullptr);
@@ -204,10 +204,10 @@ TEST(PrecisionCheck, ReducedFloatDtypesReadExactly) {
 TEST(NoiseBound, TheKeyBiasGradientPassesInAnyOrderOfSummation) {
   Case c;
   c.config.d_model = 32;
-  c.config.num_heads = 4;
-  c.config.d_ff = 64;
+  c.config.attention.num_heads = 4;
+  c.config.ffn.d_ff = 64;
   c.config.num_layers = 1;
-  c.config.max_len = 64;
+  c.config.embeddings.max_len = 64;
   c.batch = 4;
   c.seq_len = 64;
   c.dtype = "float32";
@@ -219,7 +219,8 @@ TEST(NoiseBound, TheKeyBiasGradientPassesInAnyOrderOfSummation) {
   Params<float> grads;
   forward(params, batch, acts, {.train = true, .dropout_seed = c.seed});
   backward(params, batch, acts, grads, dacts);
-  const index_t B = c.batch, S = c.seq_len, H = c.config.num_heads, Dh = c.config.d_head();
+  const index_t B = c.batch, S = c.seq_len, H = c.config.attention.num_heads,
+                Dh = c.config.d_head();
   // term n of output j = h Dh + d: the gradient of k at row n = (b, s)
   const auto term = [&](const Tensor<float>& d, index_t n, index_t j) {
     return d[((n / S * H + j / Dh) * S + n % S) * Dh + j % Dh];

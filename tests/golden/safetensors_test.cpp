@@ -412,9 +412,9 @@ TEST(SafeTensorsMap, CheckOfATwoGigabyteFileStaysUnderAMemoryCeiling) {
   // every tensor the contract's.
   teo::golden::Case c;
   c.config.d_model = 1024;
-  c.config.num_heads = 1;
-  c.config.d_ff = 1024;
-  c.config.max_len = 1024;
+  c.config.attention.num_heads = 1;
+  c.config.ffn.d_ff = 1024;
+  c.config.embeddings.max_len = 1024;
   c.config.num_layers = 2;
   c.batch = 8;
   c.seq_len = 1024;

@@ -319,11 +319,11 @@ TEST(ReviewFindings, TheDecoderLayerRefusesAReducedPrecisionByName) {
 TEST(ReviewFindings, SwigluWithAnotherActivationIsRefusedAndItsSpecSaysSilu) {
   auto j = nlohmann::json::parse(R"({"vocab_size": 8, "max_len": 4, "d_model": 4, "num_heads": 2,
       "d_ff": 6, "num_layers": 1, "num_classes": 2, "ffn": "swiglu"})");
-  EXPECT_EQ(teo::EncoderConfig::from_json(j).to_json()["activation"], "silu");
+  EXPECT_EQ(teo::ModelConfig::from_json(j).to_json()["activation"], "silu");
   j["activation"] = "gelu";
-  EXPECT_THROW(teo::EncoderConfig::from_json(j), teo::ConfigError);
+  EXPECT_THROW(teo::ModelConfig::from_json(j), teo::ConfigError);
   j["activation"] = "silu";
-  EXPECT_NO_THROW(teo::EncoderConfig::from_json(j));
+  EXPECT_NO_THROW(teo::ModelConfig::from_json(j));
   for (const char* f : {"ffn_swiglu_f64", "ffn_swiglu_bf16"}) {
     const st::File g = st::read((kCorpus / "ops" / (std::string(f) + ".safetensors")).string());
     EXPECT_EQ(teo::golden::op_case_of(g).spec.at("activation"), "silu") << f;
@@ -338,14 +338,15 @@ TEST(ReviewFindings, BertAndRobertaCasesHoldThePadTokenWherePadded) {
     if (e.path().extension() != ".safetensors") continue;
     const st::File g = st::read(e.path().string());
     const auto c = teo::golden::case_of(g);
-    if (!c.config.padding_idx || !g.find("input.tokens")) continue;
+    if (!c.config.embeddings.padding_idx || !g.find("input.tokens")) continue;
     ++cases;
     const auto tokens = g.find("input.tokens")->int_values();
     const auto lengths = g.find("input.lengths")->int_values();
     for (std::int64_t b = 0; b < c.batch; ++b) {
       for (std::int64_t s = lengths[static_cast<std::size_t>(b)]; s < c.seq_len; ++s) {
         ++padded;
-        EXPECT_EQ(tokens[static_cast<std::size_t>(b * c.seq_len + s)], *c.config.padding_idx)
+        EXPECT_EQ(tokens[static_cast<std::size_t>(b * c.seq_len + s)],
+                  *c.config.embeddings.padding_idx)
             << e.path().filename() << " at (" << b << ", " << s << ")";
       }
     }

@@ -118,8 +118,8 @@ TEST(GoldenValidate, AShapeThatIsNotTheContractsIsNamedBeforeAnyValueIsRead) {
 TEST(GoldenValidate, InputsOutsideTheirRangeAreNamed) {
   st::File f = corpus("post_gelu_mean_f64");
   const auto cfg = golden::case_of(f).config;
-  set<std::int64_t>(f, "input.tokens", 3, cfg.vocab_size);
-  expect_refused(f, "input.tokens holds " + std::to_string(cfg.vocab_size) + " at [3]");
+  set<std::int64_t>(f, "input.tokens", 3, cfg.embeddings.vocab_size);
+  expect_refused(f, "input.tokens holds " + std::to_string(cfg.embeddings.vocab_size) + " at [3]");
   st::File g = corpus("post_gelu_mean_f64");
   set<std::int64_t>(g, "input.labels", 1, -1);
   expect_refused(g, "input.labels holds -1");

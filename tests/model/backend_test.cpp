@@ -9,47 +9,48 @@
 namespace teo {
 namespace {
 
-EncoderConfig backend_config(bool pre) {
-  EncoderConfig c;
-  c.vocab_size = 50;
-  c.max_len = 40;
+ModelConfig backend_config(bool pre) {
+  ModelConfig c;
+  c.embeddings.vocab_size = 50;
+  c.embeddings.max_len = 40;
   c.d_model = 64;
-  c.num_heads = 4;
-  c.d_ff = 136;  // not a multiple of any register tile
+  c.attention.num_heads = 4;
+  c.ffn.d_ff = 136;  // not a multiple of any register tile
   c.num_layers = 2;
-  c.norm_first = pre;
-  c.activation = pre ? Activation::gelu_tanh : Activation::gelu;
-  c.causal = pre;
+  c.norms.norm_first = pre;
+  c.ffn.activation = pre ? Activation::gelu_tanh : Activation::gelu;
+  c.attention.causal = pre;
   c.dropout = 0.1;
-  c.label_smoothing = 0.1;
-  c.pooling = pre ? Pooling::max : Pooling::mean;
-  c.num_classes = 7;
+  c.head.label_smoothing = 0.1;
+  c.head.pooling = pre ? Pooling::max : Pooling::mean;
+  c.head.num_classes = 7;
   return c;
 }
 
 // The plain post- and pre-norm layers, and two with every attention variant: GQA with RoPE
 // (partial, YaRN, an offset), a window, a soft-cap and sinks, in a LLaMA block (RMSNorm, SwiGLU,
 // no biases); MQA with ALiBi and a window, with a GeGLU FFN and RMSNorm after the residuals.
-std::vector<EncoderConfig> backend_configs() {
-  EncoderConfig rope = backend_config(true);
-  rope.num_kv_heads = 2;
-  rope.positional = Positional::rope;
-  rope.rotary_dim = 12;
-  rope.rope_scaling = {.type = RopeScalingType::yarn, .factor = 4.0, .original_max_len = 16};
-  rope.position_offset = 1000;
-  rope.sliding_window = 9;
-  rope.attn_logit_softcap = 2.0;
-  rope.attn_sinks = true;
-  rope.norm = Norm::rmsnorm;
-  rope.ffn = FfnKind::swiglu;
-  rope.activation = Activation::silu;
-  rope.attn_bias = rope.ffn_bias = rope.head_bias = false;
-  EncoderConfig alibi = backend_config(false);
-  alibi.num_kv_heads = 1;
-  alibi.positional = Positional::alibi;
-  alibi.sliding_window = 17;
-  alibi.norm = Norm::rmsnorm;
-  alibi.ffn = FfnKind::geglu;
+std::vector<ModelConfig> backend_configs() {
+  ModelConfig rope = backend_config(true);
+  rope.attention.num_kv_heads = 2;
+  rope.embeddings.positional = Positional::rope;
+  rope.attention.rotary_dim = 12;
+  rope.attention.rope_scaling = {
+      .type = RopeScalingType::yarn, .factor = 4.0, .original_max_len = 16};
+  rope.embeddings.position_offset = 1000;
+  rope.attention.sliding_window = 9;
+  rope.attention.attn_logit_softcap = 2.0;
+  rope.attention.attn_sinks = true;
+  rope.norms.norm = Norm::rmsnorm;
+  rope.ffn.kind = FfnKind::swiglu;
+  rope.ffn.activation = Activation::silu;
+  rope.attention.attn_bias = rope.ffn.ffn_bias = rope.head.head_bias = false;
+  ModelConfig alibi = backend_config(false);
+  alibi.attention.num_kv_heads = 1;
+  alibi.embeddings.positional = Positional::alibi;
+  alibi.attention.sliding_window = 17;
+  alibi.norms.norm = Norm::rmsnorm;
+  alibi.ffn.kind = FfnKind::geglu;
   return {backend_config(false), backend_config(true), rope, alibi};
 }
 
@@ -97,8 +98,8 @@ TYPED_TEST_SUITE(Backends, test::Dtypes);
 TYPED_TEST(Backends, SimdAndBlasMatchTheReferenceOnEveryStage) {
   using Real = TypeParam;
   const double tol = std::is_same_v<Real, float> ? 2e-4 : 1e-11;
-  for (const EncoderConfig& c : backend_configs()) {
-    const bool pre = c.norm_first;
+  for (const ModelConfig& c : backend_configs()) {
+    const bool pre = c.norms.norm_first;
     auto p = Params<Real>::init(c, 3);
     const Batch b = Batch::random(c, 6, 33, 4, {33, 1, 0, 20, 33, 7});
     set_backend(Backend::reference);
@@ -112,7 +113,7 @@ TYPED_TEST(Backends, SimdAndBlasMatchTheReferenceOnEveryStage) {
       set_backend(be);
       const Run<Real> got = run(p, b);
       const std::string tag = std::string(to_string(be)) + (pre ? " pre-norm " : " post-norm ") +
-                              to_string(c.positional) + " ";
+                              to_string(c.embeddings.positional) + " ";
       for (const auto& [n, v] : test::named(got.acts))
         EXPECT_LE(test::compare(v, wa.at(n)), tol) << tag << "act." << n;
       for (const auto& [n, v] : test::named(got.dacts))
@@ -126,7 +127,7 @@ TYPED_TEST(Backends, SimdAndBlasMatchTheReferenceOnEveryStage) {
 TYPED_TEST(Backends, EveryBackendIsBitwiseDeterministicAcrossThreadCounts) {
   using Real = TypeParam;
   const auto configs = backend_configs();
-  for (const EncoderConfig& c : {configs[0], configs[2], configs[3]}) {
+  for (const ModelConfig& c : {configs[0], configs[2], configs[3]}) {
     const auto p = Params<Real>::init(c, 5);
     const Batch b = Batch::random(c, 6, 33, 6, {33, 2, 0, 33, 17, 9});
     for (Backend be : {Backend::reference, Backend::simd, Backend::blas}) {
@@ -136,7 +137,7 @@ TYPED_TEST(Backends, EveryBackendIsBitwiseDeterministicAcrossThreadCounts) {
       for (int t : {2, 7, 2}) {
         set_num_threads(t);
         EXPECT_TRUE(bitwise_equal(run(p, b), want))
-            << to_string(be) << " threads=" << t << " " << to_string(c.positional);
+            << to_string(be) << " threads=" << t << " " << to_string(c.embeddings.positional);
       }
     }
   }
@@ -144,7 +145,7 @@ TYPED_TEST(Backends, EveryBackendIsBitwiseDeterministicAcrossThreadCounts) {
 
 TYPED_TEST(Backends, SimdIsBitwiseIdenticalAcrossIsas) {
   using Real = TypeParam;
-  for (const EncoderConfig& c : backend_configs()) {
+  for (const ModelConfig& c : backend_configs()) {
     const auto p = Params<Real>::init(c, 7);
     const Batch b = Batch::random(c, 5, 40, 8, {40, 3, 0, 39, 12});
     set_backend(Backend::simd);
@@ -153,7 +154,8 @@ TYPED_TEST(Backends, SimdIsBitwiseIdenticalAcrossIsas) {
     for (Isa i : supported_isas()) {
       set_isa(i);
       set_num_threads(2);
-      EXPECT_TRUE(bitwise_equal(run(p, b), want)) << to_string(i) << " " << to_string(c.positional);
+      EXPECT_TRUE(bitwise_equal(run(p, b), want))
+          << to_string(i) << " " << to_string(c.embeddings.positional);
     }
   }
 }

@@ -19,77 +19,77 @@ namespace {
 
 namespace fs = std::filesystem;
 namespace st = teo::safetensors;
-using teo::EncoderConfig;
 using teo::index_t;
+using teo::ModelConfig;
 namespace contract = teo::contract;
 
 // Configs that between them turn on every optional tensor: learned positions, pre-norm's final
 // norm, RoPE's rotated q and k, grouped-query k and v, sinks and dropout masks.
-std::vector<std::pair<std::string, EncoderConfig>> configs() {
-  std::vector<std::pair<std::string, EncoderConfig>> out;
-  EncoderConfig plain;
+std::vector<std::pair<std::string, ModelConfig>> configs() {
+  std::vector<std::pair<std::string, ModelConfig>> out;
+  ModelConfig plain;
   out.emplace_back("post-norm, sinusoidal", plain);
-  EncoderConfig pre = plain;
-  pre.norm_first = true;
-  pre.positional = teo::Positional::learned;
+  ModelConfig pre = plain;
+  pre.norms.norm_first = true;
+  pre.embeddings.positional = teo::Positional::learned;
   pre.dropout = 0.25;
   out.emplace_back("pre-norm, learned, dropout", pre);
-  EncoderConfig gqa = plain;
+  ModelConfig gqa = plain;
   gqa.d_model = 24;
-  gqa.num_heads = 6;
-  gqa.num_kv_heads = 2;
-  gqa.positional = teo::Positional::rope;
-  gqa.attn_sinks = true;
+  gqa.attention.num_heads = 6;
+  gqa.attention.num_kv_heads = 2;
+  gqa.embeddings.positional = teo::Positional::rope;
+  gqa.attention.attn_sinks = true;
   gqa.num_layers = 3;
   out.emplace_back("GQA + RoPE + sinks", gqa);
-  EncoderConfig gqa_pre = gqa;
-  gqa_pre.norm_first = true;
+  ModelConfig gqa_pre = gqa;
+  gqa_pre.norms.norm_first = true;
   gqa_pre.dropout = 0.1;
   out.emplace_back("GQA + RoPE + sinks, pre-norm, dropout", gqa_pre);
-  EncoderConfig none = plain;
+  ModelConfig none = plain;
   none.num_layers = 0;
   out.emplace_back("no layers", none);
-  EncoderConfig geglu = pre;
-  geglu.ffn = teo::FfnKind::geglu;
+  ModelConfig geglu = pre;
+  geglu.ffn.kind = teo::FfnKind::geglu;
   out.emplace_back("GeGLU with biases, pre-norm", geglu);
-  EncoderConfig llama = plain;
+  ModelConfig llama = plain;
   llama.architecture = teo::Architecture::decoder;
-  llama.causal = true;
-  llama.norm_first = true;
-  llama.norm = teo::Norm::rmsnorm;
-  llama.ffn = teo::FfnKind::swiglu;
-  llama.attn_bias = llama.ffn_bias = llama.head_bias = false;
+  llama.attention.causal = true;
+  llama.norms.norm_first = true;
+  llama.norms.norm = teo::Norm::rmsnorm;
+  llama.ffn.kind = teo::FfnKind::swiglu;
+  llama.attention.attn_bias = llama.ffn.ffn_bias = llama.head.head_bias = false;
   out.emplace_back("LLaMA decoder: RMSNorm, SwiGLU, no biases, its own LM head", llama);
-  EncoderConfig gpt2 = plain;
+  ModelConfig gpt2 = plain;
   gpt2.architecture = teo::Architecture::decoder;
-  gpt2.causal = true;
-  gpt2.tie_embeddings = true;
+  gpt2.attention.causal = true;
+  gpt2.head.tie_embeddings = true;
   out.emplace_back("decoder with a tied LM head and its bias", gpt2);
-  EncoderConfig seq2seq = plain;
+  ModelConfig seq2seq = plain;
   seq2seq.architecture = teo::Architecture::encoder_decoder;
-  seq2seq.norm_first = true;
-  seq2seq.positional = teo::Positional::learned;
-  seq2seq.decoder_vocab_size = 9;
+  seq2seq.norms.norm_first = true;
+  seq2seq.embeddings.positional = teo::Positional::learned;
+  seq2seq.embeddings.decoder_vocab_size = 9;
   seq2seq.decoder_layers = 3;
-  seq2seq.ffn = teo::FfnKind::geglu;
+  seq2seq.ffn.kind = teo::FfnKind::geglu;
   out.emplace_back("encoder-decoder: pre-norm, learned positions, own target vocabulary, GeGLU",
                    seq2seq);
-  EncoderConfig bert = plain;
-  bert.positional = teo::Positional::learned;
-  bert.type_vocab_size = 2;
-  bert.embedding_norm = true;
-  bert.pooler = teo::Pooler::dense_tanh;
-  bert.pooling = teo::Pooling::cls;
+  ModelConfig bert = plain;
+  bert.embeddings.positional = teo::Positional::learned;
+  bert.embeddings.type_vocab_size = 2;
+  bert.embeddings.embedding_norm = true;
+  bert.head.pooler = teo::Pooler::dense_tanh;
+  bert.head.pooling = teo::Pooling::cls;
   out.emplace_back("BERT: token types, embedding LayerNorm, pooler", bert);
-  EncoderConfig vit = plain;  // 4 x 4 images in 2 x 2 patches: S = 1 + 4 = 5
-  vit.input = teo::InputKind::patches;
-  vit.image_size = 4;
-  vit.patch_size = 2;
-  vit.channels = 3;
-  vit.max_len = 5;
-  vit.norm_first = true;
-  vit.positional = teo::Positional::learned;
-  vit.pooling = teo::Pooling::cls;
+  ModelConfig vit = plain;  // 4 x 4 images in 2 x 2 patches: S = 1 + 4 = 5
+  vit.embeddings.input = teo::InputKind::patches;
+  vit.embeddings.image_size = 4;
+  vit.embeddings.patch_size = 2;
+  vit.embeddings.channels = 3;
+  vit.embeddings.max_len = 5;
+  vit.norms.norm_first = true;
+  vit.embeddings.positional = teo::Positional::learned;
+  vit.head.pooling = teo::Pooling::cls;
   out.emplace_back("ViT: patches, [CLS], pre-norm", vit);
   return out;
 }
@@ -206,7 +206,7 @@ TEST(Contract, SymbolicShapesOfGqaRopeAndSinks) {
 }
 
 TEST(Contract, GradientsComeInTheOrderBackwardProducesThem) {
-  EncoderConfig cfg = configs()[2].second;  // GQA + RoPE + sinks, post-norm
+  ModelConfig cfg = configs()[2].second;  // GQA + RoPE + sinks, post-norm
   cfg.num_layers = 1;
   std::vector<std::string> names;
   for (const auto& t : contract::gradients(cfg, {2, 3})) names.push_back(t.name);

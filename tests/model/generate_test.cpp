@@ -10,15 +10,15 @@
 namespace teo {
 namespace {
 
-EncoderConfig decoder_base() {
-  EncoderConfig c;
+ModelConfig decoder_base() {
+  ModelConfig c;
   c.architecture = Architecture::decoder;
-  c.causal = true;
-  c.vocab_size = 23;
-  c.max_len = 16;
+  c.attention.causal = true;
+  c.embeddings.vocab_size = 23;
+  c.embeddings.max_len = 16;
   c.d_model = 16;
-  c.num_heads = 4;
-  c.d_ff = 24;
+  c.attention.num_heads = 4;
+  c.ffn.d_ff = 24;
   c.num_layers = 2;
   return c;
 }
@@ -26,36 +26,37 @@ EncoderConfig decoder_base() {
 // GPT-2 (pre-norm, learned positions, tied head), LLaMA (RMSNorm, SwiGLU, RoPE YaRN with an
 // offset, GQA, no biases) and a post-norm decoder with sinusoidal positions, and with ALiBi, MQA,
 // a window, a soft-cap and sinks.
-std::vector<std::pair<std::string, EncoderConfig>> configs() {
-  std::vector<std::pair<std::string, EncoderConfig>> out;
-  EncoderConfig gpt2 = decoder_base();
-  gpt2.norm_first = true;
-  gpt2.positional = Positional::learned;
-  gpt2.activation = Activation::gelu_tanh;
-  gpt2.tie_embeddings = true;
-  gpt2.head_bias = false;
+std::vector<std::pair<std::string, ModelConfig>> configs() {
+  std::vector<std::pair<std::string, ModelConfig>> out;
+  ModelConfig gpt2 = decoder_base();
+  gpt2.norms.norm_first = true;
+  gpt2.embeddings.positional = Positional::learned;
+  gpt2.ffn.activation = Activation::gelu_tanh;
+  gpt2.head.tie_embeddings = true;
+  gpt2.head.head_bias = false;
   out.emplace_back("gpt2", gpt2);
-  EncoderConfig llama = decoder_base();
-  llama.norm_first = true;
-  llama.norm = Norm::rmsnorm;
-  llama.ffn = FfnKind::swiglu;
-  llama.activation = Activation::silu;
-  llama.attn_bias = llama.ffn_bias = llama.head_bias = false;
-  llama.num_kv_heads = 2;
-  llama.positional = Positional::rope;
-  llama.rope_scaling = {.type = RopeScalingType::yarn, .factor = 2.0, .original_max_len = 8};
-  llama.position_offset = 5;
+  ModelConfig llama = decoder_base();
+  llama.norms.norm_first = true;
+  llama.norms.norm = Norm::rmsnorm;
+  llama.ffn.kind = FfnKind::swiglu;
+  llama.ffn.activation = Activation::silu;
+  llama.attention.attn_bias = llama.ffn.ffn_bias = llama.head.head_bias = false;
+  llama.attention.num_kv_heads = 2;
+  llama.embeddings.positional = Positional::rope;
+  llama.attention.rope_scaling = {
+      .type = RopeScalingType::yarn, .factor = 2.0, .original_max_len = 8};
+  llama.embeddings.position_offset = 5;
   out.emplace_back("llama", llama);
-  EncoderConfig post = decoder_base();
-  post.embed_scale = true;
+  ModelConfig post = decoder_base();
+  post.embeddings.embed_scale = true;
   out.emplace_back("post-norm sinusoidal", post);
-  EncoderConfig variants = decoder_base();
-  variants.positional = Positional::alibi;
-  variants.num_kv_heads = 1;
-  variants.sliding_window = 4;
-  variants.attn_logit_softcap = 3.0;
-  variants.attn_sinks = true;
-  variants.ffn = FfnKind::geglu;
+  ModelConfig variants = decoder_base();
+  variants.embeddings.positional = Positional::alibi;
+  variants.attention.num_kv_heads = 1;
+  variants.attention.sliding_window = 4;
+  variants.attention.attn_logit_softcap = 3.0;
+  variants.attention.attn_sinks = true;
+  variants.ffn.kind = FfnKind::geglu;
   out.emplace_back("alibi mqa window softcap sinks geglu", variants);
   return out;
 }
@@ -94,7 +95,7 @@ TYPED_TEST(Generate, EachStepsLogitsAreTheFullForwardsAtItsPosition) {
       }
       Activations<Real> acts;
       forward(params, full, acts, {.train = false});
-      const index_t V = cfg.vocab_size;
+      const index_t V = cfg.embeddings.vocab_size;
       double worst = 0, scale = 0;
       for (index_t t = 0; t < steps; ++t) {
         for (index_t b = 0; b < 3; ++b) {
@@ -135,7 +136,7 @@ TYPED_TEST(Generate, EachStepsLogitsAreTheFullForwardsAtItsPosition) {
 // Teacher forcing: fed its own greedy tokens, generation gives the same bits; fed other tokens,
 // each step's logits are still the full forward's on the sequence grown by them.
 TEST(Generate, FedTokensAreTeacherForced) {
-  const EncoderConfig cfg = configs()[1].second;  // LLaMA style
+  const ModelConfig cfg = configs()[1].second;  // LLaMA style
   const auto params = Params<double>::init(cfg, 2);
   const Batch prompt = Batch::random(cfg, 2, 5, 3, {5, 0});
   const auto greedy = generate(params, prompt, {.steps = 4});
@@ -160,7 +161,7 @@ TEST(Generate, FedTokensAreTeacherForced) {
   }
   Activations<double> acts;
   forward(params, full, acts, {.train = false});
-  const index_t V = cfg.vocab_size;
+  const index_t V = cfg.embeddings.vocab_size;
   for (index_t t = 0; t < 4; ++t) {
     for (index_t b = 0; b < 2; ++b) {
       const index_t p = b == 0 ? 5 : 0;
@@ -177,10 +178,10 @@ TEST(Generate, FedTokensAreTeacherForced) {
 }
 
 TEST(Generate, BadRequestsAreNamedErrors) {
-  EncoderConfig enc;
+  ModelConfig enc;
   const auto ep = Params<double>::init(enc, 1);
   EXPECT_THROW(generate(ep, Batch::random(enc, 1, 3, 1), {.steps = 1}), ConfigError);
-  const EncoderConfig cfg = configs()[0].second;
+  const ModelConfig cfg = configs()[0].second;
   const auto p = Params<double>::init(cfg, 1);
   const Batch prompt = Batch::random(cfg, 2, 4, 1, {4, 2});
   EXPECT_THROW(generate(p, prompt, {.steps = 13}), ShapeError) << "4 + 13 > max_len 16";

@@ -13,20 +13,20 @@ namespace {
 
 struct GradCase {
   std::string name;
-  EncoderConfig cfg;
+  ModelConfig cfg;
   std::vector<std::int64_t> lengths;
   std::vector<std::int64_t> tgt_lengths;  // an encoder_decoder's targets (of 5 tokens)
 };
 
-EncoderConfig tiny() {
-  EncoderConfig c;
-  c.vocab_size = 11;
-  c.max_len = 6;
+ModelConfig tiny() {
+  ModelConfig c;
+  c.embeddings.vocab_size = 11;
+  c.embeddings.max_len = 6;
   c.d_model = 8;
-  c.num_heads = 2;
-  c.d_ff = 12;
+  c.attention.num_heads = 2;
+  c.ffn.d_ff = 12;
   c.num_layers = 2;
-  c.num_classes = 3;
+  c.head.num_classes = 3;
   return c;
 }
 
@@ -37,264 +37,266 @@ void PrintTo(const GradCase& c, std::ostream* os) {
 std::vector<GradCase> cases() {
   std::vector<GradCase> out;
   auto add = [&](std::string name, std::vector<std::int64_t> len, auto&& edit) {
-    EncoderConfig c = tiny();
+    ModelConfig c = tiny();
     edit(c);
     out.push_back({std::move(name), c, std::move(len), {}});
   };
-  add("PostNormGeluMeanLengths410", {4, 1, 0}, [](EncoderConfig&) {});
-  add("PreNormGeluTanhClsCausalSmoothing", {4, 4, 4}, [](EncoderConfig& c) {
-    c.norm_first = true;
-    c.activation = Activation::gelu_tanh;
-    c.pooling = Pooling::cls;
-    c.causal = true;
-    c.label_smoothing = 0.1;
+  add("PostNormGeluMeanLengths410", {4, 1, 0}, [](ModelConfig&) {});
+  add("PreNormGeluTanhClsCausalSmoothing", {4, 4, 4}, [](ModelConfig& c) {
+    c.norms.norm_first = true;
+    c.ffn.activation = Activation::gelu_tanh;
+    c.head.pooling = Pooling::cls;
+    c.attention.causal = true;
+    c.head.label_smoothing = 0.1;
   });
-  add("PostNormReluMaxLearnedScaled", {4, 2, 1}, [](EncoderConfig& c) {
-    c.activation = Activation::relu;
-    c.pooling = Pooling::max;
-    c.positional = Positional::learned;
-    c.embed_scale = true;
+  add("PostNormReluMaxLearnedScaled", {4, 2, 1}, [](ModelConfig& c) {
+    c.ffn.activation = Activation::relu;
+    c.head.pooling = Pooling::max;
+    c.embeddings.positional = Positional::learned;
+    c.embeddings.embed_scale = true;
   });
-  add("PreNormReluMeanDropoutCausal", {4, 0, 3}, [](EncoderConfig& c) {
-    c.norm_first = true;
-    c.activation = Activation::relu;
+  add("PreNormReluMeanDropoutCausal", {4, 0, 3}, [](ModelConfig& c) {
+    c.norms.norm_first = true;
+    c.ffn.activation = Activation::relu;
     c.dropout = 0.2;
-    c.causal = true;
-    c.label_smoothing = 0.2;
+    c.attention.causal = true;
+    c.head.label_smoothing = 0.2;
   });
-  add("PostNormGeluClsDropoutLearnedLength0", {1, 4, 0}, [](EncoderConfig& c) {
-    c.pooling = Pooling::cls;
+  add("PostNormGeluClsDropoutLearnedLength0", {1, 4, 0}, [](ModelConfig& c) {
+    c.head.pooling = Pooling::cls;
     c.dropout = 0.1;
-    c.positional = Positional::learned;
+    c.embeddings.positional = Positional::learned;
   });
-  add("PreNormGeluMaxOneLayerScaled", {4, 3, 4}, [](EncoderConfig& c) {
-    c.norm_first = true;
-    c.pooling = Pooling::max;
+  add("PreNormGeluMaxOneLayerScaled", {4, 3, 4}, [](ModelConfig& c) {
+    c.norms.norm_first = true;
+    c.head.pooling = Pooling::max;
     c.num_layers = 1;
-    c.embed_scale = true;
-    c.num_heads = 1;
+    c.embeddings.embed_scale = true;
+    c.attention.num_heads = 1;
   });
-  add("PostNormGeluTanhMeanCausalThreeHeadsOddDh", {4, 1, 3}, [](EncoderConfig& c) {
+  add("PostNormGeluTanhMeanCausalThreeHeadsOddDh", {4, 1, 3}, [](ModelConfig& c) {
     c.d_model = 9;
-    c.num_heads = 3;
-    c.activation = Activation::gelu_tanh;
-    c.causal = true;
+    c.attention.num_heads = 3;
+    c.ffn.activation = Activation::gelu_tanh;
+    c.attention.causal = true;
   });
-  add("PostNormReluMaxLength0FullSmoothing", {4, 0, 2}, [](EncoderConfig& c) {
-    c.activation = Activation::relu;
-    c.pooling = Pooling::max;
-    c.label_smoothing = 1.0;
+  add("PostNormReluMaxLength0FullSmoothing", {4, 0, 2}, [](ModelConfig& c) {
+    c.ffn.activation = Activation::relu;
+    c.head.pooling = Pooling::max;
+    c.head.label_smoothing = 1.0;
   });
-  add("ZeroLayersPreNormMeanLearned", {4, 2, 0}, [](EncoderConfig& c) {
+  add("ZeroLayersPreNormMeanLearned", {4, 2, 0}, [](ModelConfig& c) {
     c.num_layers = 0;
-    c.norm_first = true;
-    c.positional = Positional::learned;
+    c.norms.norm_first = true;
+    c.embeddings.positional = Positional::learned;
   });
-  add("ZeroLayersPostNormMax", {3, 4, 1}, [](EncoderConfig& c) {
+  add("ZeroLayersPostNormMax", {3, 4, 1}, [](ModelConfig& c) {
     c.num_layers = 0;
-    c.pooling = Pooling::max;
+    c.head.pooling = Pooling::max;
   });
   // The attention variants, alone and combined (docs/semantics.md, "Attention variants").
-  add("GqaTwoKvHeadsOfFour", {4, 1, 3}, [](EncoderConfig& c) {
-    c.num_heads = 4;
-    c.num_kv_heads = 2;
+  add("GqaTwoKvHeadsOfFour", {4, 1, 3}, [](ModelConfig& c) {
+    c.attention.num_heads = 4;
+    c.attention.num_kv_heads = 2;
   });
-  add("MqaPreNormCausal", {4, 2, 0}, [](EncoderConfig& c) {
-    c.num_heads = 4;
-    c.num_kv_heads = 1;
-    c.norm_first = true;
-    c.causal = true;
+  add("MqaPreNormCausal", {4, 2, 0}, [](ModelConfig& c) {
+    c.attention.num_heads = 4;
+    c.attention.num_kv_heads = 1;
+    c.norms.norm_first = true;
+    c.attention.causal = true;
   });
-  add("RopeNeoxPartialOffset", {4, 3, 1}, [](EncoderConfig& c) {
-    c.positional = Positional::rope;
-    c.rotary_dim = 2;
-    c.position_offset = 3;
+  add("RopeNeoxPartialOffset", {4, 3, 1}, [](ModelConfig& c) {
+    c.embeddings.positional = Positional::rope;
+    c.attention.rotary_dim = 2;
+    c.embeddings.position_offset = 3;
   });
-  add("RopeInterleavedYarnLargeOffset", {4, 2, 4}, [](EncoderConfig& c) {
-    c.positional = Positional::rope;
-    c.rope_style = RopeStyle::interleaved;
-    c.rope_scaling = {.type = RopeScalingType::yarn, .factor = 4.0, .original_max_len = 2};
-    c.position_offset = 100000;
+  add("RopeInterleavedYarnLargeOffset", {4, 2, 4}, [](ModelConfig& c) {
+    c.embeddings.positional = Positional::rope;
+    c.attention.rope_style = RopeStyle::interleaved;
+    c.attention.rope_scaling = {
+        .type = RopeScalingType::yarn, .factor = 4.0, .original_max_len = 2};
+    c.embeddings.position_offset = 100000;
   });
-  add("RopeNtkBeyondTheOriginalContext", {4, 4, 2}, [](EncoderConfig& c) {
-    c.positional = Positional::rope;
-    c.rope_scaling = {.type = RopeScalingType::ntk, .factor = 2.0, .original_max_len = 3};
+  add("RopeNtkBeyondTheOriginalContext", {4, 4, 2}, [](ModelConfig& c) {
+    c.embeddings.positional = Positional::rope;
+    c.attention.rope_scaling = {.type = RopeScalingType::ntk, .factor = 2.0, .original_max_len = 3};
     c.num_layers = 1;
   });
-  add("RopeLinearCausal", {4, 1, 2}, [](EncoderConfig& c) {
-    c.positional = Positional::rope;
-    c.rope_scaling = {.type = RopeScalingType::linear, .factor = 3.0};
-    c.causal = true;
+  add("RopeLinearCausal", {4, 1, 2}, [](ModelConfig& c) {
+    c.embeddings.positional = Positional::rope;
+    c.attention.rope_scaling = {.type = RopeScalingType::linear, .factor = 3.0};
+    c.attention.causal = true;
   });
-  add("AlibiCausalThreeHeads", {4, 3, 1}, [](EncoderConfig& c) {
+  add("AlibiCausalThreeHeads", {4, 3, 1}, [](ModelConfig& c) {
     c.d_model = 9;
-    c.num_heads = 3;
-    c.positional = Positional::alibi;
-    c.causal = true;
+    c.attention.num_heads = 3;
+    c.embeddings.positional = Positional::alibi;
+    c.attention.causal = true;
   });
-  add("AlibiBidirectionalMaxBias", {4, 2, 4}, [](EncoderConfig& c) {
-    c.positional = Positional::alibi;
-    c.alibi_max_bias = 2.0;
+  add("AlibiBidirectionalMaxBias", {4, 2, 4}, [](ModelConfig& c) {
+    c.embeddings.positional = Positional::alibi;
+    c.attention.alibi_max_bias = 2.0;
   });
-  add("SlidingWindowCausal2", {4, 3, 0}, [](EncoderConfig& c) {
-    c.causal = true;
-    c.sliding_window = 2;
+  add("SlidingWindowCausal2", {4, 3, 0}, [](ModelConfig& c) {
+    c.attention.causal = true;
+    c.attention.sliding_window = 2;
   });
-  add("SlidingWindowBidirectional1", {4, 2, 3}, [](EncoderConfig& c) { c.sliding_window = 1; });
-  add("SoftcapHalf", {4, 2, 3}, [](EncoderConfig& c) { c.attn_logit_softcap = 0.5; });
-  add("SinksFullyMaskedRow", {4, 0, 2}, [](EncoderConfig& c) {
-    c.attn_sinks = true;
-    c.causal = true;
+  add("SlidingWindowBidirectional1", {4, 2, 3},
+      [](ModelConfig& c) { c.attention.sliding_window = 1; });
+  add("SoftcapHalf", {4, 2, 3}, [](ModelConfig& c) { c.attention.attn_logit_softcap = 0.5; });
+  add("SinksFullyMaskedRow", {4, 0, 2}, [](ModelConfig& c) {
+    c.attention.attn_sinks = true;
+    c.attention.causal = true;
   });
-  add("GqaRopeWindow", {4, 3, 2}, [](EncoderConfig& c) {
-    c.num_heads = 4;
-    c.num_kv_heads = 2;
-    c.positional = Positional::rope;
-    c.sliding_window = 2;
-    c.causal = true;
+  add("GqaRopeWindow", {4, 3, 2}, [](ModelConfig& c) {
+    c.attention.num_heads = 4;
+    c.attention.num_kv_heads = 2;
+    c.embeddings.positional = Positional::rope;
+    c.attention.sliding_window = 2;
+    c.attention.causal = true;
   });
-  add("SinksWithSoftcap", {4, 1, 3}, [](EncoderConfig& c) {
-    c.attn_sinks = true;
-    c.attn_logit_softcap = 0.7;
+  add("SinksWithSoftcap", {4, 1, 3}, [](ModelConfig& c) {
+    c.attention.attn_sinks = true;
+    c.attention.attn_logit_softcap = 0.7;
   });
-  add("EverythingRopeDropoutPre", {4, 0, 3}, [](EncoderConfig& c) {
-    c.num_heads = 4;
-    c.num_kv_heads = 2;
-    c.positional = Positional::rope;
-    c.rotary_dim = 2;
-    c.rope_scaling = {.type = RopeScalingType::yarn, .factor = 2.0};
-    c.position_offset = 7;
-    c.sliding_window = 3;
-    c.attn_logit_softcap = 0.8;
-    c.attn_sinks = true;
-    c.norm_first = true;
+  add("EverythingRopeDropoutPre", {4, 0, 3}, [](ModelConfig& c) {
+    c.attention.num_heads = 4;
+    c.attention.num_kv_heads = 2;
+    c.embeddings.positional = Positional::rope;
+    c.attention.rotary_dim = 2;
+    c.attention.rope_scaling = {.type = RopeScalingType::yarn, .factor = 2.0};
+    c.embeddings.position_offset = 7;
+    c.attention.sliding_window = 3;
+    c.attention.attn_logit_softcap = 0.8;
+    c.attention.attn_sinks = true;
+    c.norms.norm_first = true;
     c.dropout = 0.2;
   });
-  add("EverythingAlibiCausal", {4, 2, 1}, [](EncoderConfig& c) {
+  add("EverythingAlibiCausal", {4, 2, 1}, [](ModelConfig& c) {
     c.d_model = 12;
-    c.num_heads = 6;
-    c.num_kv_heads = 3;
-    c.positional = Positional::alibi;
-    c.causal = true;
-    c.sliding_window = 2;
-    c.attn_logit_softcap = 0.6;
-    c.attn_sinks = true;
+    c.attention.num_heads = 6;
+    c.attention.num_kv_heads = 3;
+    c.embeddings.positional = Positional::alibi;
+    c.attention.causal = true;
+    c.attention.sliding_window = 2;
+    c.attention.attn_logit_softcap = 0.6;
+    c.attention.attn_sinks = true;
   });
   // The block variants (docs/semantics.md, section 17.1).
-  add("LlamaBlockRmsSwigluNoBiasesGqaRope", {4, 1, 3}, [](EncoderConfig& c) {
-    c.norm = Norm::rmsnorm;
-    c.ffn = FfnKind::swiglu;
-    c.ffn_bias = c.attn_bias = c.head_bias = false;
-    c.num_heads = 4;
-    c.num_kv_heads = 2;
-    c.positional = Positional::rope;
-    c.norm_first = true;
-    c.causal = true;
+  add("LlamaBlockRmsSwigluNoBiasesGqaRope", {4, 1, 3}, [](ModelConfig& c) {
+    c.norms.norm = Norm::rmsnorm;
+    c.ffn.kind = FfnKind::swiglu;
+    c.ffn.ffn_bias = c.attention.attn_bias = c.head.head_bias = false;
+    c.attention.num_heads = 4;
+    c.attention.num_kv_heads = 2;
+    c.embeddings.positional = Positional::rope;
+    c.norms.norm_first = true;
+    c.attention.causal = true;
   });
-  add("PostNormRmsGegluTanhDropout", {4, 0, 2}, [](EncoderConfig& c) {
-    c.norm = Norm::rmsnorm;
-    c.ffn = FfnKind::geglu;
-    c.activation = Activation::gelu_tanh;
+  add("PostNormRmsGegluTanhDropout", {4, 0, 2}, [](ModelConfig& c) {
+    c.norms.norm = Norm::rmsnorm;
+    c.ffn.kind = FfnKind::geglu;
+    c.ffn.activation = Activation::gelu_tanh;
     c.dropout = 0.2;
   });
-  add("PreNormSwigluNoAttnOrHeadBias", {4, 3, 1}, [](EncoderConfig& c) {
-    c.norm_first = true;
-    c.ffn = FfnKind::swiglu;
-    c.head_bias = false;
-    c.attn_bias = false;
-    c.pooling = Pooling::cls;
+  add("PreNormSwigluNoAttnOrHeadBias", {4, 3, 1}, [](ModelConfig& c) {
+    c.norms.norm_first = true;
+    c.ffn.kind = FfnKind::swiglu;
+    c.head.head_bias = false;
+    c.attention.attn_bias = false;
+    c.head.pooling = Pooling::cls;
   });
-  add("PostNormMlpSiluNoFfnBias", {4, 2, 4}, [](EncoderConfig& c) {
-    c.activation = Activation::silu;
-    c.ffn_bias = false;
+  add("PostNormMlpSiluNoFfnBias", {4, 2, 4}, [](ModelConfig& c) {
+    c.ffn.activation = Activation::silu;
+    c.ffn.ffn_bias = false;
   });
   // Real encoders (semantics 18): BERT's token types, embedding LayerNorm (before the input
   // dropout) and pooler; then pre-norm with an RMS embedding norm, three types and mean pooling.
-  add("BertPostNormTypesEmbNormPoolerClsLearnedDropout", {4, 2, 1}, [](EncoderConfig& c) {
-    c.type_vocab_size = 2;
-    c.embedding_norm = true;
-    c.pooler = Pooler::dense_tanh;
-    c.pooling = Pooling::cls;
-    c.positional = Positional::learned;
-    c.position_offset = 2;
+  add("BertPostNormTypesEmbNormPoolerClsLearnedDropout", {4, 2, 1}, [](ModelConfig& c) {
+    c.embeddings.type_vocab_size = 2;
+    c.embeddings.embedding_norm = true;
+    c.head.pooler = Pooler::dense_tanh;
+    c.head.pooling = Pooling::cls;
+    c.embeddings.positional = Positional::learned;
+    c.embeddings.position_offset = 2;
     c.dropout = 0.1;
-    c.label_smoothing = 0.1;
+    c.head.label_smoothing = 0.1;
   });
-  add("PreNormRmsEmbNormTypes3PoolerMean", {4, 0, 3}, [](EncoderConfig& c) {
-    c.norm_first = true;
-    c.norm = Norm::rmsnorm;
-    c.type_vocab_size = 3;
-    c.embedding_norm = true;
-    c.pooler = Pooler::dense_tanh;
+  add("PreNormRmsEmbNormTypes3PoolerMean", {4, 0, 3}, [](ModelConfig& c) {
+    c.norms.norm_first = true;
+    c.norms.norm = Norm::rmsnorm;
+    c.embeddings.type_vocab_size = 3;
+    c.embeddings.embedding_norm = true;
+    c.head.pooler = Pooler::dense_tanh;
   });
   // ViT (semantics 18.5): images of 3 channels, 4 x 4 pixels, in four 2 x 2 patches after [CLS]
-  add("VitPreNormPatchesClsLearnedDropout", {5, 5, 5}, [](EncoderConfig& c) {
-    c.input = InputKind::patches;
-    c.image_size = 4;
-    c.patch_size = 2;
-    c.channels = 3;
-    c.max_len = 5;
-    c.norm_first = true;
-    c.pooling = Pooling::cls;
-    c.positional = Positional::learned;
+  add("VitPreNormPatchesClsLearnedDropout", {5, 5, 5}, [](ModelConfig& c) {
+    c.embeddings.input = InputKind::patches;
+    c.embeddings.image_size = 4;
+    c.embeddings.patch_size = 2;
+    c.embeddings.channels = 3;
+    c.embeddings.max_len = 5;
+    c.norms.norm_first = true;
+    c.head.pooling = Pooling::cls;
+    c.embeddings.positional = Positional::learned;
     c.dropout = 0.1;
   });
-  add("VitPostNormPatchesMeanPooler", {5, 5}, [](EncoderConfig& c) {
-    c.input = InputKind::patches;
-    c.image_size = 2;
-    c.patch_size = 1;
-    c.channels = 2;
-    c.max_len = 5;
-    c.pooler = Pooler::dense_tanh;
-    c.embedding_norm = true;
+  add("VitPostNormPatchesMeanPooler", {5, 5}, [](ModelConfig& c) {
+    c.embeddings.input = InputKind::patches;
+    c.embeddings.image_size = 2;
+    c.embeddings.patch_size = 1;
+    c.embeddings.channels = 2;
+    c.embeddings.max_len = 5;
+    c.head.pooler = Pooler::dense_tanh;
+    c.embeddings.embedding_norm = true;
   });
   // Decoders: next-token loss over the real positions, the LM head tied or its own.
-  add("DecoderPreNormTiedLearnedSmoothingDropout", {4, 1, 0}, [](EncoderConfig& c) {
+  add("DecoderPreNormTiedLearnedSmoothingDropout", {4, 1, 0}, [](ModelConfig& c) {
     c.architecture = Architecture::decoder;
-    c.num_classes = EncoderConfig{}.num_classes;  // a decoder has no classifier
-    c.causal = true;
-    c.norm_first = true;
-    c.tie_embeddings = true;
-    c.head_bias = false;
-    c.positional = Positional::learned;
-    c.label_smoothing = 0.1;
+    c.head.num_classes = ModelConfig{}.head.num_classes;  // a decoder has no classifier
+    c.attention.causal = true;
+    c.norms.norm_first = true;
+    c.head.tie_embeddings = true;
+    c.head.head_bias = false;
+    c.embeddings.positional = Positional::learned;
+    c.head.label_smoothing = 0.1;
     c.dropout = 0.1;
   });
-  add("DecoderLlamaRmsSwigluGqaRope", {4, 3, 2}, [](EncoderConfig& c) {
+  add("DecoderLlamaRmsSwigluGqaRope", {4, 3, 2}, [](ModelConfig& c) {
     c.architecture = Architecture::decoder;
-    c.num_classes = EncoderConfig{}.num_classes;  // a decoder has no classifier
-    c.causal = true;
-    c.norm_first = true;
-    c.norm = Norm::rmsnorm;
-    c.ffn = FfnKind::swiglu;
-    c.attn_bias = c.ffn_bias = c.head_bias = false;
-    c.num_heads = 4;
-    c.num_kv_heads = 2;
-    c.positional = Positional::rope;
+    c.head.num_classes = ModelConfig{}.head.num_classes;  // a decoder has no classifier
+    c.attention.causal = true;
+    c.norms.norm_first = true;
+    c.norms.norm = Norm::rmsnorm;
+    c.ffn.kind = FfnKind::swiglu;
+    c.attention.attn_bias = c.ffn.ffn_bias = c.head.head_bias = false;
+    c.attention.num_heads = 4;
+    c.attention.num_kv_heads = 2;
+    c.embeddings.positional = Positional::rope;
   });
-  add("DecoderPostNormOwnHeadWithBias", {4, 4, 2}, [](EncoderConfig& c) {
+  add("DecoderPostNormOwnHeadWithBias", {4, 4, 2}, [](ModelConfig& c) {
     c.architecture = Architecture::decoder;
-    c.num_classes = EncoderConfig{}.num_classes;  // a decoder has no classifier
-    c.causal = true;
+    c.head.num_classes = ModelConfig{}.head.num_classes;  // a decoder has no classifier
+    c.attention.causal = true;
   });
   // encoder-decoders: a source of length 0, targets of 5, 3 and 1 tokens (the seed notes' form);
   // then pre-norm with the decoder's own tied vocabulary, learned positions, RMSNorm, SwiGLU
-  add("Seq2SeqPostNormSharedVocabSource0", {4, 2, 0}, [](EncoderConfig& c) {
+  add("Seq2SeqPostNormSharedVocabSource0", {4, 2, 0}, [](ModelConfig& c) {
     c.architecture = Architecture::encoder_decoder;
-    c.num_classes = EncoderConfig{}.num_classes;
+    c.head.num_classes = ModelConfig{}.head.num_classes;
   });
   out.back().tgt_lengths = {5, 3, 1};
-  add("Seq2SeqPreNormOwnTiedVocabLearnedRmsSwiglu", {4, 3, 1}, [](EncoderConfig& c) {
+  add("Seq2SeqPreNormOwnTiedVocabLearnedRmsSwiglu", {4, 3, 1}, [](ModelConfig& c) {
     c.architecture = Architecture::encoder_decoder;
-    c.num_classes = EncoderConfig{}.num_classes;
-    c.norm_first = true;
-    c.decoder_vocab_size = 7;
-    c.tie_embeddings = true;
-    c.positional = Positional::learned;
-    c.norm = Norm::rmsnorm;
-    c.ffn = FfnKind::swiglu;
-    c.attn_bias = false;
-    c.label_smoothing = 0.1;
+    c.head.num_classes = ModelConfig{}.head.num_classes;
+    c.norms.norm_first = true;
+    c.embeddings.decoder_vocab_size = 7;
+    c.head.tie_embeddings = true;
+    c.embeddings.positional = Positional::learned;
+    c.norms.norm = Norm::rmsnorm;
+    c.ffn.kind = FfnKind::swiglu;
+    c.attention.attn_bias = false;
+    c.head.label_smoothing = 0.1;
     c.decoder_layers = 1;
   });
   out.back().tgt_lengths = {5, 0, 2};
@@ -304,20 +306,20 @@ std::vector<GradCase> cases() {
 // Distance from the nearest kink the finite differences must not straddle: ReLU's 0 for every
 // FFN pre-activation, and the gap between the largest and second-largest value of each pooled
 // feature under max pooling. Real positions only: padded positions cannot reach the loss.
-double kink_margin(const EncoderConfig& cfg, const Batch& batch, const Activations<double>& a) {
+double kink_margin(const ModelConfig& cfg, const Batch& batch, const Activations<double>& a) {
   double margin = INFINITY;
   const index_t s = batch.seq_len;
-  if (cfg.activation == Activation::relu) {
+  if (cfg.ffn.activation == Activation::relu) {
     for (const auto& l : a.layers)
       for (index_t b = 0; b < batch.batch; ++b)
         for (index_t t = 0; t < batch.lengths[b]; ++t)
-          for (index_t f = 0; f < cfg.d_ff; ++f)
-            margin = std::min(margin, std::abs(l.ffn_pre[(b * s + t) * cfg.d_ff + f]));
+          for (index_t f = 0; f < cfg.ffn.d_ff; ++f)
+            margin = std::min(margin, std::abs(l.ffn_pre[(b * s + t) * cfg.ffn.d_ff + f]));
   }
-  if (cfg.pooling == Pooling::max) {
-    const Tensor<double>& top = cfg.norm_first   ? a.final_norm
-                                : cfg.num_layers ? a.layers.back().output
-                                                 : a.input;
+  if (cfg.head.pooling == Pooling::max) {
+    const Tensor<double>& top = cfg.norms.norm_first ? a.final_norm
+                                : cfg.num_layers     ? a.layers.back().output
+                                                     : a.input;
     for (index_t b = 0; b < batch.batch; ++b)
       for (index_t c = 0; c < cfg.d_model; ++c) {
         double first = -INFINITY, second = -INFINITY;
@@ -340,7 +342,7 @@ class ModelGradient : public ::testing::TestWithParam<GradCase> {};
 
 TEST_P(ModelGradient, BackwardMatchesFiniteDifferences) {
   const GradCase& gc = GetParam();
-  const EncoderConfig& cfg = gc.cfg;
+  const ModelConfig& cfg = gc.cfg;
   const index_t seq_len = cfg.patches_input() ? 1 + cfg.patches() : 4;
   const ForwardOptions opts{.train = true, .dropout_seed = 1234};
   // Inputs are chosen away from ReLU's kink and from max-pooling ties: the first seed whose

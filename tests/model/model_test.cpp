@@ -11,15 +11,15 @@
 namespace teo {
 namespace {
 
-EncoderConfig small_config() {
-  EncoderConfig c;
-  c.vocab_size = 13;
-  c.max_len = 9;
+ModelConfig small_config() {
+  ModelConfig c;
+  c.embeddings.vocab_size = 13;
+  c.embeddings.max_len = 9;
   c.d_model = 12;
-  c.num_heads = 3;
-  c.d_ff = 20;
+  c.attention.num_heads = 3;
+  c.ffn.d_ff = 20;
   c.num_layers = 2;
-  c.num_classes = 5;
+  c.head.num_classes = 5;
   return c;
 }
 
@@ -30,8 +30,8 @@ TYPED_TEST_SUITE(Model, test::Dtypes);
 TYPED_TEST(Model, EveryStageHasItsShape) {
   using Real = TypeParam;
   for (bool pre : {false, true}) {
-    EncoderConfig c = small_config();
-    c.norm_first = pre;
+    ModelConfig c = small_config();
+    c.norms.norm_first = pre;
     const auto p = Params<Real>::init(c, 1);
     const Batch batch = Batch::random(c, 3, 7, 2, {7, 3, 0});
     Activations<Real> a;
@@ -71,10 +71,10 @@ TYPED_TEST(Model, ForwardOverwritesEveryActivation) {
   using Real = TypeParam;
   for (bool pre : {false, true}) {
     for (bool causal : {false, true}) {
-      EncoderConfig c = small_config();
-      c.norm_first = pre;
-      c.causal = causal;
-      c.pooling = causal ? Pooling::max : Pooling::mean;
+      ModelConfig c = small_config();
+      c.norms.norm_first = pre;
+      c.attention.causal = causal;
+      c.head.pooling = causal ? Pooling::max : Pooling::mean;
       c.dropout = pre ? 0.25 : 0.0;
       const auto p = Params<Real>::init(c, 5);
       const Batch batch = Batch::random(c, 3, 7, 8, {7, 2, 5});
@@ -104,9 +104,9 @@ TYPED_TEST(Model, BackwardOverwritesEveryGradientItDoesNotZero) {
     for (bool pre : {false, true}) {
       for (bool causal : {false, true}) {
         for (double dropout : {0.0, 0.25}) {
-          EncoderConfig c = small_config();
-          c.norm_first = pre;
-          c.causal = causal;
+          ModelConfig c = small_config();
+          c.norms.norm_first = pre;
+          c.attention.causal = causal;
           c.dropout = dropout;
           const auto p = Params<Real>::init(c, 5);
           const Batch batch = Batch::random(c, 4, 7, 8, {7, 2, 0, 5});  // one empty sequence
@@ -161,13 +161,13 @@ TYPED_TEST(Model, BackwardOverwritesInEveryShapeOfTheStack) {
         Case{"lean", 2, true, false, true}}) {
     if (k.bf16 && !std::is_same_v<Real, float>) continue;
     for (bool pre : {false, true}) {
-      EncoderConfig c = small_config();
+      ModelConfig c = small_config();
       c.num_layers = k.layers;
-      c.norm_first = pre;
+      c.norms.norm_first = pre;
       c.dropout = 0.25;
       if (k.gqa_rope) {
-        c.num_kv_heads = 1;
-        c.positional = Positional::rope;
+        c.attention.num_kv_heads = 1;
+        c.embeddings.positional = Positional::rope;
       }
       const auto p = Params<Real>::init(c, 6);
       const Batch batch = Batch::random(c, 3, 7, 9, {7, 0, 4});
@@ -190,8 +190,8 @@ TYPED_TEST(Model, BackwardOverwritesInEveryShapeOfTheStack) {
   }
   // One layer on its own: dx and every layer gradient of a reused dL start as NaN.
   for (bool pre : {false, true}) {
-    EncoderConfig c = small_config();
-    c.norm_first = pre;
+    ModelConfig c = small_config();
+    c.norms.norm_first = pre;
     c.dropout = 0.25;
     const auto all = Params<Real>::init(c, 7);
     const LayerParams<Real>& P = all.layers[0];
@@ -235,9 +235,9 @@ TYPED_TEST(Model, ReusedActivationsGiveTheBitsOfFreshOnes) {
   using Real = TypeParam;
   for (bool pre : {false, true}) {
     for (Pooling pool : {Pooling::mean, Pooling::max}) {
-      EncoderConfig c = small_config();
-      c.norm_first = pre;
-      c.pooling = pool;
+      ModelConfig c = small_config();
+      c.norms.norm_first = pre;
+      c.head.pooling = pool;
       c.dropout = 0.25;
       const auto p = Params<Real>::init(c, 4);
       const Batch big = Batch::random(c, 5, 9, 6, {9, 9, 4, 1, 7});
@@ -274,7 +274,7 @@ TYPED_TEST(Model, ReusedActivationsGiveTheBitsOfFreshOnes) {
 
 TYPED_TEST(Model, ParametersFollowTheConfig) {
   using Real = TypeParam;
-  EncoderConfig c = small_config();
+  ModelConfig c = small_config();
   std::vector<std::string> names;
   Params<Real>::init(c, 0).visit(
       [&](const std::string& n, const Tensor<Real>&) { names.push_back(n); });
@@ -282,8 +282,8 @@ TYPED_TEST(Model, ParametersFollowTheConfig) {
   EXPECT_EQ(names[1], "layers.0.attn.q.weight");
   EXPECT_EQ(names.back(), "head.bias");
   EXPECT_EQ(names.size(), 1u + 2 * 16 + 2);
-  c.norm_first = true;
-  c.positional = Positional::learned;
+  c.norms.norm_first = true;
+  c.embeddings.positional = Positional::learned;
   names.clear();
   Params<Real>::init(c, 0).visit(
       [&](const std::string& n, const Tensor<Real>&) { names.push_back(n); });
@@ -304,13 +304,13 @@ TYPED_TEST(Model, BackwardKeepingOnlyLayerOutputGradientsGivesTheSameBits) {
   for (Backend be : {Backend::reference, Backend::simd, Backend::blas}) {
     set_backend(be);
     for (bool pre : {false, true}) {
-      EncoderConfig c = small_config();
+      ModelConfig c = small_config();
       c.num_layers = 3;
-      c.norm_first = pre;
+      c.norms.norm_first = pre;
       c.dropout = 0.2;
       if (pre) {
-        c.num_kv_heads = 1;
-        c.positional = Positional::rope;
+        c.attention.num_kv_heads = 1;
+        c.embeddings.positional = Positional::rope;
       }
       const auto p = Params<Real>::init(c, 9);
       const Batch batch = Batch::random(c, 3, 7, 4, {7, 3, 5});
@@ -360,19 +360,19 @@ TYPED_TEST(Model, BackwardKeepingOnlyLayerOutputGradientsGivesTheSameBits) {
 TEST(Model, PaddingIdxRowGetsNoLookupGradientAndNothingElseChanges) {
   for (const bool decoder : {false, true}) {
     SCOPED_TRACE(decoder ? "tied decoder" : "encoder");
-    EncoderConfig c = small_config();
+    ModelConfig c = small_config();
     if (decoder) {
       c.architecture = Architecture::decoder;
-      c.causal = true;
-      c.tie_embeddings = true;
-      c.head_bias = false;
-      c.num_classes = EncoderConfig{}.num_classes;
+      c.attention.causal = true;
+      c.head.tie_embeddings = true;
+      c.head.head_bias = false;
+      c.head.num_classes = ModelConfig{}.head.num_classes;
     }
     const auto params = Params<double>::init(c, 5);
     const Batch batch = Batch::random(c, 3, 6, 11, {6, 4, 2});
     const std::int64_t pad = batch.tokens[1];  // a token the batch uses among its real ones
-    EncoderConfig cp = c;
-    cp.padding_idx = pad;
+    ModelConfig cp = c;
+    cp.embeddings.padding_idx = pad;
     auto padded = params;
     padded.config = cp;
     Activations<double> a, ap, da, dap;
@@ -384,7 +384,7 @@ TEST(Model, PaddingIdxRowGetsNoLookupGradientAndNothingElseChanges) {
     backward(padded, batch, ap, gp, dap);
     const index_t D = c.d_model;
     double row = 0;
-    for (index_t v = 0; v < c.vocab_size; ++v) {
+    for (index_t v = 0; v < c.embeddings.vocab_size; ++v) {
       for (index_t k = 0; k < D; ++k) {
         const double want = g.embedding_weight[v * D + k], got = gp.embedding_weight[v * D + k];
         if (v != pad) {
@@ -410,8 +410,8 @@ TEST(Model, PaddingIdxRowGetsNoLookupGradientAndNothingElseChanges) {
     for (index_t i = 0; i < g.layers[0].q_weight.numel(); ++i)
       ASSERT_EQ(g.layers[0].q_weight[i], gp.layers[0].q_weight[i]);
   }
-  EncoderConfig bad = small_config();
-  bad.padding_idx = bad.vocab_size;
+  ModelConfig bad = small_config();
+  bad.embeddings.padding_idx = bad.embeddings.vocab_size;
   EXPECT_THROW(bad.validate(), ConfigError);
 }
 
@@ -419,14 +419,14 @@ TEST(Model, PaddingIdxRowGetsNoLookupGradientAndNothingElseChanges) {
 // output flattened and transposed, with [CLS] in front: checked against the convolution written
 // out; and a batch of images is validated by name.
 TEST(Model, PatchEmbeddingIsTheStridedConvolutionWithClsFirst) {
-  EncoderConfig c = small_config();
-  c.input = InputKind::patches;
-  c.image_size = 6;
-  c.patch_size = 3;
-  c.channels = 2;
-  c.max_len = 5;
-  c.norm_first = true;
-  c.positional = Positional::learned;
+  ModelConfig c = small_config();
+  c.embeddings.input = InputKind::patches;
+  c.embeddings.image_size = 6;
+  c.embeddings.patch_size = 3;
+  c.embeddings.channels = 2;
+  c.embeddings.max_len = 5;
+  c.norms.norm_first = true;
+  c.embeddings.positional = Positional::learned;
   const auto p = Params<double>::init(c, 7);
   const Batch b = Batch::random(c, 2, 5, 11);
   Activations<double> a;
@@ -472,8 +472,8 @@ TEST(Model, PatchEmbeddingIsTheStridedConvolutionWithClsFirst) {
 }
 
 TEST(Model, InitialisationIsBitReproducible) {
-  EncoderConfig c = small_config();
-  c.positional = Positional::learned;
+  ModelConfig c = small_config();
+  c.embeddings.positional = Positional::learned;
   std::uint64_t h = 0xCBF29CE484222325ull;
   const auto p = Params<double>::init(c, 42);
   p.visit([&](const std::string&, const Tensor<double>& t) {
@@ -497,10 +497,10 @@ TYPED_TEST(Model, EmptySequenceGivesZerosNeverNaN) {
   using Real = TypeParam;
   for (Pooling pool : {Pooling::mean, Pooling::cls, Pooling::max}) {
     for (bool pre : {false, true}) {
-      EncoderConfig c = small_config();
-      c.pooling = pool;
-      c.norm_first = pre;
-      c.causal = true;
+      ModelConfig c = small_config();
+      c.head.pooling = pool;
+      c.norms.norm_first = pre;
+      c.attention.causal = true;
       const auto p = Params<Real>::init(c, 3);
       const Batch batch = Batch::random(c, 2, 5, 4, {0, 5});
       Activations<Real> a;
@@ -524,7 +524,7 @@ TYPED_TEST(Model, EmptySequenceGivesZerosNeverNaN) {
 
 TYPED_TEST(Model, EmptyBatchGivesEmptyOutputsAndZeroLoss) {
   using Real = TypeParam;
-  const EncoderConfig c = small_config();
+  const ModelConfig c = small_config();
   const auto p = Params<Real>::init(c, 3);
   const Batch batch = Batch::random(c, 0, 4, 4);
   Activations<Real> a;
@@ -550,7 +550,7 @@ void expect_error_naming(F&& f, const std::string& needle) {
 
 TYPED_TEST(Model, BadInputIsRejectedByNameAndChangesNothing) {
   using Real = TypeParam;
-  const EncoderConfig c = small_config();
+  const ModelConfig c = small_config();
   const auto p = Params<Real>::init(c, 3);
   const Batch good = Batch::random(c, 2, 4, 4);
   Activations<Real> a;
@@ -589,7 +589,7 @@ TYPED_TEST(Model, BadInputIsRejectedByNameAndChangesNothing) {
 
   // A replayed dropout mask of the wrong size is refused before the activations are reshaped for
   // the new batch: they stay those of the last good call.
-  EncoderConfig cd = c;
+  ModelConfig cd = c;
   cd.dropout = 0.2;
   const auto pd = Params<Real>::init(cd, 3);
   Activations<Real> ad;
@@ -616,11 +616,12 @@ TEST(Shape, EqualShapesHoldEqualElementCounts) {
 
 TYPED_TEST(Model, ParamsOrActivationsThatDisagreeWithTheConfigAreRejected) {
   using Real = TypeParam;
-  const EncoderConfig c = small_config();
+  const ModelConfig c = small_config();
   const Batch batch = Batch::random(c, 2, 4, 4);
   Activations<Real> a;
   auto p = Params<Real>::init(c, 3);
-  p.config.positional = Positional::learned;  // no pos_embedding.weight was made for this
+  p.config.embeddings.positional =
+      Positional::learned;  // no pos_embedding.weight was made for this
   expect_error_naming<ShapeError>([&] { forward(p, batch, a); }, "pos_embedding.weight");
   p = Params<Real>::init(c, 3);
   p.layers.pop_back();
@@ -638,12 +639,12 @@ TYPED_TEST(Model, ParamsOrActivationsThatDisagreeWithTheConfigAreRejected) {
   Params<Real> g;
   Activations<Real> da;
   auto pmax = p;
-  pmax.config.pooling = Pooling::max;
+  pmax.config.head.pooling = Pooling::max;
   expect_error_naming<ShapeError>([&] { backward(pmax, batch, a, g, da); }, "pool_argmax");
   auto ppre = Params<Real>::init(
       [&] {
         auto x = c;
-        x.norm_first = true;
+        x.norms.norm_first = true;
         return x;
       }(),
       3);
@@ -658,8 +659,8 @@ TYPED_TEST(Model, ParamsOrActivationsThatDisagreeWithTheConfigAreRejected) {
 // position -1. It is rejected by name, and writes no gradient (under ASan, no write out of bounds).
 TYPED_TEST(Model, BackwardRejectsPoolArgmaxFromAnotherBatch) {
   using Real = TypeParam;
-  EncoderConfig c = small_config();
-  c.pooling = Pooling::max;
+  ModelConfig c = small_config();
+  c.head.pooling = Pooling::max;
   const auto p = Params<Real>::init(c, 3);
   const Batch with_empty = Batch::random(c, 2, 4, 4, {4, 0});
   const Batch full = Batch::random(c, 2, 4, 4, {4, 4});
@@ -681,7 +682,7 @@ TYPED_TEST(Model, BackwardRejectsPoolArgmaxFromAnotherBatch) {
 
 TYPED_TEST(Model, ForwardIsDeterministicAndDropoutFollowsTheSeed) {
   using Real = TypeParam;
-  EncoderConfig c = small_config();
+  ModelConfig c = small_config();
   c.dropout = 0.3;
   const auto p = Params<Real>::init(c, 3);
   const Batch batch = Batch::random(c, 3, 6, 4, {6, 2, 5});
@@ -695,7 +696,7 @@ TYPED_TEST(Model, ForwardIsDeterministicAndDropoutFollowsTheSeed) {
   EXPECT_EQ(a1.layers[0].masks.attn.size(), static_cast<std::size_t>(3 * 3 * 6 * 6));
   // eval mode is the identity at every site and equals dropout = 0
   forward(p, batch, eval1, {.train = false});
-  EncoderConfig c0 = c;
+  ModelConfig c0 = c;
   c0.dropout = 0;
   Params<Real> p0 = p;
   p0.config = c0;
@@ -711,11 +712,11 @@ TEST(Model, FloatAgreesWithDouble) {
   for (bool pre : {false, true}) {
     for (Activation act :
          {Activation::relu, Activation::gelu, Activation::gelu_tanh, Activation::silu}) {
-      EncoderConfig c = small_config();
-      c.norm_first = pre;
-      c.activation = act;
-      c.causal = pre;
-      c.label_smoothing = 0.1;
+      ModelConfig c = small_config();
+      c.norms.norm_first = pre;
+      c.ffn.activation = act;
+      c.attention.causal = pre;
+      c.head.label_smoothing = 0.1;
       c.dropout = 0.1;
       const auto pf = Params<float>::init(c, 5);
       const auto pd = test::convert_params<double>(pf);

@@ -11,21 +11,21 @@
 namespace teo {
 namespace {
 
-EncoderConfig precision_config(bool pre) {
-  EncoderConfig c;
-  c.vocab_size = 50;
-  c.max_len = 40;
+ModelConfig precision_config(bool pre) {
+  ModelConfig c;
+  c.embeddings.vocab_size = 50;
+  c.embeddings.max_len = 40;
   c.d_model = 32;
-  c.num_heads = 4;
-  c.d_ff = 72;
+  c.attention.num_heads = 4;
+  c.ffn.d_ff = 72;
   c.num_layers = 2;
-  c.norm_first = pre;
-  c.activation = pre ? Activation::gelu_tanh : Activation::gelu;
-  c.causal = pre;
+  c.norms.norm_first = pre;
+  c.ffn.activation = pre ? Activation::gelu_tanh : Activation::gelu;
+  c.attention.causal = pre;
   c.dropout = 0.1;
-  c.label_smoothing = 0.1;
-  c.pooling = Pooling::mean;
-  c.num_classes = 5;
+  c.head.label_smoothing = 0.1;
+  c.head.pooling = Pooling::mean;
+  c.head.num_classes = 5;
   return c;
 }
 
@@ -70,7 +70,7 @@ class Precisions : public ::testing::Test {
 
 TEST_F(Precisions, Bf16AndFp16StoreEveryNamedTensorInTheFormat) {
   for (Precision prec : {Precision::bf16, Precision::fp16}) {
-    const EncoderConfig c = precision_config(false);
+    const ModelConfig c = precision_config(false);
     auto p = Params<float>::init(c, 3);
     round_params(p, prec);
     const Batch b = Batch::random(c, 3, 17, 4, {17, 5, 0});
@@ -88,7 +88,7 @@ TEST_F(Precisions, Bf16AndFp16StoreEveryNamedTensorInTheFormat) {
 // the tensor's scale is of the order of its unit roundoff: above fp32's, and within a small
 // multiple of its own u.
 TEST_F(Precisions, ErrorAgainstFloat64HasTheFormatsSize) {
-  const EncoderConfig c = precision_config(true);
+  const ModelConfig c = precision_config(true);
   const Batch b = Batch::random(c, 3, 17, 4, {17, 5, 0});
   for (Precision prec : {Precision::fp32, Precision::tf32, Precision::bf16, Precision::fp16}) {
     auto p = Params<float>::init(c, 3);
@@ -116,7 +116,7 @@ TEST_F(Precisions, ErrorAgainstFloat64HasTheFormatsSize) {
 TEST_F(Precisions, EmulationIsBitwiseDeterministicAcrossThreadsAndIsas) {
   for (Precision prec : {Precision::tf32, Precision::bf16, Precision::fp16}) {
     for (bool pre : {false, true}) {
-      const EncoderConfig c = precision_config(pre);
+      const ModelConfig c = precision_config(pre);
       auto p = Params<float>::init(c, 5);
       round_params(p, prec);
       const Batch b = Batch::random(c, 5, 33, 6, {33, 2, 0, 33, 17});
@@ -143,7 +143,7 @@ TEST_F(Precisions, EmulationIsBitwiseDeterministicAcrossThreadsAndIsas) {
 }
 
 TEST_F(Precisions, EmulationChangesTheResultAndFp32IsThePlainPass) {
-  const EncoderConfig c = precision_config(false);
+  const ModelConfig c = precision_config(false);
   const auto p = Params<float>::init(c, 5);
   const Batch b = Batch::random(c, 2, 9, 6);
   Pass plain;
@@ -155,7 +155,7 @@ TEST_F(Precisions, EmulationChangesTheResultAndFp32IsThePlainPass) {
 }
 
 TEST_F(Precisions, Fp16OverflowIsARangeErrorNamingTheTensor) {
-  const EncoderConfig c = precision_config(false);
+  const ModelConfig c = precision_config(false);
   auto p = Params<float>::init(c, 5);
   // Large query weights make the first layer's scores overflow fp16 while q itself stays finite.
   for (float& w : p.layers[0].q_weight) w *= 400.0f;
@@ -176,7 +176,7 @@ TEST_F(Precisions, Fp16OverflowIsARangeErrorNamingTheTensor) {
 }
 
 TEST_F(Precisions, APrecisionTheTypeCannotRunIsAConfigError) {
-  const EncoderConfig c = precision_config(false);
+  const ModelConfig c = precision_config(false);
   const Batch b = Batch::random(c, 2, 9, 6);
   Activations<double> a64;
   test::expect_throw<ConfigError>(

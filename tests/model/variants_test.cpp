@@ -48,28 +48,28 @@ void expect_same_bits(const Pass& a, const Pass& b) {
 }
 
 // A small random config with some of the variants on, and a backend for the property.
-EncoderConfig gen_config() {
-  EncoderConfig c;
-  c.num_heads = *rc::gen::element<index_t>(1, 2, 4, 6);
-  c.d_model = c.num_heads * *rc::gen::element<index_t>(2, 4);
-  c.d_ff = 7;
+ModelConfig gen_config() {
+  ModelConfig c;
+  c.attention.num_heads = *rc::gen::element<index_t>(1, 2, 4, 6);
+  c.d_model = c.attention.num_heads * *rc::gen::element<index_t>(2, 4);
+  c.ffn.d_ff = 7;
   c.num_layers = *rc::gen::inRange<index_t>(1, 3);
-  c.vocab_size = 13;
-  c.max_len = 9;
-  c.num_classes = 3;
-  c.norm_first = *rc::gen::arbitrary<bool>();
-  c.causal = *rc::gen::arbitrary<bool>();
+  c.embeddings.vocab_size = 13;
+  c.embeddings.max_len = 9;
+  c.head.num_classes = 3;
+  c.norms.norm_first = *rc::gen::arbitrary<bool>();
+  c.attention.causal = *rc::gen::arbitrary<bool>();
   c.dropout = *rc::gen::element(0.0, 0.25);
-  c.positional = *rc::gen::element(Positional::sinusoidal, Positional::rope, Positional::alibi,
-                                   Positional::none);
-  if (*rc::gen::arbitrary<bool>()) c.attn_logit_softcap = *rc::gen::element(0.5, 3.0);
-  c.attn_sinks = *rc::gen::arbitrary<bool>();
+  c.embeddings.positional = *rc::gen::element(Positional::sinusoidal, Positional::rope,
+                                              Positional::alibi, Positional::none);
+  if (*rc::gen::arbitrary<bool>()) c.attention.attn_logit_softcap = *rc::gen::element(0.5, 3.0);
+  c.attention.attn_sinks = *rc::gen::arbitrary<bool>();
   return c;
 }
 
-Batch gen_batch(const EncoderConfig& c) {
+Batch gen_batch(const ModelConfig& c) {
   const index_t b = *rc::gen::inRange<index_t>(1, 4);
-  const index_t s = *rc::gen::inRange<index_t>(1, c.max_len + 1);
+  const index_t s = *rc::gen::inRange<index_t>(1, c.embeddings.max_len + 1);
   std::vector<std::int64_t> len(static_cast<std::size_t>(b));
   for (auto& l : len) l = *rc::gen::inRange<index_t>(0, s + 1);
   return Batch::random(c, b, s, *rc::gen::arbitrary<std::uint32_t>(), len);
@@ -79,9 +79,9 @@ using test::gen_backend;
 
 RC_GTEST_PROP(Variants, KvHeadsEqualToHeadsGiveThePlainBits, ()) {
   const auto keep = gen_backend();
-  const EncoderConfig plain = gen_config();
-  EncoderConfig gqa = plain;
-  gqa.num_kv_heads = plain.num_heads;
+  const ModelConfig plain = gen_config();
+  ModelConfig gqa = plain;
+  gqa.attention.num_kv_heads = plain.attention.num_heads;
   const Batch b = gen_batch(plain);
   const auto p = Params<double>::init(plain, 1);
   auto q = p;
@@ -91,12 +91,12 @@ RC_GTEST_PROP(Variants, KvHeadsEqualToHeadsGiveThePlainBits, ()) {
 
 RC_GTEST_PROP(Variants, RopeWithRotaryDimZeroIsPositionalNone, ()) {
   const auto keep = gen_backend();
-  EncoderConfig none = gen_config();
-  none.positional = Positional::none;
-  EncoderConfig rope = none;
-  rope.positional = Positional::rope;
-  rope.rotary_dim = 0;
-  rope.position_offset = *rc::gen::inRange<index_t>(0, 100000);
+  ModelConfig none = gen_config();
+  none.embeddings.positional = Positional::none;
+  ModelConfig rope = none;
+  rope.embeddings.positional = Positional::rope;
+  rope.attention.rotary_dim = 0;
+  rope.embeddings.position_offset = *rc::gen::inRange<index_t>(0, 100000);
   const Batch b = gen_batch(none);
   const auto p = Params<double>::init(none, 2);
   auto q = p;
@@ -113,11 +113,12 @@ RC_GTEST_PROP(Variants, RopeWithRotaryDimZeroIsPositionalNone, ()) {
 
 RC_GTEST_PROP(Variants, AWindowOfAtLeastTheSequenceIsNoWindow, ()) {
   const auto keep = gen_backend();
-  const EncoderConfig plain = gen_config();
+  const ModelConfig plain = gen_config();
   const Batch b = gen_batch(plain);
-  EncoderConfig windowed = plain;
-  windowed.sliding_window = *rc::gen::oneOf(rc::gen::inRange<index_t>(b.seq_len, b.seq_len + 4),
-                                            rc::gen::just(std::numeric_limits<index_t>::max()));
+  ModelConfig windowed = plain;
+  windowed.attention.sliding_window =
+      *rc::gen::oneOf(rc::gen::inRange<index_t>(b.seq_len, b.seq_len + 4),
+                      rc::gen::just(std::numeric_limits<index_t>::max()));
   const auto p = Params<double>::init(plain, 3);
   auto q = p;
   q.config = windowed;
@@ -131,15 +132,16 @@ RC_GTEST_PROP(Variants, AWindowOfAtLeastTheSequenceIsNoWindow, ()) {
 // Bound: 1e-12 relative, in double.
 RC_GTEST_PROP(Variants, TheRopeStylesDifferByAPermutationOfTheQkRows, ()) {
   const auto keep = gen_backend();
-  EncoderConfig inter = gen_config();
-  inter.positional = Positional::rope;
-  inter.rope_style = RopeStyle::interleaved;
+  ModelConfig inter = gen_config();
+  inter.embeddings.positional = Positional::rope;
+  inter.attention.rope_style = RopeStyle::interleaved;
   const index_t dh = inter.d_head();
-  inter.rotary_dim = 2 * *rc::gen::inRange<index_t>(1, dh / 2 + 1);
-  inter.position_offset = *rc::gen::inRange<index_t>(0, 1000);
-  if (inter.num_heads % 2 == 0 && *rc::gen::arbitrary<bool>()) inter.num_kv_heads = 2;
-  EncoderConfig neox = inter;
-  neox.rope_style = RopeStyle::neox;
+  inter.attention.rotary_dim = 2 * *rc::gen::inRange<index_t>(1, dh / 2 + 1);
+  inter.embeddings.position_offset = *rc::gen::inRange<index_t>(0, 1000);
+  if (inter.attention.num_heads % 2 == 0 && *rc::gen::arbitrary<bool>())
+    inter.attention.num_kv_heads = 2;
+  ModelConfig neox = inter;
+  neox.attention.rope_style = RopeStyle::neox;
   const index_t r = inter.rotary();
   // perm[n] = the interleaved dimension that neox dimension n holds
   std::vector<index_t> perm(static_cast<std::size_t>(dh));
@@ -187,13 +189,13 @@ RC_GTEST_PROP(Variants, TheRopeStylesDifferByAPermutationOfTheQkRows, ()) {
 TEST(Variants, RopeScoresDependOnlyOnTheOffsetBetweenPositions) {
   for (RopeStyle style : {RopeStyle::neox, RopeStyle::interleaved}) {
     for (index_t offset : {index_t{0}, index_t{100000}}) {
-      EncoderConfig c;
+      ModelConfig c;
       c.d_model = 16;
-      c.num_heads = 1;
-      c.max_len = 40;
-      c.positional = Positional::rope;
-      c.rope_style = style;
-      c.position_offset = offset;
+      c.attention.num_heads = 1;
+      c.embeddings.max_len = 40;
+      c.embeddings.positional = Positional::rope;
+      c.attention.rope_style = style;
+      c.embeddings.position_offset = offset;
       const index_t s = 40, dh = 16;
       const auto q1 = test::uniform_vector<double>(dh, 1, "q"),
                  k1 = test::uniform_vector<double>(dh, 2, "k");
@@ -272,7 +274,7 @@ TEST(Variants, AlibiSlopesAreThoseOfPressEtAl) {
 struct Pair {
   Activations<double> base, variant;
 };
-Pair pair_of(const EncoderConfig& base, const EncoderConfig& variant, const Batch& b) {
+Pair pair_of(const ModelConfig& base, const ModelConfig& variant, const Batch& b) {
   const auto p = Params<double>::init(variant, 9);
   auto q = Params<double>::zeros(base);
   std::vector<const Tensor<double>*> src;
@@ -289,22 +291,22 @@ Pair pair_of(const EncoderConfig& base, const EncoderConfig& variant, const Batc
   return r;
 }
 
-EncoderConfig small() {
-  EncoderConfig c;
+ModelConfig small() {
+  ModelConfig c;
   c.d_model = 12;
-  c.num_heads = 6;
+  c.attention.num_heads = 6;
   c.num_layers = 1;
-  c.max_len = 12;
-  c.positional = Positional::none;
+  c.embeddings.max_len = 12;
+  c.embeddings.positional = Positional::none;
   return c;
 }
 
 TEST(Variants, AlibiAddsMinusSlopeTimesDistanceToEveryVisibleScore) {
   for (bool causal : {false, true}) {
-    EncoderConfig plain = small();
-    plain.causal = causal;
-    EncoderConfig alibi = plain;
-    alibi.positional = Positional::alibi;
+    ModelConfig plain = small();
+    plain.attention.causal = causal;
+    ModelConfig alibi = plain;
+    alibi.embeddings.positional = Positional::alibi;
     const Batch b = Batch::random(plain, 2, 12, 5, {12, 7});
     const Pair r = pair_of(plain, alibi, b);
     const auto slopes = alibi_slopes(6, 8.0);
@@ -332,9 +334,9 @@ TEST(Variants, AlibiAddsMinusSlopeTimesDistanceToEveryVisibleScore) {
 TEST(Variants, SlidingWindowsShowExactlyTheirKeys) {
   for (bool causal : {false, true})
     for (index_t w : {1, 3, 11, 12, 15}) {
-      EncoderConfig c = small();
-      c.causal = causal;
-      c.sliding_window = w;
+      ModelConfig c = small();
+      c.attention.causal = causal;
+      c.attention.sliding_window = w;
       const auto p = Params<double>::init(c, 1);
       const Batch b = Batch::random(c, 2, 12, 5, {12, 7});
       Activations<double> a;
@@ -354,9 +356,9 @@ TEST(Variants, SlidingWindowsShowExactlyTheirKeys) {
 }
 
 TEST(Variants, SoftcapIsCTanhOfTheScaledScoresAndBoundsThem) {
-  EncoderConfig plain = small();
-  EncoderConfig capped = plain;
-  capped.attn_logit_softcap = 0.3;
+  ModelConfig plain = small();
+  ModelConfig capped = plain;
+  capped.attention.attn_logit_softcap = 0.3;
   const Batch b = Batch::random(plain, 2, 12, 5, {12, 7});
   const Pair r = pair_of(plain, capped, b);
   const auto& s0 = r.base.layers[0].scores;
@@ -371,9 +373,9 @@ TEST(Variants, SoftcapIsCTanhOfTheScaledScoresAndBoundsThem) {
 // With sinks, each row's probabilities and the sink's share exp(sink - m) / Z sum to 1; a fully
 // masked row (length 0) is all 0, never NaN, and its gradient is 0.
 TEST(Variants, SinksTakeTheirShareAndAFullyMaskedRowIsZero) {
-  EncoderConfig c = small();
-  c.attn_sinks = true;
-  c.causal = true;
+  ModelConfig c = small();
+  c.attention.attn_sinks = true;
+  c.attention.causal = true;
   const auto p = Params<double>::init(c, 2);
   const Batch b = Batch::random(c, 2, 12, 5, {12, 0});
   Activations<double> a, da;
@@ -413,19 +415,19 @@ TEST(Variants, SinksTakeTheirShareAndAFullyMaskedRowIsZero) {
 // backend (the shape fuzzer found the backward refusing it for a soft-cap or sinks).
 TEST(Variants, AnEmptyBatchRunsEveryVariant) {
   ScopedSettings keep;
-  EncoderConfig c = small();
-  c.num_kv_heads = 2;
-  c.positional = Positional::rope;
-  c.sliding_window = 2;
-  c.attn_logit_softcap = 1.0;
-  c.attn_sinks = true;
+  ModelConfig c = small();
+  c.attention.num_kv_heads = 2;
+  c.embeddings.positional = Positional::rope;
+  c.attention.sliding_window = 2;
+  c.attention.attn_logit_softcap = 1.0;
+  c.attention.attn_sinks = true;
   const auto p = Params<double>::init(c, 1);
   const Batch b = Batch::random(c, 0, 5, 1);
   for (Backend be : {Backend::reference, Backend::simd, Backend::blas}) {
     set_backend(be);
     const Pass r = run(p, b);
     EXPECT_EQ(r.acts.loss[0], 0.0);
-    for (index_t h = 0; h < c.num_heads; ++h) EXPECT_EQ(r.grads.layers[0].sinks[h], 0.0);
+    for (index_t h = 0; h < c.attention.num_heads; ++h) EXPECT_EQ(r.grads.layers[0].sinks[h], 0.0);
   }
 }
 
@@ -437,10 +439,10 @@ TEST(Variants, GqaIsThePlainLayerWithContiguousGroupsRepeated) {
   for (Backend be : {Backend::reference, Backend::simd, Backend::blas})
     for (index_t kv : {1, 2, 3}) {
       set_backend(be);
-      EncoderConfig gqa = small();
-      gqa.num_kv_heads = kv;
-      gqa.causal = kv == 2;
-      const EncoderConfig plain = small();
+      ModelConfig gqa = small();
+      gqa.attention.num_kv_heads = kv;
+      gqa.attention.causal = kv == 2;
+      const ModelConfig plain = small();
       const index_t group = 6 / kv, dh = 2, d = 12;
       const auto p = Params<double>::init(gqa, 11);
       auto q = Params<double>::zeros(plain);
@@ -460,7 +462,7 @@ TEST(Variants, GqaIsThePlainLayerWithContiguousGroupsRepeated) {
             for (index_t c = 0; c < cols; ++c)
               t[(h * dh + r) * cols + c] = (*src)[((h / group) * dh + r) * cols + c];
       });
-      q.config.causal = gqa.causal;
+      q.config.attention.causal = gqa.attention.causal;
       const Batch b = Batch::random(gqa, 3, 12, 5, {12, 5, 1});
       const Pass a = run(q, b), g = run(p, b);
       // the same bits on reference and simd (every product element is one chain over its inner

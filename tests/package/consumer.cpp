@@ -5,7 +5,7 @@
 #include "teo/model.hpp"
 
 int main() {
-  teo::EncoderConfig cfg;  // vocab 64, d_model 16, 2 heads, 2 layers, 4 classes
+  teo::ModelConfig cfg;  // vocab 64, d_model 16, 2 heads, 2 layers, 4 classes
   const auto params = teo::Params<double>::init(cfg, 0);
   const auto batch = teo::Batch::random(cfg, 3, 8, 1, {8, 5, 1});
   teo::Activations<double> acts, dacts;

@@ -18,31 +18,31 @@
 namespace teo {
 namespace {
 
-EncoderConfig gen_config() {
-  EncoderConfig c;
-  c.num_heads = *rc::gen::inRange<index_t>(1, 4);
-  c.d_model = c.num_heads * *rc::gen::inRange<index_t>(1, 5);
-  c.d_ff = *rc::gen::inRange<index_t>(1, 17);
+ModelConfig gen_config() {
+  ModelConfig c;
+  c.attention.num_heads = *rc::gen::inRange<index_t>(1, 4);
+  c.d_model = c.attention.num_heads * *rc::gen::inRange<index_t>(1, 5);
+  c.ffn.d_ff = *rc::gen::inRange<index_t>(1, 17);
   c.num_layers = *rc::gen::inRange<index_t>(0, 4);
-  c.vocab_size = *rc::gen::inRange<index_t>(1, 21);
-  c.max_len = *rc::gen::inRange<index_t>(1, 13);
-  c.num_classes = *rc::gen::inRange<index_t>(1, 6);
-  c.norm_first = *rc::gen::arbitrary<bool>();
-  c.activation = *rc::gen::element(Activation::relu, Activation::gelu, Activation::gelu_tanh);
-  c.positional = *rc::gen::element(Positional::sinusoidal, Positional::learned);
-  c.embed_scale = *rc::gen::arbitrary<bool>();
-  c.pooling = *rc::gen::element(Pooling::mean, Pooling::cls, Pooling::max);
-  c.causal = *rc::gen::arbitrary<bool>();
-  c.label_smoothing = *rc::gen::element(0.0, 0.1, 1.0);
+  c.embeddings.vocab_size = *rc::gen::inRange<index_t>(1, 21);
+  c.embeddings.max_len = *rc::gen::inRange<index_t>(1, 13);
+  c.head.num_classes = *rc::gen::inRange<index_t>(1, 6);
+  c.norms.norm_first = *rc::gen::arbitrary<bool>();
+  c.ffn.activation = *rc::gen::element(Activation::relu, Activation::gelu, Activation::gelu_tanh);
+  c.embeddings.positional = *rc::gen::element(Positional::sinusoidal, Positional::learned);
+  c.embeddings.embed_scale = *rc::gen::arbitrary<bool>();
+  c.head.pooling = *rc::gen::element(Pooling::mean, Pooling::cls, Pooling::max);
+  c.attention.causal = *rc::gen::arbitrary<bool>();
+  c.head.label_smoothing = *rc::gen::element(0.0, 0.1, 1.0);
   c.dropout = *rc::gen::element(0.0, 0.0, 0.25);
   return c;
 }
 
 using test::gen_backend;
 
-Batch gen_batch(const EncoderConfig& c, index_t min_batch = 0) {
+Batch gen_batch(const ModelConfig& c, index_t min_batch = 0) {
   const index_t b = *rc::gen::inRange<index_t>(min_batch, 5);
-  const index_t s = *rc::gen::inRange<index_t>(1, c.max_len + 1);
+  const index_t s = *rc::gen::inRange<index_t>(1, c.embeddings.max_len + 1);
   std::vector<std::int64_t> len(static_cast<std::size_t>(b));
   for (auto& l : len)
     l = *rc::gen::oneOf(rc::gen::just<index_t>(0), rc::gen::just(s),
@@ -51,25 +51,25 @@ Batch gen_batch(const EncoderConfig& c, index_t min_batch = 0) {
 }
 
 // The shape each named activation must have.
-Shape expected_shape(const std::string& name, const EncoderConfig& c, const Batch& b) {
+Shape expected_shape(const std::string& name, const ModelConfig& c, const Batch& b) {
   auto ends = [&](const char* s) {
     const std::string suf = s;
     return name.size() >= suf.size() &&
            name.compare(name.size() - suf.size(), suf.size(), suf) == 0;
   };
-  const index_t B = b.batch, S = b.seq_len, D = c.d_model, H = c.num_heads;
+  const index_t B = b.batch, S = b.seq_len, D = c.d_model, H = c.attention.num_heads;
   if (name == "positional") return Shape({S, D});
   if (name == "pooled") return Shape({B, D});
-  if (name == "logits") return Shape({B, c.num_classes});
+  if (name == "logits") return Shape({B, c.head.num_classes});
   if (name == "loss") return Shape(std::vector<index_t>{});
   if (ends(".q") || ends(".k") || ends(".v")) return Shape({B, H, S, c.d_head()});
   if (ends(".scores") || ends(".probs")) return Shape({B, H, S, S});
-  if (ends(".ffn_pre") || ends(".ffn_hidden")) return Shape({B, S, c.d_ff});
+  if (ends(".ffn_pre") || ends(".ffn_hidden")) return Shape({B, S, c.ffn.d_ff});
   return Shape({B, S, D});
 }
 
 RC_GTEST_PROP(Properties, EveryStageHasTheRightShape, ()) {
-  const EncoderConfig c = gen_config();
+  const ModelConfig c = gen_config();
   const Batch b = gen_batch(c);
   const auto p = Params<double>::init(c, 1);
   Activations<double> a, da;
@@ -82,7 +82,8 @@ RC_GTEST_PROP(Properties, EveryStageHasTheRightShape, ()) {
     ++n;
   });
   // embedding, positional, input; 15 per layer; final_norm (pre-norm); pooled, logits, loss
-  RC_ASSERT(n == 3 + 15 * static_cast<std::size_t>(c.num_layers) + (c.norm_first ? 1 : 0) + 3);
+  RC_ASSERT(n ==
+            3 + 15 * static_cast<std::size_t>(c.num_layers) + (c.norms.norm_first ? 1 : 0) + 3);
   da.visit([&](const std::string& name, const Tensor<double>& t) {
     RC_ASSERT(t.shape() == expected_shape(name, c, b));
   });
@@ -95,7 +96,7 @@ RC_GTEST_PROP(Properties, EveryStageHasTheRightShape, ()) {
 }
 
 RC_GTEST_PROP(Properties, SoftmaxRowsSumToOneAndMaskedEntriesAreExactlyZero, ()) {
-  const EncoderConfig c = gen_config();
+  const ModelConfig c = gen_config();
   const Batch b = gen_batch(c);
   const auto p = Params<double>::init(c, 2);
   Activations<double> a;
@@ -103,16 +104,16 @@ RC_GTEST_PROP(Properties, SoftmaxRowsSumToOneAndMaskedEntriesAreExactlyZero, ())
   const index_t S = b.seq_len;
   for (const auto& l : a.layers)
     for (index_t bb = 0; bb < b.batch; ++bb)
-      for (index_t h = 0; h < c.num_heads; ++h)
+      for (index_t h = 0; h < c.attention.num_heads; ++h)
         for (index_t i = 0; i < S; ++i) {
           const index_t visible =
-              c.causal ? std::min<index_t>(b.lengths[bb], i + 1) : b.lengths[bb];
+              c.attention.causal ? std::min<index_t>(b.lengths[bb], i + 1) : b.lengths[bb];
           double sum = 0;
           for (index_t j = 0; j < S; ++j) {
-            const double pr = l.probs[((bb * c.num_heads + h) * S + i) * S + j];
+            const double pr = l.probs[((bb * c.attention.num_heads + h) * S + i) * S + j];
             RC_ASSERT(pr >= 0.0);
             // A padded key (j >= len) or, with the causal mask, a later one (j > i) gets exactly 0.
-            if (j >= b.lengths[bb] || (c.causal && j > i)) RC_ASSERT(pr == 0.0);
+            if (j >= b.lengths[bb] || (c.attention.causal && j > i)) RC_ASSERT(pr == 0.0);
             sum += pr;
           }
           if (visible == 0) {
@@ -195,11 +196,12 @@ RC_GTEST_PROP(Properties, SinusoidalIdentities, ()) {
 }
 
 RC_GTEST_PROP(Properties, WithoutPositionsPermutingTokensPermutesOutputs, ()) {
-  EncoderConfig c = gen_config();
-  c.positional = Positional::learned;  // with pos_embedding.weight zeroed: no position signal
-  c.causal = false;
+  ModelConfig c = gen_config();
+  c.embeddings.positional =
+      Positional::learned;  // with pos_embedding.weight zeroed: no position signal
+  c.attention.causal = false;
   c.dropout = 0;
-  c.pooling = *rc::gen::element(Pooling::mean, Pooling::max);
+  c.head.pooling = *rc::gen::element(Pooling::mean, Pooling::max);
   auto p = Params<double>::init(c, 3);
   p.pos_embedding_weight.zero();
   Batch b = gen_batch(c, 1);
@@ -229,14 +231,14 @@ RC_GTEST_PROP(Properties, WithoutPositionsPermutingTokensPermutesOutputs, ()) {
 
 RC_GTEST_PROP(Properties, PaddedTokensChangeNoRealOutputNorTheLoss, ()) {
   const auto backend = gen_backend();
-  const EncoderConfig c = gen_config();
+  const ModelConfig c = gen_config();
   const Batch b = gen_batch(c, 1);
   Batch changed = b;
   const auto salt = *rc::gen::arbitrary<std::uint32_t>();
   for (index_t bb = 0; bb < b.batch; ++bb)
     for (index_t s = b.lengths[bb]; s < b.seq_len; ++s)
-      changed.tokens[bb * b.seq_len + s] =
-          static_cast<std::int64_t>(rng::bits(salt, 9, bb * b.seq_len + s) % c.vocab_size);
+      changed.tokens[bb * b.seq_len + s] = static_cast<std::int64_t>(
+          rng::bits(salt, 9, bb * b.seq_len + s) % c.embeddings.vocab_size);
   const auto p = Params<double>::init(c, 4);
   Activations<double> a, ca;
   forward(p, b, a, {.dropout_seed = 6});
@@ -254,7 +256,7 @@ RC_GTEST_PROP(Properties, PaddedTokensChangeNoRealOutputNorTheLoss, ()) {
 
 RC_GTEST_PROP(Properties, SequenceOutputsDoNotDependOnTheRestOfTheBatch, ()) {
   const auto backend = gen_backend();
-  EncoderConfig c = gen_config();
+  ModelConfig c = gen_config();
   c.dropout = 0;  // masks are indexed by position in the batch (docs/semantics.md)
   const Batch b = gen_batch(c, 1);
   const auto p = Params<double>::init(c, 5);
@@ -281,14 +283,14 @@ RC_GTEST_PROP(Properties, SequenceOutputsDoNotDependOnTheRestOfTheBatch, ()) {
   };
   for (std::size_t l = 0; l < a.layers.size(); ++l)
     RC_ASSERT(same(&a.layers[l].output[bb * S * D], o.layers[l].output.data(), S * D));
-  RC_ASSERT(same(&a.logits[bb * c.num_classes], o.logits.data(), c.num_classes));
+  RC_ASSERT(same(&a.logits[bb * c.head.num_classes], o.logits.data(), c.head.num_classes));
 }
 
 // With dropout on, a sequence keeps its outputs, bit for bit, whatever the other sequences of a
 // batch of the same shape hold: masks are indexed by position, never by content.
 RC_GTEST_PROP(Properties, WithDropoutASequenceIgnoresItsNeighbours, ()) {
   const auto backend = gen_backend();
-  EncoderConfig c = gen_config();
+  ModelConfig c = gen_config();
   c.dropout = 0.25;
   const Batch b = gen_batch(c, 2);
   const auto p = Params<double>::init(c, 5);
@@ -305,8 +307,8 @@ RC_GTEST_PROP(Properties, WithDropoutASequenceIgnoresItsNeighbours, ()) {
   for (std::size_t l = 0; l < a.layers.size(); ++l)
     RC_ASSERT(std::memcmp(&a.layers[l].output[keep * S * D], &o.layers[l].output[keep * S * D],
                           sizeof(double) * S * D) == 0);
-  RC_ASSERT(std::memcmp(&a.logits[keep * c.num_classes], &o.logits[keep * c.num_classes],
-                        sizeof(double) * c.num_classes) == 0);
+  RC_ASSERT(std::memcmp(&a.logits[keep * c.head.num_classes], &o.logits[keep * c.head.num_classes],
+                        sizeof(double) * c.head.num_classes) == 0);
 }
 
 // Random JSON objects over the real keys with values of every type and sign: the parser either
@@ -347,10 +349,10 @@ RC_GTEST_PROP(Properties, InvalidConfigsAreRejectedWithNamedErrors, ()) {
     }
   }
   try {
-    const EncoderConfig c = EncoderConfig::from_json(j);
+    const ModelConfig c = ModelConfig::from_json(j);
     c.validate();
-    if (c.vocab_size <= 64 && c.d_model <= 16 && c.d_ff <= 16 && c.num_layers <= 8 &&
-        c.max_len <= 64 && c.num_classes <= 16) {
+    if (c.embeddings.vocab_size <= 64 && c.d_model <= 16 && c.ffn.d_ff <= 16 && c.num_layers <= 8 &&
+        c.embeddings.max_len <= 64 && c.head.num_classes <= 16) {
       const auto p = Params<double>::init(c, 0);
       Activations<double> a;
       forward(p, Batch::random(c, 2, 1, 0), a);
@@ -375,7 +377,7 @@ RC_GTEST_PROP(Properties, InvalidConfigsAreRejectedWithNamedErrors, ()) {
 // Random corruptions of a valid batch: each is rejected with ShapeError or InputError naming the
 // field, and the activations of an earlier call stay as they were.
 RC_GTEST_PROP(Properties, InvalidBatchesAreRejectedWithNamedErrors, ()) {
-  const EncoderConfig c = gen_config();
+  const ModelConfig c = gen_config();
   const Batch good = gen_batch(c, 1);
   const auto p = Params<double>::init(c, 7);
   Activations<double> a;
@@ -387,14 +389,15 @@ RC_GTEST_PROP(Properties, InvalidBatchesAreRejectedWithNamedErrors, ()) {
   switch (*rc::gen::inRange(0, 7)) {
     case 0: {
       const auto i = *rc::gen::inRange<std::size_t>(0, bad.tokens.size());
-      bad.tokens[i] = *rc::gen::element<std::int64_t>(-1, c.vocab_size, INT64_MAX, INT64_MIN);
+      bad.tokens[i] =
+          *rc::gen::element<std::int64_t>(-1, c.embeddings.vocab_size, INT64_MAX, INT64_MIN);
       needle = "tokens[";
       shape = false;
       break;
     }
     case 1: {
       const auto i = *rc::gen::inRange<std::size_t>(0, bad.labels.size());
-      bad.labels[i] = *rc::gen::element<std::int64_t>(-1, c.num_classes, INT64_MAX);
+      bad.labels[i] = *rc::gen::element<std::int64_t>(-1, c.head.num_classes, INT64_MAX);
       needle = "labels[";
       shape = false;
       break;
@@ -414,7 +417,7 @@ RC_GTEST_PROP(Properties, InvalidBatchesAreRejectedWithNamedErrors, ()) {
       needle = "lengths";
       break;
     case 5:
-      bad.seq_len = c.max_len + *rc::gen::inRange<index_t>(1, 4);
+      bad.seq_len = c.embeddings.max_len + *rc::gen::inRange<index_t>(1, 4);
       bad.tokens.assign(bad.batch * bad.seq_len, 0);
       needle = "max_len";
       break;

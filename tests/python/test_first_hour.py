@@ -305,7 +305,7 @@ def test_a_config_may_be_a_dict_everywhere():
     assert teo.init_params(g.config.to_json(), 1).keys() == params.keys()
     with pytest.raises(teo.ConfigError, match="d_modle"):
         teo.run(dict(d, d_modle=8), params, batch)
-    with pytest.raises(TypeError, match="teo.EncoderConfig, a dict"):
+    with pytest.raises(TypeError, match="teo.ModelConfig, a dict"):
         teo.init_params([("d_model", 8)], 1)
 
 

@@ -34,11 +34,11 @@ def same_bits(a, b):
 # ---- config, parameters, batches -----------------------------------------------------------------
 
 def test_config_from_keys_json_and_dict():
-    cfg = teo.EncoderConfig(d_model=8, num_heads=2, activation="relu")
+    cfg = teo.ModelConfig(d_model=8, num_heads=2, activation="relu")
     assert cfg.d_model == 8 and cfg.activation == "relu" and cfg.num_layers == 2
-    assert teo.EncoderConfig.from_json(cfg.to_json()) == cfg
-    assert teo.EncoderConfig.from_json(cfg.to_dict()) == cfg
-    assert teo.EncoderConfig(**cfg.to_dict()) == cfg
+    assert teo.ModelConfig.from_json(cfg.to_json()) == cfg
+    assert teo.ModelConfig.from_json(cfg.to_dict()) == cfg
+    assert teo.ModelConfig(**cfg.to_dict()) == cfg
     with pytest.raises(AttributeError):
         cfg.colour
 
@@ -49,7 +49,7 @@ def test_config_from_keys_json_and_dict():
                                          ({"dropout": 1.5}, "dropout")])
 def test_config_errors_name_the_field(keys, field):
     with pytest.raises(teo.ConfigError, match=field) as e:
-        teo.EncoderConfig(**keys)
+        teo.ModelConfig(**keys)
     assert isinstance(e.value, ValueError)
 
 
@@ -158,18 +158,18 @@ def test_run_replays_given_masks():
 
 
 def test_config_fields_include_the_defaults_of_the_block_keys():
-    cfg = teo.EncoderConfig()
+    cfg = teo.ModelConfig()
     assert (cfg.norm, cfg.ffn, cfg.head_bias, cfg.architecture) == ("layernorm", "mlp", True,
                                                                    "encoder")
     assert "norm" not in cfg.to_dict()  # written only when set
-    dec = teo.EncoderConfig(architecture="decoder")
+    dec = teo.ModelConfig(architecture="decoder")
     assert dec.causal is True
     with pytest.raises(AttributeError):
         dec.num_classes  # a decoder has no classifier
 
 
 def test_a_decoder_reads_no_labels_and_refuses_them():
-    cfg = teo.EncoderConfig(architecture="decoder", vocab_size=16, d_model=8, num_heads=2,
+    cfg = teo.ModelConfig(architecture="decoder", vocab_size=16, d_model=8, num_heads=2,
                             num_layers=1, tie_embeddings=True, head_bias=False)
     batch = teo.random_batch(cfg, 2, 5, 3)
     assert set(batch) == {"tokens", "lengths"}
@@ -280,7 +280,7 @@ def test_patches_errors_are_named():
     with pytest.raises(teo.ConfigError, match='vocab_size applies only to input "tokens"'):
         teo.run(dict(cfg, vocab_size=16), params, batch)
     with pytest.raises(teo.ConfigError, match="max_len must be 10"):
-        teo.EncoderConfig(**dict(cfg, max_len=16))
+        teo.ModelConfig(**dict(cfg, max_len=16))
     with pytest.raises(teo.InputError, match=r"lengths\[1\] = 7"):
         teo.run(cfg, params, dict(batch, lengths=np.array([10, 7])))
     with pytest.raises(teo.InputError, match=r"lengths\[1\] = 5"):
@@ -292,13 +292,13 @@ def test_patches_errors_are_named():
     with pytest.raises(teo.InputError, match="not finite"):
         teo.run(cfg, params, dict(batch, pixels=nan))
     with pytest.raises(teo.ConfigError, match="multiple of patch_size"):
-        teo.EncoderConfig(**dict(cfg, image_size=7))
+        teo.ModelConfig(**dict(cfg, image_size=7))
     with pytest.raises(teo.ConfigError, match="cls_token"):
         teo.run(cfg, {n: a for n, a in params.items() if n != "cls_token"}, batch)
 
 
 def test_generate_steps_are_the_full_forwards_logits():
-    cfg = teo.EncoderConfig(architecture="decoder", vocab_size=16, d_model=8, num_heads=2,
+    cfg = teo.ModelConfig(architecture="decoder", vocab_size=16, d_model=8, num_heads=2,
                             num_layers=2, norm_first=True, positional="rope", norm="rmsnorm",
                             ffn="swiglu", activation="silu", head_bias=False)
     params = teo.init_params(cfg, 3)
@@ -320,12 +320,12 @@ def test_generate_steps_are_the_full_forwards_logits():
     with pytest.raises(teo.ShapeError, match="feed"):
         teo.generate(cfg, params, prompt, 3, feed=np.array([[1, 2]]))
     with pytest.raises(teo.ConfigError, match="decoder"):
-        enc = teo.EncoderConfig(d_model=8, num_heads=2, num_layers=1)
+        enc = teo.ModelConfig(d_model=8, num_heads=2, num_layers=1)
         teo.generate(enc, teo.init_params(enc, 1), teo.random_batch(enc, 1, 2, 1), 1)
 
 
 def test_a_zero_size_batch():
-    cfg = teo.EncoderConfig(d_model=8, num_heads=2, num_layers=1)
+    cfg = teo.ModelConfig(d_model=8, num_heads=2, num_layers=1)
     params = teo.init_params(cfg, 3)
     batch = teo.random_batch(cfg, 0, 5, 3)
     out = teo.run(cfg, params, batch)
@@ -575,7 +575,7 @@ def test_assert_matches_golden():
 def test_error_mapping(tmp_path):
     assert issubclass(teo.ConfigError, ValueError) and issubclass(teo.ShapeError, ValueError)
     assert issubclass(teo.InputError, ValueError) and issubclass(teo.FormatError, OSError)
-    cfg = teo.EncoderConfig(d_model=8, num_heads=2, num_layers=1)
+    cfg = teo.ModelConfig(d_model=8, num_heads=2, num_layers=1)
     params = teo.init_params(cfg, 1)
     batch = teo.random_batch(cfg, 2, 4, 1)
     with pytest.raises(teo.ConfigError, match="layers.0.attn.q.weight"):
@@ -635,7 +635,7 @@ def _rss_kib():
 def test_ten_thousand_calls_do_not_grow_memory():
     x = np.random.default_rng(0).standard_normal((4, 5))
     w = np.random.default_rng(1).standard_normal((3, 5))
-    cfg = teo.EncoderConfig(d_model=8, num_heads=2, num_layers=1)
+    cfg = teo.ModelConfig(d_model=8, num_heads=2, num_layers=1)
     for _ in range(500):
         teo.ops.linear(x, w)
     before = _rss_kib()

@@ -40,7 +40,7 @@ TEST(TrainOptim, ScheduleWarmsUpLinearlyThenDecaysAsInverseSqrt) {
 }
 
 TEST(TrainOptim, ClippingMatchesTorchSemantics) {
-  teo::EncoderConfig cfg;
+  teo::ModelConfig cfg;
   cfg.num_layers = 1;
   auto g = teo::Params<double>::init(cfg, 3);
   const double norm = tr::global_norm(g);
@@ -56,7 +56,7 @@ TEST(TrainOptim, ClippingMatchesTorchSemantics) {
 }
 
 TEST(TrainOptim, AdamWFollowsTorchsUpdateRule) {
-  teo::EncoderConfig cfg;
+  teo::ModelConfig cfg;
   cfg.num_layers = 1;
   auto p = teo::Params<double>::init(cfg, 1);
   const auto p0 = p;
@@ -94,7 +94,7 @@ TEST(TrainOptim, AveragedWeightsFollowTheirFormula) {
   EXPECT_DOUBLE_EQ(tr::ema_decay(0.999, 80), 0.9);
   EXPECT_DOUBLE_EQ(tr::ema_decay(0.999, 1000000), 0.999);
   EXPECT_DOUBLE_EQ(tr::ema_decay(0.1, 1), 0.1) << "the cap applies from the first step";
-  teo::EncoderConfig cfg;
+  teo::ModelConfig cfg;
   cfg.num_layers = 1;
   auto avg = teo::Params<double>::init(cfg, 1);
   const auto a0 = avg;

@@ -43,11 +43,11 @@ TEST(TrainOptions, BadSettingsAreNamed) {
   EXPECT_THROW(o.apply_json({{"architecture", "encoder_decoder"}}), teo::ConfigError);
   // token types have no data in the demo; the embedding norm and the pooler train
   o = TrainOptions{};
-  o.model.type_vocab_size = 2;
+  o.model.embeddings.type_vocab_size = 2;
   EXPECT_THROW(o.validate(), teo::ConfigError);
-  o.model.type_vocab_size.reset();
-  o.model.embedding_norm = true;
-  o.model.pooler = teo::Pooler::dense_tanh;
+  o.model.embeddings.type_vocab_size.reset();
+  o.model.embeddings.embedding_norm = true;
+  o.model.head.pooler = teo::Pooler::dense_tanh;
   EXPECT_NO_THROW(o.validate());
   // an architecture that is not a string is a ConfigError naming the key, not a JSON type error
   o = TrainOptions{};

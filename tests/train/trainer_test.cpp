@@ -46,8 +46,9 @@ struct Demo {
   TrainOptions options;
   explicit Demo(TrainOptions o)
       : data(tr::load_words(o.data)), vocab(tr::Vocab::build(data.train)) {
-    o.model.vocab_size = vocab.size();
-    if (!o.model.decoder()) o.model.num_classes = static_cast<teo::index_t>(tr::languages().size());
+    o.model.embeddings.vocab_size = vocab.size();
+    if (!o.model.decoder())
+      o.model.head.num_classes = static_cast<teo::index_t>(tr::languages().size());
     options = o;
   }
   // The micro-batches of optimizer step `step` (0-based) of epoch 0, accum_steps of them.
@@ -58,7 +59,7 @@ struct Demo {
       const auto k = static_cast<std::size_t>(step * options.accum_steps + m) % order.size();
       std::vector<const tr::Example*> ex;
       for (std::size_t i : order[k]) ex.push_back(&data.train[i]);
-      out.push_back(tr::make_batch(vocab, ex, options.model.max_len));
+      out.push_back(tr::make_batch(vocab, ex, options.model.embeddings.max_len));
       if (options.model.decoder()) out.back().labels.clear();  // its targets are its next tokens
     }
     return out;
@@ -222,7 +223,7 @@ TEST(Trainer, AveragedWeightsAreEvaluatedCheckpointedAndUsedForPrediction) {
   EXPECT_EQ(&t.evaluated(), &t.state().ema);
   EXPECT_NE(t.state().ema.head_weight[0], t.params().head_weight[0]);
   const auto batches =
-      tr::batches_in_order(run.vocab, run.data.valid, 7, run.options.model.max_len);
+      tr::batches_in_order(run.vocab, run.data.valid, 7, run.options.model.embeddings.max_len);
   const tr::Evaluation e = t.evaluate(batches);
   teo::index_t counted = 0;
   for (const auto& row : e.confusion)

@@ -16,12 +16,12 @@ struct RopeFrequencies {
   std::vector<double> inv_freq;  // (r / 2)
   double mscale = 1.0;           // YaRN's attention factor on cos and sin; 1 otherwise
 };
-RopeFrequencies rope_frequencies(const EncoderConfig& cfg, index_t seq_end);
+RopeFrequencies rope_frequencies(const ModelConfig& cfg, index_t seq_end);
 
 // cos and sin (S, r / 2) for positions offset .. offset + S - 1: angle p * inv_freq[i] in float64,
 // times mscale, rounded once to Real.
 template <class Real>
-void rope_table(Real* cos, Real* sin, const EncoderConfig& cfg, index_t seq_len);
+void rope_table(Real* cos, Real* sin, const ModelConfig& cfg, index_t seq_len);
 
 // out = the rotation of x (rows = B * heads, S, Dh): for each pair (a, b) of the style, with
 // c, s the table entry of the row's position and pair index,

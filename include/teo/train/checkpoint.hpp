@@ -57,7 +57,7 @@ TrainState<Real> load_state(const Checkpoint& ck);
 // when one is missing or has the wrong dtype or shape for `cfg`.
 template <class Real>
 Params<Real> load_params(const safetensors::File& f, const std::string& prefix,
-                         const EncoderConfig& cfg, const std::string& path);
+                         const ModelConfig& cfg, const std::string& path);
 
 template <class Real>
 void save_checkpoint(const std::string& path, const TrainOptions& o, const Vocab& vocab,

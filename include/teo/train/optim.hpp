@@ -41,7 +41,7 @@ template <class Real>
 struct AdamW {
   Params<Real> m, v;
   index_t step = 0;
-  static AdamW zeros(const EncoderConfig& cfg);
+  static AdamW zeros(const ModelConfig& cfg);
   void update(Params<Real>& params, const Params<Real>& grads, const OptimOptions& o, double lr);
 };
 

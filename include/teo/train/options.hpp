@@ -15,16 +15,14 @@ namespace teo::train {
 
 struct TrainOptions {
   // The demo's model. vocab_size and num_classes are decided by the data.
-  EncoderConfig model{.max_len = 32,
-                      .d_model = 64,
-                      .num_heads = 8,
-                      .d_ff = 256,
-                      .num_layers = 2,
-                      .norm_first = true,
-                      .activation = Activation::relu,
-                      .pooling = Pooling::mean,
-                      .dropout = 0.0,  // docs/training.md, "Why these defaults"
-                      .label_smoothing = 0.1};
+  ModelConfig model{.d_model = 64,
+                    .num_layers = 2,
+                    .dropout = 0.0,  // docs/training.md, "Why these defaults"
+                    .embeddings = {.max_len = 32},
+                    .attention = {.num_heads = 8},
+                    .ffn = {.d_ff = 256, .activation = Activation::relu},
+                    .norms = {.norm_first = true},
+                    .head = {.pooling = Pooling::mean, .label_smoothing = 0.1}};
   OptimOptions optim;  // lr 4e-3, 300 warmup steps, weight decay 0.1, clip norm 1
   DataOptions data;    // 40000 words per language from /usr/share/dict
   index_t epochs = 6;
@@ -48,7 +46,7 @@ struct TrainOptions {
   bool progress = true;
   bool plot = true;
 
-  // Applies every key of `j` (model keys as in EncoderConfig, except vocab_size and num_classes,
+  // Applies every key of `j` (model keys as in ModelConfig, except vocab_size and num_classes,
   // which the data decides; training keys as in to_json()). ConfigError on unknown keys, wrong
   // types and out-of-range values.
   void apply_json(const nlohmann::json& j);

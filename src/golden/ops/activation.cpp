@@ -29,9 +29,10 @@ void run(RunContext<Real>& c) {
   const auto& s = own(c.s);
   auto& r = c.r;
   const auto x = c.in("input.x"), dy = c.in("grad.output.y");
-  activation_forward(r["output.y"].data(), x.data(), x.numel(), s.cfg.activation);
+  activation_forward(r["output.y"].data(), x.data(), x.numel(), s.cfg.ffn.activation);
   c.done("output.y");
-  activation_backward(r["grad.input.x"].data(), dy.data(), x.data(), x.numel(), s.cfg.activation);
+  activation_backward(r["grad.input.x"].data(), dy.data(), x.data(), x.numel(),
+                      s.cfg.ffn.activation);
 }
 
 }  // namespace

@@ -28,7 +28,7 @@ struct AttentionSpec {
   bool top_left = false, probs = true, lse = false;
   bool lse_grad = false;  // the lse takes an upstream gradient (a split-KV backward's)
   std::optional<double> scale;
-  EncoderConfig cfg;
+  ModelConfig cfg;
 };
 
 const AttentionSpec& own(const Spec& s) {
@@ -76,8 +76,8 @@ void parse(Spec& spec, Reader& r) {
   s.scale = r.number("scale");
   s.top_left = r.choice("causal_align", {"bottom_right", "top_left"}, "bottom_right") == "top_left";
   attention_positions(s.cfg, s.d_head, std::max(s.seq, s.kv_seq), "attention");
-  if (split && s.cfg.positional == Positional::rope &&
-      s.cfg.rope_scaling.type == RopeScalingType::ntk) {
+  if (split && s.cfg.embeddings.positional == Positional::rope &&
+      s.cfg.attention.rope_scaling.type == RopeScalingType::ntk) {
     throw ConfigError(
         "spec.rope_scaling \"ntk\" (dynamic) needs seq_len: its base follows the "
         "sequence's end, which q_len and kv_len leave to the backend");
@@ -157,10 +157,10 @@ void tensors(const Spec& spec, OpTensors& t) {
   } else {
     t.fixed.push_back({"input.lengths", DType::I64, {s.batch}, Role::input});
   }
-  if (s.cfg.attn_sinks) t.in.push_back(float_slot("param.sinks", {s.heads}, Role::param));
+  if (s.cfg.attention.attn_sinks) t.in.push_back(float_slot("param.sinks", {s.heads}, Role::param));
   // In pipeline order, so that a wrong score is named before the context it spoils. A fused
   // kernel may keep the rotated q and k to itself.
-  if (s.cfg.positional == Positional::rope) {
+  if (s.cfg.embeddings.positional == Positional::rope) {
     t.out.push_back(float_slot("output.q_rot", q, Role::output));
     t.out.back().optional = true;
     t.out.push_back(float_slot("output.k_rot", k, Role::output));
@@ -192,7 +192,8 @@ double working_bytes(const Spec& spec) {
   // RoPE's table of cos and sin, over every position used, and k and v with their padding
   // zeroed
   const double table =
-      (s.cfg.positional == Positional::rope ? 8 * d(s.kv_seq + s.seq) * d(s.cfg.rotary()) : 0) +
+      (s.cfg.embeddings.positional == Positional::rope ? 8 * d(s.kv_seq + s.seq) * d(s.cfg.rotary())
+                                                       : 0) +
       8 * d(s.batch) * d(s.kv_heads) * d(s.kv_seq) * d(s.d_head + s.d_head_v);
   // the materialised gradients of scores and probs
   if (!s.probs) return table;
@@ -248,12 +249,12 @@ void run(RunContext<Real>& c) {
   const bool split = s.split;
   const auto& len = spec_ints_of(v, c.s, split ? "input.q_lengths" : "input.lengths");
   const auto& kv_len = split ? spec_ints_of(v, c.s, "input.kv_lengths") : len;
-  const bool rope = s.cfg.positional == Positional::rope;
-  const Tensor<Real> sinks = s.cfg.attn_sinks ? c.in("param.sinks") : Tensor<Real>();
+  const bool rope = s.cfg.embeddings.positional == Positional::rope;
+  const Tensor<Real> sinks = s.cfg.attention.attn_sinks ? c.in("param.sinks") : Tensor<Real>();
   // The op's config has one head: its sizes and K/V heads come from the spec.
-  AttentionArgs<Real> args =
-      teo::detail::attention_args(s.cfg, s.batch, s.seq, len.data(), sinks.data(),
-                                  s.cfg.attn_sinks ? r["grad.param.sinks"].data() : nullptr);
+  AttentionArgs<Real> args = teo::detail::attention_args(
+      s.cfg, s.batch, s.seq, len.data(), sinks.data(),
+      s.cfg.attention.attn_sinks ? r["grad.param.sinks"].data() : nullptr);
   args.heads = s.heads;
   args.d_head = s.d_head;
   args.scale = s.scale;
@@ -273,7 +274,7 @@ void run(RunContext<Real>& c) {
     kr = c.zeros("output.k_rot");
     rot->apply(qr.data(), q.data(), s.heads, s.seq, s.d_head, /*back=*/false);
     rope_forward(kr.data(), k.data(), rot->cos.data(), rot->sin.data(), s.batch * s.kv_heads,
-                 s.kv_seq, s.d_head, rot->rd, s.cfg.rope_style);
+                 s.kv_seq, s.d_head, rot->rd, s.cfg.attention.rope_style);
     r["output.q_rot"] = qr;
     r["output.k_rot"] = kr;
     c.done("output.q_rot");
@@ -339,7 +340,7 @@ void run(RunContext<Real>& c) {
     store(dkr, p, "the gradient of output.k_rot");
     rot->apply(r["grad.input.q"].data(), dqr.data(), s.heads, s.seq, s.d_head, /*back=*/true);
     rope_backward(r["grad.input.k"].data(), dkr.data(), rot->cos.data(), rot->sin.data(),
-                  s.batch * s.kv_heads, s.kv_seq, s.d_head, rot->rd, s.cfg.rope_style);
+                  s.batch * s.kv_heads, s.kv_seq, s.d_head, rot->rd, s.cfg.attention.rope_style);
   }
 }
 

@@ -36,7 +36,7 @@ struct KvCacheSpec {
     std::vector<std::int64_t> block_table;
   } kv;
   index_t max_len = 0;  // the rows of a sequence's cache (paged: max_pages * page_size)
-  EncoderConfig cfg;
+  ModelConfig cfg;
 };
 
 const KvCacheSpec& own(const Spec& s) {
@@ -205,7 +205,8 @@ void parse(Spec& spec, Reader& r) {
   s.kv_seq = 0;  // no sequences: no keys
   for (auto c : kv.cache_lengths) s.kv_seq = std::max(s.kv_seq, c + s.seq);
   attention_positions(s.cfg, s.d_head, s.kv_seq, "attention_kvcache");
-  if (s.cfg.positional == Positional::rope && s.cfg.rope_scaling.type == RopeScalingType::ntk) {
+  if (s.cfg.embeddings.positional == Positional::rope &&
+      s.cfg.attention.rope_scaling.type == RopeScalingType::ntk) {
     throw ConfigError(
         "spec.rope_scaling \"ntk\" (dynamic) is not defined for a KV cache step: its base "
         "follows the sequence's end");
@@ -282,9 +283,9 @@ void tensors(const Spec& spec, OpTensors& t) {
   if (paged) {
     t.fixed.push_back({"input.block_table", DType::I32, {s.batch, s.kv.max_pages}, Role::input});
   }
-  if (s.cfg.attn_sinks) t.in.push_back(float_slot("param.sinks", {s.heads}, Role::param));
+  if (s.cfg.attention.attn_sinks) t.in.push_back(float_slot("param.sinks", {s.heads}, Role::param));
   // In pipeline order: the rotated queries, the append, then the attention.
-  if (s.cfg.positional == Positional::rope) {
+  if (s.cfg.embeddings.positional == Positional::rope) {
     t.out.push_back(float_slot("output.q_rot", q, Role::output));
     t.out.back().optional = true;
   }
@@ -320,7 +321,8 @@ double working_bytes(const Spec& spec) {
   const auto d = [](index_t x) { return static_cast<double>(x); };
   const double kv =
       in_place(s) ? 0.0 : d(s.batch) * d(s.kv_heads) * d(s.kv_seq) * d(s.d_head + s.d_head_v);
-  const double table = s.cfg.positional == Positional::rope ? d(s.kv_seq) * d(s.cfg.rotary()) : 0;
+  const double table =
+      s.cfg.embeddings.positional == Positional::rope ? d(s.kv_seq) * d(s.cfg.rotary()) : 0;
   return 8 * (kv + d(s.batch) * d(s.kv_heads) * d(s.seq) * d(s.d_head) + table);
 }
 
@@ -350,7 +352,7 @@ void run(RunContext<Real>& c) {
   const CacheIndex at{s, paged ? spec_ints_of(c.v, c.s, "input.block_table").data() : nullptr};
   const index_t B = s.batch, Hkv = s.kv_heads, Sq = s.seq, Dh = s.d_head, Dv = s.d_head_v;
   // RoPE: new token i of sequence b at position cache_lengths[b] + i
-  const bool rope = s.cfg.positional == Positional::rope;
+  const bool rope = s.cfg.embeddings.positional == Positional::rope;
   Tensor<Real> k_rot;
   if (rope) {
     const Rotary<Real> rot(s.cfg, std::vector<index_t>(cache.begin(), cache.end()), s.kv_seq);
@@ -395,7 +397,7 @@ void run(RunContext<Real>& c) {
     keys = kg.data();
     values = vg.data();
   }
-  const Tensor<Real> sinks = s.cfg.attn_sinks ? c.in("param.sinks") : Tensor<Real>();
+  const Tensor<Real> sinks = s.cfg.attention.attn_sinks ? c.in("param.sinks") : Tensor<Real>();
   AttentionArgs<Real> args = teo::detail::attention_args(s.cfg, B, Sq, q_len.data(), sinks.data(),
                                                          static_cast<Real*>(nullptr));
   args.heads = s.heads;

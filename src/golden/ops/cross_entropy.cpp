@@ -11,7 +11,7 @@ namespace {
 // The op's spec: batch rows of num_classes logits, and the config's label smoothing.
 struct CrossEntropySpec {
   index_t batch = 0, num_classes = 0;
-  EncoderConfig cfg;
+  ModelConfig cfg;
 };
 
 const CrossEntropySpec& own(const Spec& s) {
@@ -59,7 +59,7 @@ void run(RunContext<Real>& c) {
   const auto& labels = ints_of(v.i64, "input.labels", s.batch);
   check_range(labels, s.num_classes, "input.labels");
   Tensor<Real> probs({s.batch, s.num_classes});
-  const Real smoothing = static_cast<Real>(s.cfg.label_smoothing);
+  const Real smoothing = static_cast<Real>(s.cfg.head.label_smoothing);
   r["output.loss"][0] = cross_entropy_forward(probs.data(), x.data(), labels.data(), s.batch,
                                               s.num_classes, smoothing);
   c.done("output.loss");

@@ -19,7 +19,7 @@ struct DecoderLayerSpec {
   bool memory = false;
   index_t memory_len = 0;
   Lengths memory_lengths;
-  EncoderConfig cfg;
+  ModelConfig cfg;
 };
 
 const DecoderLayerSpec& own(const Spec& s) {
@@ -70,7 +70,7 @@ void write_options(const Spec& spec, ojson& j) {
 
 void tensors(const Spec& spec, OpTensors& t) {
   const auto& s = own(spec);
-  const EncoderConfig& c = s.cfg;
+  const ModelConfig& c = s.cfg;
   const index_t D = c.d_model;
   t.in.push_back(float_slot("input.x", {s.batch, s.seq, D}, Role::input));
   t.fixed.push_back({"input.lengths", DType::I64, {s.batch}, Role::input});
@@ -80,7 +80,7 @@ void tensors(const Spec& spec, OpTensors& t) {
   }
   // Weights uniform in +-1/sqrt(fan_in), biases +-0.1, norm weights around 1.
   const auto params = DecoderLayerParams<double>::zeros(c, s.memory);
-  params.visit(c.norm_first, [&](const std::string& n, const Tensor<double>& p) {
+  params.visit(c.norms.norm_first, [&](const std::string& n, const Tensor<double>& p) {
     const auto dims = p.shape().dims();
     const bool norm = n.starts_with("norm");
     const bool weight = n.ends_with(".weight");
@@ -94,16 +94,17 @@ void tensors(const Spec& spec, OpTensors& t) {
 
 index_t longest_reduction(const Spec& spec) {
   const auto& s = own(spec);
-  return std::max(
-      {s.cfg.d_model, s.cfg.d_ff, s.seq, s.memory_len, s.batch * s.seq, s.batch * s.memory_len});
+  return std::max({s.cfg.d_model, s.cfg.ffn.d_ff, s.seq, s.memory_len, s.batch * s.seq,
+                   s.batch * s.memory_len});
 }
 
 double working_bytes(const Spec& spec) {
   const auto& s = own(spec);
   const auto d = [](index_t x) { return static_cast<double>(x); };
   const double bt = d(s.batch) * d(s.seq);
-  return (4 * bt * d(s.cfg.num_heads) * (d(s.seq) + d(s.memory_len)) + 24 * bt * d(s.cfg.d_model) +
-          4 * bt * d(s.cfg.d_ff) + 8 * d(s.batch) * d(s.memory_len) * d(s.cfg.d_model)) *
+  return (4 * bt * d(s.cfg.attention.num_heads) * (d(s.seq) + d(s.memory_len)) +
+          24 * bt * d(s.cfg.d_model) + 4 * bt * d(s.cfg.ffn.d_ff) +
+          8 * d(s.batch) * d(s.memory_len) * d(s.cfg.d_model)) *
          8;
 }
 
@@ -117,7 +118,8 @@ void run(RunContext<Real>& c) {
   const std::vector<std::int64_t> none;
   const auto& mem_len = s.memory ? spec_ints_of(c.v, c.s, "input.memory_lengths") : none;
   auto P = DecoderLayerParams<Real>::zeros(s.cfg, s.memory);
-  P.visit(s.cfg.norm_first, [&](const std::string& n, Tensor<Real>& t) { t = c.in("param." + n); });
+  P.visit(s.cfg.norms.norm_first,
+          [&](const std::string& n, Tensor<Real>& t) { t = c.in("param." + n); });
   DecoderLayerActs<Real> A;
   decoder_layer_forward(s.cfg, P, x, len, memory, mem_len, A);
   r["output.y"] = A.output;
@@ -127,7 +129,7 @@ void run(RunContext<Real>& c) {
   decoder_layer_backward(s.cfg, P, x, len, memory, mem_len, A, dy, dx, dmemory, G);
   r["grad.input.x"] = std::move(dx);
   if (s.memory) r["grad.input.memory"] = std::move(dmemory);
-  G.visit(s.cfg.norm_first,
+  G.visit(s.cfg.norms.norm_first,
           [&](const std::string& n, Tensor<Real>& t) { r["grad.param." + n] = std::move(t); });
 }
 

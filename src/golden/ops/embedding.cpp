@@ -17,7 +17,7 @@ namespace {
 // positions, scale, token types and embedding norm.
 struct EmbeddingSpec {
   index_t batch = 0, seq = 0, vocab = 0, d_model = 0, max_len = 0;
-  EncoderConfig cfg;
+  ModelConfig cfg;
 };
 
 const EmbeddingSpec& own(const Spec& s) {
@@ -28,7 +28,8 @@ const EmbeddingSpec& own(const Spec& s) {
 OpDef::IntBound int_bound(const Spec& spec, const std::string& name) {
   const auto& s = own(spec);
   if (name == "input.tokens") return {s.vocab, "vocab_size"};
-  if (name == "input.token_types") return {s.cfg.type_vocab_size.value_or(1), "type_vocab_size"};
+  if (name == "input.token_types")
+    return {s.cfg.embeddings.type_vocab_size.value_or(1), "type_vocab_size"};
   return {};
 }
 
@@ -39,15 +40,16 @@ void parse(Spec& spec, Reader& r) {
   s.seq = r.size("seq_len", 1);
   s.vocab = r.size("vocab_size", 1);
   s.d_model = r.size("d_model", 1);
-  if (s.cfg.positional != Positional::sinusoidal && s.cfg.positional != Positional::learned) {
+  if (s.cfg.embeddings.positional != Positional::sinusoidal &&
+      s.cfg.embeddings.positional != Positional::learned) {
     throw ConfigError(
         "spec.positional of the embedding op is \"sinusoidal\" or \"learned\", got \"" +
-        std::string(to_string(s.cfg.positional)) + "\"");
+        std::string(to_string(s.cfg.embeddings.positional)) + "\"");
   }
-  s.max_len = s.cfg.positional == Positional::learned
+  s.max_len = s.cfg.embeddings.positional == Positional::learned
                   ? (r.has("max_len") ? r.size("max_len", 1) : s.seq)
                   : 0;
-  if (s.cfg.positional != Positional::learned && r.has("max_len")) {
+  if (s.cfg.embeddings.positional != Positional::learned && r.has("max_len")) {
     throw ConfigError("spec.max_len is for learned positions only");
   }
   if (s.max_len && s.max_len < s.seq) {
@@ -55,10 +57,10 @@ void parse(Spec& spec, Reader& r) {
                      std::to_string(s.max_len));
   }
   // the norm's eps is spelled out with embedding_norm only, so the other cases read as before
-  if (s.cfg.embedding_norm) {
-    if (const auto eps = r.number("layer_norm_eps")) s.cfg.layer_norm_eps = *eps;
+  if (s.cfg.embeddings.embedding_norm) {
+    if (const auto eps = r.number("layer_norm_eps")) s.cfg.norms.layer_norm_eps = *eps;
     s.cfg.validate();
-  } else if (r.has("layer_norm_eps") || s.cfg.norm != Norm::layernorm) {
+  } else if (r.has("layer_norm_eps") || s.cfg.norms.norm != Norm::layernorm) {
     throw ConfigError("spec.layer_norm_eps and norm apply with embedding_norm only");
   }
 }
@@ -74,25 +76,25 @@ void write_sizes(const Spec& spec, ojson& j) {
 void write_options(const Spec& spec, ojson& j) {
   const auto& s = own(spec);
   if (s.max_len) j["max_len"] = s.max_len;
-  if (s.cfg.embedding_norm) j["layer_norm_eps"] = s.cfg.layer_norm_eps;
+  if (s.cfg.embeddings.embedding_norm) j["layer_norm_eps"] = s.cfg.norms.layer_norm_eps;
 }
 
 void tensors(const Spec& spec, OpTensors& t) {
   const auto& s = own(spec);
   t.fixed.push_back({"input.tokens", DType::I64, {s.batch, s.seq}, Role::input});
-  if (s.cfg.type_vocab_size)
+  if (s.cfg.embeddings.type_vocab_size)
     t.fixed.push_back({"input.token_types", DType::I64, {s.batch, s.seq}, Role::input});
   t.in.push_back(float_slot("param.weight", {s.vocab, s.d_model}, Role::param));
-  if (s.cfg.positional == Positional::learned) {
+  if (s.cfg.embeddings.positional == Positional::learned) {
     t.in.push_back(float_slot("param.pos_weight", {s.max_len, s.d_model}, Role::param, 0.5));
   }
-  if (s.cfg.type_vocab_size) {
-    t.in.push_back(
-        float_slot("param.type_weight", {*s.cfg.type_vocab_size, s.d_model}, Role::param, 0.5));
+  if (s.cfg.embeddings.type_vocab_size) {
+    t.in.push_back(float_slot("param.type_weight", {*s.cfg.embeddings.type_vocab_size, s.d_model},
+                              Role::param, 0.5));
   }
-  if (s.cfg.embedding_norm) {
+  if (s.cfg.embeddings.embedding_norm) {
     t.in.push_back(float_slot("param.norm_weight", {s.d_model}, Role::param, 0.5, 1));
-    if (s.cfg.norm == Norm::layernorm)
+    if (s.cfg.norms.norm == Norm::layernorm)
       t.in.push_back(float_slot("param.norm_bias", {s.d_model}, Role::param));
   }
   t.out.push_back(float_slot("output.x", {s.batch, s.seq, s.d_model}, Role::output));
@@ -114,13 +116,13 @@ void run(RunContext<Real>& c) {
   const auto w = c.in("param.weight"), dy = c.in("grad.output.x");
   const index_t n = s.batch * s.seq, D = s.d_model;
   const Real scale =
-      s.cfg.embed_scale ? static_cast<Real>(std::sqrt(static_cast<double>(D))) : Real(1);
+      s.cfg.embeddings.embed_scale ? static_cast<Real>(std::sqrt(static_cast<double>(D))) : Real(1);
   // As the model: embedding and positional are each stored, then their sum.
   Tensor<Real> emb({s.batch, s.seq, D}), pos({s.seq, D});
   embedding_forward(emb.data(), tokens.data(), w.data(), n, D, scale);
   store(emb, p, "embedding");
   Tensor<Real> pw;
-  if (s.cfg.positional == Positional::learned) {
+  if (s.cfg.embeddings.positional == Positional::learned) {
     pw = c.in("param.pos_weight");
     std::copy(pw.data(), pw.data() + s.seq * D, pos.data());
   } else {
@@ -128,13 +130,14 @@ void run(RunContext<Real>& c) {
   }
   store(pos, p, "positional");
   // sum = (embedding + token_type) + positional, as the model adds them
-  const bool types = s.cfg.type_vocab_size.has_value(), normed = s.cfg.embedding_norm;
+  const bool types = s.cfg.embeddings.type_vocab_size.has_value(),
+             normed = s.cfg.embeddings.embedding_norm;
   std::vector<std::int64_t> type_ids;
   Tensor<Real> sum({s.batch, s.seq, D});
   const Real* first = emb.data();
   if (types) {
     type_ids = ints_of(c.v.i64, "input.token_types", n);
-    check_range(type_ids, *s.cfg.type_vocab_size, "input.token_types");
+    check_range(type_ids, *s.cfg.embeddings.type_vocab_size, "input.token_types");
     Tensor<Real> tt({s.batch, s.seq, D});
     embedding_forward(tt.data(), type_ids.data(), c.in("param.type_weight").data(), n, D, Real(1));
     store(tt, p, "token_type");
@@ -144,8 +147,8 @@ void run(RunContext<Real>& c) {
   add_positional_forward(normed ? sum.data() : r["output.x"].data(), first, pos.data(), s.batch,
                          s.seq, D);
   Tensor<Real> mean({n}), rstd({n}), nw, nb;
-  const Real eps = static_cast<Real>(s.cfg.layer_norm_eps);
-  const bool rms = s.cfg.norm == Norm::rmsnorm;
+  const Real eps = static_cast<Real>(s.cfg.norms.layer_norm_eps);
+  const bool rms = s.cfg.norms.norm == Norm::rmsnorm;
   if (normed) {
     nw = c.in("param.norm_weight");
     if (rms) {
@@ -174,7 +177,7 @@ void run(RunContext<Real>& c) {
     dsum = ds.data();
   }
   embedding_backward(r["grad.param.weight"].data(), dsum, tokens.data(), n, D, scale);
-  if (s.cfg.positional == Positional::learned) {
+  if (s.cfg.embeddings.positional == Positional::learned) {
     add_positional_backward(r["grad.param.pos_weight"].data(), dsum, s.batch, s.seq, D);
   }
   if (types) {

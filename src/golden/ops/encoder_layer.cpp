@@ -15,7 +15,7 @@ namespace {
 struct EncoderLayerSpec {
   index_t batch = 0, seq = 0;
   Lengths lengths;
-  EncoderConfig cfg;
+  ModelConfig cfg;
 };
 
 const EncoderLayerSpec& own(const Spec& s) {
@@ -48,15 +48,17 @@ void write_sizes(const Spec& spec, ojson& j) {
 
 void tensors(const Spec& spec, OpTensors& t) {
   const auto& s = own(spec);
-  const EncoderConfig& c = s.cfg;
+  const ModelConfig& c = s.cfg;
   const Dims bsd = {s.batch, s.seq, c.d_model};
   t.in.push_back(float_slot("input.x", bsd, Role::input));
   t.fixed.push_back({"input.lengths", DType::I64, {s.batch}, Role::input});
   if (c.dropout > 0) {
-    t.fixed.push_back(
-        {"input.mask.attn", DType::U8, {s.batch, c.num_heads, s.seq, s.seq}, Role::input});
+    t.fixed.push_back({"input.mask.attn",
+                       DType::U8,
+                       {s.batch, c.attention.num_heads, s.seq, s.seq},
+                       Role::input});
     t.fixed.push_back({"input.mask.residual1", DType::U8, bsd, Role::input});
-    t.fixed.push_back({"input.mask.ffn", DType::U8, {s.batch, s.seq, c.d_ff}, Role::input});
+    t.fixed.push_back({"input.mask.ffn", DType::U8, {s.batch, s.seq, c.ffn.d_ff}, Role::input});
     t.fixed.push_back({"input.mask.residual2", DType::U8, bsd, Role::input});
   }
   // The parameters' values come from the model's initialisation (make_op), not from amp.
@@ -71,7 +73,7 @@ void tensors(const Spec& spec, OpTensors& t) {
 
 index_t longest_reduction(const Spec& spec) {
   const auto& s = own(spec);
-  return std::max({s.cfg.d_model, s.cfg.d_ff, s.seq, s.batch * s.seq});
+  return std::max({s.cfg.d_model, s.cfg.ffn.d_ff, s.seq, s.batch * s.seq});
 }
 
 double working_bytes(const Spec& spec) {
@@ -79,8 +81,8 @@ double working_bytes(const Spec& spec) {
   // the layer's kept activations and their gradients
   const auto d = [](index_t x) { return static_cast<double>(x); };
   const double bs = d(s.batch) * d(s.seq);
-  return (4 * bs * d(s.cfg.num_heads) * d(s.seq) + 16 * bs * d(s.cfg.d_model) +
-          4 * bs * d(s.cfg.d_ff)) *
+  return (4 * bs * d(s.cfg.attention.num_heads) * d(s.seq) + 16 * bs * d(s.cfg.d_model) +
+          4 * bs * d(s.cfg.ffn.d_ff)) *
          8 * 2;
 }
 

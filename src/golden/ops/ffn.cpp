@@ -13,7 +13,7 @@ namespace {
 // The op's spec: rows of the config's d_model, and the FFN the config describes.
 struct FfnSpec {
   index_t rows = 0;
-  EncoderConfig cfg;
+  ModelConfig cfg;
 };
 
 const FfnSpec& own(const Spec& s) {
@@ -33,8 +33,8 @@ void write_sizes(const Spec& spec, ojson& j) {
 
 void tensors(const Spec& spec, OpTensors& t) {
   const auto& s = own(spec);
-  const EncoderConfig& c = s.cfg;
-  const index_t D = c.d_model, F = c.d_ff;
+  const ModelConfig& c = s.cfg;
+  const index_t D = c.d_model, F = c.ffn.d_ff;
   const double in_d = 1.0 / std::sqrt(static_cast<double>(D));
   const double in_f = 1.0 / std::sqrt(static_cast<double>(F));
   t.in.push_back(float_slot("input.x", {s.rows, D}, Role::input, 2));
@@ -42,11 +42,11 @@ void tensors(const Spec& spec, OpTensors& t) {
   for (const char* n : {"gate", "fc1"}) {
     if (std::string(n) == "gate" && !c.gated()) continue;
     t.in.push_back(float_slot(std::string("param.") + n + ".weight", {F, D}, Role::param, in_d));
-    if (c.ffn_bias)
+    if (c.ffn.ffn_bias)
       t.in.push_back(float_slot(std::string("param.") + n + ".bias", {F}, Role::param, in_d));
   }
   t.in.push_back(float_slot("param.fc2.weight", {D, F}, Role::param, in_f));
-  if (c.ffn_bias) t.in.push_back(float_slot("param.fc2.bias", {D}, Role::param, in_f));
+  if (c.ffn.ffn_bias) t.in.push_back(float_slot("param.fc2.bias", {D}, Role::param, in_f));
   Slot hidden = float_slot("output.hidden", {s.rows, F}, Role::output);
   hidden.optional = true;
   t.out.push_back(hidden);
@@ -55,16 +55,16 @@ void tensors(const Spec& spec, OpTensors& t) {
 
 index_t longest_reduction(const Spec& spec) {
   const auto& s = own(spec);
-  return std::max({s.cfg.d_model, s.cfg.d_ff, s.rows});
+  return std::max({s.cfg.d_model, s.cfg.ffn.d_ff, s.rows});
 }
 
 template <class Real>
 void run(RunContext<Real>& c) {
-  const EncoderConfig& cfg = own(c.s).cfg;
+  const ModelConfig& cfg = own(c.s).cfg;
   auto& r = c.r;
-  const index_t N = own(c.s).rows, D = cfg.d_model, F = cfg.d_ff;
+  const index_t N = own(c.s).rows, D = cfg.d_model, F = cfg.ffn.d_ff;
   const Activation act = cfg.ffn_activation();
-  const bool gated = cfg.gated(), bias = cfg.ffn_bias;
+  const bool gated = cfg.gated(), bias = cfg.ffn.ffn_bias;
   const auto param = [&](const char* n) { return c.in(std::string("param.") + n); };
   const auto none = Tensor<Real>();
   const auto x = c.in("input.x"), dy = c.in("grad.output.y");

@@ -33,7 +33,7 @@ void run(RunContext<Real>& c) {
   const auto dy = c.in("grad.output.y");
   Tensor<Real> mean({s.rows}), rstd({s.rows});
   layer_norm_forward(r["output.y"].data(), mean.data(), rstd.data(), x.data(), w.data(), b.data(),
-                     s.rows, s.width, static_cast<Real>(s.cfg.layer_norm_eps));
+                     s.rows, s.width, static_cast<Real>(s.cfg.norms.layer_norm_eps));
   c.done("output.y");
   layer_norm_backward(r["grad.input.x"].data(), r["grad.param.weight"].data(),
                       r["grad.param.bias"].data(), dy.data(), x.data(), w.data(), mean.data(),

@@ -15,7 +15,7 @@ namespace {
 struct LmHeadSpec {
   index_t batch = 0, seq = 0, vocab = 0, d_model = 0;
   Lengths lengths;
-  EncoderConfig cfg;
+  ModelConfig cfg;
 };
 
 const LmHeadSpec& own(const Spec& s) {
@@ -63,7 +63,7 @@ void tensors(const Spec& spec, OpTensors& t) {
   t.fixed.push_back({"input.tokens", DType::I64, {s.batch, s.seq}, Role::input});
   t.fixed.push_back({"input.lengths", DType::I64, {s.batch}, Role::input});
   t.in.push_back(float_slot("param.weight", {s.vocab, s.d_model}, Role::param, in_d));
-  if (s.cfg.head_bias) t.in.push_back(float_slot("param.bias", {s.vocab}, Role::param, in_d));
+  if (s.cfg.head.head_bias) t.in.push_back(float_slot("param.bias", {s.vocab}, Role::param, in_d));
   // A fused linear-cross-entropy kernel never forms the logits: it may leave them out.
   Slot logits = float_slot("output.logits", {s.batch, s.seq, s.vocab}, Role::output);
   logits.optional = true;
@@ -82,24 +82,25 @@ void run(RunContext<Real>& c) {
   auto& r = c.r;
   const index_t N = s.batch * s.seq, D = s.d_model, V = s.vocab;
   const auto x = c.in("input.x"), w = c.in("param.weight"), dloss = c.in("grad.output.loss");
-  const Tensor<Real> b = s.cfg.head_bias ? c.in("param.bias") : Tensor<Real>();
+  const Tensor<Real> b = s.cfg.head.head_bias ? c.in("param.bias") : Tensor<Real>();
   const auto& tokens = ints_of(c.v.i64, "input.tokens", N);
   check_range(tokens, V, "input.tokens");
   const auto& lengths = spec_ints_of(c.v, c.s);
   const auto targets = next_token_targets(tokens.data(), lengths.data(), s.batch, s.seq);
   Tensor<Real>& logits = r["output.logits"];
-  linear_forward(logits.data(), x.data(), w.data(), s.cfg.head_bias ? b.data() : nullptr, N, D, V);
+  linear_forward(logits.data(), x.data(), w.data(), s.cfg.head.head_bias ? b.data() : nullptr, N, D,
+                 V);
   c.done("output.logits");
   Tensor<Real> probs({N, V});
-  const Real smoothing = static_cast<Real>(s.cfg.label_smoothing);
+  const Real smoothing = static_cast<Real>(s.cfg.head.label_smoothing);
   r["output.loss"][0] =
       cross_entropy_forward(probs.data(), logits.data(), targets.data(), N, V, smoothing);
   c.done("output.loss");
   Tensor<Real> dlogits({N, V});
   cross_entropy_backward(dlogits.data(), probs.data(), targets.data(), N, V, smoothing, dloss[0]);
   linear_backward(r["grad.input.x"].data(), r["grad.param.weight"].data(),
-                  s.cfg.head_bias ? r["grad.param.bias"].data() : nullptr, dlogits.data(), x.data(),
-                  w.data(), N, D, V);
+                  s.cfg.head.head_bias ? r["grad.param.bias"].data() : nullptr, dlogits.data(),
+                  x.data(), w.data(), N, D, V);
 }
 
 }  // namespace

@@ -97,11 +97,11 @@ class Reader {
   // One of `options` (a string), `def` when absent; ConfigError naming them otherwise.
   std::string choice(const char* key, const std::vector<std::string>& options,
                      const std::string& def);
-  // The model-config keys among `keys`, read by EncoderConfig::from_json (its errors name them)
+  // The model-config keys among `keys`, read by ModelConfig::from_json (its errors name them)
   // on top of `base`.
-  EncoderConfig config(const std::vector<const char*>& keys, const json& base);
+  ModelConfig config(const std::vector<const char*>& keys, const json& base);
   // The model-config keys of the op (for_op), on top of its base config.
-  EncoderConfig op_config();
+  ModelConfig op_config();
   // Lengths `key`: (n) values in [0, max], or the default of n copies of max (prefix_lengths).
   Lengths lengths(const char* key, index_t n, index_t max);
   void finish() const;
@@ -124,7 +124,7 @@ class Reader {
 // read and written under its own key.
 struct RowsSpec {
   index_t rows = 0, width = 0;
-  EncoderConfig cfg;
+  ModelConfig cfg;
 };
 // parse and write_sizes of a RowsSpec whose width is spec key `Key`.
 template <const char* Key>
@@ -145,7 +145,7 @@ inline constexpr char kDModel[] = "d_model";
 
 // The model config of an op whose spec type T holds it as `cfg` (OpDef::config_of).
 template <class T>
-const EncoderConfig* config_in(const Spec& s) {
+const ModelConfig* config_in(const Spec& s) {
   return &s.as<T>().cfg;
 }
 
@@ -157,7 +157,7 @@ json attention_base_config(bool causal);
 // The attention ops' positions in c: none, rope or alibi (default none). RoPE takes its rotary_dim
 // from d_head, and its scaling's original context from the longest of the op's sequences
 // (`longest`), unless given; both are then spelled out in the normalised spec.
-void attention_positions(EncoderConfig& c, index_t d_head, index_t longest, const char* op);
+void attention_positions(ModelConfig& c, index_t d_head, index_t longest, const char* op);
 
 enum class Role { input, param, output, grad_output, grad_input, grad_param };
 
@@ -286,7 +286,7 @@ struct Fp8OperandSlot {
 // else, so an op is one file defining one of these, listed once in registry() (ops.cpp).
 struct OpDef {
   const char* name = "";
-  // The model-config keys the spec takes (read, validated and written back as EncoderConfig spells
+  // The model-config keys the spec takes (read, validated and written back as ModelConfig spells
   // them), and the config they are read on top of (Reader::op_config).
   std::vector<const char*> config_keys{};
   json base_config = json::object();
@@ -301,7 +301,7 @@ struct OpDef {
   void (*write_options)(const Spec& s, ojson& j) = nullptr;
   // The op's model config (config_in<T>), where config_keys is not empty: its keys are written
   // back, its dropout draws the masks and its type_vocab_size bounds the token types.
-  const EncoderConfig* (*config_of)(const Spec& s) = nullptr;
+  const ModelConfig* (*config_of)(const Spec& s) = nullptr;
   // The values of the integer tensors the spec determines (its lengths, a KV cache's lengths and
   // block table), or null for any other name; null when it has none.
   const std::vector<std::int64_t>* (*spec_ints)(const Spec& s, const std::string& name) = nullptr;

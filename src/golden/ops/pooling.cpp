@@ -14,7 +14,7 @@ namespace {
 struct PoolingSpec {
   index_t batch = 0, seq = 0, d_model = 0;
   Lengths lengths;
-  EncoderConfig cfg;
+  ModelConfig cfg;
 };
 
 const PoolingSpec& own(const Spec& s) {
@@ -67,10 +67,10 @@ void run(RunContext<Real>& c) {
   const auto& len = spec_ints_of(v, c.s);
   std::vector<std::int64_t> argmax(static_cast<std::size_t>(s.batch * s.d_model), -1);
   pooling_forward(r["output.pooled"].data(), argmax.data(), x.data(), len.data(), s.batch, s.seq,
-                  s.d_model, s.cfg.pooling);
+                  s.d_model, s.cfg.head.pooling);
   c.done("output.pooled");
   pooling_backward(r["grad.input.x"].data(), dy.data(), argmax.data(), len.data(), s.batch, s.seq,
-                   s.d_model, s.cfg.pooling);
+                   s.d_model, s.cfg.head.pooling);
 }
 
 }  // namespace

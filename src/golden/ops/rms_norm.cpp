@@ -32,7 +32,7 @@ void run(RunContext<Real>& c) {
   const auto x = c.in("input.x"), w = c.in("param.weight"), dy = c.in("grad.output.y");
   Tensor<Real> rstd({s.rows});
   rms_norm_forward(r["output.y"].data(), rstd.data(), x.data(), w.data(), s.rows, s.width,
-                   static_cast<Real>(s.cfg.layer_norm_eps));
+                   static_cast<Real>(s.cfg.norms.layer_norm_eps));
   c.done("output.y");
   rms_norm_backward(r["grad.input.x"].data(), r["grad.param.weight"].data(), dy.data(), x.data(),
                     w.data(), rstd.data(), s.rows, s.width);

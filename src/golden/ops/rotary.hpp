@@ -18,12 +18,12 @@ struct Rotary {
   RopeStyle style = RopeStyle::neox;
 
   // The table covers positions [0, end); every shift[b] + rows must stay within it.
-  Rotary(const EncoderConfig& cfg, std::vector<index_t> shifts, index_t end)
+  Rotary(const ModelConfig& cfg, std::vector<index_t> shifts, index_t end)
       : cos({end, cfg.rotary() / 2}),
         sin({end, cfg.rotary() / 2}),
         shift(std::move(shifts)),
         rd(cfg.rotary()),
-        style(cfg.rope_style) {
+        style(cfg.attention.rope_style) {
     rope_table(cos.data(), sin.data(), cfg, end);
   }
 

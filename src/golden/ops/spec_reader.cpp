@@ -78,20 +78,20 @@ std::optional<double> Reader::number(const char* key) {
   return v.get<double>();
 }
 
-EncoderConfig Reader::config(const std::vector<const char*>& keys, const json& base) {
+ModelConfig Reader::config(const std::vector<const char*>& keys, const json& base) {
   json sub = base;
   for (const char* k : keys) {
     used_.insert(k);
     if (j_.contains(k)) sub[k] = j_.at(k);
   }
   try {
-    return EncoderConfig::from_json(sub);
+    return ModelConfig::from_json(sub);
   } catch (const ConfigError& e) {
     throw ConfigError(std::string("spec: ") + e.what());
   }
 }
 
-EncoderConfig Reader::op_config() {
+ModelConfig Reader::op_config() {
   if (!def_) throw std::logic_error("Reader::op_config before for_op");
   return config(def_->config_keys, def_->base_config);
 }

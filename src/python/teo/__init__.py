@@ -2,7 +2,7 @@
 its checker, from Python.
 
     import teo
-    cfg = teo.EncoderConfig(d_model=16, num_heads=2, num_layers=2)
+    cfg = teo.ModelConfig(d_model=16, num_heads=2, num_layers=2)
     params = teo.init_params(cfg, seed=1)
     batch = teo.random_batch(cfg, batch=2, seq_len=8, seed=1)
     out = teo.run(cfg, params, batch)          # {"act.layers.0.probs": ndarray, "grad...": ...}
@@ -46,11 +46,12 @@ class FileError(Error, OSError):
 
 
 from . import _teo  # noqa: E402  (the exceptions above must exist first: _teo raises them)
-from ._teo import EncoderConfig  # noqa: E402
+from ._teo import ModelConfig  # noqa: E402
 from ._api import generate, init_params, random_batch, run  # noqa: E402
 from . import golden, ops, testing  # noqa: E402,F401
 
 __version__ = _teo.__version__
-__all__ = ["EncoderConfig", "generate", "init_params", "random_batch", "run", "golden", "ops", "testing",
+EncoderConfig = ModelConfig  # the name it had before its sections
+__all__ = ["ModelConfig", "generate", "init_params", "random_batch", "run", "golden", "ops", "testing",
            "Error", "ConfigError", "ShapeError", "InputError", "RangeError", "IllConditioned",
            "FormatError", "FileError"]

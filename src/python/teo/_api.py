@@ -12,20 +12,20 @@ _BATCH_KEYS = ("tokens", "lengths", "labels", "token_types", "pixels",
 
 
 def config_of(cfg):
-    """cfg as a teo.EncoderConfig: one as it is, a dict of its keys or JSON text converted (a bad
+    """cfg as a teo.ModelConfig: one as it is, a dict of its keys or JSON text converted (a bad
     key or value is a ConfigError naming it)."""
-    if isinstance(cfg, _teo.EncoderConfig):
+    if isinstance(cfg, _teo.ModelConfig):
         return cfg
     if isinstance(cfg, (dict, str)):
-        return _teo.EncoderConfig.from_json(cfg)
-    raise TypeError("cfg must be a teo.EncoderConfig, a dict of its keys or JSON text, got %s"
+        return _teo.ModelConfig.from_json(cfg)
+    raise TypeError("cfg must be a teo.ModelConfig, a dict of its keys or JSON text, got %s"
                     % type(cfg).__name__)
 
 
 def init_params(cfg, seed, dtype="float64"):
     """The deterministic initialisation of every parameter (the bits of C++ Params::init), by
     its contract name: {"embedding.weight": (V, D) array, "layers.0.attn.q.weight": ...}.
-    cfg: a teo.EncoderConfig or a dict of its keys."""
+    cfg: a teo.ModelConfig or a dict of its keys."""
     return _teo.init_params(config_of(cfg), int(seed), str(dtype))
 
 
@@ -76,7 +76,7 @@ def run(cfg, params, batch, *, train=False, dropout_seed=0, masks=None, precisio
 
     Returns every act.* tensor of the golden contract, every grad.* tensor when backward is set,
     and the dropout.* masks when train mode applies dropout, as numpy arrays. cfg is a
-    teo.EncoderConfig or a dict of its keys. params ({"embedding.weight": ...}) are all float32
+    teo.ModelConfig or a dict of its keys. params ({"embedding.weight": ...}) are all float32
     or all float64 (the run's dtype); batch is {"tokens", "lengths", "labels"} (with
     type_vocab_size also "token_types"; with input "patches" {"pixels", "labels"} and optional
     "lengths"; an encoder_decoder's

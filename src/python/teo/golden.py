@@ -27,7 +27,7 @@ class Golden:
         self.format = fmt
         self.config = self.case = self.op = self.spec = None
         if fmt == _teo.kFormat:
-            self.config = _teo.EncoderConfig.from_json(self.metadata.get("config", "{}"))
+            self.config = _teo.ModelConfig.from_json(self.metadata.get("config", "{}"))
             self.case = json.loads(self.metadata.get("case", "null"))
         elif fmt == _teo.kOpFormat:
             self.op = self.metadata.get("op")

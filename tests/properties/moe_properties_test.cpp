@@ -8,9 +8,15 @@
 #include <cmath>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "rc_support.hpp"
 #include "teo/backend.hpp"
+#include "teo/golden_ops.hpp"
+#include "teo/layers/feed_forward.hpp"
+#include "teo/layers/linear.hpp"
 #include "teo/layers/moe.hpp"
+#include "teo/safetensors.hpp"
 
 namespace teo {
 namespace {
@@ -151,6 +157,156 @@ RC_GTEST_PROP(MoeProperties, TheSameBitsOnOneAndTwoThreadsAndNoNaN, ()) {
   RC_ASSERT(g1 == g2);
   for (const auto& g : g1)
     for (double v : g) RC_ASSERT(std::isfinite(v));
+}
+
+// One expert, top-1, weight 1 (softmax over one logit is exactly 1): the block is the dense gated
+// FFN, bit for bit, on every backend.
+RC_GTEST_PROP(MoeProperties, OneExpertTopOneIsTheDenseGatedFfnBitForBit, ()) {
+  const auto keep = test::gen_backend();
+  Case c = gen_case();
+  RouterSpec& r = c.spec.router;
+  r.experts = 1;
+  r.top_k = 1;
+  r.scoring = RouterScoring::softmax;
+  r.routed_scaling_factor = 1;
+  c.spec.kind = ExpertKind::swiglu;
+  const index_t D = c.spec.d_model, F = c.spec.d_ff, T = c.T;
+  // the tensors were drawn for E experts: keep expert 0's
+  c.gate.resize(static_cast<std::size_t>(D));
+  c.gate_bias.resize(1);
+  c.w_gate.resize(static_cast<std::size_t>(F * D));
+  c.w_up.resize(static_cast<std::size_t>(F * D));
+  c.w_down.resize(static_cast<std::size_t>(D * F));
+  c.b_gate.resize(static_cast<std::size_t>(F));
+  c.b_up.resize(static_cast<std::size_t>(F));
+  c.b_down.resize(static_cast<std::size_t>(D));
+  const auto a = forward(c, c.x);
+  const auto n = static_cast<std::size_t>(T * F);
+  std::vector<double> g(n), u(n), h(n), y(static_cast<std::size_t>(T * D));
+  linear_forward(g.data(), c.x.data(), c.w_gate.data(), c.b_gate.data(), T, D, F);
+  linear_forward(u.data(), c.x.data(), c.w_up.data(), c.b_up.data(), T, D, F);
+  gated_forward(h.data(), g.data(), u.data(), T * F, Activation::silu);
+  linear_forward(y.data(), h.data(), c.w_down.data(), c.b_down.data(), T, F, D);
+  if (c.spec.weight_at_input) RC_TAG("weight at the input");
+  RC_ASSERT(a.y == y);
+}
+
+// Softmax scored before or after the top k chooses the same experts (away from ties) and, with
+// the k renormalised, gives the same weights and output to rounding: softmax over the k chosen
+// logits is the renormalised softmax over all E.
+RC_GTEST_PROP(MoeProperties, ScoreThenTopkAndTopkThenScoreAgreeToRoundingForSoftmax, ()) {
+  const auto keep = test::gen_backend();
+  Case c = gen_case();
+  c.spec.router.scoring = RouterScoring::softmax;
+  c.spec.router.norm_topk_prob = true;
+  // values off the 2^-6 grid, so that no two logits tie
+  for (auto* v : {&c.x, &c.gate, &c.gate_bias})
+    for (std::size_t i = 0; i < v->size(); ++i) (*v)[i] += 1e-3 * std::sin(1.0 + 7.0 * i);
+  c.spec.router.order = RouterOrder::score_then_topk;
+  const auto a = forward(c, c.x);
+  c.spec.router.order = RouterOrder::topk_then_score;
+  const auto b = forward(c, c.x);
+  const index_t k = c.spec.router.top_k, D = c.spec.d_model;
+  for (index_t t = 0; t < c.T; ++t) {
+    if (a.routing.margin[static_cast<std::size_t>(t)] < 1e-9) continue;  // a near tie
+    for (index_t j = 0; j < k; ++j) {
+      const auto p = static_cast<std::size_t>(t * k + j);
+      RC_ASSERT(a.routing.ids[p] == b.routing.ids[p]);
+      RC_ASSERT(std::abs(a.routing.weights[p] - b.routing.weights[p]) <=
+                16 * static_cast<double>(c.spec.router.experts) * 0x1p-52);
+    }
+    for (index_t d = 0; d < D; ++d) {
+      const auto i = static_cast<std::size_t>(t * D + d);
+      RC_ASSERT(std::abs(a.y[i] - b.y[i]) <= 1e-12 * (1 + std::abs(a.y[i])));
+    }
+  }
+}
+
+// The sum dy . y + 0.25 aux + 0.125 z, as backward() differentiates it.
+double objective(const Case& c, const std::vector<double>& x) {
+  const auto a = forward(c, x);
+  double f = 0;
+  for (std::size_t i = 0; i < a.y.size(); ++i)
+    f += std::ldexp(static_cast<double>(i % 7) - 3, -2) * a.y[i];
+  const index_t E = c.spec.router.experts, k = c.spec.router.top_k;
+  return f + 0.25 * load_balancing_loss(a.logits.data(), a.routing.ids.data(), c.T, E, k) +
+         0.125 * router_z_loss(a.logits.data(), c.T, E);
+}
+
+// Central differences of the whole block (routed experts, router, both aux losses) agree with
+// the backward, for every input and parameter, away from ties and kinks. The rule: a step h in
+// one value moves a logit, or a pre-activation, by at most h max(|x|, |w|, 1) <= 3 h, and a score
+// by no more than its logit; every margin and every pre-activation's distance to a clamp must
+// exceed 400 h, a hundred times that.
+RC_GTEST_PROP(MoeProperties, FiniteDifferencesOfTheWholeBlockAwayFromTies, ()) {
+  Case c = gen_case();
+  c.T = std::min<index_t>(c.T, 6);
+  c.x.resize(static_cast<std::size_t>(c.T * c.spec.d_model));
+  for (auto* v :
+       {&c.x, &c.gate, &c.gate_bias, &c.w_gate, &c.w_up, &c.w_down, &c.b_gate, &c.b_up, &c.b_down})
+    for (std::size_t i = 0; i < v->size(); ++i) (*v)[i] += 1e-2 * std::sin(3.0 + 5.0 * i);
+  const double h = 1e-6, clear = 400 * h;
+  const auto a = forward(c, c.x);
+  for (double m : a.routing.margin) RC_PRE(m > clear);
+  if (c.spec.kind == ExpertKind::clamped_swiglu) {
+    for (double v : a.gate_pre) RC_PRE(std::abs(v - c.spec.limit) > clear);
+    for (double v : a.up_pre) RC_PRE(std::abs(std::abs(v) - c.spec.limit) > clear);
+  }
+  const auto g = backward(c, a);
+  std::vector<std::vector<double>*> values = {
+      &c.x, &c.gate, &c.gate_bias, &c.w_gate, &c.w_up, &c.w_down, &c.b_gate, &c.b_up, &c.b_down};
+  for (std::size_t t = 0; t < values.size(); ++t) {
+    std::vector<double>& v = *values[t];
+    for (std::size_t i = 0; i < v.size(); ++i) {
+      const double keep_v = v[i];
+      v[i] = keep_v + h;
+      const double up = objective(c, c.x);
+      v[i] = keep_v - h;
+      const double down = objective(c, c.x);
+      v[i] = keep_v;
+      const double fd = (up - down) / (2 * h);
+      RC_ASSERT(std::abs(fd - g[t][i]) <= 1e-6 * (1 + std::abs(g[t][i])));
+    }
+  }
+}
+
+// Forced loads are met exactly: the op's drawn gate gives expert e exactly expert_loads[e] of the
+// (token, slot) pairs, whatever the loads (each in [0, T], summing to T k), the scoring, the order
+// and the dtype.
+RC_GTEST_PROP(MoeProperties, ForcedLoadsAreMetExactly, ()) {
+  const auto E = *rc::gen::inRange<std::int64_t>(1, 7);
+  const auto k = *rc::gen::inRange<std::int64_t>(1, E + 1);
+  const auto T = *rc::gen::inRange<std::int64_t>(1, 11);
+  // loads in [0, T] summing to T k: start from T k dealt evenly, then move pairs at random
+  std::vector<std::int64_t> loads(static_cast<std::size_t>(E), 0);
+  for (std::int64_t n = 0; n < T * k; ++n) ++loads[static_cast<std::size_t>(n % E)];
+  const auto moves = *rc::gen::container<std::vector<std::pair<int, int>>>(
+      rc::gen::pair(rc::gen::inRange<int>(0, static_cast<int>(E)),
+                    rc::gen::inRange<int>(0, static_cast<int>(E))));
+  for (const auto& [from, to] : moves) {
+    auto& f = loads[static_cast<std::size_t>(from)];
+    auto& t = loads[static_cast<std::size_t>(to)];
+    if (from != to && f > 0 && t < T) --f, ++t;
+  }
+  nlohmann::json spec = {
+      {"op", "moe"},
+      {"tokens", T},
+      {"d_model", E + *rc::gen::inRange<std::int64_t>(0, 3)},
+      {"num_experts", E},
+      {"num_experts_per_tok", k},
+      {"moe_d_ff", *rc::gen::inRange<std::int64_t>(1, 4)},
+      {"router_scoring", *rc::gen::element<std::string>("softmax", "sigmoid")},
+      {"router_order", *rc::gen::element<std::string>("score_then_topk", "topk_then_score")},
+      {"expert_loads", loads},
+      {"dtype", *rc::gen::element<std::string>("float32", "float64")},
+      {"seed", *rc::gen::inRange<std::int64_t>(0, 1000)}};
+  const safetensors::File f = golden::make_op(golden::OpCase::from_json(spec));
+  const auto offsets = f.find("act.moe.expert_offsets")->int_values();
+  RC_ASSERT(offsets.size() == static_cast<std::size_t>(E + 1));
+  for (std::int64_t e = 0; e < E; ++e) {
+    const auto i = static_cast<std::size_t>(e);
+    RC_ASSERT(offsets[i + 1] - offsets[i] == loads[i]);
+  }
 }
 
 }  // namespace

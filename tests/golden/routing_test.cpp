@@ -3,8 +3,8 @@
 // precision's tolerance; a backend that routes a near tie otherwise is reported ambiguous (by
 // token, in every report format) and never failed, while a wrong expert, an implausible choice at
 // a near tie or any change of a replayed routing fails at output.topk_ids; router replay judges
-// the same backend's experts in full; and no backend emulated in bf16, fp16 or tf32 is ever told
-// it chose a wrong expert.
+// the same backend's experts in full; and no backend emulated in bf16, fp16, tf32 or fp8 is ever
+// told it chose a wrong expert.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -351,8 +351,8 @@ TEST(Routing, TheMoeCorpusMeetsItsLoadsAndActivatesTheClamps) {
   EXPECT_GE(clamped, 1);
 }
 
-// The tolerance is a bound, not a guess: a backend emulated in bf16, fp16 or tf32 that routes by
-// itself is never told it chose a wrong expert, for every scoring, order and group rule.
+// The tolerance is a bound, not a guess: a backend emulated in bf16, fp16, tf32 or fp8 that routes
+// by itself is never told it chose a wrong expert, for every scoring, order and group rule.
 TEST(Routing, NoEmulatedBackendIsEverToldItChoseAWrongExpert) {
   const std::vector<json> variants = {
       {{"num_experts", 16}, {"num_experts_per_tok", 8}, {"norm_topk_prob", true}},
@@ -385,7 +385,7 @@ TEST(Routing, NoEmulatedBackendIsEverToldItChoseAWrongExpert) {
                  {"seed", static_cast<int>(40 + v)}});
     SCOPED_TRACE(spec.dump());
     const st::File g = router_case(spec);
-    for (Precision p : {Precision::bf16, Precision::fp16, Precision::tf32}) {
+    for (Precision p : {Precision::bf16, Precision::fp16, Precision::tf32, Precision::fp8}) {
       const CaseReport r =
           golden::check(g, emulated_candidate(g, p, /*own_routing=*/true), judged_as(p));
       EXPECT_NE(result(r, "output.topk_ids").status, Status::fail)

@@ -41,6 +41,9 @@ def test_config_from_keys_json_and_dict():
     assert teo.ModelConfig(**cfg.to_dict()) == cfg
     with pytest.raises(AttributeError):
         cfg.colour
+    # the former name is the same class, and the sections' keys read flat
+    assert teo.EncoderConfig is teo.ModelConfig
+    assert isinstance(teo.EncoderConfig(d_model=8, num_heads=2), teo.ModelConfig)
 
 
 @pytest.mark.parametrize("keys, field", [({"d_modle": 8}, "d_modle"),

@@ -300,7 +300,9 @@ RC_GTEST_PROP(MoeProperties, ForcedLoadsAreMetExactly, ()) {
       {"expert_loads", loads},
       {"dtype", *rc::gen::element<std::string>("float32", "float64")},
       {"seed", *rc::gen::inRange<std::int64_t>(0, 1000)}};
-  const safetensors::File f = golden::make_op(golden::OpCase::from_json(spec));
+  // the loads are the point, not float32's conditioning, which a drawn case may lack
+  const safetensors::File f =
+      golden::make_op(golden::OpCase::from_json(spec), /*allow_ill_conditioned=*/true);
   const auto offsets = f.find("act.moe.expert_offsets")->int_values();
   RC_ASSERT(offsets.size() == static_cast<std::size_t>(E + 1));
   for (std::int64_t e = 0; e < E; ++e) {

@@ -1,3 +1,5 @@
+#include <type_traits>
+
 #include <nlohmann/json.hpp>
 
 #include "support.hpp"
@@ -5,6 +7,34 @@
 
 namespace teo {
 namespace {
+
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+static_assert(std::is_same_v<EncoderConfig, ModelConfig>, "the former name is the same type");
+#pragma GCC diagnostic pop
+
+// The flat JSON keys land in the sections the model has, and a section compares on its own.
+TEST(Config, EachKeyLivesInItsSection) {
+  const ModelConfig c = ModelConfig::from_json(nlohmann::json{{"vocab_size", 9},
+                                                              {"d_model", 12},
+                                                              {"num_heads", 3},
+                                                              {"d_ff", 7},
+                                                              {"norm", "rmsnorm"},
+                                                              {"num_classes", 5},
+                                                              {"ffn", "geglu"}});
+  EXPECT_EQ(c.embeddings.vocab_size, 9);
+  EXPECT_EQ(c.d_model, 12);
+  EXPECT_EQ(c.attention.num_heads, 3);
+  EXPECT_EQ(c.ffn.d_ff, 7);
+  EXPECT_EQ(c.ffn.kind, FfnKind::geglu);
+  EXPECT_EQ(c.norms.norm, Norm::rmsnorm);
+  EXPECT_EQ(c.head.num_classes, 5);
+  ModelConfig other = c;
+  other.head.num_classes = 6;
+  EXPECT_EQ(other.attention, c.attention);
+  EXPECT_NE(other.head, c.head);
+  EXPECT_NE(other, c);
+}
 
 TEST(Config, JsonRoundTripPreservesEveryField) {
   ModelConfig c;

@@ -351,6 +351,46 @@ TEST(Routing, TheMoeCorpusMeetsItsLoadsAndActivatesTheClamps) {
   EXPECT_GE(clamped, 1);
 }
 
+// A real-size router (k 8 of 16 at D 2048) cannot keep its margins clear: the routing tolerance
+// grows with D faster than the gaps between the chosen experts, and the draw is refused. With
+// replay_routing and clear_margins false the draw stays as it is, some margin inside the
+// tolerance, and the replayed routing is judged exactly: a bf16 backend fed it passes, a change of
+// it fails. clear_margins false without replay is refused by name.
+TEST(Routing, AReplayedRealSizeRouterKeepsItsDrawAndIsJudgedExactly) {
+  json spec = {{"tokens", 8},
+               {"d_model", 2048},
+               {"num_experts", 16},
+               {"num_experts_per_tok", 8},
+               {"norm_topk_prob", true},
+               {"dtype", "float32"},
+               {"seed", 1}};
+  EXPECT_THROW(router_case(spec), teo::ConfigError);
+  spec["replay_routing"] = true;
+  EXPECT_THROW(router_case(spec), teo::ConfigError);  // replay alone keeps the redraw
+  spec["clear_margins"] = false;
+  const st::File g = router_case(spec);
+  EXPECT_EQ(golden::op_case_of(g).spec.at("clear_margins"), false);
+  const auto margins = truth(g, "output.selection_margin");
+  const auto tol = tolerance(g, Precision::fp32);
+  bool inside = false;
+  for (std::size_t t = 0; t < margins.size(); ++t) inside = inside || margins[t] <= 2 * tol[t];
+  EXPECT_TRUE(inside) << "every margin is clear: the case shows nothing";
+  EXPECT_EQ(g.find("input.moe.topk_ids")->int_values(), g.find("output.topk_ids")->int_values());
+  st::File c = emulated_candidate(g, Precision::bf16, /*own_routing=*/false);
+  const CaseReport ok = golden::check(g, c, judged_as(Precision::bf16));
+  EXPECT_EQ(ok.failed, 0);
+  EXPECT_TRUE(ok.ambiguous_tokens.empty());
+  std::vector<std::int32_t> store;
+  std::vector<std::int32_t> ids = ids_of(c, store);
+  std::swap(ids[0], ids[1]);
+  set_ids(c, ids);
+  const CaseReport bad = golden::check(g, c, judged_as(Precision::bf16));
+  EXPECT_EQ(result(bad, "output.topk_ids").status, Status::fail);
+  json unreplayed = spec;
+  unreplayed["replay_routing"] = false;
+  EXPECT_THROW(router_case(unreplayed), teo::ConfigError);
+}
+
 // The tolerance is a bound, not a guess: a backend emulated in bf16, fp16, tf32 or fp8 that routes
 // by itself is never told it chose a wrong expert, for every scoring, order and group rule.
 TEST(Routing, NoEmulatedBackendIsEverToldItChoseAWrongExpert) {

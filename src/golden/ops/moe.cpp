@@ -437,7 +437,7 @@ const OpDef& moe_op() {
           {R"({"tokens": 6, "d_model": 5, "num_experts": 4, "num_experts_per_tok": 2, "moe_d_ff": 3, "norm_topk_prob": true})",
            R"({"tokens": 5, "d_model": 4, "num_experts": 8, "num_experts_per_tok": 2, "moe_d_ff": 3, "router_scoring": "sigmoid", "selection_bias": true, "router_groups": 4, "topk_groups": 2, "routed_scaling_factor": 2.5, "shared_d_ff": 4, "aux_losses": true})",
            R"({"tokens": 5, "d_model": 4, "num_experts": 4, "num_experts_per_tok": 2, "moe_d_ff": 3, "router_order": "topk_then_score", "router_bias": true, "expert_kind": "clamped_swiglu", "expert_bias": true})",
-           R"({"tokens": 4, "d_model": 3, "num_experts": 4, "num_experts_per_tok": 1, "moe_d_ff": 2, "router_scoring": "sigmoid", "router_order": "topk_then_score", "weight_at": "input", "shared_d_ff": 3, "shared_expert_gate": true, "replay_routing": true})",
+           R"({"tokens": 4, "d_model": 3, "num_experts": 4, "num_experts_per_tok": 1, "moe_d_ff": 2, "router_scoring": "sigmoid", "router_order": "topk_then_score", "weight_at": "input", "shared_d_ff": 3, "shared_expert_gate": true, "replay_routing": true, "clear_margins": false})",
            R"({"tokens": 6, "d_model": 4, "num_experts": 4, "num_experts_per_tok": 2, "moe_d_ff": 2, "expert_loads": [0, 1, 5, 6]})"},
   };
   return def;

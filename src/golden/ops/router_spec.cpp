@@ -66,6 +66,12 @@ RouterPart read_router(Reader& r) {
   p.replay = r.flag("replay_routing", false);
   p.ties = r.flag("ties", false);
   if (p.ties && s.experts < 2) throw ConfigError("spec.ties needs num_experts of at least 2");
+  p.clear_margins = r.flag("clear_margins", true);
+  if (!p.clear_margins && !p.replay) {
+    throw ConfigError(
+        "spec.clear_margins false needs replay_routing: a drawn routing near a tie is judged "
+        "exactly only when it is replayed");
+  }
   return p;
 }
 
@@ -92,6 +98,8 @@ void write_router_options(const RouterPart& p, ojson& j) {
   j["selection_bias"] = p.selection_bias;
   j["replay_routing"] = p.replay;
   j["ties"] = p.ties;
+  // written only when false, so that every case drawn before the key keeps its bytes
+  if (!p.clear_margins) j["clear_margins"] = false;
 }
 
 void router_inputs(const RouterPart& p, OpTensors& t) {
@@ -164,6 +172,7 @@ void draw_router(const RouterPart& p, const OpCase& c, Values& v) {
     std::vector<double> logits(at(T * E));
     linear_forward(logits.data(), x.data(), w.data(), b ? b->data() : nullptr, T, D, E);
     route(p.router, logits.data(), corr ? corr->data() : nullptr, nullptr, T, r);
+    if (!p.clear_margins) break;  // the draw as it is: its routing is replayed
     const auto tol = detail::routing_tolerance(p.router, x.data(), w.data(),
                                                b ? b->data() : nullptr, T, D, judged);
     bool clear = true;

@@ -21,11 +21,16 @@ struct RouterPart {
   bool selection_bias = false;  // param.gate.e_score_correction_bias (DeepSeek-V3)
   bool replay = false;          // input.moe.topk_ids: the routing given (router replay)
   bool ties = false;            // expert 1's gate is expert 0's: their scores tie exactly
+  // Redraw each token whose margin is within twice the judged precision's tolerance (the
+  // default). false (spec key clear_margins, with replay_routing only): keep the draw as it is,
+  // which a real-size router (k 8 of 128 at D 2048) needs, since its chosen experts' consecutive
+  // gaps are rarely all clear; the replayed routing is judged exactly, its margins do not matter.
+  bool clear_margins = true;
 };
 
 // Reads tokens, d_model and the router's keys (num_experts, num_experts_per_tok, router_scoring,
 // router_order, router_groups, topk_groups, group_score, norm_topk_prob, routed_scaling_factor,
-// router_bias, selection_bias, replay_routing, ties); ConfigError naming the key.
+// router_bias, selection_bias, replay_routing, ties, clear_margins); ConfigError naming the key.
 RouterPart read_router(Reader& r);
 // Writes them back, normalised: the group keys only with groups.
 void write_router_sizes(const RouterPart& p, ojson& j);

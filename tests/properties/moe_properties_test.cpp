@@ -76,6 +76,11 @@ MoeActs<double> forward(const Case& c, const std::vector<double>& x,
   return a;
 }
 
+// The upstream gradient dy[i] of y[i] that backward() uses and objective() weighs y by.
+double upstream(std::size_t i) {
+  return std::ldexp(static_cast<double>(i % 7) - 3, -2);
+}
+
 // The gradients of one backward, x's first.
 std::vector<std::vector<double>> backward(const Case& c, const MoeActs<double>& a) {
   std::vector<std::vector<double>> g = {
@@ -87,8 +92,7 @@ std::vector<std::vector<double>> backward(const Case& c, const MoeActs<double>& 
   MoeGrads<double> grads{g[1].data(), g[2].data(), g[3].data(), g[4].data(),
                          g[5].data(), g[6].data(), g[7].data(), g[8].data()};
   std::vector<double> dy(a.y.size());
-  for (std::size_t i = 0; i < dy.size(); ++i)
-    dy[i] = std::ldexp(static_cast<double>(i % 7) - 3, -2);
+  for (std::size_t i = 0; i < dy.size(); ++i) dy[i] = upstream(i);
   moe_backward(c.spec, c.weights(), c.x.data(), c.T, a, dy.data(), 0.25, 0.125, g[0].data(), grads);
   return g;
 }
@@ -226,8 +230,7 @@ RC_GTEST_PROP(MoeProperties, ScoreThenTopkAndTopkThenScoreAgreeToRoundingForSoft
 double objective(const Case& c, const std::vector<double>& x) {
   const auto a = forward(c, x);
   double f = 0;
-  for (std::size_t i = 0; i < a.y.size(); ++i)
-    f += std::ldexp(static_cast<double>(i % 7) - 3, -2) * a.y[i];
+  for (std::size_t i = 0; i < a.y.size(); ++i) f += upstream(i) * a.y[i];
   const index_t E = c.spec.router.experts, k = c.spec.router.top_k;
   return f + 0.25 * load_balancing_loss(a.logits.data(), a.routing.ids.data(), c.T, E, k) +
          0.125 * router_z_loss(a.logits.data(), c.T, E);

@@ -163,7 +163,8 @@ TEST(Config, BlockAndDecoderKeysRoundTripAndAppearOnlyWhenUsed) {
 
 TEST(Config, InvalidBlockAndDecoderValuesAreNamedErrors) {
   expect_config_error(R"({"norm": "batchnorm"})", "norm");
-  expect_config_error(R"({"ffn": "moe"})", "ffn");
+  expect_config_error(R"({"ffn": "mixture"})", "ffn");
+  expect_config_error(R"({"ffn": "moe"})", "num_experts");
   expect_config_error(R"({"ffn": "swiglu", "activation": "relu"})", "silu");
   expect_config_error(R"({"ffn": "geglu", "activation": "silu"})", "gelu_tanh");
   expect_config_error(R"({"ffn_bias": 0})", "ffn_bias");

@@ -8,6 +8,7 @@
 #include <nlohmann/json_fwd.hpp>
 
 #include "teo/errors.hpp"
+#include "teo/moe_kinds.hpp"
 
 namespace teo {
 
@@ -24,8 +25,8 @@ enum class Architecture { encoder, decoder, encoder_decoder };
 // The layers' norm: LayerNorm (mean and variance, weight and bias) or RMSNorm (no mean, no bias).
 enum class Norm { layernorm, rmsnorm };
 // The feed-forward network: fc2(act(fc1(x))), or gated, fc2(act(gate(x)) * fc1(x)) with act silu
-// (swiglu) or gelu (geglu).
-enum class FfnKind { mlp, swiglu, geglu };
+// (swiglu) or gelu (geglu); or a mixture of experts (moe: ffn.moe, its dense layers swiglu).
+enum class FfnKind { mlp, swiglu, geglu, moe };
 // What the classifier head reads: the pooled vector itself, or BERT's pooler over it,
 // tanh(pooled W^T + b).
 enum class Pooler { none, dense_tanh };
@@ -110,12 +111,50 @@ struct AttentionConfig {
   bool operator==(const AttentionConfig&) const = default;
 };
 
+// A mixture of experts in place of the FFN (ffn "moe"; docs/semantics.md, section 19). The keys
+// are the moe op's (docs/golden-format.md): the router's, the routed experts', the shared
+// experts', which layers are MoE layers, and the training loss's router terms.
+struct MoeConfig {
+  // the router (teo/layers/moe_router.hpp; teo::moe_spec makes the block's spec of these keys)
+  index_t num_experts = 0;  // E; at least 1 with ffn "moe"
+  index_t num_experts_per_tok = 1;
+  RouterScoring router_scoring = RouterScoring::softmax;
+  RouterOrder router_order = RouterOrder::score_then_topk;
+  index_t router_groups = 1, topk_groups = 1;  // the group keys are written with groups > 1
+  GroupScore group_score = GroupScore::top2_sum;
+  bool norm_topk_prob = false;
+  double routed_scaling_factor = 1.0;
+  bool router_bias = false;     // moe.gate.bias (gpt-oss)
+  bool selection_bias = false;  // moe.gate.e_score_correction_bias (DeepSeek-V3)
+  // the routed experts
+  index_t moe_d_ff = 0;  // each expert's width; at least 1 with ffn "moe"
+  ExpertKind expert_kind = ExpertKind::swiglu;
+  double swiglu_alpha = 1.702, swiglu_limit = 7.0;  // clamped_swiglu only
+  bool expert_bias = false;
+  bool weight_at_input = false;  // JSON weight_at: "output" (false) or "input" (Llama 4)
+  // the shared experts: one SwiGLU MLP of this total width (0: none), always applied, times
+  // Qwen2-MoE's sigmoid gate with shared_expert_gate
+  index_t shared_d_ff = 0;
+  bool shared_expert_gate = false;
+  // Layer i is an MoE layer when i >= first_dense_layers and (i + 1) % moe_every == 0; the others
+  // are dense, a SwiGLU FFN of d_ff.
+  index_t first_dense_layers = 0;
+  index_t moe_every = 1;
+  // The training loss adds aux_coef times the load-balancing loss and z_coef times the router
+  // z-loss, each over every MoE layer's real tokens at once (Hugging Face's concatenation).
+  double router_aux_loss_coef = 0.0;
+  double router_z_loss_coef = 0.0;
+
+  bool operator==(const MoeConfig&) const = default;
+};
+
 // The feed-forward network (docs/semantics.md, section 17.1).
 struct FfnConfig {
   FfnKind kind = FfnKind::mlp;  // JSON key "ffn"
   index_t d_ff = 32;
   Activation activation = Activation::gelu;
   bool ffn_bias = true;  // the FFN's linear maps have biases
+  MoeConfig moe{};       // ffn "moe" only; its keys are flat, as every other
 
   bool operator==(const FfnConfig&) const = default;
 };
@@ -170,7 +209,13 @@ struct ModelConfig {
   }
   index_t kv_heads() const { return attention.num_kv_heads.value_or(attention.num_heads); }
   index_t rotary() const { return attention.rotary_dim.value_or(d_head()); }
+  // A gated FFN: swiglu, geglu, and an MoE model's dense layers.
   bool gated() const { return ffn.kind != FfnKind::mlp; }
+  bool moe() const { return ffn.kind == FfnKind::moe; }
+  // Whether layer i's FFN is a mixture of experts (MoeConfig: first_dense_layers, moe_every).
+  bool moe_layer(index_t i) const {
+    return moe() && i >= ffn.moe.first_dense_layers && (i + 1) % ffn.moe.moe_every == 0;
+  }
   bool encoder() const { return architecture == Architecture::encoder; }
   bool decoder() const { return architecture == Architecture::decoder; }
   bool encoder_decoder() const { return architecture == Architecture::encoder_decoder; }
@@ -184,9 +229,10 @@ struct ModelConfig {
   index_t target_vocab() const {
     return embeddings.decoder_vocab_size.value_or(embeddings.vocab_size);
   }
-  // The FFN's activation: silu for swiglu, else `activation` (gelu or gelu_tanh for geglu).
+  // The FFN's activation: silu for swiglu (and an MoE model's dense layers), else `activation`
+  // (gelu or gelu_tanh for geglu).
   Activation ffn_activation() const {
-    return ffn.kind == FfnKind::swiglu ? Activation::silu : ffn.activation;
+    return ffn.kind == FfnKind::swiglu || moe() ? Activation::silu : ffn.activation;
   }
 
   // Throws ConfigError naming the first invalid field and its value; ShapeError when a parameter

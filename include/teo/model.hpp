@@ -1,6 +1,7 @@
 // The whole encoder: parameters, the activations forward keeps, forward() and backward().
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -10,6 +11,7 @@
 #include "teo/config.hpp"
 #include "teo/decoder_layer.hpp"
 #include "teo/fp8.hpp"
+#include "teo/layers/moe.hpp"
 #include "teo/tensor.hpp"
 
 namespace teo {
@@ -59,29 +61,53 @@ struct LayerParams {
   Tensor<Real> gate_weight, gate_bias;                              // (F, D), (F); gated only
   Tensor<Real> fc1_weight, fc1_bias;                                // (F, D), (F)
   Tensor<Real> fc2_weight, fc2_bias;                                // (D, F), (D)
+  // An MoE layer's, in place of the FFN's (docs/semantics.md, section 19): the router's gate
+  // (E, D), its bias (E; router_bias) and DeepSeek-V3's selection bias (E; selection_bias), which
+  // gets no gradient; the experts' (E, Fe, D), (E, Fe, D), (E, D, Fe) and biases (E, Fe), (E, Fe),
+  // (E, D) (expert_bias); the shared experts' SwiGLU (Fs, D), (Fs, D), (D, Fs) and their sigmoid
+  // gate (1, D) (shared_expert_gate).
+  Tensor<Real> router_weight, router_bias, router_correction;
+  Tensor<Real> experts_w_gate, experts_w_up, experts_w_down;
+  Tensor<Real> experts_b_gate, experts_b_up, experts_b_down;
+  Tensor<Real> shared_gate_weight, shared_fc1_weight, shared_fc2_weight, shared_expert_gate;
   // Which parameters are present: the config's attn_sinks, attn_bias, norm (layernorm: the norms
-  // have biases), ffn (gated: the gate) and ffn_bias. A bias that is absent stays empty.
+  // have biases), ffn (gated: the gate) and ffn_bias; for an MoE layer (moe) the MoE keys. A bias
+  // that is absent stays empty.
   bool has_sinks = false;
   bool has_attn_bias = true;
   bool has_norm_bias = true;
   bool gated = false;
   bool has_ffn_bias = true;
+  bool moe = false;
+  bool has_router_bias = false, has_correction = false, has_expert_bias = false;
+  bool has_shared = false, has_shared_gate = false;
 
-  // Sets the presence flags from a config.
-  void configure(const ModelConfig& c) {
+  // Sets the presence flags from a config, for its layer `layer` (which decides whether the FFN
+  // is a mixture of experts).
+  void configure(const ModelConfig& c, index_t layer) {
     has_sinks = c.attention.attn_sinks;
     has_attn_bias = c.attention.attn_bias;
     has_norm_bias = c.norms.norm == Norm::layernorm;
     gated = c.gated();
     has_ffn_bias = c.ffn.ffn_bias;
+    moe = c.moe_layer(layer);
+    const MoeConfig& m = c.ffn.moe;
+    has_router_bias = moe && m.router_bias;
+    has_correction = moe && m.selection_bias;
+    has_expert_bias = moe && m.expert_bias;
+    has_shared = moe && m.shared_d_ff > 0;
+    has_shared_gate = has_shared && m.shared_expert_gate;
   }
-  // Whether the flags are those of c.
-  bool configured_for(const ModelConfig& c) const {
+  // Whether the flags are those of c's layer `layer`.
+  bool configured_for(const ModelConfig& c, index_t layer) const {
     LayerParams<Real> want;
-    want.configure(c);
+    want.configure(c, layer);
     return has_sinks == want.has_sinks && has_attn_bias == want.has_attn_bias &&
            has_norm_bias == want.has_norm_bias && gated == want.gated &&
-           has_ffn_bias == want.has_ffn_bias;
+           has_ffn_bias == want.has_ffn_bias && moe == want.moe &&
+           has_router_bias == want.has_router_bias && has_correction == want.has_correction &&
+           has_expert_bias == want.has_expert_bias && has_shared == want.has_shared &&
+           has_shared_gate == want.has_shared_gate;
   }
 
   // Calls f(name, tensor) for every parameter, named as in the model without "layers.{i}.".
@@ -111,6 +137,24 @@ struct LayerParams {
     if (nb) f("norm1.bias", l.norm1_bias);
     f("norm2.weight", l.norm2_weight);
     if (nb) f("norm2.bias", l.norm2_bias);
+    if (l.moe) {
+      f("moe.gate.weight", l.router_weight);
+      if (l.has_router_bias) f("moe.gate.bias", l.router_bias);
+      if (l.has_correction) f("moe.gate.e_score_correction_bias", l.router_correction);
+      f("moe.experts.w_gate", l.experts_w_gate);
+      if (l.has_expert_bias) f("moe.experts.b_gate", l.experts_b_gate);
+      f("moe.experts.w_up", l.experts_w_up);
+      if (l.has_expert_bias) f("moe.experts.b_up", l.experts_b_up);
+      f("moe.experts.w_down", l.experts_w_down);
+      if (l.has_expert_bias) f("moe.experts.b_down", l.experts_b_down);
+      if (l.has_shared) {
+        f("moe.shared.gate.weight", l.shared_gate_weight);
+        f("moe.shared.fc1.weight", l.shared_fc1_weight);
+        f("moe.shared.fc2.weight", l.shared_fc2_weight);
+        if (l.has_shared_gate) f("moe.shared_gate.weight", l.shared_expert_gate);
+      }
+      return;
+    }
     if (l.gated) {
       f("ffn.gate.weight", l.gate_weight);
       if (fb) f("ffn.gate.bias", l.gate_bias);
@@ -248,6 +292,20 @@ struct LayerActs {
   Tensor<Real> residual2;                      // (B, S, D)
   Tensor<Real> output;                         // (B, S, D)
   LayerMasks masks;
+  // An MoE layer's, in place of ffn_gate, ffn_pre and ffn_hidden (docs/golden-format.md, "The
+  // grouped layout"), for the N = B S tokens, every position routed: the router's logits (B, S, E)
+  // and weights (B, S, k), the N k (token, slot) rows sorted by expert, the experts' input
+  // (N k, D), middle (N k, Fe) and output (N k, D), and the shared experts' output (B, S, D; with
+  // shared_d_ff). Empty in a dense layer.
+  Tensor<Real> moe_logits, moe_topk_weights;
+  Tensor<Real> moe_expert_in, moe_expert_hidden, moe_expert_out, moe_shared_out;
+  // What the forward pass keeps for backward: the routing (ids (N, k), weights, margins), the
+  // grouped layout's offsets (E + 1) and source rows (N k), and the experts' two projections; and
+  // the shared experts' gate, up projection, middle and output before their gate, with that gate
+  // (N). Not named: the integer tensors are the golden's act.layers.{i}.moe.topk_ids,
+  // .expert_offsets and .source_rows.
+  MoeActs<Real> moe;
+  Tensor<Real> shared_gate, shared_up, shared_hidden, shared_raw, shared_g;
 };
 
 // What forward keeps. The same type holds the gradients of the loss with respect to each named
@@ -263,9 +321,14 @@ struct Activations {
   bool token_types = false;      // type_vocab_size: token_type is kept
   bool embedding_norm = false;   // embedding_norm: embedding_norm and its statistics
   bool pooler = false;           // pooler dense_tanh: pooler is kept
-  Tensor<Real> embedding;        // (B, S, D), scaled token embeddings
-  Tensor<Real> positional;       // (S, D), the positional table rows used
-  Tensor<Real> token_type;       // (B, S, D), the token-type table rows used
+  // ffn "moe": which layers are MoE layers (one flag per layer), whether they have shared
+  // experts (moe.shared_out), and whether the loss has the router terms (moe_aux_loss,
+  // moe_z_loss)
+  std::vector<bool> moe_layers;
+  bool moe_shared = false, moe_aux = false, moe_z = false;
+  Tensor<Real> embedding;   // (B, S, D), scaled token embeddings
+  Tensor<Real> positional;  // (S, D), the positional table rows used
+  Tensor<Real> token_type;  // (B, S, D), the token-type table rows used
   // (B, S, D), norm(embedding + positional + token_type); statistics (B*S)
   Tensor<Real> embedding_norm_out, embedding_norm_mean, embedding_norm_rstd;
   // (B, S, D), dropout of embedding_norm, or of embedding + positional (+ token_type)
@@ -285,7 +348,10 @@ struct Activations {
   Tensor<Real> decoder_final_norm, decoder_final_norm_mean, decoder_final_norm_rstd;
   Tensor<Real> lm_logits;  // an LM head: (B, S, V) (an encoder_decoder: (B, T, Vt))
   Tensor<Real> lm_probs;   // softmax(lm_logits), saved for backward
-  Tensor<Real> loss;       // [] (a scalar)
+  // ffn "moe" with router_aux_loss_coef (router_z_loss_coef) nonzero: the load-balancing loss
+  // (z-loss) over every MoE layer's real tokens, [] each; loss includes coef times each.
+  Tensor<Real> moe_aux_loss, moe_z_loss;
+  Tensor<Real> loss;  // [] (a scalar)
 
   // Calls f(name, tensor) for every named activation in pipeline order: embedding, positional,
   // input, layers.{i}.{...} in the order they are computed, final_norm, pooled, logits (a decoder:
@@ -300,6 +366,13 @@ struct Activations {
     token_types = c.embeddings.type_vocab_size.has_value();
     embedding_norm = c.embeddings.embedding_norm;
     pooler = c.head.pooler == Pooler::dense_tanh;
+    moe_layers.assign(static_cast<std::size_t>(c.moe() ? std::max<index_t>(c.num_layers, 0) : 0),
+                      false);
+    for (std::size_t i = 0; i < moe_layers.size(); ++i)
+      moe_layers[i] = c.moe_layer(static_cast<index_t>(i));
+    moe_shared = c.moe() && c.ffn.moe.shared_d_ff > 0;
+    moe_aux = c.moe() && c.ffn.moe.router_aux_loss_coef != 0;
+    moe_z = c.moe() && c.ffn.moe.router_z_loss_coef != 0;
   }
   bool configured_for(const ModelConfig& c) const {
     Activations<Real> want;
@@ -307,8 +380,11 @@ struct Activations {
     return norm_first == want.norm_first && rotary == want.rotary && gated == want.gated &&
            decoder == want.decoder && encoder_decoder == want.encoder_decoder &&
            token_types == want.token_types && embedding_norm == want.embedding_norm &&
-           pooler == want.pooler;
+           pooler == want.pooler && moe_layers == want.moe_layers &&
+           moe_shared == want.moe_shared && moe_aux == want.moe_aux && moe_z == want.moe_z;
   }
+  // Whether layer i is an MoE layer.
+  bool moe_layer(std::size_t i) const { return i < moe_layers.size() && moe_layers[i]; }
 
   template <class F>
   void visit(F&& f) {
@@ -345,9 +421,18 @@ struct Activations {
       f(p + "residual1", l.residual1);
       if (!self.norm_first) f(p + "norm1", l.norm1);
       if (self.norm_first) f(p + "norm2", l.norm2);
-      if (self.gated) f(p + "ffn_gate", l.ffn_gate);
-      f(p + "ffn_pre", l.ffn_pre);
-      f(p + "ffn_hidden", l.ffn_hidden);
+      if (self.moe_layer(i)) {
+        f(p + "moe.logits", l.moe_logits);
+        f(p + "moe.topk_weights", l.moe_topk_weights);
+        f(p + "moe.expert_in", l.moe_expert_in);
+        f(p + "moe.expert_hidden", l.moe_expert_hidden);
+        f(p + "moe.expert_out", l.moe_expert_out);
+        if (self.moe_shared) f(p + "moe.shared_out", l.moe_shared_out);
+      } else {
+        if (self.gated) f(p + "ffn_gate", l.ffn_gate);
+        f(p + "ffn_pre", l.ffn_pre);
+        f(p + "ffn_hidden", l.ffn_hidden);
+      }
       f(p + "ffn_out", l.ffn_out);
       f(p + "residual2", l.residual2);
       if (!self.norm_first) f(p + "norm2", l.norm2);
@@ -370,6 +455,8 @@ struct Activations {
       if (self.pooler) f("pooler", self.pooler_out);
       f("logits", self.logits);
     }
+    if (self.moe_aux) f("moe_aux_loss", self.moe_aux_loss);
+    if (self.moe_z) f("moe_z_loss", self.moe_z_loss);
     f("loss", self.loss);
   }
 

@@ -46,6 +46,11 @@ int run(const ModelConfig& cfg, const ShapesOptions& o, std::ostream& out) {
                                     " Img=" + std::to_string(cfg.embeddings.image_size) +
                                     " P=" + std::to_string(cfg.embeddings.patch_size)
                               : " V=" + std::to_string(cfg.embeddings.vocab_size))
+      << (cfg.moe() ? " E=" + std::to_string(cfg.ffn.moe.num_experts) +
+                          " k=" + std::to_string(cfg.ffn.moe.num_experts_per_tok) +
+                          " Fe=" + std::to_string(cfg.ffn.moe.moe_d_ff) +
+                          " Fs=" + std::to_string(cfg.ffn.moe.shared_d_ff)
+                    : std::string())
       << "  dtype=" << o.dtype << "  parameters=" << params.count() << "\n\n";
   // Every row is the contract's; the shapes the run produced must be the ones it names.
   const contract::Sizes sizes{o.batch, o.seq_len, o.steps, batch.tgt_len};
@@ -60,8 +65,9 @@ int run(const ModelConfig& cfg, const ShapesOptions& o, std::ostream& out) {
     const Shape s(t.shape);
     if (const auto it = computed.find(name); it != computed.end() && !(it->second == s))
       throw std::logic_error(name + " is " + it->second.str() + ", the contract says " + s.str());
-    out << "  " << std::left << std::setw(34) << name << std::setw(16) << t.symbolic() << s.str()
-        << "\n";
+    const std::string dims = t.symbolic();
+    out << "  " << std::left << std::setw(34) << name << (name.size() >= 34 ? " " : "")
+        << std::setw(16) << dims << (dims.size() >= 16 ? " " : "") << s.str() << "\n";
   };
   out << "forward\n";
   for (const auto& t : contract::model_case(cfg, sizes, false)) {
@@ -76,7 +82,10 @@ int run(const ModelConfig& cfg, const ShapesOptions& o, std::ostream& out) {
     row("grad.act." + it->name, *it);
   }
   out << "\nparameter gradients\n";
-  for (const auto& t : contract::params(cfg)) row("grad." + t.name, t);
+  for (const auto& t : contract::params(cfg)) {
+    // the selection bias chooses only: its gradient is no tensor of the contract
+    if (!t.name.ends_with(".e_score_correction_bias")) row("grad." + t.name, t);
+  }
   if (cfg.dropout > 0) {
     out << "\ndropout masks (train mode)\n";
     for (const auto& t : contract::masks(cfg, sizes)) row(t.name, t);

@@ -1,5 +1,7 @@
 #include "teo/config.hpp"
 
+#include "core/config_moe.hpp"
+
 #include "teo/suggest.hpp"
 
 #include <unistd.h>
@@ -265,6 +267,12 @@ void validate_block(const ModelConfig& c) {
           "runs without it; dropout must be 0");
     }
   }
+  if (c.moe() && a != Activation::gelu && a != Activation::silu) {
+    throw ConfigError(std::string("ffn \"moe\" gates with silu: activation must be left out or "
+                                  "\"silu\", got \"") +
+                      to_string(a) + "\"");
+  }
+  detail::validate_moe(c);
   if (c.ffn.kind == FfnKind::geglu && a != Activation::gelu && a != Activation::gelu_tanh) {
     throw ConfigError(std::string("ffn \"geglu\" gates with gelu: activation must be \"gelu\" or "
                                   "\"gelu_tanh\", got \"") +
@@ -356,9 +364,11 @@ void ModelConfig::validate() const {
                                   : checked_add(checked_mul(d, d, "pooler.weight"), d, "pooler"),
       "embedding extras");
   const index_t total = checked_add(
-      checked_add(checked_add(checked_add(embed, pos, "embeddings"), extra, "embeddings"),
-                  checked_add(layers, head_params, "layers + head"), "parameters"),
-      checked_mul(d, 2, "final_norm"), "parameters");
+      checked_add(
+          checked_add(checked_add(checked_add(embed, pos, "embeddings"), extra, "embeddings"),
+                      checked_add(layers, head_params, "layers + head"), "parameters"),
+          checked_mul(d, 2, "final_norm"), "parameters"),
+      detail::moe_param_count(*this), "parameters");
   const MemoryLimits lim = memory_limits();
   check_tensor_elements(embed_weight,
                         patches_input() ? "patch_embedding.weight" : "embedding.weight", lim);
@@ -446,7 +456,7 @@ void validate_batch_shape(const ModelConfig& cfg, const BatchShape& shape, std::
     index_t c = checked_mul(scores, 3, "layer activations");
     if (a > INT64_MAX - b || a + b > INT64_MAX - c)
       throw ShapeError("layer activations overflow 64 bits");
-    return a + b + c;
+    return checked_add(a + b + c, detail::moe_activation_values(cfg, tokens), "layer activations");
   }();
   // images: the pixels (B, Ch, Img, Img), held as double in the batch, and in Real twice more
   // while the patch embedding runs (the pixels and their patches, one row each)

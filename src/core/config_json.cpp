@@ -9,6 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/config_moe.hpp"
 #include "teo/config.hpp"
 #include "teo/suggest.hpp"
 
@@ -280,8 +281,11 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j) {
         c.ffn.kind = FfnKind::swiglu;
       else if (s == "geglu")
         c.ffn.kind = FfnKind::geglu;
+      else if (s == "moe")
+        c.ffn.kind = FfnKind::moe;
       else
-        throw ConfigError("ffn must be \"mlp\", \"swiglu\" or \"geglu\", got \"" + s + "\"");
+        throw ConfigError("ffn must be \"mlp\", \"swiglu\", \"geglu\" or \"moe\", got \"" + s +
+                          "\"");
     } else if (key == "ffn_bias") {
       c.ffn.ffn_bias = get_bool(v, key);
     } else if (key == "attn_bias") {
@@ -346,8 +350,11 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j) {
         throw ConfigError(
             "decoder_positional must be \"sinusoidal\", \"learned\" or \"none\", got \"" + s +
             "\"");
+    } else if (detail::read_moe_key(c.ffn.moe, key, v)) {
+      // a mixture of experts' key (config_moe.cpp)
     } else {
-      const std::vector<std::string> keys(std::begin(kConfigKeys), std::end(kConfigKeys));
+      std::vector<std::string> keys(std::begin(kConfigKeys), std::end(kConfigKeys));
+      keys.insert(keys.end(), detail::moe_keys().begin(), detail::moe_keys().end());
       throw ConfigError("unknown config key \"" + key + "\"" + did_you_mean(key, keys));
     }
   }
@@ -362,10 +369,10 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j) {
   }
   // SwiGLU's gate is silu: an activation that says otherwise is refused by name, and one left out
   // is silu, so that a written spec says what the gate computes
-  if (c.ffn.kind == FfnKind::swiglu) {
+  if (c.ffn.kind == FfnKind::swiglu || c.moe()) {
     if (j.contains("activation") && c.ffn.activation != Activation::silu) {
-      throw ConfigError(std::string("ffn \"swiglu\" gates with silu: activation must be left out "
-                                    "or \"silu\", got \"") +
+      throw ConfigError(std::string("ffn \"") + to_string(c.ffn.kind) +
+                        "\" gates with silu: activation must be left out or \"silu\", got \"" +
                         to_string(c.ffn.activation) + "\"");
     }
     c.ffn.activation = Activation::silu;
@@ -398,24 +405,24 @@ ModelConfig ModelConfig::from_file(const std::string& path) {
 }
 
 nlohmann::json ModelConfig::to_json() const {
-  nlohmann::json j{
-      {"vocab_size", embeddings.vocab_size},
-      {"max_len", embeddings.max_len},
-      {"d_model", d_model},
-      {"num_heads", attention.num_heads},
-      {"d_ff", ffn.d_ff},
-      {"num_layers", num_layers},
-      {"norm_first", norms.norm_first},
-      // SwiGLU gates with silu, whatever a C++ caller left in `activation`
-      {"activation", to_string(ffn.kind == FfnKind::swiglu ? Activation::silu : ffn.activation)},
-      {"layer_norm_eps", norms.layer_norm_eps},
-      {"positional", to_string(embeddings.positional)},
-      {"embed_scale", embeddings.embed_scale},
-      {"pooling", to_string(head.pooling)},
-      {"num_classes", head.num_classes},
-      {"dropout", dropout},
-      {"label_smoothing", head.label_smoothing},
-      {"causal", attention.causal}};
+  nlohmann::json j{{"vocab_size", embeddings.vocab_size},
+                   {"max_len", embeddings.max_len},
+                   {"d_model", d_model},
+                   {"num_heads", attention.num_heads},
+                   {"d_ff", ffn.d_ff},
+                   {"num_layers", num_layers},
+                   {"norm_first", norms.norm_first},
+                   // SwiGLU gates with silu, whatever a C++ caller left in `activation`
+                   {"activation", to_string(ffn.kind == FfnKind::swiglu || moe() ? Activation::silu
+                                                                                 : ffn.activation)},
+                   {"layer_norm_eps", norms.layer_norm_eps},
+                   {"positional", to_string(embeddings.positional)},
+                   {"embed_scale", embeddings.embed_scale},
+                   {"pooling", to_string(head.pooling)},
+                   {"num_classes", head.num_classes},
+                   {"dropout", dropout},
+                   {"label_smoothing", head.label_smoothing},
+                   {"causal", attention.causal}};
   if (lm()) {
     j["architecture"] = to_string(architecture);
     j.erase("pooling");
@@ -441,6 +448,7 @@ nlohmann::json ModelConfig::to_json() const {
   if (norms.norm != Norm::layernorm) j["norm"] = to_string(norms.norm);
   if (ffn.kind != FfnKind::mlp) j["ffn"] = to_string(ffn.kind);
   if (!ffn.ffn_bias) j["ffn_bias"] = false;
+  detail::moe_to_json(*this, j);
   if (!attention.attn_bias) j["attn_bias"] = false;
   if (!head.head_bias) j["head_bias"] = false;
   if (head.tie_embeddings) j["tie_embeddings"] = true;

@@ -69,6 +69,8 @@ const char* to_string(FfnKind f) {
       return "swiglu";
     case FfnKind::geglu:
       return "geglu";
+    case FfnKind::moe:
+      return "moe";
   }
   return "?";
 }

@@ -19,14 +19,27 @@ namespace teo {
 
 void MoeSpec::validate() const {
   router.validate();
-  if (d_model < 1 || d_ff < 1) {
-    throw ConfigError("a mixture of experts needs d_model and moe_d_ff of at least 1, got " +
-                      std::to_string(d_model) + " and " + std::to_string(d_ff));
-  }
-  if (kind == ExpertKind::clamped_swiglu &&
-      (!(alpha > 0) || !std::isfinite(alpha) || !(limit > 0) || !std::isfinite(limit))) {
-    throw ConfigError("the clamped SwiGLU's alpha and limit must be finite and positive");
-  }
+  detail::validate_expert_keys(kind, d_model, d_ff, alpha, limit);
+}
+
+MoeSpec moe_spec(const MoeConfig& m, index_t d_model) {
+  MoeSpec s;
+  s.router.experts = m.num_experts;
+  s.router.top_k = m.num_experts_per_tok;
+  s.router.scoring = m.router_scoring;
+  s.router.order = m.router_order;
+  s.router.groups = m.router_groups;
+  s.router.topk_groups = m.topk_groups;
+  s.router.group_score = m.group_score;
+  s.router.norm_topk_prob = m.norm_topk_prob;
+  s.router.routed_scaling_factor = m.routed_scaling_factor;
+  s.kind = m.expert_kind;
+  s.d_model = d_model;
+  s.d_ff = m.moe_d_ff;
+  s.alpha = m.swiglu_alpha;
+  s.limit = m.swiglu_limit;
+  s.weight_at_input = m.weight_at_input;
+  return s;
 }
 
 namespace {
@@ -139,7 +152,7 @@ void moe_forward(const MoeSpec& spec, const MoeWeights<Real>& w, const Real* x, 
 template <class Real>
 void moe_backward(const MoeSpec& spec, const MoeWeights<Real>& w, const Real* x, index_t tokens,
                   const MoeActs<Real>& a, const Real* dy, Real aux_coef, Real z_coef, Real* dx,
-                  MoeGrads<Real>& g, const MoeStore<Real>& store) {
+                  MoeGrads<Real>& g, const MoeStore<Real>& store, const Real* dlogits_extra) {
   const auto stored = [&](const char* stage, std::vector<Real>& v) {
     if (store) store(stage, v.data(), static_cast<index_t>(v.size()));
   };
@@ -219,8 +232,11 @@ void moe_backward(const MoeSpec& spec, const MoeWeights<Real>& w, const Real* x,
     }
   }
   // through the router and its losses to the logits, then the gate
+  stored("grad.topk_weights", dweights);
   std::vector<Real> dlogits(at(tokens * E));
   route_backward(spec.router, a.routing, dweights.data(), tokens, dlogits.data());
+  if (dlogits_extra)
+    for (index_t i = 0; i < tokens * E; ++i) dlogits[at(i)] += dlogits_extra[i];
   if (aux_coef != Real(0)) {
     load_balancing_loss_backward(a.logits.data(), a.routing.ids.data(), tokens, E, k, aux_coef,
                                  dlogits.data());
@@ -238,7 +254,7 @@ void moe_backward(const MoeSpec& spec, const MoeWeights<Real>& w, const Real* x,
                                   const std::int32_t*, MoeActs<Real>&, const MoeStore<Real>&);    \
   template void moe_backward<Real>(const MoeSpec&, const MoeWeights<Real>&, const Real*, index_t, \
                                    const MoeActs<Real>&, const Real*, Real, Real, Real*,          \
-                                   MoeGrads<Real>&, const MoeStore<Real>&);
+                                   MoeGrads<Real>&, const MoeStore<Real>&, const Real*);
 TEO_MOE(float)
 TEO_MOE(double)
 #undef TEO_MOE

@@ -13,29 +13,8 @@
 namespace teo {
 
 void RouterSpec::validate() const {
-  if (experts < 1)
-    throw ConfigError("num_experts must be at least 1, got " + std::to_string(experts));
-  if (groups < 1 || experts % groups != 0) {
-    throw ConfigError("router_groups must divide num_experts = " + std::to_string(experts) +
-                      ", got " + std::to_string(groups));
-  }
-  if (topk_groups < 1 || topk_groups > groups) {
-    throw ConfigError("topk_groups must be in [1, router_groups = " + std::to_string(groups) +
-                      "], got " + std::to_string(topk_groups));
-  }
-  if (groups > 1 && group_score == GroupScore::top2_sum && experts / groups < 2) {
-    throw ConfigError("group_score \"top2_sum\" needs two experts per group, got " +
-                      std::to_string(experts / groups));
-  }
-  const index_t eligible = experts / groups * topk_groups;
-  if (top_k < 1 || top_k > eligible) {
-    throw ConfigError("num_experts_per_tok must be in [1, " + std::to_string(eligible) +
-                      "] (the experts of topk_groups groups), got " + std::to_string(top_k));
-  }
-  if (!(routed_scaling_factor > 0) || !std::isfinite(routed_scaling_factor)) {
-    throw ConfigError("routed_scaling_factor must be finite and positive, got " +
-                      std::to_string(routed_scaling_factor));
-  }
+  detail::validate_router_keys(experts, top_k, groups, topk_groups, group_score,
+                               routed_scaling_factor);
 }
 
 namespace {

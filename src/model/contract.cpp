@@ -52,6 +52,19 @@ const std::map<std::string, Dims>& param_table() {
       {"ffn.fc1.bias", {"F"}},
       {"ffn.fc2.weight", {"D", "F"}},
       {"ffn.fc2.bias", {"D"}},
+      {"moe.gate.weight", {"E", "D"}},
+      {"moe.gate.bias", {"E"}},
+      {"moe.gate.e_score_correction_bias", {"E"}},
+      {"moe.experts.w_gate", {"E", "Fe", "D"}},
+      {"moe.experts.b_gate", {"E", "Fe"}},
+      {"moe.experts.w_up", {"E", "Fe", "D"}},
+      {"moe.experts.b_up", {"E", "Fe"}},
+      {"moe.experts.w_down", {"E", "D", "Fe"}},
+      {"moe.experts.b_down", {"E", "D"}},
+      {"moe.shared.gate.weight", {"Fs", "D"}},
+      {"moe.shared.fc1.weight", {"Fs", "D"}},
+      {"moe.shared.fc2.weight", {"D", "Fs"}},
+      {"moe.shared_gate.weight", {"1", "D"}},
       {"final_norm.weight", {"D"}},
       {"final_norm.bias", {"D"}},
       {"head.weight", {"C", "D"}},
@@ -148,6 +161,12 @@ const std::map<std::string, Dims>& act_table() {
       {"ffn_gate", {"B", "S", "F"}},
       {"ffn_pre", {"B", "S", "F"}},
       {"ffn_hidden", {"B", "S", "F"}},
+      {"moe.logits", {"B", "S", "E"}},
+      {"moe.topk_weights", {"B", "S", "k"}},
+      {"moe.expert_in", {"B*S*k", "D"}},
+      {"moe.expert_hidden", {"B*S*k", "Fe"}},
+      {"moe.expert_out", {"B*S*k", "D"}},
+      {"moe.shared_out", {"B", "S", "D"}},
       {"ffn_out", {"B", "S", "D"}},
       {"residual2", {"B", "S", "D"}},
       {"output", {"B", "S", "D"}},
@@ -156,6 +175,8 @@ const std::map<std::string, Dims>& act_table() {
       {"pooler", {"B", "D"}},
       {"logits", {"B", "C"}},
       {"lm_logits", {"B", "St", "Vt"}},
+      {"moe_aux_loss", {}},
+      {"moe_z_loss", {}},
       {"loss", {}},
       {"decoder.embedding", {"B", "St", "D"}},
       {"decoder.positional", {"St", "D"}},
@@ -179,12 +200,30 @@ const std::vector<std::pair<std::string, Dims>>& layer_mask_table() {
 // The order in which a layer's forward pass uses its parameter groups; backward produces their
 // gradients in the reverse order.
 const std::vector<std::string>& layer_use_order(bool norm_first) {
-  static const std::vector<std::string> post = {"attn.q",  "attn.k", "attn.v",   "attn.sinks",
-                                                "attn.o",  "norm1",  "ffn.gate", "ffn.fc1",
-                                                "ffn.fc2", "norm2"};
-  static const std::vector<std::string> pre = {"norm1",      "attn.q", "attn.k", "attn.v",
-                                               "attn.sinks", "attn.o", "norm2",  "ffn.gate",
-                                               "ffn.fc1",    "ffn.fc2"};
+  // an MoE layer's FFN: the router's gate, the routed experts, the shared experts and their gate
+  // (the selection bias gets no gradient and has no place)
+  const auto with_ffn = [](std::vector<std::string> v, std::size_t at) {
+    const std::vector<std::string> ffn = {"ffn.gate",
+                                          "ffn.fc1",
+                                          "ffn.fc2",
+                                          "moe.gate",
+                                          "moe.experts.w_gate",
+                                          "moe.experts.b_gate",
+                                          "moe.experts.w_up",
+                                          "moe.experts.b_up",
+                                          "moe.experts.w_down",
+                                          "moe.experts.b_down",
+                                          "moe.shared.gate",
+                                          "moe.shared.fc1",
+                                          "moe.shared.fc2",
+                                          "moe.shared_gate"};
+    v.insert(v.begin() + static_cast<std::ptrdiff_t>(at), ffn.begin(), ffn.end());
+    return v;
+  };
+  static const std::vector<std::string> post =
+      with_ffn({"attn.q", "attn.k", "attn.v", "attn.sinks", "attn.o", "norm1", "norm2"}, 6);
+  static const std::vector<std::string> pre =
+      with_ffn({"norm1", "attn.q", "attn.k", "attn.v", "attn.sinks", "attn.o", "norm2"}, 7);
   return norm_first ? pre : post;
 }
 
@@ -228,7 +267,8 @@ Params<float> empty_params(const ModelConfig& cfg) {
   Params<float> p;
   p.config = cfg;
   p.layers.resize(static_cast<std::size_t>(std::max<index_t>(cfg.num_layers, 0)));
-  for (auto& l : p.layers) l.configure(cfg);
+  for (std::size_t i = 0; i < p.layers.size(); ++i)
+    p.layers[i].configure(cfg, static_cast<index_t>(i));
   // A decoder layer's visit lists the tensors it holds: zeros of cfg's (small) shapes.
   if (cfg.encoder_decoder()) {
     p.decoder_layers.assign(static_cast<std::size_t>(std::max<index_t>(cfg.dec_layers(), 0)),
@@ -300,6 +340,13 @@ index_t dim(const std::string& sym, const ModelConfig& cfg, Sizes s) {
   if (sym == "Ch") return cfg.embeddings.channels;
   if (sym == "Img") return cfg.embeddings.image_size;
   if (sym == "P") return cfg.embeddings.patch_size;
+  if (sym == "E") return cfg.ffn.moe.num_experts;
+  if (sym == "k") return cfg.ffn.moe.num_experts_per_tok;
+  if (sym == "Fe") return cfg.ffn.moe.moe_d_ff;
+  if (sym == "Fs") return cfg.ffn.moe.shared_d_ff;
+  if (sym == "E+1") return cfg.ffn.moe.num_experts + 1;
+  if (sym == "B*S*k") return s.batch * s.seq_len * cfg.ffn.moe.num_experts_per_tok;
+  if (sym == "1") return 1;
   throw std::invalid_argument("unknown symbolic dimension \"" + sym + "\"");
 }
 
@@ -444,6 +491,8 @@ std::vector<TensorSpec> gradients(const ModelConfig& cfg, Sizes s) {
     const std::string prefix = "layers." + std::to_string(i) + ".";
     std::vector<std::vector<std::string>> by_group(order.size());
     for (const auto& n : layers[i]) {
+      // the selection bias is for choosing only: no gradient reaches it
+      if (n.ends_with(".e_score_correction_bias")) continue;
       const auto it = std::find(order.begin(), order.end(), group_of(n.substr(prefix.size())));
       if (it == order.end())
         throw std::logic_error("parameter " + n + " has no place in the layer's use order");

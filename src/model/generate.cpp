@@ -8,6 +8,7 @@
 #include <string>
 
 #include "model/model_internal.hpp"
+#include "model/moe_block.hpp"
 #include "model/pass.hpp"
 #include "teo/layers/attention.hpp"
 #include "teo/layers/embedding.hpp"
@@ -52,6 +53,10 @@ struct StepContext {
   std::vector<std::int64_t> ones;        // (B): one query each
   const detail::RopeTables<Real>* rope;  // null without RoPE
 };
+
+template <class Real>
+void ffn_step(const Dims& d, const LayerParams<Real>& P, const Real* ffn_in, Activation act,
+              Tensor<Real>& ffn_out);
 
 // One layer on the step's rows h (B, D), in place, appending to its cache.
 template <class Real>
@@ -129,6 +134,32 @@ void layer_step(const StepContext<Real>& c, const LayerParams<Real>& P, LayerCac
   const Real* ffn_in = ffn_in_t.data();
   const Real* base = cfg.norms.norm_first ? residual1.data() : ffn_in;
   const Activation act = cfg.ffn_activation();
+  Tensor<Real> ffn_out({B, D}), residual2({B, D});
+  if (P.moe) {
+    // an MoE layer routes each new token as the full pass routes every position
+    LayerActs<Real> A;
+    detail::allocate_layer(A, d, static_cast<detail::ZeroList<Real>*>(nullptr), true);
+    const detail::Emulation<Real> full(std::nullopt, "");
+    detail::moe_block_forward(cfg, P, A, ffn_in, B, "", full);
+    ffn_out = std::move(A.ffn_out);
+  } else {
+    ffn_step(d, P, ffn_in, act, ffn_out);
+  }
+  detail::add3(residual2.data(), base, ffn_out.data(), B * D);
+  if (cfg.norms.norm_first) {
+    h = std::move(residual2);
+  } else {
+    detail::norm_forward(cfg, h.data(), mean.data(), rstd.data(), residual2.data(),
+                         P.norm2_weight.data(), data_or_null(P.norm2_bias), B, D);
+  }
+}
+
+// A dense FFN on the step's rows: fc1's bias and the activation as one pass, as the model's fused
+// middle; a gated FFN's steps apart.
+template <class Real>
+void ffn_step(const Dims& d, const LayerParams<Real>& P, const Real* ffn_in, Activation act,
+              Tensor<Real>& ffn_out) {
+  const index_t B = d.B, D = d.D;
   Tensor<Real> pre({B, d.F}), hidden({B, d.F});
   if (d.gated) {
     Tensor<Real> gate({B, d.F});
@@ -142,16 +173,8 @@ void layer_step(const StepContext<Real>& c, const LayerParams<Real>& P, LayerCac
                        data_or_null(P.fc1_bias), static_cast<const std::uint8_t*>(nullptr), Real(1),
                        B, d.F, act);
   }
-  Tensor<Real> ffn_out({B, D}), residual2({B, D});
   linear_forward(ffn_out.data(), hidden.data(), P.fc2_weight.data(), data_or_null(P.fc2_bias), B,
                  d.F, D);
-  detail::add3(residual2.data(), base, ffn_out.data(), B * D);
-  if (cfg.norms.norm_first) {
-    h = std::move(residual2);
-  } else {
-    detail::norm_forward(cfg, h.data(), mean.data(), rstd.data(), residual2.data(),
-                         P.norm2_weight.data(), data_or_null(P.norm2_bias), B, D);
-  }
 }
 
 }  // namespace

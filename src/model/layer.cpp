@@ -7,6 +7,7 @@
 #include <string_view>
 
 #include "model/model_internal.hpp"
+#include "model/moe_block.hpp"
 #include "model/pass.hpp"
 #include "teo/layers/attention.hpp"
 #include "teo/layers/dropout.hpp"
@@ -23,7 +24,7 @@ using profile::Stage;
 // zero-filled: layer_backward's first writer of every other gradient overwrites it (dL.output is
 // the next layer's dx, or the head's, which allocate() zero-fills).
 template <class Real>
-void allocate_layer(LayerActs<Real>& l, const Dims& d, ZeroList<Real>* zero) {
+void allocate_layer(LayerActs<Real>& l, const Dims& d, ZeroList<Real>* zero, bool moe) {
   for (Tensor<Real>* t :
        {&l.norm1, &l.attn_out, &l.residual1, &l.norm2, &l.ffn_out, &l.residual2, &l.output})
     shape_as(*t, {d.B, d.S, d.D}, nullptr);
@@ -40,11 +41,27 @@ void allocate_layer(LayerActs<Real>& l, const Dims& d, ZeroList<Real>* zero) {
     l.q_rot = l.k_rot = Tensor<Real>();
   }
   for (Tensor<Real>* t : {&l.scores, &l.probs}) shape_as(*t, {d.B, d.H, d.S, d.S}, nullptr);
-  for (Tensor<Real>* t : {&l.ffn_pre, &l.ffn_hidden}) shape_as(*t, {d.B, d.S, d.F}, nullptr);
-  if (d.gated) {
-    shape_as(l.ffn_gate, {d.B, d.S, d.F}, nullptr);
+  for (Tensor<Real>* t : {&l.moe_logits, &l.moe_topk_weights, &l.moe_expert_in,
+                          &l.moe_expert_hidden, &l.moe_expert_out, &l.moe_shared_out})
+    *t = Tensor<Real>();
+  if (moe) {
+    // an MoE layer: its moe.* tensors in place of the dense FFN's, each written whole (forward)
+    // or by its one writer (backward)
+    l.ffn_pre = l.ffn_hidden = l.ffn_gate = Tensor<Real>();
+    const index_t rows = d.N * d.Kt;
+    shape_as(l.moe_logits, {d.B, d.S, d.E}, nullptr);
+    shape_as(l.moe_topk_weights, {d.B, d.S, d.Kt}, nullptr);
+    shape_as(l.moe_expert_in, {rows, d.D}, nullptr);
+    shape_as(l.moe_expert_hidden, {rows, d.Fe}, nullptr);
+    shape_as(l.moe_expert_out, {rows, d.D}, nullptr);
+    if (d.Fs > 0) shape_as(l.moe_shared_out, {d.B, d.S, d.D}, nullptr);
   } else {
-    l.ffn_gate = Tensor<Real>();
+    for (Tensor<Real>* t : {&l.ffn_pre, &l.ffn_hidden}) shape_as(*t, {d.B, d.S, d.F}, nullptr);
+    if (d.gated) {
+      shape_as(l.ffn_gate, {d.B, d.S, d.F}, nullptr);
+    } else {
+      l.ffn_gate = Tensor<Real>();
+    }
   }
   for (auto* m : {&l.masks.attn, &l.masks.residual1, &l.masks.ffn, &l.masks.residual2}) m->clear();
 }
@@ -244,7 +261,12 @@ void LayerForward<Real>::ffn_block_forward() const {
   }
   const Real* base = cfg.norms.norm_first ? L.residual1.data() : L.norm1.data();
 
-  ffn_forward(ffn_in);
+  if (P.moe) {
+    profile::Scope stage(Stage::ffn_fc1);
+    moe_block_forward(cfg, P, L, ffn_in, d.N, name, store);
+  } else {
+    ffn_forward(ffn_in);
+  }
   // residual2 = base + dropout(ffn_out)
   {
     profile::Scope stage(Stage::residual);
@@ -319,9 +341,10 @@ struct LayerBackward {
   const Dims& d;
   std::string_view name;  // "layers.{i}.", naming the rounded tensors
   const Emulation<Real>& store;
-  index_t nd;  // N * D
-  double p;    // the dropout probability
-  Real scale;  // the dropout's scale
+  index_t nd;               // N * D
+  double p;                 // the dropout probability
+  Real scale;               // the dropout's scale
+  const Real* moe_dlogits;  // an MoE layer's loss-term gradient of its logits, or null
 
   // its stages: the attention block (which runs qkv_forward), then the FFN block (ffn_forward)
   void ffn_backward(Real* dffn_in, const Real* ffn_in) const;
@@ -429,7 +452,15 @@ void LayerBackward<Real>::ffn_block_backward() const {
   // second residual's base
   const Real* ffn_in = cfg.norms.norm_first ? L.norm2.data() : L.norm1.data();
   Real* dffn_in = cfg.norms.norm_first ? dL.norm2.data() : dL.norm1.data();
-  ffn_backward(dffn_in, ffn_in);
+  if (P.moe) {
+    profile::Scope stage(Stage::bwd_ffn_fc1);
+    moe_block_backward(cfg, P, L, G, dL, ffn_in, dffn_in,
+                       cfg.norms.norm_first ? GradWrite::overwrite : GradWrite::accumulate, d.N,
+                       moe_dlogits, name, store);
+    store(dffn_in, nd, name, cfg.norms.norm_first ? "norm2" : "norm1");
+  } else {
+    ffn_backward(dffn_in, ffn_in);
+  }
 
   // the norm between the two residuals: LN2(residual1) (pre) or LN1(residual1) (post)
   {
@@ -552,7 +583,7 @@ template <class Real>
 void layer_backward(const ModelConfig& cfg, const LayerParams<Real>& P, const LayerActs<Real>& L,
                     LayerParams<Real>& G, LayerActs<Real>& dL, Real* dx, const Real* x,
                     const std::int64_t* lengths, const Dims& d, std::string_view name,
-                    const Emulation<Real>& store) {
+                    const Emulation<Real>& store, const Real* moe_dlogits) {
   const index_t nd = d.N * d.D;
   const double p = cfg.dropout;
   const Real scale = dropout_scale<Real>(p);
@@ -568,20 +599,21 @@ void layer_backward(const ModelConfig& cfg, const LayerParams<Real>& P, const La
                               .store = store,
                               .nd = nd,
                               .p = p,
-                              .scale = scale};
+                              .scale = scale,
+                              .moe_dlogits = moe_dlogits};
   s.ffn_block_backward();
   s.attention_block_backward(dx, x);
 }
 
 #define TEO_INSTANTIATE(Real)                                                                      \
-  template void allocate_layer<Real>(LayerActs<Real>&, const Dims&, ZeroList<Real>*);              \
+  template void allocate_layer<Real>(LayerActs<Real>&, const Dims&, ZeroList<Real>*, bool);        \
   template void layer_forward<Real>(                                                               \
       const ModelConfig&, const LayerParams<Real>&, LayerActs<Real>&, const Real*, const Batch&,   \
       const Dims&, const std::string&, bool, const MaskSource&, const Emulation<Real>&);           \
   template void layer_backward<Real>(const ModelConfig&, const LayerParams<Real>&,                 \
                                      const LayerActs<Real>&, LayerParams<Real>&, LayerActs<Real>&, \
                                      Real*, const Real*, const std::int64_t*, const Dims&,         \
-                                     std::string_view, const Emulation<Real>&);
+                                     std::string_view, const Emulation<Real>&, const Real*);
 TEO_INSTANTIATE(float)
 TEO_INSTANTIATE(double)
 #undef TEO_INSTANTIATE

@@ -7,6 +7,7 @@
 
 #include "kernels/parallel.hpp"
 #include "model/model_internal.hpp"
+#include "model/moe_block.hpp"
 #include "model/pass.hpp"
 #include "teo/contract.hpp"
 #include "teo/layers/cross_entropy.hpp"
@@ -123,9 +124,10 @@ void allocate(Activations<Real>& a, const ModelConfig& cfg, const Dims& d, index
   shape_as(a.input, {d.B, d.S, d.D}, cfg.num_layers == 0 ? zero : nullptr);
   a.input_mask.clear();
   a.layers.resize(static_cast<std::size_t>(cfg.num_layers));
-  for (auto& l : a.layers) {
+  for (std::size_t i = 0; i < a.layers.size(); ++i) {
+    auto& l = a.layers[i];
     if (layers_whole) {
-      allocate_layer(l, d, zero);
+      allocate_layer(l, d, zero, cfg.moe_layer(static_cast<index_t>(i)));
     } else {
       l = LayerActs<Real>();
       shape_as(l.output, {d.B, d.S, d.D}, nullptr);
@@ -156,6 +158,9 @@ void allocate(Activations<Real>& a, const ModelConfig& cfg, const Dims& d, index
     a.logits.reset({d.B, d.C});
     a.class_probs.reset({d.B, d.C});
   }
+  a.moe_aux_loss = a.moe_z_loss = Tensor<Real>();
+  if (a.moe_aux) a.moe_aux_loss.reset(Shape(std::vector<index_t>{}));
+  if (a.moe_z) a.moe_z_loss.reset(Shape(std::vector<index_t>{}));
   a.loss.reset(Shape(std::vector<index_t>{}));
 }
 
@@ -307,6 +312,7 @@ void run_encoder(const Params<Real>& params, const Batch& batch, Activations<Rea
     acts.loss[0] = cross_entropy_forward(acts.lm_probs.data(), acts.lm_logits.data(),
                                          next_token_targets(batch).data(), d.N, V,
                                          static_cast<Real>(cfg.head.label_smoothing));
+    acts.loss[0] += detail::moe_losses_forward(cfg, batch, acts);
     store(acts.loss, "", "loss");
     return;
   }
@@ -330,6 +336,7 @@ void run_encoder(const Params<Real>& params, const Batch& batch, Activations<Rea
   acts.loss[0] =
       cross_entropy_forward(acts.class_probs.data(), acts.logits.data(), batch.labels.data(), d.B,
                             d.C, static_cast<Real>(cfg.head.label_smoothing));
+  acts.loss[0] += detail::moe_losses_forward(cfg, batch, acts);
   store(acts.loss, "", "loss");
 }
 
@@ -365,7 +372,8 @@ void backward(const Params<Real>& params, const Batch& batch, const Activations<
     grads = Params<Real>();
     grads.config = cfg;
     grads.layers.resize(static_cast<std::size_t>(cfg.num_layers));
-    for (auto& l : grads.layers) l.configure(cfg);
+    for (std::size_t i = 0; i < grads.layers.size(); ++i)
+      grads.layers[i].configure(cfg, static_cast<index_t>(i));
     if (cfg.encoder_decoder()) {
       grads.decoder_layers.assign(static_cast<std::size_t>(cfg.dec_layers()),
                                   DecoderLayerParams<Real>::markers(cfg, true));
@@ -439,6 +447,13 @@ void backward(const Params<Real>& params, const Batch& batch, const Activations<
         cfg.num_layers > 0 ? "layers." + std::to_string(cfg.num_layers - 1) + ".output" : "input";
     store(dlast, "", last_name.c_str());
   }
+  // the router's loss terms: their gradient of each MoE layer's logits
+  const std::vector<std::vector<Real>> moe_dlogits =
+      detail::moe_losses_backward(cfg, batch, acts, dacts.loss[0]);
+  if (acts.moe_aux)
+    dacts.moe_aux_loss[0] = dacts.loss[0] * static_cast<Real>(cfg.ffn.moe.router_aux_loss_coef);
+  if (acts.moe_z)
+    dacts.moe_z_loss[0] = dacts.loss[0] * static_cast<Real>(cfg.ffn.moe.router_z_loss_coef);
   LayerActs<Real> scratch;  // the layer's activation gradients when they are not all kept
   for (std::size_t i = acts.layers.size(); i-- > 0;) {
     Real* dx = i > 0 ? dacts.layers[i - 1].output.data() : dacts.input.data();
@@ -448,12 +463,13 @@ void backward(const Params<Real>& params, const Batch& batch, const Activations<
     if (!opts.layer_activation_grads) {
       // as allocate() would give them, around the layer's kept output gradient
       ZeroList<Real> zero;
-      allocate_layer(scratch, d, &zero);
+      allocate_layer(scratch, d, &zero, cfg.moe_layer(static_cast<index_t>(i)));
       zero_fill(zero);
       std::swap(scratch.output, dacts.layers[i].output);
     }
     layer_backward(cfg, params.layers[i], acts.layers[i], grads.layers[i], dL, dx, x,
-                   batch.lengths.data(), d, name, store);
+                   batch.lengths.data(), d, name, store,
+                   moe_dlogits[i].empty() ? nullptr : moe_dlogits[i].data());
     if (!opts.layer_activation_grads) std::swap(scratch.output, dacts.layers[i].output);
     // dx is complete: the gradient of the layer's input
     store(dx, d.N * d.D, "",
@@ -522,11 +538,11 @@ Dims layer_dims(const ModelConfig& cfg, const LayerParams<Real>& P, const Tensor
     throw ShapeError("encoder layer: x is " + x.shape().str() + ", expected (" +
                      std::to_string(lengths.size()) + ", S, " + std::to_string(cfg.d_model) + ")");
   }
-  if (!P.configured_for(cfg)) {
+  if (!P.configured_for(cfg, 0)) {
     throw ShapeError(
         "encoder layer: the parameters' presence flags (has_sinks, has_attn_bias, "
-        "has_norm_bias, gated, has_ffn_bias) are not those of the config: call "
-        "LayerParams::configure(cfg)");
+        "has_norm_bias, gated, has_ffn_bias, moe, ...) are not those of the config's layer 0: "
+        "call LayerParams::configure(cfg, 0)");
   }
   P.visit([&](const std::string& name, const Tensor<Real>& t) {
     const Shape want = detail::param_shape(cfg, "layers.0." + name);
@@ -557,7 +573,7 @@ void encoder_layer_forward(const ModelConfig& cfg, const LayerParams<Real>& P,
   const Dims d = layer_dims(cfg, P, x, lengths, batch);
   check_replayed_masks(cfg, batch, opts);
   const Emulation<Real> store(opts.precision, "", opts.fp8);
-  allocate_layer(L, d, static_cast<ZeroList<Real>*>(nullptr));
+  allocate_layer(L, d, static_cast<ZeroList<Real>*>(nullptr), cfg.moe_layer(0));
   layer_forward(cfg, P, L, x.data(), batch, d, "dropout.layers.0.", opts.train && cfg.dropout > 0.0,
                 MaskSource{opts.dropout_seed, opts.masks}, store);
 }
@@ -576,11 +592,11 @@ void encoder_layer_backward(const ModelConfig& cfg, const LayerParams<Real>& P,
   }
   const Emulation<Real> store(opts.precision, "the gradient of ", opts.fp8);
   ZeroList<Real> zero;
-  G.configure(cfg);
+  G.configure(cfg, 0);
   G.visit([&](const std::string& name, Tensor<Real>& t) {
     shape_as(t, detail::param_shape(cfg, "layers.0." + name), &zero);
   });
-  allocate_layer(dL, d, &zero);
+  allocate_layer(dL, d, &zero, cfg.moe_layer(0));
   shape_as(dx, x.shape(), nullptr);  // layer_backward overwrites it
   zero_fill(zero);
   copy(dL.output.data(), dy.data(), dy.numel());

@@ -237,7 +237,8 @@ Params<Real> Params<Real>::zeros(const ModelConfig& cfg) {
   Params p;
   p.config = cfg;
   p.layers.resize(static_cast<std::size_t>(cfg.num_layers));
-  for (auto& l : p.layers) l.configure(cfg);
+  for (std::size_t i = 0; i < p.layers.size(); ++i)
+    p.layers[i].configure(cfg, static_cast<index_t>(i));
   if (cfg.encoder_decoder()) {
     p.decoder_layers.assign(static_cast<std::size_t>(cfg.dec_layers()),
                             DecoderLayerParams<Real>::markers(cfg, /*cross=*/true));
@@ -267,6 +268,10 @@ Params<Real> Params<Real>::init(const ModelConfig& cfg, std::uint64_t seed) {
       bound = std::sqrt(3.0);  // variance 1, like PyTorch's N(0, 1) embedding
     } else if (name.ends_with(".attn.sinks")) {
       bound = 1.0;  // sink logits of the order of the scores
+    } else if (name.find(".moe.experts.") != std::string::npos) {
+      // each expert a Linear: w_down and b_down read moe_d_ff, the others d_model
+      const bool down = name.ends_with("w_down") || name.ends_with("b_down");
+      bound = 1.0 / std::sqrt(static_cast<double>(down ? cfg.ffn.moe.moe_d_ff : cfg.d_model));
     } else {
       // Linear: PyTorch's default bound 1 / sqrt(in_features) for weight and bias alike.
       const index_t in_features = name.ends_with(".weight")               ? t.dim(1)
@@ -319,10 +324,10 @@ void validate_params(const Params<Real>& p) {
                        (c.attention.attn_sinks ? "missing" : "present") +
                        ", but config.attn_sinks is " + (c.attention.attn_sinks ? "true" : "false"));
     }
-    if (!p.layers[i].configured_for(c)) {
+    if (!p.layers[i].configured_for(c, static_cast<index_t>(i))) {
       throw ShapeError("the parameters of layers." + std::to_string(i) +
-                       " are not those of the config (its attn_bias, norm, ffn or ffn_bias): "
-                       "build them with Params::zeros or LayerParams::configure");
+                       " are not those of the config (its attn_bias, norm, ffn, ffn_bias or "
+                       "MoE keys): build them with Params::zeros or LayerParams::configure");
     }
   }
   const auto want_decoder = c.encoder_decoder() ? c.dec_layers() : 0;

@@ -25,10 +25,11 @@
 namespace teo::detail {
 
 struct Dims {
-  index_t B, S, D, H, Dh, F, C, N;  // N = B * S rows
-  index_t K, Dkv;                   // K/V heads, and their width K * Dh
-  bool rope;                        // q and k are rotated (q_rot, k_rot)
-  bool gated;                       // the FFN is gated (ffn_gate)
+  index_t B, S, D, H, Dh, F, C, N;        // N = B * S rows
+  index_t K, Dkv;                         // K/V heads, and their width K * Dh
+  bool rope;                              // q and k are rotated (q_rot, k_rot)
+  bool gated;                             // the FFN is gated (ffn_gate)
+  index_t E = 0, Kt = 0, Fe = 0, Fs = 0;  // ffn "moe": experts, per token, their width, shared
 };
 
 inline Dims dims_of(const ModelConfig& c, const Batch& b) {
@@ -43,7 +44,11 @@ inline Dims dims_of(const ModelConfig& c, const Batch& b) {
           c.kv_heads(),
           c.kv_heads() * c.d_head(),
           c.embeddings.positional == Positional::rope,
-          c.gated()};
+          c.gated(),
+          c.moe() ? c.ffn.moe.num_experts : 0,
+          c.moe() ? c.ffn.moe.num_experts_per_tok : 0,
+          c.moe() ? c.ffn.moe.moe_d_ff : 0,
+          c.moe() ? c.ffn.moe.shared_d_ff : 0};
 }
 
 // A parameter that may be absent (an optional bias): its data, or null when it is empty.
@@ -290,7 +295,7 @@ void shape_as(Tensor<Real>& t, Shape shape, std::type_identity_t<ZeroList<Real>>
 // Shapes one layer's activations (or, with `zero`, its activation gradients) for d, as allocate()
 // does for each layer of the stack.
 template <class Real>
-void allocate_layer(LayerActs<Real>& l, const Dims& d, ZeroList<Real>* zero);
+void allocate_layer(LayerActs<Real>& l, const Dims& d, ZeroList<Real>* zero, bool moe);
 
 // One layer's forward pass: writes every activation of L from its input x (B, S, D); `prefix`
 // ("dropout.layers.{i}.") names its dropout sites, whose masks come from `seed` when `drop`.
@@ -300,12 +305,13 @@ void layer_forward(const ModelConfig& cfg, const LayerParams<Real>& P, LayerActs
                    bool drop, const MaskSource& seed, const Emulation<Real>& store);
 
 // Writes dx (B, S, D), the gradient through one layer, given dL.output: dx is overwritten, not
-// read. Writes every other named gradient of dL, each by its first writer without reading it (so
-// none needs a zero-fill), and accumulates the parameter gradients into G.
+// read. moe_dlogits (N, E) or null: an MoE layer's loss-term gradient of its router logits. Writes
+// every other named gradient of dL, each by its first writer without reading it (so none needs a
+// zero-fill), and accumulates the parameter gradients into G.
 template <class Real>
 void layer_backward(const ModelConfig& cfg, const LayerParams<Real>& P, const LayerActs<Real>& L,
                     LayerParams<Real>& G, LayerActs<Real>& dL, Real* dx, const Real* x,
                     const std::int64_t* lengths, const Dims& d, std::string_view name,
-                    const Emulation<Real>& store);
+                    const Emulation<Real>& store, const Real* moe_dlogits = nullptr);
 
 }  // namespace teo::detail

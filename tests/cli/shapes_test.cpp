@@ -54,6 +54,28 @@ TEST(ShapesCli, PrintsTheContractsShapesForGqaRopeAndSinks) {
     EXPECT_NE(r.out.find(line), std::string::npos) << line << r.out;
 }
 
+// A mixture of experts (semantics 19.4): the dense first layer's FFN, the MoE layer's router and
+// grouped rows (every position routed: B S k rows), the shared experts and the loss term; the
+// selection bias has no gradient.
+TEST(ShapesCli, PrintsTheMixtureOfExpertsTensors) {
+  const std::string path = ::testing::TempDir() + "teo_shapes_moe.json";
+  std::ofstream(path) << R"({"architecture": "decoder", "ffn": "moe", "num_layers": 2,
+      "num_experts": 4, "num_experts_per_tok": 2, "moe_d_ff": 6, "shared_d_ff": 8,
+      "first_dense_layers": 1, "selection_bias": true, "router_aux_loss_coef": 0.01})";
+  const CliResult r = run_cli("shapes --config " + path + " --batch 2 --seq-len 3");
+  ASSERT_EQ(r.code, 0) << r.out;
+  for (const char* line :
+       {"E=4 k=2 Fe=6 Fs=8", "act.layers.0.ffn_hidden           [B, S, F]       [2, 3, 32]\n",
+        "act.layers.1.moe.logits           [B, S, E]       [2, 3, 4]\n",
+        "act.layers.1.moe.expert_hidden    [B*S*k, Fe]     [12, 6]\n",
+        "act.layers.1.moe.shared_out       [B, S, D]       [2, 3, 16]\n",
+        "act.moe_aux_loss                  []              []\n",
+        "grad.layers.1.moe.experts.w_down  [E, D, Fe]      [4, 16, 6]\n"})
+    EXPECT_NE(r.out.find(line), std::string::npos) << line << r.out;
+  for (const char* absent : {"moe.gate.e_score_correction_bias", "moe.shared_gate", "layers.0.moe"})
+    EXPECT_EQ(r.out.find(absent), std::string::npos) << absent;
+}
+
 // --steps: a decoder's generation tensors, their shapes from the contract and the run; an encoder,
 // or steps past max_len, is a named error.
 TEST(ShapesCli, PrintsTheGenerationStepsOfADecoder) {
@@ -88,7 +110,7 @@ TEST(ShapesCli, PrintsAnEncoderDecodersDecoderTensors) {
   CliResult r = run_cli("shapes --config " + path + " --batch 2 --seq-len 5 --tgt-len 7");
   ASSERT_EQ(r.code, 0) << r.out;
   for (const char* line : {"input.tgt_tokens                  [B, St]         [2, 7]\n",
-                           "act.decoder.layers.0.cross_attn.scores[B, H, St, S]   [2, 2, 7, 5]\n",
+                           "act.decoder.layers.0.cross_attn.scores [B, H, St, S]   [2, 2, 7, 5]\n",
                            "act.lm_logits                     [B, St, Vt]     [2, 7, 13]\n",
                            "grad.decoder.embedding.weight     [Vt, D]         [13, 16]\n"})
     EXPECT_NE(r.out.find(line), std::string::npos) << line << r.out;

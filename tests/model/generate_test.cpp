@@ -23,9 +23,29 @@ ModelConfig decoder_base() {
   return c;
 }
 
+// DeepSeek-V3's router (sigmoid, selection bias, 4 groups choose 2, scaling 2.5), a shared
+// expert and one dense layer first, on a LLaMA-style decoder.
+ModelConfig moe_like(ModelConfig c) {
+  c.ffn.kind = FfnKind::moe;
+  MoeConfig& m = c.ffn.moe;
+  m.num_experts = 8;
+  m.num_experts_per_tok = 2;
+  m.moe_d_ff = 6;
+  m.router_scoring = RouterScoring::sigmoid;
+  m.router_groups = 4;
+  m.topk_groups = 2;
+  m.selection_bias = true;
+  m.norm_topk_prob = true;
+  m.routed_scaling_factor = 2.5;
+  m.shared_d_ff = 6;
+  m.first_dense_layers = 1;
+  c.validate();
+  return c;
+}
+
 // GPT-2 (pre-norm, learned positions, tied head), LLaMA (RMSNorm, SwiGLU, RoPE YaRN with an
 // offset, GQA, no biases) and a post-norm decoder with sinusoidal positions, and with ALiBi, MQA,
-// a window, a soft-cap and sinks.
+// a window, a soft-cap and sinks; and that LLaMA with DeepSeek-style experts.
 std::vector<std::pair<std::string, ModelConfig>> configs() {
   std::vector<std::pair<std::string, ModelConfig>> out;
   ModelConfig gpt2 = decoder_base();
@@ -58,6 +78,9 @@ std::vector<std::pair<std::string, ModelConfig>> configs() {
   variants.attention.attn_sinks = true;
   variants.ffn.kind = FfnKind::geglu;
   out.emplace_back("alibi mqa window softcap sinks geglu", variants);
+  // a mixture of experts: each step routes its new tokens as the full pass routes every position
+  ModelConfig moe = moe_like(out[1].second);
+  out.emplace_back("moe deepseek-style, a dense first layer", moe);
   return out;
 }
 

@@ -300,6 +300,66 @@ std::vector<GradCase> cases() {
     c.decoder_layers = 1;
   });
   out.back().tgt_lengths = {5, 0, 2};
+  // Mixtures of experts (docs/semantics.md, 19.4): the router's gradient, the experts', the
+  // shared experts' and the loss terms', every position routed, the loss terms over real tokens.
+  const auto moe_decoder = [](ModelConfig& c) {
+    c.architecture = Architecture::decoder;
+    c.head.num_classes = ModelConfig{}.head.num_classes;
+    c.attention.causal = true;
+    c.norms.norm_first = true;
+    c.norms.norm = Norm::rmsnorm;
+    c.ffn.kind = FfnKind::moe;
+    c.ffn.activation = Activation::silu;
+    c.attention.attn_bias = c.ffn.ffn_bias = c.head.head_bias = false;
+    c.embeddings.positional = Positional::rope;
+    c.ffn.moe.num_experts = 4;
+    c.ffn.moe.num_experts_per_tok = 2;
+    c.ffn.moe.moe_d_ff = 6;
+  };
+  add("MoeMixtralDecoderTop2NormAuxZ", {4, 3, 2}, [&](ModelConfig& c) {
+    moe_decoder(c);
+    c.ffn.moe.norm_topk_prob = true;
+    c.ffn.moe.router_aux_loss_coef = 0.5;
+    c.ffn.moe.router_z_loss_coef = 0.25;
+  });
+  add("MoeDeepSeekDecoderSigmoidGroupsBiasSharedDenseFirst", {4, 4, 1}, [&](ModelConfig& c) {
+    moe_decoder(c);
+    MoeConfig& m = c.ffn.moe;
+    m.num_experts = 8;
+    m.router_scoring = RouterScoring::sigmoid;
+    m.router_groups = 4;
+    m.topk_groups = 2;
+    m.selection_bias = true;
+    m.norm_topk_prob = true;
+    m.routed_scaling_factor = 2.5;
+    m.shared_d_ff = 6;
+    m.first_dense_layers = 1;
+    m.router_aux_loss_coef = 0.5;
+  });
+  add("MoeGptOssEncoderTopkThenScoreClampedBiases", {4, 1, 0}, [&](ModelConfig& c) {
+    c.ffn.kind = FfnKind::moe;
+    c.ffn.activation = Activation::silu;
+    MoeConfig& m = c.ffn.moe;
+    m.num_experts = 4;
+    m.num_experts_per_tok = 2;
+    m.moe_d_ff = 5;
+    m.router_order = RouterOrder::topk_then_score;
+    m.router_bias = true;
+    m.expert_bias = true;
+    m.expert_kind = ExpertKind::clamped_swiglu;
+    m.swiglu_limit = 0.4;  // active for some of the drawn pre-activations
+  });
+  add("MoeLlama4DecoderTop1SigmoidAtInputSharedGateEvery2", {4, 2, 3}, [&](ModelConfig& c) {
+    moe_decoder(c);
+    MoeConfig& m = c.ffn.moe;
+    m.num_experts_per_tok = 1;
+    m.router_scoring = RouterScoring::sigmoid;
+    m.router_order = RouterOrder::topk_then_score;
+    m.weight_at_input = true;
+    m.shared_d_ff = 5;
+    m.shared_expert_gate = true;
+    m.moe_every = 2;
+  });
   return out;
 }
 
@@ -315,6 +375,25 @@ double kink_margin(const ModelConfig& cfg, const Batch& batch, const Activations
         for (index_t t = 0; t < batch.lengths[b]; ++t)
           for (index_t f = 0; f < cfg.ffn.d_ff; ++f)
             margin = std::min(margin, std::abs(l.ffn_pre[(b * s + t) * cfg.ffn.d_ff + f]));
+  }
+  // A mixture of experts: each real token's selection margin, and the clamped SwiGLU's distance
+  // from its limits on the real tokens' rows.
+  for (std::size_t i = 0; i < a.layers.size(); ++i) {
+    if (!a.moe_layer(i)) continue;
+    const MoeActs<double>& m = a.layers[i].moe;
+    const index_t k = cfg.ffn.moe.num_experts_per_tok, Fe = cfg.ffn.moe.moe_d_ff;
+    const double limit = cfg.ffn.moe.swiglu_limit;
+    const bool clamped = cfg.ffn.moe.expert_kind == ExpertKind::clamped_swiglu;
+    for (std::size_t r = 0; r < m.source_rows.size(); ++r) {
+      const index_t token = m.source_rows[r] / k, b = token / s, t = token % s;
+      if (t >= batch.lengths[b]) continue;
+      margin = std::min(margin, m.routing.margin[static_cast<std::size_t>(token)]);
+      for (index_t f = 0; clamped && f < Fe; ++f) {
+        const auto at = static_cast<std::size_t>(static_cast<index_t>(r) * Fe + f);
+        margin = std::min({margin, std::abs(m.gate_pre[at] - limit), std::abs(m.up_pre[at] - limit),
+                           std::abs(m.up_pre[at] + limit)});
+      }
+    }
   }
   if (cfg.head.pooling == Pooling::max) {
     const Tensor<double>& top = cfg.norms.norm_first ? a.final_norm

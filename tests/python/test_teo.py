@@ -327,6 +327,26 @@ def test_generate_steps_are_the_full_forwards_logits():
         teo.generate(enc, teo.init_params(enc, 1), teo.random_batch(enc, 1, 2, 1), 1)
 
 
+def test_a_mixture_of_experts_decoder_runs_and_generates():
+    cfg = teo.ModelConfig(architecture="decoder", vocab_size=16, d_model=8, num_heads=2,
+                            num_layers=2, norm_first=True, positional="rope", norm="rmsnorm",
+                            ffn="moe", num_experts=4, num_experts_per_tok=2, moe_d_ff=6,
+                            shared_d_ff=4, first_dense_layers=1, router_aux_loss_coef=0.5)
+    assert cfg.num_experts == 4 and cfg.ffn == "moe"
+    params = teo.init_params(cfg, 3)
+    assert params["layers.1.moe.experts.w_down"].shape == (4, 8, 6)
+    assert "layers.0.ffn.gate.weight" in params and "layers.1.ffn.fc1.weight" not in params
+    batch = teo.random_batch(cfg, 2, 4, 5, [4, 2])
+    out = teo.run(cfg, params, batch)
+    assert out["act.layers.1.moe.expert_in"].shape == (2 * 4 * 2, 8)
+    assert float(out["act.moe_aux_loss"]) > 0
+    assert out["grad.layers.1.moe.gate.weight"].shape == (4, 8)
+    g = teo.generate(cfg, params, batch, 2)
+    assert g["logits"].shape == (2, 2, 16)
+    with pytest.raises(teo.ConfigError, match="num_experts"):
+        teo.ModelConfig(num_experts=4)
+
+
 def test_a_zero_size_batch():
     cfg = teo.ModelConfig(d_model=8, num_heads=2, num_layers=1)
     params = teo.init_params(cfg, 3)

@@ -8,15 +8,11 @@
 #include <functional>
 #include <vector>
 
+#include "teo/config.hpp"
 #include "teo/errors.hpp"
 #include "teo/layers/moe_router.hpp"
 
 namespace teo {
-
-// swiglu: h = silu(x W_gate^T + b_gate) * (x W_up^T + b_up) (Mixtral, Qwen, DeepSeek, Llama 4).
-// clamped_swiglu (gpt-oss): g = min(x W_gate^T + b_gate, limit), u = clamp(x W_up^T + b_up,
-// -limit, limit), h = (u + 1) * g * sigmoid(alpha g).
-enum class ExpertKind { swiglu, clamped_swiglu };
 
 struct MoeSpec {
   RouterSpec router;
@@ -29,6 +25,9 @@ struct MoeSpec {
   // ConfigError naming the key.
   void validate() const;
 };
+
+// The block's spec of a model's MoE keys (ffn "moe"), for d_model D.
+MoeSpec moe_spec(const MoeConfig& m, index_t d_model);
 
 // The block's parameters, not owned. Shapes: gate (E, D), gate_bias (E), correction (E);
 // w_gate, w_up (E, F, D), w_down (E, D, F); b_gate, b_up (E, F), b_down (E, D). Every bias and
@@ -81,10 +80,15 @@ void moe_forward(const MoeSpec& spec, const MoeWeights<Real>& w, const Real* x, 
 
 // dx (T, D), written: the gradient of sum(dy * y) + aux_coef * aux + z_coef * z, with aux and z
 // the router's load-balancing and z losses; the parameters' into g. Each expert's weight
-// gradients sum its rows in row order; an expert with no row has zero gradients.
+// gradients sum its rows in row order; an expert with no row has zero gradients. dlogits_extra
+// (T, E) or null: a gradient of the logits from elsewhere (a model's losses over all its MoE
+// layers at once), added to the router's before the gate's backward. The stage
+// "grad.topk_weights" (T, k), the routing weights' gradient, is passed to store too, for a
+// caller that keeps it; the op and the model do not round it (it stays in Real).
 template <class Real>
 void moe_backward(const MoeSpec& spec, const MoeWeights<Real>& w, const Real* x, index_t tokens,
                   const MoeActs<Real>& acts, const Real* dy, Real aux_coef, Real z_coef, Real* dx,
-                  MoeGrads<Real>& g, const MoeStore<Real>& store = {});
+                  MoeGrads<Real>& g, const MoeStore<Real>& store = {},
+                  const Real* dlogits_extra = nullptr);
 
 }  // namespace teo

@@ -8,17 +8,9 @@
 #include <vector>
 
 #include "teo/errors.hpp"
+#include "teo/moe_kinds.hpp"
 
 namespace teo {
-
-enum class RouterScoring { softmax, sigmoid };
-// score_then_topk (Mixtral, Qwen, DeepSeek): score all E experts, then take the top k scores.
-// topk_then_score (gpt-oss with softmax, Llama 4 with sigmoid): take the top k logits, then score
-// those k only (softmax over the k, or each one's sigmoid).
-enum class RouterOrder { score_then_topk, topk_then_score };
-// A group's score for group-limited choice: the sum of its two largest selection scores
-// (DeepSeek-V3) or its largest (DeepSeek-V2).
-enum class GroupScore { top2_sum, max };
 
 struct RouterSpec {
   index_t experts = 0;  // E

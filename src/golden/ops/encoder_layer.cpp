@@ -63,7 +63,7 @@ void tensors(const Spec& spec, OpTensors& t) {
   }
   // The parameters' values come from the model's initialisation (make_op), not from amp.
   LayerParams<double> shapes;
-  shapes.configure(c);
+  shapes.configure(c, 0);
   shapes.visit([&](const std::string& n, const Tensor<double>&) {
     t.in.push_back(
         float_slot("param." + n, teo::detail::param_shape(c, "layers.0." + n).dims(), Role::param));
@@ -107,7 +107,7 @@ void run(RunContext<Real>& c) {
   const auto x = c.in("input.x"), dy = c.in("grad.output.y");
   const auto& len = spec_ints_of(v, c.s);
   LayerParams<Real> P, G;
-  P.configure(s.cfg);
+  P.configure(s.cfg, 0);
   P.visit([&](const std::string& n, Tensor<Real>& t) { t = c.in("param." + n); });
   LayerActs<Real> L, dL;
   const bool drop = s.cfg.dropout > 0;

@@ -93,7 +93,12 @@ ModelConfig Reader::config(const std::vector<const char*>& keys, const json& bas
 
 ModelConfig Reader::op_config() {
   if (!def_) throw std::logic_error("Reader::op_config before for_op");
-  return config(def_->config_keys, def_->base_config);
+  ModelConfig c = config(def_->config_keys, def_->base_config);
+  // the layer ops take a dense FFN; a mixture of experts is the moe op's
+  if (c.moe())
+    throw ConfigError(std::string("spec.ffn \"moe\" is the moe op's; the ") + def_->name +
+                      " op takes \"mlp\", \"swiglu\" or \"geglu\"");
+  return c;
 }
 
 Lengths Reader::lengths(const char* key, index_t n, index_t max) {

@@ -1,0 +1,289 @@
+// An MoE layer's FFN in the model (model/moe_block.hpp): the routed experts through
+// teo::moe_forward and moe_backward, the shared experts beside them, and the router's loss terms
+// over every MoE layer at once.
+#include "model/moe_block.hpp"
+
+#include <algorithm>
+#include <string>
+
+#include "layers/logistic.hpp"
+#include "teo/layers/feed_forward.hpp"
+#include "teo/layers/linear.hpp"
+#include "teo/layers/moe.hpp"
+
+namespace teo::detail {
+
+namespace {
+
+std::size_t at(index_t i) {
+  return static_cast<std::size_t>(i);
+}
+
+template <class Real>
+MoeWeights<Real> weights_of(const LayerParams<Real>& P) {
+  return {P.router_weight.data(),
+          data_or_null(P.router_bias),
+          data_or_null(P.router_correction),
+          P.experts_w_gate.data(),
+          P.experts_w_up.data(),
+          P.experts_w_down.data(),
+          data_or_null(P.experts_b_gate),
+          data_or_null(P.experts_b_up),
+          data_or_null(P.experts_b_down)};
+}
+
+template <class Real>
+MoeGrads<Real> grads_of(LayerParams<Real>& G) {
+  return {G.router_weight.data(),       data_or_null(G.router_bias),
+          G.experts_w_gate.data(),      G.experts_w_up.data(),
+          G.experts_w_down.data(),      data_or_null(G.experts_b_gate),
+          data_or_null(G.experts_b_up), data_or_null(G.experts_b_down)};
+}
+
+template <class Real>
+void put(Tensor<Real>& t, const std::vector<Real>& v) {
+  std::copy(v.begin(), v.end(), t.data());
+}
+
+// The shared experts, as the moe op computes them: raw = fc2(silu(gate(x)) * fc1(x)), no biases;
+// out = sigmoid(x . w_g) raw with shared_expert_gate, else raw.
+template <class Real>
+void shared_forward(const LayerParams<Real>& P, LayerActs<Real>& L, const Real* x, index_t T,
+                    index_t D, index_t Fs, std::string_view name, const Emulation<Real>& store) {
+  const Real* none = nullptr;
+  L.shared_gate = Tensor<Real>({T, Fs});
+  L.shared_up = Tensor<Real>({T, Fs});
+  L.shared_hidden = Tensor<Real>({T, Fs});
+  L.shared_raw = Tensor<Real>({T, D});
+  linear_forward(L.shared_gate.data(), x, P.shared_gate_weight.data(), none, T, D, Fs);
+  linear_forward(L.shared_up.data(), x, P.shared_fc1_weight.data(), none, T, D, Fs);
+  store(L.shared_gate, name, "moe.shared.gate");
+  store(L.shared_up, name, "moe.shared.up");
+  gated_forward(L.shared_hidden.data(), L.shared_gate.data(), L.shared_up.data(), T * Fs,
+                Activation::silu);
+  store(L.shared_hidden, name, "moe.shared.hidden");
+  linear_forward(L.shared_raw.data(), L.shared_hidden.data(), P.shared_fc2_weight.data(), none, T,
+                 Fs, D);
+  store(L.shared_raw, name, "moe.shared.out before its gate");
+  Tensor<Real>& out = L.moe_shared_out;
+  std::copy(L.shared_raw.begin(), L.shared_raw.end(), out.data());
+  L.shared_g = Tensor<Real>();
+  if (P.has_shared_gate) {
+    L.shared_g = Tensor<Real>({T});
+    linear_forward(L.shared_g.data(), x, P.shared_expert_gate.data(), none, T, D, index_t{1});
+    for (index_t t = 0; t < T; ++t) L.shared_g[t] = sigmoid(L.shared_g[t]);
+    store(L.shared_g, name, "moe.shared_gate");
+    for (index_t t = 0; t < T; ++t)
+      for (index_t i = 0; i < D; ++i) out[t * D + i] = L.shared_g[t] * L.shared_raw[t * D + i];
+  }
+  store(out, name, "moe.shared_out");
+}
+
+// Adds the shared experts' gradients: dx (T, D) accumulated, the weights' into G.
+template <class Real>
+void shared_backward(const LayerParams<Real>& P, const LayerActs<Real>& L, LayerParams<Real>& G,
+                     const Real* x, const Real* dy, Real* dx, index_t T, index_t D, index_t Fs,
+                     std::string_view name, const Emulation<Real>& store) {
+  Real* none = nullptr;
+  Tensor<Real> draw({T, D});
+  std::copy(dy, dy + T * D, draw.data());
+  if (P.has_shared_gate) {
+    // out = g raw, g = sigmoid(x . w_g): d raw = g dy, d logit = (dy . raw) g (1 - g)
+    Tensor<Real> dlogit({T});
+    for (index_t t = 0; t < T; ++t) {
+      Real dot = 0;
+      for (index_t i = 0; i < D; ++i) {
+        dot += dy[t * D + i] * L.shared_raw[t * D + i];
+        draw[t * D + i] = L.shared_g[t] * dy[t * D + i];
+      }
+      dlogit[t] = dot * L.shared_g[t] * (Real(1) - L.shared_g[t]);
+    }
+    store(dlogit, name, "moe.shared_gate");
+    store(draw, name, "moe.shared.out before its gate");
+    linear_backward(dx, G.shared_expert_gate.data(), none, dlogit.data(), x,
+                    P.shared_expert_gate.data(), T, D, index_t{1}, GradWrite::accumulate);
+  }
+  Tensor<Real> dh({T, Fs}), dg({T, Fs}), du({T, Fs});
+  linear_backward(dh.data(), G.shared_fc2_weight.data(), none, draw.data(), L.shared_hidden.data(),
+                  P.shared_fc2_weight.data(), T, Fs, D, GradWrite::overwrite);
+  store(dh, name, "moe.shared.hidden");
+  gated_backward(dg.data(), du.data(), dh.data(), L.shared_gate.data(), L.shared_up.data(), T * Fs,
+                 Activation::silu);
+  store(dg, name, "moe.shared.gate");
+  store(du, name, "moe.shared.up");
+  linear_backward(dx, G.shared_gate_weight.data(), none, dg.data(), x, P.shared_gate_weight.data(),
+                  T, D, Fs, GradWrite::accumulate);
+  linear_backward(dx, G.shared_fc1_weight.data(), none, du.data(), x, P.shared_fc1_weight.data(), T,
+                  D, Fs, GradWrite::accumulate);
+}
+
+}  // namespace
+
+template <class Real>
+void moe_block_forward(const ModelConfig& cfg, const LayerParams<Real>& P, LayerActs<Real>& L,
+                       const Real* ffn_in, index_t tokens, std::string_view name,
+                       const Emulation<Real>& store) {
+  const MoeSpec spec = moe_spec(cfg.ffn.moe, cfg.d_model);
+  const index_t D = cfg.d_model;
+  // each stage rounded where it is complete, named as the layer's moe.<stage>
+  const MoeStore<Real> rounded = [&](const char* stage, Real* data, index_t n) {
+    store(data, n, name, (std::string("moe.") + stage).c_str());
+  };
+  moe_forward(spec, weights_of(P), ffn_in, tokens, nullptr, L.moe, rounded);
+  put(L.moe_logits, L.moe.logits);
+  put(L.moe_topk_weights, L.moe.routing.weights);
+  put(L.moe_expert_in, L.moe.expert_in);
+  put(L.moe_expert_hidden, L.moe.hidden);
+  put(L.moe_expert_out, L.moe.expert_out);
+  // ffn_out = y + shared_out
+  put(L.ffn_out, L.moe.y);
+  if (P.has_shared) {
+    shared_forward(P, L, ffn_in, tokens, D, cfg.ffn.moe.shared_d_ff, name, store);
+    for (index_t i = 0; i < tokens * D; ++i) L.ffn_out[i] += L.moe_shared_out[i];
+  }
+  store(L.ffn_out, name, "ffn_out");
+}
+
+template <class Real>
+void moe_block_backward(const ModelConfig& cfg, const LayerParams<Real>& P,
+                        const LayerActs<Real>& L, LayerParams<Real>& G, LayerActs<Real>& dL,
+                        const Real* ffn_in, Real* dffn_in, GradWrite write, index_t tokens,
+                        const Real* dlogits_extra, std::string_view name,
+                        const Emulation<Real>& store) {
+  const MoeSpec spec = moe_spec(cfg.ffn.moe, cfg.d_model);
+  const index_t D = cfg.d_model;
+  // Each stage rounded where it is complete, and kept as dL's gradient of its named activation.
+  // The per-expert stages arrive expert by expert, in row order: a cursor places each.
+  index_t hidden_at = 0, in_at = 0;
+  const MoeStore<Real> kept = [&](const char* stage, Real* data, index_t n) {
+    const std::string_view s(stage);
+    if (s != "grad.topk_weights") store(data, n, name, (std::string("moe.") + stage).c_str());
+    Real* to = nullptr;
+    if (s == "grad.logits") to = dL.moe_logits.data();
+    if (s == "grad.topk_weights") to = dL.moe_topk_weights.data();
+    if (s == "grad.expert_out") to = dL.moe_expert_out.data();
+    if (s == "grad.expert_hidden")
+      to = dL.moe_expert_hidden.data() + std::exchange(hidden_at, hidden_at + n);
+    if (s == "grad.expert_in") to = dL.moe_expert_in.data() + std::exchange(in_at, in_at + n);
+    if (to) std::copy(data, data + n, to);
+  };
+  if (P.has_shared) std::copy(dL.ffn_out.begin(), dL.ffn_out.end(), dL.moe_shared_out.data());
+  // the routed experts first, then the shared experts, into dffn_in
+  std::vector<Real> dx(at(tokens * D));
+  MoeGrads<Real> g = grads_of(G);
+  moe_backward(spec, weights_of(P), ffn_in, tokens, L.moe, dL.ffn_out.data(), Real(0), Real(0),
+               dx.data(), g, kept, dlogits_extra);
+  if (write == GradWrite::overwrite) {
+    std::copy(dx.begin(), dx.end(), dffn_in);
+  } else {
+    for (index_t i = 0; i < tokens * D; ++i) dffn_in[i] += dx[at(i)];
+  }
+  if (P.has_shared) {
+    shared_backward(P, L, G, ffn_in, dL.ffn_out.data(), dffn_in, tokens, D, cfg.ffn.moe.shared_d_ff,
+                    name, store);
+  }
+}
+
+namespace {
+
+// The real tokens' rows of every MoE layer, in layer order: (layer, row) pairs.
+template <class Real>
+std::vector<std::pair<std::size_t, index_t>> real_rows(const Batch& batch,
+                                                       const Activations<Real>& acts) {
+  std::vector<std::pair<std::size_t, index_t>> rows;
+  for (std::size_t i = 0; i < acts.layers.size(); ++i) {
+    if (!acts.moe_layer(i)) continue;
+    for (index_t b = 0; b < batch.batch; ++b)
+      for (index_t s = 0; s < batch.lengths[at(b)]; ++s)
+        rows.emplace_back(i, b * batch.seq_len + s);
+  }
+  return rows;
+}
+
+// Their logits (R, E) and ids (R, k), concatenated.
+template <class Real>
+void concatenated(const ModelConfig& cfg, const Activations<Real>& acts,
+                  const std::vector<std::pair<std::size_t, index_t>>& rows,
+                  std::vector<Real>& logits, std::vector<std::int32_t>& ids) {
+  const index_t E = cfg.ffn.moe.num_experts, k = cfg.ffn.moe.num_experts_per_tok;
+  logits.clear();
+  ids.clear();
+  for (const auto& [i, r] : rows) {
+    const auto& m = acts.layers[i].moe;
+    logits.insert(logits.end(), m.logits.begin() + r * E, m.logits.begin() + (r + 1) * E);
+    ids.insert(ids.end(), m.routing.ids.begin() + r * k, m.routing.ids.begin() + (r + 1) * k);
+  }
+}
+
+}  // namespace
+
+template <class Real>
+Real moe_losses_forward(const ModelConfig& cfg, const Batch& batch, Activations<Real>& acts) {
+  if (!acts.moe_aux && !acts.moe_z) return Real(0);
+  const index_t E = cfg.ffn.moe.num_experts, k = cfg.ffn.moe.num_experts_per_tok;
+  const auto rows = real_rows(batch, acts);
+  std::vector<Real> logits;
+  std::vector<std::int32_t> ids;
+  concatenated(cfg, acts, rows, logits, ids);
+  const auto R = static_cast<index_t>(rows.size());
+  Real total = 0;
+  if (acts.moe_aux) {
+    acts.moe_aux_loss[0] = load_balancing_loss(logits.data(), ids.data(), R, E, k);
+    total += static_cast<Real>(cfg.ffn.moe.router_aux_loss_coef) * acts.moe_aux_loss[0];
+  }
+  if (acts.moe_z) {
+    acts.moe_z_loss[0] = router_z_loss(logits.data(), R, E);
+    total += static_cast<Real>(cfg.ffn.moe.router_z_loss_coef) * acts.moe_z_loss[0];
+  }
+  return total;
+}
+
+template <class Real>
+std::vector<std::vector<Real>> moe_losses_backward(const ModelConfig& cfg, const Batch& batch,
+                                                   const Activations<Real>& acts, Real dloss) {
+  std::vector<std::vector<Real>> out(acts.layers.size());
+  if (!acts.moe_aux && !acts.moe_z) return out;
+  const index_t E = cfg.ffn.moe.num_experts, k = cfg.ffn.moe.num_experts_per_tok;
+  const auto rows = real_rows(batch, acts);
+  std::vector<Real> logits;
+  std::vector<std::int32_t> ids;
+  concatenated(cfg, acts, rows, logits, ids);
+  const auto R = static_cast<index_t>(rows.size());
+  std::vector<Real> dlogits(at(R * E), Real(0));
+  if (acts.moe_aux) {
+    load_balancing_loss_backward(logits.data(), ids.data(), R, E, k,
+                                 dloss * static_cast<Real>(cfg.ffn.moe.router_aux_loss_coef),
+                                 dlogits.data());
+  }
+  if (acts.moe_z) {
+    router_z_loss_backward(logits.data(), R, E,
+                           dloss * static_cast<Real>(cfg.ffn.moe.router_z_loss_coef),
+                           dlogits.data());
+  }
+  const index_t N = batch.batch * batch.seq_len;
+  for (std::size_t i = 0; i < out.size(); ++i)
+    if (acts.moe_layer(i)) out[i].assign(at(N * E), Real(0));
+  for (std::size_t j = 0; j < rows.size(); ++j) {
+    const auto& [i, r] = rows[j];
+    std::copy(dlogits.begin() + static_cast<std::ptrdiff_t>(j) * E,
+              dlogits.begin() + static_cast<std::ptrdiff_t>(j + 1) * E, out[i].begin() + r * E);
+  }
+  return out;
+}
+
+#define TEO_INSTANTIATE(Real)                                                                      \
+  template void moe_block_forward<Real>(const ModelConfig&, const LayerParams<Real>&,              \
+                                        LayerActs<Real>&, const Real*, index_t, std::string_view,  \
+                                        const Emulation<Real>&);                                   \
+  template void moe_block_backward<Real>(const ModelConfig&, const LayerParams<Real>&,             \
+                                         const LayerActs<Real>&, LayerParams<Real>&,               \
+                                         LayerActs<Real>&, const Real*, Real*, GradWrite, index_t, \
+                                         const Real*, std::string_view, const Emulation<Real>&);   \
+  template Real moe_losses_forward<Real>(const ModelConfig&, const Batch&, Activations<Real>&);    \
+  template std::vector<std::vector<Real>> moe_losses_backward<Real>(                               \
+      const ModelConfig&, const Batch&, const Activations<Real>&, Real);
+TEO_INSTANTIATE(float)
+TEO_INSTANTIATE(double)
+#undef TEO_INSTANTIATE
+
+}  // namespace teo::detail

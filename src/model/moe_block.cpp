@@ -187,52 +187,46 @@ void moe_block_backward(const ModelConfig& cfg, const LayerParams<Real>& P,
 namespace {
 
 // The real tokens' rows of every MoE layer, in layer order: (layer, row) pairs.
+// What the loss terms read: the real tokens' rows of every MoE layer in layer order ((layer,
+// row) pairs, R of them), and their logits (R, E) and ids (R, k) concatenated.
 template <class Real>
-std::vector<std::pair<std::size_t, index_t>> real_rows(const Batch& batch,
-                                                       const Activations<Real>& acts) {
+struct LossRows {
   std::vector<std::pair<std::size_t, index_t>> rows;
-  for (std::size_t i = 0; i < acts.layers.size(); ++i) {
-    if (!acts.moe_layer(i)) continue;
-    for (index_t b = 0; b < batch.batch; ++b)
-      for (index_t s = 0; s < batch.lengths[at(b)]; ++s)
-        rows.emplace_back(i, b * batch.seq_len + s);
-  }
-  return rows;
-}
+  std::vector<Real> logits;
+  std::vector<std::int32_t> ids;
+  index_t E, k;
 
-// Their logits (R, E) and ids (R, k), concatenated.
-template <class Real>
-void concatenated(const ModelConfig& cfg, const Activations<Real>& acts,
-                  const std::vector<std::pair<std::size_t, index_t>>& rows,
-                  std::vector<Real>& logits, std::vector<std::int32_t>& ids) {
-  const index_t E = cfg.ffn.moe.num_experts, k = cfg.ffn.moe.num_experts_per_tok;
-  logits.clear();
-  ids.clear();
-  for (const auto& [i, r] : rows) {
-    const auto& m = acts.layers[i].moe;
-    logits.insert(logits.end(), m.logits.begin() + r * E, m.logits.begin() + (r + 1) * E);
-    ids.insert(ids.end(), m.routing.ids.begin() + r * k, m.routing.ids.begin() + (r + 1) * k);
+  LossRows(const ModelConfig& cfg, const Batch& batch, const Activations<Real>& acts)
+      : E(cfg.ffn.moe.num_experts), k(cfg.ffn.moe.num_experts_per_tok) {
+    for (std::size_t i = 0; i < acts.layers.size(); ++i) {
+      if (!acts.moe_layer(i)) continue;
+      for (index_t b = 0; b < batch.batch; ++b)
+        for (index_t s = 0; s < batch.lengths[at(b)]; ++s)
+          rows.emplace_back(i, b * batch.seq_len + s);
+    }
+    for (const auto& [i, r] : rows) {
+      const auto& m = acts.layers[i].moe;
+      logits.insert(logits.end(), m.logits.begin() + r * E, m.logits.begin() + (r + 1) * E);
+      ids.insert(ids.end(), m.routing.ids.begin() + r * k, m.routing.ids.begin() + (r + 1) * k);
+    }
   }
-}
+  index_t count() const { return static_cast<index_t>(rows.size()); }
+};
 
 }  // namespace
 
 template <class Real>
 Real moe_losses_forward(const ModelConfig& cfg, const Batch& batch, Activations<Real>& acts) {
   if (!acts.moe_aux && !acts.moe_z) return Real(0);
-  const index_t E = cfg.ffn.moe.num_experts, k = cfg.ffn.moe.num_experts_per_tok;
-  const auto rows = real_rows(batch, acts);
-  std::vector<Real> logits;
-  std::vector<std::int32_t> ids;
-  concatenated(cfg, acts, rows, logits, ids);
-  const auto R = static_cast<index_t>(rows.size());
+  const LossRows<Real> l(cfg, batch, acts);
+  const index_t R = l.count(), E = l.E, k = l.k;
   Real total = 0;
   if (acts.moe_aux) {
-    acts.moe_aux_loss[0] = load_balancing_loss(logits.data(), ids.data(), R, E, k);
+    acts.moe_aux_loss[0] = load_balancing_loss(l.logits.data(), l.ids.data(), R, E, k);
     total += static_cast<Real>(cfg.ffn.moe.router_aux_loss_coef) * acts.moe_aux_loss[0];
   }
   if (acts.moe_z) {
-    acts.moe_z_loss[0] = router_z_loss(logits.data(), R, E);
+    acts.moe_z_loss[0] = router_z_loss(l.logits.data(), R, E);
     total += static_cast<Real>(cfg.ffn.moe.router_z_loss_coef) * acts.moe_z_loss[0];
   }
   return total;
@@ -243,28 +237,24 @@ std::vector<std::vector<Real>> moe_losses_backward(const ModelConfig& cfg, const
                                                    const Activations<Real>& acts, Real dloss) {
   std::vector<std::vector<Real>> out(acts.layers.size());
   if (!acts.moe_aux && !acts.moe_z) return out;
-  const index_t E = cfg.ffn.moe.num_experts, k = cfg.ffn.moe.num_experts_per_tok;
-  const auto rows = real_rows(batch, acts);
-  std::vector<Real> logits;
-  std::vector<std::int32_t> ids;
-  concatenated(cfg, acts, rows, logits, ids);
-  const auto R = static_cast<index_t>(rows.size());
+  const LossRows<Real> l(cfg, batch, acts);
+  const index_t R = l.count(), E = l.E, k = l.k;
   std::vector<Real> dlogits(at(R * E), Real(0));
   if (acts.moe_aux) {
-    load_balancing_loss_backward(logits.data(), ids.data(), R, E, k,
+    load_balancing_loss_backward(l.logits.data(), l.ids.data(), R, E, k,
                                  dloss * static_cast<Real>(cfg.ffn.moe.router_aux_loss_coef),
                                  dlogits.data());
   }
   if (acts.moe_z) {
-    router_z_loss_backward(logits.data(), R, E,
+    router_z_loss_backward(l.logits.data(), R, E,
                            dloss * static_cast<Real>(cfg.ffn.moe.router_z_loss_coef),
                            dlogits.data());
   }
   const index_t N = batch.batch * batch.seq_len;
   for (std::size_t i = 0; i < out.size(); ++i)
     if (acts.moe_layer(i)) out[i].assign(at(N * E), Real(0));
-  for (std::size_t j = 0; j < rows.size(); ++j) {
-    const auto& [i, r] = rows[j];
+  for (std::size_t j = 0; j < l.rows.size(); ++j) {
+    const auto& [i, r] = l.rows[j];
     std::copy(dlogits.begin() + static_cast<std::ptrdiff_t>(j) * E,
               dlogits.begin() + static_cast<std::ptrdiff_t>(j + 1) * E, out[i].begin() + r * E);
   }

@@ -11,7 +11,7 @@
 #include "teo/config.hpp"
 #include "teo/decoder_layer.hpp"
 #include "teo/fp8.hpp"
-#include "teo/layers/moe.hpp"
+#include "teo/layers/shared_experts.hpp"
 #include "teo/tensor.hpp"
 
 namespace teo {
@@ -301,11 +301,10 @@ struct LayerActs {
   Tensor<Real> moe_expert_in, moe_expert_hidden, moe_expert_out, moe_shared_out;
   // What the forward pass keeps for backward: the routing (ids (N, k), weights, margins), the
   // grouped layout's offsets (E + 1) and source rows (N k), and the experts' two projections; and
-  // the shared experts' gate, up projection, middle and output before their gate, with that gate
-  // (N). Not named: the integer tensors are the golden's act.layers.{i}.moe.topk_ids,
-  // .expert_offsets and .source_rows.
+  // the shared experts' (teo/layers/shared_experts.hpp). Not named: the integer tensors are the
+  // golden's act.layers.{i}.moe.topk_ids, .expert_offsets and .source_rows.
   MoeActs<Real> moe;
-  Tensor<Real> shared_gate, shared_up, shared_hidden, shared_raw, shared_g;
+  SharedExpertActs<Real> shared;
 };
 
 // What forward keeps. The same type holds the gradients of the loss with respect to each named

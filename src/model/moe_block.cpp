@@ -6,9 +6,6 @@
 #include <algorithm>
 #include <string>
 
-#include "layers/logistic.hpp"
-#include "teo/layers/feed_forward.hpp"
-#include "teo/layers/linear.hpp"
 #include "teo/layers/moe.hpp"
 
 namespace teo::detail {
@@ -45,76 +42,10 @@ void put(Tensor<Real>& t, const std::vector<Real>& v) {
   std::copy(v.begin(), v.end(), t.data());
 }
 
-// The shared experts, as the moe op computes them: raw = fc2(silu(gate(x)) * fc1(x)), no biases;
-// out = sigmoid(x . w_g) raw with shared_expert_gate, else raw.
 template <class Real>
-void shared_forward(const LayerParams<Real>& P, LayerActs<Real>& L, const Real* x, index_t T,
-                    index_t D, index_t Fs, std::string_view name, const Emulation<Real>& store) {
-  const Real* none = nullptr;
-  L.shared_gate = Tensor<Real>({T, Fs});
-  L.shared_up = Tensor<Real>({T, Fs});
-  L.shared_hidden = Tensor<Real>({T, Fs});
-  L.shared_raw = Tensor<Real>({T, D});
-  linear_forward(L.shared_gate.data(), x, P.shared_gate_weight.data(), none, T, D, Fs);
-  linear_forward(L.shared_up.data(), x, P.shared_fc1_weight.data(), none, T, D, Fs);
-  store(L.shared_gate, name, "moe.shared.gate");
-  store(L.shared_up, name, "moe.shared.up");
-  gated_forward(L.shared_hidden.data(), L.shared_gate.data(), L.shared_up.data(), T * Fs,
-                Activation::silu);
-  store(L.shared_hidden, name, "moe.shared.hidden");
-  linear_forward(L.shared_raw.data(), L.shared_hidden.data(), P.shared_fc2_weight.data(), none, T,
-                 Fs, D);
-  store(L.shared_raw, name, "moe.shared.out before its gate");
-  Tensor<Real>& out = L.moe_shared_out;
-  std::copy(L.shared_raw.begin(), L.shared_raw.end(), out.data());
-  L.shared_g = Tensor<Real>();
-  if (P.has_shared_gate) {
-    L.shared_g = Tensor<Real>({T});
-    linear_forward(L.shared_g.data(), x, P.shared_expert_gate.data(), none, T, D, index_t{1});
-    for (index_t t = 0; t < T; ++t) L.shared_g[t] = sigmoid(L.shared_g[t]);
-    store(L.shared_g, name, "moe.shared_gate");
-    for (index_t t = 0; t < T; ++t)
-      for (index_t i = 0; i < D; ++i) out[t * D + i] = L.shared_g[t] * L.shared_raw[t * D + i];
-  }
-  store(out, name, "moe.shared_out");
-}
-
-// Adds the shared experts' gradients: dx (T, D) accumulated, the weights' into G.
-template <class Real>
-void shared_backward(const LayerParams<Real>& P, const LayerActs<Real>& L, LayerParams<Real>& G,
-                     const Real* x, const Real* dy, Real* dx, index_t T, index_t D, index_t Fs,
-                     std::string_view name, const Emulation<Real>& store) {
-  Real* none = nullptr;
-  Tensor<Real> draw({T, D});
-  std::copy(dy, dy + T * D, draw.data());
-  if (P.has_shared_gate) {
-    // out = g raw, g = sigmoid(x . w_g): d raw = g dy, d logit = (dy . raw) g (1 - g)
-    Tensor<Real> dlogit({T});
-    for (index_t t = 0; t < T; ++t) {
-      Real dot = 0;
-      for (index_t i = 0; i < D; ++i) {
-        dot += dy[t * D + i] * L.shared_raw[t * D + i];
-        draw[t * D + i] = L.shared_g[t] * dy[t * D + i];
-      }
-      dlogit[t] = dot * L.shared_g[t] * (Real(1) - L.shared_g[t]);
-    }
-    store(dlogit, name, "moe.shared_gate");
-    store(draw, name, "moe.shared.out before its gate");
-    linear_backward(dx, G.shared_expert_gate.data(), none, dlogit.data(), x,
-                    P.shared_expert_gate.data(), T, D, index_t{1}, GradWrite::accumulate);
-  }
-  Tensor<Real> dh({T, Fs}), dg({T, Fs}), du({T, Fs});
-  linear_backward(dh.data(), G.shared_fc2_weight.data(), none, draw.data(), L.shared_hidden.data(),
-                  P.shared_fc2_weight.data(), T, Fs, D, GradWrite::overwrite);
-  store(dh, name, "moe.shared.hidden");
-  gated_backward(dg.data(), du.data(), dh.data(), L.shared_gate.data(), L.shared_up.data(), T * Fs,
-                 Activation::silu);
-  store(dg, name, "moe.shared.gate");
-  store(du, name, "moe.shared.up");
-  linear_backward(dx, G.shared_gate_weight.data(), none, dg.data(), x, P.shared_gate_weight.data(),
-                  T, D, Fs, GradWrite::accumulate);
-  linear_backward(dx, G.shared_fc1_weight.data(), none, du.data(), x, P.shared_fc1_weight.data(), T,
-                  D, Fs, GradWrite::accumulate);
+SharedExpertWeights<Real> shared_of(const LayerParams<Real>& P) {
+  return {P.shared_gate_weight.data(), P.shared_fc1_weight.data(), P.shared_fc2_weight.data(),
+          data_or_null(P.shared_expert_gate)};
 }
 
 }  // namespace
@@ -138,7 +69,9 @@ void moe_block_forward(const ModelConfig& cfg, const LayerParams<Real>& P, Layer
   // ffn_out = y + shared_out
   put(L.ffn_out, L.moe.y);
   if (P.has_shared) {
-    shared_forward(P, L, ffn_in, tokens, D, cfg.ffn.moe.shared_d_ff, name, store);
+    shared_experts_forward(shared_of(P), ffn_in, tokens, D, cfg.ffn.moe.shared_d_ff, L.shared,
+                           rounded);
+    put(L.moe_shared_out, L.shared.out);
     for (index_t i = 0; i < tokens * D; ++i) L.ffn_out[i] += L.moe_shared_out[i];
   }
   store(L.ffn_out, name, "ffn_out");
@@ -179,8 +112,13 @@ void moe_block_backward(const ModelConfig& cfg, const LayerParams<Real>& P,
     for (index_t i = 0; i < tokens * D; ++i) dffn_in[i] += dx[at(i)];
   }
   if (P.has_shared) {
-    shared_backward(P, L, G, ffn_in, dL.ffn_out.data(), dffn_in, tokens, D, cfg.ffn.moe.shared_d_ff,
-                    name, store);
+    SharedExpertGrads<Real> sg{G.shared_gate_weight.data(), G.shared_fc1_weight.data(),
+                               G.shared_fc2_weight.data(), data_or_null(G.shared_expert_gate)};
+    const MoeStore<Real> rounded = [&](const char* stage, Real* data, index_t n) {
+      store(data, n, name, (std::string("moe.") + stage).c_str());
+    };
+    shared_experts_backward(shared_of(P), ffn_in, tokens, D, cfg.ffn.moe.shared_d_ff, L.shared,
+                            dL.ffn_out.data(), dffn_in, sg, rounded);
   }
 }
 

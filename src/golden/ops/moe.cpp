@@ -15,6 +15,7 @@
 #include "teo/layers/feed_forward.hpp"
 #include "teo/layers/linear.hpp"
 #include "teo/layers/moe.hpp"
+#include "teo/layers/shared_experts.hpp"
 
 namespace teo::golden::ops {
 
@@ -256,86 +257,6 @@ void draw(const Spec& spec, const OpCase& c, Values& v) {
   draw_router(s.router, c, v);
 }
 
-// The shared experts: a dense SwiGLU FFN of width Fs on every token, times Qwen2-MoE's
-// sigmoid(x . w_g) when gated.
-template <class Real>
-struct SharedRun {
-  Tensor<Real> gate, up, hidden, out, g;  // out: before the gate
-};
-
-template <class Real>
-void shared_forward(const MoeOpSpec& s, RunContext<Real>& c, const Tensor<Real>& x,
-                    SharedRun<Real>& sh, Tensor<Real>& shared_out) {
-  const index_t T = s.router.tokens, D = s.moe.d_model, Fs = s.shared_d_ff;
-  const auto wg = c.in("param.shared.gate.weight"), w1 = c.in("param.shared.fc1.weight");
-  const auto w2 = c.in("param.shared.fc2.weight");
-  sh.gate = Tensor<Real>({T, Fs});
-  sh.up = Tensor<Real>({T, Fs});
-  sh.hidden = Tensor<Real>({T, Fs});
-  sh.out = Tensor<Real>({T, D});
-  linear_forward(sh.gate.data(), x.data(), wg.data(), static_cast<const Real*>(nullptr), T, D, Fs);
-  linear_forward(sh.up.data(), x.data(), w1.data(), static_cast<const Real*>(nullptr), T, D, Fs);
-  store(sh.gate, c.p, "the shared experts' gate");
-  store(sh.up, c.p, "the shared experts' up projection");
-  gated_forward(sh.hidden.data(), sh.gate.data(), sh.up.data(), T * Fs, Activation::silu);
-  store(sh.hidden, c.p, "the shared experts' hidden");
-  linear_forward(sh.out.data(), sh.hidden.data(), w2.data(), static_cast<const Real*>(nullptr), T,
-                 Fs, D);
-  store(sh.out, c.p, "the shared experts' output");
-  shared_out = sh.out;
-  if (s.shared_gate) {
-    const auto wsg = c.in("param.shared_gate.weight");
-    sh.g = Tensor<Real>({T, 1});
-    linear_forward(sh.g.data(), x.data(), wsg.data(), static_cast<const Real*>(nullptr), T, D,
-                   index_t{1});
-    for (index_t t = 0; t < T; ++t) sh.g[t] = teo::detail::sigmoid(sh.g[t]);
-    store(sh.g, c.p, "the shared expert gate");
-    for (index_t t = 0; t < T; ++t)
-      for (index_t i = 0; i < D; ++i) shared_out[t * D + i] = sh.g[t] * sh.out[t * D + i];
-  }
-}
-
-// Adds the shared experts' gradients: dx into dx, the weights' into their grad.param.* results.
-template <class Real>
-void shared_backward(const MoeOpSpec& s, RunContext<Real>& c, const Tensor<Real>& x,
-                     const SharedRun<Real>& sh, const Tensor<Real>& dy, Real* dx) {
-  const index_t T = s.router.tokens, D = s.moe.d_model, Fs = s.shared_d_ff;
-  auto& r = c.r;
-  Tensor<Real> dout = dy;
-  if (s.shared_gate) {
-    // shared_out = g out, g = sigmoid(x . w_g): d out = g dy, d logit = (dy . out) g (1 - g)
-    Tensor<Real> dlogit({T, 1});
-    for (index_t t = 0; t < T; ++t) {
-      Real dot = 0;
-      for (index_t i = 0; i < D; ++i) {
-        dot += dy[t * D + i] * sh.out[t * D + i];
-        dout[t * D + i] = sh.g[t] * dy[t * D + i];
-      }
-      dlogit[t] = dot * sh.g[t] * (Real(1) - sh.g[t]);
-    }
-    store(dlogit, c.p, "the gradient of the shared expert gate");
-    store(dout, c.p, "the gradient of the shared experts' output");
-    linear_backward(dx, r.at("grad.param.shared_gate.weight").data(), static_cast<Real*>(nullptr),
-                    dlogit.data(), x.data(), c.in("param.shared_gate.weight").data(), T, D,
-                    index_t{1}, GradWrite::accumulate);
-  }
-  Tensor<Real> dh({T, Fs}), dg({T, Fs}), du({T, Fs});
-  linear_backward(dh.data(), r.at("grad.param.shared.fc2.weight").data(),
-                  static_cast<Real*>(nullptr), dout.data(), sh.hidden.data(),
-                  c.in("param.shared.fc2.weight").data(), T, Fs, D, GradWrite::overwrite);
-  store(dh, c.p, "the gradient of the shared experts' hidden");
-  gated_backward(dg.data(), du.data(), dh.data(), sh.gate.data(), sh.up.data(), T * Fs,
-                 Activation::silu);
-  store(dg, c.p, "the gradient of the shared experts' gate");
-  store(du, c.p, "the gradient of the shared experts' up projection");
-  linear_backward(dx, r.at("grad.param.shared.gate.weight").data(), static_cast<Real*>(nullptr),
-                  dg.data(), x.data(), c.in("param.shared.gate.weight").data(), T, D, Fs,
-                  GradWrite::accumulate);
-  linear_backward(dx, r.at("grad.param.shared.fc1.weight").data(), static_cast<Real*>(nullptr),
-                  du.data(), x.data(), c.in("param.shared.fc1.weight").data(), T, D, Fs,
-                  GradWrite::accumulate);
-}
-
 template <class Real>
 void run(RunContext<Real>& c) {
   const auto& s = own(c.s);
@@ -357,8 +278,10 @@ void run(RunContext<Real>& c) {
                            wd.data(), ptr(bg),     ptr(bu),   ptr(bd)};
   // every stage a backend stores is rounded where it is complete
   const MoeStore<Real> stored = [&](const char* stage, Real* data, index_t n) {
-    // the routing weights' gradient stays internal to the op, as it always has
-    if (std::string_view(stage) == "grad.topk_weights") return;
+    // the routing weights' gradient stays internal to the op, and the shared experts' gated
+    // output is the act.moe.shared_out result, as it always has been
+    if (std::string_view(stage) == "grad.topk_weights" || std::string_view(stage) == "shared_out")
+      return;
     if constexpr (std::is_same_v<Real, float>) {
       if (c.p && stores_reduced(*c.p) && round_to(*c.p, data, n))
         throw RangeError(std::string(stage) + ": " + overflow_message(*c.p));
@@ -383,10 +306,21 @@ void run(RunContext<Real>& c) {
   put("act.moe.expert_out", a.expert_out);
   Tensor<Real>& y = c.r.at("output.y");
   put("output.y", a.y);
-  SharedRun<Real> sh;
+  // the shared experts: a dense SwiGLU FFN of width Fs on every token, times Qwen2-MoE's gate
+  const auto shared_in = [&](const char* name) {
+    return s.shared_d_ff > 0 &&
+                   (s.shared_gate || std::string_view(name) != "param.shared_gate.weight")
+               ? c.in(name)
+               : Tensor<Real>();
+  };
+  const auto sg = shared_in("param.shared.gate.weight"), s1 = shared_in("param.shared.fc1.weight");
+  const auto s2 = shared_in("param.shared.fc2.weight"), sgg = shared_in("param.shared_gate.weight");
+  const SharedExpertWeights<Real> sw{ptr(sg), ptr(s1), ptr(s2), ptr(sgg)};
+  SharedExpertActs<Real> sh;
   if (s.shared_d_ff > 0) {
     Tensor<Real>& shared = c.r.at("act.moe.shared_out");
-    shared_forward(s, c, x, sh, shared);
+    shared_experts_forward(sw, x.data(), T, D, s.shared_d_ff, sh, stored);
+    put("act.moe.shared_out", sh.out);
     c.done("act.moe.shared_out");
     for (index_t i = 0; i < T * D; ++i) y[i] += shared[i];
   }
@@ -415,7 +349,13 @@ void run(RunContext<Real>& c) {
                    grad(s.expert_bias, "grad.param.experts.b_down")};
   Real* dx = c.r.at("grad.input.x").data();
   moe_backward(s.moe, w, x.data(), T, a, dy.data(), aux_grad, z_grad, dx, g, stored);
-  if (s.shared_d_ff > 0) shared_backward(s, c, x, sh, dy, dx);
+  if (s.shared_d_ff > 0) {
+    SharedExpertGrads<Real> sgr{grad(true, "grad.param.shared.gate.weight"),
+                                grad(true, "grad.param.shared.fc1.weight"),
+                                grad(true, "grad.param.shared.fc2.weight"),
+                                grad(s.shared_gate, "grad.param.shared_gate.weight")};
+    shared_experts_backward(sw, x.data(), T, D, s.shared_d_ff, sh, dy.data(), dx, sgr, stored);
+  }
 }
 
 }  // namespace

@@ -10,47 +10,18 @@
 #include <nlohmann/json.hpp>
 
 #include "core/config_moe.hpp"
+#include "core/json_get.hpp"
 #include "teo/config.hpp"
 #include "teo/suggest.hpp"
 
 namespace teo {
 
 namespace {
-index_t get_int(const nlohmann::json& v, const std::string& key) {
-  if (v.is_number_integer()) {
-    if (v.is_number_unsigned() &&
-        v.get<std::uint64_t>() > static_cast<std::uint64_t>(std::numeric_limits<index_t>::max())) {
-      throw ConfigError(key + " is out of the 64-bit signed range: " + v.dump());
-    }
-    return v.get<index_t>();
-  }
-  throw ConfigError(key + " must be an integer, got " + std::string(v.type_name()) + " " +
-                    v.dump());
-}
 
-double get_real(const nlohmann::json& v, const std::string& key) {
-  if (!v.is_number()) {
-    throw ConfigError(key + " must be a number, got " + std::string(v.type_name()) + " " +
-                      v.dump());
-  }
-  return v.get<double>();
-}
-
-bool get_bool(const nlohmann::json& v, const std::string& key) {
-  if (!v.is_boolean()) {
-    throw ConfigError(key + " must be true or false, got " + std::string(v.type_name()) + " " +
-                      v.dump());
-  }
-  return v.get<bool>();
-}
-
-std::string get_string(const nlohmann::json& v, const std::string& key) {
-  if (!v.is_string()) {
-    throw ConfigError(key + " must be a string, got " + std::string(v.type_name()) + " " +
-                      v.dump());
-  }
-  return v.get<std::string>();
-}
+using detail::get_bool;
+using detail::get_int;
+using detail::get_real;
+using detail::get_string;
 
 // rope_scaling: {"type": ..., "factor": ..., "original_max_len": ..., "beta_fast": ...,
 // "beta_slow": ...}.

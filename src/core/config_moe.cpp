@@ -3,6 +3,8 @@
 // MoeSpec::validate, named here by their keys.
 #include "core/config_moe.hpp"
 
+#include "core/json_get.hpp"
+
 #include <cmath>
 #include <sstream>
 
@@ -13,22 +15,6 @@ namespace teo {
 namespace detail {
 
 namespace {
-
-index_t int_of(const nlohmann::json& v, const std::string& key) {
-  if (!v.is_number_integer() || (v.is_number_unsigned() && v.get<std::uint64_t>() > INT64_MAX))
-    throw ConfigError(key + " must be an integer, got " + v.dump());
-  return v.get<index_t>();
-}
-
-double real_of(const nlohmann::json& v, const std::string& key) {
-  if (!v.is_number()) throw ConfigError(key + " must be a number, got " + v.dump());
-  return v.get<double>();
-}
-
-bool bool_of(const nlohmann::json& v, const std::string& key) {
-  if (!v.is_boolean()) throw ConfigError(key + " must be true or false, got " + v.dump());
-  return v.get<bool>();
-}
 
 // One of `names` (the enum's values in order), by its index.
 std::size_t choice_of(const nlohmann::json& v, const std::string& key,
@@ -106,52 +92,52 @@ const std::vector<std::string>& moe_keys() {
 
 bool read_moe_key(MoeConfig& m, const std::string& key, const nlohmann::json& v) {
   if (key == "num_experts") {
-    m.num_experts = int_of(v, key);
+    m.num_experts = get_int(v, key);
   } else if (key == "num_experts_per_tok") {
-    m.num_experts_per_tok = int_of(v, key);
+    m.num_experts_per_tok = get_int(v, key);
   } else if (key == "router_scoring") {
     m.router_scoring = static_cast<RouterScoring>(choice_of(v, key, {"softmax", "sigmoid"}));
   } else if (key == "router_order") {
     m.router_order =
         static_cast<RouterOrder>(choice_of(v, key, {"score_then_topk", "topk_then_score"}));
   } else if (key == "router_groups") {
-    m.router_groups = int_of(v, key);
+    m.router_groups = get_int(v, key);
   } else if (key == "topk_groups") {
-    m.topk_groups = int_of(v, key);
+    m.topk_groups = get_int(v, key);
   } else if (key == "group_score") {
     m.group_score = static_cast<GroupScore>(choice_of(v, key, {"top2_sum", "max"}));
   } else if (key == "norm_topk_prob") {
-    m.norm_topk_prob = bool_of(v, key);
+    m.norm_topk_prob = get_bool(v, key);
   } else if (key == "routed_scaling_factor") {
-    m.routed_scaling_factor = real_of(v, key);
+    m.routed_scaling_factor = get_real(v, key);
   } else if (key == "router_bias") {
-    m.router_bias = bool_of(v, key);
+    m.router_bias = get_bool(v, key);
   } else if (key == "selection_bias") {
-    m.selection_bias = bool_of(v, key);
+    m.selection_bias = get_bool(v, key);
   } else if (key == "moe_d_ff") {
-    m.moe_d_ff = int_of(v, key);
+    m.moe_d_ff = get_int(v, key);
   } else if (key == "expert_kind") {
     m.expert_kind = static_cast<ExpertKind>(choice_of(v, key, {"swiglu", "clamped_swiglu"}));
   } else if (key == "swiglu_alpha") {
-    m.swiglu_alpha = real_of(v, key);
+    m.swiglu_alpha = get_real(v, key);
   } else if (key == "swiglu_limit") {
-    m.swiglu_limit = real_of(v, key);
+    m.swiglu_limit = get_real(v, key);
   } else if (key == "expert_bias") {
-    m.expert_bias = bool_of(v, key);
+    m.expert_bias = get_bool(v, key);
   } else if (key == "weight_at") {
     m.weight_at_input = choice_of(v, key, {"output", "input"}) == 1;
   } else if (key == "shared_d_ff") {
-    m.shared_d_ff = int_of(v, key);
+    m.shared_d_ff = get_int(v, key);
   } else if (key == "shared_expert_gate") {
-    m.shared_expert_gate = bool_of(v, key);
+    m.shared_expert_gate = get_bool(v, key);
   } else if (key == "first_dense_layers") {
-    m.first_dense_layers = int_of(v, key);
+    m.first_dense_layers = get_int(v, key);
   } else if (key == "moe_every") {
-    m.moe_every = int_of(v, key);
+    m.moe_every = get_int(v, key);
   } else if (key == "router_aux_loss_coef") {
-    m.router_aux_loss_coef = real_of(v, key);
+    m.router_aux_loss_coef = get_real(v, key);
   } else if (key == "router_z_loss_coef") {
-    m.router_z_loss_coef = real_of(v, key);
+    m.router_z_loss_coef = get_real(v, key);
   } else {
     return false;
   }

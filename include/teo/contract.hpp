@@ -28,8 +28,9 @@ enum class Role {
 };
 const char* to_string(Role r);
 
-// Which dtype a tensor has: integer ids, masks, the case's float type, or float64 in any case.
-enum class DTypeRule { i64, u8, real, f64 };
+// Which dtype a tensor has: integer ids, masks, the case's float type, float64 in any case, or
+// 32-bit integers (an MoE layer's routing and grouped layout).
+enum class DTypeRule { i64, u8, real, f64, i32 };
 const char* to_string(DTypeRule d);
 
 // The sizes a model case adds to its config: steps > 0 for a generation case (a decoder's greedy
@@ -39,6 +40,8 @@ struct Sizes {
   index_t seq_len = 0;  // an encoder_decoder's source length
   index_t steps = 0;
   index_t tgt_len = 0;  // an encoder_decoder's target length
+  // a router replay case: each MoE layer's routing is an input, input.layers.{i}.moe.topk_ids
+  bool routing_given = false;
 };
 
 // One tensor of the contract.

@@ -53,16 +53,20 @@ struct Case {
   // source is batch x seq_len with `lengths`.
   index_t tgt_len = 0;
   std::vector<std::int64_t> tgt_lengths;
+  // A router replay case (ffn "moe" only, "replay_routing": true): each MoE layer's routing is
+  // also an input, input.layers.{i}.moe.topk_ids, which a backend is fed to judge its experts
+  // alone (docs/golden-format.md, "Routing").
+  bool replay_routing = false;
 
   // CASE.json: the config keys plus "case": {batch, seq_len, lengths?, dtype, seed, precision?,
-  // fp8_*?, generate?}. Throws ConfigError naming the bad key, ShapeError for sizes the config
-  // cannot take.
+  // fp8_*?, generate?, replay_routing?}. Throws ConfigError naming the bad key, ShapeError for
+  // sizes the config cannot take.
   static Case from_json(const nlohmann::json& j);
   // CASE.json read from `path`: FileError when it cannot be read, and the errors of from_json
   // with the path in front.
   static Case from_file(const std::string& path);
   nlohmann::json case_json() const;  // the "case" object, lengths always spelled out
-  contract::Sizes sizes() const { return {batch, seq_len, steps, tgt_len}; }
+  contract::Sizes sizes() const { return {batch, seq_len, steps, tgt_len, replay_routing}; }
   // The case's batch: Batch::random, or an encoder_decoder's Batch::random_seq2seq.
   Batch make_batch() const;
 };
@@ -122,6 +126,7 @@ struct RunOptions {
   bool backward = true;
   const std::map<std::string, std::vector<std::uint8_t>>* masks = nullptr;  // replayed masks
   std::optional<Fp8Recipe> fp8;  // the recipe under fp8 (ForwardOptions::fp8)
+  const std::map<index_t, std::vector<std::int32_t>>* routing = nullptr;  // router replay
 };
 template <class Real>
 safetensors::File run_tensors(const Params<Real>& params, const Batch& batch,

@@ -520,6 +520,12 @@ struct ForwardOptions {
   // given is drawn. Each must have its site's element count (ShapeError), nonzero meaning kept; a
   // name that is no site of this config, or masks when no dropout applies, is a ConfigError.
   const std::map<std::string, std::vector<std::uint8_t>>* masks = nullptr;
+  // Router replay (docs/semantics.md, 19.4): the experts an MoE layer's positions choose instead
+  // of its router's own choice, by layer index, B * S * k ids in (b, s, slot) order (a golden's
+  // act.layers.{i}.moe.topk_ids); a layer not given routes itself. The weights are still the
+  // router's, of the given experts. A layer that is not an MoE layer is a ConfigError, a wrong
+  // count a ShapeError, an id out of range or repeated within a position a ConfigError.
+  const std::map<index_t, std::vector<std::int32_t>>* routing = nullptr;
 };
 
 struct BackwardOptions {

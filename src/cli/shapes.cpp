@@ -79,6 +79,7 @@ int run(const ModelConfig& cfg, const ShapesOptions& o, std::ostream& out) {
   for (auto it = activations.rbegin(); it != activations.rend(); ++it) {
     // an encoder_decoder's backward keeps of each decoder layer only its output's gradient
     if (it->name.starts_with("decoder.layers.") && !it->name.ends_with(".output")) continue;
+    if (it->dtype == contract::DTypeRule::i32) continue;  // the routing has no gradient
     row("grad.act." + it->name, *it);
   }
   out << "\nparameter gradients\n";

@@ -45,13 +45,6 @@ Case Case::from_json(const json& j) {
   cfg_json.erase("case");
   Case c;
   c.config = ModelConfig::from_json(cfg_json);
-  if (c.config.moe()) {
-    // a model case's routing must be judged as the moe op's is: its integer tensors, its
-    // margins and the ambiguous status, which model cases do not have yet
-    throw ConfigError(
-        "a model case with ffn \"moe\" is not written yet: its routing tensors and "
-        "ambiguity checks come with the MoE model cases; judge the block with the moe op case");
-  }
   const json& cj = j.at("case");
   if (!cj.is_object()) throw ConfigError("\"case\" must be an object");
   bool have_batch = false, have_seq = false, have_dtype = false, have_seed = false;
@@ -87,6 +80,11 @@ Case Case::from_json(const json& j) {
       if (!v.is_array()) throw ConfigError("case.tgt_lengths must be an array, got " + v.dump());
       c.tgt_lengths.clear();
       for (const auto& x : v) c.tgt_lengths.push_back(case_int(x, "tgt_lengths[]"));
+    } else if (key == "replay_routing") {
+      if (!v.is_boolean()) throw ConfigError("case.replay_routing must be true or false");
+      c.replay_routing = v.get<bool>();
+      if (c.replay_routing && !c.config.moe())
+        throw ConfigError("case.replay_routing needs ffn \"moe\": a dense model routes nothing");
     } else if (key == "generate") {
       if (!v.is_object()) throw ConfigError("case.generate must be an object, got " + v.dump());
       for (const auto& [gk, gv] : v.items()) {
@@ -199,6 +197,7 @@ json Case::case_json() const {
   if (precision) j["precision"] = to_string(*precision);
   if (precision == Precision::fp8) detail::write_fp8_keys(j, fp8);
   if (steps > 0) j["generate"] = {{"steps", steps}};
+  if (replay_routing) j["replay_routing"] = true;
   if (config.encoder_decoder()) {
     j["tgt_len"] = tgt_len;
     j["tgt_lengths"] = tgt_lengths.empty()

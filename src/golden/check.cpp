@@ -554,6 +554,18 @@ CaseReport check(const File& golden, const File& candidate, const CheckOptions& 
                                            : Precision::fp64);
     rep.ambiguous_tokens = routing->ambiguous;
   }
+  // A model case's routing: layer by layer, each after the layers before it
+  std::optional<ModelConfig> model_cfg;
+  std::optional<detail::ModelRoutingJudgement> model_routing;
+  if (!op) model_cfg = case_of(golden).config;
+  if (model_cfg && model_cfg->moe()) {
+    model_routing = detail::judge_model_routing(golden, candidate, *model_cfg, f32,
+                                                budget ? p
+                                                : f32  ? Precision::fp32
+                                                       : Precision::fp64,
+                                                emu);
+    rep.ambiguous_tokens = model_routing->ambiguous;
+  }
   std::size_t judged = 0, at = 0;
   for (const auto& g : golden.tensors) judged += wanted(g.name, opts.only, op) ? 1 : 0;
   for (const auto& g : golden.tensors) {
@@ -569,9 +581,15 @@ CaseReport check(const File& golden, const File& candidate, const CheckOptions& 
       continue;
     }
     // what ambiguous tokens contaminate: as a whole (not judged), or row by row (left out)
-    const auto dependence = routing && !routing->rows.empty() && c
-                                ? routed->dependence(g.name)
-                                : detail::RoutingDependence::none;
+    auto dependence = routing && !routing->rows.empty() && c ? routed->dependence(g.name)
+                                                             : detail::RoutingDependence::none;
+    const auto model_ids =
+        model_routing ? model_routing->ids.find(g.name) : decltype(model_routing->ids.end()){};
+    const bool model_judged = model_routing && model_ids != model_routing->ids.end();
+    if (model_routing && !model_judged && model_routing->first_layer >= 0 && c &&
+        detail::after_routing(g.name, model_routing->first_layer, *model_cfg)) {
+      dependence = detail::RoutingDependence::whole;
+    }
     std::optional<safetensors::Tensor> patched;
     if (dependence == detail::RoutingDependence::token_rows && g.dtype != DType::I32 &&
         safetensors::is_float(c->dtype) && c->shape == g.shape && (budget || c->dtype == g.dtype)) {
@@ -580,14 +598,19 @@ CaseReport check(const File& golden, const File& candidate, const CheckOptions& 
     const safetensors::Tensor* judged_c = patched ? &*patched : c;
     if (routing && g.name == "output.topk_ids") {
       rep.tensors.push_back(routing->ids);
+    } else if (model_judged) {
+      rep.tensors.push_back(model_ids->second);
     } else if (g.dtype == DType::I32 && dependence != detail::RoutingDependence::whole) {
       rep.tensors.push_back(detail::judge_exact_ints(g, c));
     } else if (dependence == detail::RoutingDependence::whole) {
       TensorResult r;
       r.name = g.name;
       r.status = Status::ambiguous;
-      r.message = "not judged: it depends on the routing of the ambiguous token(s) " +
-                  detail::tokens_str(routing->rows);
+      r.message = routing ? "not judged: it depends on the routing of the ambiguous token(s) " +
+                                detail::tokens_str(routing->rows)
+                          : "not judged: it depends on the routing of the ambiguous position(s) " +
+                                detail::tokens_str(model_routing->rows) + " of layer " +
+                                std::to_string(model_routing->first_layer);
       rep.tensors.push_back(r);
     } else if (budget) {
       const auto e = emu.find(g.name);
@@ -616,67 +639,6 @@ CaseReport check(const File& golden, const File& candidate, const CheckOptions& 
   }
   judge_names(golden, candidate, opts, op, rep);
   return rep;
-}
-
-Verdict verdict(const std::vector<CaseReport>& reports, bool require_all) {
-  int failed = 0, passed = 0, not_checked = 0, vacuous = 0, ambiguous = 0;
-  std::string orphans, examined;
-  int examined_count = 0;
-  for (const auto& r : reports) {
-    if (r.no_golden) {
-      if (!r.accepted) orphans += (orphans.empty() ? "" : ", ") + r.candidate_path;
-      continue;
-    }
-    failed += r.failed;
-    passed += r.passed;
-    not_checked += r.not_checked;
-    vacuous += r.vacuous;
-    ambiguous += r.ambiguous;
-    if (!r.no_candidate && ++examined_count <= 3)
-      examined += (examined.empty() ? "" : ", ") + r.candidate_path;
-  }
-  if (failed > 0) return {1, ""};  // the report names them
-  if (!orphans.empty()) {
-    return {1, "candidate file(s) with no golden of their name: " + orphans +
-                   " (--allow-extra accepts them)"};
-  }
-  if (passed == 0 && vacuous > 0 && ambiguous == 0)
-    return {1, "every judged tensor's budget is vacuous"};
-  if (passed == 0 && ambiguous > 0)
-    return {1, "no tensor passed: every judged one is vacuous or ambiguous by routing"};
-  if (passed == 0 && examined_count == 0)
-    return {1, "nothing was checked: no golden has a candidate file of its name"};
-  if (passed == 0) {
-    return {1, "nothing was checked: " +
-                   (examined_count == 1 ? "the candidate " + examined + " holds"
-                                        : "the candidate files " + examined +
-                                              (examined_count > 3 ? ", ..." : "") + " hold") +
-                   " none of the golden's tensors"};
-  }
-  if (require_all && not_checked > 0) {
-    return {1, std::to_string(not_checked) + " tensor(s) not checked, and --require-all was given"};
-  }
-  if (require_all && vacuous > 0) {
-    return {1, std::to_string(vacuous) +
-                   " tensor(s) with a vacuous budget (not judged), and --require-all was given"};
-  }
-  if (require_all && ambiguous > 0) {
-    return {1, std::to_string(ambiguous) +
-                   " tensor(s) ambiguous by routing (not judged), and --require-all was given: "
-                   "router replay (input.moe.topk_ids) judges the experts alone"};
-  }
-  if (vacuous > 0 || ambiguous > 0) {
-    std::string w = "warning: ";
-    if (vacuous > 0)
-      w += std::to_string(vacuous) + " tensor(s) with a vacuous budget were not judged";
-    if (vacuous > 0 && ambiguous > 0) w += "; ";
-    if (ambiguous > 0) {
-      w += std::to_string(ambiguous) +
-           " tensor(s) ambiguous by routing were not judged (router replay judges the experts)";
-    }
-    return {0, w};
-  }
-  return {};
 }
 
 namespace {

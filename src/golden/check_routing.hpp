@@ -4,11 +4,13 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <set>
 #include <string>
 #include <vector>
 
 #include "golden_internal.hpp"
+#include "teo/config.hpp"
 #include "teo/golden.hpp"
 #include "teo/precision.hpp"
 #include "teo/safetensors.hpp"
@@ -41,5 +43,39 @@ TensorResult judge_exact_ints(const safetensors::Tensor& g, const safetensors::T
 
 // "3, 7, 12" (the first 8, then "...").
 std::string tokens_str(const std::set<std::int64_t>& rows);
+
+// A model case's routing (ffn "moe"): each MoE layer's act.layers.{i}.moe.topk_ids judged as an
+// op case's output.topk_ids is, position by position (position b S + s), with a tolerance from
+// the logits' error: tol = 2 (c dl + (E + 4) u32), c as routing_tolerance's, dl the candidate's
+// own error on that position's logits (act.layers.{i}.moe.logits against the truth), or without
+// its logits kModelRoutingK times the error of the run in precision p (the emulated run, or a
+// float32 golden's own), at least the gate product's rounding in p. A layer after the first with
+// an ambiguous position is not judged.
+inline constexpr double kModelRoutingK = 2.0;
+struct ModelRoutingJudgement {
+  std::map<std::string, TensorResult> ids;  // by name: act.layers.{i}.moe.topk_ids
+  std::vector<AmbiguousToken> ambiguous;
+  index_t first_layer = -1;     // the first layer with an ambiguous position, or -1
+  std::set<std::int64_t> rows;  // its ambiguous positions
+};
+ModelRoutingJudgement judge_model_routing(const safetensors::File& golden,
+                                          const safetensors::File& candidate,
+                                          const ModelConfig& cfg, bool f32, Precision p,
+                                          const std::map<std::string, std::vector<double>>& emu);
+
+// Whether tensor `name` of a model case is computed from layer `layer`'s routing: that layer's
+// tensors from its topk_ids on (its shared experts' excepted), every later layer's, the top of
+// the model, the loss terms, every gradient and the generation steps.
+bool after_routing(const std::string& name, index_t layer, const ModelConfig& cfg);
+
+// The positions of an MoE model case whose drawn routing is not clear of precision p: those whose
+// margin is at most twice the tolerance judge_model_routing gives a candidate without logits.
+struct UnclearPosition {
+  index_t layer = 0, position = 0;
+  double margin = 0, tolerance = 0;
+};
+std::vector<UnclearPosition> unclear_routing(const safetensors::File& golden,
+                                             const ModelConfig& cfg, bool f32, Precision p,
+                                             const std::map<std::string, std::vector<double>>& emu);
 
 }  // namespace teo::golden::detail

@@ -13,6 +13,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "golden/check_routing.hpp"
 #include "golden_internal.hpp"
 #include "teo/contract.hpp"
 #include "teo/files.hpp"
@@ -20,6 +21,7 @@
 #include "teo/golden_ops.hpp"
 #include "teo/model.hpp"
 #include "teo/names.hpp"
+#include "teo/rng.hpp"
 
 namespace teo::golden {
 
@@ -54,13 +56,29 @@ struct Run {
   Params<Real> grads;
 };
 
+// An MoE model's routing, by layer (ForwardOptions::routing).
+using LayerRouting = std::map<index_t, std::vector<std::int32_t>>;
+
+template <class Real>
+LayerRouting routing_of(const ModelConfig& cfg, const Activations<Real>& acts) {
+  LayerRouting r;
+  for (index_t i = 0; i < cfg.num_layers; ++i)
+    if (cfg.moe_layer(i)) r[i] = acts.layers[static_cast<std::size_t>(i)].moe.routing.ids;
+  return r;
+}
+
 template <class Real>
 Run<Real> run_case(const Params<Real>& params, const Batch& batch, std::uint64_t seed,
                    std::optional<Precision> precision = std::nullopt,
-                   const std::optional<Fp8Recipe>& fp8 = std::nullopt) {
+                   const std::optional<Fp8Recipe>& fp8 = std::nullopt,
+                   const LayerRouting* routing = nullptr) {
   Run<Real> r;
   forward(params, batch, r.acts,
-          {.train = true, .dropout_seed = seed, .precision = precision, .fp8 = fp8});
+          {.train = true,
+           .dropout_seed = seed,
+           .precision = precision,
+           .fp8 = fp8,
+           .routing = routing && !routing->empty() ? routing : nullptr});
   // the contract holds only each layer's output gradient: the rest need not outlive its layer
   backward(params, batch, r.acts, r.grads, r.dacts,
            {.precision = precision, .fp8 = fp8, .layer_activation_grads = false});
@@ -93,6 +111,7 @@ std::vector<std::pair<std::string, const Tensor<Real>*>> computed_tensors(const 
     out.emplace_back(spec.name, it->second);
   };
   for (auto t : contract::activations(cfg, sizes)) {
+    if (t.dtype == contract::DTypeRule::i32) continue;  // the routing's (moe_outs)
     t.name = "act." + t.name;
     add(t);
   }
@@ -147,11 +166,22 @@ Out out_of(std::string name, const Tensor<Real>& t) {
 }
 
 // A run's dropout masks, activations and (with backward) gradients under their golden names, with
-// `prefix` before each name.
+// `prefix` before each name; an MoE layer's routing and grouped layout among the activations.
 template <class Real>
 std::vector<Out> run_outs(const ModelConfig& cfg, const Batch& batch, const Run<Real>& run,
                           bool masks, bool with_backward, const std::string& prefix = "") {
   std::vector<Out> out;
+  for (std::size_t i = 0; i < run.acts.layers.size(); ++i) {
+    const auto& m = run.acts.layers[i].moe;
+    if (!cfg.moe_layer(static_cast<index_t>(i))) continue;
+    const auto put = [&](const char* what, const std::vector<std::int32_t>& v, const Shape& shape) {
+      out.push_back(out_of(prefix + "act.layers." + std::to_string(i) + ".moe." + what,
+                           shape.dims(), v.data(), v.size()));
+    };
+    put("topk_ids", m.routing.ids, {batch.batch, batch.seq_len, cfg.ffn.moe.num_experts_per_tok});
+    put("expert_offsets", m.offsets, {static_cast<index_t>(m.offsets.size())});
+    put("source_rows", m.source_rows, {static_cast<index_t>(m.source_rows.size())});
+  }
   if (masks) {
     for (const auto& [t, m] : run_masks(cfg, batch, run.acts))
       out.push_back(out_of(prefix + t.name, t.shape, m->data(), m->size()));
@@ -276,13 +306,12 @@ std::string gigabytes(std::uint64_t bytes) {
 // Generates case c into `sink`: the header, then the float32 run (or the float64 one), then for a
 // float32 case its float64 reference, then the conditioning checks on what the sink holds.
 template <class Real>
-void generate_typed(const Case& c, Sink& sink, const GenerateOptions& opts) {
+void generate_typed(const Case& c, const Batch& batch, Sink& sink, const GenerateOptions& opts) {
   const auto stage = [&](const std::string& s) {
     if (opts.progress) opts.progress(s);
   };
   constexpr bool f32 = std::is_same_v<Real, float>;
   const ModelConfig& cfg = c.config;
-  const Batch batch = c.make_batch();
   std::optional<Params<Real>> params(Params<Real>::init(cfg, c.seed));
   if (opts.checkpoint) {
     stage("reading the checkpoint's parameters (" + opts.names->family + ")");
@@ -293,6 +322,7 @@ void generate_typed(const Case& c, Sink& sink, const GenerateOptions& opts) {
   }
   stage(std::string(f32 ? "float32" : "float64") + " forward and backward");
   std::optional<Run<Real>> run(run_case(*params, batch, c.seed));
+  const LayerRouting routing = routing_of(cfg, run->acts);
 
   const index_t B = c.batch, S = c.seq_len;
   const bool seq2seq = cfg.encoder_decoder();
@@ -312,6 +342,13 @@ void generate_typed(const Case& c, Sink& sink, const GenerateOptions& opts) {
       out_of("input.pixels",
              {B, cfg.embeddings.channels, cfg.embeddings.image_size, cfg.embeddings.image_size},
              pixels.data(), pixels.size()));
+  std::map<index_t, std::vector<std::int64_t>> given;  // a replay case's inputs
+  for (const auto& [i, ids] : routing) {
+    if (!c.replay_routing) break;
+    const auto& g = given[i] = {ids.begin(), ids.end()};
+    outs.push_back(out_of("input.layers." + std::to_string(i) + ".moe.topk_ids",
+                          {B, S, cfg.ffn.moe.num_experts_per_tok}, g.data(), g.size()));
+  }
   params->visit([&](const std::string& n, const Tensor<Real>& t) {
     outs.push_back(out_of("param." + n, t));
   });
@@ -382,7 +419,8 @@ void generate_typed(const Case& c, Sink& sink, const GenerateOptions& opts) {
     memory::release_cached_memory();
     stage("float64 reference forward and backward");
     {
-      const auto r64 = run_case(*p64, batch, c.seed);
+      // on the float32 run's experts
+      const auto r64 = run_case(*p64, batch, c.seed, std::nullopt, std::nullopt, &routing);
       std::optional<Generation<double>> gen64;
       std::vector<std::int64_t> fed64;
       if (c.steps > 0) stage("float64 reference generation");
@@ -416,11 +454,65 @@ void generate_typed(const Case& c, Sink& sink, const GenerateOptions& opts) {
   sink.finish(with_kept(meta));
 }
 
-void generate_into(const Case& c, Sink& sink, const GenerateOptions& opts) {
+void generate_batch(const Case& c, const Batch& batch, Sink& sink, const GenerateOptions& opts) {
   if (c.dtype == "float32")
-    generate_typed<float>(c, sink, opts);
+    generate_typed<float>(c, batch, sink, opts);
   else
-    generate_typed<double>(c, sink, opts);
+    generate_typed<double>(c, batch, sink, opts);
+}
+
+// An MoE case's batch with every position's routing clear of the judged precision
+// (docs/golden-format.md, "Routing"): the case is generated in memory and, while some position's
+// margin is within twice its tolerance, the earliest such position of each sequence has its token
+// redrawn (a causal model's earlier positions keep their routing), from a stream of its own.
+Batch clear_routing(const Case& c, Batch batch, const GenerateOptions& opts) {
+  const ModelConfig& cfg = c.config;
+  const bool f32 = c.dtype == "float32";
+  const Precision p = c.precision.value_or(Precision::fp32);
+  const bool budget = p != Precision::fp64 && !(p == Precision::fp32 && f32);
+  GenerateOptions quiet = opts;
+  quiet.progress = nullptr;
+  quiet.keep.clear();
+  const index_t S = batch.seq_len, V = cfg.embeddings.vocab_size;
+  const auto stream = rng::stream_id("input.tokens.routing_redraw");
+  constexpr int kRedraws = 256;  // then the case is refused
+  for (int attempt = 0;; ++attempt) {
+    if (opts.progress) opts.progress("drawing the routing clear of " + std::string(to_string(p)));
+    MemorySink m;
+    generate_batch(c, batch, m, quiet);
+    const File& f = m.contents();
+    const auto emu = budget ? emulate(f, p) : std::map<std::string, std::vector<double>>();
+    const auto unclear = detail::unclear_routing(f, cfg, f32, p, emu);
+    if (unclear.empty()) return batch;
+    const auto& u = unclear.front();
+    if (attempt >= kRedraws || batch.tokens.empty()) {
+      throw ConfigError("case: position " + std::to_string(u.position) + " of layer " +
+                        std::to_string(u.layer) + " keeps a routing margin of " +
+                        detail::full_digits(u.margin) + ", within twice the " + to_string(p) +
+                        " tolerance " + detail::full_digits(u.tolerance) + ", after " +
+                        std::to_string(attempt) + " redraws of the tokens: give another seed");
+    }
+    std::map<index_t, index_t> earliest;  // sequence -> position
+    for (const auto& q : unclear) {
+      const index_t b = q.position / S, s = q.position % S;
+      if (!earliest.contains(b) || s < earliest[b]) earliest[b] = s;
+    }
+    for (auto [b, s] : earliest) {
+      // a padded position holds the pad token: its last real token is redrawn instead
+      const index_t len = batch.lengths[static_cast<std::size_t>(b)];
+      if (cfg.embeddings.padding_idx && s >= len) s = std::max<index_t>(len - 1, 0);
+      const auto at = static_cast<std::size_t>(b * S + s);
+      batch.tokens[at] = static_cast<std::int64_t>(
+          rng::bits(c.seed, stream,
+                    static_cast<std::uint64_t>(attempt) * batch.tokens.size() + at) %
+          static_cast<std::uint64_t>(V));
+    }
+  }
+}
+
+void generate_into(const Case& c, Sink& sink, const GenerateOptions& opts) {
+  const Batch batch = c.config.moe() ? clear_routing(c, c.make_batch(), opts) : c.make_batch();
+  generate_batch(c, batch, sink, opts);
 }
 
 }  // namespace
@@ -433,7 +525,8 @@ File run_tensors(const Params<Real>& params, const Batch& batch, const RunOption
            .dropout_seed = opts.dropout_seed,
            .precision = opts.precision,
            .fp8 = opts.fp8,
-           .masks = opts.masks});
+           .masks = opts.masks,
+           .routing = opts.routing});
   if (opts.backward)
     backward(params, batch, r.acts, r.grads, r.dacts,
              {.precision = opts.precision, .fp8 = opts.fp8, .layer_activation_grads = false});
@@ -638,7 +731,18 @@ std::map<std::string, std::vector<double>> emulate(const File& golden, Precision
   // Judged as fp8: an fp8 golden's own recipe; a golden of another precision takes the default one.
   std::optional<Fp8Recipe> fp8;
   if (p == Precision::fp8) fp8 = c.precision == Precision::fp8 ? c.fp8 : Fp8Recipe{};
-  auto run = run_case(params, batch, c.seed, p, fp8);
+  // the golden's routing replayed (docs/golden-format.md, "Routing"): the emulated run's error is
+  // that of the experts the golden chose
+  LayerRouting routing;
+  for (index_t i = 0; i < cfg.num_layers; ++i) {
+    const auto* t = cfg.moe_layer(i)
+                        ? golden.find("act.layers." + std::to_string(i) + ".moe.topk_ids")
+                        : nullptr;
+    if (!t) continue;
+    const auto v = t->int_values();
+    routing[i].assign(v.begin(), v.end());
+  }
+  auto run = run_case(params, batch, c.seed, p, fp8, &routing);
   std::map<std::string, std::vector<double>> out;
   if (c.steps > 0) emulate_generation(golden, params, batch, c.steps, p, fp8, out);
   params = Params<float>();

@@ -166,6 +166,8 @@ inline safetensors::DType stored_dtype(contract::DTypeRule rule, bool f32) {
       return f32 ? safetensors::DType::F32 : safetensors::DType::F64;
     case contract::DTypeRule::f64:
       return safetensors::DType::F64;
+    case contract::DTypeRule::i32:
+      return safetensors::DType::I32;
   }
   return safetensors::DType::F64;
 }

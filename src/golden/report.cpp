@@ -367,4 +367,65 @@ std::string json_report(const std::vector<CaseReport>& reports) {
   return j.dump(2) + "\n";
 }
 
+Verdict verdict(const std::vector<CaseReport>& reports, bool require_all) {
+  int failed = 0, passed = 0, not_checked = 0, vacuous = 0, ambiguous = 0;
+  std::string orphans, examined;
+  int examined_count = 0;
+  for (const auto& r : reports) {
+    if (r.no_golden) {
+      if (!r.accepted) orphans += (orphans.empty() ? "" : ", ") + r.candidate_path;
+      continue;
+    }
+    failed += r.failed;
+    passed += r.passed;
+    not_checked += r.not_checked;
+    vacuous += r.vacuous;
+    ambiguous += r.ambiguous;
+    if (!r.no_candidate && ++examined_count <= 3)
+      examined += (examined.empty() ? "" : ", ") + r.candidate_path;
+  }
+  if (failed > 0) return {1, ""};  // the report names them
+  if (!orphans.empty()) {
+    return {1, "candidate file(s) with no golden of their name: " + orphans +
+                   " (--allow-extra accepts them)"};
+  }
+  if (passed == 0 && vacuous > 0 && ambiguous == 0)
+    return {1, "every judged tensor's budget is vacuous"};
+  if (passed == 0 && ambiguous > 0)
+    return {1, "no tensor passed: every judged one is vacuous or ambiguous by routing"};
+  if (passed == 0 && examined_count == 0)
+    return {1, "nothing was checked: no golden has a candidate file of its name"};
+  if (passed == 0) {
+    return {1, "nothing was checked: " +
+                   (examined_count == 1 ? "the candidate " + examined + " holds"
+                                        : "the candidate files " + examined +
+                                              (examined_count > 3 ? ", ..." : "") + " hold") +
+                   " none of the golden's tensors"};
+  }
+  if (require_all && not_checked > 0) {
+    return {1, std::to_string(not_checked) + " tensor(s) not checked, and --require-all was given"};
+  }
+  if (require_all && vacuous > 0) {
+    return {1, std::to_string(vacuous) +
+                   " tensor(s) with a vacuous budget (not judged), and --require-all was given"};
+  }
+  if (require_all && ambiguous > 0) {
+    return {1, std::to_string(ambiguous) +
+                   " tensor(s) ambiguous by routing (not judged), and --require-all was given: "
+                   "router replay (input.moe.topk_ids) judges the experts alone"};
+  }
+  if (vacuous > 0 || ambiguous > 0) {
+    std::string w = "warning: ";
+    if (vacuous > 0)
+      w += std::to_string(vacuous) + " tensor(s) with a vacuous budget were not judged";
+    if (vacuous > 0 && ambiguous > 0) w += "; ";
+    if (ambiguous > 0) {
+      w += std::to_string(ambiguous) +
+           " tensor(s) ambiguous by routing were not judged (router replay judges the experts)";
+    }
+    return {0, w};
+  }
+  return {};
+}
+
 }  // namespace teo::golden

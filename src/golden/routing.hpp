@@ -25,4 +25,16 @@ std::vector<double> routing_tolerance(const RouterSpec& router, const double* x,
                                       const double* b, index_t tokens, index_t d_model,
                                       Precision p);
 
+// c of the tolerance above for one token whose logits are l (E): how far a logit error of 1 can
+// move a difference of two of its selection scores (doubled with top-2-sum groups).
+double selection_sensitivity(const RouterSpec& router, const double* l);
+
+// The tolerance of a token whose logits may be off by dl each: 2 (c dl + (E + 4) u32).
+double margin_tolerance(const RouterSpec& router, double c, double dl);
+
+// dl of routing_tolerance for each of T tokens: the logits' own rounding in precision p when the
+// input x is exact.
+std::vector<double> gate_rounding(const RouterSpec& router, const double* x, const double* w,
+                                  const double* b, index_t tokens, index_t d_model, Precision p);
+
 }  // namespace teo::golden::detail

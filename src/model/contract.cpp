@@ -1,6 +1,7 @@
 #include "teo/contract.hpp"
 
 #include <algorithm>
+#include <initializer_list>
 #include <map>
 #include <stdexcept>
 #include <string_view>
@@ -162,7 +163,10 @@ const std::map<std::string, Dims>& act_table() {
       {"ffn_pre", {"B", "S", "F"}},
       {"ffn_hidden", {"B", "S", "F"}},
       {"moe.logits", {"B", "S", "E"}},
+      {"moe.topk_ids", {"B", "S", "k"}},
       {"moe.topk_weights", {"B", "S", "k"}},
+      {"moe.expert_offsets", {"E+1"}},
+      {"moe.source_rows", {"B*S*k"}},
       {"moe.expert_in", {"B*S*k", "D"}},
       {"moe.expert_hidden", {"B*S*k", "Fe"}},
       {"moe.expert_out", {"B*S*k", "D"}},
@@ -307,6 +311,8 @@ const char* to_string(DTypeRule d) {
       return "Real";
     case DTypeRule::f64:
       return "F64";
+    case DTypeRule::i32:
+      return "I32";
   }
   return "?";
 }
@@ -384,6 +390,7 @@ Dims dims_of(const std::string& golden_name) {
   if (n.starts_with("ref64.")) n = n.substr(6);
   if (n == "input.tokens" || n == "input.token_types") return {"B", "S"};
   if (n == "input.lengths" || n == "input.labels") return {"B"};
+  if (n.starts_with("input.layers.") && n.ends_with(".moe.topk_ids")) return {"B", "S", "k"};
   if (n == "input.pixels") return {"B", "Ch", "Img", "Img"};
   if (n == "input.generate.tokens") return {"T", "B"};
   if (is_generation_logits(n)) return {"B", "Vt"};
@@ -421,6 +428,16 @@ std::vector<TensorSpec> activations(const ModelConfig& cfg, Sizes s, bool in_gol
                       n.ends_with(dec ? ".residual3" : ".residual2")))
       return;
     out.push_back(spec(n, Role::act, DTypeRule::real, act_dims(n), cfg, s));
+    // an MoE layer's routing after its logits, and its grouped layout after its weights
+    const auto ints = [&](std::initializer_list<const char*> names) {
+      const std::string layer = n.substr(0, n.rfind("moe."));
+      for (const char* m : names) {
+        const std::string name = layer + m;
+        out.push_back(spec(name, Role::act, DTypeRule::i32, act_dims(name), cfg, s));
+      }
+    };
+    if (n.ends_with(".moe.logits")) ints({"moe.topk_ids"});
+    if (n.ends_with(".moe.topk_weights")) ints({"moe.expert_offsets", "moe.source_rows"});
   });
   return out;
 }
@@ -589,6 +606,13 @@ std::vector<TensorSpec> model_case(const ModelConfig& cfg, Sizes s, bool float32
   const auto gen = generation(cfg, s);
   for (const auto& t : gen)
     if (t.role == Role::input) out.push_back(t);
+  if (s.routing_given) {
+    for (index_t i = 0; i < cfg.num_layers; ++i) {
+      if (!cfg.moe_layer(i)) continue;
+      out.push_back(spec("input.layers." + std::to_string(i) + ".moe.topk_ids", Role::input,
+                         DTypeRule::i64, {"B", "S", "k"}, cfg, s));
+    }
+  }
   for (auto t : params(cfg)) {
     t.name = "param." + t.name;
     out.push_back(std::move(t));
@@ -607,6 +631,7 @@ std::vector<TensorSpec> model_case(const ModelConfig& cfg, Sizes s, bool float32
   out.insert(out.end(), computed.begin(), computed.end());
   if (float32) {
     for (auto t : computed) {
+      if (t.dtype == DTypeRule::i32) continue;  // the float64 twin replays the routing
       t.name = "ref64." + t.name;
       t.role = Role::ref64;
       t.dtype = DTypeRule::f64;

@@ -140,7 +140,7 @@ void layer_step(const StepContext<Real>& c, const LayerParams<Real>& P, LayerCac
     LayerActs<Real> A;
     detail::allocate_layer(A, d, static_cast<detail::ZeroList<Real>*>(nullptr), true);
     const detail::Emulation<Real> full(std::nullopt, "");
-    detail::moe_block_forward(cfg, P, A, ffn_in, B, "", full);
+    detail::moe_block_forward(cfg, P, A, ffn_in, B, nullptr, "", full);
     ffn_out = std::move(A.ffn_out);
   } else {
     ffn_step(d, P, ffn_in, act, ffn_out);

@@ -84,9 +84,10 @@ struct LayerForward {
   bool drop;                  // dropout applies
   const MaskSource& seed;
   const Emulation<Real>& store;
-  index_t nd;         // N * D
-  double p;           // the dropout probability
-  Tensor<Real>& tmp;  // (B, S, D) scratch for a dropped residual branch, or empty
+  const std::int32_t* routing;  // an MoE layer's replayed choice (N * k), or null
+  index_t nd;                   // N * D
+  double p;                     // the dropout probability
+  Tensor<Real>& tmp;            // (B, S, D) scratch for a dropped residual branch, or empty
 
   // its stages: the attention block (which runs qkv_forward), then the FFN block (ffn_forward)
   void qkv_forward(const Real* attn_in) const;
@@ -263,7 +264,7 @@ void LayerForward<Real>::ffn_block_forward() const {
 
   if (P.moe) {
     profile::Scope stage(Stage::ffn_fc1);
-    moe_block_forward(cfg, P, L, ffn_in, d.N, name, store);
+    moe_block_forward(cfg, P, L, ffn_in, d.N, routing, name, store);
   } else {
     ffn_forward(ffn_in);
   }
@@ -298,7 +299,8 @@ void LayerForward<Real>::ffn_block_forward() const {
 template <class Real>
 void layer_forward(const ModelConfig& cfg, const LayerParams<Real>& P, LayerActs<Real>& L,
                    const Real* x, const Batch& batch, const Dims& d, const std::string& prefix,
-                   bool drop, const MaskSource& seed, const Emulation<Real>& store) {
+                   bool drop, const MaskSource& seed, const Emulation<Real>& store,
+                   const std::int32_t* routing) {
   const index_t nd = d.N * d.D;
   const std::string_view name = std::string_view(prefix).substr(8);  // "layers.{i}."
 
@@ -317,6 +319,7 @@ void layer_forward(const ModelConfig& cfg, const LayerParams<Real>& P, LayerActs
                              .drop = drop,
                              .seed = seed,
                              .store = store,
+                             .routing = routing,
                              .nd = nd,
                              .p = p,
                              .tmp = tmp};
@@ -607,9 +610,10 @@ void layer_backward(const ModelConfig& cfg, const LayerParams<Real>& P, const La
 
 #define TEO_INSTANTIATE(Real)                                                                      \
   template void allocate_layer<Real>(LayerActs<Real>&, const Dims&, ZeroList<Real>*, bool);        \
-  template void layer_forward<Real>(                                                               \
-      const ModelConfig&, const LayerParams<Real>&, LayerActs<Real>&, const Real*, const Batch&,   \
-      const Dims&, const std::string&, bool, const MaskSource&, const Emulation<Real>&);           \
+  template void layer_forward<Real>(const ModelConfig&, const LayerParams<Real>&,                  \
+                                    LayerActs<Real>&, const Real*, const Batch&, const Dims&,      \
+                                    const std::string&, bool, const MaskSource&,                   \
+                                    const Emulation<Real>&, const std::int32_t*);                  \
   template void layer_backward<Real>(const ModelConfig&, const LayerParams<Real>&,                 \
                                      const LayerActs<Real>&, LayerParams<Real>&, LayerActs<Real>&, \
                                      Real*, const Real*, const std::int64_t*, const Dims&,         \

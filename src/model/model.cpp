@@ -78,6 +78,45 @@ void check_replayed_masks(const ModelConfig& cfg, const Batch& batch, const Forw
   }
 }
 
+// ConfigError unless every replayed routing names an MoE layer of cfg and holds, at each position,
+// k distinct experts in [0, E); ShapeError unless it has B * S * k ids. Called before anything
+// changes.
+void check_replayed_routing(const ModelConfig& cfg, const Batch& batch,
+                            const ForwardOptions& opts) {
+  if (!opts.routing || opts.routing->empty()) return;
+  const index_t E = cfg.ffn.moe.num_experts, k = cfg.ffn.moe.num_experts_per_tok;
+  for (const auto& [layer, ids] : *opts.routing) {
+    const std::string name = "the routing replayed at layer " + std::to_string(layer);
+    if (layer < 0 || layer >= cfg.num_layers || !cfg.moe_layer(layer))
+      throw ConfigError(name + ": it is not an MoE layer of this config");
+    const index_t n = batch.batch * batch.seq_len * k;
+    if (static_cast<index_t>(ids.size()) != n) {
+      throw ShapeError(name + " has " + std::to_string(ids.size()) + " ids, expected " +
+                       std::to_string(n) + " [B*S*k]");
+    }
+    for (index_t t = 0; t * k < n; ++t) {
+      for (index_t j = 0; j < k; ++j) {
+        const std::int32_t e = ids[static_cast<std::size_t>(t * k + j)];
+        const auto pos = "(position " + std::to_string(t) + ", slot " + std::to_string(j) + ")";
+        if (e < 0 || e >= E) {
+          throw ConfigError(name + ": expert " + std::to_string(e) + " at " + pos +
+                            " is not in [0, " + std::to_string(E) + ")");
+        }
+        for (index_t i = 0; i < j; ++i)
+          if (ids[static_cast<std::size_t>(t * k + i)] == e)
+            throw ConfigError(name + ": expert " + std::to_string(e) + " twice at " + pos);
+      }
+    }
+  }
+}
+
+// The replayed routing of layer i (ForwardOptions::routing), or null.
+const std::int32_t* routing_of(const ForwardOptions& opts, std::size_t i) {
+  if (!opts.routing) return nullptr;
+  const auto it = opts.routing->find(static_cast<index_t>(i));
+  return it == opts.routing->end() ? nullptr : it->second.data();
+}
+
 // Zero-fills every tensor of the list, in pieces of 64 Ki values spread over the threads (it is
 // all memory traffic, and one thread does not saturate it).
 template <class Real>
@@ -218,6 +257,7 @@ void forward(const Params<Real>& params, const Batch& batch, Activations<Real>& 
   validate_params(params);
   validate_batch(cfg, batch, sizeof(Real));
   check_replayed_masks(cfg, batch, opts);
+  check_replayed_routing(cfg, batch, opts);
   const Dims d = dims_of(cfg, batch);
   const Emulation<Real> store(opts.precision, "", opts.fp8);
   full_precision_only(cfg, opts.precision);
@@ -288,7 +328,7 @@ void run_encoder(const Params<Real>& params, const Batch& batch, Activations<Rea
   for (std::size_t i = 0; i < acts.layers.size(); ++i) {
     layer_forward(cfg, params.layers[i], acts.layers[i], x, batch, d,
                   "dropout.layers." + std::to_string(i) + ".", drop,
-                  MaskSource{opts.dropout_seed, opts.masks}, store);
+                  MaskSource{opts.dropout_seed, opts.masks}, store, routing_of(opts, i));
     x = acts.layers[i].output.data();
   }
   profile::Scope stage(Stage::head);
@@ -349,6 +389,7 @@ void encoder_forward(const Params<Real>& params, const Batch& batch, Activations
   validate_batch(params.config, batch, sizeof(Real));
   validate_activations(params.config, batch, acts);
   check_replayed_masks(params.config, batch, opts);
+  check_replayed_routing(params.config, batch, opts);
   full_precision_only(params.config, opts.precision);
   run_encoder(params, batch, acts, opts, Emulation<Real>(opts.precision, "", opts.fp8));
 }
@@ -572,10 +613,11 @@ void encoder_layer_forward(const ModelConfig& cfg, const LayerParams<Real>& P,
   Batch batch;
   const Dims d = layer_dims(cfg, P, x, lengths, batch);
   check_replayed_masks(cfg, batch, opts);
+  check_replayed_routing(cfg, batch, opts);
   const Emulation<Real> store(opts.precision, "", opts.fp8);
   allocate_layer(L, d, static_cast<ZeroList<Real>*>(nullptr), cfg.moe_layer(0));
   layer_forward(cfg, P, L, x.data(), batch, d, "dropout.layers.0.", opts.train && cfg.dropout > 0.0,
-                MaskSource{opts.dropout_seed, opts.masks}, store);
+                MaskSource{opts.dropout_seed, opts.masks}, store, routing_of(opts, 0));
 }
 
 template <class Real>

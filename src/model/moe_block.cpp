@@ -52,15 +52,15 @@ SharedExpertWeights<Real> shared_of(const LayerParams<Real>& P) {
 
 template <class Real>
 void moe_block_forward(const ModelConfig& cfg, const LayerParams<Real>& P, LayerActs<Real>& L,
-                       const Real* ffn_in, index_t tokens, std::string_view name,
-                       const Emulation<Real>& store) {
+                       const Real* ffn_in, index_t tokens, const std::int32_t* replay,
+                       std::string_view name, const Emulation<Real>& store) {
   const MoeSpec spec = moe_spec(cfg.ffn.moe, cfg.d_model);
   const index_t D = cfg.d_model;
   // each stage rounded where it is complete, named as the layer's moe.<stage>
   const MoeStore<Real> rounded = [&](const char* stage, Real* data, index_t n) {
     store(data, n, name, (std::string("moe.") + stage).c_str());
   };
-  moe_forward(spec, weights_of(P), ffn_in, tokens, nullptr, L.moe, rounded);
+  moe_forward(spec, weights_of(P), ffn_in, tokens, replay, L.moe, rounded);
   put(L.moe_logits, L.moe.logits);
   put(L.moe_topk_weights, L.moe.routing.weights);
   put(L.moe_expert_in, L.moe.expert_in);
@@ -200,9 +200,9 @@ std::vector<std::vector<Real>> moe_losses_backward(const ModelConfig& cfg, const
 }
 
 #define TEO_INSTANTIATE(Real)                                                                      \
-  template void moe_block_forward<Real>(const ModelConfig&, const LayerParams<Real>&,              \
-                                        LayerActs<Real>&, const Real*, index_t, std::string_view,  \
-                                        const Emulation<Real>&);                                   \
+  template void moe_block_forward<Real>(                                                           \
+      const ModelConfig&, const LayerParams<Real>&, LayerActs<Real>&, const Real*, index_t,        \
+      const std::int32_t*, std::string_view, const Emulation<Real>&);                              \
   template void moe_block_backward<Real>(const ModelConfig&, const LayerParams<Real>&,             \
                                          const LayerActs<Real>&, LayerParams<Real>&,               \
                                          LayerActs<Real>&, const Real*, Real*, GradWrite, index_t, \

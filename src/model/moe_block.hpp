@@ -3,6 +3,7 @@
 // routed, and the router's loss terms over every MoE layer's real tokens at once.
 #pragma once
 
+#include <cstdint>
 #include <string_view>
 #include <vector>
 
@@ -13,10 +14,11 @@ namespace teo::detail {
 
 // ffn_out (N, D) = the routed experts' y + the shared experts' output, from ffn_in (N, D); keeps
 // L.moe, the shared experts' tensors and the named moe.* activations (rounded where produced).
+// replay (tokens * k) or null: the experts given (router replay).
 template <class Real>
 void moe_block_forward(const ModelConfig& cfg, const LayerParams<Real>& P, LayerActs<Real>& L,
-                       const Real* ffn_in, index_t tokens, std::string_view name,
-                       const Emulation<Real>& store);
+                       const Real* ffn_in, index_t tokens, const std::int32_t* replay,
+                       std::string_view name, const Emulation<Real>& store);
 
 // From dL.ffn_out: dffn_in (N, D), overwritten or accumulated into as `write` says; the MoE
 // parameters' gradients accumulated into G; dL's moe.* gradients written. dlogits_extra (N, E) or

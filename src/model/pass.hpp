@@ -299,10 +299,12 @@ void allocate_layer(LayerActs<Real>& l, const Dims& d, ZeroList<Real>* zero, boo
 
 // One layer's forward pass: writes every activation of L from its input x (B, S, D); `prefix`
 // ("dropout.layers.{i}.") names its dropout sites, whose masks come from `seed` when `drop`.
+// routing (N * k) or null: an MoE layer's replayed choice (ForwardOptions::routing).
 template <class Real>
 void layer_forward(const ModelConfig& cfg, const LayerParams<Real>& P, LayerActs<Real>& L,
                    const Real* x, const Batch& batch, const Dims& d, const std::string& prefix,
-                   bool drop, const MaskSource& seed, const Emulation<Real>& store);
+                   bool drop, const MaskSource& seed, const Emulation<Real>& store,
+                   const std::int32_t* routing = nullptr);
 
 // Writes dx (B, S, D), the gradient through one layer, given dL.output: dx is overwritten, not
 // read. moe_dlogits (N, E) or null: an MoE layer's loss-term gradient of its router logits. Writes

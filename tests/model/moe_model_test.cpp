@@ -3,6 +3,7 @@
 // that changes nothing real, and the loss terms over the real tokens. The whole model's gradients
 // are in gradient_test.cpp, generation in generate_test.cpp.
 #include <cstring>
+#include <map>
 
 #include <nlohmann/json.hpp>
 
@@ -97,10 +98,20 @@ TEST(MoeConfig, BadKeysAreNamedErrors) {
             "num_experts": 4, "moe_d_ff": 6})");
       },
       "encoder_decoder");
-  // a model case is refused by name until its routing is judged as the moe op's is
+  // a model case takes replay_routing, a boolean, with ffn "moe" only
   nlohmann::json j = moe(2).to_json();
-  j["case"] = {{"batch", 1}, {"seq_len", 4}, {"dtype", "float64"}, {"seed", 1}};
-  test::expect_throw<ConfigError>([&] { golden::Case::from_json(j); }, "moe op case");
+  j["case"] = {{"batch", 1}, {"seq_len", 4}, {"dtype", "float64"}, {"seed", 1u}};
+  EXPECT_FALSE(golden::Case::from_json(j).replay_routing);
+  j["case"]["replay_routing"] = true;
+  const auto c = golden::Case::from_json(j);
+  EXPECT_TRUE(c.replay_routing);
+  EXPECT_EQ(c.case_json().at("replay_routing"), true);
+  j["case"]["replay_routing"] = 1;
+  test::expect_throw<ConfigError>([&] { golden::Case::from_json(j); }, "true or false");
+  nlohmann::json dense = ModelConfig{}.to_json();
+  dense["case"] = {
+      {"batch", 1}, {"seq_len", 4}, {"dtype", "float64"}, {"seed", 1u}, {"replay_routing", true}};
+  test::expect_throw<ConfigError>([&] { golden::Case::from_json(dense); }, "ffn \"moe\"");
 }
 
 // The dense model's FFN weights as expert 0 of a one-expert top-1 model.
@@ -228,6 +239,61 @@ TYPED_TEST(MoeModel, PaddingReachesNothingRealAndTheLossTermsCountRealTokens) {
   backward(p, a, xa, g, d);
   for (index_t s = 3; s < 6; ++s)
     for (index_t k = 0; k < c.d_model; ++k) EXPECT_EQ(d.input[(6 + s) * c.d_model + k], 0);
+}
+
+// Router replay (ForwardOptions::routing): a model fed its own routing computes the same bits;
+// fed another, its experts follow it; a bad routing is a named error that changes nothing.
+TEST(MoeReplay, ReplayedRoutingIsOwnRoutingBitForBitAndBadRoutingIsNamed) {
+  ModelConfig c = moe(3);
+  c.ffn.moe.first_dense_layers = 1;  // layer 0 is dense
+  const auto p = Params<double>::init(c, 5);
+  const Batch b = Batch::random(c, 2, 5, 6, {5, 3});
+  Activations<double> own, fed;
+  forward(p, b, own, {.train = false});
+  std::map<index_t, std::vector<std::int32_t>> r;
+  for (index_t i : {1, 2}) r[i] = own.layers[static_cast<std::size_t>(i)].moe.routing.ids;
+  forward(p, b, fed, {.train = false, .routing = &r});
+  own.visit([&](const std::string& n, const Tensor<double>& t) {
+    const Tensor<double>* f = nullptr;
+    fed.visit([&](const std::string& m, const Tensor<double>& u) {
+      if (m == n) f = &u;
+    });
+    ASSERT_NE(f, nullptr) << n;
+    ASSERT_EQ(t.numel(), f->numel()) << n;
+    EXPECT_EQ(
+        std::memcmp(t.data(), f->data(), static_cast<std::size_t>(t.numel()) * sizeof(double)), 0)
+        << n;
+  });
+  // another routing is followed: position 0 of layer 2 sent to the experts it did not choose
+  auto other = r;
+  auto& ids = other[2];
+  std::vector<std::int32_t> unchosen;
+  for (std::int32_t e = 0; e < 4; ++e)
+    if (e != ids[0] && e != ids[1]) unchosen.push_back(e);
+  ids[0] = unchosen[0];
+  ids[1] = unchosen[1];
+  Activations<double> moved;
+  forward(p, b, moved, {.train = false, .routing = &other});
+  EXPECT_EQ(moved.layers[2].moe.routing.ids, ids);
+  EXPECT_NE(moved.layers[2].output[0], own.layers[2].output[0]);
+  EXPECT_EQ(moved.layers[1].output[0], own.layers[1].output[0]);
+  // named errors, and the activations as they were
+  const auto refused = [&](std::map<index_t, std::vector<std::int32_t>> bad, auto error,
+                           const char* says) {
+    Activations<double> kept = moved;
+    test::expect_throw<decltype(error)>(
+        [&] { forward(p, b, kept, {.train = false, .routing = &bad}); }, says);
+    EXPECT_EQ(kept.layers[2].output[0], moved.layers[2].output[0]);
+  };
+  refused({{0, r[1]}}, ConfigError(""), "not an MoE layer");
+  refused({{7, r[1]}}, ConfigError(""), "not an MoE layer");
+  refused({{1, std::vector<std::int32_t>(3, 0)}}, ShapeError(""), "B*S*k");
+  auto out_of_range = r;
+  out_of_range[1][4] = 4;
+  refused(out_of_range, ConfigError(""), "not in [0, 4)");
+  auto twice = r;
+  twice[1][1] = twice[1][0];
+  refused(twice, ConfigError(""), "twice");
 }
 
 }  // namespace

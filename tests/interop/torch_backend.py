@@ -165,6 +165,16 @@ CONFIG_DEFAULTS = {
     "type_vocab_size": None, "embedding_norm": False, "pooler": "none", "padding_idx": None,
     # ViT's patch input (docs/semantics.md, section 18.5)
     "input": "tokens", "image_size": None, "patch_size": None, "channels": None,
+    # mixtures of experts (docs/semantics.md, section 19)
+    "num_experts": None, "num_experts_per_tok": 1, "moe_d_ff": None,
+    "router_scoring": "softmax", "router_order": "score_then_topk",
+    "router_groups": 1, "topk_groups": 1, "group_score": "top2_sum",
+    "norm_topk_prob": False, "routed_scaling_factor": 1.0,
+    "router_bias": False, "selection_bias": False, "expert_kind": "swiglu",
+    "swiglu_alpha": 1.702, "swiglu_limit": 7.0, "expert_bias": False,
+    "weight_at": "output", "shared_d_ff": 0, "shared_expert_gate": False,
+    "first_dense_layers": 0, "moe_every": 1, "router_aux_loss_coef": 0.0,
+    "router_z_loss_coef": 0.0,
 }
 TORCH_DTYPES = {"float32": torch.float32, "float64": torch.float64}
 
@@ -238,6 +248,30 @@ def patch_grid(cfg):
     return cfg["image_size"] // cfg["patch_size"]
 
 
+def is_moe_layer(cfg, i):
+    """Hugging Face's rule: layer i is sparse when i >= first_k_dense_replace
+    and (i + 1) % decoder_sparse_step == 0."""
+    return cfg["ffn"] == "moe" and i >= cfg["first_dense_layers"] \
+        and (i + 1) % cfg["moe_every"] == 0
+
+
+def moe_param_names(cfg, p):
+    names = [p + "moe.gate.weight"]
+    if cfg["router_bias"]:
+        names.append(p + "moe.gate.bias")
+    if cfg["selection_bias"]:
+        names.append(p + "moe.gate.e_score_correction_bias")
+    for w in ("gate", "up", "down"):
+        names.append(p + "moe.experts.w_" + w)
+        if cfg["expert_bias"]:
+            names.append(p + "moe.experts.b_" + w)
+    if cfg["shared_d_ff"]:
+        names += [p + "moe.shared.%s.weight" % n for n in ("gate", "fc1", "fc2")]
+        if cfg["shared_expert_gate"]:
+            names.append(p + "moe.shared_gate.weight")
+    return names
+
+
 def param_names(cfg):
     names = ["embedding.weight"]
     if is_patches(cfg):  # a Conv2d's weight (D, Ch, P, P) and bias, and [CLS]
@@ -262,6 +296,9 @@ def param_names(cfg):
             names += [p + n + ".weight"]
             if cfg["norm"] == "layernorm":
                 names += [p + n + ".bias"]
+        if is_moe_layer(cfg, i):
+            names += moe_param_names(cfg, p)
+            continue
         for n in (("ffn.gate", "ffn.fc1", "ffn.fc2") if cfg["ffn"] != "mlp"
                   else ("ffn.fc1", "ffn.fc2")):
             names += [p + n + ".weight"]
@@ -345,6 +382,21 @@ MUTANTS = {
     "cross_attn_keys_from_decoder": "cross-attention keys and values from the "
                                     "decoder's stream, not the encoder's output",
     "memory_padding_ignored": "cross-attention without the source padding mask",
+    # a mixture of experts' (tests/interop/moe_models.sh)
+    "moe_correction_in_weights": "DeepSeek-V3's correction bias added to the "
+                                 "weights too, not only to the choice",
+    "moe_norm_topk_ignored": "norm_topk_prob ignored",
+    "moe_softmax_over_all": "gpt-oss's weights a softmax over all experts, "
+                            "not over the k chosen",
+    "moe_group_max": "groups scored by their best expert, not their top two",
+    "moe_shared_fed_output": "the shared expert fed the routed experts' output, "
+                             "not the layer's input",
+    "moe_unpermute_wrong": "the experts' rows put back by the sorted index, "
+                           "not its inverse",
+    "moe_weight_at_output": "Llama 4's routing weight applied at the expert's "
+                            "output, not its input",
+    "moe_aux_per_token": "the load-balancing loss's f_e counted per token, not "
+                         "per (token, slot)",
 }
 
 
@@ -424,6 +476,30 @@ def variant_problem(variant, cfg, tensors):
                 cfg["activation"] == "gelu" and L > 0 and len(lengths) > 0,
                 "exact GELU, a layer and a batch"),
         }
+        moe = cfg["ffn"] == "moe" and len(lengths) > 0
+        needs.update({
+            "moe_correction_in_weights": (moe and cfg["selection_bias"],
+                                          "a correction bias"),
+            "moe_norm_topk_ignored": (moe and cfg["norm_topk_prob"]
+                                      and cfg["num_experts_per_tok"] > 1,
+                                      "norm_topk_prob and k > 1"),
+            "moe_softmax_over_all": (
+                moe and cfg["router_order"] == "topk_then_score"
+                and cfg["router_scoring"] == "softmax",
+                "topk_then_score softmax"),
+            "moe_group_max": (moe and cfg["router_groups"] > 1
+                              and cfg["group_score"] == "top2_sum",
+                              "top2_sum groups"),
+            "moe_shared_fed_output": (moe and cfg["shared_d_ff"] > 0,
+                                      "shared experts"),
+            "moe_unpermute_wrong": (moe and cfg["num_experts"] > 1,
+                                    "two or more experts"),
+            "moe_weight_at_output": (moe and cfg["weight_at"] == "input",
+                                     "weight_at input"),
+            "moe_aux_per_token": (moe and cfg["router_aux_loss_coef"] > 0
+                                  and cfg["num_experts_per_tok"] > 1,
+                                  "the load-balancing loss and k > 1"),
+        })
         applies, needed = needs[variant.mutant]
         if not applies:
             return "mutant %s needs %s" % (variant.mutant, needed)
@@ -763,6 +839,9 @@ def encoder_layer(x, i, cfg, P, visible, drop, acts, variant=AS_GOLDEN,
     else:
         ffn_in = acts[p + "norm1"] = norm(residual1, p + "norm1", P, cfg)
         base = ffn_in
+    if is_moe_layer(cfg, i):
+        return moe_layer_end(x, ffn_in, base, i, cfg, P, acts, linear,
+                             variant.mutant)
     ffn_pre = linear(ffn_in, P[p + "ffn.fc1.weight"], P.get(p + "ffn.fc1.bias"))
     if cfg["ffn"] != "mlp":
         # LLaMA's MLP: down(act(gate(x)) * up(x)), act silu (swiglu) or gelu
@@ -786,6 +865,159 @@ def encoder_layer(x, i, cfg, P, visible, drop, acts, variant=AS_GOLDEN,
                  p + "ffn_out": ffn_out, p + "residual2": residual2,
                  p + "output": output})
     return output
+
+
+def route(cfg, logits):
+    """A router's choice (N, k), its weights (N, k), from logits (N, E),
+    written from the Hugging Face routers' documented behaviour: scores in
+    float32 at least, the correction bias for choosing only, group-limited
+    choice, ties to the lower index (a stable descending sort)."""
+    E, k = cfg["num_experts"], cfg["num_experts_per_tok"]
+    work = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    lw = logits.to(work)
+    sigmoid = cfg["router_scoring"] == "sigmoid"
+    first = cfg["router_order"] == "score_then_topk"
+    scores = (torch.sigmoid(lw) if sigmoid else torch.softmax(lw, -1)) \
+        if first else lw
+    sel = scores.detach().clone()
+    mutant = cfg["_mutant"]
+    if cfg["_correction"] is not None:
+        sel = sel + cfg["_correction"].detach().to(work)
+        if mutant == "moe_correction_in_weights":
+            scores = scores + cfg["_correction"].detach().to(work)
+    G = cfg["router_groups"]
+    if G > 1:
+        g = sel.view(-1, G, E // G)
+        if cfg["group_score"] == "max" or mutant == "moe_group_max":
+            gs = g.max(-1).values
+        else:
+            gs = torch.sort(g, dim=-1, descending=True, stable=True).values[..., :2].sum(-1)
+        keep = torch.sort(gs, dim=-1, descending=True, stable=True).indices[:, :cfg["topk_groups"]]
+        mask = torch.zeros_like(gs, dtype=torch.bool).scatter_(1, keep, True)
+        sel = sel.masked_fill(~mask.repeat_interleave(E // G, 1), -math.inf)
+    ids = torch.sort(sel, dim=-1, descending=True, stable=True).indices[:, :k]
+    if first:
+        w = scores.gather(1, ids)
+    else:
+        chosen = lw.gather(1, ids)
+        w = torch.sigmoid(chosen) if sigmoid else torch.softmax(chosen, -1)
+        if mutant == "moe_softmax_over_all":
+            w = torch.softmax(lw, -1).gather(1, ids)
+    if cfg["norm_topk_prob"] and mutant != "moe_norm_topk_ignored":
+        w = w / w.sum(-1, keepdim=True)
+    w = w * cfg["routed_scaling_factor"]
+    return ids, w.to(logits.dtype), lw
+
+
+def moe_layer_end(x, ffn_in, base, i, cfg, P, acts, linear, mutant=None):
+    """An MoE layer's FFN (docs/semantics.md, 19.2-19.4) and the rest of the
+    layer: every position routed, the (position, slot) pairs sorted by
+    expert, stably; each expert over its rows; the shared experts added."""
+    B, S, D = ffn_in.shape
+    E, k = cfg["num_experts"], cfg["num_experts_per_tok"]
+    p = "layers.%d." % i
+    m = p + "moe."
+    h = ffn_in.reshape(B * S, D)
+    cfg = dict(cfg, _correction=P.get(m + "gate.e_score_correction_bias"),
+               _mutant=mutant)
+    logits = linear(h, P[m + "gate.weight"], P.get(m + "gate.bias"))
+    ids, w, _ = route(cfg, logits)
+    pairs = ids.reshape(-1)
+    order = torch.sort(pairs, dim=0, stable=True).indices  # rows: pair indices
+    counts = torch.bincount(pairs, minlength=E)
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), counts.cumsum(0)])
+    token = order // k
+    x_rows = h[token]
+    at_input = cfg["weight_at"] == "input" and mutant != "moe_weight_at_output"
+    if at_input:
+        x_rows = x_rows * w.reshape(-1)[order][:, None]
+    outs, hiddens = [], []
+    for e in range(E):
+        a, b = int(offsets[e]), int(offsets[e + 1])
+        xe = x_rows[a:b]
+        gate = linear(xe, P[m + "experts.w_gate"][e],
+                      P[m + "experts.b_gate"][e] if cfg["expert_bias"] else None)
+        up = linear(xe, P[m + "experts.w_up"][e],
+                    P[m + "experts.b_up"][e] if cfg["expert_bias"] else None)
+        if cfg["expert_kind"] == "clamped_swiglu":
+            lim = cfg["swiglu_limit"]
+            g = gate.clamp(max=lim)
+            u = up.clamp(min=-lim, max=lim)
+            hid = (u + 1) * g * torch.sigmoid(cfg["swiglu_alpha"] * g)
+        else:
+            hid = F.silu(gate) * up
+        hiddens.append(hid)
+        outs.append(linear(hid, P[m + "experts.w_down"][e],
+                           P[m + "experts.b_down"][e] if cfg["expert_bias"] else None))
+    expert_out = torch.cat(outs)
+    # back to (position, slot) order, then the slots summed in order
+    back = torch.empty_like(expert_out)
+    if mutant == "moe_unpermute_wrong":
+        back = expert_out[order].reshape(B * S, k, D)
+    else:
+        back = back.index_copy(0, order, expert_out).reshape(B * S, k, D)
+    if at_input:
+        terms = back
+    else:
+        terms = back * w[:, :, None]
+    y = terms[:, 0]
+    for j in range(1, k):
+        y = y + terms[:, j]
+    acts.update({m + "logits": logits.reshape(B, S, E),
+                 m + "topk_ids": ids.reshape(B, S, k).to(torch.int32),
+                 m + "topk_weights": w.reshape(B, S, k),
+                 m + "expert_offsets": offsets.to(torch.int32),
+                 m + "source_rows": order.to(torch.int32),
+                 m + "expert_in": x_rows, m + "expert_hidden": torch.cat(hiddens),
+                 m + "expert_out": expert_out})
+    if cfg["shared_d_ff"]:
+        if mutant == "moe_shared_fed_output":
+            h = y
+        raw = linear(F.silu(linear(h, P[m + "shared.gate.weight"], None))
+                     * linear(h, P[m + "shared.fc1.weight"], None),
+                     P[m + "shared.fc2.weight"], None)
+        if cfg["shared_expert_gate"]:
+            raw = torch.sigmoid(linear(h, P[m + "shared_gate.weight"], None)) * raw
+        acts[m + "shared_out"] = raw.reshape(B, S, D)
+        y = y + raw
+    ffn_out = y.reshape(B, S, D)
+    residual2 = base + ffn_out
+    if cfg["norm_first"]:
+        output = residual2
+    else:
+        output = acts[p + "norm2"] = norm(residual2, p + "norm2", P, cfg)
+    acts.update({p + "ffn_out": ffn_out, p + "residual2": residual2,
+                 p + "output": output})
+    return output
+
+
+def moe_losses(cfg, acts, lengths, S, mutant=None):
+    """The load-balancing and z losses over every MoE layer's real tokens,
+    concatenated in layer order (Hugging Face's load_balancing_loss_func,
+    ST-MoE's z-loss): (aux, z), None for a term that is off."""
+    real = (torch.arange(S)[None, :] < lengths[:, None]).reshape(-1)
+    logits, ids = [], []
+    for i in range(cfg["num_layers"]):
+        if is_moe_layer(cfg, i):
+            m = "layers.%d.moe." % i
+            logits.append(acts[m + "logits"].reshape(-1, cfg["num_experts"])[real])
+            ids.append(acts[m + "topk_ids"].reshape(-1, cfg["num_experts_per_tok"])[real])
+    lg = torch.cat(logits)
+    work = torch.float64 if lg.dtype == torch.float64 else torch.float32
+    lw, E = lg.to(work), cfg["num_experts"]
+    T = lw.shape[0]
+    aux = z = None
+    if cfg["router_aux_loss_coef"]:
+        if T == 0:
+            aux = lw.sum() * 0
+        else:
+            f = torch.bincount(torch.cat(ids).reshape(-1).long(), minlength=E).to(work) / T
+            if mutant == "moe_aux_per_token":
+                f = f / cfg["num_experts_per_tok"]
+            aux = E * (f * torch.softmax(lw, -1).mean(0)).sum()
+    if cfg["router_z_loss_coef"]:
+        z = (torch.logsumexp(lw, -1) ** 2).mean() if T else lw.sum() * 0
+    return aux, z
 
 
 def pool(top, lengths, kind):
@@ -1189,8 +1421,16 @@ def run_case(cfg, case, tensors, variant=AS_GOLDEN):
     if cfg["architecture"] == "decoder":
         w = P["embedding.weight"] if cfg["tie_embeddings"] else P["lm_head.weight"]
         lm_logits = acts["lm_logits"] = variant.linear(x, w, P.get("lm_head.bias"))
-        loss = acts["loss"] = lm_loss_fn(lm_logits, tokens, lengths,
-                                         cfg["label_smoothing"])
+        loss = lm_loss_fn(lm_logits, tokens, lengths, cfg["label_smoothing"])
+        if cfg["ffn"] == "moe":
+            aux, z = moe_losses(cfg, acts, lengths, S, variant.mutant)
+            if aux is not None:
+                acts["moe_aux_loss"] = aux.to(dtype)
+                loss = loss + cfg["router_aux_loss_coef"] * acts["moe_aux_loss"]
+            if z is not None:
+                acts["moe_z_loss"] = z.to(dtype)
+                loss = loss + cfg["router_z_loss_coef"] * acts["moe_z_loss"]
+        acts["loss"] = loss
     elif variant.mutant == "mean_pool_padding":
         pooled = pool(x, torch.full_like(lengths, S), cfg["pooling"])
     else:
@@ -1260,7 +1500,8 @@ def required_act_names(cfg):
         p = "layers.%d." % i
         names += [p + n for n in (
             "norm1", "q", "k", "v", "scores", "probs", "context", "attn_out",
-            "residual1", "norm2", "ffn_hidden", "ffn_out", "output")]
+            "residual1", "norm2", "ffn_hidden", "ffn_out", "output")
+            if n != "ffn_hidden" or not is_moe_layer(cfg, i)]
         if cfg["positional"] == "rope":
             names += [p + "q_rot", p + "k_rot"]
     if cfg["norm_first"]:
@@ -1477,6 +1718,8 @@ def process(path, out_dir, check, variant=AS_GOLDEN):
         else:
             missing.append("act." + n)
     for n in (sorted(param_grads) if seq2seq else param_names(cfg)):
+        if n.endswith(".e_score_correction_bias"):
+            continue  # it chooses only: no gradient in the contract
         out["grad." + n] = to_numpy(param_grads[n])
     for n in gact_names:
         if n in act_grads:
@@ -1495,7 +1738,8 @@ def process(path, out_dir, check, variant=AS_GOLDEN):
             "backend": "pytorch %s" % torch.__version__}
     if variant != AS_GOLDEN:
         meta["variant"] = json.dumps(dataclasses.asdict(variant))
-    st_dtypes = {n: "BF16" for n in out} if dtype == torch.bfloat16 else None
+    st_dtypes = {n: "BF16" for n, a in out.items() if a.dtype == np.uint16} \
+        if dtype == torch.bfloat16 else None
     st_write(os.path.join(out_dir, name), out, meta, st_dtypes)
 
 

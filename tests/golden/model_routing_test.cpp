@@ -46,18 +46,18 @@ using teo::golden::test_support::result;
 
 using Routing = std::map<index_t, std::vector<std::int32_t>>;
 
-// The MoE model cases of tests/golden/moe_model_cases.json (the families' shapes, a generation
-// stream, a replay case, bf16 and fp8 precision cases), generated in memory once, by name.
+// The committed MoE model cases (golden/cases.json's with ffn "moe": the families' shapes, a
+// generation stream, a replay case, bf16 and fp8 precision cases), read once, by name.
 const std::map<std::string, st::File>& moe_corpus() {
   static const std::map<std::string, st::File> out = [] {
     std::map<std::string, st::File> m;
-    std::ifstream in(fs::path(TEO_SOURCE_DIR) / "tests" / "golden" / "moe_model_cases.json");
+    const fs::path root = fs::path(TEO_SOURCE_DIR) / "golden";
+    std::ifstream in(root / "cases.json");
     const json all = json::parse(in);
-    for (json c : all.at("cases")) {
+    for (const json& c : all.at("cases")) {
+      if (c.value("ffn", "") != "moe") continue;
       const std::string name = c.at("name");
-      c.erase("name");
-      c.erase("description");
-      m.emplace(name, golden::make(golden::Case::from_json(c)));
+      m.emplace(name, st::read((root / (name + ".safetensors")).string()));
     }
     return m;
   }();

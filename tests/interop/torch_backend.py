@@ -867,11 +867,12 @@ def encoder_layer(x, i, cfg, P, visible, drop, acts, variant=AS_GOLDEN,
     return output
 
 
-def route(cfg, logits):
+def route(cfg, logits, given=None):
     """A router's choice (N, k), its weights (N, k), from logits (N, E),
     written from the Hugging Face routers' documented behaviour: scores in
     float32 at least, the correction bias for choosing only, group-limited
-    choice, ties to the lower index (a stable descending sort)."""
+    choice, ties to the lower index (a stable descending sort). `given`
+    (N, k): a replayed choice, which the weights then follow."""
     E, k = cfg["num_experts"], cfg["num_experts_per_tok"]
     work = torch.float64 if logits.dtype == torch.float64 else torch.float32
     lw = logits.to(work)
@@ -896,6 +897,8 @@ def route(cfg, logits):
         mask = torch.zeros_like(gs, dtype=torch.bool).scatter_(1, keep, True)
         sel = sel.masked_fill(~mask.repeat_interleave(E // G, 1), -math.inf)
     ids = torch.sort(sel, dim=-1, descending=True, stable=True).indices[:, :k]
+    if given is not None:
+        ids = given
     if first:
         w = scores.gather(1, ids)
     else:
@@ -921,7 +924,7 @@ def moe_layer_end(x, ffn_in, base, i, cfg, P, acts, linear, mutant=None):
     cfg = dict(cfg, _correction=P.get(m + "gate.e_score_correction_bias"),
                _mutant=mutant)
     logits = linear(h, P[m + "gate.weight"], P.get(m + "gate.bias"))
-    ids, w, _ = route(cfg, logits)
+    ids, w, _ = route(cfg, logits, cfg.get("_routing", {}).get(i))
     pairs = ids.reshape(-1)
     order = torch.sort(pairs, dim=0, stable=True).indices  # rows: pair indices
     counts = torch.bincount(pairs, minlength=E)
@@ -1336,6 +1339,13 @@ def run_case(cfg, case, tensors, variant=AS_GOLDEN):
         cfg = dict(cfg, layer_norm_eps=1e-6)
     B, S = lengths.shape[0], seq_len(cfg, tensors)
     D = cfg["d_model"]
+    # router replay: a golden's given routing (input.layers.{i}.moe.topk_ids)
+    # is used instead of this backend's own choice
+    cfg = dict(cfg, _routing={
+        int(key.split(".")[2]): torch.from_numpy(
+            tensors[key].astype(np.int64)).reshape(-1, cfg["num_experts_per_tok"])
+        for key in tensors if key.startswith("input.layers.")
+        and key.endswith(".moe.topk_ids")})
 
     P = {}
     for name in param_names(cfg):

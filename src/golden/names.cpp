@@ -38,18 +38,26 @@ std::pair<std::string, std::string> generic(const std::string& name) {
   return {name, ""};
 }
 
-std::string with_index(std::string pattern, const std::string& i) {
-  const auto at = pattern.find("{i}");
+std::string with_index(std::string pattern, const std::string& i, const char* field = "{i}") {
+  const auto at = pattern.find(field);
   if (at != std::string::npos) pattern.replace(at, 3, i);
   return pattern;
 }
 
-// A parameter of the contract with its rule and checkpoint name.
+std::int64_t numel(const std::vector<std::int64_t>& s) {
+  std::int64_t n = 1;
+  for (auto d : s) n *= d;
+  return n;
+}
+
+// A parameter of the contract, or one expert's slice of it, with its rule and checkpoint name.
 struct Placed {
   std::string teo;
-  std::vector<std::int64_t> shape;  // teo's
+  std::vector<std::int64_t> shape;  // teo's: the parameter's, or an expert's slice of it
   const Rule* rule;
   std::string checkpoint;
+  std::int64_t offset = 0;         // of the slice in the parameter (elements)
+  std::vector<std::int64_t> full;  // the parameter's shape
 };
 
 std::vector<Placed> place(const NameMap& map, const ModelConfig& cfg) {
@@ -63,11 +71,27 @@ std::vector<Placed> place(const NameMap& map, const ModelConfig& cfg) {
       throw ConfigError("name map " + map.family + " has no rule for teo's parameter " + spec.name +
                         ": this config is not a " + map.family + " model");
     }
-    if (static_cast<std::size_t>(it->second->dim) >= spec.shape.size()) {
+    const std::string checkpoint = with_index(it->second->checkpoint, i);
+    // "{e}": a checkpoint tensor per expert, each the parameter's slice e along dimension 0
+    const bool per_expert = checkpoint.find("{e}") != std::string::npos;
+    if (per_expert && spec.shape.size() < 2) {
+      throw ConfigError("name map " + map.family + " reads " + spec.name +
+                        " per expert ({e}), but it is not a stack of the experts' tensors");
+    }
+    const std::vector<std::int64_t> slice(spec.shape.begin() + (per_expert ? 1 : 0),
+                                          spec.shape.end());
+    if (static_cast<std::size_t>(it->second->dim) >= slice.size()) {
       throw ConfigError("name map " + map.family + " splits " + spec.name + " along dimension " +
                         std::to_string(it->second->dim) + ", which it does not have");
     }
-    out.push_back({spec.name, spec.shape, it->second, with_index(it->second->checkpoint, i)});
+    if (!per_expert) {
+      out.push_back({spec.name, slice, it->second, checkpoint, 0, spec.shape});
+      continue;
+    }
+    for (std::int64_t e = 0; e < spec.shape[0]; ++e) {
+      out.push_back({spec.name, slice, it->second, with_index(checkpoint, std::to_string(e), "{e}"),
+                     e * numel(slice), spec.shape});
+    }
   }
   // The parameters that share a checkpoint tensor are its equal slices, each once: the same
   // shape, transposition, dimension and number of parts, and every part 0 .. parts - 1.
@@ -353,14 +377,14 @@ Params<Real> params_from_checkpoint(const st::File& checkpoint, const NameMap& m
     if (it == widened.end()) it = widened.emplace(t->name, t->float_values()).first;
     const std::vector<double>& v = it->second;
     Tensor<Real>& dst = *by_name.at(p.teo);
-    for (std::int64_t e = 0; e < dst.numel(); ++e) {
+    for (std::int64_t e = 0; e < numel(p.shape); ++e) {
       const double x = v[static_cast<std::size_t>(checkpoint_index(p, e))];
       const Real r = static_cast<Real>(x);
       if (static_cast<double>(r) != x && !std::isnan(x)) {
         throw FormatError("checkpoint tensor " + t->name + " holds " + std::to_string(x) +
                           ", which float32 cannot hold exactly: make the case float64");
       }
-      dst[e] = r;
+      dst[p.offset + e] = r;
     }
   }
   return seeded;
@@ -524,14 +548,12 @@ st::File checkpoint_of(const st::File& golden, const NameMap& map) {
       order.push_back(p.checkpoint);
       it->second.shape = checkpoint_shape(p);
       it->second.dtype = t->dtype;
-      std::int64_t n = 1;
-      for (auto d : it->second.shape) n *= d;
-      it->second.bytes.assign(static_cast<std::size_t>(n) * size, 0);
+      it->second.bytes.assign(static_cast<std::size_t>(numel(it->second.shape)) * size, 0);
     }
     const auto src = t->data();
-    for (std::int64_t e = 0; e < t->numel(); ++e) {
+    for (std::int64_t e = 0; e < numel(p.shape); ++e) {
       std::memcpy(it->second.bytes.data() + static_cast<std::size_t>(checkpoint_index(p, e)) * size,
-                  src.data() + static_cast<std::size_t>(e) * size, size);
+                  src.data() + static_cast<std::size_t>(p.offset + e) * size, size);
     }
   }
   st::File f;
@@ -549,6 +571,17 @@ st::File candidate_in_teo_names(const st::File& candidate, const NameMap& map,
   st::File out;
   out.metadata = candidate.metadata;
   std::set<std::string> used;
+  // role + teo name -> the parameter assembled from its slices (one, or one per expert)
+  struct Assembled {
+    st::DType dtype;
+    std::vector<std::int64_t> shape;
+    std::vector<unsigned char> bytes;
+    std::int64_t parts = 0;
+  };
+  std::vector<std::string> order;
+  std::map<std::string, Assembled> assembled;
+  std::map<std::string, std::int64_t> slices;  // teo name -> its placed slices
+  for (const auto& p : placed) ++slices[p.teo];
   for (const auto& p : placed) {
     for (const char* role : {"grad.", "param."}) {
       const st::Tensor* t = find_in(candidate, map, p.checkpoint, role);
@@ -560,16 +593,33 @@ st::File candidate_in_teo_names(const st::File& candidate, const NameMap& map,
       }
       used.insert(t->name);
       const std::size_t size = st::dtype_size(t->dtype);
-      std::int64_t n = 1;
-      for (auto d : p.shape) n *= d;
-      std::vector<unsigned char> bytes(static_cast<std::size_t>(n) * size);
+      const std::string name = role + p.teo;
+      auto [it, fresh] = assembled.try_emplace(name);
+      Assembled& a = it->second;
+      if (fresh) {
+        order.push_back(name);
+        a.dtype = t->dtype;
+        a.shape = p.full;
+        a.bytes.assign(static_cast<std::size_t>(numel(p.full)) * size, 0);
+      } else if (a.dtype != t->dtype) {
+        throw FormatError("candidate tensor " + t->name + " is " + st::dtype_name(t->dtype) +
+                          ", another expert's slice of teo's " + name + " is " +
+                          st::dtype_name(a.dtype));
+      }
+      ++a.parts;
       const auto src = t->data();
-      for (std::int64_t e = 0; e < n; ++e) {
-        std::memcpy(bytes.data() + static_cast<std::size_t>(e) * size,
+      for (std::int64_t e = 0; e < numel(p.shape); ++e) {
+        std::memcpy(a.bytes.data() + static_cast<std::size_t>(p.offset + e) * size,
                     src.data() + static_cast<std::size_t>(checkpoint_index(p, e)) * size, size);
       }
-      out.add(std::string(role) + p.teo, t->dtype, p.shape, bytes.data(), bytes.size());
     }
+  }
+  for (const auto& name : order) {
+    const Assembled& a = assembled.at(name);
+    // a parameter some of whose experts the candidate lacks is missing, not partly zero
+    const auto dot = name.find('.');
+    if (a.parts == slices.at(name.substr(dot + 1)))
+      out.add(name, a.dtype, a.shape, a.bytes.data(), a.bytes.size());
   }
   for (const auto& t : candidate.tensors)
     if (!used.contains(t.name)) out.add(t.name, t.dtype, t.shape, t.data().data(), t.data().size());

@@ -100,7 +100,8 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(Family{"hf-bert", "bert_f64"}, Family{"hf-bert", "bert_f32"},
                       Family{"hf-roberta", "roberta_f64"}, Family{"hf-gpt2", "gpt2_pre_tied_f64"},
                       Family{"hf-llama", "llama_block_f32"}, Family{"hf-vit", "vit_f64"},
-                      Family{"hf-vit", "vit_f32"}),
+                      Family{"hf-vit", "vit_f32"}, Family{"hf-mixtral", "moe_mixtral_f64"},
+                      Family{"hf-mixtral", "moe_mixtral_f32"}),
     [](const auto& info) {
       std::string s = std::string(info.param.map) + "_" + info.param.golden;
       for (char& c : s)
@@ -130,6 +131,50 @@ TEST(Names, Gpt2FusedQkvIsTheTransposedColumnThirds) {
             << parts[part] << " " << r << " " << c;
   }
   EXPECT_EQ(ckpt.find("lm_head.weight"), nullptr) << "GPT-2's head is tied: not written";
+}
+
+// Mixtral stores each expert's Linear layers on their own ({e}): expert e's w1, w3 and w2 are
+// slice e of teo's stacked w_gate, w_up and w_down; a candidate's per-expert gradients are stacked
+// back, and one with an expert missing leaves the parameter's gradient missing, not partly zero.
+TEST(Names, MixtralExpertsAreTheStacksSlices) {
+  const auto map = names::NameMap::load("hf-mixtral");
+  const st::File& g = committed("moe_mixtral_f64");
+  const auto cfg = golden::case_of(g).config;
+  const st::File ckpt = names::checkpoint_of(g, map);
+  const std::int64_t E = cfg.ffn.moe.num_experts, Fe = cfg.ffn.moe.moe_d_ff, D = cfg.d_model;
+  const std::pair<const char*, const char*> stacks[] = {
+      {"w_gate", "w1"}, {"w_up", "w3"}, {"w_down", "w2"}};
+  for (const auto& [teo_name, hf] : stacks) {
+    const auto stack = g.find(std::string("param.layers.1.moe.experts.") + teo_name);
+    ASSERT_NE(stack, nullptr) << teo_name;
+    const auto v = stack->float_values();
+    for (std::int64_t e = 0; e < E; ++e) {
+      const auto* t = ckpt.find("model.layers.1.block_sparse_moe.experts." + std::to_string(e) +
+                                "." + hf + ".weight");
+      ASSERT_NE(t, nullptr) << hf << " " << e;
+      EXPECT_EQ(t->numel(), Fe * D);
+      const auto w = t->float_values();
+      for (std::int64_t n = 0; n < Fe * D; ++n)
+        ASSERT_EQ(w[static_cast<std::size_t>(n)], v[static_cast<std::size_t>(e * Fe * D + n)])
+            << hf << " " << e << " " << n;
+    }
+  }
+  // a candidate's gradients under the checkpoint's names, as transformers names them
+  st::File cand;
+  for (const auto& t : ckpt.tensors)
+    cand.add("grad." + t.name, t.dtype, t.shape, t.data().data(), t.data().size());
+  const st::File renamed = names::candidate_in_teo_names(cand, map, cfg);
+  const auto* w_up = renamed.find("grad.layers.1.moe.experts.w_up");
+  ASSERT_NE(w_up, nullptr);
+  EXPECT_EQ(w_up->shape, (std::vector<std::int64_t>{E, Fe, D}));
+  EXPECT_EQ(w_up->float_values(), g.find("param.layers.1.moe.experts.w_up")->float_values());
+  st::File partial;
+  for (const auto& t : cand.tensors)
+    if (t.name != "grad.model.layers.1.block_sparse_moe.experts.2.w3.weight")
+      partial.add(t.name, t.dtype, t.shape, t.data().data(), t.data().size());
+  const st::File some = names::candidate_in_teo_names(partial, map, cfg);
+  EXPECT_EQ(some.find("grad.layers.1.moe.experts.w_up"), nullptr);
+  EXPECT_NE(some.find("grad.layers.1.moe.experts.w_gate"), nullptr);
 }
 
 // ViT's cls_token (1, 1, D) and position_embeddings (1, S, D) carry leading dimensions of size 1
@@ -354,8 +399,8 @@ TEST(Names, MapFilesAreCheckedAndUnknownFamiliesSuggested) {
             }).find("m.json: \"format\""),
             std::string::npos);
   const auto fams = names::NameMap::builtin_families();
-  EXPECT_EQ(fams,
-            (std::vector<std::string>{"hf-bert", "hf-roberta", "hf-gpt2", "hf-llama", "hf-vit"}));
+  EXPECT_EQ(fams, (std::vector<std::string>{"hf-bert", "hf-roberta", "hf-gpt2", "hf-llama",
+                                            "hf-vit", "hf-mixtral"}));
 }
 
 // A candidate may name its parameter gradients by the checkpoint's names (with or without the

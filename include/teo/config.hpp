@@ -107,6 +107,10 @@ struct AttentionConfig {
   std::optional<double> attn_logit_softcap{};  // c: logits c tanh(s / c)
   bool attn_sinks = false;                     // a learned sink logit per head
   bool attn_bias = true;                       // the q, k, v and output projections have biases
+  // The output projections' bias alone (Qwen2's attention: q, k and v biases, none on o); unset:
+  // attn_bias.
+  std::optional<bool> attn_out_bias{};
+  bool out_bias() const { return attn_out_bias.value_or(attn_bias); }
 
   bool operator==(const AttentionConfig&) const = default;
 };

@@ -70,11 +70,12 @@ struct LayerParams {
   Tensor<Real> experts_w_gate, experts_w_up, experts_w_down;
   Tensor<Real> experts_b_gate, experts_b_up, experts_b_down;
   Tensor<Real> shared_gate_weight, shared_fc1_weight, shared_fc2_weight, shared_expert_gate;
-  // Which parameters are present: the config's attn_sinks, attn_bias, norm (layernorm: the norms
-  // have biases), ffn (gated: the gate) and ffn_bias; for an MoE layer (moe) the MoE keys. A bias
-  // that is absent stays empty.
+  // Which parameters are present: the config's attn_sinks, attn_bias (and attn_out_bias), norm
+  // (layernorm: the norms have biases), ffn (gated: the gate) and ffn_bias; for an MoE layer (moe)
+  // the MoE keys. A bias that is absent stays empty.
   bool has_sinks = false;
   bool has_attn_bias = true;
+  bool has_out_bias = true;  // attn.o.bias: attn_bias unless attn_out_bias says otherwise
   bool has_norm_bias = true;
   bool gated = false;
   bool has_ffn_bias = true;
@@ -87,6 +88,7 @@ struct LayerParams {
   void configure(const ModelConfig& c, index_t layer) {
     has_sinks = c.attention.attn_sinks;
     has_attn_bias = c.attention.attn_bias;
+    has_out_bias = c.attention.out_bias();
     has_norm_bias = c.norms.norm == Norm::layernorm;
     gated = c.gated();
     has_ffn_bias = c.ffn.ffn_bias;
@@ -103,8 +105,8 @@ struct LayerParams {
     LayerParams<Real> want;
     want.configure(c, layer);
     return has_sinks == want.has_sinks && has_attn_bias == want.has_attn_bias &&
-           has_norm_bias == want.has_norm_bias && gated == want.gated &&
-           has_ffn_bias == want.has_ffn_bias && moe == want.moe &&
+           has_out_bias == want.has_out_bias && has_norm_bias == want.has_norm_bias &&
+           gated == want.gated && has_ffn_bias == want.has_ffn_bias && moe == want.moe &&
            has_router_bias == want.has_router_bias && has_correction == want.has_correction &&
            has_expert_bias == want.has_expert_bias && has_shared == want.has_shared &&
            has_shared_gate == want.has_shared_gate;
@@ -131,7 +133,7 @@ struct LayerParams {
     f("attn.v.weight", l.v_weight);
     if (ab) f("attn.v.bias", l.v_bias);
     f("attn.o.weight", l.o_weight);
-    if (ab) f("attn.o.bias", l.o_bias);
+    if (l.has_out_bias) f("attn.o.bias", l.o_bias);
     if (l.has_sinks) f("attn.sinks", l.sinks);
     f("norm1.weight", l.norm1_weight);
     if (nb) f("norm1.bias", l.norm1_bias);

@@ -111,6 +111,7 @@ const char* const kConfigKeys[] = {"vocab_size",
                                    "ffn",
                                    "ffn_bias",
                                    "attn_bias",
+                                   "attn_out_bias",
                                    "head_bias",
                                    "architecture",
                                    "tie_embeddings",
@@ -261,6 +262,8 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j) {
       c.ffn.ffn_bias = get_bool(v, key);
     } else if (key == "attn_bias") {
       c.attention.attn_bias = get_bool(v, key);
+    } else if (key == "attn_out_bias") {
+      c.attention.attn_out_bias = get_bool(v, key);
     } else if (key == "head_bias") {
       c.head.head_bias = get_bool(v, key);
     } else if (key == "architecture") {
@@ -421,6 +424,7 @@ nlohmann::json ModelConfig::to_json() const {
   if (!ffn.ffn_bias) j["ffn_bias"] = false;
   detail::moe_to_json(*this, j);
   if (!attention.attn_bias) j["attn_bias"] = false;
+  if (attention.attn_out_bias) j["attn_out_bias"] = *attention.attn_out_bias;
   if (!head.head_bias) j["head_bias"] = false;
   if (head.tie_embeddings) j["tie_embeddings"] = true;
   if (embeddings.type_vocab_size) j["type_vocab_size"] = *embeddings.type_vocab_size;

@@ -177,6 +177,7 @@ json effective_json(const ModelConfig& cfg) {
   json j = cfg.to_json();
   j["architecture"] = to_string(cfg.architecture);
   j["attn_bias"] = cfg.attention.attn_bias;
+  j["attn_out_bias"] = cfg.attention.out_bias();
   j["ffn_bias"] = cfg.ffn.ffn_bias;
   j["head_bias"] = cfg.head.head_bias;
   j["tie_embeddings"] = cfg.head.tie_embeddings;

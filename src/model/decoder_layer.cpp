@@ -38,8 +38,8 @@ void block_of(AttentionParams<Real>& a, const ModelConfig& cfg, const Make& make
     a.q_bias = make({D});
     a.k_bias = make({Dkv});
     a.v_bias = make({Dkv});
-    a.o_bias = make({D});
   }
+  if (cfg.attention.out_bias()) a.o_bias = make({D});
 }
 
 // The layer's tensors for cfg, each made by make(shape).

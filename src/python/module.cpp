@@ -352,6 +352,7 @@ PYBIND11_MODULE(_teo, m) {
                           {"ffn", teo::to_string(c.ffn.kind)},
                           {"ffn_bias", c.ffn.ffn_bias},
                           {"attn_bias", c.attention.attn_bias},
+                          {"attn_out_bias", c.attention.out_bias()},
                           {"head_bias", c.head.head_bias},
                           {"tie_embeddings", c.head.tie_embeddings}};
         for (const auto& [k, v] : all.items())

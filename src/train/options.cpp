@@ -59,6 +59,7 @@ const std::vector<TrainKey>& train_keys() {
       {"ffn", "string", "mlp | swiglu | geglu"},
       {"ffn_bias", "bool", "the FFN's linear maps have biases"},
       {"attn_bias", "bool", "the attention projections have biases"},
+      {"attn_out_bias", "bool", "the output projection has a bias (unset: attn_bias)"},
       {"head_bias", "bool", "the head has a bias"},
       {"tie_embeddings", "bool", "a decoder's LM head is the embedding matrix"},
       {"embed_scale", "bool", "scale token embeddings by sqrt(d_model)"},

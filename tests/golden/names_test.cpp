@@ -101,7 +101,8 @@ INSTANTIATE_TEST_SUITE_P(
                       Family{"hf-roberta", "roberta_f64"}, Family{"hf-gpt2", "gpt2_pre_tied_f64"},
                       Family{"hf-llama", "llama_block_f32"}, Family{"hf-vit", "vit_f64"},
                       Family{"hf-vit", "vit_f32"}, Family{"hf-mixtral", "moe_mixtral_f64"},
-                      Family{"hf-mixtral", "moe_mixtral_f32"}),
+                      Family{"hf-mixtral", "moe_mixtral_f32"},
+                      Family{"hf-qwen2-moe", "moe_qwen2_shared_f64"}),
     [](const auto& info) {
       std::string s = std::string(info.param.map) + "_" + info.param.golden;
       for (char& c : s)
@@ -400,7 +401,7 @@ TEST(Names, MapFilesAreCheckedAndUnknownFamiliesSuggested) {
             std::string::npos);
   const auto fams = names::NameMap::builtin_families();
   EXPECT_EQ(fams, (std::vector<std::string>{"hf-bert", "hf-roberta", "hf-gpt2", "hf-llama",
-                                            "hf-vit", "hf-mixtral"}));
+                                            "hf-vit", "hf-mixtral", "hf-qwen2-moe"}));
 }
 
 // A candidate may name its parameter gradients by the checkpoint's names (with or without the

@@ -36,7 +36,8 @@ try:
     import torch
     import torch.nn.functional as F
     import transformers
-    from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig
+    from transformers import (MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig,
+                              Qwen2MoeForCausalLM)
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
     from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
     from safetensors.torch import save_file
@@ -132,45 +133,61 @@ def block_candidate(path, family, dtype, mutant=None):
     return c
 
 
-def mixtral_candidate(golden_path, model_dir, dtype, mutant=None):
-    """The model case's candidate from MixtralForCausalLM loaded from teo's export."""
+def model_candidate(golden_path, model_dir, names, dtype, mutant=None):
+    """The model case's candidate from MixtralForCausalLM or Qwen2MoeForCausalLM loaded from
+    teo's export."""
     tensors, meta = st_read(golden_path)
     dt = DTYPES[dtype]
-    model = MixtralForCausalLM.from_pretrained(model_dir, torch_dtype=dt,
-                                               attn_implementation="eager")
+    mixtral = names == "hf-mixtral"
+    cls = MixtralForCausalLM if mixtral else Qwen2MoeForCausalLM
+    model = cls.from_pretrained(model_dir, torch_dtype=dt, attn_implementation="eager")
     model.train()  # the goldens have no dropout: train mode only keeps autograd as teo runs it
     cfg = model.config
+    renormalise = True if mixtral else cfg.norm_topk_prob
+    blocks = [layer.block_sparse_moe if mixtral else layer.mlp for layer in model.model.layers]
     if mutant == "w1_w3_swapped":
         with torch.no_grad():
-            for layer in model.model.layers:
-                for e in layer.block_sparse_moe.experts:
+            for b in blocks:
+                for e in b.experts:
                     w1 = e.w1.weight.detach().clone()
                     e.w1.weight.copy_(e.w3.weight)
                     e.w3.weight.copy_(w1)
-    seen = {}
-    for i, layer in enumerate(model.model.layers):
-        layer.register_forward_hook(
-            lambda m, a, out, i=i: seen.__setitem__("act.layers.%d.output" % i, out[0]))
-        layer.block_sparse_moe.register_forward_hook(
-            lambda m, a, out, i=i: seen.__setitem__("act.layers.%d.ffn_out" % i, out[0]))
-    model.model.norm.register_forward_hook(
-        lambda m, a, out: seen.__setitem__("act.final_norm", out))
     tokens = torch.from_numpy(tensors["input.tokens"])
     lengths = tensors["input.lengths"]
     B, S = tokens.shape
+    seen = {}
+
+    def block_hook(i):
+        def hook(m, a, out):
+            if isinstance(out, tuple):  # an MoE block: its output and its router logits
+                y, logits = out
+                ids, w = routing(logits, cfg.num_experts_per_tok, renormalise, dt)
+                p = "act.layers.%d.moe." % i
+                seen[p + "logits"] = logits.reshape(B, S, -1)
+                seen[p + "topk_ids"] = ids.reshape(B, S, -1)
+                seen[p + "topk_weights"] = w.reshape(B, S, -1)
+            else:  # a dense layer's MLP
+                y = out
+            seen["act.layers.%d.ffn_out" % i] = y
+        return hook
+    for i, (layer, b) in enumerate(zip(model.model.layers, blocks)):
+        layer.register_forward_hook(
+            lambda m, a, out, i=i: seen.__setitem__("act.layers.%d.output" % i, out[0]))
+        b.register_forward_hook(block_hook(i))
+    model.model.norm.register_forward_hook(
+        lambda m, a, out: seen.__setitem__("act.final_norm", out))
     mask = torch.from_numpy((np.arange(S)[None, :] < lengths[:, None]).astype(np.int64))
     labels = tokens.masked_fill(mask == 0, -100)  # padding has no target; the model shifts
+    if mutant == "shared_gate_without_sigmoid":
+        real_sigmoid = F.sigmoid
+        F.sigmoid = lambda t: t  # the blocks' module-level F.sigmoid, for this run only
     out = model(input_ids=tokens, attention_mask=mask, labels=labels, output_hidden_states=True,
                 output_router_logits=True)
+    if mutant == "shared_gate_without_sigmoid":
+        F.sigmoid = real_sigmoid
     out.loss.backward()
     c = dict(seen)
     c["act.input"] = out.hidden_states[0]
-    for i, logits in enumerate(out.router_logits):
-        ids, w = routing(logits, cfg.num_experts_per_tok, True, dt)
-        p = "act.layers.%d.moe." % i
-        c[p + "logits"] = logits.reshape(B, S, -1)
-        c[p + "topk_ids"] = ids.reshape(B, S, -1)
-        c[p + "topk_weights"] = w.reshape(B, S, -1)
     c["act.lm_logits"] = out.logits
     if "act.moe_aux_loss" in tensors:  # router_aux_loss_coef > 0
         c["act.moe_aux_loss"] = out.aux_loss
@@ -220,6 +237,12 @@ RUNS = [
     ("moe_mixtral_f32", "hf-mixtral", "float32", None, None, None),
     ("bf16_moe_mixtral", "hf-mixtral", "bfloat16", None, None, None),
     ("moe_mixtral_f64", "hf-mixtral", "float64", "fp32", "w1_w3_swapped", "layers.0.ffn_out"),
+    ("moe_qwen2_shared_f64", "hf-qwen2-moe", "float64", "fp32", None, None),
+    ("moe_qwen2_shared_f64", "hf-qwen2-moe", "float32", "fp32", None, None),
+    ("bf16_moe_qwen2", "hf-qwen2-moe", "bfloat16", None, None, None),
+    # layer 0 is dense (decoder_sparse_step 2): the first MoE output is layer 1's
+    ("moe_qwen2_shared_f64", "hf-qwen2-moe", "float64", "fp32", "shared_gate_without_sigmoid",
+     "layers.1.ffn_out"),
 ]
 
 
@@ -238,7 +261,7 @@ def main(argv=None):
                                                         precision or "own", mutant or "none"))
         cand = os.path.join(work, "candidate.safetensors")
         names = None
-        if runner == "hf-mixtral":
+        if runner.startswith("hf-"):
             names = runner
             model = os.path.join(work, "model")
             os.makedirs(model, exist_ok=True)
@@ -246,7 +269,7 @@ def main(argv=None):
                             "--out", os.path.join(model, "model.safetensors"), "--hf-config",
                             os.path.join(model, "config.json"), "--force"], check=True,
                            stdout=subprocess.DEVNULL)
-            write(mixtral_candidate(golden, model, dtype, mutant), cand)
+            write(model_candidate(golden, model, names, dtype, mutant), cand)
         else:
             write(block_candidate(golden, runner, dtype, mutant), cand)
         code, first, checked, ambiguous, text = check(args.teo, golden, cand, work, names,

@@ -28,7 +28,7 @@ moe_correction_in_weights moe_deepseek_v3_f64 layers.1.moe.topk_weights
 moe_norm_topk_ignored moe_qwen3_f64 layers.0.moe.topk_weights
 moe_softmax_over_all moe_gpt_oss_f64 layers.0.moe.topk_weights
 moe_group_max moe_deepseek_v3_f64 layers.1.moe.topk_ids
-moe_shared_fed_output moe_qwen2_shared_f64 layers.0.moe.shared_out
+moe_shared_fed_output moe_qwen2_shared_f64 layers.1.moe.shared_out
 moe_unpermute_wrong moe_mixtral_f64 layers.0.ffn_out
 moe_weight_at_output moe_llama4_f64 layers.0.moe.expert_in
 moe_aux_per_token moe_mixtral_f64 moe_aux_loss

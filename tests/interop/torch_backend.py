@@ -159,7 +159,7 @@ CONFIG_DEFAULTS = {
     "attn_sinks": False,
     # the block variants and decoders (docs/semantics.md, section 17)
     "norm": "layernorm", "ffn": "mlp", "ffn_bias": True, "attn_bias": True,
-    "head_bias": True, "architecture": "encoder", "tie_embeddings": False,
+    "attn_out_bias": None, "head_bias": True, "architecture": "encoder", "tie_embeddings": False,
     "decoder_layers": None, "decoder_vocab_size": None, "decoder_positional": None,
     # a real encoder's embeddings and pooler (docs/semantics.md, section 18)
     "type_vocab_size": None, "embedding_norm": False, "pooler": "none", "padding_idx": None,
@@ -288,7 +288,7 @@ def param_names(cfg):
         p = "layers.%d." % i
         for proj in ("q", "k", "v", "o"):
             names += [p + "attn.%s.weight" % proj]
-            if cfg["attn_bias"]:
+            if out_bias(cfg) if proj == "o" else cfg["attn_bias"]:
                 names += [p + "attn.%s.bias" % proj]
         if cfg["attn_sinks"]:
             names.append(p + "attn.sinks")
@@ -1639,12 +1639,18 @@ def cross_check_patches(cfg, acts, extra, tensors, name):
         raise Mismatch("%s: act.embedding's row 0 is not cls_token" % name)
 
 
+def out_bias(cfg):
+    """Whether the attention's output projection has a bias: attn_out_bias,
+    else attn_bias (Qwen2's attention has q, k and v biases only)."""
+    return cfg["attn_bias"] if cfg["attn_out_bias"] is None else cfg["attn_out_bias"]
+
+
 def has_variants(cfg):
     """Whether cfg uses an attention variant nn.TransformerEncoderLayer
     cannot express (it has no GQA, RoPE, ALiBi, window, cap or sink)."""
     return any(cfg[k] != CONFIG_DEFAULTS[k] for k in (
         "num_kv_heads", "sliding_window", "attn_logit_softcap",
-        "attn_sinks", "norm", "ffn", "ffn_bias", "attn_bias")) \
+        "attn_sinks", "norm", "ffn", "ffn_bias", "attn_bias", "attn_out_bias")) \
         or cfg["positional"] in ("rope", "alibi") or cfg["activation"] == "silu"
 
 

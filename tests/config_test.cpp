@@ -1,9 +1,13 @@
+#include <algorithm>
+#include <string>
 #include <type_traits>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
 #include "support.hpp"
 #include "teo/config.hpp"
+#include "teo/model.hpp"
 
 namespace teo {
 namespace {
@@ -159,6 +163,31 @@ TEST(Config, BlockAndDecoderKeysRoundTripAndAppearOnlyWhenUsed) {
                 .ffn_activation(),
             Activation::gelu_tanh);
   EXPECT_EQ(ModelConfig::from_json_text(R"({"ffn": "swiglu"})").ffn_activation(), Activation::silu);
+}
+
+// attn_out_bias: unset, the output projection follows attn_bias and the key is not written; set,
+// it is the output projection's alone (Qwen2: q, k and v biases, none on o), and round-trips.
+TEST(Config, AttnOutBiasFollowsAttnBiasUnlessSet) {
+  ModelConfig c;
+  EXPECT_TRUE(c.attention.out_bias());
+  EXPECT_FALSE(c.to_json().contains("attn_out_bias"));
+  c.attention.attn_bias = false;
+  EXPECT_FALSE(c.attention.out_bias());
+  const auto qwen2 = ModelConfig::from_json_text(R"({"attn_out_bias": false})");
+  EXPECT_TRUE(qwen2.attention.attn_bias);
+  EXPECT_FALSE(qwen2.attention.out_bias());
+  EXPECT_EQ(qwen2.to_json().at("attn_out_bias"), false);
+  EXPECT_EQ(ModelConfig::from_json(qwen2.to_json()), qwen2);
+  const auto params = teo::Params<double>::zeros(qwen2);
+  std::vector<std::string> names;
+  params.visit([&](const std::string& n, const auto&) { names.push_back(n); });
+  const auto has = [&](const std::string& n) {
+    return std::find(names.begin(), names.end(), n) != names.end();
+  };
+  EXPECT_TRUE(has("layers.0.attn.q.bias"));
+  EXPECT_TRUE(has("layers.0.attn.v.bias"));
+  EXPECT_FALSE(has("layers.0.attn.o.bias"));
+  expect_config_error(R"({"attn_out_bias": "no"})", "attn_out_bias");
 }
 
 TEST(Config, InvalidBlockAndDecoderValuesAreNamedErrors) {

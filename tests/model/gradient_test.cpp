@@ -206,6 +206,12 @@ std::vector<GradCase> cases() {
     c.attention.attn_bias = false;
     c.head.pooling = Pooling::cls;
   });
+  // Qwen2's attention: q, k and v biases, none on the output projection
+  add("PreNormQkvBiasWithoutOutputBias", {4, 3, 1}, [](ModelConfig& c) {
+    c.norms.norm_first = true;
+    c.attention.attn_out_bias = false;
+    c.head.pooling = Pooling::cls;
+  });
   add("PostNormMlpSiluNoFfnBias", {4, 2, 4}, [](ModelConfig& c) {
     c.ffn.activation = Activation::silu;
     c.ffn.ffn_bias = false;

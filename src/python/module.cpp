@@ -436,8 +436,20 @@ PYBIND11_MODULE(_teo, m) {
          std::uint64_t dropout_seed, const std::optional<std::string>& precision, bool backward,
          const std::optional<std::string>& backend, std::optional<int> threads,
          const std::string& dtype, const std::optional<py::dict>& masks,
-         const std::optional<std::string>& fp8) {
+         const std::optional<std::string>& fp8, const std::optional<py::dict>& routing) {
         const teo::Batch b = batch_from(cfg, batch);
+        // router replay: layer index -> the experts of each (position, slot), B*S*k of them
+        std::map<teo::index_t, std::vector<std::int32_t>> given;
+        if (routing) {
+          for (const auto& [k, v] : *routing) {
+            const auto arr =
+                py::array_t<std::int32_t, py::array::c_style | py::array::forcecast>::ensure(v);
+            if (!arr)
+              throw teo::ConfigError("routing must map layer indices to arrays of expert ids");
+            given[k.cast<teo::index_t>()] =
+                std::vector<std::int32_t>(arr.data(), arr.data() + arr.size());
+          }
+        }
         std::map<std::string, std::vector<std::uint8_t>> replay;
         if (masks) {
           for (const auto& [k, v] : *masks) {
@@ -455,7 +467,8 @@ PYBIND11_MODULE(_teo, m) {
             emulated,
             backward,
             masks ? &replay : nullptr,
-            fp8 ? std::optional(fp8_recipe_of(*fp8, emulated)) : std::nullopt};
+            fp8 ? std::optional(fp8_recipe_of(*fp8, emulated)) : std::nullopt,
+            routing ? &given : nullptr};
         const auto run_in = [&](auto real) {
           const auto p = params_from<decltype(real)>(cfg, params);
           return wire_of(
@@ -467,7 +480,7 @@ PYBIND11_MODULE(_teo, m) {
       },
       py::arg("cfg"), py::arg("params"), py::arg("batch"), py::arg("train"),
       py::arg("dropout_seed"), py::arg("precision"), py::arg("backward"), py::arg("backend"),
-      py::arg("threads"), py::arg("dtype"), py::arg("masks"), py::arg("fp8"));
+      py::arg("threads"), py::arg("dtype"), py::arg("masks"), py::arg("fp8"), py::arg("routing"));
 
   m.def(
       "generate",

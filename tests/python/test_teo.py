@@ -347,6 +347,30 @@ def test_a_mixture_of_experts_decoder_runs_and_generates():
         teo.ModelConfig(num_experts=4)
 
 
+def test_router_replay_gives_own_routing_bit_for_bit_and_a_changed_one_routes_there():
+    g = case("moe_mixtral_f64")
+    cfg, params, batch = g.config, g.params(), g.batch()
+    own = teo.run(cfg, params, batch)
+    ids = {i: own["act.layers.%d.moe.topk_ids" % i] for i in range(cfg.num_layers)}
+    replayed = teo.run(cfg, params, batch, routing=ids)
+    for name, v in own.items():
+        assert np.array_equal(v, replayed[name]), name
+    # position (0, 0) of layer 1 sent to another expert: the replayed routing is what is used
+    other = {i: v.copy() for i, v in ids.items()}
+    chosen = set(other[1][0, 0])
+    other[1][0, 0, 1] = next(e for e in range(cfg.num_experts) if e not in chosen)
+    moved = teo.run(cfg, params, batch, routing=other)
+    assert np.array_equal(moved["act.layers.1.moe.topk_ids"], other[1])
+    assert not np.array_equal(moved["act.layers.1.ffn_out"], own["act.layers.1.ffn_out"])
+    assert np.array_equal(moved["act.layers.1.moe.logits"], own["act.layers.1.moe.logits"])
+    with pytest.raises(teo.ConfigError, match="integer"):
+        teo.run(cfg, params, batch, routing={1: ids[1].astype(np.float64)})
+    with pytest.raises(teo.ConfigError, match="not in"):
+        teo.run(cfg, params, batch, routing={1: ids[1] + cfg.num_experts})
+    with pytest.raises(teo.ShapeError):
+        teo.run(cfg, params, batch, routing={1: ids[1][:1]})
+
+
 def test_a_zero_size_batch():
     cfg = teo.ModelConfig(d_model=8, num_heads=2, num_layers=1)
     params = teo.init_params(cfg, 3)

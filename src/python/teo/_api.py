@@ -71,7 +71,7 @@ def _golden_names(params, batch, masks):
 
 
 def run(cfg, params, batch, *, train=False, dropout_seed=0, masks=None, precision=None,
-        fp8=None, backward=True, backend=None, threads=None):
+        fp8=None, backward=True, backend=None, threads=None, routing=None):
     """Forward (and backward, from the mean loss) on params and batch.
 
     Returns every act.* tensor of the golden contract, every grad.* tensor when backward is set,
@@ -87,7 +87,12 @@ def run(cfg, params, batch, *, train=False, dropout_seed=0, masks=None, precisio
     float32 run, and "fp8" every linear product in fp8 under the recipe fp8, a dict of the fp8
     keys an op spec takes ({"fp8_format": "hybrid", "fp8_scaling": "block", ...}; docs/fp8.md;
     default E4M3 with one scale per tensor). backend ("reference", "simd", "blas"; default
-    TEO_BACKEND's, else reference) and threads apply to this call only.
+    TEO_BACKEND's, else reference) and threads apply to this call only. routing ({1:
+    ids, ...}) replays a mixture of experts' routing: for each MoE layer index given, its
+    experts (B, S, k) integers, as a golden's act.layers.{i}.moe.topk_ids holds them, are used
+    instead of the router's own choice (the router's logits and weights are still computed;
+    a layer that is not an MoE layer, a wrong count or an id out of range is a ConfigError or
+    ShapeError naming it, docs/golden-format.md, "Routing").
     """
     from . import ConfigError
     cfg = config_of(cfg)
@@ -107,9 +112,23 @@ def run(cfg, params, batch, *, train=False, dropout_seed=0, masks=None, precisio
     dtype = str(next(iter(dtypes)))
     if fp8 is not None and not isinstance(fp8, dict):
         raise ConfigError("fp8 must be a dict of fp8_* keys, got %s" % type(fp8).__name__)
+    if routing is not None:
+        if not isinstance(routing, dict):
+            raise ConfigError("routing must be a dict of layer index -> expert ids, got %s"
+                              % type(routing).__name__)
+        given = {}
+        for layer, ids in routing.items():
+            ids = as_array(ids)
+            if not isinstance(layer, (int, np.integer)) or isinstance(layer, bool):
+                raise ConfigError("routing's keys are layer indices, got %r" % (layer,))
+            if not np.issubdtype(ids.dtype, np.integer):
+                raise ConfigError("routing[%d] must hold integer expert ids, got %s"
+                                  % (layer, ids.dtype))
+            given[int(layer)] = ids
+        routing = given
     wire = _teo.run(cfg, params, batch, bool(train), int(dropout_seed), precision, bool(backward),
                     backend_of(backend), threads, dtype, masks,
-                    None if fp8 is None else json.dumps(fp8))
+                    None if fp8 is None else json.dumps(fp8), routing)
     return arrays_of(wire)
 
 

@@ -109,7 +109,7 @@ def encoder(cfg, p, inputs, lengths):
 # section 14), of the block variants, of decoders and of BERT's embeddings and pooler (section 18)
 # carry these keys, or a positional kind other than sinusoidal and learned.
 VARIANT_KEYS = {"num_kv_heads", "position_offset", "sliding_window", "attn_logit_softcap",
-                "attn_sinks", "norm", "ffn", "ffn_bias", "attn_bias", "head_bias", "architecture",
+                "attn_sinks", "norm", "ffn", "ffn_bias", "attn_bias", "attn_out_bias", "head_bias", "architecture",
                 "type_vocab_size", "embedding_norm", "pooler"}
 
 

@@ -80,6 +80,13 @@ std::vector<Placed> place(const NameMap& map, const ModelConfig& cfg) {
     }
     const std::vector<std::int64_t> slice(spec.shape.begin() + (per_expert ? 1 : 0),
                                           spec.shape.end());
+    // checkpoint_index moves matrices and vectors: a transposed or split tensor of more dimensions
+    // (a stack of experts read whole) would be read wrong, so it is refused
+    if (slice.size() > 2 && (it->second->transpose || it->second->parts > 1)) {
+      throw ConfigError("name map " + map.family + " transposes or splits " + spec.name +
+                        ", which has " + std::to_string(slice.size()) +
+                        " dimensions: only a matrix or a vector can be (read experts with {e})");
+    }
     if (static_cast<std::size_t>(it->second->dim) >= slice.size()) {
       throw ConfigError("name map " + map.family + " splits " + spec.name + " along dimension " +
                         std::to_string(it->second->dim) + ", which it does not have");
@@ -346,7 +353,11 @@ Params<Real> params_from_checkpoint(const st::File& checkpoint, const NameMap& m
     const st::Tensor* t = find_in(checkpoint, map, p.checkpoint);
     found.push_back(t);
     if (!t) {
-      if (p.rule->optional) continue;
+      // an optional parameter is read whole or not at all: never some experts of it
+      const bool some_read = std::any_of(placed.begin(), placed.end(), [&](const Placed& q) {
+        return q.teo == p.teo && find_in(checkpoint, map, q.checkpoint) != nullptr;
+      });
+      if (p.rule->optional && !some_read) continue;
       throw FormatError("the checkpoint has no tensor " + p.checkpoint + " (teo's " + p.teo + ", " +
                         map.family + ")");
     }

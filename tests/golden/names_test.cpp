@@ -3,6 +3,7 @@
 // named errors of a checkpoint or config.json that does not fit.
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -176,6 +177,23 @@ TEST(Names, MixtralExpertsAreTheStacksSlices) {
   const st::File some = names::candidate_in_teo_names(partial, map, cfg);
   EXPECT_EQ(some.find("grad.layers.1.moe.experts.w_up"), nullptr);
   EXPECT_NE(some.find("grad.layers.1.moe.experts.w_gate"), nullptr);
+}
+
+// A stack of experts read whole cannot be transposed or split (checkpoint_index moves matrices
+// and vectors); the map is refused by name before anything is read, where {e} reads it per expert.
+TEST(Names, AStackTransposedOrSplitWholeIsRefused) {
+  std::ifstream in(std::string(TEO_SOURCE_DIR) + "/src/golden/names/hf-mixtral.json");
+  json m = json::parse(in);
+  for (auto& rule : m.at("params")) {
+    if (rule[0] == "layers.{i}.moe.experts.w_gate") {
+      rule[1] = "model.layers.{i}.block_sparse_moe.w1";
+      rule.push_back(json{{"transpose", true}});
+    }
+  }
+  const auto map = names::NameMap::from_json(m, "stacked.json");
+  const st::File& g = committed("moe_mixtral_f64");
+  EXPECT_NE(error_of([&] { names::checkpoint_of(g, map); }).find("3 dimensions"),
+            std::string::npos);
 }
 
 // ViT's cls_token (1, 1, D) and position_embeddings (1, S, D) carry leading dimensions of size 1

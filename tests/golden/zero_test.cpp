@@ -149,8 +149,11 @@ TEST(ZeroCandidate, NoTensorOfTheCorpusPassesAZeroOrANegation) {
     for (Mutant m : {Mutant::zero, Mutant::negated}) {
       judge(name, g, m, Part::floats, {}, "", tally);
       if (has_routing(g)) judge(name, g, m, Part::routing, {}, "", tally);
-      if (precision_of(g) == "fp8")
+      if (precision_of(g) == "fp8") {
         judge(name, g, m, Part::floats, off_recipe, ", --fp8-recipe-k inf", tally);
+        if (has_routing(g))
+          judge(name, g, m, Part::routing, off_recipe, ", --fp8-recipe-k inf", tally);
+      }
     }
   }
   std::string list;

@@ -214,7 +214,15 @@ def check(teo, golden, cand, work, names=None, precision=None):
     with open(report) as f:
         case = json.load(f)["cases"][0]
     return r.returncode, case["first_divergence"] or None, case["passed"] + case["failed"], \
-        case["ambiguous"], r.stdout
+        case["ambiguous"], r.stdout, case["tensors"]
+
+
+def unjudged(tensors):
+    """What a correct run must not leave unjudged: every gradient of a parameter or input, and
+    each tensor the transformers candidate supplies but the check did not judge."""
+    return [t["name"] for t in tensors
+            if t["status"] in ("not_checked", "ambiguous", "vacuous")
+            and t["name"].startswith("grad.") and not t["name"].startswith("grad.act.")]
 
 
 # (golden, what runs it, its dtype, --precision, the mutant, the first tensor that must fail)
@@ -272,21 +280,24 @@ def main(argv=None):
             write(model_candidate(golden, model, names, dtype, mutant), cand)
         else:
             write(block_candidate(golden, runner, dtype, mutant), cand)
-        code, first, checked, ambiguous, text = check(args.teo, golden, cand, work, names,
-                                                      precision)
+        code, first, checked, ambiguous, text, tensors = check(args.teo, golden, cand, work,
+                                                               names, precision)
         # the blocks' logits, routing, y and gradients; the model's every layer and gradient
         # (past a mutant's wrong layer, a later layer's routing may be ambiguous: its logits are
         # wrong too, which widens their tolerance; the mutant has already failed)
         enough = checked + ambiguous >= (8 if case.startswith("ops/") else 30)
-        ok = enough and ((code == 0 and first is None) if expected is None
-                         else (code == 1 and first == expected))
+        # a correct run: no routing left ambiguous, and every parameter's gradient judged (an
+        # expert's missing slice would leave its stack not checked)
+        missing = unjudged(tensors) if expected is None else []
+        ok = enough and ((code == 0 and first is None and ambiguous == 0 and not missing)
+                         if expected is None else (code == 1 and first == expected))
         failures += not ok
         print("%-31s %-10s %-8s %-5s %-27s exit %d, %2d checked, %d ambiguous, first divergence "
               "%-26s %s" % (case, runner, dtype, precision or "", mutant or "(correct)", code,
                             checked, ambiguous, first,
                             "ok" if ok else "FAIL: expected " + (expected or "a pass")))
         if not ok:
-            print(text)
+            print("not judged: %s" % ", ".join(missing) if missing else text)
     print("%d failure(s)" % failures)
     return 1 if failures else 0
 

@@ -577,7 +577,7 @@ def self_test_closeness(cases, work, problems):
     for key, variant in runs:
         label = key + (" nn-layer" if variant.transformer_layer else "")
         errors = {"act.": [], "grad.": []}  # (error, "case tensor")
-        skipped = 0
+        skipped, moe_measured = 0, 0
         for case in cases:
             try:
                 cand = read_candidate(write_candidate(
@@ -598,6 +598,7 @@ def self_test_closeness(cases, work, problems):
                       % (label, case.name, rerouted))
                 skipped += 1
                 continue
+            moe_measured += case.cfg["ffn"] == "moe"
             flips = max_pool_flips(case, cand)
             if flips:
                 names = [n for n in names if n.startswith("act.")]
@@ -621,6 +622,9 @@ def self_test_closeness(cases, work, problems):
                      ", ".join("%.2e %s" % r for r in ranked[:3])))
             problems.require(ranked[0][0] <= bound,
                              "%s %s close to the golden" % (label, kind))
+        if not variant.transformer_layer:  # nn.TransformerEncoderLayer has no experts
+            problems.require(moe_measured >= 3, "%s measures MoE cases (%d measured)"
+                             % (label, moe_measured))
 
 
 def self_test_mutants(cases, work, problems):

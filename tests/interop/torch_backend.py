@@ -1243,7 +1243,8 @@ def cross_check_seq2seq(cfg, acts, extra, name):
     or GELU only. Raises Mismatch beyond the bound."""
     P, src_len, tgt_len = extra
     if cfg["norm"] != "layernorm" or cfg["ffn"] != "mlp" or not cfg["ffn_bias"] or \
-            not cfg["attn_bias"] or cfg["activation"] not in ("relu", "gelu"):
+            not cfg["attn_bias"] or not out_bias(cfg) or \
+            cfg["activation"] not in ("relu", "gelu"):
         return False
     x, y = acts["input"].detach(), acts["decoder.input"].detach()
     dtype = x.dtype

@@ -145,8 +145,8 @@ def load_trace(path):
         raise BadInput("unknown config keys: %s" % ", ".join(unknown))
     cfg = dict(tb.CONFIG_DEFAULTS)
     cfg.update(cfg_in)
-    block = [k for k in ("architecture", "norm", "ffn", "ffn_bias", "attn_bias", "head_bias",
-                         "tie_embeddings") if cfg[k] != tb.CONFIG_DEFAULTS[k]]
+    block = [k for k in ("architecture", "norm", "ffn", "ffn_bias", "attn_bias", "attn_out_bias",
+                         "head_bias", "tie_embeddings") if cfg[k] != tb.CONFIG_DEFAULTS[k]]
     if block:
         raise BadInput("config sets %s: this replay knows the encoder classifier's plain "
                        "layer only" % ", ".join(block))

@@ -314,14 +314,15 @@ RC_GTEST_PROP(Properties, WithDropoutASequenceIgnoresItsNeighbours, ()) {
 // Random JSON objects over the real keys with values of every type and sign: the parser either
 // accepts a config that then validates and runs, or throws a named teo error.
 RC_GTEST_PROP(Properties, InvalidConfigsAreRejectedWithNamedErrors, ()) {
-  static const std::vector<std::string> keys = {"vocab_size",  "max_len",      "d_model",
-                                                "num_heads",   "d_ff",         "num_layers",
-                                                "norm_first",  "activation",   "layer_norm_eps",
-                                                "positional",  "embed_scale",  "pooling",
-                                                "num_classes", "dropout",      "label_smoothing",
-                                                "causal",      "bogus",        "norm",
-                                                "ffn",         "ffn_bias",     "attn_bias",
-                                                "head_bias",   "architecture", "tie_embeddings"};
+  static const std::vector<std::string> keys = {"vocab_size",   "max_len",      "d_model",
+                                                "num_heads",    "d_ff",         "num_layers",
+                                                "norm_first",   "activation",   "layer_norm_eps",
+                                                "positional",   "embed_scale",  "pooling",
+                                                "num_classes",  "dropout",      "label_smoothing",
+                                                "causal",       "bogus",        "norm",
+                                                "ffn",          "ffn_bias",     "attn_bias",
+                                                "head_bias",    "architecture", "tie_embeddings",
+                                                "attn_out_bias"};
   nlohmann::json j = nlohmann::json::object();
   const int n = *rc::gen::inRange(0, 6);
   for (int i = 0; i < n; ++i) {

@@ -907,7 +907,8 @@ def op_decoder_layer(spec, T, mode):
     memory, mem_lengths = T.get("input.memory"), T.get("input.memory_lengths")
     P = {n[len("param."):]: t for n, t in T.items() if n.startswith("param.")}
     nn_layer = (memory is not None and cfg["norm"] == "layernorm" and cfg["ffn"] == "mlp" and
-                cfg["ffn_bias"] and cfg["attn_bias"] and cfg["activation"] in ("relu", "gelu") and
+                cfg["ffn_bias"] and cfg["attn_bias"] and tb.out_bias(cfg) and
+                cfg["activation"] in ("relu", "gelu") and
                 cfg.get("num_kv_heads") in (None, cfg["num_heads"]) and
                 bool((lengths > 0).all()) and bool((mem_lengths > 0).all()) and
                 mode.name in ("float32", "float64") and mode.mutant is None)

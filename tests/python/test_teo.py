@@ -476,9 +476,8 @@ def _op_args(g):
                 dict(opts, memory=t.get("input.memory"),
                      memory_lengths=t.get("input.memory_lengths"), grad_y=t["grad.output.y"]))
     masks = {n[len("input.mask."):]: a for n, a in t.items() if n.startswith("input.mask.")}
-    opts = {k: s[k] for k in ("num_heads", "d_ff", "activation", "norm_first", "causal",
-                              "layer_norm_eps", "dropout", "num_kv_heads", "attn_sinks")
-            if k in s}
+    # every option of the layer the case sets: the attention and block variants included
+    opts = {k: s[k] for k in teo.ops.ENCODER_LAYER_OPTIONS if k in s}
     opts.update(variants)
     return (t["input.x"], t["input.lengths"], params), dict(opts, masks=masks,
                                                             grad_y=t["grad.output.y"])

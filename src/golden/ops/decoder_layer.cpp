@@ -139,7 +139,7 @@ const OpDef& decoder_layer_op() {
   static const OpDef def{
       .name = "decoder_layer",
       .config_keys = {"d_model", "num_heads", "num_kv_heads", "d_ff", "activation", "norm_first",
-                      "layer_norm_eps", "norm", "ffn", "ffn_bias", "attn_bias"},
+                      "layer_norm_eps", "norm", "ffn", "ffn_bias", "attn_bias", "attn_out_bias"},
       .base_config = json{{"num_layers", 1},
                           {"vocab_size", 1},
                           {"num_classes", 1},

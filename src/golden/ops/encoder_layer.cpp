@@ -143,7 +143,7 @@ const OpDef& encoder_layer_op() {
                       "rope_base",       "rope_scaling",   "alibi_max_bias",
                       "position_offset", "sliding_window", "attn_logit_softcap",
                       "attn_sinks",      "norm",           "ffn",
-                      "ffn_bias",        "attn_bias"},
+                      "ffn_bias",        "attn_bias",      "attn_out_bias"},
       .base_config =
           json{{"num_layers", 1}, {"vocab_size", 1}, {"num_classes", 1}, {"positional", "none"}},
       .parse = parse,

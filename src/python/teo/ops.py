@@ -554,7 +554,7 @@ def decoder_layer(x, lengths, params, *, memory=None, memory_lengths=None, grad_
     over memory (B, Se, D) with memory_lengths (the source padding mask) when given, and the FFN;
     params by the op's names ("self_attn.q.weight", "cross_attn.q.weight", "norm1.weight",
     "ffn.fc1.weight", ...); options (DECODER_LAYER_OPTIONS): num_heads, num_kv_heads, d_ff,
-    activation, norm_first, layer_norm_eps, norm, ffn, ffn_bias, attn_bias."""
+    activation, norm_first, layer_norm_eps, norm, ffn, ffn_bias, attn_bias, attn_out_bias."""
     x = _real(x, "x", "decoder_layer")
     b, s, d = x.shape
     lengths = _ints(lengths, "lengths", "decoder_layer")

@@ -14,6 +14,7 @@
 #include "teo/contract.hpp"
 #include "teo/files.hpp"
 #include "teo/suggest.hpp"
+#include "teo/tensor.hpp"
 
 namespace teo::names {
 
@@ -44,12 +45,6 @@ std::string with_index(std::string pattern, const std::string& i, const char* fi
   return pattern;
 }
 
-std::int64_t numel(const std::vector<std::int64_t>& s) {
-  std::int64_t n = 1;
-  for (auto d : s) n *= d;
-  return n;
-}
-
 // A parameter of the contract, or one expert's slice of it, with its rule and checkpoint name.
 struct Placed {
   std::string teo;
@@ -57,6 +52,7 @@ struct Placed {
   const Rule* rule;
   std::string checkpoint;
   std::int64_t offset = 0;         // of the slice in the parameter (elements)
+  std::int64_t count = 0;          // the slice's elements
   std::vector<std::int64_t> full;  // the parameter's shape
 };
 
@@ -91,13 +87,14 @@ std::vector<Placed> place(const NameMap& map, const ModelConfig& cfg) {
       throw ConfigError("name map " + map.family + " splits " + spec.name + " along dimension " +
                         std::to_string(it->second->dim) + ", which it does not have");
     }
+    const std::int64_t count = Shape(slice).numel();
     if (!per_expert) {
-      out.push_back({spec.name, slice, it->second, checkpoint, 0, spec.shape});
+      out.push_back({spec.name, slice, it->second, checkpoint, 0, count, spec.shape});
       continue;
     }
     for (std::int64_t e = 0; e < spec.shape[0]; ++e) {
       out.push_back({spec.name, slice, it->second, with_index(checkpoint, std::to_string(e), "{e}"),
-                     e * numel(slice), spec.shape});
+                     e * count, count, spec.shape});
     }
   }
   // The parameters that share a checkpoint tensor are its equal slices, each once: the same
@@ -389,7 +386,7 @@ Params<Real> params_from_checkpoint(const st::File& checkpoint, const NameMap& m
     if (it == widened.end()) it = widened.emplace(t->name, t->float_values()).first;
     const std::vector<double>& v = it->second;
     Tensor<Real>& dst = *by_name.at(p.teo);
-    for (std::int64_t e = 0; e < numel(p.shape); ++e) {
+    for (std::int64_t e = 0; e < p.count; ++e) {
       const double x = v[static_cast<std::size_t>(checkpoint_index(p, e))];
       const Real r = static_cast<Real>(x);
       if (static_cast<double>(r) != x && !std::isnan(x)) {
@@ -560,10 +557,10 @@ st::File checkpoint_of(const st::File& golden, const NameMap& map) {
       order.push_back(p.checkpoint);
       it->second.shape = checkpoint_shape(p);
       it->second.dtype = t->dtype;
-      it->second.bytes.assign(static_cast<std::size_t>(numel(it->second.shape)) * size, 0);
+      it->second.bytes.assign(static_cast<std::size_t>(Shape(it->second.shape).numel()) * size, 0);
     }
     const auto src = t->data();
-    for (std::int64_t e = 0; e < numel(p.shape); ++e) {
+    for (std::int64_t e = 0; e < p.count; ++e) {
       std::memcpy(it->second.bytes.data() + static_cast<std::size_t>(checkpoint_index(p, e)) * size,
                   src.data() + static_cast<std::size_t>(p.offset + e) * size, size);
     }
@@ -585,6 +582,7 @@ st::File candidate_in_teo_names(const st::File& candidate, const NameMap& map,
   std::set<std::string> used;
   // role + teo name -> the parameter assembled from its slices (one, or one per expert)
   struct Assembled {
+    std::string teo;  // the parameter's name
     st::DType dtype;
     std::vector<std::int64_t> shape;
     std::vector<unsigned char> bytes;
@@ -610,9 +608,10 @@ st::File candidate_in_teo_names(const st::File& candidate, const NameMap& map,
       Assembled& a = it->second;
       if (fresh) {
         order.push_back(name);
+        a.teo = p.teo;
         a.dtype = t->dtype;
         a.shape = p.full;
-        a.bytes.assign(static_cast<std::size_t>(numel(p.full)) * size, 0);
+        a.bytes.assign(static_cast<std::size_t>(Shape(p.full).numel()) * size, 0);
       } else if (a.dtype != t->dtype) {
         throw FormatError("candidate tensor " + t->name + " is " + st::dtype_name(t->dtype) +
                           ", another expert's slice of teo's " + name + " is " +
@@ -620,7 +619,7 @@ st::File candidate_in_teo_names(const st::File& candidate, const NameMap& map,
       }
       ++a.parts;
       const auto src = t->data();
-      for (std::int64_t e = 0; e < numel(p.shape); ++e) {
+      for (std::int64_t e = 0; e < p.count; ++e) {
         std::memcpy(a.bytes.data() + static_cast<std::size_t>(p.offset + e) * size,
                     src.data() + static_cast<std::size_t>(checkpoint_index(p, e)) * size, size);
       }
@@ -629,8 +628,7 @@ st::File candidate_in_teo_names(const st::File& candidate, const NameMap& map,
   for (const auto& name : order) {
     const Assembled& a = assembled.at(name);
     // a parameter some of whose experts the candidate lacks is missing, not partly zero
-    const auto dot = name.find('.');
-    if (a.parts == slices.at(name.substr(dot + 1)))
+    if (a.parts == slices.at(a.teo))
       out.add(name, a.dtype, a.shape, a.bytes.data(), a.bytes.size());
   }
   for (const auto& t : candidate.tensors)

@@ -40,7 +40,6 @@ try:
                               Qwen2MoeForCausalLM)
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
     from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
-    from safetensors.torch import save_file
 except ImportError as e:  # pragma: no cover - the environment decides
     print("transformers is not installed (%s): scripts/setup.sh --test installs it" % e)
     sys.exit(1 if os.environ.get("CI") == "true" else 77)
@@ -48,9 +47,8 @@ except ImportError as e:  # pragma: no cover - the environment decides
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from hf_models import DTYPES, export, write  # noqa: E402
 from torch_backend import st_read  # noqa: E402
-
-DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def routing(logits, k, renormalise, dtype):
@@ -197,11 +195,6 @@ def model_candidate(golden_path, model_dir, names, dtype, mutant=None):
     return c
 
 
-def write(c, path):
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    save_file({n: t.detach().clone().contiguous() for n, t in c.items()}, path)
-
-
 def check(teo, golden, cand, work, names=None, precision=None):
     report = os.path.join(work, "report.json")
     cmd = [teo, "golden", "check", "--no-progress", "--golden", golden, "--candidate", cand,
@@ -272,13 +265,10 @@ def main(argv=None):
         if runner.startswith("hf-"):
             names = runner
             model = os.path.join(work, "model")
-            os.makedirs(model, exist_ok=True)
-            subprocess.run([args.teo, "golden", "export", "--names", names, "--golden", golden,
-                            "--out", os.path.join(model, "model.safetensors"), "--hf-config",
-                            os.path.join(model, "config.json"), "--force"], check=True,
-                           stdout=subprocess.DEVNULL)
+            export(args.teo, golden, model, names)
             write(model_candidate(golden, model, names, dtype, mutant), cand)
         else:
+            os.makedirs(work, exist_ok=True)
             write(block_candidate(golden, runner, dtype, mutant), cand)
         code, first, checked, ambiguous, text, tensors = check(args.teo, golden, cand, work,
                                                                names, precision)

@@ -318,9 +318,7 @@ def replayed_check(teo, case, work, variant):
     """The case regenerated with `replay_routing` (its own routing given as
     input.layers.{i}.moe.topk_ids), a candidate computed with that routing,
     judged by --precision bf16: run_check's (exit code, report, message)."""
-    with open(case.path, "rb") as f:
-        meta = json.loads(f.read(struct.unpack("<Q", f.read(8))[0])
-                          .decode("utf-8"))["__metadata__"]
+    _, meta = tb.st_read(case.path)
     config = json.loads(meta["config"])
     config["case"] = dict(json.loads(meta["case"]), replay_routing=True)
     out = os.path.join(work, "replay", "golden")

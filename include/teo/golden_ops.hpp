@@ -51,19 +51,29 @@ struct OpCase {
   // with the path in front.
   static OpCase from_file(const std::string& path, const std::string& op = "");
 
-  // The bytes generation needs at most: the file, plus the float64 run's working tensors.
-  std::uint64_t bytes_needed() const;
+  // The bytes generation needs at most: the runs' working tensors when the case is written to a
+  // file as it is computed (write_op, the limit from_json applies), plus the file twice when it
+  // is built in memory (make_op).
+  std::uint64_t bytes_needed(bool in_memory = false) const;
 };
 
-// Generates the op case: its inputs from the seed, then the op forward and backward in dtype on
-// the current backend; a float32 case also carries ref64.* (the same op in float64 on the same
-// float32-valued inputs). A float32 case that is not at rounding level against float64, or a
+// Generates the op case in memory: its inputs from the seed, then the op forward and backward in
+// dtype on the current backend; a float32 case also carries ref64.* (the same op in float64 on the
+// same float32-valued inputs). A float32 case that is not at rounding level against float64, or a
 // precision case whose budget would be vacuous, throws IllConditioned unless allowed (then
 // __metadata__.ill_conditioned says why). A non-empty `keep` stores only what keep_only keeps;
 // globs matching fp8.* in an fp8 linear case also store the quantized operands of its products
 // (docs/golden-format.md, "fp8 operands"), which are stored only when asked for.
 safetensors::File make_op(const OpCase& c, bool allow_ill_conditioned = false,
                           const std::string& keep = "");
+
+// Writes the case make_op gives to `path`, byte for byte, without holding the file in memory:
+// the header first, then the inputs, then each run's results as soon as they are computed (and
+// freed then), through a temporary file renamed into place at the end. With `keep` the case is
+// built in memory (make_op) and then written. Returns the file's size. Errors as make_op, and
+// FileError (an existing `path` without `overwrite`); on any of them nothing is written.
+std::uint64_t write_op(const OpCase& c, const std::string& path, bool overwrite,
+                       bool allow_ill_conditioned = false, const std::string& keep = "");
 
 // The op case an op file was made from (__metadata__.op and spec); FormatError when they are
 // missing or malformed.

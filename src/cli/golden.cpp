@@ -117,10 +117,9 @@ int run_golden_export(const GoldenExportOptions& opts, std::ostream& out) {
 
 int run_golden_op(const GoldenOpOptions& opts, std::ostream& out) {
   const golden::OpCase c = golden::OpCase::from_file(opts.spec_path, opts.op);
-  const safetensors::File f = golden::make_op(c, opts.allow_ill_conditioned, opts.keep);
-  const std::string bytes = safetensors::serialize(f);
-  write_file_atomic(opts.out_path, bytes, opts.force);
-  out << "wrote " << opts.out_path << " (" << bytes.size() << " bytes)\n";
+  const std::uint64_t size =
+      golden::write_op(c, opts.out_path, opts.force, opts.allow_ill_conditioned, opts.keep);
+  out << "wrote " << opts.out_path << " (" << size << " bytes)\n";
   return 0;
 }
 

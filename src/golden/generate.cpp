@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "golden/check_routing.hpp"
+#include "golden/sink.hpp"
 #include "golden_internal.hpp"
 #include "teo/contract.hpp"
 #include "teo/files.hpp"
@@ -42,6 +43,12 @@ index_t longest_reduction(const Case& c) {
 
 namespace {
 
+using detail::FileSink;
+using detail::MemorySink;
+using detail::Metadata;
+using detail::Out;
+using detail::out_of;
+using detail::Sink;
 using nlohmann::json;
 using safetensors::DType;
 using safetensors::File;
@@ -146,25 +153,6 @@ std::vector<std::pair<contract::TensorSpec, const std::vector<std::uint8_t>*>> r
   return out;
 }
 
-// One tensor of a golden file: its name, dtype, shape and bytes (owned by a run or the params).
-struct Out {
-  std::string name;
-  DType dtype;
-  std::vector<std::int64_t> shape;
-  const void* data;
-  std::size_t bytes;
-};
-
-template <class T>
-Out out_of(std::string name, std::vector<std::int64_t> shape, const T* data, std::size_t count) {
-  return {std::move(name), safetensors::dtype_of<T>(), std::move(shape), data, count * sizeof(T)};
-}
-
-template <class Real>
-Out out_of(std::string name, const Tensor<Real>& t) {
-  return out_of(std::move(name), dims_of(t.shape()), t.data(), static_cast<std::size_t>(t.numel()));
-}
-
 // A run's dropout masks, activations and (with backward) gradients under their golden names, with
 // `prefix` before each name; an MoE layer's routing and grouped layout among the activations.
 template <class Real>
@@ -224,77 +212,6 @@ std::vector<safetensors::Entry> header_entries(const Case& c, bool f32) {
 void add_outs(File& f, const std::vector<Out>& outs) {
   for (const auto& o : outs) f.add(o.name, o.dtype, o.shape, o.data, o.bytes);
 }
-
-using Metadata = std::vector<std::pair<std::string, std::string>>;
-
-// Where a generated case goes: a File in memory, or a file written as it is computed. The header
-// (metadata and entries) comes first; put() stores a tensor the header holds and skips the rest.
-class Sink {
- public:
-  virtual ~Sink() = default;
-  virtual void begin(const Metadata& meta, std::vector<safetensors::Entry> entries) = 0;
-  virtual void put(const Out& o) = 0;
-  // Everything put so far, as a File (after every entry was put).
-  virtual const File& contents() = 0;
-  virtual void finish(const Metadata& meta) = 0;
-};
-
-class MemorySink final : public Sink {
- public:
-  void begin(const Metadata& meta, std::vector<safetensors::Entry> entries) override {
-    f_.metadata = meta;
-    for (auto& e : entries) {
-      index_[e.name] = f_.tensors.size();
-      safetensors::Tensor t;
-      t.bytes.resize(e.byte_size());
-      t.name = std::move(e.name);
-      t.dtype = e.dtype;
-      t.shape = std::move(e.shape);
-      f_.tensors.push_back(std::move(t));
-    }
-  }
-  void put(const Out& o) override {
-    const auto it = index_.find(o.name);
-    if (it == index_.end()) return;
-    auto& t = f_.tensors[it->second];
-    if (o.bytes) std::memcpy(t.bytes.data(), o.data, o.bytes);
-  }
-  const File& contents() override { return f_; }
-  void finish(const Metadata& meta) override { f_.metadata = meta; }
-  File take() { return std::move(f_); }
-
- private:
-  File f_;
-  std::map<std::string, std::size_t> index_;
-};
-
-class FileSink final : public Sink {
- public:
-  FileSink(std::string path, bool overwrite) : path_(std::move(path)), overwrite_(overwrite) {}
-  void begin(const Metadata& meta, std::vector<safetensors::Entry> entries) override {
-    w_.emplace(path_, meta, std::move(entries), overwrite_);
-  }
-  void put(const Out& o) override {
-    if (w_->has(o.name)) w_->write(o.name, o.data, o.bytes);
-  }
-  const File& contents() override {
-    if (!mapped_) mapped_ = w_->contents();
-    return *mapped_;
-  }
-  void finish(const Metadata& meta) override {
-    mapped_.reset();
-    w_->set_metadata(meta);
-    size_ = w_->commit();
-  }
-  std::uint64_t size() const { return size_; }
-
- private:
-  std::string path_;
-  bool overwrite_;
-  std::optional<safetensors::Writer> w_;
-  std::optional<File> mapped_;
-  std::uint64_t size_ = 0;
-};
 
 std::string gigabytes(std::uint64_t bytes) {
   std::ostringstream os;

@@ -155,8 +155,6 @@ Spec spec_of(const OpCase& c) {
   return s;
 }
 
-namespace {
-
 // ---- the tensors of a case --------------------------------------------------------------------
 
 // Every tensor of the case, in file order: inputs, parameters, outputs, upstream gradients,
@@ -197,30 +195,37 @@ std::int64_t numel(const Dims& d) {
   return n;
 }
 
-// The bytes generating a case of spec s needs at most (OpCase::bytes_needed); s's lengths may
-// still be unfilled.
-std::uint64_t bytes_of(const Spec& s, bool f32) {
+namespace {
+
+// The bytes generating a case of spec s needs at most (OpCase::bytes_needed): written to a file
+// as it is computed, or, in_memory, built whole and serialized. s's lengths may still be
+// unfilled.
+std::uint64_t bytes_of(const Spec& s, bool f32, bool in_memory) {
   // In double: an estimate for a limit, which must not wrap around for absurd sizes.
   const double real = f32 ? 4 : 8;
-  double file = 0, given = 0, results = 0, ints = 0;
+  double file = 0, given = 0, results = 0, ints = 0, largest = 0;
   for (const auto& t : layout(s)) {
     const auto n = static_cast<double>(numel(t.shape));
     if (t.dtype == DType::F64) {
       file += n * (real + (real == 4 && is_result(t.role) ? 8 : 0));
       (is_result(t.role) ? results : given) += n;
+      if (!is_result(t.role)) largest = std::max(largest, n);
     } else {
       file += n * static_cast<double>(safetensors::dtype_size(t.dtype));
       ints += n;
     }
   }
-  // The run's working tensors: the drawn values as doubles, and in each run (Real; a float32
-  // case's float64 run too) the op's copies of them and its results; plus what the op holds
-  // beyond them. Writing the file out holds it twice.
-  double work = given * 8 + (given + results) * (f32 ? 4 + 8 : 8);
+  // The runs' working tensors. The float64 run holds the most (a float32 case's float32 run
+  // holds the drawn doubles and its float copies and results, all smaller): the drawn values,
+  // spent as they are read (RunContext::take), so with the op's copies of them about one set and
+  // the largest once more; its results; what the op holds beyond them. A run's results are
+  // written and freed before the next run.
+  double work = (given + largest + results) * 8;
   // integers and masks: held as int64 in the spec and the drawn values, and as stored
   work += ints * (8 + 8 + 8);
   if (s.def->working_bytes) work += s.def->working_bytes(s);
-  const double total = std::max(file + work, 2 * file);
+  // In memory the file is held too, and twice once it is serialized.
+  const double total = in_memory ? std::max(file + work, 2 * file) : work;
   return total >= 0x1p64 ? ~std::uint64_t{0} : static_cast<std::uint64_t>(total);
 }
 
@@ -269,19 +274,13 @@ void as_stored(std::vector<double>& x, const OpCase& c) {
   }
 }
 
-namespace {
-
-template <class Real>
-using Results = std::map<std::string, Tensor<Real>>;
-
-// The op forward and backward on v, in Real, emulating p when Real is float.
 template <class Real>
 Results<Real> run(const Spec& s, const Values& v, std::uint64_t seed, std::optional<Precision> p,
-                  const Fp8Recipe& fp8 = {}, const std::vector<std::int64_t>* routing = nullptr) {
+                  const Fp8Recipe& fp8, const std::vector<std::int64_t>* routing, Values* spend) {
   const teo::detail::EmulationScope scope(std::is_same_v<Real, float> && p ? *p : Precision::fp32,
                                           fp8);
   const auto slots = layout(s);
-  RunContext<Real> c{s, v, seed, p, {}, {}, routing};
+  RunContext<Real> c{s, v, seed, p, {}, {}, routing, spend};
   for (const auto& t : slots) c.shape[t.name] = t.shape;
   // Every result starts as zeros of its shape (the backward functions accumulate).
   for (const auto& t : slots) {
@@ -296,6 +295,15 @@ Results<Real> run(const Spec& s, const Values& v, std::uint64_t seed, std::optio
   }
   return std::move(c.r);
 }
+
+template Results<float> run<float>(const Spec&, const Values&, std::uint64_t,
+                                   std::optional<Precision>, const Fp8Recipe&,
+                                   const std::vector<std::int64_t>*, Values*);
+template Results<double> run<double>(const Spec&, const Values&, std::uint64_t,
+                                     std::optional<Precision>, const Fp8Recipe&,
+                                     const std::vector<std::int64_t>*, Values*);
+
+namespace {
 
 // ---- drawing the inputs -------------------------------------------------------------------------
 
@@ -322,6 +330,8 @@ void fp8_channel_magnitudes(std::vector<double>& x, std::int64_t channels, std::
   }
   for (std::size_t i = 0; i < x.size(); ++i) x[i] *= mag[i % mag.size()];
 }
+
+}  // namespace
 
 Values draw_inputs(const Spec& s, const OpCase& c) {
   Values v;
@@ -391,62 +401,6 @@ Values values_of(const File& f, const Spec& s) {
   return v;
 }
 
-template <class Real>
-void add_results(File& f, const std::vector<Slot>& slots, const Results<Real>& r,
-                 const std::string& prefix) {
-  for (const auto& t : slots) {
-    if (!is_result(t.role)) continue;
-    const Tensor<Real>& x = r.at(t.name);
-    if (t.dtype == DType::I32) {
-      // integer outputs (exact in Real) have no ref64 twin
-      if (!prefix.empty()) continue;
-      const std::vector<std::int32_t> ids(x.begin(), x.end());
-      f.add<std::int32_t>(t.name, t.shape, ids.data(), ids.size());
-      continue;
-    }
-    f.add<Real>(prefix + t.name, t.shape, x.data(), static_cast<std::size_t>(x.numel()));
-  }
-}
-
-template <class Real>
-File make_typed(const OpCase& c, const Spec& s) {
-  const Values v = draw_inputs(s, c);
-  const auto slots = layout(s);
-  File f;
-  f.metadata.emplace_back("format", kOpFormat);
-  f.metadata.emplace_back("op", c.op);
-  f.metadata.emplace_back("spec", c.spec.dump());
-  f.metadata.emplace_back("teo_version", TEO_VERSION);
-  for (const auto& t : slots) {
-    if (is_result(t.role)) continue;
-    if (t.dtype == DType::I64) {
-      const auto& x = v.i64.at(t.name);
-      f.add<std::int64_t>(t.name, t.shape, x.data(), x.size());
-    } else if (t.dtype == DType::I32) {
-      const auto& x = v.i64.at(t.name);
-      const std::vector<std::int32_t> y(x.begin(), x.end());  // in range: the spec checked it
-      f.add<std::int32_t>(t.name, t.shape, y.data(), y.size());
-    } else if (t.dtype == DType::U8) {
-      const auto& x = v.u8.at(t.name);
-      f.add<std::uint8_t>(t.name, t.shape, x.data(), x.size());
-    } else {
-      const auto& x = v.f.at(t.name);
-      std::vector<Real> y(x.begin(), x.end());
-      f.add<Real>(t.name, t.shape, y.data(), y.size());
-    }
-  }
-  {
-    const auto r = run<Real>(s, v, c.seed, std::nullopt);
-    add_results(f, slots, r, "");
-  }
-  if constexpr (std::is_same_v<Real, float>) {
-    const auto r64 = run<double>(s, v, c.seed, std::nullopt);
-    add_results(f, slots, r64, "ref64.");
-  }
-  return f;
-}
-
-}  // namespace
 }  // namespace ops
 
 using namespace ops;  // NOLINT(google-build-using-namespace): this file is the registry's face
@@ -531,7 +485,7 @@ OpCase OpCase::from_json(const json& j, const std::string& op, std::uint64_t max
   if (c.precision == Precision::fp8 && c.fp8.attention && !o.has_attention) {
     throw ConfigError("spec.fp8_attention: the " + c.op + " op has no attention to run in fp8");
   }
-  const std::uint64_t need = bytes_of(s, c.dtype == "float32");
+  const std::uint64_t need = bytes_of(s, c.dtype == "float32", /*in_memory=*/false);
   if (need > max_bytes) {
     throw ShapeError("the " + c.op + " case needs about " + std::to_string(need >> 20) +
                      " MiB, above the limit of " + std::to_string(max_bytes >> 20) + " MiB");
@@ -553,8 +507,8 @@ OpCase OpCase::from_file(const std::string& path, const std::string& op) {
   }
 }
 
-std::uint64_t OpCase::bytes_needed() const {
-  return bytes_of(spec_of(*this), dtype == "float32");
+std::uint64_t OpCase::bytes_needed(bool in_memory) const {
+  return bytes_of(spec_of(*this), dtype == "float32", in_memory);
 }
 
 bool is_op_file(const File& file) {
@@ -736,45 +690,6 @@ index_t longest_reduction(const OpCase& c) {
   return s.def->longest_reduction(s);
 }
 }  // namespace detail
-
-safetensors::File make_op(const OpCase& c, bool allow_ill_conditioned, const std::string& keep) {
-  const Spec s = spec_of(c);
-  File f = c.dtype == "float32" ? make_typed<float>(c, s) : make_typed<double>(c, s);
-  if (c.dtype == "float32") {
-    std::string why = detail::float32_conditioning(
-        f, detail::longest_reduction(c), [] { return std::string("none found in a single op"); },
-        allow_ill_conditioned);
-    if (c.precision && why.empty()) {
-      try {
-        detail::precision_conditioning(f, run_op(f, c.precision), *c.precision, nullptr);
-      } catch (const IllConditioned& e) {
-        if (!allow_ill_conditioned) throw;
-        why = e.what();
-      }
-    }
-    if (!why.empty()) f.metadata.emplace_back("ill_conditioned", why);
-  }
-  if (keep.empty()) return f;
-  // the fp8 operands are chosen with the computed tensors, and computed only when chosen
-  const auto operands = fp8_operand_tensors(c, s);
-  std::vector<std::string> names;
-  for (const auto& t : f.tensors) names.push_back(t.name);
-  for (std::size_t i = 0; i < operands.size(); i += 2) names.push_back(operands[i].name);
-  const auto stays = kept_names(names, keep, /*op=*/true);
-  std::vector<bool> wanted(operands.size(), false);
-  bool any = false;
-  for (std::size_t i = 0; i < operands.size(); i += 2) {
-    wanted[i] = stays[f.tensors.size() + i / 2];
-    any = any || wanted[i];
-  }
-  std::vector<safetensors::Tensor> kept;
-  for (std::size_t k = 0; k < f.tensors.size(); ++k)
-    if (stays[k]) kept.push_back(std::move(f.tensors[k]));
-  f.tensors = std::move(kept);
-  f.metadata.emplace_back("kept", keep);
-  if (any) add_fp8_operands(f, operands, wanted);
-  return f;
-}
 
 std::vector<OpCorpusEntry> read_op_corpus_cases(const std::string& path) {
   return detail::read_corpus<OpCorpusEntry>(

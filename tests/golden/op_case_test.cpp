@@ -78,6 +78,40 @@ TEST(OpCorpus, ManifestMatchesAndRegeneratesBitForBitOnOneAndTwoThreads) {
   }
 }
 
+// write_op streams a case to its file as it is computed (the at-scale cases are too large to be
+// held whole): every committed case comes out with the committed bytes, an existing file is
+// refused and left as it was, and a case that cannot be written leaves nothing behind.
+TEST(OpCorpus, WrittenAsComputedEveryCaseHasTheCommittedBytes) {
+  const fs::path dir = teo::test::fresh_dir("teo_write_op");
+  for (const auto& e : op_corpus()) {
+    const fs::path out = dir / (e.name + ".safetensors");
+    const std::uint64_t size = golden::write_op(e.spec, out.string(), /*overwrite=*/false);
+    const std::string bytes = slurp(out);
+    EXPECT_EQ(size, bytes.size()) << e.name;
+    EXPECT_TRUE(bytes == slurp(kOps / (e.name + ".safetensors"))) << e.name;
+  }
+  const auto& first = op_corpus().front();
+  const fs::path taken = dir / (first.name + ".safetensors");
+  std::ofstream(taken, std::ios::binary | std::ios::trunc) << "mine";
+  EXPECT_THROW(golden::write_op(first.spec, taken.string(), false), teo::FileError);
+  EXPECT_EQ(slurp(taken), "mine");
+  // with --keep the case is built in memory, kept, then written
+  const fs::path kept = dir / "kept.safetensors";
+  golden::write_op(first.spec, kept.string(), false, false, "output.*");
+  EXPECT_TRUE(slurp(kept) == st::serialize(golden::make_op(first.spec, false, "output.*")));
+  EXPECT_THROW(golden::write_op(first.spec, (dir / "no" / "such.safetensors").string(), false),
+               teo::FileError);
+  EXPECT_FALSE(fs::exists(dir / "no"));
+  // small enough to be written as it is computed, too large to be held whole: make_op refuses
+  // it by name before allocating anything
+  const auto big = spec("linear", {{"rows", 1}, {"in_features", 400'000'000}, {"out_features", 1}});
+  EXPECT_LE(big.bytes_needed(), std::uint64_t{1} << 34);
+  teo::test::expect_throw<teo::ShapeError>([&] { (void)golden::make_op(big); }, "built in memory");
+  for (const auto& p : fs::directory_iterator(dir))
+    EXPECT_FALSE(p.path().string().ends_with(".tmp")) << p.path() << " left behind";
+  fs::remove_all(dir);
+}
+
 TEST(OpCorpus, CoversEveryOpDtypePrecisionAndEdgeCase) {
   std::set<std::string> ops, dtypes, precisions;
   bool len0 = false, len1 = false, s1 = false, dh1 = false, odd_dh = false, one_head = false,

@@ -268,8 +268,9 @@ void run(RunContext<Real>& c) {
   };
   const auto gate = c.in("param.gate.weight"), gate_b = in_or_empty(p.gate_bias, "param.gate.bias");
   const auto corr = in_or_empty(p.selection_bias, "param.gate.e_score_correction_bias");
-  const auto wg = c.in("param.experts.w_gate"), wu = c.in("param.experts.w_up");
-  const auto wd = c.in("param.experts.w_down");
+  // the experts' weights, read once, are the case's largest tensors (RunContext::take)
+  const auto wg = c.take("param.experts.w_gate"), wu = c.take("param.experts.w_up");
+  const auto wd = c.take("param.experts.w_down");
   const auto bg = in_or_empty(s.expert_bias, "param.experts.b_gate");
   const auto bu = in_or_empty(s.expert_bias, "param.experts.b_up");
   const auto bd = in_or_empty(s.expert_bias, "param.experts.b_down");

@@ -253,6 +253,9 @@ struct RunContext {
   // A routed op's routing to replay, (T, k), or null: the golden's own when the checker
   // emulates a precision, so that the emulated error is the experts' arithmetic's alone.
   const std::vector<std::int64_t>* routing = nullptr;
+  // The drawn values the run may spend (the last run of a generation), or null: take() frees
+  // what it has read.
+  Values* spend = nullptr;
 
   // Input `n` as a tensor of its shape, in Real.
   Tensor<Real> in(const std::string& n) const {
@@ -264,6 +267,13 @@ struct RunContext {
                         " values, expected " + std::to_string(t.numel()));
     }
     for (index_t i = 0; i < t.numel(); ++i) t[i] = static_cast<Real>(it->second[i]);
+    return t;
+  }
+  // Input `n` as in(), for an op that reads it once: its drawn values are freed where the run
+  // may spend them, so that the largest cases hold their parameters about once.
+  Tensor<Real> take(const std::string& n) const {
+    Tensor<Real> t = in(n);
+    if (spend) spend->f.erase(n);
     return t;
   }
   Tensor<Real> zeros(const std::string& n) const {
@@ -350,6 +360,30 @@ struct OpDef {
 
 // The spec of a case, parsed and with its defaults filled in.
 Spec spec_of(const OpCase& c);
+
+// ---- the generic machinery of a case (ops.cpp), which op_file.cpp writes out ----------------
+
+// Every tensor of the case, in file order: inputs, parameters, outputs, upstream gradients,
+// input gradients, parameter gradients.
+std::vector<Slot> layout(const Spec& s);
+// Whether a tensor of this role is computed (an output or a gradient) rather than drawn.
+bool is_result(Role r);
+// The elements of a tensor of these dims, ShapeError on overflow.
+std::int64_t numel(const Dims& d);
+
+template <class Real>
+using Results = std::map<std::string, Tensor<Real>>;
+
+// The op forward and backward on v, in Real, emulating p when Real is float; with `routing`, that
+// routing replayed; with `spend` (v itself), the values the op takes are freed as it reads them.
+template <class Real>
+Results<Real> run(const Spec& s, const Values& v, std::uint64_t seed, std::optional<Precision> p,
+                  const Fp8Recipe& fp8 = {}, const std::vector<std::int64_t>* routing = nullptr,
+                  Values* spend = nullptr);
+// The case's drawn inputs, parameters and upstream gradients, as the dtype stores them.
+Values draw_inputs(const Spec& s, const OpCase& c);
+// The same tensors read from an op file (FormatError for a missing or misshapen one).
+Values values_of(const safetensors::File& f, const Spec& s);
 
 // The fp8 operands a case can store (--keep fp8.*; docs/golden-format.md, "fp8 operands"): for
 // each operand of its op's fp8 products, fp8.<name> (rows, k) in its format's F8 dtype, then

@@ -6,15 +6,22 @@
 #
 # Usage: bench/moe_op_case.sh [build-dir] [scratch-dir]     (default: build, a fresh mktemp -d)
 # Needs about 15 GB of memory and 11.3 GB of disk in scratch-dir (the 11.2 GB file, written
-# twice, one after the other); the scratch files are removed at the end.
+# twice, one after the other); what it writes there is removed at the end.
 set -euo pipefail
 build=${1:-build}
 teo="$build/teo"
 [[ -x "$teo" ]] || { echo "moe_op_case.sh: build $build first (scripts/build.sh)" >&2; exit 2; }
 [[ -x /usr/bin/time ]] || { echo "moe_op_case.sh: needs /usr/bin/time (apt-get install time)" >&2; exit 2; }
-dir=${2:-$(mktemp -d)}
-mkdir -p "$dir"
-trap 'rm -f "$dir"/e128*.safetensors "$dir"/*.time' EXIT
+if [[ -n "${2:-}" ]]; then
+  dir=$2
+  mkdir -p "$dir"
+  # only what this script writes there, and an interrupted run's temporary files
+  trap 'rm -f "$dir"/e128.json "$dir"/e128.safetensors "$dir"/e128_t1.safetensors \
+    "$dir"/gen1.time "$dir"/gen2.time "$dir"/check.time "$dir"/.e128*.safetensors.tmp-*' EXIT
+else
+  dir=$(mktemp -d)
+  trap 'rm -rf "$dir"' EXIT
+fi
 cat > "$dir/e128.json" <<'SPEC'
 {"op": "moe", "tokens": 4096, "d_model": 2048, "num_experts": 128, "num_experts_per_tok": 8,
  "moe_d_ff": 768, "norm_topk_prob": true, "replay_routing": true, "clear_margins": false,

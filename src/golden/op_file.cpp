@@ -1,5 +1,7 @@
 // Writing an op case (teo/golden_ops.hpp, make_op and write_op): the drawn inputs first, then each
 // run's results as soon as they are computed, into a File in memory or a file written as it goes.
+#include <unistd.h>
+
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -64,11 +66,12 @@ void put_results(Sink& sink, const std::vector<Slot>& slots, Results<Real>& r,
 template <class Real>
 Metadata make_into(const OpCase& c, const Spec& s, Sink& sink) {
   constexpr bool f32 = std::is_same_v<Real, float>;
-  Values v = draw_inputs(s, c);
   const auto slots = layout(s);
   Metadata meta = {
       {"format", kOpFormat}, {"op", c.op}, {"spec", c.spec.dump()}, {"teo_version", TEO_VERSION}};
+  // the file's errors (an existing file, a missing directory) before anything is drawn
   sink.begin(meta, entries_of(slots, f32));
+  Values v = draw_inputs(s, c);
   for (const auto& t : slots) {
     if (is_result(t.role)) continue;
     if (t.dtype == DType::I64) {
@@ -131,9 +134,9 @@ safetensors::File make_op(const OpCase& c, bool allow_ill_conditioned, const std
   if (const std::uint64_t need = c.bytes_needed(/*in_memory=*/true); need > limit) {
     throw ShapeError("the " + c.op + " case needs about " + std::to_string(need >> 20) +
                      " MiB when built in memory, above the limit of " +
-                     std::to_string(limit >> 20) + " MiB; `teo golden op` writes it to its file " +
-                     "as it is computed, in about " + std::to_string(c.bytes_needed() >> 20) +
-                     " MiB");
+                     std::to_string(limit >> 20) + " MiB; `teo golden op` without --keep writes " +
+                     "it to its file as it is computed, in about " +
+                     std::to_string(c.bytes_needed() >> 20) + " MiB");
   }
   const Spec s = spec_of(c);
   detail::MemorySink sink;
@@ -167,6 +170,10 @@ safetensors::File make_op(const OpCase& c, bool allow_ill_conditioned, const std
 std::uint64_t write_op(const OpCase& c, const std::string& path, bool overwrite,
                        bool allow_ill_conditioned, const std::string& keep) {
   if (!keep.empty()) {
+    // the path's errors before the case is computed
+    const auto [fd, tmp] = open_temp_beside(path, overwrite);
+    ::close(fd);
+    ::unlink(tmp.c_str());
     const std::string bytes = safetensors::serialize(make_op(c, allow_ill_conditioned, keep));
     write_file_atomic(path, bytes, overwrite);
     return bytes.size();

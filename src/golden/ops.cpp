@@ -200,27 +200,35 @@ namespace {
 // The bytes generating a case of spec s needs at most (OpCase::bytes_needed): written to a file
 // as it is computed, or, in_memory, built whole and serialized. s's lengths may still be
 // unfilled.
-std::uint64_t bytes_of(const Spec& s, bool f32, bool in_memory) {
+std::uint64_t bytes_of(const Spec& s, bool f32, bool precision, bool in_memory) {
   // In double: an estimate for a limit, which must not wrap around for absurd sizes.
   const double real = f32 ? 4 : 8;
-  double file = 0, given = 0, results = 0, ints = 0, largest = 0;
+  double file = 0, given = 0, results = 0, ints = 0, taken = 0, largest_taken = 0;
+  const auto& takes = s.def->taken;
   for (const auto& t : layout(s)) {
     const auto n = static_cast<double>(numel(t.shape));
     if (t.dtype == DType::F64) {
       file += n * (real + (real == 4 && is_result(t.role) ? 8 : 0));
       (is_result(t.role) ? results : given) += n;
-      if (!is_result(t.role)) largest = std::max(largest, n);
+      if (std::any_of(takes.begin(), takes.end(), [&](const char* x) { return t.name == x; })) {
+        taken += n;
+        largest_taken = std::max(largest_taken, n);
+      }
     } else {
       file += n * static_cast<double>(safetensors::dtype_size(t.dtype));
       ints += n;
     }
   }
-  // The runs' working tensors. The float64 run holds the most (a float32 case's float32 run
-  // holds the drawn doubles and its float copies and results, all smaller): the drawn values,
-  // spent as they are read (RunContext::take), so with the op's copies of them about one set and
-  // the largest once more; its results; what the op holds beyond them. A run's results are
-  // written and freed before the next run.
-  double work = (given + largest + results) * 8;
+  // The float64 run holds the most of the runs (a float32 case's float32 run holds the drawn
+  // doubles, float copies and float results): the drawn values and the op's copies of them,
+  // except that a tensor it takes (OpDef::taken) is held about once (the largest twice while it
+  // is copied); its results; what the op holds beyond them. A run's results are written and freed
+  // before the next run.
+  const double run64 = (2 * given - taken + largest_taken + results) * 8;
+  // A float32 case's conditioning then reads the file, mapped; a precision case's also runs the
+  // op again in float: the inputs as doubles and floats, its results as floats and doubles.
+  const double conditioning = f32 ? file + (precision ? (given + results) * (8 + 4) : 0) : 0;
+  double work = std::max(run64, conditioning);
   // integers and masks: held as int64 in the spec and the drawn values, and as stored
   work += ints * (8 + 8 + 8);
   if (s.def->working_bytes) work += s.def->working_bytes(s);
@@ -262,6 +270,13 @@ const std::vector<std::int64_t>& spec_ints_of(const Values& v, const Spec& s,
     throw FormatError("the op case's " + name + " are not its spec's " + name.substr(6));
   }
   return got;
+}
+
+void check_taken(const Spec& s, const std::string& n) {
+  const auto& t = s.def->taken;
+  if (std::none_of(t.begin(), t.end(), [&](const char* x) { return n == x; }))
+    throw std::logic_error("the " + std::string(s.def->name) + " op takes " + n +
+                           ", which its OpDef::taken does not list");
 }
 
 void as_stored(std::vector<double>& x, const OpCase& c) {
@@ -485,7 +500,8 @@ OpCase OpCase::from_json(const json& j, const std::string& op, std::uint64_t max
   if (c.precision == Precision::fp8 && c.fp8.attention && !o.has_attention) {
     throw ConfigError("spec.fp8_attention: the " + c.op + " op has no attention to run in fp8");
   }
-  const std::uint64_t need = bytes_of(s, c.dtype == "float32", /*in_memory=*/false);
+  const std::uint64_t need = bytes_of(s, c.dtype == "float32", c.precision.has_value(),
+                                      /*in_memory=*/false);
   if (need > max_bytes) {
     throw ShapeError("the " + c.op + " case needs about " + std::to_string(need >> 20) +
                      " MiB, above the limit of " + std::to_string(max_bytes >> 20) + " MiB");
@@ -508,7 +524,7 @@ OpCase OpCase::from_file(const std::string& path, const std::string& op) {
 }
 
 std::uint64_t OpCase::bytes_needed(bool in_memory) const {
-  return bytes_of(spec_of(*this), dtype == "float32", in_memory);
+  return bytes_of(spec_of(*this), dtype == "float32", precision.has_value(), in_memory);
 }
 
 bool is_op_file(const File& file) {

@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "teo/errors.hpp"
 #include "teo/safetensors.hpp"
 #include "teo/tensor.hpp"
 
@@ -70,6 +71,10 @@ class MemorySink final : public Sink {
     const auto it = index_.find(o.name);
     if (it == index_.end()) return;
     auto& t = f_.tensors[it->second];
+    if (o.bytes != t.bytes.size()) {
+      throw FormatError("safetensors: tensor " + o.name + " has " + std::to_string(o.bytes) +
+                        " bytes, its shape needs " + std::to_string(t.bytes.size()));
+    }
     if (o.bytes) std::memcpy(t.bytes.data(), o.data, o.bytes);
   }
   const File& contents() override { return f_; }

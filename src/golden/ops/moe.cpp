@@ -374,6 +374,7 @@ const OpDef& moe_op() {
       .tensors = tensors,
       .longest_reduction = longest_reduction,
       .working_bytes = working_bytes,
+      .taken = {"param.experts.w_gate", "param.experts.w_up", "param.experts.w_down"},
       .draw = draw,
       .run_float = run<float>,
       .run_double = run<double>,

@@ -239,6 +239,9 @@ void store(Tensor<Real>& t, std::optional<Precision> p, const std::string& name)
 // Float values as the case's dtype (and precision) store them.
 void as_stored(std::vector<double>& x, const OpCase& c);
 
+// std::logic_error unless s's op lists n in its OpDef::taken (what the memory estimate counts).
+void check_taken(const Spec& s, const std::string& n);
+
 // Where an op's forward and backward run: the spec, the inputs' values, the seed and the precision
 // emulated, and the results, each a zero tensor of its shape to begin with (the backward functions
 // accumulate).
@@ -272,6 +275,7 @@ struct RunContext {
   // Input `n` as in(), for an op that reads it once: its drawn values are freed where the run
   // may spend them, so that the largest cases hold their parameters about once.
   Tensor<Real> take(const std::string& n) const {
+    check_taken(s, n);
     Tensor<Real> t = in(n);
     if (spend) spend->f.erase(n);
     return t;
@@ -334,6 +338,9 @@ struct OpDef {
   // The bytes of the run's working tensors beyond the generic estimate (the values as doubles,
   // the results in Real and double), or null.
   double (*working_bytes)(const Spec& s) = nullptr;
+  // The drawn tensors the op reads once, with RunContext::take: the last run frees each as it
+  // reads it, and the memory estimate counts them once.
+  std::vector<const char*> taken{};
   // Changes the drawn inputs (already as stored) where the op draws them otherwise, or null.
   void (*draw)(const Spec& s, const OpCase& c, Values& v) = nullptr;
   // Forward, then backward, into c.r.

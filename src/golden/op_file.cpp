@@ -86,8 +86,12 @@ Metadata make_into(const OpCase& c, const Spec& s, Sink& sink) {
       sink.put(out_of(t.name, t.shape, x.data(), x.size()));
     } else {
       const auto& x = v.f.at(t.name);
-      const std::vector<Real> y(x.begin(), x.end());
-      sink.put(out_of(t.name, t.shape, y.data(), y.size()));
+      if constexpr (f32) {
+        const std::vector<float> y(x.begin(), x.end());
+        sink.put(out_of(t.name, t.shape, y.data(), y.size()));
+      } else {
+        sink.put(out_of(t.name, t.shape, x.data(), x.size()));  // the drawn doubles themselves
+      }
     }
   }
   {

@@ -197,6 +197,11 @@ std::int64_t numel(const Dims& d) {
 
 namespace {
 
+// Whether def's op reads n with RunContext::take (OpDef::taken).
+bool takes(const OpDef& def, const std::string& n) {
+  return std::any_of(def.taken.begin(), def.taken.end(), [&](const char* x) { return n == x; });
+}
+
 // The bytes generating a case of spec s needs at most (OpCase::bytes_needed): written to a file
 // as it is computed, or, in_memory, built whole and serialized. s's lengths may still be
 // unfilled.
@@ -204,13 +209,12 @@ std::uint64_t bytes_of(const Spec& s, bool f32, bool precision, bool in_memory) 
   // In double: an estimate for a limit, which must not wrap around for absurd sizes.
   const double real = f32 ? 4 : 8;
   double file = 0, given = 0, results = 0, ints = 0, taken = 0, largest_taken = 0;
-  const auto& takes = s.def->taken;
   for (const auto& t : layout(s)) {
     const auto n = static_cast<double>(numel(t.shape));
     if (t.dtype == DType::F64) {
       file += n * (real + (real == 4 && is_result(t.role) ? 8 : 0));
       (is_result(t.role) ? results : given) += n;
-      if (std::any_of(takes.begin(), takes.end(), [&](const char* x) { return t.name == x; })) {
+      if (takes(*s.def, t.name)) {
         taken += n;
         largest_taken = std::max(largest_taken, n);
       }
@@ -273,8 +277,7 @@ const std::vector<std::int64_t>& spec_ints_of(const Values& v, const Spec& s,
 }
 
 void check_taken(const Spec& s, const std::string& n) {
-  const auto& t = s.def->taken;
-  if (std::none_of(t.begin(), t.end(), [&](const char* x) { return n == x; }))
+  if (!takes(*s.def, n))
     throw std::logic_error("the " + std::string(s.def->name) + " op takes " + n +
                            ", which its OpDef::taken does not list");
 }

@@ -144,6 +144,10 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       cfg.embeddings.position_offset = 0;
     }
   }
+  // Qwen3's q/k norms and heads apart from d_model (head_dim, invalid now and then), read last
+  // for the same reason.
+  cfg.attention.qk_norm = in.flag();
+  if (in.byte() >= 200) cfg.attention.head_dim = in.pick(-1, 9);
   // Validation first: it allocates nothing, and every input goes through it.
   try {
     cfg.validate();

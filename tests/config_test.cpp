@@ -81,14 +81,24 @@ TEST(Config, VariantKeysRoundTripAndAppearOnlyWhenUsed) {
   c.attention.sliding_window = 5;
   c.attention.attn_logit_softcap = 30.0;
   c.attention.attn_sinks = true;
+  c.attention.qk_norm = true;
+  c.attention.head_dim = 6;  // H Dh = 24, apart from d_model 16
+  EXPECT_EQ(c.to_json().at("head_dim"), 6);
+  EXPECT_EQ(c.to_json().at("qk_norm"), true);
   EXPECT_EQ(ModelConfig::from_json(c.to_json()), c);
+  EXPECT_EQ(c.d_head(), 6);
+  EXPECT_EQ(c.attn_width(), 24);
+  EXPECT_EQ(ModelConfig{}.attn_width(), ModelConfig{}.d_model);
   ModelConfig a;
   a.embeddings.positional = Positional::alibi;
   a.attention.alibi_max_bias = 4.0;
   EXPECT_EQ(ModelConfig::from_json(a.to_json()), a);
   EXPECT_EQ(ModelConfig{}.to_json().size(), 16u);  // a plain config reads as it always has
-  EXPECT_EQ(ModelConfig::from_json_text(R"({"sliding_window": null, "attn_logit_softcap": null})"),
+  EXPECT_EQ(ModelConfig::from_json_text(
+                R"({"sliding_window": null, "attn_logit_softcap": null, "head_dim": null})"),
             ModelConfig{});
+  // with head_dim, d_model need not divide by num_heads (gpt-oss: 2880 and 64 heads of 64)
+  EXPECT_NO_THROW(ModelConfig::from_json_text(R"({"d_model": 15, "num_heads": 4, "head_dim": 4})"));
 }
 
 void expect_config_error(const std::string& text, const std::string& needle);
@@ -104,6 +114,14 @@ TEST(Config, InvalidVariantValuesAreNamedErrors) {
   expect_config_error(R"({"attn_logit_softcap": -1})", "attn_logit_softcap");
   expect_config_error(R"({"attn_logit_softcap": 1e400})", "JSON");
   expect_config_error(R"({"attn_sinks": 1})", "attn_sinks");
+  expect_config_error(R"({"qk_norm": 1})", "qk_norm");
+  expect_config_error(R"({"head_dim": 0})", "head_dim");
+  expect_config_error(R"({"head_dim": 2.5})", "head_dim");
+  expect_config_error(R"({"head_dim": 2000000})", "head_dim");
+  expect_config_error(R"({"num_heads": 2048, "d_model": 2048, "head_dim": 1024})",
+                      "num_heads x head_dim");
+  expect_config_error(R"({"d_model": 15, "num_heads": 4})", "head_dim set");
+  expect_config_error(R"({"positional": "rope", "head_dim": 4, "rotary_dim": 6})", "rotary_dim");
   expect_config_error(R"({"position_offset": -1})", "position_offset");
   expect_config_error(R"({"position_offset": 2000000000000})", "position_offset");
   expect_config_error(R"({"positional": "rope", "rotary_dim": 3})", "rotary_dim");
@@ -263,6 +281,8 @@ TEST(Config, EncoderDecoderKeysRoundTripAndItsLimitsAreNamed) {
   expect_config_error(ed + R"("decoder_vocab_size": 0})", "decoder_vocab_size");
   expect_config_error(ed + R"("positional": "rope"})", "positional");
   expect_config_error(ed + R"("attn_sinks": true})", "attn_sinks");
+  expect_config_error(ed + R"("qk_norm": true})", "qk_norm");
+  expect_config_error(ed + R"("head_dim": 4})", "head_dim");
   expect_config_error(ed + R"("dropout": 0.1})", "dropout");
   expect_config_error(ed + R"("pooling": "max"})", "pooling");
 }

@@ -97,7 +97,10 @@ struct EmbeddingsConfig {
 struct AttentionConfig {
   index_t num_heads = 2;
   bool causal = false;
-  std::optional<index_t> num_kv_heads{};       // unset: num_heads; must divide it (1: MQA)
+  std::optional<index_t> num_kv_heads{};  // unset: num_heads; must divide it (1: MQA)
+  // Dh, each head's width (semantics 14.10); unset: d_model / num_heads. Set, q and the context
+  // are H * Dh wide, which need not be d_model (Qwen3-MoE: D 2048, 32 heads of 128; gpt-oss: 2880).
+  std::optional<index_t> head_dim{};
   RopeStyle rope_style = RopeStyle::neox;      // rope only
   std::optional<index_t> rotary_dim{};         // rope only; unset: d_head
   double rope_base = 10000.0;                  // rope only
@@ -106,7 +109,10 @@ struct AttentionConfig {
   std::optional<index_t> sliding_window{};     // W: each query sees W keys (counting itself)
   std::optional<double> attn_logit_softcap{};  // c: logits c tanh(s / c)
   bool attn_sinks = false;                     // a learned sink logit per head
-  bool attn_bias = true;                       // the q, k, v and output projections have biases
+  // q and k RMS-normalised per head over Dh before RoPE, each with a weight (Dh) of its own
+  // (Qwen3's q_norm and k_norm; docs/semantics.md, 14.11)
+  bool qk_norm = false;
+  bool attn_bias = true;  // the q, k, v and output projections have biases
   // The output projections' bias alone (Qwen2's attention: q, k and v biases, none on o); unset:
   // attn_bias.
   std::optional<bool> attn_out_bias{};
@@ -201,7 +207,9 @@ struct ModelConfig {
   NormsConfig norms{};
   HeadConfig head{};
 
-  index_t d_head() const { return d_model / attention.num_heads; }
+  index_t d_head() const { return attention.head_dim.value_or(d_model / attention.num_heads); }
+  // The width of q and of the attention's context, H * Dh: d_model unless head_dim says otherwise.
+  index_t attn_width() const { return attention.num_heads * d_head(); }
   bool patches_input() const { return embeddings.input == InputKind::patches; }
   // The number of patches of an image: (image_size / patch_size)^2; 0 with input "tokens", and
   // for sizes validate() refuses (not positive, or more than 2^20 patches a side).

@@ -57,10 +57,14 @@ struct Case {
   // also an input, input.layers.{i}.moe.topk_ids, which a backend is fed to judge its experts
   // alone (docs/golden-format.md, "Routing").
   bool replay_routing = false;
+  // Drawn norm parameters ("drawn_norms": true): every norm's weight is 1 + U(-1/2, 1/2) and its
+  // bias U(-1/2, 1/2), in place of PyTorch's 1 and 0, so that a backend which ignores a norm's
+  // weight or bias, or reads one norm's weight for another's, fails in the forward pass.
+  bool drawn_norms = false;
 
   // CASE.json: the config keys plus "case": {batch, seq_len, lengths?, dtype, seed, precision?,
-  // fp8_*?, generate?, replay_routing?}. Throws ConfigError naming the bad key, ShapeError for
-  // sizes the config cannot take.
+  // fp8_*?, generate?, replay_routing?, drawn_norms?}. Throws ConfigError naming the bad key,
+  // ShapeError for sizes the config cannot take.
   static Case from_json(const nlohmann::json& j);
   // CASE.json read from `path`: FileError when it cannot be read, and the errors of from_json
   // with the path in front.

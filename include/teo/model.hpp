@@ -57,6 +57,7 @@ struct LayerParams {
   Tensor<Real> q_weight, q_bias, o_weight, o_bias;                  // (D, D), (D)
   Tensor<Real> k_weight, k_bias, v_weight, v_bias;                  // (Hkv Dh, D), (Hkv Dh)
   Tensor<Real> sinks;                                               // (H); attn_sinks only
+  Tensor<Real> q_norm_weight, k_norm_weight;                        // (Dh); qk_norm only
   Tensor<Real> norm1_weight, norm1_bias, norm2_weight, norm2_bias;  // (D)
   Tensor<Real> gate_weight, gate_bias;                              // (F, D), (F); gated only
   Tensor<Real> fc1_weight, fc1_bias;                                // (F, D), (F)
@@ -74,6 +75,7 @@ struct LayerParams {
   // (layernorm: the norms have biases), ffn (gated: the gate) and ffn_bias; for an MoE layer (moe)
   // the MoE keys. A bias that is absent stays empty.
   bool has_sinks = false;
+  bool has_qk_norm = false;
   bool has_attn_bias = true;
   bool has_out_bias = true;  // attn.o.bias: attn_bias unless attn_out_bias says otherwise
   bool has_norm_bias = true;
@@ -87,6 +89,7 @@ struct LayerParams {
   // is a mixture of experts).
   void configure(const ModelConfig& c, index_t layer) {
     has_sinks = c.attention.attn_sinks;
+    has_qk_norm = c.attention.qk_norm;
     has_attn_bias = c.attention.attn_bias;
     has_out_bias = c.attention.out_bias();
     has_norm_bias = c.norms.norm == Norm::layernorm;
@@ -104,9 +107,10 @@ struct LayerParams {
   bool configured_for(const ModelConfig& c, index_t layer) const {
     LayerParams<Real> want;
     want.configure(c, layer);
-    return has_sinks == want.has_sinks && has_attn_bias == want.has_attn_bias &&
-           has_out_bias == want.has_out_bias && has_norm_bias == want.has_norm_bias &&
-           gated == want.gated && has_ffn_bias == want.has_ffn_bias && moe == want.moe &&
+    return has_sinks == want.has_sinks && has_qk_norm == want.has_qk_norm &&
+           has_attn_bias == want.has_attn_bias && has_out_bias == want.has_out_bias &&
+           has_norm_bias == want.has_norm_bias && gated == want.gated &&
+           has_ffn_bias == want.has_ffn_bias && moe == want.moe &&
            has_router_bias == want.has_router_bias && has_correction == want.has_correction &&
            has_expert_bias == want.has_expert_bias && has_shared == want.has_shared &&
            has_shared_gate == want.has_shared_gate;
@@ -134,6 +138,10 @@ struct LayerParams {
     if (ab) f("attn.v.bias", l.v_bias);
     f("attn.o.weight", l.o_weight);
     if (l.has_out_bias) f("attn.o.bias", l.o_bias);
+    if (l.has_qk_norm) {
+      f("attn.q_norm.weight", l.q_norm_weight);
+      f("attn.k_norm.weight", l.k_norm_weight);
+    }
     if (l.has_sinks) f("attn.sinks", l.sinks);
     f("norm1.weight", l.norm1_weight);
     if (nb) f("norm1.bias", l.norm1_bias);
@@ -280,11 +288,13 @@ template <class Real>
 struct LayerActs {
   Tensor<Real> norm1, norm1_mean, norm1_rstd;  // (B, S, D), (B*S), (B*S)
   Tensor<Real> q, k, v;                        // (B, H, S, Dh); k, v (B, Hkv, S, Dh)
-  Tensor<Real> q_rot, k_rot;                   // q and k after RoPE; rope only
-  Tensor<Real> scores, probs;                  // (B, H, S, S); the final logits, masked -inf
-  Tensor<Real> context;                        // (B, S, D), heads concatenated
-  Tensor<Real> attn_out;                       // (B, S, D), after the output projection
-  Tensor<Real> residual1;                      // (B, S, D)
+  // q and k normalised per head (their rstd (B*H*S), (B*Hkv*S)); qk_norm only
+  Tensor<Real> q_norm, k_norm, q_norm_rstd, k_norm_rstd;
+  Tensor<Real> q_rot, k_rot;   // q and k (their norms with qk_norm) after RoPE; rope only
+  Tensor<Real> scores, probs;  // (B, H, S, S); the final logits, masked -inf
+  Tensor<Real> context;        // (B, S, D), heads concatenated
+  Tensor<Real> attn_out;       // (B, S, D), after the output projection
+  Tensor<Real> residual1;      // (B, S, D)
   Tensor<Real> norm2, norm2_mean, norm2_rstd;  // (B, S, D), (B*S), (B*S)
   Tensor<Real> ffn_gate;                       // (B, S, F), gate(x); gated only
   Tensor<Real> ffn_pre;                        // (B, S, F), fc1(x): the activation's input, or
@@ -316,6 +326,7 @@ template <class Real>
 struct Activations {
   bool norm_first = false;
   bool rotary = false;           // positional "rope": q_rot and k_rot are kept
+  bool qk_norm = false;          // qk_norm: q_norm and k_norm are kept
   bool gated = false;            // a gated FFN: ffn_gate is kept
   bool decoder = false;          // an LM head: lm_logits, not pooled and logits
   bool encoder_decoder = false;  // the decoder.* activations follow the encoder's
@@ -361,6 +372,7 @@ struct Activations {
   void configure(const ModelConfig& c) {
     norm_first = c.norms.norm_first;
     rotary = c.embeddings.positional == Positional::rope;
+    qk_norm = c.attention.qk_norm;
     gated = c.gated();
     decoder = c.lm();
     encoder_decoder = c.encoder_decoder();
@@ -378,11 +390,12 @@ struct Activations {
   bool configured_for(const ModelConfig& c) const {
     Activations<Real> want;
     want.configure(c);
-    return norm_first == want.norm_first && rotary == want.rotary && gated == want.gated &&
-           decoder == want.decoder && encoder_decoder == want.encoder_decoder &&
-           token_types == want.token_types && embedding_norm == want.embedding_norm &&
-           pooler == want.pooler && moe_layers == want.moe_layers &&
-           moe_shared == want.moe_shared && moe_aux == want.moe_aux && moe_z == want.moe_z;
+    return norm_first == want.norm_first && rotary == want.rotary && qk_norm == want.qk_norm &&
+           gated == want.gated && decoder == want.decoder &&
+           encoder_decoder == want.encoder_decoder && token_types == want.token_types &&
+           embedding_norm == want.embedding_norm && pooler == want.pooler &&
+           moe_layers == want.moe_layers && moe_shared == want.moe_shared &&
+           moe_aux == want.moe_aux && moe_z == want.moe_z;
   }
   // Whether layer i is an MoE layer.
   bool moe_layer(std::size_t i) const { return i < moe_layers.size() && moe_layers[i]; }
@@ -411,6 +424,10 @@ struct Activations {
       f(p + "q", l.q);
       f(p + "k", l.k);
       f(p + "v", l.v);
+      if (self.qk_norm) {
+        f(p + "q_norm", l.q_norm);
+        f(p + "k_norm", l.k_norm);
+      }
       if (self.rotary) {
         f(p + "q_rot", l.q_rot);
         f(p + "k_rot", l.k_rot);

@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <optional>
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <iterator>
@@ -256,10 +257,10 @@ void validate_block(const ModelConfig& c) {
                         to_string(c.embeddings.positional) + "\"");
     }
     if (c.attention.num_kv_heads || c.attention.sliding_window || c.attention.attn_logit_softcap ||
-        c.attention.attn_sinks) {
+        c.attention.attn_sinks || c.attention.qk_norm || c.attention.head_dim) {
       throw ConfigError(
           "an encoder_decoder takes no attention variants (num_kv_heads, sliding_window, "
-          "attn_logit_softcap, attn_sinks)");
+          "attn_logit_softcap, attn_sinks, qk_norm, head_dim)");
     }
     if (c.dropout > 0) {
       throw ConfigError(
@@ -292,9 +293,21 @@ void ModelConfig::validate() const {
   if (num_layers < 0) {
     throw ConfigError("num_layers must be >= 0, got " + std::to_string(num_layers));
   }
-  if (d_model % attention.num_heads != 0) {
-    throw ConfigError("d_model must be divisible by num_heads: d_model " + std::to_string(d_model) +
-                      ", num_heads " + std::to_string(attention.num_heads));
+  if (attention.head_dim) {
+    // Dh apart from d_model: at most 2^20, and H * Dh as well (a product that cannot overflow)
+    const index_t dh = *attention.head_dim;
+    if (dh < 1 || dh > (index_t{1} << 20)) {
+      throw ConfigError("head_dim must be in [1, 2^20] (or null for d_model / num_heads), got " +
+                        std::to_string(dh));
+    }
+    if (attention.num_heads > (index_t{1} << 20) / dh) {
+      throw ConfigError("num_heads x head_dim must be at most 2^20, got " +
+                        std::to_string(attention.num_heads) + " x " + std::to_string(dh));
+    }
+  } else if (d_model % attention.num_heads != 0) {
+    throw ConfigError("d_model must be divisible by num_heads (or head_dim set): d_model " +
+                      std::to_string(d_model) + ", num_heads " +
+                      std::to_string(attention.num_heads));
   }
   // eps is rounded to the dtype; below float's smallest normal it would vanish (or lose its
   // precision) in float32 and a constant row would give 0 * inf.
@@ -327,8 +340,11 @@ void ModelConfig::validate() const {
   const index_t embed =
       checked_add(embed_weight, patches_input() ? checked_mul(d, 2, "cls_token") : 0, "embedding");
   const index_t pos = checked_mul(embeddings.max_len, d, "pos_embedding.weight");
-  const index_t attn = checked_add(checked_mul(checked_mul(d, d, "attn weight"), 4, "attn weights"),
-                                   checked_mul(d, 8, "attn and norm biases"), "attention");
+  // q, k, v and o bounded by four (D, max(D, H * Dh)) matrices, their biases by 8 max(D, H * Dh)
+  const index_t aw = std::max(d, attn_width());
+  const index_t attn =
+      checked_add(checked_mul(checked_mul(d, aw, "attn weight"), 4, "attn weights"),
+                  checked_mul(aw, 8, "attn and norm biases"), "attention");
   // a gated FFN's three weights (and biases) bound a plain one's two
   const index_t ffn_params =
       checked_add(checked_mul(checked_mul(ffn.d_ff, d, "ffn weight"), 3, "ffn weights"),

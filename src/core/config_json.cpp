@@ -98,6 +98,7 @@ const char* const kConfigKeys[] = {"vocab_size",
                                    "positional",
                                    "pooling",
                                    "num_kv_heads",
+                                   "head_dim",
                                    "rope_style",
                                    "rotary_dim",
                                    "rope_base",
@@ -107,6 +108,7 @@ const char* const kConfigKeys[] = {"vocab_size",
                                    "sliding_window",
                                    "attn_logit_softcap",
                                    "attn_sinks",
+                                   "qk_norm",
                                    "norm",
                                    "ffn",
                                    "ffn_bias",
@@ -237,6 +239,13 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j) {
         c.attention.attn_logit_softcap = get_real(v, key);
     } else if (key == "attn_sinks") {
       c.attention.attn_sinks = get_bool(v, key);
+    } else if (key == "qk_norm") {
+      c.attention.qk_norm = get_bool(v, key);
+    } else if (key == "head_dim") {
+      if (v.is_null())
+        c.attention.head_dim.reset();
+      else
+        c.attention.head_dim = get_int(v, key);
     } else if (key == "norm") {
       const std::string s = get_string(v, key);
       if (s == "layernorm")
@@ -408,6 +417,7 @@ nlohmann::json ModelConfig::to_json() const {
     j["decoder_positional"] = to_string(*embeddings.decoder_positional);
   // The variants' keys appear only when they are in use, so a plain config reads as before.
   if (attention.num_kv_heads) j["num_kv_heads"] = *attention.num_kv_heads;
+  if (attention.head_dim) j["head_dim"] = *attention.head_dim;
   if (embeddings.positional == Positional::rope) {
     j["rope_style"] = to_string(attention.rope_style);
     if (attention.rotary_dim) j["rotary_dim"] = *attention.rotary_dim;
@@ -419,6 +429,7 @@ nlohmann::json ModelConfig::to_json() const {
   if (attention.sliding_window) j["sliding_window"] = *attention.sliding_window;
   if (attention.attn_logit_softcap) j["attn_logit_softcap"] = *attention.attn_logit_softcap;
   if (attention.attn_sinks) j["attn_sinks"] = true;
+  if (attention.qk_norm) j["qk_norm"] = true;
   if (norms.norm != Norm::layernorm) j["norm"] = to_string(norms.norm);
   if (ffn.kind != FfnKind::mlp) j["ffn"] = to_string(ffn.kind);
   if (!ffn.ffn_bias) j["ffn_bias"] = false;

@@ -85,6 +85,9 @@ Case Case::from_json(const json& j) {
       c.replay_routing = v.get<bool>();
       if (c.replay_routing && !c.config.moe())
         throw ConfigError("case.replay_routing needs ffn \"moe\": a dense model routes nothing");
+    } else if (key == "drawn_norms") {
+      if (!v.is_boolean()) throw ConfigError("case.drawn_norms must be true or false");
+      c.drawn_norms = v.get<bool>();
     } else if (key == "generate") {
       if (!v.is_object()) throw ConfigError("case.generate must be an object, got " + v.dump());
       for (const auto& [gk, gv] : v.items()) {
@@ -198,6 +201,7 @@ json Case::case_json() const {
   if (precision == Precision::fp8) detail::write_fp8_keys(j, fp8);
   if (steps > 0) j["generate"] = {{"steps", steps}};
   if (replay_routing) j["replay_routing"] = true;
+  if (drawn_norms) j["drawn_norms"] = true;
   if (config.encoder_decoder()) {
     j["tgt_len"] = tgt_len;
     j["tgt_lengths"] = tgt_lengths.empty()

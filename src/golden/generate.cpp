@@ -31,10 +31,10 @@ namespace detail {
 index_t longest_reduction(const Case& c) {
   const ModelConfig& cfg = c.config;
   // a decoder's LM head also sums over the vocabulary (its softmax, and dx = dlogits W)
-  // an encoder_decoder's target sums over its length too
+  // an encoder_decoder's target sums over its length too; the output projection over H Dh
   return std::max(
-      {cfg.d_model, cfg.ffn.d_ff, c.seq_len, c.batch * c.seq_len, c.tgt_len, c.batch * c.tgt_len,
-       cfg.lm() ? cfg.target_vocab() : index_t{1},
+      {cfg.d_model, cfg.attn_width(), cfg.ffn.d_ff, c.seq_len, c.batch * c.seq_len, c.tgt_len,
+       c.batch * c.tgt_len, cfg.lm() ? cfg.target_vocab() : index_t{1},
        // the patch embedding sums over a flattened patch, Ch P P
        cfg.embeddings.channels * cfg.embeddings.patch_size * cfg.embeddings.patch_size});
 }
@@ -220,6 +220,21 @@ std::string gigabytes(std::uint64_t bytes) {
   return os.str();
 }
 
+// Case::drawn_norms: each norm's weight 1 + U(-1/2, 1/2) and bias U(-1/2, 1/2), from streams of
+// their own ("drawn_norms." + the parameter's name), in place of Params::init's 1 and 0.
+template <class Real>
+void draw_norms(Params<Real>& params, std::uint64_t seed) {
+  params.visit([&](const std::string& name, Tensor<Real>& t) {
+    if (name.find("norm") == std::string::npos) return;
+    const double base = name.ends_with(".weight") ? 1.0 : 0.0;
+    const std::uint64_t stream = rng::stream_id("drawn_norms." + name);
+    for (index_t i = 0; i < t.numel(); ++i) {
+      const double u = rng::uniform01(seed, stream, static_cast<std::uint64_t>(i));
+      t[i] = static_cast<Real>(base + (u - 0.5));
+    }
+  });
+}
+
 // Generates case c into `sink`: the header, then the float32 run (or the float64 one), then for a
 // float32 case its float64 reference, then the conditioning checks on what the sink holds.
 template <class Real>
@@ -230,6 +245,7 @@ void generate_typed(const Case& c, const Batch& batch, Sink& sink, const Generat
   constexpr bool f32 = std::is_same_v<Real, float>;
   const ModelConfig& cfg = c.config;
   std::optional<Params<Real>> params(Params<Real>::init(cfg, c.seed));
+  if (c.drawn_norms) draw_norms(*params, c.seed);
   if (opts.checkpoint) {
     stage("reading the checkpoint's parameters (" + opts.names->family + ")");
     params = names::params_from_checkpoint(*opts.checkpoint, *opts.names, cfg, std::move(*params));

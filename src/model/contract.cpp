@@ -34,15 +34,17 @@ const std::map<std::string, Dims>& param_table() {
       {"embedding_norm.bias", {"D"}},
       {"pooler.weight", {"D", "D"}},
       {"pooler.bias", {"D"}},
-      {"attn.q.weight", {"D", "D"}},
-      {"attn.q.bias", {"D"}},
+      {"attn.q.weight", {"H*Dh", "D"}},
+      {"attn.q.bias", {"H*Dh"}},
       {"attn.k.weight", {"Hkv*Dh", "D"}},
       {"attn.k.bias", {"Hkv*Dh"}},
       {"attn.v.weight", {"Hkv*Dh", "D"}},
       {"attn.v.bias", {"Hkv*Dh"}},
-      {"attn.o.weight", {"D", "D"}},
+      {"attn.o.weight", {"D", "H*Dh"}},
       {"attn.o.bias", {"D"}},
       {"attn.sinks", {"H"}},
+      {"attn.q_norm.weight", {"Dh"}},
+      {"attn.k_norm.weight", {"Dh"}},
       {"norm1.weight", {"D"}},
       {"norm1.bias", {"D"}},
       {"norm2.weight", {"D"}},
@@ -151,11 +153,13 @@ const std::map<std::string, Dims>& act_table() {
       {"q", {"B", "H", "S", "Dh"}},
       {"k", {"B", "Hkv", "S", "Dh"}},
       {"v", {"B", "Hkv", "S", "Dh"}},
+      {"q_norm", {"B", "H", "S", "Dh"}},
+      {"k_norm", {"B", "Hkv", "S", "Dh"}},
       {"q_rot", {"B", "H", "S", "Dh"}},
       {"k_rot", {"B", "Hkv", "S", "Dh"}},
       {"scores", {"B", "H", "S", "S"}},
       {"probs", {"B", "H", "S", "S"}},
-      {"context", {"B", "S", "D"}},
+      {"context", {"B", "S", "H*Dh"}},
       {"attn_out", {"B", "S", "D"}},
       {"residual1", {"B", "S", "D"}},
       {"norm2", {"B", "S", "D"}},
@@ -225,9 +229,13 @@ const std::vector<std::string>& layer_use_order(bool norm_first) {
     return v;
   };
   static const std::vector<std::string> post =
-      with_ffn({"attn.q", "attn.k", "attn.v", "attn.sinks", "attn.o", "norm1", "norm2"}, 6);
+      with_ffn({"attn.q", "attn.k", "attn.v", "attn.q_norm", "attn.k_norm", "attn.sinks", "attn.o",
+                "norm1", "norm2"},
+               8);
   static const std::vector<std::string> pre =
-      with_ffn({"norm1", "attn.q", "attn.k", "attn.v", "attn.sinks", "attn.o", "norm2"}, 7);
+      with_ffn({"norm1", "attn.q", "attn.k", "attn.v", "attn.q_norm", "attn.k_norm", "attn.sinks",
+                "attn.o", "norm2"},
+               9);
   return norm_first ? pre : post;
 }
 
@@ -335,6 +343,7 @@ index_t dim(const std::string& sym, const ModelConfig& cfg, Sizes s) {
   if (sym == "Hkv") return cfg.kv_heads();
   if (sym == "Dh") return cfg.d_head();
   if (sym == "Hkv*Dh") return cfg.kv_heads() * cfg.d_head();
+  if (sym == "H*Dh") return cfg.attn_width();
   if (sym == "F") return cfg.ffn.d_ff;
   if (sym == "V") return cfg.embeddings.vocab_size;
   if (sym == "C") return cfg.head.num_classes;

@@ -85,6 +85,18 @@ void layer_step(const StepContext<Real>& c, const LayerParams<Real>& P, LayerCac
       split_heads(heads[i]->data(), qkv.data() + lay.at[i], B, 1, lay.heads[i], d.Dh, lay.width,
                   P.has_attn_bias ? cache.bqkv.data() + lay.at[i] : nullptr);
   }
+  if (cfg.attention.qk_norm) {
+    // each head's row normalised, as the full pass normalises every position's
+    const Real eps = static_cast<Real>(cfg.norms.layer_norm_eps);
+    Tensor<Real> q_norm({B, d.H, 1, d.Dh}), k_norm({B, d.K, 1, d.Dh});
+    Tensor<Real> q_rstd({B * d.H}), k_rstd({B * d.K});
+    rms_norm_forward(q_norm.data(), q_rstd.data(), q.data(), P.q_norm_weight.data(), B * d.H, d.Dh,
+                     eps);
+    rms_norm_forward(k_norm.data(), k_rstd.data(), k.data(), P.k_norm_weight.data(), B * d.K, d.Dh,
+                     eps);
+    q = std::move(q_norm);
+    k = std::move(k_norm);
+  }
   if (c.rope) {
     const index_t half = cfg.rotary() / 2;
     Tensor<Real> q_rot({B, d.H, 1, d.Dh}), k_rot({B, d.K, 1, d.Dh});
@@ -109,7 +121,7 @@ void layer_step(const StepContext<Real>& c, const LayerParams<Real>& P, LayerCac
       std::copy(v.data() + src, v.data() + src + d.Dh, cache.v.data() + dst);
     }
   }
-  Tensor<Real> context({B, D}), scores({B, d.H, 1, c.L}), probs({B, d.H, 1, c.L});
+  Tensor<Real> context({B, d.Dq}), scores({B, d.H, 1, c.L}), probs({B, d.H, 1, c.L});
   AttentionArgs<Real> args = detail::attention_args(cfg, B, 1, c.ones.data(), P.sinks.data());
   args.kv_len = c.L;
   args.kv_lengths = c.kv_len.data();
@@ -121,8 +133,8 @@ void layer_step(const StepContext<Real>& c, const LayerParams<Real>& P, LayerCac
                            .k = cache.k.data(),
                            .v = cache.v.data()});
   Tensor<Real> attn_out({B, D}), residual1({B, D});
-  linear_forward(attn_out.data(), context.data(), P.o_weight.data(), data_or_null(P.o_bias), B, D,
-                 D);
+  linear_forward(attn_out.data(), context.data(), P.o_weight.data(), data_or_null(P.o_bias), B,
+                 d.Dq, D);
   detail::add3(residual1.data(), h.data(), attn_out.data(), B * D);
   // FFN block: the norm before it, the FFN (fc1's bias, the activation: one pass, as the model's
   // fused middle; a gated FFN's steps apart), the second residual, post-norm's norm2
@@ -257,7 +269,7 @@ Generation<Real> generate(const Params<Real>& params, const Batch& prompt,
     lc.bqkv = Tensor<Real>({lay.width});
     detail::stack_qkv(lc.wqkv.data(), lc.bqkv.data(), params.layers[l], lay, d.D);
     const LayerActs<Real>& la = acts.layers[l];
-    const Tensor<Real>& k = d.rope ? la.k_rot : la.k;
+    const Tensor<Real>& k = d.rope ? la.k_rot : d.qk_norm ? la.k_norm : la.k;
     for (index_t b = 0; b < B; ++b) {
       const index_t len = prompt.lengths[static_cast<std::size_t>(b)];
       for (index_t g = 0; g < d.K; ++g) {

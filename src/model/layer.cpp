@@ -30,9 +30,19 @@ void allocate_layer(LayerActs<Real>& l, const Dims& d, ZeroList<Real>* zero, boo
     shape_as(*t, {d.B, d.S, d.D}, nullptr);
   for (Tensor<Real>* t : {&l.norm1_mean, &l.norm1_rstd, &l.norm2_mean, &l.norm2_rstd})
     shape_as(*t, {d.N}, zero);
-  shape_as(l.context, {d.B, d.S, d.D}, nullptr);
+  shape_as(l.context, {d.B, d.S, d.Dq}, nullptr);
   shape_as(l.q, {d.B, d.H, d.S, d.Dh}, nullptr);
   for (Tensor<Real>* t : {&l.k, &l.v}) shape_as(*t, {d.B, d.K, d.S, d.Dh}, nullptr);
+  if (d.qk_norm) {
+    // written whole by the norms in the forward pass, and by RoPE's backward (or attention's)
+    // in the backward pass; their statistics' gradients, which nothing writes, zero-filled
+    shape_as(l.q_norm, {d.B, d.H, d.S, d.Dh}, nullptr);
+    shape_as(l.k_norm, {d.B, d.K, d.S, d.Dh}, nullptr);
+    shape_as(l.q_norm_rstd, {d.B * d.H * d.S}, zero);
+    shape_as(l.k_norm_rstd, {d.B * d.K * d.S}, zero);
+  } else {
+    l.q_norm = l.k_norm = l.q_norm_rstd = l.k_norm_rstd = Tensor<Real>();
+  }
   if (d.rope) {
     // written whole by RoPE in the forward pass and by attention_backward in the backward pass
     shape_as(l.q_rot, {d.B, d.H, d.S, d.Dh}, nullptr);
@@ -71,6 +81,13 @@ void allocate_layer(LayerActs<Real>& l, const Dims& d, ZeroList<Real>* zero, boo
 
 namespace {
 
+// What attention reads of q (or k): its rotation (rope), else its norm (qk_norm), else q itself.
+template <class T>
+T& attended(const Dims& d, T& plain, T& normed, T& rotated) {
+  if (d.rope) return rotated;
+  return d.qk_norm ? normed : plain;
+}
+
 // What every stage of one layer's forward pass reads, and the scratch the two residuals share.
 template <class Real>
 struct LayerForward {
@@ -105,9 +122,9 @@ void LayerForward<Real>::qkv_forward(const Real* attn_in) const {
   auto wqkv = Tensor<Real>::for_overwrite({lay.width, d.D});
   auto bqkv = Tensor<Real>::for_overwrite({lay.width});
   stack_qkv(wqkv.data(), bqkv.data(), P, lay, d.D);
-  auto qkv = Tensor<Real>::for_overwrite({d.B, d.S, lay.width});  // (B, S, D + 2 Dkv)
+  auto qkv = Tensor<Real>::for_overwrite({d.B, d.S, lay.width});  // (B, S, Dq + 2 Dkv)
   // The bias is added while splitting (the same rounding as linear_forward's), which saves a
-  // pass over the (B, S, D + 2 Dkv) product.
+  // pass over the (B, S, Dq + 2 Dkv) product.
   linear_forward(qkv.data(), attn_in, wqkv.data(), static_cast<const Real*>(nullptr), d.N, d.D,
                  lay.width);
   Tensor<Real>* heads[3] = {&L.q, &L.k, &L.v};
@@ -120,13 +137,23 @@ void LayerForward<Real>::qkv_forward(const Real* attn_in) const {
   store(L.q, name, "q");
   store(L.k, name, "k");
   store(L.v, name, "v");
+  if (d.qk_norm) {
+    // q_norm, k_norm = RMSNorm(q), RMSNorm(k), each head's row of Dh on its own
+    const Real eps = static_cast<Real>(cfg.norms.layer_norm_eps);
+    rms_norm_forward(L.q_norm.data(), L.q_norm_rstd.data(), L.q.data(), P.q_norm_weight.data(),
+                     d.B * d.H * d.S, d.Dh, eps);
+    rms_norm_forward(L.k_norm.data(), L.k_norm_rstd.data(), L.k.data(), P.k_norm_weight.data(),
+                     d.B * d.K * d.S, d.Dh, eps);
+    store(L.q_norm, name, "q_norm");
+    store(L.k_norm, name, "k_norm");
+  }
   if (d.rope) {
-    // q_rot, k_rot = RoPE(q), RoPE(k)
+    // q_rot, k_rot = RoPE(q), RoPE(k) (of their norms with qk_norm)
     const RopeTables<Real> t(cfg, d.S);
-    rope_forward(L.q_rot.data(), L.q.data(), t.cos.data(), t.sin.data(), d.B * d.H, d.S, d.Dh,
-                 cfg.rotary(), cfg.attention.rope_style);
-    rope_forward(L.k_rot.data(), L.k.data(), t.cos.data(), t.sin.data(), d.B * d.K, d.S, d.Dh,
-                 cfg.rotary(), cfg.attention.rope_style);
+    rope_forward(L.q_rot.data(), (d.qk_norm ? L.q_norm : L.q).data(), t.cos.data(), t.sin.data(),
+                 d.B * d.H, d.S, d.Dh, cfg.rotary(), cfg.attention.rope_style);
+    rope_forward(L.k_rot.data(), (d.qk_norm ? L.k_norm : L.k).data(), t.cos.data(), t.sin.data(),
+                 d.B * d.K, d.S, d.Dh, cfg.rotary(), cfg.attention.rope_style);
     store(L.q_rot, name, "q_rot");
     store(L.k_rot, name, "k_rot");
   }
@@ -156,7 +183,7 @@ void LayerForward<Real>::attention_block_forward(const Real* x) const {
     } else {
       L.masks.attn.clear();
     }
-    // context (B, S, D) is written with its heads merged, in place.
+    // context (B, S, Dq) is written with its heads merged, in place.
     AttentionArgs<Real> args =
         detail::attention_args(cfg, d.B, d.S, batch.lengths.data(), P.sinks.data());
     args.drop_mask = drop_attn ? L.masks.attn.data() : nullptr;
@@ -166,8 +193,8 @@ void LayerForward<Real>::attention_block_forward(const Real* x) const {
       attention_forward(args, {.context = L.context.data(),
                                .scores = L.scores.data(),
                                .probs = L.probs.data(),
-                               .q = (d.rope ? L.q_rot : L.q).data(),
-                               .k = (d.rope ? L.k_rot : L.k).data(),
+                               .q = attended(d, L.q, L.q_norm, L.q_rot).data(),
+                               .k = attended(d, L.k, L.k_norm, L.k_rot).data(),
                                .v = L.v.data()});
     });
     store(L.context, name, "context");
@@ -175,7 +202,7 @@ void LayerForward<Real>::attention_block_forward(const Real* x) const {
   {
     profile::Scope stage(Stage::out_proj);
     linear_forward(L.attn_out.data(), L.context.data(), P.o_weight.data(), data_or_null(P.o_bias),
-                   d.N, d.D, d.D);
+                   d.N, d.Dq, d.D);
     store(L.attn_out, name, "attn_out");
   }
   // residual1 = x + dropout(attn_out)
@@ -528,11 +555,11 @@ void LayerBackward<Real>::attention_block_backward(Real* dx, const Real* x) cons
   {
     profile::Scope stage(Stage::bwd_out_proj);
     linear_backward(dL.context.data(), G.o_weight.data(), data_or_null(G.o_bias),
-                    dL.attn_out.data(), L.context.data(), P.o_weight.data(), d.N, d.D, d.D,
+                    dL.attn_out.data(), L.context.data(), P.o_weight.data(), d.N, d.Dq, d.D,
                     GradWrite::overwrite);
     store(dL.context, name, "context");
   }
-  // dcontext is read in its merged (B, S, D) layout, head by head.
+  // dcontext is read in its merged (B, S, Dq) layout, head by head.
   {
     profile::Scope stage(Stage::bwd_attention);
     AttentionArgs<Real> args =
@@ -542,14 +569,14 @@ void LayerBackward<Real>::attention_block_backward(Real* dx, const Real* x) cons
     args.merged_context = true;
     args.qkv_write = GradWrite::overwrite;
     store.named(name, [&] {
-      attention_backward(args, {.dq = (d.rope ? dL.q_rot : dL.q).data(),
-                                .dk = (d.rope ? dL.k_rot : dL.k).data(),
+      attention_backward(args, {.dq = attended(d, dL.q, dL.q_norm, dL.q_rot).data(),
+                                .dk = attended(d, dL.k, dL.k_norm, dL.k_rot).data(),
                                 .dv = dL.v.data(),
                                 .dprobs = dL.probs.data(),
                                 .dscores = dL.scores.data(),
                                 .dcontext = dL.context.data(),
-                                .q = (d.rope ? L.q_rot : L.q).data(),
-                                .k = (d.rope ? L.k_rot : L.k).data(),
+                                .q = attended(d, L.q, L.q_norm, L.q_rot).data(),
+                                .k = attended(d, L.k, L.k_norm, L.k_rot).data(),
                                 .v = L.v.data(),
                                 .probs = L.probs.data()});
     });
@@ -558,10 +585,21 @@ void LayerBackward<Real>::attention_block_backward(Real* dx, const Real* x) cons
       store(dL.q_rot, name, "q_rot");
       store(dL.k_rot, name, "k_rot");
       const RopeTables<Real> t(cfg, d.S);
-      rope_backward(dL.q.data(), dL.q_rot.data(), t.cos.data(), t.sin.data(), d.B * d.H, d.S, d.Dh,
-                    cfg.rotary(), cfg.attention.rope_style);
-      rope_backward(dL.k.data(), dL.k_rot.data(), t.cos.data(), t.sin.data(), d.B * d.K, d.S, d.Dh,
-                    cfg.rotary(), cfg.attention.rope_style);
+      rope_backward((d.qk_norm ? dL.q_norm : dL.q).data(), dL.q_rot.data(), t.cos.data(),
+                    t.sin.data(), d.B * d.H, d.S, d.Dh, cfg.rotary(), cfg.attention.rope_style);
+      rope_backward((d.qk_norm ? dL.k_norm : dL.k).data(), dL.k_rot.data(), t.cos.data(),
+                    t.sin.data(), d.B * d.K, d.S, d.Dh, cfg.rotary(), cfg.attention.rope_style);
+    }
+    if (d.qk_norm) {
+      // in the forward pass: q_norm, k_norm = RMSNorm(q), RMSNorm(k) per head
+      store(dL.q_norm, name, "q_norm");
+      store(dL.k_norm, name, "k_norm");
+      rms_norm_backward(dL.q.data(), G.q_norm_weight.data(), dL.q_norm.data(), L.q.data(),
+                        P.q_norm_weight.data(), L.q_norm_rstd.data(), d.B * d.H * d.S, d.Dh,
+                        GradWrite::overwrite);
+      rms_norm_backward(dL.k.data(), G.k_norm_weight.data(), dL.k_norm.data(), L.k.data(),
+                        P.k_norm_weight.data(), L.k_norm_rstd.data(), d.B * d.K * d.S, d.Dh,
+                        GradWrite::overwrite);
     }
     store(dL.q, name, "q");
     store(dL.k, name, "k");

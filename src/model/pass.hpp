@@ -30,6 +30,8 @@ struct Dims {
   bool rope;                              // q and k are rotated (q_rot, k_rot)
   bool gated;                             // the FFN is gated (ffn_gate)
   index_t E = 0, Kt = 0, Fe = 0, Fs = 0;  // ffn "moe": experts, per token, their width, shared
+  bool qk_norm = false;                   // q and k are normalised per head (q_norm, k_norm)
+  index_t Dq = 0;                         // q's and the context's width H * Dh (head_dim; else D)
 };
 
 inline Dims dims_of(const ModelConfig& c, const Batch& b) {
@@ -48,7 +50,9 @@ inline Dims dims_of(const ModelConfig& c, const Batch& b) {
           c.moe() ? c.ffn.moe.num_experts : 0,
           c.moe() ? c.ffn.moe.num_experts_per_tok : 0,
           c.moe() ? c.ffn.moe.moe_d_ff : 0,
-          c.moe() ? c.ffn.moe.shared_d_ff : 0};
+          c.moe() ? c.ffn.moe.shared_d_ff : 0,
+          c.attention.qk_norm,
+          c.attn_width()};
 }
 
 // A parameter that may be absent (an optional bias): its data, or null when it is empty.
@@ -259,16 +263,16 @@ void norm_backward(const ModelConfig& cfg, Real* dx, Real* dw, Real* db, const R
 // The three projections as one Linear of D + 2 Dkv outputs: where each starts, how many outputs
 // it has, and into how many heads it splits.
 struct QkvLayout {
-  index_t width;  // D + 2 Dkv
+  index_t width;  // Dq + 2 Dkv (Dq = H Dh)
   index_t at[3], rows[3], heads[3];
   explicit QkvLayout(const Dims& d)
-      : width(d.D + 2 * d.Dkv),
-        at{0, d.D, d.D + d.Dkv},
-        rows{d.D, d.Dkv, d.Dkv},
+      : width(d.Dq + 2 * d.Dkv),
+        at{0, d.Dq, d.Dq + d.Dkv},
+        rows{d.Dq, d.Dkv, d.Dkv},
         heads{d.H, d.K, d.K} {}
 };
 
-// [Wq; Wk; Wv] (D + 2 Dkv, D) and [bq; bk; bv] (D + 2 Dkv); b is not written without attn_bias.
+// [Wq; Wk; Wv] (Dq + 2 Dkv, D) and [bq; bk; bv] (Dq + 2 Dkv); b is not written without attn_bias.
 template <class Real>
 void stack_qkv(Real* w, Real* b, const LayerParams<Real>& P, const QkvLayout& l, index_t dm) {
   const Tensor<Real>* ws[3] = {&P.q_weight, &P.k_weight, &P.v_weight};

@@ -271,6 +271,9 @@ TEST(GoldenCorpus, CoversEveryFeature) {
     if (c.attention.num_kv_heads && c.embeddings.positional == teo::Positional::rope &&
         c.attention.sliding_window && c.attention.attn_logit_softcap && c.attention.attn_sinks)
       seen.insert("every_variant");
+    if (c.attention.qk_norm) seen.insert("qk_norm");
+    if (c.attention.head_dim && c.attn_width() != c.d_model) seen.insert("head_dim");
+    if (e.spec.drawn_norms) seen.insert("drawn_norms");
     // the block variants and decoders (docs/semantics.md, section 17)
     seen.insert(std::string("norm:") + teo::to_string(c.norms.norm));
     seen.insert(std::string("ffn:") + teo::to_string(c.ffn.kind));
@@ -380,6 +383,9 @@ TEST(GoldenCorpus, CoversEveryFeature) {
                            "softcap",
                            "sinks",
                            "every_variant",
+                           "qk_norm",
+                           "head_dim",
+                           "drawn_norms",
                            "norm:layernorm",
                            "norm:rmsnorm",
                            "ffn:mlp",
@@ -411,6 +417,39 @@ TEST(GoldenCorpus, CoversEveryFeature) {
                            "generate:bf16"}) {
     EXPECT_TRUE(seen.count(want)) << "no case covers " << want;
   }
+}
+
+// A case with drawn_norms has every norm's weight and bias drawn, each norm its own values (a
+// backend that reads one norm's weight for another's must fail): none is PyTorch's 1 or 0.
+TEST(GoldenCorpus, DrawnNormsAreDrawnAndDistinct) {
+  int cases = 0;
+  for (const auto& e : corpus()) {
+    if (!e.spec.drawn_norms) continue;
+    ++cases;
+    const st::File& g = committed(e.name);
+    std::set<std::vector<double>> weights;
+    int norms = 0;
+    for (const auto& t : g.tensors) {
+      if (!t.name.starts_with("param.") || t.name.find("norm") == std::string::npos) continue;
+      ++norms;
+      const auto v = t.float_values();
+      const double base = t.name.ends_with(".weight") ? 1.0 : 0.0;
+      for (double x : v) {
+        EXPECT_NE(x, base) << e.name << " " << t.name;
+        EXPECT_LE(std::abs(x - base), 0.5) << e.name << " " << t.name;
+      }
+      EXPECT_TRUE(weights.insert(v).second) << e.name << " " << t.name << " repeats another norm";
+    }
+    EXPECT_GE(norms, 3) << e.name;
+  }
+  EXPECT_GE(cases, 1);
+  teo::ModelConfig cfg;
+  nlohmann::json j = cfg.to_json();
+  j["case"] = {
+      {"batch", 1}, {"seq_len", 2}, {"dtype", "float64"}, {"seed", 1u}, {"drawn_norms", 1}};
+  EXPECT_THROW(golden::Case::from_json(j), teo::ConfigError);
+  j["case"]["drawn_norms"] = true;
+  EXPECT_TRUE(golden::Case::from_json(j).case_json().at("drawn_norms").get<bool>());
 }
 
 // The naming contract of docs/golden-format.md, checked on a dropout case with 2 layers.
@@ -726,9 +765,11 @@ TEST(GoldenCheck, ReportsParseAndCountTheSameThings) {
 // encoder_decoder's cases are checked independently by PyTorch (tests/interop: every tensor, and
 // the stacks' outputs against nn.Transformer), and so are the mixture-of-experts cases
 // (torch_backend.py's MoE, Interop.PyTorchCandidatesPassTheGoldenCheck, with its mutants in
-// Interop.PyTorchMoeMutantsFailAtTheirTensor), not here.
+// Interop.PyTorchMoeMutantsFailAtTheirTensor), and those with q and k norms (qk_norm) or heads
+// apart from d_model (head_dim), not here.
 bool naive_covers(const golden::CorpusEntry& e) {
-  return !e.spec.config.encoder_decoder() && !e.spec.config.moe();
+  const teo::ModelConfig& c = e.spec.config;
+  return !c.encoder_decoder() && !c.moe() && !c.attention.qk_norm && !c.attention.head_dim;
 }
 
 TEST(GoldenNaiveBackend, AgreesWithEveryCaseForward) {

@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "teo/contract.hpp"
 #include "teo/golden.hpp"
 #include "teo/names.hpp"
 #include "teo/precision.hpp"
@@ -103,7 +104,8 @@ INSTANTIATE_TEST_SUITE_P(
                       Family{"hf-llama", "llama_block_f32"}, Family{"hf-vit", "vit_f64"},
                       Family{"hf-vit", "vit_f32"}, Family{"hf-mixtral", "moe_mixtral_f64"},
                       Family{"hf-mixtral", "moe_mixtral_f32"},
-                      Family{"hf-qwen2-moe", "moe_qwen2_shared_f64"}),
+                      Family{"hf-qwen2-moe", "moe_qwen2_shared_f64"},
+                      Family{"hf-qwen3-moe", "moe_qwen3_qk_norm_f64"}),
     [](const auto& info) {
       std::string s = std::string(info.param.map) + "_" + info.param.golden;
       for (char& c : s)
@@ -338,6 +340,59 @@ TEST(Names, ConfigJsonKeysAreMappedOrRefusedByName) {
   EXPECT_EQ(names::config_from_hf(g2, gpt2).at("d_ff"), 32);
 }
 
+// Qwen3-30B-A3B's config.json as released reads as that model: 32 heads of 128 over a width of
+// 2048 (head_dim apart from hidden_size), q and k norms, 128 experts of 768, top 8 renormalised;
+// its parameters then have Qwen3's shapes. A transformers 5 config.json (rope_parameters) and a
+// sliding window are refused by name.
+TEST(Names, Qwen3MoeReleasedConfigReadsAsThatModel) {
+  const auto map = names::NameMap::load("hf-qwen3-moe");
+  const json hf = json::parse(R"({
+    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128,
+    "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
+    "intermediate_size": 6144, "max_position_embeddings": 40960, "max_window_layers": 48,
+    "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768,
+    "norm_topk_prob": true, "num_attention_heads": 32, "num_experts": 128,
+    "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4,
+    "output_router_logits": false, "rms_norm_eps": 1e-06, "rope_scaling": null,
+    "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": null,
+    "tie_word_embeddings": false, "torch_dtype": "bfloat16", "transformers_version": "4.51.0",
+    "use_cache": true, "use_sliding_window": false, "vocab_size": 151936})");
+  // its 30.5 billion parameters need more than 200 GB in float64: validated without that limit
+  const teo::MemoryLimits limits = teo::memory_limits();
+  teo::set_memory_limits({.max_tensor_elements = limits.max_tensor_elements,
+                          .max_total_bytes = teo::index_t{1} << 42});
+  const auto cfg = teo::ModelConfig::from_json(names::config_from_hf(hf, map));
+  teo::set_memory_limits(limits);
+  EXPECT_EQ(cfg.d_model, 2048);
+  EXPECT_EQ(cfg.d_head(), 128);
+  EXPECT_EQ(cfg.attn_width(), 4096);
+  EXPECT_EQ(cfg.kv_heads(), 4);
+  EXPECT_TRUE(cfg.attention.qk_norm);
+  EXPECT_FALSE(cfg.attention.attn_bias);
+  EXPECT_EQ(cfg.ffn.moe.num_experts, 128);
+  EXPECT_EQ(cfg.ffn.moe.num_experts_per_tok, 8);
+  EXPECT_EQ(cfg.ffn.moe.moe_d_ff, 768);
+  EXPECT_TRUE(cfg.ffn.moe.norm_topk_prob);
+  EXPECT_EQ(cfg.attention.rope_base, 1000000.0);
+  const auto shape = [&](const std::string& name) {
+    return teo::contract::shape(teo::contract::param_dims(name), cfg, {});
+  };
+  EXPECT_EQ(shape("layers.0.attn.q.weight"), (std::vector<teo::index_t>{4096, 2048}));
+  EXPECT_EQ(shape("layers.0.attn.k.weight"), (std::vector<teo::index_t>{512, 2048}));
+  EXPECT_EQ(shape("layers.0.attn.o.weight"), (std::vector<teo::index_t>{2048, 4096}));
+  EXPECT_EQ(shape("layers.47.attn.k_norm.weight"), (std::vector<teo::index_t>{128}));
+  json v5 = hf;
+  v5.erase("rope_theta");
+  v5["rope_parameters"] = {{"rope_theta", 1000000.0}, {"rope_type", "default"}};
+  EXPECT_NE(error_of([&] { names::config_from_hf(v5, map); }).find("\"rope_parameters\""),
+            std::string::npos);
+  json sliding = hf;
+  sliding["use_sliding_window"] = true;
+  EXPECT_NE(error_of([&] { names::config_from_hf(sliding, map); }).find("use_sliding_window"),
+            std::string::npos);
+}
+
 // What transformers' save_pretrained leaves out is its config class's default: a 2-label
 // classifier without id2label, BERT's 2 token types; so a config without token types has no
 // hf-bert form, and exporting it is refused rather than loaded with fresh random types.
@@ -418,8 +473,9 @@ TEST(Names, MapFilesAreCheckedAndUnknownFamiliesSuggested) {
             }).find("m.json: \"format\""),
             std::string::npos);
   const auto fams = names::NameMap::builtin_families();
-  EXPECT_EQ(fams, (std::vector<std::string>{"hf-bert", "hf-roberta", "hf-gpt2", "hf-llama",
-                                            "hf-vit", "hf-mixtral", "hf-qwen2-moe"}));
+  EXPECT_EQ(fams,
+            (std::vector<std::string>{"hf-bert", "hf-roberta", "hf-gpt2", "hf-llama", "hf-vit",
+                                      "hf-mixtral", "hf-qwen2-moe", "hf-qwen3-moe"}));
 }
 
 // A candidate may name its parameter gradients by the checkpoint's names (with or without the

@@ -1,6 +1,8 @@
 """Hugging Face transformers' mixtures of experts, as they ship, against teo's goldens.
 
-transformers 4.44.2 (the pinned one) has Mixtral and Qwen2-MoE. Three kinds of run:
+transformers 4.44.2 (the pinned one) has Mixtral and Qwen2-MoE; Qwen3-MoE, which it has not, runs
+as hf_qwen3_moe.py's independent Qwen3MoeForCausalLM (written from the Hugging Face modeling code's
+documented behaviour) from the same export. Three kinds of run:
   - the blocks: MixtralSparseMoeBlock and Qwen2MoeSparseMoeBlock, built from the op case's sizes
     with the op case's parameters copied in (each expert's Linear layers from the stacked
     param.experts.* tensors), run on input.x and backpropagated from grad.output.y, against the
@@ -47,6 +49,7 @@ except ImportError as e:  # pragma: no cover - the environment decides
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import hf_qwen3_moe  # noqa: E402
 from hf_models import DTYPES, export, write  # noqa: E402
 from torch_backend import st_read  # noqa: E402
 
@@ -244,6 +247,15 @@ RUNS = [
     # layer 0 is dense (decoder_sparse_step 2): the first MoE output is layer 1's
     ("moe_qwen2_shared_f64", "hf-qwen2-moe", "float64", "fp32", "shared_gate_without_sigmoid",
      "layers.1.ffn_out"),
+    # Qwen3-MoE: q and k normalised per head, heads of head_dim apart from hidden_size
+    ("moe_qwen3_qk_norm_f64", "hf-qwen3-moe", "float64", "fp32", None, None),
+    # its q_norm is a float32 RMSNorm: the first tensor at float64's own tolerance
+    ("moe_qwen3_qk_norm_f64", "hf-qwen3-moe", "float64", None, None, "layers.0.q_norm"),
+    ("moe_qwen3_qk_norm_f64", "hf-qwen3-moe", "float32", "fp32", None, None),
+    ("moe_qwen3_qk_norm_f64", "hf-qwen3-moe", "float64", "fp32", "k_norm_weight_from_q",
+     "layers.0.k_norm"),
+    ("moe_qwen3_qk_norm_f64", "hf-qwen3-moe", "float64", "fp32", "rope_before_qk_norm",
+     "layers.0.q_norm"),
 ]
 
 
@@ -266,7 +278,11 @@ def main(argv=None):
             names = runner
             model = os.path.join(work, "model")
             export(args.teo, golden, model, names)
-            write(model_candidate(golden, model, names, dtype, mutant), cand)
+            if names == "hf-qwen3-moe":
+                write(hf_qwen3_moe.candidate(model, st_read(golden)[0], DTYPES[dtype], mutant),
+                      cand)
+            else:
+                write(model_candidate(golden, model, names, dtype, mutant), cand)
         else:
             os.makedirs(work, exist_ok=True)
             write(block_candidate(golden, runner, dtype, mutant), cand)

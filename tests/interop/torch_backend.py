@@ -156,7 +156,7 @@ CONFIG_DEFAULTS = {
     "num_kv_heads": None, "position_offset": 0, "rope_style": "neox",
     "rotary_dim": None, "rope_base": 10000.0, "rope_scaling": {"type": "none"},
     "alibi_max_bias": 8.0, "sliding_window": None, "attn_logit_softcap": None,
-    "attn_sinks": False,
+    "attn_sinks": False, "qk_norm": False, "head_dim": None,
     # the block variants and decoders (docs/semantics.md, section 17)
     "norm": "layernorm", "ffn": "mlp", "ffn_bias": True, "attn_bias": True,
     "attn_out_bias": None, "head_bias": True, "architecture": "encoder", "tie_embeddings": False,
@@ -290,6 +290,8 @@ def param_names(cfg):
             names += [p + "attn.%s.weight" % proj]
             if out_bias(cfg) if proj == "o" else cfg["attn_bias"]:
                 names += [p + "attn.%s.bias" % proj]
+        if cfg["qk_norm"]:
+            names += [p + "attn.q_norm.weight", p + "attn.k_norm.weight"]
         if cfg["attn_sinks"]:
             names.append(p + "attn.sinks")
         for n in ("norm1", "norm2"):
@@ -448,7 +450,7 @@ def variant_problem(variant, cfg, tensors):
     lengths = lengths.tolist()
     S = seq_len(cfg, tensors)
     L, D, H = cfg["num_layers"], cfg["d_model"], cfg["num_heads"]
-    Dh = D // H
+    Dh = cfg["head_dim"] or D // H
     if variant.mutant is not None:
         # mutant -> (whether it changes this case, what it needs)
         needs = {
@@ -782,7 +784,7 @@ def encoder_layer(x, i, cfg, P, visible, drop, acts, variant=AS_GOLDEN,
                   rope=None):
     B, S, D = x.shape
     H = cfg["num_heads"]
-    Dh = D // H
+    Dh = cfg["head_dim"] or D // H  # head_dim: q and the context H * Dh wide, apart from D
     Hkv = cfg["num_kv_heads"] or H
     p = "layers.%d." % i
     root = Dh if variant.mutant == "scores_1_over_dh" else math.sqrt(Dh)
@@ -803,12 +805,18 @@ def encoder_layer(x, i, cfg, P, visible, drop, acts, variant=AS_GOLDEN,
               Hkv)
     v = heads(linear(attn_in, P[p + "attn.v.weight"], P.get(p + "attn.v.bias")),
               Hkv)
-    qa, ka = q, k
+    if cfg["qk_norm"]:
+        # Qwen3's q_norm and k_norm: an RMSNorm over each head's Dh, before RoPE
+        rms = dict(cfg, norm="rmsnorm")
+        qa = acts[p + "q_norm"] = norm(q, p + "attn.q_norm", P, rms)
+        ka = acts[p + "k_norm"] = norm(k, p + "attn.k_norm", P, rms)
+    else:
+        qa, ka = q, k
     if rope is not None:
         cos, sin, dim = rope
-        qa = acts[p + "q_rot"] = rope_rotate(q, cos, sin, cfg["rope_style"],
+        qa = acts[p + "q_rot"] = rope_rotate(qa, cos, sin, cfg["rope_style"],
                                              dim)
-        ka = acts[p + "k_rot"] = rope_rotate(k, cos, sin, cfg["rope_style"],
+        ka = acts[p + "k_rot"] = rope_rotate(ka, cos, sin, cfg["rope_style"],
                                              dim)
     # Hugging Face's repeat_kv: K/V head g serves query heads g*G .. g*G+G-1.
     ka = ka.repeat_interleave(H // Hkv, dim=1)
@@ -826,7 +834,7 @@ def encoder_layer(x, i, cfg, P, visible, drop, acts, variant=AS_GOLDEN,
     scores, probs, ctx = attention(qa, ka, va, visible, alpha, drop,
                                    "dropout." + p + "attn", variant,
                                    cap=cap, bias=bias, sink=sink)
-    context = ctx.transpose(1, 2).reshape(B, S, D)
+    context = ctx.transpose(1, 2).reshape(B, S, H * Dh)
     attn_out = linear(context, P[p + "attn.o.weight"], P.get(p + "attn.o.bias"))
     residual1 = x + drop("dropout." + p + "residual1", attn_out)
     acts.update({p + "q": q, p + "k": k, p + "v": v, p + "scores": scores,
@@ -1103,7 +1111,7 @@ def rope_tables(cfg, S, dtype):
     if cfg["positional"] != "rope":
         return None
     P0 = cfg["position_offset"]
-    Dh = cfg["d_model"] // cfg["num_heads"]
+    Dh = cfg["head_dim"] or cfg["d_model"] // cfg["num_heads"]
     dim = cfg["rotary_dim"] if cfg["rotary_dim"] is not None else Dh
     inv_freq, factor = rope_inv_freq(cfg, dim, P0 + S)
     pos = torch.arange(P0, P0 + S, dtype=torch.float64)
@@ -1513,6 +1521,8 @@ def required_act_names(cfg):
             "norm1", "q", "k", "v", "scores", "probs", "context", "attn_out",
             "residual1", "norm2", "ffn_hidden", "ffn_out", "output")
             if n != "ffn_hidden" or not is_moe_layer(cfg, i)]
+        if cfg["qk_norm"]:
+            names += [p + "q_norm", p + "k_norm"]
         if cfg["positional"] == "rope":
             names += [p + "q_rot", p + "k_rot"]
     if cfg["norm_first"]:
@@ -1651,7 +1661,7 @@ def has_variants(cfg):
     cannot express (it has no GQA, RoPE, ALiBi, window, cap or sink)."""
     return any(cfg[k] != CONFIG_DEFAULTS[k] for k in (
         "num_kv_heads", "sliding_window", "attn_logit_softcap",
-        "attn_sinks", "norm", "ffn", "ffn_bias", "attn_bias", "attn_out_bias")) \
+        "attn_sinks", "qk_norm", "norm", "ffn", "ffn_bias", "attn_bias", "attn_out_bias")) \
         or cfg["positional"] in ("rope", "alibi") or cfg["activation"] == "silu"
 
 

@@ -60,6 +60,11 @@ std::vector<std::pair<std::string, ModelConfig>> configs() {
   llama.ffn.kind = teo::FfnKind::swiglu;
   llama.attention.attn_bias = llama.ffn.ffn_bias = llama.head.head_bias = false;
   out.emplace_back("LLaMA decoder: RMSNorm, SwiGLU, no biases, its own LM head", llama);
+  ModelConfig qwen3 = llama;
+  qwen3.embeddings.positional = teo::Positional::rope;
+  qwen3.attention.qk_norm = true;
+  qwen3.attention.head_dim = 12;  // H Dh = 24 against D = 16
+  out.emplace_back("Qwen3 decoder: q/k norms, heads of head_dim apart from d_model", qwen3);
   ModelConfig gpt2 = plain;
   gpt2.architecture = teo::Architecture::decoder;
   gpt2.attention.causal = true;

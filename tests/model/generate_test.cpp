@@ -78,6 +78,10 @@ std::vector<std::pair<std::string, ModelConfig>> configs() {
   variants.attention.attn_sinks = true;
   variants.ffn.kind = FfnKind::geglu;
   out.emplace_back("alibi mqa window softcap sinks geglu", variants);
+  ModelConfig qwen3 = llama;
+  qwen3.attention.qk_norm = true;
+  qwen3.attention.head_dim = 2 * qwen3.d_head();  // H Dh = 2 D
+  out.emplace_back("qwen3 q/k norms, head_dim", qwen3);
   // a mixture of experts: each step routes its new tokens as the full pass routes every position
   ModelConfig moe = moe_like(out[1].second);
   out.emplace_back("moe deepseek-style, a dense first layer", moe);

@@ -212,6 +212,29 @@ std::vector<GradCase> cases() {
     c.attention.attn_out_bias = false;
     c.head.pooling = Pooling::cls;
   });
+  // Qwen3's attention: q and k RMS-normalised per head before RoPE, GQA, no biases, heads of 6
+  // (H Dh = 24 against D = 16, as Qwen3-30B-A3B's 32 heads of 128 against 2048)
+  add("QkNormRopeGqaPreNormRmsHeadDim", {4, 3, 1}, [](ModelConfig& c) {
+    c.attention.qk_norm = true;
+    c.attention.head_dim = 6;
+    c.attention.num_heads = 4;
+    c.attention.num_kv_heads = 2;
+    c.embeddings.positional = Positional::rope;
+    c.norms.norm = Norm::rmsnorm;
+    c.norms.norm_first = true;
+    c.attention.attn_bias = false;
+    c.attention.causal = true;
+  });
+  // heads narrower than d_model / num_heads, every bias (the output projection's reads H Dh)
+  add("HeadDimNarrowerPostNormBiases", {4, 3, 2}, [](ModelConfig& c) {
+    c.attention.head_dim = 3;
+    c.attention.num_kv_heads = 1;
+  });
+  // without RoPE, attention reads the norms themselves
+  add("QkNormPostNormSinusoidalDropout", {4, 2, 3}, [](ModelConfig& c) {
+    c.attention.qk_norm = true;
+    c.dropout = 0.2;
+  });
   add("PostNormMlpSiluNoFfnBias", {4, 2, 4}, [](ModelConfig& c) {
     c.ffn.activation = Activation::silu;
     c.ffn.ffn_bias = false;

@@ -148,6 +148,14 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   // for the same reason.
   cfg.attention.qk_norm = in.flag();
   if (in.byte() >= 200) cfg.attention.head_dim = in.pick(-1, 9);
+  // gpt-oss's per-layer attention (a wrong count now and then) and YaRN's fractional range
+  if (in.byte() >= 200) {
+    const std::int64_t n = cfg.num_layers + (in.byte() == 9 ? 1 : 0);
+    for (std::int64_t i = 0; i < n && i < 8; ++i)
+      cfg.attention.layer_types.push_back(in.flag() ? teo::LayerAttention::sliding
+                                                    : teo::LayerAttention::full);
+  }
+  if (in.byte() >= 224) cfg.attention.rope_scaling.truncate = false;
   // Validation first: it allocates nothing, and every input goes through it.
   try {
     cfg.validate();

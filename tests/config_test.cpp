@@ -83,6 +83,13 @@ TEST(Config, VariantKeysRoundTripAndAppearOnlyWhenUsed) {
   c.attention.attn_sinks = true;
   c.attention.qk_norm = true;
   c.attention.head_dim = 6;  // H Dh = 24, apart from d_model 16
+  c.attention.layer_types = {LayerAttention::full, LayerAttention::sliding};
+  c.attention.rope_scaling.truncate = false;
+  EXPECT_EQ(c.to_json().at("layer_types"),
+            nlohmann::json::parse(R"(["full_attention", "sliding_attention"])"));
+  EXPECT_EQ(c.to_json().at("rope_scaling").at("truncate"), false);
+  EXPECT_EQ(c.window(0), std::nullopt);
+  EXPECT_EQ(c.window(1), 5);
   EXPECT_EQ(c.to_json().at("head_dim"), 6);
   EXPECT_EQ(c.to_json().at("qk_norm"), true);
   EXPECT_EQ(ModelConfig::from_json(c.to_json()), c);
@@ -115,6 +122,20 @@ TEST(Config, InvalidVariantValuesAreNamedErrors) {
   expect_config_error(R"({"attn_logit_softcap": 1e400})", "JSON");
   expect_config_error(R"({"attn_sinks": 1})", "attn_sinks");
   expect_config_error(R"({"qk_norm": 1})", "qk_norm");
+  expect_config_error(R"({"sliding_window": 2, "layer_types": ["full_attention"]})",
+                      "one per layer");
+  expect_config_error(R"({"layer_types": ["sliding_attention", "full_attention"]})",
+                      "sliding_window is null");
+  expect_config_error(R"({"sliding_window": 2, "layer_types": ["sliding", "full_attention"]})",
+                      "layer_types[]");
+  expect_config_error(R"({"sliding_window": 2, "layer_types": "full_attention"})",
+                      "layer_types must be an array");
+  expect_config_error(
+      R"({"positional": "rope", "rope_scaling": {"type": "linear", "factor": 2, "truncate": false}})",
+      "truncate");
+  expect_config_error(
+      R"({"positional": "rope", "rope_scaling": {"type": "yarn", "factor": 2, "truncate": 0}})",
+      "truncate");
   expect_config_error(R"({"head_dim": 0})", "head_dim");
   expect_config_error(R"({"head_dim": 2.5})", "head_dim");
   expect_config_error(R"({"head_dim": 2000000})", "head_dim");
@@ -283,6 +304,8 @@ TEST(Config, EncoderDecoderKeysRoundTripAndItsLimitsAreNamed) {
   expect_config_error(ed + R"("attn_sinks": true})", "attn_sinks");
   expect_config_error(ed + R"("qk_norm": true})", "qk_norm");
   expect_config_error(ed + R"("head_dim": 4})", "head_dim");
+  expect_config_error(ed + R"("layer_types": ["full_attention", "full_attention"]})",
+                      "layer_types");
   expect_config_error(ed + R"("dropout": 0.1})", "dropout");
   expect_config_error(ed + R"("pooling": "max"})", "pooling");
 }

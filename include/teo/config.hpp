@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <nlohmann/json_fwd.hpp>
 
@@ -33,6 +34,8 @@ enum class Pooler { none, dense_tanh };
 // What the encoder reads: token ids, or an image cut into patches (ViT: a strided convolution's
 // linear map of each patch, a learned [CLS] token prepended; semantics 18.5).
 enum class InputKind { tokens, patches };
+// A layer's attention under layer_types (gpt-oss): through the sliding window, or over every key.
+enum class LayerAttention { sliding, full };
 
 const char* to_string(Activation a);
 const char* to_string(Positional p);
@@ -44,6 +47,7 @@ const char* to_string(Norm n);
 const char* to_string(FfnKind f);
 const char* to_string(Pooler p);
 const char* to_string(InputKind k);
+const char* to_string(LayerAttention a);  // "sliding_attention", "full_attention"
 
 // RoPE's context-extension scaling, with Hugging Face's formulas (docs/semantics.md, "RoPE").
 struct RopeScaling {
@@ -52,6 +56,9 @@ struct RopeScaling {
   std::optional<index_t> original_max_len{};  // unset: max_len
   double beta_fast = 32.0;                    // yarn only
   double beta_slow = 1.0;                     // yarn only
+  // yarn only: the correction range rounded outwards to whole dimensions (Hugging Face's
+  // default); false keeps it fractional (gpt-oss's "truncate": false)
+  bool truncate = true;
 
   bool operator==(const RopeScaling&) const = default;
 };
@@ -101,12 +108,16 @@ struct AttentionConfig {
   // Dh, each head's width (semantics 14.10); unset: d_model / num_heads. Set, q and the context
   // are H * Dh wide, which need not be d_model (Qwen3-MoE: D 2048, 32 heads of 128; gpt-oss: 2880).
   std::optional<index_t> head_dim{};
-  RopeStyle rope_style = RopeStyle::neox;      // rope only
-  std::optional<index_t> rotary_dim{};         // rope only; unset: d_head
-  double rope_base = 10000.0;                  // rope only
-  RopeScaling rope_scaling{};                  // rope only
-  double alibi_max_bias = 8.0;                 // alibi only
-  std::optional<index_t> sliding_window{};     // W: each query sees W keys (counting itself)
+  RopeStyle rope_style = RopeStyle::neox;   // rope only
+  std::optional<index_t> rotary_dim{};      // rope only; unset: d_head
+  double rope_base = 10000.0;               // rope only
+  RopeScaling rope_scaling{};               // rope only
+  double alibi_max_bias = 8.0;              // alibi only
+  std::optional<index_t> sliding_window{};  // W: each query sees W keys (counting itself)
+  // Each layer's attention (Hugging Face's layer_types, gpt-oss's alternation): layer i is
+  // windowed when layer_types[i] is sliding and sees every key when it is full; empty, every layer
+  // is windowed by sliding_window when it is set (semantics 14.5).
+  std::vector<LayerAttention> layer_types{};
   std::optional<double> attn_logit_softcap{};  // c: logits c tanh(s / c)
   bool attn_sinks = false;                     // a learned sink logit per head
   // q and k RMS-normalised per head over Dh before RoPE, each with a weight (Dh) of its own
@@ -220,6 +231,13 @@ struct ModelConfig {
     return side <= (index_t{1} << 20) ? side * side : 0;
   }
   index_t kv_heads() const { return attention.num_kv_heads.value_or(attention.num_heads); }
+  // Layer i's sliding window: sliding_window, unless layer_types makes the layer full.
+  std::optional<index_t> window(index_t layer) const {
+    const auto& t = attention.layer_types;
+    const auto i = static_cast<std::size_t>(layer);
+    if (i < t.size() && t[i] == LayerAttention::full) return std::nullopt;
+    return attention.sliding_window;
+  }
   index_t rotary() const { return attention.rotary_dim.value_or(d_head()); }
   // A gated FFN: swiglu, geglu, and an MoE model's dense layers.
   bool gated() const { return ffn.kind != FfnKind::mlp; }

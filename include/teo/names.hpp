@@ -24,6 +24,9 @@ struct Rule {
   // A fused tensor: this parameter is slice `part` of `parts` equal slices of the checkpoint
   // tensor along dimension `dim` (taken before the transposition).
   int dim = 0, part = 0, parts = 1;
+  // The parts are interleaved along `dim` (gpt-oss's gate_up_proj: gate at the even columns, up
+  // at the odd ones): element c of part p is the checkpoint's c * parts + p, not p * n + c.
+  bool interleave = false;
   // Absent from some checkpoints (a base model has no classifier): the golden then keeps the
   // seed's initialisation of it.
   bool optional = false;

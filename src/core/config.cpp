@@ -91,6 +91,18 @@ void validate_variants(const ModelConfig& c) {
     throw ConfigError("sliding_window must be >= 1 (or null for no window), got " +
                       std::to_string(*c.attention.sliding_window));
   }
+  if (const auto& t = c.attention.layer_types; !t.empty()) {
+    if (static_cast<index_t>(t.size()) != c.num_layers) {
+      throw ConfigError(
+          "layer_types has " + std::to_string(t.size()) +
+          " entries: it needs one per layer, num_layers = " + std::to_string(c.num_layers));
+    }
+    if (!c.attention.sliding_window && std::ranges::find(t, LayerAttention::sliding) != t.end()) {
+      throw ConfigError(
+          "layer_types has \"sliding_attention\" layers, but sliding_window is null: set the "
+          "window they attend through");
+    }
+  }
   if (c.attention.attn_logit_softcap && !finite_positive(*c.attention.attn_logit_softcap)) {
     throw ConfigError("attn_logit_softcap must be finite and > 0 (or null for no cap), got " +
                       fmt(*c.attention.attn_logit_softcap));
@@ -148,8 +160,8 @@ void validate_variants(const ModelConfig& c) {
           "1e-3, got " +
           fmt(sc.beta_fast) + " and " + fmt(sc.beta_slow));
     }
-  } else if (sc.beta_fast != 32.0 || sc.beta_slow != 1.0) {
-    throw ConfigError("rope_scaling.beta_fast and beta_slow apply only to yarn");
+  } else if (sc.beta_fast != 32.0 || sc.beta_slow != 1.0 || !sc.truncate) {
+    throw ConfigError("rope_scaling.beta_fast, beta_slow and truncate apply only to yarn");
   }
 }
 
@@ -257,10 +269,11 @@ void validate_block(const ModelConfig& c) {
                         to_string(c.embeddings.positional) + "\"");
     }
     if (c.attention.num_kv_heads || c.attention.sliding_window || c.attention.attn_logit_softcap ||
-        c.attention.attn_sinks || c.attention.qk_norm || c.attention.head_dim) {
+        c.attention.attn_sinks || c.attention.qk_norm || c.attention.head_dim ||
+        !c.attention.layer_types.empty()) {
       throw ConfigError(
           "an encoder_decoder takes no attention variants (num_kv_heads, sliding_window, "
-          "attn_logit_softcap, attn_sinks, qk_norm, head_dim)");
+          "layer_types, attn_logit_softcap, attn_sinks, qk_norm, head_dim)");
     }
     if (c.dropout > 0) {
       throw ConfigError(

@@ -24,7 +24,7 @@ using detail::get_real;
 using detail::get_string;
 
 // rope_scaling: {"type": ..., "factor": ..., "original_max_len": ..., "beta_fast": ...,
-// "beta_slow": ...}.
+// "beta_slow": ..., "truncate": ...}.
 RopeScaling rope_scaling_from_json(const nlohmann::json& j) {
   if (!j.is_object()) {
     throw ConfigError("rope_scaling must be an object, got " + std::string(j.type_name()) + " " +
@@ -57,6 +57,8 @@ RopeScaling rope_scaling_from_json(const nlohmann::json& j) {
       s.beta_fast = get_real(v, k);
     } else if (key == "beta_slow") {
       s.beta_slow = get_real(v, k);
+    } else if (key == "truncate") {
+      s.truncate = get_bool(v, k);
     } else {
       throw ConfigError("unknown rope_scaling key \"" + key + "\"");
     }
@@ -73,6 +75,7 @@ nlohmann::json rope_scaling_to_json(const RopeScaling& s) {
   if (s.type == RopeScalingType::yarn) {
     j["beta_fast"] = s.beta_fast;
     j["beta_slow"] = s.beta_slow;
+    if (!s.truncate) j["truncate"] = false;
   }
   return j;
 }
@@ -106,6 +109,7 @@ const char* const kConfigKeys[] = {"vocab_size",
                                    "alibi_max_bias",
                                    "position_offset",
                                    "sliding_window",
+                                   "layer_types",
                                    "attn_logit_softcap",
                                    "attn_sinks",
                                    "qk_norm",
@@ -232,6 +236,20 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j) {
         c.attention.sliding_window.reset();
       else
         c.attention.sliding_window = get_int(v, key);
+    } else if (key == "layer_types") {
+      if (!v.is_array()) throw ConfigError("layer_types must be an array, got " + v.dump());
+      c.attention.layer_types.clear();
+      for (const auto& t : v) {
+        const std::string s = get_string(t, "layer_types[]");
+        if (s == "sliding_attention")
+          c.attention.layer_types.push_back(LayerAttention::sliding);
+        else if (s == "full_attention")
+          c.attention.layer_types.push_back(LayerAttention::full);
+        else
+          throw ConfigError(
+              "layer_types[] must be \"sliding_attention\" or \"full_attention\", got \"" + s +
+              "\"");
+      }
     } else if (key == "attn_logit_softcap") {
       if (v.is_null())
         c.attention.attn_logit_softcap.reset();
@@ -427,6 +445,11 @@ nlohmann::json ModelConfig::to_json() const {
   if (embeddings.positional == Positional::alibi) j["alibi_max_bias"] = attention.alibi_max_bias;
   if (embeddings.position_offset != 0) j["position_offset"] = embeddings.position_offset;
   if (attention.sliding_window) j["sliding_window"] = *attention.sliding_window;
+  if (!attention.layer_types.empty()) {
+    nlohmann::json t = nlohmann::json::array();
+    for (LayerAttention a : attention.layer_types) t.push_back(to_string(a));
+    j["layer_types"] = t;
+  }
   if (attention.attn_logit_softcap) j["attn_logit_softcap"] = *attention.attn_logit_softcap;
   if (attention.attn_sinks) j["attn_sinks"] = true;
   if (attention.qk_norm) j["qk_norm"] = true;

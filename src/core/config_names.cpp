@@ -58,6 +58,9 @@ const char* to_string(Norm n) {
 const char* to_string(Pooler p) {
   return p == Pooler::none ? "none" : "dense_tanh";
 }
+const char* to_string(LayerAttention a) {
+  return a == LayerAttention::sliding ? "sliding_attention" : "full_attention";
+}
 const char* to_string(InputKind k) {
   return k == InputKind::tokens ? "tokens" : "patches";
 }

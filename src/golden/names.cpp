@@ -76,14 +76,17 @@ std::vector<Placed> place(const NameMap& map, const ModelConfig& cfg) {
     }
     const std::vector<std::int64_t> slice(spec.shape.begin() + (per_expert ? 1 : 0),
                                           spec.shape.end());
-    // checkpoint_index moves matrices and vectors: a transposed or split tensor of more dimensions
-    // (a stack of experts read whole) would be read wrong, so it is refused
-    if (slice.size() > 2 && (it->second->transpose || it->second->parts > 1)) {
+    // checkpoint_index moves matrices and vectors, and a stack of matrices (three dimensions) as
+    // matrix after matrix; a transposed or split tensor of more dimensions is refused
+    const bool moved = it->second->transpose || it->second->parts > 1;
+    if (slice.size() > 3 && moved) {
       throw ConfigError("name map " + map.family + " transposes or splits " + spec.name +
                         ", which has " + std::to_string(slice.size()) +
-                        " dimensions: only a matrix or a vector can be (read experts with {e})");
+                        " dimensions: only a matrix, a vector or a stack of matrices can be");
     }
-    if (static_cast<std::size_t>(it->second->dim) >= slice.size()) {
+    // a stack (gpt-oss's experts (E, D, 2F), read whole) splits each matrix along dim
+    const std::size_t matrix_dims = slice.size() == 3 && moved ? 2 : slice.size();
+    if (static_cast<std::size_t>(it->second->dim) >= matrix_dims) {
       throw ConfigError("name map " + map.family + " splits " + spec.name + " along dimension " +
                         std::to_string(it->second->dim) + ", which it does not have");
     }
@@ -108,7 +111,7 @@ std::vector<Placed> place(const NameMap& map, const ModelConfig& cfg) {
       const Rule& r = *p->rule;
       if (p->shape != group.front()->shape || r.transpose != first.transpose ||
           r.dim != first.dim || r.parts != first.parts || r.leading_ones != first.leading_ones ||
-          !parts.insert(r.part).second) {
+          r.interleave != first.interleave || !parts.insert(r.part).second) {
         throw ConfigError("name map " + map.family + ": " + group.front()->teo + " and " + p->teo +
                           " share checkpoint tensor " + name +
                           " but are not equal slices of it (split [dim, part, parts])");
@@ -123,11 +126,13 @@ std::vector<Placed> place(const NameMap& map, const ModelConfig& cfg) {
   return out;
 }
 
-// The checkpoint tensor's shape for one placed parameter: teo's, transposed, times parts.
+// The checkpoint tensor's shape for one placed parameter: teo's, transposed, times parts (each
+// matrix of a stack so).
 std::vector<std::int64_t> checkpoint_shape(const Placed& p) {
+  const std::size_t at = p.shape.size() == 3 && (p.rule->transpose || p.rule->parts > 1) ? 1 : 0;
   std::vector<std::int64_t> s = p.shape;
-  if (p.rule->transpose && s.size() == 2) std::swap(s[0], s[1]);
-  if (p.rule->parts > 1) s[static_cast<std::size_t>(p.rule->dim)] *= p.rule->parts;
+  if (p.rule->transpose && s.size() - at == 2) std::swap(s[at], s[at + 1]);
+  if (p.rule->parts > 1) s[at + static_cast<std::size_t>(p.rule->dim)] *= p.rule->parts;
   s.insert(s.begin(), static_cast<std::size_t>(p.rule->leading_ones), 1);
   return s;
 }
@@ -138,25 +143,39 @@ std::string shape_str(const std::vector<std::int64_t>& s) {
   return out + ")";
 }
 
+// Index of element `e` (row-major) of a teo matrix (rows, cols) or, with rows 0, vector (cols)
+// in its checkpoint tensor under `rule`.
+std::int64_t moved_index(const Rule& rule, std::int64_t rows, std::int64_t cols, std::int64_t e) {
+  const bool matrix = rows > 0;
+  std::int64_t r = 0, c = e;
+  if (matrix) r = e / cols, c = e % cols;
+  // (r, c) in teo's matrix -> (r', c') in the unfused checkpoint slice
+  std::int64_t cr = r, cc = c, ccols = cols;
+  if (rule.transpose && matrix) cr = c, cc = r, ccols = rows;
+  if (rule.parts > 1) {
+    const std::int64_t part = rule.part, parts = rule.parts;
+    if (!matrix) return rule.interleave ? e * parts + part : part * cols + e;
+    if (rule.dim == 0) {
+      const std::int64_t crows = rule.transpose ? cols : rows;
+      cr = rule.interleave ? cr * parts + part : cr + part * crows;
+    } else {
+      cc = rule.interleave ? cc * parts + part : cc + part * ccols;
+      ccols *= parts;
+    }
+  }
+  return matrix ? cr * ccols + cc : cc;
+}
+
 // Index of teo element `e` (row-major in teo's shape) in the checkpoint tensor.
 std::int64_t checkpoint_index(const Placed& p, std::int64_t e) {
   const auto& s = p.shape;
-  std::int64_t r = 0, c = e;
-  if (s.size() == 2) r = e / s[1], c = e % s[1];
-  // (r, c) in teo's matrix -> (r', c') in the unfused checkpoint slice
-  std::int64_t cr = r, cc = c, ccols = s.size() == 2 ? s[1] : s[0];
-  if (p.rule->transpose && s.size() == 2) cr = c, cc = r, ccols = s[0];
-  if (p.rule->parts > 1) {
-    if (s.size() == 1) return static_cast<std::int64_t>(p.rule->part) * s[0] + e;
-    if (p.rule->dim == 0) {
-      const std::int64_t rows = p.rule->transpose ? s[1] : s[0];
-      cr += p.rule->part * rows;
-    } else {
-      cc += p.rule->part * ccols;
-      ccols *= p.rule->parts;
-    }
+  if (s.size() == 3 && (p.rule->transpose || p.rule->parts > 1)) {
+    // a stack: matrix e / n of n elements, moved as a matrix, in a checkpoint matrix of n parts
+    const std::int64_t n = s[1] * s[2];
+    return (e / n) * n * p.rule->parts + moved_index(*p.rule, s[1], s[2], e % n);
   }
-  return s.size() == 2 ? cr * ccols + cc : cc;
+  if (s.size() == 2) return moved_index(*p.rule, s[0], s[1], e);
+  return moved_index(*p.rule, 0, s.empty() ? 1 : s[0], e);
 }
 
 bool ignored(const NameMap& map, const std::string& name) {
@@ -190,6 +209,12 @@ json effective_json(const ModelConfig& cfg) {
   j["num_kv_heads"] = cfg.kv_heads();
   j["position_offset"] = cfg.embeddings.position_offset;
   j["attn_sinks"] = cfg.attention.attn_sinks;
+  // every layer's attention spelled out: windowed ones when sliding_window is set and layer_types
+  // is empty (teo's default), full ones without a window
+  json types = json::array();
+  for (index_t i = 0; i < cfg.num_layers; ++i)
+    types.push_back(cfg.window(i) ? "sliding_attention" : "full_attention");
+  j["layer_types"] = types;
   j["embedding_norm"] = cfg.embeddings.embedding_norm;
   j["pooler"] = to_string(cfg.head.pooler);
   j["padding_idx"] = cfg.embeddings.padding_idx ? json(*cfg.embeddings.padding_idx) : json(nullptr);
@@ -235,11 +260,14 @@ void validate_config_section(const json& c, const std::string& source) {
           if (!fv.is_boolean()) fail(where + ".count must be true or false");
         } else if (f == "plus") {
           if (!fv.is_number_integer()) fail(where + ".plus must be an integer");
+        } else if (f == "rope_scaling" || f == "required") {
+          if (!fv.is_boolean()) fail(where + "." + f + " must be true or false");
         } else if (f == "null_times") {
           if (!fv.is_array() || fv.size() != 2 || !fv[0].is_string() || !fv[1].is_number_integer())
             fail(where + ".null_times must be [a config.json key, an integer]");
         } else {
-          fail(where + " has the unknown field \"" + f + "\" (key, map, count, plus, null_times)");
+          fail(where + " has the unknown field \"" + f +
+               "\" (key, map, count, plus, null_times, rope_scaling, required)");
         }
       }
       if (!r.contains("key") && !all_null)
@@ -277,6 +305,8 @@ NameMap NameMap::from_json(const json& j, const std::string& source) {
               r.transpose = ov.get<bool>();
             } else if (ok == "optional" && ov.is_boolean()) {
               r.optional = ov.get<bool>();
+            } else if (ok == "interleave" && ov.is_boolean()) {
+              r.interleave = ov.get<bool>();
             } else if (ok == "leading_ones" && ov.is_number_integer()) {
               const auto n = ov.get<std::int64_t>();
               if (n < 0 || n > 4)
@@ -294,9 +324,10 @@ NameMap NameMap::from_json(const json& j, const std::string& source) {
               r.parts = static_cast<int>(parts);
             } else {
               fail("unknown option \"" + ok + "\": " + ov.dump() + " of " + r.teo +
-                   " (transpose, optional, leading_ones, split: [dim, part, parts])");
+                   " (transpose, optional, leading_ones, split: [dim, part, parts], interleave)");
             }
           }
+          if (r.interleave && r.parts < 2) fail("interleave of " + r.teo + " needs a split");
         }
         m.rules.push_back(std::move(r));
       }
@@ -401,12 +432,56 @@ Params<Real> params_from_checkpoint(const st::File& checkpoint, const NameMap& m
 
 namespace {
 
+// config.json's rope_scaling (Hugging Face's modeling_rope_utils form) as teo's (semantics
+// 14.3): null or "default" sets nothing; linear and yarn move key by key; any other type or key is
+// refused by name.
+json rope_scaling_from_hf(const std::string& hk, const json& hv, const NameMap& map) {
+  if (hv.is_null()) return nullptr;
+  if (!hv.is_object()) throw ConfigError("config.json " + hk + " must be an object or null");
+  const json type = hv.contains("rope_type") ? hv.at("rope_type") : hv.value("type", json());
+  if (type == "default") return nullptr;
+  if (type != "linear" && type != "yarn") {
+    throw ConfigError("config.json " + hk + " of type " + type.dump() +
+                      " has no teo counterpart (" + map.family +
+                      " takes null, \"default\", \"linear\" and \"yarn\")");
+  }
+  json out{{"type", type}};
+  for (const auto& [k, v] : hv.items()) {
+    if (k == "rope_type" || k == "type") continue;
+    const bool yarn = type == "yarn";
+    if (k == "factor") {
+      out["factor"] = v;
+    } else if (yarn && k == "original_max_position_embeddings") {
+      out["original_max_len"] = v;
+    } else if (yarn && (k == "beta_fast" || k == "beta_slow" || k == "truncate")) {
+      out[k] = v;
+    } else {
+      throw ConfigError("config.json " + hk + "." + k + " (of type " + type.dump() +
+                        ") has no teo counterpart");
+    }
+  }
+  return out;
+}
+
+// teo's rope_scaling in config.json's form: rope_scaling_from_hf reversed.
+json rope_scaling_to_hf(const json& v) {
+  const std::string type = v.value("type", "none");
+  if (type == "none") return nullptr;
+  json out{{"rope_type", type}};
+  for (const auto& [k, x] : v.items()) {
+    if (k == "type") continue;
+    out[k == "original_max_len" ? "original_max_position_embeddings" : k] = x;
+  }
+  return out;
+}
+
 // One config.json value under one rule: {teo key, its value}; an empty key or a null value sets
 // nothing.
 std::pair<std::string, json> apply_rule(const json& rule, const std::string& hk, const json& hv,
                                         const json& hf, const NameMap& map) {
   if (rule.is_string()) return {rule.get<std::string>(), hv};
   const std::string teo_key = rule.value("key", "");
+  if (rule.value("rope_scaling", false)) return {teo_key, rope_scaling_from_hf(hk, hv, map)};
   if (hv.is_null() && rule.contains("null_times")) {
     // GPT-2's n_inner: null means a multiple of another key
     const json& nt = rule.at("null_times");
@@ -454,6 +529,16 @@ json config_from_hf(const json& hf, const NameMap& map) {
   std::vector<std::string> known;
   for (const auto& [k, v] : keys.items()) known.push_back(k);
   for (const auto& k : ignored) known.push_back(k.get<std::string>());
+  // a key whose absence the family's loader fills by a rule teo does not follow (gpt-oss's
+  // layer_types from the layer count) must be spelled out
+  for (const auto& [hk, rule] : keys.items()) {
+    for (const auto& r : rules_of(rule)) {
+      if (r.is_object() && r.value("required", false) && !hf.contains(hk)) {
+        throw ConfigError("config.json has no " + hk + ", which " + map.family +
+                          " needs spelled out (its loader's default is not teo's)");
+      }
+    }
+  }
   // the family's config class's defaults, for the keys its save_pretrained leaves out
   json with_defaults = hf;
   const json defaults = c.value("defaults", json::object());
@@ -500,6 +585,8 @@ json hf_config_of(const ModelConfig& cfg, const NameMap& map) {
             break;
           }
         }
+      } else if (rule.is_object() && rule.value("rope_scaling", false)) {
+        out[hk] = rope_scaling_to_hf(v);
       } else if (rule.is_object() && rule.contains("plus") && !v.is_null()) {
         out[hk] = v.get<std::int64_t>() - rule.at("plus").get<std::int64_t>();
       } else if (rule.is_object() && rule.value("count", false)) {

@@ -41,8 +41,12 @@ RopeFrequencies rope_frequencies(const ModelConfig& cfg, index_t seq_end) {
     for (double& t : f.inv_freq) t /= sc.factor;
   } else if (sc.type == RopeScalingType::yarn) {
     const auto rd = static_cast<double>(r);
-    const double low = std::max(std::floor(correction_dim(sc.beta_fast, rd, base, original)), 0.0);
-    double high = std::min(std::ceil(correction_dim(sc.beta_slow, rd, base, original)), rd - 1.0);
+    // the correction range, rounded outwards to whole dimensions unless truncate is false
+    double low = correction_dim(sc.beta_fast, rd, base, original);
+    double high = correction_dim(sc.beta_slow, rd, base, original);
+    if (sc.truncate) low = std::floor(low), high = std::ceil(high);
+    low = std::max(low, 0.0);
+    high = std::min(high, rd - 1.0);
     if (low == high) high += 0.001;
     for (index_t i = 0; i < r / 2; ++i) {
       double& t = f.inv_freq[static_cast<std::size_t>(i)];

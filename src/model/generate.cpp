@@ -58,10 +58,10 @@ template <class Real>
 void ffn_step(const Dims& d, const LayerParams<Real>& P, const Real* ffn_in, Activation act,
               Tensor<Real>& ffn_out);
 
-// One layer on the step's rows h (B, D), in place, appending to its cache.
+// Layer `layer` on the step's rows h (B, D), in place, appending to its cache.
 template <class Real>
-void layer_step(const StepContext<Real>& c, const LayerParams<Real>& P, LayerCache<Real>& cache,
-                Tensor<Real>& h) {
+void layer_step(const StepContext<Real>& c, index_t layer, const LayerParams<Real>& P,
+                LayerCache<Real>& cache, Tensor<Real>& h) {
   const ModelConfig& cfg = c.cfg;
   const Dims& d = c.d;
   const index_t B = d.B, D = d.D;
@@ -123,6 +123,7 @@ void layer_step(const StepContext<Real>& c, const LayerParams<Real>& P, LayerCac
   }
   Tensor<Real> context({B, d.Dq}), scores({B, d.H, 1, c.L}), probs({B, d.H, 1, c.L});
   AttentionArgs<Real> args = detail::attention_args(cfg, B, 1, c.ones.data(), P.sinks.data());
+  args.variant.window = cfg.window(layer);
   args.kv_len = c.L;
   args.kv_lengths = c.kv_len.data();
   args.merged_context = true;
@@ -321,7 +322,8 @@ Generation<Real> generate(const Params<Real>& params, const Batch& prompt,
         add_positional_forward(h.data() + b * d.D, h.data() + b * d.D, row, index_t{1}, index_t{1},
                                d.D);
     }
-    for (std::size_t l = 0; l < caches.size(); ++l) layer_step(c, params.layers[l], caches[l], h);
+    for (std::size_t l = 0; l < caches.size(); ++l)
+      layer_step(c, static_cast<index_t>(l), params.layers[l], caches[l], h);
     const Real* top = h.data();
     Tensor<Real> fin({B, d.D}), mean({B}), rstd({B});
     if (cfg.norms.norm_first) {

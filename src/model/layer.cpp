@@ -92,6 +92,7 @@ T& attended(const Dims& d, T& plain, T& normed, T& rotated) {
 template <class Real>
 struct LayerForward {
   const ModelConfig& cfg;
+  index_t layer;  // its index in the stack (its attention: ModelConfig::window)
   const LayerParams<Real>& P;
   LayerActs<Real>& L;  // the layer's activations, written stage by stage
   const Batch& batch;
@@ -186,6 +187,7 @@ void LayerForward<Real>::attention_block_forward(const Real* x) const {
     // context (B, S, Dq) is written with its heads merged, in place.
     AttentionArgs<Real> args =
         detail::attention_args(cfg, d.B, d.S, batch.lengths.data(), P.sinks.data());
+    args.variant.window = cfg.window(layer);
     args.drop_mask = drop_attn ? L.masks.attn.data() : nullptr;
     args.drop_scale = dropout_scale<Real>(p);
     args.merged_context = true;
@@ -324,10 +326,10 @@ void LayerForward<Real>::ffn_block_forward() const {
 }  // namespace
 
 template <class Real>
-void layer_forward(const ModelConfig& cfg, const LayerParams<Real>& P, LayerActs<Real>& L,
-                   const Real* x, const Batch& batch, const Dims& d, const std::string& prefix,
-                   bool drop, const MaskSource& seed, const Emulation<Real>& store,
-                   const std::int32_t* routing) {
+void layer_forward(const ModelConfig& cfg, index_t layer, const LayerParams<Real>& P,
+                   LayerActs<Real>& L, const Real* x, const Batch& batch, const Dims& d,
+                   const std::string& prefix, bool drop, const MaskSource& seed,
+                   const Emulation<Real>& store, const std::int32_t* routing) {
   const index_t nd = d.N * d.D;
   const std::string_view name = std::string_view(prefix).substr(8);  // "layers.{i}."
 
@@ -337,6 +339,7 @@ void layer_forward(const ModelConfig& cfg, const LayerParams<Real>& P, LayerActs
   Tensor<Real> tmp = drop ? Tensor<Real>::for_overwrite({d.B, d.S, d.D}) : Tensor<Real>();
 
   const LayerForward<Real> s{.cfg = cfg,
+                             .layer = layer,
                              .P = P,
                              .L = L,
                              .batch = batch,
@@ -363,6 +366,7 @@ namespace {
 template <class Real>
 struct LayerBackward {
   const ModelConfig& cfg;
+  index_t layer;
   const LayerParams<Real>& P;
   const LayerActs<Real>& L;     // the forward pass's activations
   LayerParams<Real>& G;         // the parameter gradients, accumulated into
@@ -564,6 +568,7 @@ void LayerBackward<Real>::attention_block_backward(Real* dx, const Real* x) cons
     profile::Scope stage(Stage::bwd_attention);
     AttentionArgs<Real> args =
         detail::attention_args(cfg, d.B, d.S, lengths, P.sinks.data(), G.sinks.data());
+    args.variant.window = cfg.window(layer);
     args.drop_mask = L.masks.attn.empty() ? nullptr : L.masks.attn.data();
     args.drop_scale = scale;
     args.merged_context = true;
@@ -621,15 +626,16 @@ void LayerBackward<Real>::attention_block_backward(Real* dx, const Real* x) cons
 }  // namespace
 
 template <class Real>
-void layer_backward(const ModelConfig& cfg, const LayerParams<Real>& P, const LayerActs<Real>& L,
-                    LayerParams<Real>& G, LayerActs<Real>& dL, Real* dx, const Real* x,
-                    const std::int64_t* lengths, const Dims& d, std::string_view name,
-                    const Emulation<Real>& store, const Real* moe_dlogits) {
+void layer_backward(const ModelConfig& cfg, index_t layer, const LayerParams<Real>& P,
+                    const LayerActs<Real>& L, LayerParams<Real>& G, LayerActs<Real>& dL, Real* dx,
+                    const Real* x, const std::int64_t* lengths, const Dims& d,
+                    std::string_view name, const Emulation<Real>& store, const Real* moe_dlogits) {
   const index_t nd = d.N * d.D;
   const double p = cfg.dropout;
   const Real scale = dropout_scale<Real>(p);
 
   const LayerBackward<Real> s{.cfg = cfg,
+                              .layer = layer,
                               .P = P,
                               .L = L,
                               .G = G,
@@ -648,11 +654,11 @@ void layer_backward(const ModelConfig& cfg, const LayerParams<Real>& P, const La
 
 #define TEO_INSTANTIATE(Real)                                                                      \
   template void allocate_layer<Real>(LayerActs<Real>&, const Dims&, ZeroList<Real>*, bool);        \
-  template void layer_forward<Real>(const ModelConfig&, const LayerParams<Real>&,                  \
+  template void layer_forward<Real>(const ModelConfig&, index_t, const LayerParams<Real>&,         \
                                     LayerActs<Real>&, const Real*, const Batch&, const Dims&,      \
                                     const std::string&, bool, const MaskSource&,                   \
                                     const Emulation<Real>&, const std::int32_t*);                  \
-  template void layer_backward<Real>(const ModelConfig&, const LayerParams<Real>&,                 \
+  template void layer_backward<Real>(const ModelConfig&, index_t, const LayerParams<Real>&,        \
                                      const LayerActs<Real>&, LayerParams<Real>&, LayerActs<Real>&, \
                                      Real*, const Real*, const std::int64_t*, const Dims&,         \
                                      std::string_view, const Emulation<Real>&, const Real*);

@@ -326,7 +326,7 @@ void run_encoder(const Params<Real>& params, const Batch& batch, Activations<Rea
   const bool drop = opts.train && cfg.dropout > 0.0;
   const Real* x = acts.input.data();
   for (std::size_t i = 0; i < acts.layers.size(); ++i) {
-    layer_forward(cfg, params.layers[i], acts.layers[i], x, batch, d,
+    layer_forward(cfg, static_cast<index_t>(i), params.layers[i], acts.layers[i], x, batch, d,
                   "dropout.layers." + std::to_string(i) + ".", drop,
                   MaskSource{opts.dropout_seed, opts.masks}, store, routing_of(opts, i));
     x = acts.layers[i].output.data();
@@ -508,8 +508,8 @@ void backward(const Params<Real>& params, const Batch& batch, const Activations<
       zero_fill(zero);
       std::swap(scratch.output, dacts.layers[i].output);
     }
-    layer_backward(cfg, params.layers[i], acts.layers[i], grads.layers[i], dL, dx, x,
-                   batch.lengths.data(), d, name, store,
+    layer_backward(cfg, static_cast<index_t>(i), params.layers[i], acts.layers[i], grads.layers[i],
+                   dL, dx, x, batch.lengths.data(), d, name, store,
                    moe_dlogits[i].empty() ? nullptr : moe_dlogits[i].data());
     if (!opts.layer_activation_grads) std::swap(scratch.output, dacts.layers[i].output);
     // dx is complete: the gradient of the layer's input
@@ -616,8 +616,9 @@ void encoder_layer_forward(const ModelConfig& cfg, const LayerParams<Real>& P,
   check_replayed_routing(cfg, batch, opts);
   const Emulation<Real> store(opts.precision, "", opts.fp8);
   allocate_layer(L, d, static_cast<ZeroList<Real>*>(nullptr), cfg.moe_layer(0));
-  layer_forward(cfg, P, L, x.data(), batch, d, "dropout.layers.0.", opts.train && cfg.dropout > 0.0,
-                MaskSource{opts.dropout_seed, opts.masks}, store, routing_of(opts, 0));
+  layer_forward(cfg, 0, P, L, x.data(), batch, d, "dropout.layers.0.",
+                opts.train && cfg.dropout > 0.0, MaskSource{opts.dropout_seed, opts.masks}, store,
+                routing_of(opts, 0));
 }
 
 template <class Real>
@@ -642,7 +643,7 @@ void encoder_layer_backward(const ModelConfig& cfg, const LayerParams<Real>& P,
   shape_as(dx, x.shape(), nullptr);  // layer_backward overwrites it
   zero_fill(zero);
   copy(dL.output.data(), dy.data(), dy.numel());
-  layer_backward(cfg, P, L, G, dL, dx.data(), x.data(), batch.lengths.data(), d, "layers.0.",
+  layer_backward(cfg, 0, P, L, G, dL, dx.data(), x.data(), batch.lengths.data(), d, "layers.0.",
                  store);
   store(dx, "", "x");
   if (store.stores_reduced()) {

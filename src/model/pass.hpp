@@ -301,23 +301,25 @@ void shape_as(Tensor<Real>& t, Shape shape, std::type_identity_t<ZeroList<Real>>
 template <class Real>
 void allocate_layer(LayerActs<Real>& l, const Dims& d, ZeroList<Real>* zero, bool moe);
 
-// One layer's forward pass: writes every activation of L from its input x (B, S, D); `prefix`
+// Layer `layer`'s forward pass: writes every activation of L from its input x (B, S, D); `prefix`
 // ("dropout.layers.{i}.") names its dropout sites, whose masks come from `seed` when `drop`.
-// routing (N * k) or null: an MoE layer's replayed choice (ForwardOptions::routing).
+// routing (N * k) or null: an MoE layer's replayed choice (ForwardOptions::routing). The index
+// chooses the layer's attention (ModelConfig::window).
 template <class Real>
-void layer_forward(const ModelConfig& cfg, const LayerParams<Real>& P, LayerActs<Real>& L,
-                   const Real* x, const Batch& batch, const Dims& d, const std::string& prefix,
-                   bool drop, const MaskSource& seed, const Emulation<Real>& store,
-                   const std::int32_t* routing = nullptr);
+void layer_forward(const ModelConfig& cfg, index_t layer, const LayerParams<Real>& P,
+                   LayerActs<Real>& L, const Real* x, const Batch& batch, const Dims& d,
+                   const std::string& prefix, bool drop, const MaskSource& seed,
+                   const Emulation<Real>& store, const std::int32_t* routing = nullptr);
 
 // Writes dx (B, S, D), the gradient through one layer, given dL.output: dx is overwritten, not
 // read. moe_dlogits (N, E) or null: an MoE layer's loss-term gradient of its router logits. Writes
 // every other named gradient of dL, each by its first writer without reading it (so none needs a
 // zero-fill), and accumulates the parameter gradients into G.
 template <class Real>
-void layer_backward(const ModelConfig& cfg, const LayerParams<Real>& P, const LayerActs<Real>& L,
-                    LayerParams<Real>& G, LayerActs<Real>& dL, Real* dx, const Real* x,
-                    const std::int64_t* lengths, const Dims& d, std::string_view name,
-                    const Emulation<Real>& store, const Real* moe_dlogits = nullptr);
+void layer_backward(const ModelConfig& cfg, index_t layer, const LayerParams<Real>& P,
+                    const LayerActs<Real>& L, LayerParams<Real>& G, LayerActs<Real>& dL, Real* dx,
+                    const Real* x, const std::int64_t* lengths, const Dims& d,
+                    std::string_view name, const Emulation<Real>& store,
+                    const Real* moe_dlogits = nullptr);
 
 }  // namespace teo::detail

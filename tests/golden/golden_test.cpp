@@ -274,6 +274,11 @@ TEST(GoldenCorpus, CoversEveryFeature) {
     if (c.attention.qk_norm) seen.insert("qk_norm");
     if (c.attention.head_dim && c.attn_width() != c.d_model) seen.insert("head_dim");
     if (e.spec.drawn_norms) seen.insert("drawn_norms");
+    const auto& types = c.attention.layer_types;
+    if (std::ranges::count(types, teo::LayerAttention::full) > 0 &&
+        std::ranges::count(types, teo::LayerAttention::sliding) > 0)
+      seen.insert("layer_types");
+    if (!c.attention.rope_scaling.truncate) seen.insert("yarn_untruncated");
     // the block variants and decoders (docs/semantics.md, section 17)
     seen.insert(std::string("norm:") + teo::to_string(c.norms.norm));
     seen.insert(std::string("ffn:") + teo::to_string(c.ffn.kind));
@@ -386,6 +391,8 @@ TEST(GoldenCorpus, CoversEveryFeature) {
                            "qk_norm",
                            "head_dim",
                            "drawn_norms",
+                           "layer_types",
+                           "yarn_untruncated",
                            "norm:layernorm",
                            "norm:rmsnorm",
                            "ffn:mlp",
@@ -765,11 +772,13 @@ TEST(GoldenCheck, ReportsParseAndCountTheSameThings) {
 // encoder_decoder's cases are checked independently by PyTorch (tests/interop: every tensor, and
 // the stacks' outputs against nn.Transformer), and so are the mixture-of-experts cases
 // (torch_backend.py's MoE, Interop.PyTorchCandidatesPassTheGoldenCheck, with its mutants in
-// Interop.PyTorchMoeMutantsFailAtTheirTensor), and those with q and k norms (qk_norm) or heads
-// apart from d_model (head_dim), not here.
+// Interop.PyTorchMoeMutantsFailAtTheirTensor), and those with q and k norms (qk_norm), heads
+// apart from d_model (head_dim), per-layer attention (layer_types) or YaRN's fractional range
+// (truncate false), not here.
 bool naive_covers(const golden::CorpusEntry& e) {
   const teo::ModelConfig& c = e.spec.config;
-  return !c.encoder_decoder() && !c.moe() && !c.attention.qk_norm && !c.attention.head_dim;
+  return !c.encoder_decoder() && !c.moe() && !c.attention.qk_norm && !c.attention.head_dim &&
+         c.attention.layer_types.empty() && c.attention.rope_scaling.truncate;
 }
 
 TEST(GoldenNaiveBackend, AgreesWithEveryCaseForward) {

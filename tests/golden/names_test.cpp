@@ -105,7 +105,8 @@ INSTANTIATE_TEST_SUITE_P(
                       Family{"hf-vit", "vit_f32"}, Family{"hf-mixtral", "moe_mixtral_f64"},
                       Family{"hf-mixtral", "moe_mixtral_f32"},
                       Family{"hf-qwen2-moe", "moe_qwen2_shared_f64"},
-                      Family{"hf-qwen3-moe", "moe_qwen3_qk_norm_f64"}),
+                      Family{"hf-qwen3-moe", "moe_qwen3_qk_norm_f64"},
+                      Family{"hf-gpt-oss", "moe_gpt_oss_layers_f64"}),
     [](const auto& info) {
       std::string s = std::string(info.param.map) + "_" + info.param.golden;
       for (char& c : s)
@@ -181,20 +182,49 @@ TEST(Names, MixtralExpertsAreTheStacksSlices) {
   EXPECT_NE(some.find("grad.layers.1.moe.experts.w_gate"), nullptr);
 }
 
-// A stack of experts read whole cannot be transposed or split (checkpoint_index moves matrices
-// and vectors); the map is refused by name before anything is read, where {e} reads it per expert.
-TEST(Names, AStackTransposedOrSplitWholeIsRefused) {
-  std::ifstream in(std::string(TEO_SOURCE_DIR) + "/src/golden/names/hf-mixtral.json");
-  json m = json::parse(in);
-  for (auto& rule : m.at("params")) {
-    if (rule[0] == "layers.{i}.moe.experts.w_gate") {
-      rule[1] = "model.layers.{i}.block_sparse_moe.w1";
-      rule.push_back(json{{"transpose", true}});
+// gpt-oss stores its experts whole: gate_up_proj (E, D, 2F), each expert's matrix transposed
+// against nn.Linear with gate at the even columns and up at the odd ones, gate_up_proj_bias (E, 2F)
+// likewise, down_proj (E, F, D) transposed. Every element lands where the map says; interleave
+// without a split is refused by name.
+TEST(Names, GptOssStackedInterleavedExpertsAreTheStacksColumns) {
+  const auto map = names::NameMap::load("hf-gpt-oss");
+  const st::File& g = committed("moe_gpt_oss_layers_f64");
+  const st::File ckpt = names::checkpoint_of(g, map);
+  const std::string e = "model.layers.1.mlp.experts.";
+  const auto* gate_up = ckpt.find(e + "gate_up_proj");
+  const auto* gate_up_bias = ckpt.find(e + "gate_up_proj_bias");
+  const auto* down = ckpt.find(e + "down_proj");
+  ASSERT_TRUE(gate_up && gate_up_bias && down);
+  const auto w_gate = g.find("param.layers.1.moe.experts.w_gate");  // (E, F, D)
+  const std::int64_t E = w_gate->shape[0], F = w_gate->shape[1], D = w_gate->shape[2];
+  ASSERT_EQ(gate_up->shape, (std::vector<std::int64_t>{E, D, 2 * F}));
+  ASSERT_EQ(down->shape, (std::vector<std::int64_t>{E, F, D}));
+  const auto gu = gate_up->float_values(), gub = gate_up_bias->float_values(),
+             dn = down->float_values();
+  const auto wg = w_gate->float_values(),
+             wu = g.find("param.layers.1.moe.experts.w_up")->float_values(),
+             bg = g.find("param.layers.1.moe.experts.b_gate")->float_values(),
+             bu = g.find("param.layers.1.moe.experts.b_up")->float_values(),
+             wd = g.find("param.layers.1.moe.experts.w_down")->float_values();
+  const auto at = [](std::int64_t i) { return static_cast<std::size_t>(i); };
+  for (std::int64_t x = 0; x < E; ++x) {
+    for (std::int64_t f = 0; f < F; ++f) {
+      EXPECT_EQ(gub[at(x * 2 * F + 2 * f)], bg[at(x * F + f)]);
+      EXPECT_EQ(gub[at(x * 2 * F + 2 * f + 1)], bu[at(x * F + f)]);
+      for (std::int64_t d = 0; d < D; ++d) {
+        const std::int64_t teo = (x * F + f) * D + d;
+        EXPECT_EQ(gu[at((x * D + d) * 2 * F + 2 * f)], wg[at(teo)]) << x << " " << f << " " << d;
+        EXPECT_EQ(gu[at((x * D + d) * 2 * F + 2 * f + 1)], wu[at(teo)])
+            << x << " " << f << " " << d;
+        EXPECT_EQ(dn[at((x * F + f) * D + d)], wd[at((x * D + d) * F + f)]);
+      }
     }
   }
-  const auto map = names::NameMap::from_json(m, "stacked.json");
-  const st::File& g = committed("moe_mixtral_f64");
-  EXPECT_NE(error_of([&] { names::checkpoint_of(g, map); }).find("3 dimensions"),
+  std::ifstream in(std::string(TEO_SOURCE_DIR) + "/src/golden/names/hf-gpt-oss.json");
+  json m = json::parse(in);
+  for (auto& rule : m.at("params"))
+    if (rule[0] == "layers.{i}.moe.experts.b_down") rule.push_back(json{{"interleave", true}});
+  EXPECT_NE(error_of([&] { names::NameMap::from_json(m, "x.json"); }).find("needs a split"),
             std::string::npos);
 }
 
@@ -475,7 +505,7 @@ TEST(Names, MapFilesAreCheckedAndUnknownFamiliesSuggested) {
   const auto fams = names::NameMap::builtin_families();
   EXPECT_EQ(fams,
             (std::vector<std::string>{"hf-bert", "hf-roberta", "hf-gpt2", "hf-llama", "hf-vit",
-                                      "hf-mixtral", "hf-qwen2-moe", "hf-qwen3-moe"}));
+                                      "hf-mixtral", "hf-qwen2-moe", "hf-qwen3-moe", "hf-gpt-oss"}));
 }
 
 // A candidate may name its parameter gradients by the checkpoint's names (with or without the

@@ -1,8 +1,9 @@
 """Hugging Face transformers' mixtures of experts, as they ship, against teo's goldens.
 
-transformers 4.44.2 (the pinned one) has Mixtral and Qwen2-MoE; Qwen3-MoE, which it has not, runs
-as hf_qwen3_moe.py's independent Qwen3MoeForCausalLM (written from the Hugging Face modeling code's
-documented behaviour) from the same export. Three kinds of run:
+transformers 4.44.2 (the pinned one) has Mixtral and Qwen2-MoE; Qwen3-MoE and gpt-oss, which it
+has not, run as hf_qwen3_moe.py's and hf_gpt_oss.py's independent Qwen3MoeForCausalLM and
+GptOssForCausalLM (written from the Hugging Face modeling code's documented behaviour) from the
+same export. Three kinds of run:
   - the blocks: MixtralSparseMoeBlock and Qwen2MoeSparseMoeBlock, built from the op case's sizes
     with the op case's parameters copied in (each expert's Linear layers from the stacked
     param.experts.* tensors), run on input.x and backpropagated from grad.output.y, against the
@@ -49,6 +50,7 @@ except ImportError as e:  # pragma: no cover - the environment decides
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import hf_gpt_oss  # noqa: E402
 import hf_qwen3_moe  # noqa: E402
 from hf_models import DTYPES, export, write  # noqa: E402
 from torch_backend import st_read  # noqa: E402
@@ -256,6 +258,17 @@ RUNS = [
      "layers.0.k_norm"),
     ("moe_qwen3_qk_norm_f64", "hf-qwen3-moe", "float64", "fp32", "rope_before_qk_norm",
      "layers.0.q_norm"),
+    # gpt-oss: alternating windowed and full layers, sinks, fractional YaRN, interleaved experts
+    ("moe_gpt_oss_layers_f64", "hf-gpt-oss", "float64", "fp32", None, None),
+    ("moe_gpt_oss_layers_f64", "hf-gpt-oss", "float32", "fp32", None, None),
+    ("moe_gpt_oss_layers_f64", "hf-gpt-oss", "float64", "fp32", "gate_up_halves",
+     "layers.0.ffn_out"),
+    # its RMSNorm and RoPE angles are float32: q_rot is the first tensor at float64's tolerance
+    ("moe_gpt_oss_layers_f64", "hf-gpt-oss", "float64", None, None, "layers.0.q_rot"),
+    ("moe_gpt_oss_layers_f64", "hf-gpt-oss", "float64", "fp32", "window_on_every_layer",
+     "layers.1.context"),
+    ("moe_gpt_oss_layers_f64", "hf-gpt-oss", "float64", "fp32", "yarn_truncated",
+     "layers.0.q_rot"),
 ]
 
 
@@ -278,9 +291,10 @@ def main(argv=None):
             names = runner
             model = os.path.join(work, "model")
             export(args.teo, golden, model, names)
-            if names == "hf-qwen3-moe":
-                write(hf_qwen3_moe.candidate(model, st_read(golden)[0], DTYPES[dtype], mutant),
-                      cand)
+            independent = {"hf-qwen3-moe": hf_qwen3_moe, "hf-gpt-oss": hf_gpt_oss}
+            if names in independent:
+                write(independent[names].candidate(model, st_read(golden)[0], DTYPES[dtype],
+                                                   mutant), cand)
             else:
                 write(model_candidate(golden, model, names, dtype, mutant), cand)
         else:

@@ -156,7 +156,7 @@ CONFIG_DEFAULTS = {
     "num_kv_heads": None, "position_offset": 0, "rope_style": "neox",
     "rotary_dim": None, "rope_base": 10000.0, "rope_scaling": {"type": "none"},
     "alibi_max_bias": 8.0, "sliding_window": None, "attn_logit_softcap": None,
-    "attn_sinks": False, "qk_norm": False, "head_dim": None,
+    "attn_sinks": False, "qk_norm": False, "head_dim": None, "layer_types": None,
     # the block variants and decoders (docs/semantics.md, section 17)
     "norm": "layernorm", "ffn": "mlp", "ffn_bias": True, "attn_bias": True,
     "attn_out_bias": None, "head_bias": True, "architecture": "encoder", "tie_embeddings": False,
@@ -670,8 +670,10 @@ def rope_inv_freq(cfg, dim, seq_end):
         def find_correction_dim(num_rotations):
             return (dim * math.log(original / (num_rotations * 2 * math.pi))) \
                 / (2 * math.log(base))
-        low = max(math.floor(find_correction_dim(beta_fast)), 0)
-        high = min(math.ceil(find_correction_dim(beta_slow)), dim - 1)
+        low, high = find_correction_dim(beta_fast), find_correction_dim(beta_slow)
+        if sc.get("truncate", True):  # gpt-oss's truncate false keeps the range fractional
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
         if low == high:
             high += 0.001
         linear = (torch.arange(dim // 2, dtype=torch.float64) - low) \
@@ -1432,9 +1434,14 @@ def run_case(cfg, case, tensors, variant=AS_GOLDEN):
     x = acts["input"] = drop("dropout.input", x)
 
     visible = visibility(cfg, lengths, S, variant.mutant == "causal_off_by_one")
+    # layer_types: a "full_attention" layer has no window
+    full = visibility(dict(cfg, sliding_window=None), lengths, S,
+                      variant.mutant == "causal_off_by_one")
+    types = cfg["layer_types"] or ["sliding_attention"] * cfg["num_layers"]
     rope = rope_tables(cfg, S, dtype)
     for i in range(cfg["num_layers"]):
-        x = encoder_layer(x, i, cfg, P, visible, drop, acts, variant, rope)
+        vis = full if types[i] == "full_attention" else visible
+        x = encoder_layer(x, i, cfg, P, vis, drop, acts, variant, rope)
     if cfg["norm_first"]:
         x = acts["final_norm"] = norm(x, "final_norm", P, cfg)
     if cfg["architecture"] == "decoder":

@@ -82,6 +82,16 @@ std::vector<std::pair<std::string, ModelConfig>> configs() {
   qwen3.attention.qk_norm = true;
   qwen3.attention.head_dim = 2 * qwen3.d_head();  // H Dh = 2 D
   out.emplace_back("qwen3 q/k norms, head_dim", qwen3);
+  // gpt-oss: windowed and full layers alternating (each step's window is its layer's), sinks,
+  // fractional YaRN
+  ModelConfig gpt_oss = variants;
+  gpt_oss.embeddings.positional = Positional::rope;
+  gpt_oss.attention.sliding_window = 3;
+  gpt_oss.attention.layer_types = {LayerAttention::full, LayerAttention::sliding};
+  gpt_oss.attention.rope_base = 100.0;
+  gpt_oss.attention.rope_scaling = {
+      .type = RopeScalingType::yarn, .factor = 4.0, .original_max_len = 64, .truncate = false};
+  out.emplace_back("gpt-oss layer types, fractional yarn", gpt_oss);
   // a mixture of experts: each step routes its new tokens as the full pass routes every position
   ModelConfig moe = moe_like(out[1].second);
   out.emplace_back("moe deepseek-style, a dense first layer", moe);

@@ -213,7 +213,7 @@ std::vector<GradCase> cases() {
     c.head.pooling = Pooling::cls;
   });
   // Qwen3's attention: q and k RMS-normalised per head before RoPE, GQA, no biases, heads of 6
-  // (H Dh = 24 against D = 16, as Qwen3-30B-A3B's 32 heads of 128 against 2048)
+  // (H Dh = 24 against D = 8, as Qwen3-30B-A3B's 32 heads of 128 against 2048)
   add("QkNormRopeGqaPreNormRmsHeadDim", {4, 3, 1}, [](ModelConfig& c) {
     c.attention.qk_norm = true;
     c.attention.head_dim = 6;
@@ -224,6 +224,27 @@ std::vector<GradCase> cases() {
     c.norms.norm_first = true;
     c.attention.attn_bias = false;
     c.attention.causal = true;
+  });
+  // gpt-oss's attention: sliding and full layers alternating, sinks, every bias, heads of
+  // head_dim apart from d_model, YaRN with its fractional correction range (truncate false)
+  add("GptOssLayerTypesSinksYarnUntruncatedHeadDim", {4, 4, 2}, [](ModelConfig& c) {
+    c.architecture = Architecture::decoder;
+    c.head.num_classes = ModelConfig{}.head.num_classes;  // a decoder has no classifier
+    c.attention.causal = true;
+    c.norms.norm_first = true;
+    c.norms.norm = Norm::rmsnorm;
+    c.num_layers = 2;
+    c.attention.num_heads = 4;
+    c.attention.num_kv_heads = 2;
+    c.attention.head_dim = 6;
+    c.attention.attn_sinks = true;
+    c.attention.sliding_window = 2;
+    c.attention.layer_types = {LayerAttention::sliding, LayerAttention::full};
+    c.embeddings.positional = Positional::rope;
+    // base 100 over 64 positions: the correction range [0, 1.51], [0, 2] when truncated
+    c.attention.rope_base = 100.0;
+    c.attention.rope_scaling = {
+        .type = RopeScalingType::yarn, .factor = 4.0, .original_max_len = 64, .truncate = false};
   });
   // heads narrower than d_model / num_heads, every bias (the output projection's reads H Dh)
   add("HeadDimNarrowerPostNormBiases", {4, 3, 2}, [](ModelConfig& c) {

@@ -29,14 +29,13 @@ context and attn_out. Mutants:
   - yarn_truncated: YaRN's correction range floored and ceiled although truncate is false.
 """
 
-import json
 import math
-import os
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors.torch import load_file
+
+import hf_causal_lm
 
 
 class RMSNorm(nn.Module):
@@ -151,36 +150,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(D, c["rms_norm_eps"])
 
 
-class Model(nn.Module):
-    def __init__(self, c):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(c["vocab_size"], c["hidden_size"])
-        self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c["num_hidden_layers"]))
-        self.norm = RMSNorm(c["hidden_size"], c["rms_norm_eps"])
-
-
-class GptOssForCausalLM(nn.Module):
-    def __init__(self, c):
-        super().__init__()
-        self.c = c
-        self.model = Model(c)
-        self.lm_head = nn.Linear(c["hidden_size"], c["vocab_size"], bias=False)
-
-
 def load(model_dir, dtype):
-    with open(os.path.join(model_dir, "config.json")) as f:
-        c = json.load(f)
-    c.setdefault("attention_bias", True)
-    c.setdefault("swiglu_limit", 7.0)
-    c.setdefault("tie_word_embeddings", False)
-    m = GptOssForCausalLM(c).to(dtype)
-    state = {n: t.to(dtype) for n, t in
-             load_file(os.path.join(model_dir, "model.safetensors")).items()}
-    if c["tie_word_embeddings"]:
-        m.lm_head.weight = m.model.embed_tokens.weight
-        state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
-    m.load_state_dict(state, strict=True)
-    return m
+    return hf_causal_lm.load(
+        model_dir, dtype, lambda c: hf_causal_lm.ForCausalLM(c, DecoderLayer, RMSNorm),
+        {"attention_bias": True, "swiglu_limit": 7.0, "tie_word_embeddings": False})
 
 
 def yarn_inv_freq(c, dim, mutant=None):
@@ -216,10 +189,8 @@ def candidate(model_dir, tensors, dtype, mutant=None):
     parameters' gradients under the checkpoint's."""
     m = load(model_dir, dtype)
     c = m.c
-    tokens = torch.from_numpy(tensors["input.tokens"]).to(torch.long)
-    lengths = torch.from_numpy(tensors["input.lengths"]).to(torch.long)
+    tokens, mask = hf_causal_lm.batch(tensors)
     B, S = tokens.shape
-    mask = (torch.arange(S)[None, :] < lengths[:, None]).to(torch.int64)
     inv, attention_factor = yarn_inv_freq(c, c["head_dim"], mutant)
     ang = torch.arange(S, dtype=torch.float32)[:, None] * inv[None, :]
     cos = (ang.cos() * attention_factor).to(dtype)
@@ -252,14 +223,4 @@ def candidate(model_dir, tensors, dtype, mutant=None):
     h = m.model.norm(h)
     seen["act.final_norm"] = h
     logits = m.lm_head(h)
-    labels = tokens.masked_fill(mask == 0, -100)
-    shift = F.pad(labels, (0, 1), value=-100)[:, 1:]
-    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), shift.reshape(-1),
-                           ignore_index=-100)
-    loss.backward()
-    out = dict(seen)
-    out["act.lm_logits"] = logits
-    out["act.loss"] = loss
-    for name, prm in m.named_parameters():
-        out["grad." + name] = prm.grad if prm.grad is not None else torch.zeros_like(prm)
-    return out
+    return hf_causal_lm.finish(m, seen, logits, hf_causal_lm.lm_loss(logits, tokens, mask))

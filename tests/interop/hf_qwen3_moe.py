@@ -24,13 +24,11 @@ q_rot, k_rot and context, so that a bug in Qwen3's attention fails where it happ
   - rope_before_qk_norm: q and k rotated first, then normalised.
 """
 
-import json
-import os
-
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors.torch import load_file
+
+import hf_causal_lm
 
 
 class RMSNorm(nn.Module):
@@ -142,22 +140,6 @@ class DecoderLayer(nn.Module):
         self.mlp = SparseMoeBlock(c) if self.sparse else MLP(D, c["intermediate_size"])
 
 
-class Model(nn.Module):
-    def __init__(self, c):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(c["vocab_size"], c["hidden_size"])
-        self.layers = nn.ModuleList(DecoderLayer(c, i) for i in range(c["num_hidden_layers"]))
-        self.norm = RMSNorm(c["hidden_size"], c["rms_norm_eps"])
-
-
-class Qwen3MoeForCausalLM(nn.Module):
-    def __init__(self, c):
-        super().__init__()
-        self.c = c
-        self.model = Model(c)
-        self.lm_head = nn.Linear(c["hidden_size"], c["vocab_size"], bias=False)
-
-
 def defaults(c):
     """The config class's defaults for what save_pretrained may leave out."""
     d = {"attention_bias": False, "mlp_only_layers": [], "decoder_sparse_step": 1,
@@ -170,17 +152,9 @@ def defaults(c):
 
 
 def load(model_dir, dtype):
-    with open(os.path.join(model_dir, "config.json")) as f:
-        c = defaults(json.load(f))
-    m = Qwen3MoeForCausalLM(c).to(dtype)
-    state = {n: t.to(dtype) for n, t in
-             load_file(os.path.join(model_dir, "model.safetensors")).items()}
-    if c["tie_word_embeddings"]:
-        # one parameter: the LM head is the embedding, its gradient the sum of both uses
-        m.lm_head.weight = m.model.embed_tokens.weight
-        state.setdefault("lm_head.weight", state["model.embed_tokens.weight"])
-    m.load_state_dict(state, strict=True)
-    return m
+    return hf_causal_lm.load(
+        model_dir, dtype, lambda c: hf_causal_lm.ForCausalLM(defaults(c), DecoderLayer, RMSNorm),
+        {})
 
 
 def load_balancing_loss(logits, E, k, mask):
@@ -203,10 +177,8 @@ def candidate(model_dir, tensors, dtype, mutant=None):
     parameters' gradients under the checkpoint's."""
     m = load(model_dir, dtype)
     c = m.c
-    tokens = torch.from_numpy(tensors["input.tokens"]).to(torch.long)
-    lengths = torch.from_numpy(tensors["input.lengths"]).to(torch.long)
+    tokens, mask = hf_causal_lm.batch(tensors)
     B, S = tokens.shape
-    mask = (torch.arange(S)[None, :] < lengths[:, None]).to(torch.int64)
     seen = {}
     # RoPE: inv_freq and the angles in float32, cos and sin cast to the dtype
     Dh = m.model.layers[0].self_attn.Dh if c["num_hidden_layers"] else 1
@@ -240,19 +212,10 @@ def candidate(model_dir, tensors, dtype, mutant=None):
     h = m.model.norm(h)
     seen["act.final_norm"] = h
     logits = m.lm_head(h)
-    labels = tokens.masked_fill(mask == 0, -100)
-    shift = F.pad(labels, (0, 1), value=-100)[:, 1:]
-    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), shift.reshape(-1),
-                           ignore_index=-100)
+    loss = hf_causal_lm.lm_loss(logits, tokens, mask)
     if router_logits and "act.moe_aux_loss" in tensors:
         aux = load_balancing_loss(router_logits, c["num_experts"], c["num_experts_per_tok"],
                                   mask)
         seen["act.moe_aux_loss"] = aux
         loss = loss + (c["router_aux_loss_coef"] * aux).to(loss.dtype)  # HF's loss +=
-    loss.backward()
-    out = dict(seen)
-    out["act.lm_logits"] = logits
-    out["act.loss"] = loss
-    for name, prm in m.named_parameters():
-        out["grad." + name] = prm.grad if prm.grad is not None else torch.zeros_like(prm)
-    return out
+    return hf_causal_lm.finish(m, seen, logits, loss)

@@ -156,6 +156,21 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
                                                     : teo::LayerAttention::full);
   }
   if (in.byte() >= 224) cfg.attention.rope_scaling.truncate = false;
+  // DeepSeek's latent attention (its widths invalid now and then; valid only without biases and
+  // with rope) and YaRN's mscale pair
+  if (in.byte() >= 200) {
+    cfg.attention.kv_lora_rank = in.pick(-1, 6);
+    if (in.flag()) cfg.attention.q_lora_rank = in.pick(0, 6);
+    cfg.attention.qk_nope_head_dim = in.pick(-1, 4);
+    cfg.attention.qk_rope_head_dim = in.pick(0, 4);
+    cfg.attention.v_head_dim = in.pick(0, 5);
+    if (in.flag()) cfg.attention.attn_bias = false;
+    if (in.flag()) cfg.attention.head_dim.reset();
+  }
+  if (in.byte() >= 224) {
+    cfg.attention.rope_scaling.mscale = in.real01() * 2;
+    cfg.attention.rope_scaling.mscale_all_dim = in.real01() * 2;
+  }
   // Validation first: it allocates nothing, and every input goes through it.
   try {
     cfg.validate();

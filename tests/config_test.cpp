@@ -110,6 +110,69 @@ TEST(Config, VariantKeysRoundTripAndAppearOnlyWhenUsed) {
 
 void expect_config_error(const std::string& text, const std::string& needle);
 
+// Multi-head latent attention's keys appear with kv_lora_rank only, read back as they were, and
+// set the heads' widths: q and k Dn + Dr, v Dv, RoPE on the last Dr; d_model need not divide.
+TEST(Config, MlaKeysRoundTripAndSetTheHeadWidths) {
+  ModelConfig c;
+  c.d_model = 10;
+  c.attention.num_heads = 3;
+  c.embeddings.positional = Positional::rope;
+  c.attention.attn_bias = false;
+  c.attention.kv_lora_rank = 4;
+  c.attention.q_lora_rank = 6;
+  c.attention.qk_nope_head_dim = 2;
+  c.attention.qk_rope_head_dim = 4;
+  c.attention.v_head_dim = 5;
+  c.attention.rope_scaling = {
+      .type = RopeScalingType::yarn, .factor = 4.0, .mscale = 0.707, .mscale_all_dim = 0.707};
+  c.validate();
+  EXPECT_EQ(ModelConfig::from_json(c.to_json()), c);
+  EXPECT_EQ(c.to_json().at("kv_lora_rank"), 4);
+  EXPECT_EQ(c.to_json().at("rope_scaling").at("mscale_all_dim"), 0.707);
+  EXPECT_EQ(c.d_head(), 6);
+  EXPECT_EQ(c.v_head(), 5);
+  EXPECT_EQ(c.attn_width(), 18);
+  EXPECT_EQ(c.context_width(), 15);
+  EXPECT_EQ(c.rotary(), 4);
+  c.attention.q_lora_rank.reset();
+  EXPECT_FALSE(c.to_json().contains("q_lora_rank"));
+  EXPECT_EQ(ModelConfig::from_json(c.to_json()), c);
+  EXPECT_FALSE(ModelConfig{}.to_json().contains("kv_lora_rank"));
+  EXPECT_EQ(ModelConfig::from_json_text(R"({"kv_lora_rank": null, "q_lora_rank": null})"),
+            ModelConfig{});
+}
+
+// Every MLA key that is out of range, set without kv_lora_rank, or combined with what MLA replaces
+// is refused by name.
+TEST(Config, InvalidMlaKeysAreNamedErrors) {
+  const std::string m =
+      R"({"positional": "rope", "attn_bias": false, "kv_lora_rank": 4, "qk_nope_head_dim": 2,
+          "qk_rope_head_dim": 2, "v_head_dim": 2, )";
+  EXPECT_NO_THROW(ModelConfig::from_json_text(m + R"("q_lora_rank": 3})"));
+  expect_config_error(R"({"qk_rope_head_dim": 2})", "need kv_lora_rank");
+  expect_config_error(R"({"q_lora_rank": 2})", "need kv_lora_rank");
+  expect_config_error(m + R"("q_lora_rank": 0})", "q_lora_rank");
+  expect_config_error(m + R"("kv_lora_rank": 0})", "kv_lora_rank");
+  expect_config_error(m + R"("kv_lora_rank": 4.5})", "kv_lora_rank");
+  expect_config_error(m + R"("qk_rope_head_dim": 3})", "even");
+  expect_config_error(m + R"("qk_rope_head_dim": 0})", "qk_rope_head_dim");
+  expect_config_error(m + R"("v_head_dim": 0})", "v_head_dim");
+  expect_config_error(m + R"("qk_nope_head_dim": -1})", "qk_nope_head_dim");
+  expect_config_error(m + R"("num_heads": 1048576})", "num_heads x");
+  expect_config_error(m + R"("positional": "alibi"})", "positional must be");
+  expect_config_error(m + R"("head_dim": 4})", "head_dim and rotary_dim");
+  expect_config_error(m + R"("rotary_dim": 2})", "head_dim and rotary_dim");
+  expect_config_error(m + R"("num_kv_heads": 1})", "num_kv_heads");
+  expect_config_error(m + R"("qk_norm": true})", "qk_norm");
+  expect_config_error(m + R"("attn_bias": true})", "attn_bias must be false");
+  expect_config_error(m + R"("attn_out_bias": true})", "attn_bias must be false");
+  expect_config_error(m + R"("architecture": "encoder_decoder"})", "encoder_decoder");
+  expect_config_error(m + R"("rope_scaling": {"type": "linear", "factor": 2, "mscale": 1}})",
+                      "apply only to yarn");
+  expect_config_error(m + R"("rope_scaling": {"type": "yarn", "factor": 2, "mscale_all_dim": -1}})",
+                      "mscale_all_dim");
+}
+
 TEST(Config, InvalidVariantValuesAreNamedErrors) {
   expect_config_error(R"({"num_heads": 4, "d_model": 8, "num_kv_heads": 3})", "num_kv_heads");
   expect_config_error(R"({"num_kv_heads": 0})", "num_kv_heads");

@@ -59,6 +59,11 @@ struct RopeScaling {
   // yarn only: the correction range rounded outwards to whole dimensions (Hugging Face's
   // default); false keeps it fractional (gpt-oss's "truncate": false)
   bool truncate = true;
+  // yarn only (DeepSeek-V2/V3): the attention factor on cos and sin is m(mscale) /
+  // m(mscale_all_dim) with m(a) = 0.1 a ln(factor) + 1 when both are set (else m(1)), and
+  // mscale_all_dim also multiplies the score scale by m(mscale_all_dim)^2 (semantics 14.12)
+  std::optional<double> mscale{};
+  std::optional<double> mscale_all_dim{};
 
   bool operator==(const RopeScaling&) const = default;
 };
@@ -124,6 +129,15 @@ struct AttentionConfig {
   // (Qwen3's q_norm and k_norm; docs/semantics.md, 14.11)
   bool qk_norm = false;
   bool attn_bias = true;  // the q, k, v and output projections have biases
+  // Multi-head latent attention (DeepSeek-V2/V3; docs/semantics.md, 14.12), set by kv_lora_rank:
+  // k and v are expanded from a normalised latent of kv_lora_rank (Rkv) per token, which also
+  // carries one shared RoPE key of qk_rope_head_dim (Dr); q from a latent of q_lora_rank (Rq),
+  // or from x when that is unset. Each head's q and k are qk_nope_head_dim (Dn) + Dr wide, its v
+  // v_head_dim (Dv); RoPE rotates the last Dr of each.
+  std::optional<index_t> kv_lora_rank{};
+  std::optional<index_t> q_lora_rank{};
+  index_t qk_nope_head_dim = 0, qk_rope_head_dim = 0, v_head_dim = 0;
+  bool mla() const { return kv_lora_rank.has_value(); }
   // The output projections' bias alone (Qwen2's attention: q, k and v biases, none on o); unset:
   // attn_bias.
   std::optional<bool> attn_out_bias{};
@@ -218,9 +232,17 @@ struct ModelConfig {
   NormsConfig norms{};
   HeadConfig head{};
 
-  index_t d_head() const { return attention.head_dim.value_or(d_model / attention.num_heads); }
-  // The width of q and of the attention's context, H * Dh: d_model unless head_dim says otherwise.
+  // Dh, each head's q and k width: head_dim, else d_model / num_heads (MLA: Dn + Dr).
+  index_t d_head() const {
+    if (attention.mla()) return attention.qk_nope_head_dim + attention.qk_rope_head_dim;
+    return attention.head_dim.value_or(d_model / attention.num_heads);
+  }
+  // Dv, each head's v width: Dh (MLA: v_head_dim).
+  index_t v_head() const { return attention.mla() ? attention.v_head_dim : d_head(); }
+  // The width of q, H * Dh: d_model unless head_dim (or MLA) says otherwise.
   index_t attn_width() const { return attention.num_heads * d_head(); }
+  // The width of the attention's context and the output projection's input, H * Dv.
+  index_t context_width() const { return attention.num_heads * v_head(); }
   bool patches_input() const { return embeddings.input == InputKind::patches; }
   // The number of patches of an image: (image_size / patch_size)^2; 0 with input "tokens", and
   // for sizes validate() refuses (not positive, or more than 2^20 patches a side).
@@ -238,7 +260,11 @@ struct ModelConfig {
     if (i < t.size() && t[i] == LayerAttention::full) return std::nullopt;
     return attention.sliding_window;
   }
-  index_t rotary() const { return attention.rotary_dim.value_or(d_head()); }
+  // The dimensions RoPE rotates: rotary_dim, else Dh (MLA: the last Dr of each head).
+  index_t rotary() const {
+    if (attention.mla()) return attention.qk_rope_head_dim;
+    return attention.rotary_dim.value_or(d_head());
+  }
   // A gated FFN: swiglu, geglu, and an MoE model's dense layers.
   bool gated() const { return ffn.kind != FfnKind::mlp; }
   bool moe() const { return ffn.kind == FfnKind::moe; }

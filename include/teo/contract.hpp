@@ -50,8 +50,8 @@ struct TensorSpec {
   Role role = Role::act;
   DTypeRule dtype = DTypeRule::real;
   // Symbolic dimensions: B, S, D, H, Hkv, Dh, F, V, C, max_len, T (generation steps), and Hkv*Dh
-  // for the key and value projections (Hkv = num_kv_heads, default H). The number of each comes
-  // from dim().
+  // for the key and value projections (Hkv = num_kv_heads, default H); Dv (v's head width, Dh but
+  // under MLA), H*Dv, and MLA's Rq, Rkv, Rkv+Dr and H*(Dn+Dv). The number of each comes from dim().
   std::vector<std::string> dims;
   std::vector<index_t> shape;    // dims resolved for the case
   std::string symbolic() const;  // "[B, Hkv, S, Dh]", "[]" for a scalar

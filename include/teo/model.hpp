@@ -54,10 +54,15 @@ void validate_batch(const ModelConfig& cfg, const Batch& batch, std::size_t real
 
 template <class Real>
 struct LayerParams {
-  Tensor<Real> q_weight, q_bias, o_weight, o_bias;                  // (D, D), (D)
-  Tensor<Real> k_weight, k_bias, v_weight, v_bias;                  // (Hkv Dh, D), (Hkv Dh)
-  Tensor<Real> sinks;                                               // (H); attn_sinks only
-  Tensor<Real> q_norm_weight, k_norm_weight;                        // (Dh); qk_norm only
+  Tensor<Real> q_weight, q_bias, o_weight, o_bias;  // (D, D), (D)
+  Tensor<Real> k_weight, k_bias, v_weight, v_bias;  // (Hkv Dh, D), (Hkv Dh)
+  Tensor<Real> sinks;                               // (H); attn_sinks only
+  Tensor<Real> q_norm_weight, k_norm_weight;        // (Dh); qk_norm only
+  // Multi-head latent attention's (kv_lora_rank; docs/semantics.md, 14.12), in place of k's and
+  // v's: q_a (Rq, D), its RMSNorm (Rq) and q_b (H Dh, Rq) with q_lora_rank (without it q_weight
+  // (H Dh, D)); kv_a (Rkv + Dr, D), its RMSNorm (Rkv) and kv_b (H (Dn + Dv), Rkv).
+  Tensor<Real> q_a_weight, q_a_norm_weight, q_b_weight;
+  Tensor<Real> kv_a_weight, kv_norm_weight, kv_b_weight;
   Tensor<Real> norm1_weight, norm1_bias, norm2_weight, norm2_bias;  // (D)
   Tensor<Real> gate_weight, gate_bias;                              // (F, D), (F); gated only
   Tensor<Real> fc1_weight, fc1_bias;                                // (F, D), (F)
@@ -76,6 +81,7 @@ struct LayerParams {
   // the MoE keys. A bias that is absent stays empty.
   bool has_sinks = false;
   bool has_qk_norm = false;
+  bool has_mla = false, has_q_lora = false;
   bool has_attn_bias = true;
   bool has_out_bias = true;  // attn.o.bias: attn_bias unless attn_out_bias says otherwise
   bool has_norm_bias = true;
@@ -90,6 +96,8 @@ struct LayerParams {
   void configure(const ModelConfig& c, index_t layer) {
     has_sinks = c.attention.attn_sinks;
     has_qk_norm = c.attention.qk_norm;
+    has_mla = c.attention.mla();
+    has_q_lora = has_mla && c.attention.q_lora_rank.has_value();
     has_attn_bias = c.attention.attn_bias;
     has_out_bias = c.attention.out_bias();
     has_norm_bias = c.norms.norm == Norm::layernorm;
@@ -108,6 +116,7 @@ struct LayerParams {
     LayerParams<Real> want;
     want.configure(c, layer);
     return has_sinks == want.has_sinks && has_qk_norm == want.has_qk_norm &&
+           has_mla == want.has_mla && has_q_lora == want.has_q_lora &&
            has_attn_bias == want.has_attn_bias && has_out_bias == want.has_out_bias &&
            has_norm_bias == want.has_norm_bias && gated == want.gated &&
            has_ffn_bias == want.has_ffn_bias && moe == want.moe &&
@@ -130,14 +139,30 @@ struct LayerParams {
   template <class Self, class F>
   static void visit_impl(Self& l, F& f) {
     const bool ab = l.has_attn_bias, nb = l.has_norm_bias, fb = l.has_ffn_bias;
-    f("attn.q.weight", l.q_weight);
-    if (ab) f("attn.q.bias", l.q_bias);
-    f("attn.k.weight", l.k_weight);
-    if (ab) f("attn.k.bias", l.k_bias);
-    f("attn.v.weight", l.v_weight);
-    if (ab) f("attn.v.bias", l.v_bias);
-    f("attn.o.weight", l.o_weight);
-    if (l.has_out_bias) f("attn.o.bias", l.o_bias);
+    if (l.has_mla) {
+      // MLA has no biases (attn_bias false)
+      if (l.has_q_lora) {
+        f("attn.q_a.weight", l.q_a_weight);
+        f("attn.q_a_norm.weight", l.q_a_norm_weight);
+        f("attn.q_b.weight", l.q_b_weight);
+      } else {
+        f("attn.q.weight", l.q_weight);
+      }
+      f("attn.kv_a.weight", l.kv_a_weight);
+      f("attn.kv_norm.weight", l.kv_norm_weight);
+      f("attn.kv_b.weight", l.kv_b_weight);
+      f("attn.o.weight", l.o_weight);
+    }
+    if (!l.has_mla) f("attn.q.weight", l.q_weight);
+    if (!l.has_mla) {
+      if (ab) f("attn.q.bias", l.q_bias);
+      f("attn.k.weight", l.k_weight);
+      if (ab) f("attn.k.bias", l.k_bias);
+      f("attn.v.weight", l.v_weight);
+      if (ab) f("attn.v.bias", l.v_bias);
+      f("attn.o.weight", l.o_weight);
+      if (l.has_out_bias) f("attn.o.bias", l.o_bias);
+    }
     if (l.has_qk_norm) {
       f("attn.q_norm.weight", l.q_norm_weight);
       f("attn.k_norm.weight", l.k_norm_weight);
@@ -290,6 +315,10 @@ struct LayerActs {
   Tensor<Real> q, k, v;                        // (B, H, S, Dh); k, v (B, Hkv, S, Dh)
   // q and k normalised per head (their rstd (B*H*S), (B*Hkv*S)); qk_norm only
   Tensor<Real> q_norm, k_norm, q_norm_rstd, k_norm_rstd;
+  // MLA's latents (docs/semantics.md, 14.12): q_a and its norm (B, S, Rq) with q_lora_rank, kv_a
+  // (B, S, Rkv + Dr) and the norm of its first Rkv (B, S, Rkv), with their rstd (B*S). With MLA k
+  // is (B, H, S, Dh), each head's k_nope and the shared RoPE key, and v (B, H, S, Dv).
+  Tensor<Real> q_a, q_a_norm, q_a_rstd, kv_a, kv_norm, kv_rstd;
   Tensor<Real> q_rot, k_rot;   // q and k (their norms with qk_norm) after RoPE; rope only
   Tensor<Real> scores, probs;  // (B, H, S, S); the final logits, masked -inf
   Tensor<Real> context;        // (B, S, D), heads concatenated
@@ -325,14 +354,15 @@ struct LayerActs {
 template <class Real>
 struct Activations {
   bool norm_first = false;
-  bool rotary = false;           // positional "rope": q_rot and k_rot are kept
-  bool qk_norm = false;          // qk_norm: q_norm and k_norm are kept
-  bool gated = false;            // a gated FFN: ffn_gate is kept
-  bool decoder = false;          // an LM head: lm_logits, not pooled and logits
-  bool encoder_decoder = false;  // the decoder.* activations follow the encoder's
-  bool token_types = false;      // type_vocab_size: token_type is kept
-  bool embedding_norm = false;   // embedding_norm: embedding_norm and its statistics
-  bool pooler = false;           // pooler dense_tanh: pooler is kept
+  bool rotary = false;               // positional "rope": q_rot and k_rot are kept
+  bool qk_norm = false;              // qk_norm: q_norm and k_norm are kept
+  bool mla = false, q_lora = false;  // kv_lora_rank: kv_a, kv_norm (q_lora_rank: q_a, q_a_norm)
+  bool gated = false;                // a gated FFN: ffn_gate is kept
+  bool decoder = false;              // an LM head: lm_logits, not pooled and logits
+  bool encoder_decoder = false;      // the decoder.* activations follow the encoder's
+  bool token_types = false;          // type_vocab_size: token_type is kept
+  bool embedding_norm = false;       // embedding_norm: embedding_norm and its statistics
+  bool pooler = false;               // pooler dense_tanh: pooler is kept
   // ffn "moe": which layers are MoE layers (one flag per layer), whether they have shared
   // experts (moe.shared_out), and whether the loss has the router terms (moe_aux_loss,
   // moe_z_loss)
@@ -373,6 +403,8 @@ struct Activations {
     norm_first = c.norms.norm_first;
     rotary = c.embeddings.positional == Positional::rope;
     qk_norm = c.attention.qk_norm;
+    mla = c.attention.mla();
+    q_lora = mla && c.attention.q_lora_rank.has_value();
     gated = c.gated();
     decoder = c.lm();
     encoder_decoder = c.encoder_decoder();
@@ -391,11 +423,11 @@ struct Activations {
     Activations<Real> want;
     want.configure(c);
     return norm_first == want.norm_first && rotary == want.rotary && qk_norm == want.qk_norm &&
-           gated == want.gated && decoder == want.decoder &&
-           encoder_decoder == want.encoder_decoder && token_types == want.token_types &&
-           embedding_norm == want.embedding_norm && pooler == want.pooler &&
-           moe_layers == want.moe_layers && moe_shared == want.moe_shared &&
-           moe_aux == want.moe_aux && moe_z == want.moe_z;
+           mla == want.mla && q_lora == want.q_lora && gated == want.gated &&
+           decoder == want.decoder && encoder_decoder == want.encoder_decoder &&
+           token_types == want.token_types && embedding_norm == want.embedding_norm &&
+           pooler == want.pooler && moe_layers == want.moe_layers &&
+           moe_shared == want.moe_shared && moe_aux == want.moe_aux && moe_z == want.moe_z;
   }
   // Whether layer i is an MoE layer.
   bool moe_layer(std::size_t i) const { return i < moe_layers.size() && moe_layers[i]; }
@@ -421,7 +453,15 @@ struct Activations {
       auto& l = self.layers[i];
       const std::string p = "layers." + std::to_string(i) + ".";
       if (self.norm_first) f(p + "norm1", l.norm1);
+      if (self.q_lora) {
+        f(p + "q_a", l.q_a);
+        f(p + "q_a_norm", l.q_a_norm);
+      }
       f(p + "q", l.q);
+      if (self.mla) {
+        f(p + "kv_a", l.kv_a);
+        f(p + "kv_norm", l.kv_norm);
+      }
       f(p + "k", l.k);
       f(p + "v", l.v);
       if (self.qk_norm) {

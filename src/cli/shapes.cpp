@@ -51,6 +51,12 @@ int run(const ModelConfig& cfg, const ShapesOptions& o, std::ostream& out) {
                           " Fe=" + std::to_string(cfg.ffn.moe.moe_d_ff) +
                           " Fs=" + std::to_string(cfg.ffn.moe.shared_d_ff)
                     : std::string())
+      << (cfg.attention.mla() ? " Dv=" + std::to_string(cfg.v_head()) +
+                                    " Rq=" + std::to_string(cfg.attention.q_lora_rank.value_or(0)) +
+                                    " Rkv=" + std::to_string(*cfg.attention.kv_lora_rank) +
+                                    " Dn=" + std::to_string(cfg.attention.qk_nope_head_dim) +
+                                    " Dr=" + std::to_string(cfg.attention.qk_rope_head_dim)
+                              : std::string())
       << "  dtype=" << o.dtype << "  parameters=" << params.count() << "\n\n";
   // Every row is the contract's; the shapes the run produced must be the ones it names.
   const contract::Sizes sizes{o.batch, o.seq_len, o.steps, batch.tgt_len};

@@ -1,5 +1,6 @@
 #include "teo/config.hpp"
 
+#include "core/config_mla.hpp"
 #include "core/config_moe.hpp"
 
 #include "teo/suggest.hpp"
@@ -160,8 +161,18 @@ void validate_variants(const ModelConfig& c) {
           "1e-3, got " +
           fmt(sc.beta_fast) + " and " + fmt(sc.beta_slow));
     }
-  } else if (sc.beta_fast != 32.0 || sc.beta_slow != 1.0 || !sc.truncate) {
-    throw ConfigError("rope_scaling.beta_fast, beta_slow and truncate apply only to yarn");
+    for (const auto& [key, m] :
+         {std::pair{"mscale", sc.mscale}, std::pair{"mscale_all_dim", sc.mscale_all_dim}}) {
+      if (m && !finite_positive(*m)) {
+        throw ConfigError(std::string("rope_scaling.") + key +
+                          " must be finite and > 0 (or left out), got " + fmt(*m));
+      }
+    }
+  } else if (sc.beta_fast != 32.0 || sc.beta_slow != 1.0 || !sc.truncate || sc.mscale ||
+             sc.mscale_all_dim) {
+    throw ConfigError(
+        "rope_scaling.beta_fast, beta_slow, truncate, mscale and mscale_all_dim apply only to "
+        "yarn");
   }
 }
 
@@ -317,7 +328,7 @@ void ModelConfig::validate() const {
       throw ConfigError("num_heads x head_dim must be at most 2^20, got " +
                         std::to_string(attention.num_heads) + " x " + std::to_string(dh));
     }
-  } else if (d_model % attention.num_heads != 0) {
+  } else if (!attention.mla() && d_model % attention.num_heads != 0) {
     throw ConfigError("d_model must be divisible by num_heads (or head_dim set): d_model " +
                       std::to_string(d_model) + ", num_heads " +
                       std::to_string(attention.num_heads));
@@ -337,6 +348,8 @@ void ModelConfig::validate() const {
   if (!(head.label_smoothing >= 0.0 && head.label_smoothing <= 1.0)) {
     throw ConfigError("label_smoothing must be in [0, 1], got " + fmt(head.label_smoothing));
   }
+  // MLA's widths first: they make d_head() and rotary(), which the variants' checks read
+  detail::validate_mla(*this);
   validate_variants(*this);
   validate_block(*this);
   // Every parameter tensor, and all of them together, must have an element and byte count that
@@ -397,7 +410,8 @@ void ModelConfig::validate() const {
           checked_add(checked_add(checked_add(embed, pos, "embeddings"), extra, "embeddings"),
                       checked_add(layers, head_params, "layers + head"), "parameters"),
           checked_mul(d, 2, "final_norm"), "parameters"),
-      detail::moe_param_count(*this), "parameters");
+      checked_add(detail::moe_param_count(*this), detail::mla_param_count(*this), "parameters"),
+      "parameters");
   const MemoryLimits lim = memory_limits();
   check_tensor_elements(embed_weight,
                         patches_input() ? "patch_embedding.weight" : "embedding.weight", lim);
@@ -485,7 +499,9 @@ void validate_batch_shape(const ModelConfig& cfg, const BatchShape& shape, std::
     index_t c = checked_mul(scores, 3, "layer activations");
     if (a > INT64_MAX - b || a + b > INT64_MAX - c)
       throw ShapeError("layer activations overflow 64 bits");
-    return checked_add(a + b + c, detail::moe_activation_values(cfg, tokens), "layer activations");
+    return checked_add(
+        checked_add(a + b + c, detail::moe_activation_values(cfg, tokens), "layer activations"),
+        detail::mla_activation_values(cfg, tokens), "layer activations");
   }();
   // images: the pixels (B, Ch, Img, Img), held as double in the batch, and in Real twice more
   // while the patch embedding runs (the pixels and their patches, one row each)

@@ -9,6 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/config_mla.hpp"
 #include "core/config_moe.hpp"
 #include "core/json_get.hpp"
 #include "teo/config.hpp"
@@ -59,6 +60,10 @@ RopeScaling rope_scaling_from_json(const nlohmann::json& j) {
       s.beta_slow = get_real(v, k);
     } else if (key == "truncate") {
       s.truncate = get_bool(v, k);
+    } else if (key == "mscale") {
+      s.mscale = get_real(v, k);
+    } else if (key == "mscale_all_dim") {
+      s.mscale_all_dim = get_real(v, k);
     } else {
       throw ConfigError("unknown rope_scaling key \"" + key + "\"");
     }
@@ -76,6 +81,8 @@ nlohmann::json rope_scaling_to_json(const RopeScaling& s) {
     j["beta_fast"] = s.beta_fast;
     j["beta_slow"] = s.beta_slow;
     if (!s.truncate) j["truncate"] = false;
+    if (s.mscale) j["mscale"] = *s.mscale;
+    if (s.mscale_all_dim) j["mscale_all_dim"] = *s.mscale_all_dim;
   }
   return j;
 }
@@ -351,11 +358,13 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j) {
         throw ConfigError(
             "decoder_positional must be \"sinusoidal\", \"learned\" or \"none\", got \"" + s +
             "\"");
+    } else if (detail::read_mla_key(c.attention, key, v)) {
     } else if (detail::read_moe_key(c.ffn.moe, key, v)) {
       // a mixture of experts' key (config_moe.cpp)
     } else {
       std::vector<std::string> keys(std::begin(kConfigKeys), std::end(kConfigKeys));
       keys.insert(keys.end(), detail::moe_keys().begin(), detail::moe_keys().end());
+      keys.insert(keys.end(), detail::mla_keys().begin(), detail::mla_keys().end());
       throw ConfigError("unknown config key \"" + key + "\"" + did_you_mean(key, keys));
     }
   }
@@ -453,6 +462,7 @@ nlohmann::json ModelConfig::to_json() const {
   if (attention.attn_logit_softcap) j["attn_logit_softcap"] = *attention.attn_logit_softcap;
   if (attention.attn_sinks) j["attn_sinks"] = true;
   if (attention.qk_norm) j["qk_norm"] = true;
+  detail::mla_to_json(*this, j);
   if (norms.norm != Norm::layernorm) j["norm"] = to_string(norms.norm);
   if (ffn.kind != FfnKind::mlp) j["ffn"] = to_string(ffn.kind);
   if (!ffn.ffn_bias) j["ffn_bias"] = false;

@@ -265,9 +265,12 @@ void validate_config_section(const json& c, const std::string& source) {
         } else if (f == "null_times") {
           if (!fv.is_array() || fv.size() != 2 || !fv[0].is_string() || !fv[1].is_number_integer())
             fail(where + ".null_times must be [a config.json key, an integer]");
+        } else if (f == "times") {
+          if (!fv.is_array() || fv.size() != 2 || !fv[0].is_string() || !fv[1].is_string())
+            fail(where + ".times must be [a config.json key, the teo key it sets]");
         } else {
           fail(where + " has the unknown field \"" + f +
-               "\" (key, map, count, plus, null_times, rope_scaling, required)");
+               "\" (key, map, count, plus, null_times, times, rope_scaling, required)");
         }
       }
       if (!r.contains("key") && !all_null)
@@ -435,7 +438,8 @@ namespace {
 // config.json's rope_scaling (Hugging Face's modeling_rope_utils form) as teo's (semantics
 // 14.3): null or "default" sets nothing; linear and yarn move key by key; any other type or key is
 // refused by name.
-json rope_scaling_from_hf(const std::string& hk, const json& hv, const NameMap& map) {
+json rope_scaling_from_hf(const std::string& hk, const json& hv, const json& hf,
+                          const NameMap& map) {
   if (hv.is_null()) return nullptr;
   if (!hv.is_object()) throw ConfigError("config.json " + hk + " must be an object or null");
   const json type = hv.contains("rope_type") ? hv.at("rope_type") : hv.value("type", json());
@@ -453,11 +457,29 @@ json rope_scaling_from_hf(const std::string& hk, const json& hv, const NameMap& 
       out["factor"] = v;
     } else if (yarn && k == "original_max_position_embeddings") {
       out["original_max_len"] = v;
-    } else if (yarn && (k == "beta_fast" || k == "beta_slow" || k == "truncate")) {
+    } else if (yarn && (k == "beta_fast" || k == "beta_slow" || k == "truncate" || k == "mscale" ||
+                        k == "mscale_all_dim")) {
       out[k] = v;
     } else {
       throw ConfigError("config.json " + hk + "." + k + " (of type " + type.dump() +
                         ") has no teo counterpart");
+    }
+  }
+  // transformers 4.50 to 4.57 (the rope_scaling form) rotate by YaRN's factor
+  // max_position_embeddings / original_max_position_embeddings whenever the latter is given,
+  // whatever `factor` says: a config.json whose two differ would be another model in teo
+  if (type == "yarn" && hv.contains("original_max_position_embeddings") &&
+      hf.contains("max_position_embeddings")) {
+    const json& orig = hv.at("original_max_position_embeddings");
+    const json& len = hf.at("max_position_embeddings");
+    const json& factor = hv.value("factor", json());
+    if (orig.is_number() && len.is_number() && factor.is_number() && orig.get<double>() > 0 &&
+        len.get<double>() / orig.get<double>() != factor.get<double>()) {
+      throw ConfigError(
+          "config.json " + hk + ".factor " + factor.dump() +
+          " is not max_position_embeddings / original_max_position_embeddings = " + len.dump() +
+          " / " + orig.dump() + ", the factor transformers 4.50 to 4.57 rotate by (" + map.family +
+          " needs the two to agree)");
     }
   }
   return out;
@@ -481,7 +503,7 @@ std::pair<std::string, json> apply_rule(const json& rule, const std::string& hk,
                                         const json& hf, const NameMap& map) {
   if (rule.is_string()) return {rule.get<std::string>(), hv};
   const std::string teo_key = rule.value("key", "");
-  if (rule.value("rope_scaling", false)) return {teo_key, rope_scaling_from_hf(hk, hv, map)};
+  if (rule.value("rope_scaling", false)) return {teo_key, rope_scaling_from_hf(hk, hv, hf, map)};
   if (hv.is_null() && rule.contains("null_times")) {
     // GPT-2's n_inner: null means a multiple of another key
     const json& nt = rule.at("null_times");
@@ -499,6 +521,19 @@ std::pair<std::string, json> apply_rule(const json& rule, const std::string& hk,
                         map.family + " takes " + m.dump() + ")");
     }
     return {teo_key, m.at(as_key)};
+  }
+  if (rule.contains("times") && !hv.is_null()) {
+    // DeepSeek's n_shared_experts: a count of another key's width (moe_intermediate_size)
+    const std::string of = rule.at("times").at(0).get<std::string>();
+    const auto small = [](const json& v) {
+      return v.is_number_integer() && v.get<std::int64_t>() >= 0 &&
+             v.get<std::int64_t>() <= (std::int64_t{1} << 30);
+    };
+    if (!small(hv) || !hf.contains(of) || !small(hf.at(of))) {
+      throw ConfigError("config.json " + hk + " and " + of +
+                        " must be integers in [0, 2^30] (their product is teo's " + teo_key + ")");
+    }
+    return {teo_key, hv.get<std::int64_t>() * hf.at(of).get<std::int64_t>()};
   }
   if (rule.value("count", false)) {
     if (!hv.is_object()) throw ConfigError("config.json " + hk + " must be an object");
@@ -552,7 +587,7 @@ json config_from_hf(const json& hf, const NameMap& map) {
                         map.family + did_you_mean(hk, known));
     }
     for (const auto& r : rules_of(*rule)) {
-      const auto [teo_key, value] = apply_rule(r, hk, hv, hf, map);
+      const auto [teo_key, value] = apply_rule(r, hk, hv, with_defaults, map);
       if (teo_key.empty() || value.is_null()) continue;  // an accepted value that sets nothing
       if (const auto it = set_by.find(teo_key); it != set_by.end() && out.at(teo_key) != value) {
         throw ConfigError("config.json " + it->second + " = " + out.at(teo_key).dump() + " and " +
@@ -587,6 +622,12 @@ json hf_config_of(const ModelConfig& cfg, const NameMap& map) {
         }
       } else if (rule.is_object() && rule.value("rope_scaling", false)) {
         out[hk] = rope_scaling_to_hf(v);
+      } else if (rule.is_object() && rule.contains("times")) {
+        // the count whose product with the other key's teo value is v; left out (and the
+        // read-back below then names the difference) when it does not divide
+        const std::string per = rule.at("times").at(1).get<std::string>();
+        const std::int64_t w = teo.contains(per) ? teo.at(per).get<std::int64_t>() : 0;
+        if (w > 0 && v.get<std::int64_t>() % w == 0) out[hk] = v.get<std::int64_t>() / w;
       } else if (rule.is_object() && rule.contains("plus") && !v.is_null()) {
         out[hk] = v.get<std::int64_t>() - rule.at("plus").get<std::int64_t>();
       } else if (rule.is_object() && rule.value("count", false)) {

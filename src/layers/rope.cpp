@@ -19,6 +19,19 @@ double correction_dim(double rotations, double r, double base, double original) 
 
 }  // namespace
 
+double yarn_mscale(double factor, double m) {
+  return factor <= 1.0 ? 1.0 : 0.1 * m * std::log(factor) + 1.0;
+}
+
+double attention_mscale(const ModelConfig& cfg) {
+  const RopeScaling& sc = cfg.attention.rope_scaling;
+  if (cfg.embeddings.positional != Positional::rope || sc.type != RopeScalingType::yarn ||
+      !sc.mscale_all_dim)
+    return 1.0;
+  const double m = yarn_mscale(sc.factor, *sc.mscale_all_dim);
+  return m * m;
+}
+
 RopeFrequencies rope_frequencies(const ModelConfig& cfg, index_t seq_end) {
   const index_t r = cfg.rotary();
   const RopeScaling& sc = cfg.attention.rope_scaling;
@@ -55,7 +68,10 @@ RopeFrequencies rope_frequencies(const ModelConfig& cfg, index_t seq_end) {
       const double extrapolation = 1.0 - ramp;
       t = (t / sc.factor) * (1.0 - extrapolation) + t * extrapolation;
     }
-    f.mscale = sc.factor <= 1.0 ? 1.0 : 0.1 * std::log(sc.factor) + 1.0;
+    // Hugging Face's get_mscale(factor, m); DeepSeek's pair of them when both are set
+    f.mscale = sc.mscale && sc.mscale_all_dim
+                   ? yarn_mscale(sc.factor, *sc.mscale) / yarn_mscale(sc.factor, *sc.mscale_all_dim)
+                   : yarn_mscale(sc.factor, 1.0);
   }
   return f;
 }

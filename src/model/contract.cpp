@@ -40,11 +40,17 @@ const std::map<std::string, Dims>& param_table() {
       {"attn.k.bias", {"Hkv*Dh"}},
       {"attn.v.weight", {"Hkv*Dh", "D"}},
       {"attn.v.bias", {"Hkv*Dh"}},
-      {"attn.o.weight", {"D", "H*Dh"}},
+      {"attn.o.weight", {"D", "H*Dv"}},
       {"attn.o.bias", {"D"}},
       {"attn.sinks", {"H"}},
       {"attn.q_norm.weight", {"Dh"}},
       {"attn.k_norm.weight", {"Dh"}},
+      {"attn.q_a.weight", {"Rq", "D"}},
+      {"attn.q_a_norm.weight", {"Rq"}},
+      {"attn.q_b.weight", {"H*Dh", "Rq"}},
+      {"attn.kv_a.weight", {"Rkv+Dr", "D"}},
+      {"attn.kv_norm.weight", {"Rkv"}},
+      {"attn.kv_b.weight", {"H*(Dn+Dv)", "Rkv"}},
       {"norm1.weight", {"D"}},
       {"norm1.bias", {"D"}},
       {"norm2.weight", {"D"}},
@@ -150,16 +156,20 @@ const std::map<std::string, Dims>& act_table() {
       {"embedding_norm", {"B", "S", "D"}},
       {"input", {"B", "S", "D"}},
       {"norm1", {"B", "S", "D"}},
+      {"q_a", {"B", "S", "Rq"}},
+      {"q_a_norm", {"B", "S", "Rq"}},
       {"q", {"B", "H", "S", "Dh"}},
+      {"kv_a", {"B", "S", "Rkv+Dr"}},
+      {"kv_norm", {"B", "S", "Rkv"}},
       {"k", {"B", "Hkv", "S", "Dh"}},
-      {"v", {"B", "Hkv", "S", "Dh"}},
+      {"v", {"B", "Hkv", "S", "Dv"}},
       {"q_norm", {"B", "H", "S", "Dh"}},
       {"k_norm", {"B", "Hkv", "S", "Dh"}},
       {"q_rot", {"B", "H", "S", "Dh"}},
       {"k_rot", {"B", "Hkv", "S", "Dh"}},
       {"scores", {"B", "H", "S", "S"}},
       {"probs", {"B", "H", "S", "S"}},
-      {"context", {"B", "S", "H*Dh"}},
+      {"context", {"B", "S", "H*Dv"}},
       {"attn_out", {"B", "S", "D"}},
       {"residual1", {"B", "S", "D"}},
       {"norm2", {"B", "S", "D"}},
@@ -228,14 +238,18 @@ const std::vector<std::string>& layer_use_order(bool norm_first) {
     v.insert(v.begin() + static_cast<std::ptrdiff_t>(at), ffn.begin(), ffn.end());
     return v;
   };
-  static const std::vector<std::string> post =
-      with_ffn({"attn.q", "attn.k", "attn.v", "attn.q_norm", "attn.k_norm", "attn.sinks", "attn.o",
-                "norm1", "norm2"},
-               8);
-  static const std::vector<std::string> pre =
-      with_ffn({"norm1", "attn.q", "attn.k", "attn.v", "attn.q_norm", "attn.k_norm", "attn.sinks",
-                "attn.o", "norm2"},
-               9);
+  // the attention's groups: MLA's q path, q, MLA's k/v path, then k, v and the rest
+  const std::vector<std::string> attn = {"attn.q_a",  "attn.q_a_norm", "attn.q_b",    "attn.q",
+                                         "attn.kv_a", "attn.kv_norm",  "attn.kv_b",   "attn.k",
+                                         "attn.v",    "attn.q_norm",   "attn.k_norm", "attn.sinks",
+                                         "attn.o"};
+  const auto joined = [&](std::vector<std::string> front, std::vector<std::string> back) {
+    front.insert(front.end(), attn.begin(), attn.end());
+    front.insert(front.end(), back.begin(), back.end());
+    return front;
+  };
+  static const std::vector<std::string> post = with_ffn(joined({}, {"norm1", "norm2"}), 14);
+  static const std::vector<std::string> pre = with_ffn(joined({"norm1"}, {"norm2"}), 15);
   return norm_first ? pre : post;
 }
 
@@ -344,6 +358,14 @@ index_t dim(const std::string& sym, const ModelConfig& cfg, Sizes s) {
   if (sym == "Dh") return cfg.d_head();
   if (sym == "Hkv*Dh") return cfg.kv_heads() * cfg.d_head();
   if (sym == "H*Dh") return cfg.attn_width();
+  if (sym == "Dv") return cfg.v_head();
+  if (sym == "H*Dv") return cfg.context_width();
+  if (sym == "Rq") return cfg.attention.q_lora_rank.value_or(0);
+  if (sym == "Rkv") return cfg.attention.kv_lora_rank.value_or(0);
+  if (sym == "Rkv+Dr")
+    return cfg.attention.kv_lora_rank.value_or(0) + cfg.attention.qk_rope_head_dim;
+  if (sym == "H*(Dn+Dv)")
+    return cfg.attention.num_heads * (cfg.attention.qk_nope_head_dim + cfg.attention.v_head_dim);
   if (sym == "F") return cfg.ffn.d_ff;
   if (sym == "V") return cfg.embeddings.vocab_size;
   if (sym == "C") return cfg.head.num_classes;

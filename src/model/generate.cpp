@@ -7,6 +7,7 @@
 #include <cmath>
 #include <string>
 
+#include "model/mla.hpp"
 #include "model/model_internal.hpp"
 #include "model/moe_block.hpp"
 #include "model/pass.hpp"
@@ -74,18 +75,31 @@ void layer_step(const StepContext<Real>& c, index_t layer, const LayerParams<Rea
                          P.norm1_weight.data(), data_or_null(P.norm1_bias), B, D);
     attn_in = norm1.data();
   }
+  Tensor<Real> q({B, d.H, 1, d.Dh}), k({B, d.K, 1, d.Dh}), v({B, d.K, 1, d.Dv});
+  if (d.mla) {
+    // MLA's projections and RoPE on the step's rows, each at its sequence's position
+    LayerActs<Real> A;
+    detail::allocate_layer(A, d, static_cast<detail::ZeroList<Real>*>(nullptr), false);
+    const detail::Emulation<Real> full(std::nullopt, "");
+    detail::mla_forward(cfg, P, A, attn_in, d, c.rope->cos.data(), c.rope->sin.data(), c.pos.data(),
+                        "", full);
+    q = std::move(A.q_rot);
+    k = std::move(A.k_rot);
+    v = std::move(A.v);
+  }
   const detail::QkvLayout lay(d);
-  Tensor<Real> qkv({B, lay.width});
-  linear_forward(qkv.data(), attn_in, cache.wqkv.data(), static_cast<const Real*>(nullptr), B, D,
-                 lay.width);
-  Tensor<Real> q({B, d.H, 1, d.Dh}), k({B, d.K, 1, d.Dh}), v({B, d.K, 1, d.Dh});
+  Tensor<Real> qkv({B, d.mla ? 0 : lay.width});
+  if (!d.mla) {
+    linear_forward(qkv.data(), attn_in, cache.wqkv.data(), static_cast<const Real*>(nullptr), B, D,
+                   lay.width);
+  }
   Tensor<Real>* heads[3] = {&q, &k, &v};
-  if (B > 0) {
+  if (B > 0 && !d.mla) {
     for (int i = 0; i < 3; ++i)
       split_heads(heads[i]->data(), qkv.data() + lay.at[i], B, 1, lay.heads[i], d.Dh, lay.width,
                   P.has_attn_bias ? cache.bqkv.data() + lay.at[i] : nullptr);
   }
-  if (cfg.attention.qk_norm) {
+  if (!d.mla && cfg.attention.qk_norm) {
     // each head's row normalised, as the full pass normalises every position's
     const Real eps = static_cast<Real>(cfg.norms.layer_norm_eps);
     Tensor<Real> q_norm({B, d.H, 1, d.Dh}), k_norm({B, d.K, 1, d.Dh});
@@ -97,7 +111,7 @@ void layer_step(const StepContext<Real>& c, index_t layer, const LayerParams<Rea
     q = std::move(q_norm);
     k = std::move(k_norm);
   }
-  if (c.rope) {
+  if (c.rope && !d.mla) {
     const index_t half = cfg.rotary() / 2;
     Tensor<Real> q_rot({B, d.H, 1, d.Dh}), k_rot({B, d.K, 1, d.Dh});
     for (index_t b = 0; b < B; ++b) {
@@ -118,10 +132,11 @@ void layer_step(const StepContext<Real>& c, index_t layer, const LayerParams<Rea
     for (index_t g = 0; g < d.K; ++g) {
       const index_t src = (b * d.K + g) * d.Dh, dst = ((b * d.K + g) * c.L + p) * d.Dh;
       std::copy(k.data() + src, k.data() + src + d.Dh, cache.k.data() + dst);
-      std::copy(v.data() + src, v.data() + src + d.Dh, cache.v.data() + dst);
+      const index_t vsrc = (b * d.K + g) * d.Dv, vdst = ((b * d.K + g) * c.L + p) * d.Dv;
+      std::copy(v.data() + vsrc, v.data() + vsrc + d.Dv, cache.v.data() + vdst);
     }
   }
-  Tensor<Real> context({B, d.Dq}), scores({B, d.H, 1, c.L}), probs({B, d.H, 1, c.L});
+  Tensor<Real> context({B, d.Dc}), scores({B, d.H, 1, c.L}), probs({B, d.H, 1, c.L});
   AttentionArgs<Real> args = detail::attention_args(cfg, B, 1, c.ones.data(), P.sinks.data());
   args.variant.window = cfg.window(layer);
   args.kv_len = c.L;
@@ -135,7 +150,7 @@ void layer_step(const StepContext<Real>& c, index_t layer, const LayerParams<Rea
                            .v = cache.v.data()});
   Tensor<Real> attn_out({B, D}), residual1({B, D});
   linear_forward(attn_out.data(), context.data(), P.o_weight.data(), data_or_null(P.o_bias), B,
-                 d.Dq, D);
+                 d.Dc, D);
   detail::add3(residual1.data(), h.data(), attn_out.data(), B * D);
   // FFN block: the norm before it, the FFN (fc1's bias, the activation: one pass, as the model's
   // fused middle; a gated FFN's steps apart), the second residual, post-norm's norm2
@@ -264,11 +279,14 @@ Generation<Real> generate(const Params<Real>& params, const Batch& prompt,
   for (std::size_t l = 0; l < caches.size(); ++l) {
     LayerCache<Real>& lc = caches[l];
     lc.k = Tensor<Real>({B, d.K, L, d.Dh});
-    lc.v = Tensor<Real>({B, d.K, L, d.Dh});
-    const detail::QkvLayout lay(d);
-    lc.wqkv = Tensor<Real>::for_overwrite({lay.width, d.D});
-    lc.bqkv = Tensor<Real>({lay.width});
-    detail::stack_qkv(lc.wqkv.data(), lc.bqkv.data(), params.layers[l], lay, d.D);
+    lc.v = Tensor<Real>({B, d.K, L, d.Dv});
+    if (!d.mla) {
+      // MLA's step runs its own projections (mla_forward)
+      const detail::QkvLayout lay(d);
+      lc.wqkv = Tensor<Real>::for_overwrite({lay.width, d.D});
+      lc.bqkv = Tensor<Real>({lay.width});
+      detail::stack_qkv(lc.wqkv.data(), lc.bqkv.data(), params.layers[l], lay, d.D);
+    }
     const LayerActs<Real>& la = acts.layers[l];
     const Tensor<Real>& k = d.rope ? la.k_rot : d.qk_norm ? la.k_norm : la.k;
     for (index_t b = 0; b < B; ++b) {
@@ -276,7 +294,8 @@ Generation<Real> generate(const Params<Real>& params, const Batch& prompt,
       for (index_t g = 0; g < d.K; ++g) {
         const index_t src = (b * d.K + g) * S * d.Dh, dst = (b * d.K + g) * L * d.Dh;
         std::copy(k.data() + src, k.data() + src + len * d.Dh, lc.k.data() + dst);
-        std::copy(la.v.data() + src, la.v.data() + src + len * d.Dh, lc.v.data() + dst);
+        const index_t vsrc = (b * d.K + g) * S * d.Dv, vdst = (b * d.K + g) * L * d.Dv;
+        std::copy(la.v.data() + vsrc, la.v.data() + vsrc + len * d.Dv, lc.v.data() + vdst);
       }
     }
   }

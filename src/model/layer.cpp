@@ -6,6 +6,7 @@
 #include <string>
 #include <string_view>
 
+#include "model/mla.hpp"
 #include "model/model_internal.hpp"
 #include "model/moe_block.hpp"
 #include "model/pass.hpp"
@@ -30,9 +31,23 @@ void allocate_layer(LayerActs<Real>& l, const Dims& d, ZeroList<Real>* zero, boo
     shape_as(*t, {d.B, d.S, d.D}, nullptr);
   for (Tensor<Real>* t : {&l.norm1_mean, &l.norm1_rstd, &l.norm2_mean, &l.norm2_rstd})
     shape_as(*t, {d.N}, zero);
-  shape_as(l.context, {d.B, d.S, d.Dq}, nullptr);
+  shape_as(l.context, {d.B, d.S, d.Dc}, nullptr);
   shape_as(l.q, {d.B, d.H, d.S, d.Dh}, nullptr);
-  for (Tensor<Real>* t : {&l.k, &l.v}) shape_as(*t, {d.B, d.K, d.S, d.Dh}, nullptr);
+  shape_as(l.k, {d.B, d.K, d.S, d.Dh}, nullptr);
+  shape_as(l.v, {d.B, d.K, d.S, d.Dv}, nullptr);
+  l.q_a = l.q_a_norm = l.q_a_rstd = l.kv_a = l.kv_norm = l.kv_rstd = Tensor<Real>();
+  if (d.mla) {
+    // written whole by the forward pass and by their one writer in the backward pass; the rstd
+    // gradients, which nothing writes, zero-filled
+    if (d.Rq > 0) {
+      shape_as(l.q_a, {d.B, d.S, d.Rq}, nullptr);
+      shape_as(l.q_a_norm, {d.B, d.S, d.Rq}, nullptr);
+      shape_as(l.q_a_rstd, {d.N}, zero);
+    }
+    shape_as(l.kv_a, {d.B, d.S, d.Rkv + d.Dr}, nullptr);
+    shape_as(l.kv_norm, {d.B, d.S, d.Rkv}, nullptr);
+    shape_as(l.kv_rstd, {d.N}, zero);
+  }
   if (d.qk_norm) {
     // written whole by the norms in the forward pass, and by RoPE's backward (or attention's)
     // in the backward pass; their statistics' gradients, which nothing writes, zero-filled
@@ -174,7 +189,11 @@ void LayerForward<Real>::attention_block_forward(const Real* x) const {
     }
     attn_in = L.norm1.data();
   }
-  qkv_forward(attn_in);
+  if (d.mla) {
+    mla_forward(cfg, P, L, attn_in, d, name, store);
+  } else {
+    qkv_forward(attn_in);
+  }
   {
     profile::Scope attention_scope(Stage::attention);
     const bool drop_attn = drop;
@@ -204,7 +223,7 @@ void LayerForward<Real>::attention_block_forward(const Real* x) const {
   {
     profile::Scope stage(Stage::out_proj);
     linear_forward(L.attn_out.data(), L.context.data(), P.o_weight.data(), data_or_null(P.o_bias),
-                   d.N, d.Dq, d.D);
+                   d.N, d.Dc, d.D);
     store(L.attn_out, name, "attn_out");
   }
   // residual1 = x + dropout(attn_out)
@@ -559,7 +578,7 @@ void LayerBackward<Real>::attention_block_backward(Real* dx, const Real* x) cons
   {
     profile::Scope stage(Stage::bwd_out_proj);
     linear_backward(dL.context.data(), G.o_weight.data(), data_or_null(G.o_bias),
-                    dL.attn_out.data(), L.context.data(), P.o_weight.data(), d.N, d.Dq, d.D,
+                    dL.attn_out.data(), L.context.data(), P.o_weight.data(), d.N, d.Dc, d.D,
                     GradWrite::overwrite);
     store(dL.context, name, "context");
   }
@@ -585,6 +604,16 @@ void LayerBackward<Real>::attention_block_backward(Real* dx, const Real* x) cons
                                 .v = L.v.data(),
                                 .probs = L.probs.data()});
     });
+  }
+  // q, k, v = split(attn_in * W^T + b); attn_in = LN1(x) (pre) or x (post)
+  const Real* attn_in = cfg.norms.norm_first ? L.norm1.data() : x;
+  Real* dattn_in = dx;
+  if (cfg.norms.norm_first) dattn_in = dL.norm1.data();
+  if (d.mla) {
+    // MLA's RoPE, expansion and latents in reverse, into dattn_in as qkv_backward's
+    mla_backward(cfg, P, L, G, dL, dattn_in, attn_in, d, name, store);
+  } else {
+    profile::Scope stage(Stage::bwd_attention);
     if (d.rope) {
       // in the forward pass this was: q_rot, k_rot = RoPE(q), RoPE(k)
       store(dL.q_rot, name, "q_rot");
@@ -610,11 +639,7 @@ void LayerBackward<Real>::attention_block_backward(Real* dx, const Real* x) cons
     store(dL.k, name, "k");
     store(dL.v, name, "v");
   }
-  // q, k, v = split(attn_in * W^T + b); attn_in = LN1(x) (pre) or x (post)
-  const Real* attn_in = cfg.norms.norm_first ? L.norm1.data() : x;
-  Real* dattn_in = dx;
-  if (cfg.norms.norm_first) dattn_in = dL.norm1.data();
-  qkv_backward(dattn_in, attn_in);
+  if (!d.mla) qkv_backward(dattn_in, attn_in);
   if (cfg.norms.norm_first) {
     profile::Scope stage(Stage::bwd_layer_norm);
     store(dL.norm1, name, "norm1");

@@ -1,10 +1,12 @@
 // Internal: what model.cpp (forward, backward) and params.cpp (parameters, validation) share.
 #pragma once
 
+#include <cmath>
 #include <string>
 
 #include "teo/config.hpp"
 #include "teo/layers/attention.hpp"
+#include "teo/layers/rope.hpp"
 #include "teo/model.hpp"
 #include "teo/tensor.hpp"
 
@@ -42,6 +44,10 @@ AttentionArgs<Real> attention_args(const ModelConfig& cfg, index_t batch, index_
   a.heads = cfg.attention.num_heads;
   a.seq_len = seq_len;
   a.d_head = cfg.d_head();
+  a.d_head_v = cfg.v_head();
+  // DeepSeek's YaRN score factor (semantics 14.12); unset otherwise, the plain 1 / sqrt(Dh)
+  if (const double m = attention_mscale(cfg); m != 1.0)
+    a.scale = 1.0 / std::sqrt(static_cast<double>(cfg.d_head())) * m;
   a.lengths = lengths;
   a.causal = cfg.attention.causal;
   a.variant = attention_variant(cfg, sinks, dsinks);

@@ -276,7 +276,7 @@ Params<Real> Params<Real>::init(const ModelConfig& cfg, std::uint64_t seed) {
       // Linear: PyTorch's default bound 1 / sqrt(in_features) for weight and bias alike.
       const index_t in_features = name.ends_with(".weight")               ? t.dim(1)
                                   : name.find("fc2") != std::string::npos ? cfg.ffn.d_ff
-                                  : name.ends_with("attn.o.bias")         ? cfg.attn_width()
+                                  : name.ends_with("attn.o.bias")         ? cfg.context_width()
                                                                           : cfg.d_model;
       bound = 1.0 / std::sqrt(static_cast<double>(in_features));
     }

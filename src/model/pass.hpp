@@ -31,7 +31,12 @@ struct Dims {
   bool gated;                             // the FFN is gated (ffn_gate)
   index_t E = 0, Kt = 0, Fe = 0, Fs = 0;  // ffn "moe": experts, per token, their width, shared
   bool qk_norm = false;                   // q and k are normalised per head (q_norm, k_norm)
-  index_t Dq = 0;                         // q's and the context's width H * Dh (head_dim; else D)
+  index_t Dq = 0;                         // q's width H * Dh (head_dim; else D)
+  index_t Dv = 0, Dc = 0;                 // v's head width, and the context's H * Dv
+  // multi-head latent attention (kv_lora_rank; semantics 14.12): the latents' widths (Rq 0
+  // without q_lora_rank) and the heads' parts
+  bool mla = false;
+  index_t Rq = 0, Rkv = 0, Dn = 0, Dr = 0;
 };
 
 inline Dims dims_of(const ModelConfig& c, const Batch& b) {
@@ -52,7 +57,14 @@ inline Dims dims_of(const ModelConfig& c, const Batch& b) {
           c.moe() ? c.ffn.moe.moe_d_ff : 0,
           c.moe() ? c.ffn.moe.shared_d_ff : 0,
           c.attention.qk_norm,
-          c.attn_width()};
+          c.attn_width(),
+          c.v_head(),
+          c.context_width(),
+          c.attention.mla(),
+          c.attention.q_lora_rank.value_or(0),
+          c.attention.kv_lora_rank.value_or(0),
+          c.attention.qk_nope_head_dim,
+          c.attention.qk_rope_head_dim};
 }
 
 // A parameter that may be absent (an optional bias): its data, or null when it is empty.

@@ -47,7 +47,7 @@ TEST(ShapesCli, PrintsTheContractsShapesForGqaRopeAndSinks) {
   for (const char* line : {"act.layers.0.q_rot                [B, H, S, Dh]   [2, 6, 5, 4]\n",
                            "act.layers.0.k                    [B, Hkv, S, Dh] [2, 2, 5, 4]\n",
                            "act.layers.0.k_rot                [B, Hkv, S, Dh] [2, 2, 5, 4]\n",
-                           "grad.act.layers.0.v               [B, Hkv, S, Dh] [2, 2, 5, 4]\n",
+                           "grad.act.layers.0.v               [B, Hkv, S, Dv] [2, 2, 5, 4]\n",
                            "grad.layers.0.attn.sinks          [H]             [6]\n",
                            "grad.layers.0.attn.k.weight       [Hkv*Dh, D]     [8, 24]\n",
                            "dropout.layers.0.attn             [B, H, S, S]    [2, 6, 5, 5]\n"})

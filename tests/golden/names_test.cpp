@@ -1,6 +1,7 @@
 // Checkpoint name maps (include/teo/names.hpp): the built-in families' maps against committed
 // goldens, the layout of fused and transposed tensors, the round trip import -> export, and the
 // named errors of a checkpoint or config.json that does not fit.
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -12,6 +13,7 @@
 
 #include "teo/contract.hpp"
 #include "teo/golden.hpp"
+#include "teo/layers/rope.hpp"
 #include "teo/names.hpp"
 #include "teo/precision.hpp"
 #include "test_paths.hpp"
@@ -106,7 +108,8 @@ INSTANTIATE_TEST_SUITE_P(
                       Family{"hf-mixtral", "moe_mixtral_f32"},
                       Family{"hf-qwen2-moe", "moe_qwen2_shared_f64"},
                       Family{"hf-qwen3-moe", "moe_qwen3_qk_norm_f64"},
-                      Family{"hf-gpt-oss", "moe_gpt_oss_layers_f64"}),
+                      Family{"hf-gpt-oss", "moe_gpt_oss_layers_f64"},
+                      Family{"hf-deepseek-v3", "moe_deepseek_v3_mla_f64"}),
     [](const auto& info) {
       std::string s = std::string(info.param.map) + "_" + info.param.golden;
       for (char& c : s)
@@ -374,6 +377,87 @@ TEST(Names, ConfigJsonKeysAreMappedOrRefusedByName) {
 // 2048 (head_dim apart from hidden_size), q and k norms, 128 experts of 768, top 8 renormalised;
 // its parameters then have Qwen3's shapes. A transformers 5 config.json (rope_parameters) and a
 // sliding window are refused by name.
+// DeepSeek-V3's released config.json (its 671 billion parameters, FP8 weights aside) reads as that
+// model: latent attention with heads of 128 + 64 for q and k and 128 for v, YaRN whose
+// mscale_all_dim scales the scores, three dense layers, sigmoid routing in 8 groups choose 4 with
+// the correction bias, and one shared expert of moe_intermediate_size.
+TEST(Names, DeepSeekV3ReleasedConfigReadsAsThatModel) {
+  const auto map = names::NameMap::load("hf-deepseek-v3");
+  const json hf = json::parse(R"({
+    "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": false,
+    "attention_dropout": 0.0, "aux_loss_alpha": 0.001, "bos_token_id": 0, "eos_token_id": 1,
+    "ep_size": 1, "first_k_dense_replace": 3, "hidden_act": "silu", "hidden_size": 7168,
+    "initializer_range": 0.02, "intermediate_size": 18432, "kv_lora_rank": 512,
+    "max_position_embeddings": 163840, "model_type": "deepseek_v3",
+    "moe_intermediate_size": 2048, "moe_layer_freq": 1, "n_group": 8, "n_routed_experts": 256,
+    "n_shared_experts": 1, "norm_topk_prob": true, "num_attention_heads": 128,
+    "num_experts_per_tok": 8, "num_hidden_layers": 61, "num_key_value_heads": 128,
+    "num_nextn_predict_layers": 1, "pretraining_tp": 1, "q_lora_rank": 1536,
+    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+    "quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                            "weight_block_size": [128, 128]},
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0,
+                     "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
+                     "type": "yarn"},
+    "rope_theta": 10000, "routed_scaling_factor": 2.5, "scoring_func": "sigmoid",
+    "seq_aux": true, "tie_word_embeddings": false, "topk_group": 4, "topk_method": "noaux_tc",
+    "torch_dtype": "bfloat16", "transformers_version": "4.33.1", "use_cache": true,
+    "v_head_dim": 128, "vocab_size": 129280})");
+  // its parameters need more than 5 TB in float64: validated without that limit
+  const teo::MemoryLimits limits = teo::memory_limits();
+  teo::set_memory_limits({.max_tensor_elements = limits.max_tensor_elements,
+                          .max_total_bytes = teo::index_t{1} << 44});
+  const auto cfg = teo::ModelConfig::from_json(names::config_from_hf(hf, map));
+  teo::set_memory_limits(limits);
+  EXPECT_TRUE(cfg.attention.mla());
+  EXPECT_EQ(cfg.d_head(), 192);
+  EXPECT_EQ(cfg.v_head(), 128);
+  EXPECT_EQ(cfg.rotary(), 64);
+  EXPECT_EQ(cfg.attention.rope_style, teo::RopeStyle::interleaved);
+  EXPECT_EQ(cfg.attention.rope_scaling.mscale_all_dim, 1.0);
+  const double m = 0.1 * std::log(40.0) + 1.0;
+  EXPECT_DOUBLE_EQ(teo::attention_mscale(cfg), m * m);
+  EXPECT_EQ(cfg.ffn.moe.first_dense_layers, 3);
+  EXPECT_FALSE(cfg.moe_layer(2));
+  EXPECT_TRUE(cfg.moe_layer(3));
+  EXPECT_EQ(cfg.ffn.moe.router_groups, 8);
+  EXPECT_EQ(cfg.ffn.moe.topk_groups, 4);
+  EXPECT_EQ(cfg.ffn.moe.router_scoring, teo::RouterScoring::sigmoid);
+  EXPECT_TRUE(cfg.ffn.moe.selection_bias);
+  EXPECT_EQ(cfg.ffn.moe.shared_d_ff, 2048);
+  EXPECT_EQ(cfg.ffn.moe.routed_scaling_factor, 2.5);
+  const auto shape = [&](const std::string& name) {
+    return teo::contract::shape(teo::contract::param_dims(name), cfg, {});
+  };
+  EXPECT_EQ(shape("layers.0.attn.q_a.weight"), (std::vector<teo::index_t>{1536, 7168}));
+  EXPECT_EQ(shape("layers.0.attn.q_b.weight"), (std::vector<teo::index_t>{24576, 1536}));
+  EXPECT_EQ(shape("layers.0.attn.kv_a.weight"), (std::vector<teo::index_t>{576, 7168}));
+  EXPECT_EQ(shape("layers.0.attn.kv_b.weight"), (std::vector<teo::index_t>{32768, 512}));
+  EXPECT_EQ(shape("layers.0.attn.o.weight"), (std::vector<teo::index_t>{7168, 16384}));
+  // the shared experts' width is n_shared_experts whole experts: 1 of the corpus case's width 4
+  // is exported as 1, and a width that is not a multiple cannot be expressed
+  const auto cased = golden::case_of(committed("moe_deepseek_v3_mla_f64")).config;
+  EXPECT_EQ(names::hf_config_of(cased, map).at("n_shared_experts"), 1);
+  auto odd = cased;
+  odd.ffn.moe.shared_d_ff = 6;
+  EXPECT_NE(error_of([&] { names::hf_config_of(odd, map); }).find("shared_d_ff"),
+            std::string::npos);
+  // transformers 4.50-4.57 rotate by max_position_embeddings / original_max_position_embeddings:
+  // a factor that is not that ratio is refused by name
+  json stretched = hf;
+  stretched["max_position_embeddings"] = 32768;
+  EXPECT_NE(error_of([&] {
+              names::config_from_hf(stretched, map);
+            }).find("max_position_embeddings / original_max_position_embeddings"),
+            std::string::npos);
+  // V2's group-limited greedy choice (no correction bias) is refused by name
+  json v2 = hf;
+  v2["topk_method"] = "group_limited_greedy";
+  EXPECT_NE(error_of([&] { names::config_from_hf(v2, map); }).find("topk_method"),
+            std::string::npos);
+}
+
 TEST(Names, Qwen3MoeReleasedConfigReadsAsThatModel) {
   const auto map = names::NameMap::load("hf-qwen3-moe");
   const json hf = json::parse(R"({
@@ -503,9 +587,9 @@ TEST(Names, MapFilesAreCheckedAndUnknownFamiliesSuggested) {
             }).find("m.json: \"format\""),
             std::string::npos);
   const auto fams = names::NameMap::builtin_families();
-  EXPECT_EQ(fams,
-            (std::vector<std::string>{"hf-bert", "hf-roberta", "hf-gpt2", "hf-llama", "hf-vit",
-                                      "hf-mixtral", "hf-qwen2-moe", "hf-qwen3-moe", "hf-gpt-oss"}));
+  EXPECT_EQ(fams, (std::vector<std::string>{"hf-bert", "hf-roberta", "hf-gpt2", "hf-llama",
+                                            "hf-vit", "hf-mixtral", "hf-qwen2-moe", "hf-qwen3-moe",
+                                            "hf-gpt-oss", "hf-deepseek-v3"}));
 }
 
 // A candidate may name its parameter gradients by the checkpoint's names (with or without the

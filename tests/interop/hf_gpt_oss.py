@@ -18,8 +18,9 @@ into modules that carry the checkpoint's own names, and runs as transformers' ea
     (up + 1) * gate * sigmoid(1.702 gate), then down_proj[e] plus its bias, times the weight,
     added expert by expert (index_add_);
   - the loss: the logits in float32, the next token's cross-entropy over the unpadded positions.
-YaRN's inv_freq follows modeling_rope_utils: the correction range from beta_fast and beta_slow
-over original_max_position_embeddings, floored and ceiled unless truncate is false, the linear
+YaRN's inv_freq follows modeling_rope_utils: the factor max_position_embeddings /
+original_max_position_embeddings (transformers 4.50 to 4.57 take that ratio whenever the latter is
+given), the correction range from beta_fast and beta_slow over original_max_position_embeddings, floored and ceiled unless truncate is false, the linear
 ramp, and the attention factor 0.1 ln(factor) + 1.
 The candidate's tensors are those of hf_moe.py's model runs plus each layer's q_rot, k_rot,
 context and attn_out. Mutants:
@@ -166,7 +167,11 @@ def yarn_inv_freq(c, dim, mutant=None):
     factor = sc["factor"]
     if sc.get("rope_type", sc.get("type")) == "linear":
         return inv / factor, 1.0
-    orig = sc.get("original_max_position_embeddings", c["max_position_embeddings"])
+    orig = sc.get("original_max_position_embeddings")
+    if orig is not None:  # transformers 4.50-4.57 derive the factor from the lengths
+        factor = c["max_position_embeddings"] / orig
+    else:
+        orig = c["max_position_embeddings"]
     beta_fast, beta_slow = sc.get("beta_fast", 32.0), sc.get("beta_slow", 1.0)
 
     def correction_dim(n):

@@ -1,9 +1,9 @@
 """Hugging Face transformers' mixtures of experts, as they ship, against teo's goldens.
 
-transformers 4.44.2 (the pinned one) has Mixtral and Qwen2-MoE; Qwen3-MoE and gpt-oss, which it
-has not, run as hf_qwen3_moe.py's and hf_gpt_oss.py's independent Qwen3MoeForCausalLM and
-GptOssForCausalLM (written from the Hugging Face modeling code's documented behaviour) from the
-same export. Three kinds of run:
+transformers 4.44.2 (the pinned one) has Mixtral and Qwen2-MoE; Qwen3-MoE, gpt-oss and
+DeepSeek-V3, which it has not, run as hf_qwen3_moe.py's, hf_gpt_oss.py's and hf_deepseek_v3.py's
+independent Qwen3MoeForCausalLM, GptOssForCausalLM and DeepseekV3ForCausalLM (written from the
+Hugging Face modeling code's documented behaviour) from the same export. Three kinds of run:
   - the blocks: MixtralSparseMoeBlock and Qwen2MoeSparseMoeBlock, built from the op case's sizes
     with the op case's parameters copied in (each expert's Linear layers from the stacked
     param.experts.* tensors), run on input.x and backpropagated from grad.output.y, against the
@@ -50,6 +50,7 @@ except ImportError as e:  # pragma: no cover - the environment decides
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import hf_deepseek_v3  # noqa: E402
 import hf_gpt_oss  # noqa: E402
 import hf_qwen3_moe  # noqa: E402
 from hf_models import DTYPES, export, write  # noqa: E402
@@ -269,6 +270,17 @@ RUNS = [
      "layers.1.context"),
     ("moe_gpt_oss_layers_f64", "hf-gpt-oss", "float64", "fp32", "yarn_truncated",
      "layers.0.q_rot"),
+    # DeepSeek-V3: latent attention with YaRN's mscale, a dense layer, grouped sigmoid routing
+    ("moe_deepseek_v3_mla_f64", "hf-deepseek-v3", "float64", "fp32", None, None),
+    ("moe_deepseek_v3_mla_f64", "hf-deepseek-v3", "float32", "fp32", None, None),
+    # its RMSNorms are float32: the input norm's, not a candidate tensor, shows first in q_a
+    ("moe_deepseek_v3_mla_f64", "hf-deepseek-v3", "float64", None, None, "layers.0.q_a"),
+    ("moe_deepseek_v3_mla_f64", "hf-deepseek-v3", "float64", "fp32", "mscale_ignored",
+     "layers.0.context"),
+    ("moe_deepseek_v3_mla_f64", "hf-deepseek-v3", "float64", "fp32", "rope_on_nope_dims",
+     "layers.0.q_rot"),
+    ("moe_deepseek_v3_mla_f64", "hf-deepseek-v3", "float64", "fp32", "kv_b_split_swapped",
+     "layers.0.k"),
 ]
 
 
@@ -291,7 +303,8 @@ def main(argv=None):
             names = runner
             model = os.path.join(work, "model")
             export(args.teo, golden, model, names)
-            independent = {"hf-qwen3-moe": hf_qwen3_moe, "hf-gpt-oss": hf_gpt_oss}
+            independent = {"hf-qwen3-moe": hf_qwen3_moe, "hf-gpt-oss": hf_gpt_oss,
+                           "hf-deepseek-v3": hf_deepseek_v3}
             if names in independent:
                 write(independent[names].candidate(model, st_read(golden)[0], DTYPES[dtype],
                                                    mutant), cand)

@@ -157,6 +157,9 @@ CONFIG_DEFAULTS = {
     "rotary_dim": None, "rope_base": 10000.0, "rope_scaling": {"type": "none"},
     "alibi_max_bias": 8.0, "sliding_window": None, "attn_logit_softcap": None,
     "attn_sinks": False, "qk_norm": False, "head_dim": None, "layer_types": None,
+    # multi-head latent attention (docs/semantics.md, 14.12)
+    "kv_lora_rank": None, "q_lora_rank": None, "qk_nope_head_dim": 0,
+    "qk_rope_head_dim": 0, "v_head_dim": 0,
     # the block variants and decoders (docs/semantics.md, section 17)
     "norm": "layernorm", "ffn": "mlp", "ffn_bias": True, "attn_bias": True,
     "attn_out_bias": None, "head_bias": True, "architecture": "encoder", "tie_embeddings": False,
@@ -286,7 +289,11 @@ def param_names(cfg):
             names.append("embedding_norm.bias")
     for i in range(cfg["num_layers"]):
         p = "layers.%d." % i
-        for proj in ("q", "k", "v", "o"):
+        if is_mla(cfg):
+            names += [p + "attn.%s.weight" % n for n in (
+                ("q_a", "q_a_norm", "q_b") if cfg["q_lora_rank"] else ("q",))]
+            names += [p + "attn.%s.weight" % n for n in ("kv_a", "kv_norm", "kv_b", "o")]
+        for proj in ("q", "k", "v", "o") if not is_mla(cfg) else ():
             names += [p + "attn.%s.weight" % proj]
             if out_bias(cfg) if proj == "o" else cfg["attn_bias"]:
                 names += [p + "attn.%s.bias" % proj]
@@ -685,8 +692,39 @@ def rope_inv_freq(cfg, dim, seq_end):
         extrapolation_factor = 1 - ramp
         inv_freq = interpolation * (1 - extrapolation_factor) \
             + extrapolation * extrapolation_factor
-        attention_factor = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
+        attention_factor = yarn_get_mscale(factor, 1.0)
+        if sc.get("mscale") and sc.get("mscale_all_dim"):  # DeepSeek's pair
+            attention_factor = yarn_get_mscale(factor, sc["mscale"]) \
+                / yarn_get_mscale(factor, sc["mscale_all_dim"])
     return inv_freq, attention_factor
+
+
+def yarn_get_mscale(factor, m):
+    """Hugging Face's get_mscale (DeepSeek's yarn_get_mscale)."""
+    return 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+def is_mla(cfg):
+    return cfg["kv_lora_rank"] is not None
+
+
+def head_dims(cfg):
+    """(Dh, Dv): q's and k's head width, and v's (MLA: Dn + Dr and v_head_dim)."""
+    if is_mla(cfg):
+        return cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"], cfg["v_head_dim"]
+    Dh = cfg["head_dim"] or cfg["d_model"] // cfg["num_heads"]
+    return Dh, Dh
+
+
+def score_scale(cfg, Dh, dtype, root=None):
+    """1 / sqrt(Dh), times DeepSeek's yarn_get_mscale(factor, mscale_all_dim)^2 when
+    rope_scaling is yarn with mscale_all_dim (its attention's softmax_scale)."""
+    scale = 1.0 / (math.sqrt(Dh) if root is None else root)
+    sc = cfg["rope_scaling"]
+    if cfg["positional"] == "rope" and sc.get("type") == "yarn" and sc.get("mscale_all_dim"):
+        m = yarn_get_mscale(float(sc["factor"]), sc["mscale_all_dim"])
+        scale = scale * (m * m)
+    return torch.tensor(scale, dtype=torch.float64).to(dtype)
 
 
 def rope_rotate(x, cos, sin, style, dim):
@@ -705,6 +743,40 @@ def rope_rotate(x, cos, sin, style, dim):
         out = torch.stack([even * cos - odd * sin, odd * cos + even * sin],
                           dim=-1).flatten(-2)
     return torch.cat([out, rest], dim=-1)
+
+
+def mla_qkv(attn_in, p, cfg, P, acts, linear, rope):
+    """Multi-head latent attention's q, k, v and their rotations (docs/semantics.md, 14.12), as
+    DeepSeek-V3's attention computes them: q from the normalised q latent (or from x), the
+    compressed kv_a = [c | k_pe], k_nope and v per head from RMSNorm(c), RoPE on the last
+    qk_rope_head_dim of q and on k_pe, which every head shares."""
+    B, S, _ = attn_in.shape
+    H, Dn, Dr, Dv = (cfg["num_heads"], cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"],
+                     cfg["v_head_dim"])
+    Rkv = cfg["kv_lora_rank"]
+    rms = dict(cfg, norm="rmsnorm")
+    if cfg["q_lora_rank"]:
+        q_a = acts[p + "q_a"] = linear(attn_in, P[p + "attn.q_a.weight"], None)
+        q_in = acts[p + "q_a_norm"] = norm(q_a, p + "attn.q_a_norm", P, rms)
+        q = linear(q_in, P[p + "attn.q_b.weight"], None)
+    else:
+        q = linear(attn_in, P[p + "attn.q.weight"], None)
+    q = q.reshape(B, S, H, Dn + Dr).transpose(1, 2)
+    kv_a = acts[p + "kv_a"] = linear(attn_in, P[p + "attn.kv_a.weight"], None)
+    c, k_pe = kv_a[..., :Rkv], kv_a[..., Rkv:]
+    kv_norm = acts[p + "kv_norm"] = norm(c, p + "attn.kv_norm", P, rms)
+    kv = linear(kv_norm, P[p + "attn.kv_b.weight"], None).reshape(B, S, H, Dn + Dv)
+    kv = kv.transpose(1, 2)
+    k_nope, v = kv[..., :Dn], kv[..., Dn:]
+    pe = k_pe[:, None].expand(B, H, S, Dr)
+    k = torch.cat([k_nope, pe], dim=-1)
+    cos, sin, dim = rope
+    q_rot = torch.cat([q[..., :Dn], rope_rotate(q[..., Dn:], cos, sin, cfg["rope_style"], dim)],
+                      dim=-1)
+    pe_rot = rope_rotate(k_pe[:, None], cos, sin, cfg["rope_style"], dim).expand(B, H, S, Dr)
+    k_rot = torch.cat([k_nope, pe_rot], dim=-1)
+    acts[p + "q_rot"], acts[p + "k_rot"] = q_rot, k_rot
+    return q, k, v, q_rot, k_rot
 
 
 def alibi_slopes(num_heads, max_bias):
@@ -786,11 +858,11 @@ def encoder_layer(x, i, cfg, P, visible, drop, acts, variant=AS_GOLDEN,
                   rope=None):
     B, S, D = x.shape
     H = cfg["num_heads"]
-    Dh = cfg["head_dim"] or D // H  # head_dim: q and the context H * Dh wide, apart from D
     Hkv = cfg["num_kv_heads"] or H
     p = "layers.%d." % i
+    Dh, Dv = head_dims(cfg)  # head_dim: q and the context H * Dh wide, apart from D
     root = Dh if variant.mutant == "scores_1_over_dh" else math.sqrt(Dh)
-    alpha = torch.tensor(1.0 / root, dtype=torch.float64).to(x.dtype)
+    alpha = score_scale(cfg, Dh, x.dtype, root)
     linear = variant.linear
 
     def heads(y, n=H):
@@ -802,19 +874,22 @@ def encoder_layer(x, i, cfg, P, visible, drop, acts, variant=AS_GOLDEN,
         attn_in = acts[p + "norm1"] = norm(x, p + "norm1", P, cfg)
     else:
         attn_in = x
-    q = heads(linear(attn_in, P[p + "attn.q.weight"], P.get(p + "attn.q.bias")))
-    k = heads(linear(attn_in, P[p + "attn.k.weight"], P.get(p + "attn.k.bias")),
-              Hkv)
-    v = heads(linear(attn_in, P[p + "attn.v.weight"], P.get(p + "attn.v.bias")),
-              Hkv)
+    if is_mla(cfg):
+        q, k, v, qa, ka = mla_qkv(attn_in, p, cfg, P, acts, linear, rope)
+    else:
+        q = heads(linear(attn_in, P[p + "attn.q.weight"], P.get(p + "attn.q.bias")))
+        k = heads(linear(attn_in, P[p + "attn.k.weight"], P.get(p + "attn.k.bias")),
+                  Hkv)
+        v = heads(linear(attn_in, P[p + "attn.v.weight"], P.get(p + "attn.v.bias")),
+                  Hkv)
     if cfg["qk_norm"]:
         # Qwen3's q_norm and k_norm: an RMSNorm over each head's Dh, before RoPE
         rms = dict(cfg, norm="rmsnorm")
         qa = acts[p + "q_norm"] = norm(q, p + "attn.q_norm", P, rms)
         ka = acts[p + "k_norm"] = norm(k, p + "attn.k_norm", P, rms)
-    else:
+    elif not is_mla(cfg):
         qa, ka = q, k
-    if rope is not None:
+    if rope is not None and not is_mla(cfg):
         cos, sin, dim = rope
         qa = acts[p + "q_rot"] = rope_rotate(qa, cos, sin, cfg["rope_style"],
                                              dim)
@@ -836,7 +911,7 @@ def encoder_layer(x, i, cfg, P, visible, drop, acts, variant=AS_GOLDEN,
     scores, probs, ctx = attention(qa, ka, va, visible, alpha, drop,
                                    "dropout." + p + "attn", variant,
                                    cap=cap, bias=bias, sink=sink)
-    context = ctx.transpose(1, 2).reshape(B, S, H * Dh)
+    context = ctx.transpose(1, 2).reshape(B, S, H * Dv)
     attn_out = linear(context, P[p + "attn.o.weight"], P.get(p + "attn.o.bias"))
     residual1 = x + drop("dropout." + p + "residual1", attn_out)
     acts.update({p + "q": q, p + "k": k, p + "v": v, p + "scores": scores,
@@ -1115,6 +1190,8 @@ def rope_tables(cfg, S, dtype):
     P0 = cfg["position_offset"]
     Dh = cfg["head_dim"] or cfg["d_model"] // cfg["num_heads"]
     dim = cfg["rotary_dim"] if cfg["rotary_dim"] is not None else Dh
+    if is_mla(cfg):
+        dim = cfg["qk_rope_head_dim"]
     inv_freq, factor = rope_inv_freq(cfg, dim, P0 + S)
     pos = torch.arange(P0, P0 + S, dtype=torch.float64)
     freqs = pos[:, None] * inv_freq[None, :]                   # (S, dim/2)
@@ -1532,6 +1609,10 @@ def required_act_names(cfg):
             names += [p + "q_norm", p + "k_norm"]
         if cfg["positional"] == "rope":
             names += [p + "q_rot", p + "k_rot"]
+        if is_mla(cfg):
+            names += [p + "kv_a", p + "kv_norm"]
+            if cfg["q_lora_rank"]:
+                names += [p + "q_a", p + "q_a_norm"]
     if cfg["norm_first"]:
         names.append("final_norm")
     if cfg["architecture"] == "decoder":
@@ -1668,7 +1749,8 @@ def has_variants(cfg):
     cannot express (it has no GQA, RoPE, ALiBi, window, cap or sink)."""
     return any(cfg[k] != CONFIG_DEFAULTS[k] for k in (
         "num_kv_heads", "sliding_window", "attn_logit_softcap",
-        "attn_sinks", "qk_norm", "norm", "ffn", "ffn_bias", "attn_bias", "attn_out_bias")) \
+        "attn_sinks", "qk_norm", "norm", "ffn", "ffn_bias", "attn_bias", "attn_out_bias",
+        "kv_lora_rank")) \
         or cfg["positional"] in ("rope", "alibi") or cfg["activation"] == "silu"
 
 

@@ -65,6 +65,17 @@ std::vector<std::pair<std::string, ModelConfig>> configs() {
   qwen3.attention.qk_norm = true;
   qwen3.attention.head_dim = 12;  // H Dh = 24 against D = 16
   out.emplace_back("Qwen3 decoder: q/k norms, heads of head_dim apart from d_model", qwen3);
+  ModelConfig deepseek = llama;
+  deepseek.embeddings.positional = teo::Positional::rope;
+  deepseek.attention.kv_lora_rank = 5;
+  deepseek.attention.q_lora_rank = 7;
+  deepseek.attention.qk_nope_head_dim = 3;
+  deepseek.attention.qk_rope_head_dim = 4;
+  deepseek.attention.v_head_dim = 2;
+  out.emplace_back("DeepSeek-V3 decoder: latent attention, q from its own latent", deepseek);
+  ModelConfig v2_lite = deepseek;
+  v2_lite.attention.q_lora_rank.reset();
+  out.emplace_back("DeepSeek-V2-Lite decoder: latent attention, q from x", v2_lite);
   ModelConfig gpt2 = plain;
   gpt2.architecture = teo::Architecture::decoder;
   gpt2.attention.causal = true;

@@ -92,6 +92,19 @@ std::vector<std::pair<std::string, ModelConfig>> configs() {
   gpt_oss.attention.rope_scaling = {
       .type = RopeScalingType::yarn, .factor = 4.0, .original_max_len = 64, .truncate = false};
   out.emplace_back("gpt-oss layer types, fractional yarn", gpt_oss);
+  // DeepSeek-V3's latent attention: each step projects its token's latents, rotates its q and its
+  // shared RoPE key at its own position, and appends the expanded k and the narrower v
+  ModelConfig mla = llama;
+  mla.attention.num_kv_heads.reset();
+  mla.attention.kv_lora_rank = 3;
+  mla.attention.q_lora_rank = 5;
+  mla.attention.qk_nope_head_dim = 2;
+  mla.attention.qk_rope_head_dim = 4;
+  mla.attention.v_head_dim = 3;
+  mla.attention.rope_style = RopeStyle::interleaved;
+  mla.attention.rope_scaling.mscale = 1.0;
+  mla.attention.rope_scaling.mscale_all_dim = 1.0;
+  out.emplace_back("deepseek-v3 latent attention", mla);
   // a mixture of experts: each step routes its new tokens as the full pass routes every position
   ModelConfig moe = moe_like(out[1].second);
   out.emplace_back("moe deepseek-style, a dense first layer", moe);

@@ -251,6 +251,42 @@ std::vector<GradCase> cases() {
     c.attention.head_dim = 3;
     c.attention.num_kv_heads = 1;
   });
+  // DeepSeek-V3's multi-head latent attention: q from its own latent, k and v from a normalised
+  // latent with one shared RoPE key (interleaved), v narrower than q and k; YaRN with
+  // mscale_all_dim scaling the scores, past the original context of 2
+  add("MlaQLoraYarnMscaleInterleavedPreNorm", {4, 3, 2}, [](ModelConfig& c) {
+    c.architecture = Architecture::decoder;
+    c.head.num_classes = ModelConfig{}.head.num_classes;  // a decoder has no classifier
+    c.attention.causal = true;
+    c.norms.norm_first = true;
+    c.norms.norm = Norm::rmsnorm;
+    c.attention.attn_bias = false;
+    c.attention.kv_lora_rank = 5;
+    c.attention.q_lora_rank = 6;
+    c.attention.qk_nope_head_dim = 3;
+    c.attention.qk_rope_head_dim = 4;
+    c.attention.v_head_dim = 2;
+    c.attention.rope_style = RopeStyle::interleaved;
+    c.embeddings.positional = Positional::rope;
+    c.attention.rope_scaling = {.type = RopeScalingType::yarn,
+                                .factor = 4.0,
+                                .original_max_len = 2,
+                                .mscale = 0.8,
+                                .mscale_all_dim = 1.2};
+  });
+  // DeepSeek-V2-Lite's: q straight from x (no q latent); three heads whose v is wider than q and
+  // k, post-norm LayerNorm, a window and attention dropout
+  add("MlaNoQLoraPostNormWindowDropout", {4, 2, 3}, [](ModelConfig& c) {
+    c.attention.num_heads = 3;
+    c.attention.attn_bias = false;
+    c.attention.kv_lora_rank = 3;
+    c.attention.qk_nope_head_dim = 2;
+    c.attention.qk_rope_head_dim = 2;
+    c.attention.v_head_dim = 5;
+    c.embeddings.positional = Positional::rope;
+    c.attention.sliding_window = 2;
+    c.dropout = 0.2;
+  });
   // without RoPE, attention reads the norms themselves
   add("QkNormPostNormSinusoidalDropout", {4, 2, 3}, [](ModelConfig& c) {
     c.attention.qk_norm = true;

@@ -18,6 +18,12 @@ struct RopeFrequencies {
 };
 RopeFrequencies rope_frequencies(const ModelConfig& cfg, index_t seq_end);
 
+// Hugging Face's YaRN get_mscale(factor, m): 1 for factor <= 1, else 0.1 m ln(factor) + 1.
+double yarn_mscale(double factor, double m);
+// The attention score scale's multiplier: yarn_mscale(factor, mscale_all_dim)^2 under yarn with
+// mscale_all_dim set (DeepSeek-V2/V3's attention, docs/semantics.md 14.12); 1 otherwise.
+double attention_mscale(const ModelConfig& cfg);
+
 // cos and sin (S, r / 2) for positions offset .. offset + S - 1: angle p * inv_freq[i] in float64,
 // times mscale, rounded once to Real.
 template <class Real>

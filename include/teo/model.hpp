@@ -312,7 +312,7 @@ struct LayerMasks {
 template <class Real>
 struct LayerActs {
   Tensor<Real> norm1, norm1_mean, norm1_rstd;  // (B, S, D), (B*S), (B*S)
-  Tensor<Real> q, k, v;                        // (B, H, S, Dh); k, v (B, Hkv, S, Dh)
+  Tensor<Real> q, k, v;                        // (B, H, S, Dh); k (B, Hkv, S, Dh), v (.., Dv)
   // q and k normalised per head (their rstd (B*H*S), (B*Hkv*S)); qk_norm only
   Tensor<Real> q_norm, k_norm, q_norm_rstd, k_norm_rstd;
   // MLA's latents (docs/semantics.md, 14.12): q_a and its norm (B, S, Rq) with q_lora_rank, kv_a
@@ -321,7 +321,7 @@ struct LayerActs {
   Tensor<Real> q_a, q_a_norm, q_a_rstd, kv_a, kv_norm, kv_rstd;
   Tensor<Real> q_rot, k_rot;   // q and k (their norms with qk_norm) after RoPE; rope only
   Tensor<Real> scores, probs;  // (B, H, S, S); the final logits, masked -inf
-  Tensor<Real> context;        // (B, S, D), heads concatenated
+  Tensor<Real> context;        // (B, S, H Dv), heads concatenated
   Tensor<Real> attn_out;       // (B, S, D), after the output projection
   Tensor<Real> residual1;      // (B, S, D)
   Tensor<Real> norm2, norm2_mean, norm2_rstd;  // (B, S, D), (B*S), (B*S)

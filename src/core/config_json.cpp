@@ -358,9 +358,9 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j) {
         throw ConfigError(
             "decoder_positional must be \"sinusoidal\", \"learned\" or \"none\", got \"" + s +
             "\"");
-    } else if (detail::read_mla_key(c.attention, key, v)) {
-    } else if (detail::read_moe_key(c.ffn.moe, key, v)) {
-      // a mixture of experts' key (config_moe.cpp)
+    } else if (detail::read_mla_key(c.attention, key, v) ||
+               detail::read_moe_key(c.ffn.moe, key, v)) {
+      // a latent attention key (config_mla.cpp) or a mixture of experts' (config_moe.cpp)
     } else {
       std::vector<std::string> keys(std::begin(kConfigKeys), std::end(kConfigKeys));
       keys.insert(keys.end(), detail::moe_keys().begin(), detail::moe_keys().end());

@@ -3,6 +3,8 @@
 #include "core/config_mla.hpp"
 
 #include <algorithm>
+#include <string>
+#include <utility>
 
 #include <nlohmann/json.hpp>
 
@@ -134,6 +136,18 @@ index_t mla_param_count(const ModelConfig& c) {
       checked_mul(checked_mul(H, checked_add(a.qk_nope_head_dim, a.v_head_dim, "kv_b"), "kv_b"),
                   Rkv, "attn.kv_b.weight");
   const index_t o = checked_mul(D, c.context_width(), "attn.o.weight");
+  // each tensor within the element limit, as the experts' are (config_moe.cpp)
+  const MemoryLimits lim = memory_limits();
+  const index_t q_b = checked_mul(Dq, a.q_lora_rank.value_or(D), "attn.q_b.weight");
+  for (const auto& [n, count] :
+       {std::pair{"attn.q_b.weight (attn.q.weight)", q_b}, std::pair{"attn.kv_a.weight", kv_a},
+        std::pair{"attn.kv_b.weight", kv_b}, std::pair{"attn.o.weight", o}}) {
+    if (count > lim.max_tensor_elements) {
+      throw ShapeError(std::string(n) + " would have " + std::to_string(count) +
+                       " elements, more than the limit of " +
+                       std::to_string(lim.max_tensor_elements) + " (TEO_MAX_TENSOR_ELEMENTS)");
+    }
+  }
   const index_t layer = checked_add(
       checked_add(checked_add(q, kv_a, "mla"), checked_add(kv_b, o, "mla"), "mla"), Rkv, "mla");
   return checked_mul(layer, c.num_layers, "all mla layers");
@@ -142,13 +156,24 @@ index_t mla_param_count(const ModelConfig& c) {
 index_t mla_activation_values(const ModelConfig& c, index_t tokens) {
   const AttentionConfig& a = c.attention;
   if (!a.mla()) return 0;
-  // q_a and its norm, kv_a and its norm, q_rot, k_rot and the context: bounded per token by
-  // 2 Rq + 2 (Rkv + Dr) + 3 H max(Dh, Dv)
+  // q_a and its norm, kv_a and its norm, and the head-wide q, k, v, q_rot, k_rot and context
+  // with the passes' transient (N, H (Dn + Dv)) products, which the D-wide bound does not cover
+  // when H Dh exceeds D: per token at most 2 Rq + 2 (Rkv + Dr) + 8 H max(Dh, Dn + Dv)
   const index_t Rq = a.q_lora_rank.value_or(0), Rkv = *a.kv_lora_rank;
-  const index_t wide = a.num_heads * std::max(c.d_head(), c.v_head());
+  const index_t wide =
+      a.num_heads * std::max(c.d_head(), a.qk_nope_head_dim + a.v_head_dim);  // <= 2^21
   const index_t per_token =
       checked_add(checked_mul(checked_add(Rq, Rkv + a.qk_rope_head_dim, "mla"), 2, "mla"),
-                  checked_mul(wide, 3, "mla"), "mla");
+                  checked_mul(wide, 8, "mla"), "mla");
+  const index_t head_wide = checked_mul(tokens, wide, "batch x seq_len x heads x head width");
+  const MemoryLimits lim = memory_limits();
+  if (head_wide > lim.max_tensor_elements) {
+    throw ShapeError(
+        "a (batch, seq_len, heads x head width) activation of latent attention "
+        "would have " +
+        std::to_string(head_wide) + " elements, more than the limit of " +
+        std::to_string(lim.max_tensor_elements) + " (TEO_MAX_TENSOR_ELEMENTS)");
+  }
   return checked_mul(tokens, per_token, "mla activations");
 }
 

@@ -265,12 +265,14 @@ void validate_config_section(const json& c, const std::string& source) {
         } else if (f == "null_times") {
           if (!fv.is_array() || fv.size() != 2 || !fv[0].is_string() || !fv[1].is_number_integer())
             fail(where + ".null_times must be [a config.json key, an integer]");
+        } else if (f == "absent") {
+          // any value: what an export writes when cfg leaves the teo key out
         } else if (f == "times") {
           if (!fv.is_array() || fv.size() != 2 || !fv[0].is_string() || !fv[1].is_string())
             fail(where + ".times must be [a config.json key, the teo key it sets]");
         } else {
           fail(where + " has the unknown field \"" + f +
-               "\" (key, map, count, plus, null_times, times, rope_scaling, required)");
+               "\" (key, map, count, plus, null_times, times, absent, rope_scaling, required)");
         }
       }
       if (!r.contains("key") && !all_null)
@@ -522,7 +524,7 @@ std::pair<std::string, json> apply_rule(const json& rule, const std::string& hk,
     }
     return {teo_key, m.at(as_key)};
   }
-  if (rule.contains("times") && !hv.is_null()) {
+  if (rule.contains("times")) {
     // DeepSeek's n_shared_experts: a count of another key's width (moe_intermediate_size)
     const std::string of = rule.at("times").at(0).get<std::string>();
     const auto small = [](const json& v) {
@@ -610,13 +612,20 @@ json hf_config_of(const ModelConfig& cfg, const NameMap& map) {
     // the first of the key's rules whose teo key cfg has writes it
     for (const auto& rule : rules_of(rules)) {
       const std::string key = rule.is_string() ? rule.get<std::string>() : rule.value("key", "");
+      if (!key.empty() && !teo.contains(key) && rule.is_object() && rule.contains("absent")) {
+        // teo's JSON leaves the key out at its default, which is not the family's default
+        out[hk] = rule.at("absent");
+        break;
+      }
       if (key.empty() || !teo.contains(key)) continue;
       const json& v = teo.at(key);
       if (rule.is_object() && rule.contains("map")) {
         for (const auto& [hv, tv] : rule.at("map").items()) {
           if (tv == v) {
-            // "true", "false" and "null" stand for those JSON values
-            out[hk] = hv == "true" || hv == "false" || hv == "null" ? json::parse(hv) : json(hv);
+            // "true", "false", "null" and numbers ("1e-06") stand for those JSON values
+            const json parsed = json::parse(hv, nullptr, false);
+            out[hk] =
+                parsed.is_boolean() || parsed.is_null() || parsed.is_number() ? parsed : json(hv);
             break;
           }
         }

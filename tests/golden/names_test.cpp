@@ -451,6 +451,24 @@ TEST(Names, DeepSeekV3ReleasedConfigReadsAsThatModel) {
               names::config_from_hf(stretched, map);
             }).find("max_position_embeddings / original_max_position_embeddings"),
             std::string::npos);
+  // V2-Lite's form (q from x) without groups exports and reads back as itself: q_lora_rank null
+  // and n_group 1 are written, not left to DeepseekV3Config's defaults (1536 and 8)
+  auto lite = cased;
+  lite.attention.q_lora_rank.reset();
+  lite.ffn.moe.router_groups = lite.ffn.moe.topk_groups = 1;
+  const json lite_hf = names::hf_config_of(lite, map);
+  EXPECT_TRUE(lite_hf.at("q_lora_rank").is_null());
+  EXPECT_EQ(lite_hf.at("n_group"), 1);
+  EXPECT_EQ(teo::ModelConfig::from_json(names::config_from_hf(lite_hf, map)), lite);
+  // its latent norms take RMSNorm's default eps whatever rms_norm_eps says: only 1e-6 is read
+  json eps = hf;
+  eps["rms_norm_eps"] = 1e-5;
+  EXPECT_NE(error_of([&] { names::config_from_hf(eps, map); }).find("rms_norm_eps"),
+            std::string::npos);
+  json no_shared = hf;
+  no_shared["n_shared_experts"] = nullptr;
+  EXPECT_NE(error_of([&] { names::config_from_hf(no_shared, map); }).find("n_shared_experts"),
+            std::string::npos);
   // V2's group-limited greedy choice (no correction bias) is refused by name
   json v2 = hf;
   v2["topk_method"] = "group_limited_greedy";

@@ -6,7 +6,8 @@ It loads what `teo golden export --names hf-deepseek-v3` writes (config.json and
 model.safetensors) into modules that carry the checkpoint's own names, and runs as transformers'
 eager CPU path does:
   - RMSNorm (every norm, q_a_layernorm and kv_a_layernorm included): the mean square and the
-    scaling in float32, cast back, times the weight;
+    scaling in float32, cast back, times the weight; the latent norms with RMSNorm's default eps
+    1e-6 whatever rms_norm_eps says;
   - multi-head latent attention: q = q_b_proj(q_a_layernorm(q_a_proj(x))) (q_proj(x) without
     q_lora_rank) in heads of qk_nope_head_dim + qk_rope_head_dim, split into q_pass and q_rot;
     compressed_kv = kv_a_proj_with_mqa(x) split into the latent and k_rot; kv_b_proj of the
@@ -33,6 +34,8 @@ The candidate's tensors are those of hf_moe.py's model runs plus each layer's q_
 kv_a, kv_norm, k, v, q_rot, k_rot (re-interleaved into teo's layout) and context; the routing
 ids are sorted by their choice score, descending, ties to the lower index, as teo's are. Mutants:
   - mscale_ignored: the softmax scale without YaRN's mscale_all_dim factor;
+  - attention_factor_ignored: cos and sin without YaRN's attention factor m(mscale) /
+    m(mscale_all_dim);
   - rope_on_nope_dims: RoPE applied to each head's first qk_rope_head_dim dimensions;
   - kv_b_split_swapped: kv_b_proj's head read as [values | k_pass].
 """
@@ -92,10 +95,10 @@ class Attention(nn.Module):
             self.q_proj = nn.Linear(D, self.H * self.Dh, bias=False)
         else:
             self.q_a_proj = nn.Linear(D, self.Rq, bias=False)
-            self.q_a_layernorm = RMSNorm(self.Rq, c["rms_norm_eps"])
+            self.q_a_layernorm = RMSNorm(self.Rq, 1e-6)  # RMSNorm's default, not rms_norm_eps
             self.q_b_proj = nn.Linear(self.Rq, self.H * self.Dh, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(D, self.Rkv + self.Dr, bias=False)
-        self.kv_a_layernorm = RMSNorm(self.Rkv, c["rms_norm_eps"])
+        self.kv_a_layernorm = RMSNorm(self.Rkv, 1e-6)
         self.kv_b_proj = nn.Linear(self.Rkv, self.H * (self.Dn + self.Dv), bias=False)
         self.o_proj = nn.Linear(self.H * self.Dv, D, bias=False)
         self.scaling = self.Dh ** -0.5
@@ -221,10 +224,11 @@ class DecoderLayer(nn.Module):
         self.mlp = MoE(c) if self.sparse else MLP(D, c["intermediate_size"])
 
 
-DEFAULTS = {"q_lora_rank": None, "rope_interleave": True, "rope_scaling": None,
+# DeepseekV3Config's defaults, for what save_pretrained may leave out
+DEFAULTS = {"q_lora_rank": 1536, "rope_interleave": True, "rope_scaling": None,
             "rope_theta": 10000.0, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
-            "n_shared_experts": 1, "norm_topk_prob": True, "n_group": 1, "topk_group": 1,
-            "first_k_dense_replace": 0, "routed_scaling_factor": 1.0}
+            "n_shared_experts": 1, "norm_topk_prob": True, "n_group": 8, "topk_group": 4,
+            "first_k_dense_replace": 3, "routed_scaling_factor": 2.5}
 
 
 def load(model_dir, dtype):
@@ -232,7 +236,7 @@ def load(model_dir, dtype):
         model_dir, dtype, lambda c: hf_causal_lm.ForCausalLM(c, DecoderLayer, RMSNorm), DEFAULTS)
 
 
-def rope_tables(c, S, dtype):
+def rope_tables(c, S, dtype, mutant=None):
     """cos and sin (S, Dr) as DeepseekV3RotaryEmbedding gives them, in the dtype."""
     dim, base, sc = c["qk_rope_head_dim"], c["rope_theta"], c.get("rope_scaling")
     inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
@@ -260,6 +264,8 @@ def rope_tables(c, S, dtype):
         inv = (inv / factor) * (1 - extrapolation) + inv * extrapolation
     elif sc and sc.get("rope_type", sc.get("type")) not in (None, "default"):
         raise ValueError("rope_scaling %r is not DeepSeek-V3's" % sc)
+    if mutant == "attention_factor_ignored":
+        attention = 1.0
     ang = torch.arange(S, dtype=torch.float32)[:, None] * inv[None, :]
     emb = torch.cat((ang, ang), dim=-1)
     return (emb.cos() * attention).to(dtype), (emb.sin() * attention).to(dtype)
@@ -272,7 +278,7 @@ def candidate(model_dir, tensors, dtype, mutant=None):
     c = m.c
     tokens, mask = hf_causal_lm.batch(tensors)
     B, S = tokens.shape
-    cos, sin = rope_tables(c, S, dtype)
+    cos, sin = rope_tables(c, S, dtype, mutant)
     visible = torch.tril(torch.ones(S, S, dtype=torch.bool))[None] & (mask[:, None, :] == 1)
     add = torch.zeros(B, 1, S, S, dtype=dtype).masked_fill(~visible[:, None],
                                                            torch.finfo(dtype).min)

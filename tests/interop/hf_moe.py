@@ -277,6 +277,8 @@ RUNS = [
     ("moe_deepseek_v3_mla_f64", "hf-deepseek-v3", "float64", None, None, "layers.0.q_a"),
     ("moe_deepseek_v3_mla_f64", "hf-deepseek-v3", "float64", "fp32", "mscale_ignored",
      "layers.0.context"),
+    ("moe_deepseek_v3_mla_f64", "hf-deepseek-v3", "float64", "fp32", "attention_factor_ignored",
+     "layers.0.q_rot"),
     ("moe_deepseek_v3_mla_f64", "hf-deepseek-v3", "float64", "fp32", "rope_on_nope_dims",
      "layers.0.q_rot"),
     ("moe_deepseek_v3_mla_f64", "hf-deepseek-v3", "float64", "fp32", "kv_b_split_swapped",

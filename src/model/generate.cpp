@@ -59,6 +59,68 @@ template <class Real>
 void ffn_step(const Dims& d, const LayerParams<Real>& P, const Real* ffn_in, Activation act,
               Tensor<Real>& ffn_out);
 
+// The step's q, k and v from attn_in (B, D), rotated as the cache holds them: one product
+// against the stacked [Wq; Wk; Wv], qk_norm's per-head norms and RoPE at each sequence's
+// position; or MLA's latents, expanded and rotated (mla_forward).
+template <class Real>
+void step_qkv(const StepContext<Real>& c, const LayerParams<Real>& P, const LayerCache<Real>& cache,
+              const Real* attn_in, Tensor<Real>& q, Tensor<Real>& k, Tensor<Real>& v) {
+  const ModelConfig& cfg = c.cfg;
+  const Dims& d = c.d;
+  const index_t B = d.B, D = d.D;
+  if (d.mla) {
+    LayerActs<Real> A;
+    detail::allocate_layer(A, d, static_cast<detail::ZeroList<Real>*>(nullptr), false);
+    const detail::Emulation<Real> full(std::nullopt, "");
+    detail::mla_forward(cfg, P, A, attn_in, d, c.rope->cos.data(), c.rope->sin.data(), c.pos.data(),
+                        "", full);
+    q = std::move(A.q_rot);
+    k = std::move(A.k_rot);
+    v = std::move(A.v);
+    return;
+  }
+  q = Tensor<Real>({B, d.H, 1, d.Dh});
+  k = Tensor<Real>({B, d.K, 1, d.Dh});
+  v = Tensor<Real>({B, d.K, 1, d.Dv});
+  const detail::QkvLayout lay(d);
+  Tensor<Real> qkv({B, lay.width});
+  linear_forward(qkv.data(), attn_in, cache.wqkv.data(), static_cast<const Real*>(nullptr), B, D,
+                 lay.width);
+  Tensor<Real>* heads[3] = {&q, &k, &v};
+  if (B > 0) {
+    for (int i = 0; i < 3; ++i)
+      split_heads(heads[i]->data(), qkv.data() + lay.at[i], B, 1, lay.heads[i], d.Dh, lay.width,
+                  P.has_attn_bias ? cache.bqkv.data() + lay.at[i] : nullptr);
+  }
+  if (cfg.attention.qk_norm) {
+    // each head's row normalised, as the full pass normalises every position's
+    const Real eps = static_cast<Real>(cfg.norms.layer_norm_eps);
+    Tensor<Real> q_norm({B, d.H, 1, d.Dh}), k_norm({B, d.K, 1, d.Dh});
+    Tensor<Real> q_rstd({B * d.H}), k_rstd({B * d.K});
+    rms_norm_forward(q_norm.data(), q_rstd.data(), q.data(), P.q_norm_weight.data(), B * d.H, d.Dh,
+                     eps);
+    rms_norm_forward(k_norm.data(), k_rstd.data(), k.data(), P.k_norm_weight.data(), B * d.K, d.Dh,
+                     eps);
+    q = std::move(q_norm);
+    k = std::move(k_norm);
+  }
+  if (c.rope) {
+    const index_t half = cfg.rotary() / 2;
+    Tensor<Real> q_rot({B, d.H, 1, d.Dh}), k_rot({B, d.K, 1, d.Dh});
+    for (index_t b = 0; b < B; ++b) {
+      const std::size_t at = static_cast<std::size_t>(c.pos[static_cast<std::size_t>(b)] * half);
+      const Real* cs = c.rope->cos.data() + at;
+      const Real* sn = c.rope->sin.data() + at;
+      rope_forward(q_rot.data() + b * d.H * d.Dh, q.data() + b * d.H * d.Dh, cs, sn, d.H, 1, d.Dh,
+                   cfg.rotary(), cfg.attention.rope_style);
+      rope_forward(k_rot.data() + b * d.K * d.Dh, k.data() + b * d.K * d.Dh, cs, sn, d.K, 1, d.Dh,
+                   cfg.rotary(), cfg.attention.rope_style);
+    }
+    q = std::move(q_rot);
+    k = std::move(k_rot);
+  }
+}
+
 // Layer `layer` on the step's rows h (B, D), in place, appending to its cache.
 template <class Real>
 void layer_step(const StepContext<Real>& c, index_t layer, const LayerParams<Real>& P,
@@ -75,57 +137,8 @@ void layer_step(const StepContext<Real>& c, index_t layer, const LayerParams<Rea
                          P.norm1_weight.data(), data_or_null(P.norm1_bias), B, D);
     attn_in = norm1.data();
   }
-  Tensor<Real> q({B, d.H, 1, d.Dh}), k({B, d.K, 1, d.Dh}), v({B, d.K, 1, d.Dv});
-  if (d.mla) {
-    // MLA's projections and RoPE on the step's rows, each at its sequence's position
-    LayerActs<Real> A;
-    detail::allocate_layer(A, d, static_cast<detail::ZeroList<Real>*>(nullptr), false);
-    const detail::Emulation<Real> full(std::nullopt, "");
-    detail::mla_forward(cfg, P, A, attn_in, d, c.rope->cos.data(), c.rope->sin.data(), c.pos.data(),
-                        "", full);
-    q = std::move(A.q_rot);
-    k = std::move(A.k_rot);
-    v = std::move(A.v);
-  }
-  const detail::QkvLayout lay(d);
-  Tensor<Real> qkv({B, d.mla ? 0 : lay.width});
-  if (!d.mla) {
-    linear_forward(qkv.data(), attn_in, cache.wqkv.data(), static_cast<const Real*>(nullptr), B, D,
-                   lay.width);
-  }
-  Tensor<Real>* heads[3] = {&q, &k, &v};
-  if (B > 0 && !d.mla) {
-    for (int i = 0; i < 3; ++i)
-      split_heads(heads[i]->data(), qkv.data() + lay.at[i], B, 1, lay.heads[i], d.Dh, lay.width,
-                  P.has_attn_bias ? cache.bqkv.data() + lay.at[i] : nullptr);
-  }
-  if (!d.mla && cfg.attention.qk_norm) {
-    // each head's row normalised, as the full pass normalises every position's
-    const Real eps = static_cast<Real>(cfg.norms.layer_norm_eps);
-    Tensor<Real> q_norm({B, d.H, 1, d.Dh}), k_norm({B, d.K, 1, d.Dh});
-    Tensor<Real> q_rstd({B * d.H}), k_rstd({B * d.K});
-    rms_norm_forward(q_norm.data(), q_rstd.data(), q.data(), P.q_norm_weight.data(), B * d.H, d.Dh,
-                     eps);
-    rms_norm_forward(k_norm.data(), k_rstd.data(), k.data(), P.k_norm_weight.data(), B * d.K, d.Dh,
-                     eps);
-    q = std::move(q_norm);
-    k = std::move(k_norm);
-  }
-  if (c.rope && !d.mla) {
-    const index_t half = cfg.rotary() / 2;
-    Tensor<Real> q_rot({B, d.H, 1, d.Dh}), k_rot({B, d.K, 1, d.Dh});
-    for (index_t b = 0; b < B; ++b) {
-      const std::size_t at = static_cast<std::size_t>(c.pos[static_cast<std::size_t>(b)] * half);
-      const Real* cs = c.rope->cos.data() + at;
-      const Real* sn = c.rope->sin.data() + at;
-      rope_forward(q_rot.data() + b * d.H * d.Dh, q.data() + b * d.H * d.Dh, cs, sn, d.H, 1, d.Dh,
-                   cfg.rotary(), cfg.attention.rope_style);
-      rope_forward(k_rot.data() + b * d.K * d.Dh, k.data() + b * d.K * d.Dh, cs, sn, d.K, 1, d.Dh,
-                   cfg.rotary(), cfg.attention.rope_style);
-    }
-    q = std::move(q_rot);
-    k = std::move(k_rot);
-  }
+  Tensor<Real> q, k, v;  // rotated as they are cached: (B, H, 1, Dh), (B, Hkv, 1, Dh), (.., Dv)
+  step_qkv(c, P, cache, attn_in, q, k, v);
   // append: row pos[b] of every K/V head of sequence b
   for (index_t b = 0; b < B; ++b) {
     const index_t p = c.pos[static_cast<std::size_t>(b)];

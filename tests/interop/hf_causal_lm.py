@@ -1,15 +1,97 @@
-"""What hf_qwen3_moe.py's and hf_gpt_oss.py's independent Hugging Face decoders share: the
-ForCausalLM skeleton under the checkpoint's names (model.embed_tokens, model.layers,
-model.norm, lm_head), loading an export into it, the golden's batch, and the loss and gradients
-as ForCausalLMLoss computes them."""
+"""What hf_qwen3_moe.py's, hf_gpt_oss.py's and hf_deepseek_v3.py's independent Hugging Face
+decoders share: the ForCausalLM skeleton under the checkpoint's names (model.embed_tokens,
+model.layers, model.norm, lm_head), LlamaRMSNorm, rotate_half and the SwiGLU MLP, YaRN's
+inv_freq as modeling_rope_utils computes it, loading an export into the skeleton, the golden's
+batch, and the loss and gradients as ForCausalLMLoss computes them."""
 
 import json
+import math
 import os
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from safetensors.torch import load_file
+
+
+class RMSNorm(nn.Module):
+    """LlamaRMSNorm: the mean square and the scaling in float32, cast back, times the weight
+    (`weight` in its place, for a mutant)."""
+
+    def __init__(self, n, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+        self.eps = eps
+
+    def forward(self, x, weight=None):
+        dt = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight if weight is None else weight) * h.to(dt)
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class MLP(nn.Module):
+    """down(silu(gate(x)) * up(x)), without biases."""
+
+    def __init__(self, D, F_):
+        super().__init__()
+        self.gate_proj = nn.Linear(D, F_, bias=False)
+        self.up_proj = nn.Linear(D, F_, bias=False)
+        self.down_proj = nn.Linear(F_, D, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def get_mscale(scale, mscale=1.0):
+    """modeling_rope_utils' get_mscale (DeepSeek's yarn_get_mscale)."""
+    return 0.1 * mscale * math.log(scale) + 1.0 if scale > 1 else 1.0
+
+
+def rope_inv_freq(c, dim, truncate=None):
+    """inv_freq (dim / 2) in float32 and the attention factor on cos and sin, as
+    modeling_rope_utils computes them for rope_scaling null, "default", "linear" and "yarn".
+    transformers 4.50 to 4.57 take YaRN's factor as max_position_embeddings /
+    original_max_position_embeddings whenever the latter is given; the correction range is
+    floored and ceiled unless truncate is false (`truncate` in its place, for a mutant); the
+    attention factor is get_mscale(f, mscale) / get_mscale(f, mscale_all_dim) with both set,
+    else get_mscale(f)."""
+    base, sc = c["rope_theta"], c.get("rope_scaling")
+    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    kind = sc.get("rope_type", sc.get("type")) if sc else None
+    if kind in (None, "default"):
+        return inv, 1.0
+    factor = sc["factor"]
+    if kind == "linear":
+        return inv / factor, 1.0
+    if kind != "yarn":
+        raise ValueError("rope_scaling %r is not default, linear or yarn" % sc)
+    orig = sc.get("original_max_position_embeddings")
+    if orig is not None:
+        factor = c["max_position_embeddings"] / orig
+    else:
+        orig = c["max_position_embeddings"]
+    mscale, all_dim = sc.get("mscale"), sc.get("mscale_all_dim")
+    attention = (get_mscale(factor, mscale) / get_mscale(factor, all_dim)
+                 if mscale and all_dim else get_mscale(factor))
+
+    def correction_dim(n):
+        return (dim * math.log(orig / (n * 2 * math.pi))) / (2 * math.log(base))
+    low = correction_dim(sc.get("beta_fast", 32.0))
+    high = correction_dim(sc.get("beta_slow", 1.0))
+    if sc.get("truncate", True) if truncate is None else truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    return (inv / factor) * (1 - extrapolation) + inv * extrapolation, attention
 
 
 class Body(nn.Module):

@@ -40,31 +40,13 @@ ids are sorted by their choice score, descending, ties to the lower index, as te
   - kv_b_split_swapped: kv_b_proj's head read as [values | k_pass].
 """
 
-import math
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 import hf_causal_lm
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, n, eps):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(n))
-        self.eps = eps
-
-    def forward(self, x):
-        dt = x.dtype
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dt)
-
-
-def rotate_half(x):
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+from hf_causal_lm import MLP, RMSNorm, get_mscale, rotate_half
 
 
 def deinterleave(x):
@@ -77,10 +59,6 @@ def reinterleave(x):
     """teo's interleaved layout of a rotated de-interleaved tail."""
     half = x.shape[-1] // 2
     return torch.stack((x[..., :half], x[..., half:]), dim=-1).flatten(-2)
-
-
-def yarn_get_mscale(scale, mscale=1.0):
-    return 0.1 * mscale * math.log(scale) + 1.0 if scale > 1 else 1.0
 
 
 class Attention(nn.Module):
@@ -105,7 +83,7 @@ class Attention(nn.Module):
         sc = c.get("rope_scaling")
         self.mscale = 1.0  # the softmax scale's factor: rope_scaling's own factor
         if sc and sc.get("mscale_all_dim"):
-            m = yarn_get_mscale(sc["factor"], sc["mscale_all_dim"])
+            m = get_mscale(sc["factor"], sc["mscale_all_dim"])
             self.mscale = m * m
 
     def rope(self, x, cos, sin, mutant):
@@ -146,17 +124,6 @@ class Attention(nn.Module):
         seen.update({p + "q": q, p + "kv_a": kv_a, p + "kv_norm": kv_norm, p + "k": k,
                      p + "v": v, p + "q_rot": q_rot, p + "k_rot": k_rot, p + "context": context})
         return self.o_proj(context)
-
-
-class MLP(nn.Module):
-    def __init__(self, D, F_):
-        super().__init__()
-        self.gate_proj = nn.Linear(D, F_, bias=False)
-        self.up_proj = nn.Linear(D, F_, bias=False)
-        self.down_proj = nn.Linear(F_, D, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class TopkRouter(nn.Module):
@@ -238,32 +205,7 @@ def load(model_dir, dtype):
 
 def rope_tables(c, S, dtype, mutant=None):
     """cos and sin (S, Dr) as DeepseekV3RotaryEmbedding gives them, in the dtype."""
-    dim, base, sc = c["qk_rope_head_dim"], c["rope_theta"], c.get("rope_scaling")
-    inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    attention = 1.0
-    if sc and sc.get("rope_type", sc.get("type")) == "yarn":
-        factor = sc["factor"]
-        orig = sc.get("original_max_position_embeddings")
-        if orig is not None:  # transformers 4.50-4.57 derive the factor from the lengths
-            factor = c["max_position_embeddings"] / orig
-        else:
-            orig = c["max_position_embeddings"]
-        mscale, all_dim = sc.get("mscale"), sc.get("mscale_all_dim")
-        attention = (yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, all_dim)
-                     if mscale and all_dim else yarn_get_mscale(factor))
-
-        def correction_dim(n):
-            return (dim * math.log(orig / (n * 2 * math.pi))) / (2 * math.log(base))
-        low = math.floor(correction_dim(sc.get("beta_fast", 32.0)))
-        high = math.ceil(correction_dim(sc.get("beta_slow", 1.0)))
-        low, high = max(low, 0), min(high, dim - 1)
-        if low == high:
-            high += 0.001
-        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-        extrapolation = 1 - ramp
-        inv = (inv / factor) * (1 - extrapolation) + inv * extrapolation
-    elif sc and sc.get("rope_type", sc.get("type")) not in (None, "default"):
-        raise ValueError("rope_scaling %r is not DeepSeek-V3's" % sc)
+    inv, attention = hf_causal_lm.rope_inv_freq(c, c["qk_rope_head_dim"])
     if mutant == "attention_factor_ignored":
         attention = 1.0
     ang = torch.arange(S, dtype=torch.float32)[:, None] * inv[None, :]

@@ -30,7 +30,6 @@ context and attn_out. Mutants:
   - yarn_truncated: YaRN's correction range floored and ceiled although truncate is false.
 """
 
-import math
 
 import torch
 import torch.nn as nn
@@ -157,38 +156,6 @@ def load(model_dir, dtype):
         {"attention_bias": True, "swiglu_limit": 7.0, "tie_word_embeddings": False})
 
 
-def yarn_inv_freq(c, dim, mutant=None):
-    """inv_freq (dim / 2) in float32 and the attention factor, modeling_rope_utils' YaRN."""
-    base, sc = c["rope_theta"], c.get("rope_scaling")
-    pos = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-    inv = 1.0 / (base ** pos)
-    if not sc or sc.get("rope_type", sc.get("type")) in (None, "default"):
-        return inv, 1.0
-    factor = sc["factor"]
-    if sc.get("rope_type", sc.get("type")) == "linear":
-        return inv / factor, 1.0
-    orig = sc.get("original_max_position_embeddings")
-    if orig is not None:  # transformers 4.50-4.57 derive the factor from the lengths
-        factor = c["max_position_embeddings"] / orig
-    else:
-        orig = c["max_position_embeddings"]
-    beta_fast, beta_slow = sc.get("beta_fast", 32.0), sc.get("beta_slow", 1.0)
-
-    def correction_dim(n):
-        return (dim * math.log(orig / (n * 2 * math.pi))) / (2 * math.log(base))
-    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
-    if sc.get("truncate", True) or mutant == "yarn_truncated":
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    extrapolation = 1 - ramp
-    inv = (inv / factor) * (1 - extrapolation) + inv * extrapolation
-    attention = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
-    return inv, attention
-
-
 def candidate(model_dir, tensors, dtype, mutant=None):
     """The model case's candidate (name -> tensor): its activations under teo's names, its
     parameters' gradients under the checkpoint's."""
@@ -196,7 +163,8 @@ def candidate(model_dir, tensors, dtype, mutant=None):
     c = m.c
     tokens, mask = hf_causal_lm.batch(tensors)
     B, S = tokens.shape
-    inv, attention_factor = yarn_inv_freq(c, c["head_dim"], mutant)
+    inv, attention_factor = hf_causal_lm.rope_inv_freq(
+        c, c["head_dim"], True if mutant == "yarn_truncated" else None)
     ang = torch.arange(S, dtype=torch.float32)[:, None] * inv[None, :]
     cos = (ang.cos() * attention_factor).to(dtype)
     sin = (ang.sin() * attention_factor).to(dtype)

@@ -29,24 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import hf_causal_lm
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, n, eps):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(n))
-        self.eps = eps
-
-    def forward(self, x, weight=None):
-        dt = x.dtype
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight if weight is None else weight) * h.to(dt)
-
-
-def rotate_half(x):
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+from hf_causal_lm import MLP, RMSNorm, rotate_half
 
 
 class Attention(nn.Module):
@@ -88,17 +71,6 @@ class Attention(nn.Module):
         seen.update({p + "q_norm": q_norm, p + "k_norm": k_norm, p + "q_rot": q_rot,
                      p + "k_rot": k_rot, p + "context": context})
         return self.o_proj(context)
-
-
-class MLP(nn.Module):
-    def __init__(self, D, F_):
-        super().__init__()
-        self.gate_proj = nn.Linear(D, F_, bias=False)
-        self.up_proj = nn.Linear(D, F_, bias=False)
-        self.down_proj = nn.Linear(F_, D, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class SparseMoeBlock(nn.Module):

@@ -457,7 +457,7 @@ def variant_problem(variant, cfg, tensors):
     lengths = lengths.tolist()
     S = seq_len(cfg, tensors)
     L, D, H = cfg["num_layers"], cfg["d_model"], cfg["num_heads"]
-    Dh = cfg["head_dim"] or D // H
+    Dh = head_dims(cfg)[0]
     if variant.mutant is not None:
         # mutant -> (whether it changes this case, what it needs)
         needs = {
@@ -1188,10 +1188,10 @@ def rope_tables(cfg, S, dtype):
     if cfg["positional"] != "rope":
         return None
     P0 = cfg["position_offset"]
-    Dh = cfg["head_dim"] or cfg["d_model"] // cfg["num_heads"]
+    Dh = head_dims(cfg)[0]
     dim = cfg["rotary_dim"] if cfg["rotary_dim"] is not None else Dh
     if is_mla(cfg):
-        dim = cfg["qk_rope_head_dim"]
+        dim = cfg["qk_rope_head_dim"]  # the last Dr of each head
     inv_freq, factor = rope_inv_freq(cfg, dim, P0 + S)
     pos = torch.arange(P0, P0 + S, dtype=torch.float64)
     freqs = pos[:, None] * inv_freq[None, :]                   # (S, dim/2)

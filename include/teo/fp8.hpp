@@ -24,18 +24,15 @@ int fp8_emax(Fp8Format f);
 // The unit roundoff in the normal range: 2^-4 (E4M3, 3 mantissa bits), 2^-3 (E5M2, 2).
 double unit_roundoff(Fp8Format f);
 
-// data (n floats) rounded in place to f, to nearest with ties to even, with the format's
-// subnormals (steps of 2^-9 for E4M3, 2^-16 for E5M2). A value beyond the largest finite one
-// becomes that value when `saturate` (infinities too), else inf (E5M2) or NaN (E4M3, which has no
-// infinity). NaN stays a quiet NaN with its sign. Returns whether a finite value became inf or
-// NaN.
-bool round_to_fp8(Fp8Format f, bool saturate, float* data, index_t n);
+// x rounded to f, to nearest with ties to even, with the format's subnormals (steps of 2^-9 for
+// E4M3, 2^-16 for E5M2). A value beyond the largest finite one becomes that value when `saturate`
+// (infinities too), else inf (E5M2) or NaN (E4M3, which has no infinity). NaN stays a quiet NaN
+// with its sign. The array forms of this and of the byte conversions below, through the ISA's
+// kernels, are in teo/rounding.hpp.
 float round_to_fp8(Fp8Format f, bool saturate, float x);
 
-// The fp8 bytes of in (rounded as round_to_fp8 does), and back; the widening is exact. NaN is 0x7F
+// The fp8 byte of x (rounded as round_to_fp8 does), and back; the widening is exact. NaN is 0x7F
 // (E4M3) or 0x7E / 0x7F (E5M2), with the sign bit.
-void to_fp8_bits(Fp8Format f, bool saturate, std::uint8_t* out, const float* in, index_t n);
-void from_fp8_bits(Fp8Format f, float* out, const std::uint8_t* in, index_t n);
 std::uint8_t to_fp8_bits(Fp8Format f, bool saturate, float x);
 float from_fp8_bits(Fp8Format f, std::uint8_t b);
 
@@ -43,7 +40,6 @@ float from_fp8_bits(Fp8Format f, std::uint8_t b);
 // to_e8m0 gives the power of two at or below |x| (down), or at or above it (up), clamped to
 // 2^-127 .. 2^127; 0 gives 0x00; a negative, infinite or NaN value gives 0xFF.
 enum class E8m0Rounding { down, up };
-void to_e8m0(std::uint8_t* out, const float* in, index_t n, E8m0Rounding r);
 std::uint8_t to_e8m0(float x, E8m0Rounding r);
 float e8m0_value(std::uint8_t b);
 // The OCP MX shared scale of a block whose largest magnitude is amax:

@@ -25,20 +25,20 @@ Precision storage_format(Precision p);
 // Whether named tensors are rounded when stored: bf16, fp16 and fp8 (to bf16).
 bool stores_reduced(Precision p);
 
-// data (n floats) rounded in place to p's storage format, to nearest with ties to even: bf16 and
-// tf32 keep float's exponent range, fp16 has subnormals and overflows to +-inf at 65520; NaN stays
-// a (quiet) NaN. fp32 and fp64 leave data alone. Returns whether a finite value became infinite.
-bool round_to(Precision p, float* data, index_t n);
+// x rounded to p's storage format, to nearest with ties to even: bf16 and tf32 keep float's
+// exponent range, fp16 has subnormals and overflows to +-inf at 65520; NaN stays a (quiet) NaN.
+// fp32 and fp64 leave x alone. The array forms, through the ISA's kernels, are in teo/rounding.hpp.
 float round_to(Precision p, float x);
 
 // "a finite value overflowed fp16 (its largest finite value is 65504)", and for bf16 and tf32
 // (float's range): the message of a RangeError.
 std::string overflow_message(Precision p);
 
-// The bf16 or fp16 bit patterns of in (rounded as round_to does), and back; the widening is exact.
+// A ConfigError naming `what` unless p is bf16 or fp16.
+void require_16_bit(Precision p, const char* what);
+
+// The bf16 or fp16 bit pattern of x (rounded as round_to does), and back; the widening is exact.
 // Any other precision is a ConfigError.
-void to_bits(Precision p, std::uint16_t* out, const float* in, index_t n);
-void from_bits(Precision p, float* out, const std::uint16_t* in, index_t n);
 std::uint16_t to_bits(Precision p, float x);
 float from_bits(Precision p, std::uint16_t h);
 

@@ -1,22 +1,16 @@
-// The fp8 formats and E8M0 scales: names, constants, and rounding through the ISA's kernels
-// (simd/fp8_kernels.hpp). Quantization and the product are in kernels/fp8_gemm.cpp.
+// The fp8 formats and E8M0 scales: names, constants, and the scalar rounding (core/float_bits.hpp;
+// the array forms are kernels/convert.cpp). Quantization and the product are in
+// kernels/fp8_gemm.cpp.
 #include <algorithm>
-#include <atomic>
 #include <bit>
 #include <cmath>
 #include <limits>
 
-#include "kernels/kernels_internal.hpp"
-#include "kernels/parallel.hpp"
+#include "core/float_bits.hpp"
 #include "teo/errors.hpp"
 #include "teo/fp8.hpp"
 
 namespace teo {
-
-namespace {
-// Element-wise work is cut into blocks of this many values over the threads.
-constexpr index_t kGrain = 16384;
-}  // namespace
 
 const char* to_string(Fp8Format f) {
   return f == Fp8Format::e4m3 ? "e4m3" : "e5m2";
@@ -40,56 +34,27 @@ double unit_roundoff(Fp8Format f) {
   return f == Fp8Format::e4m3 ? 0.0625 : 0.125;
 }
 
-bool round_to_fp8(Fp8Format f, bool saturate, float* data, index_t n) {
-  const auto& round = detail::isa_kernels().rounding.round_fp8;
-  std::atomic<bool> over{false};
-  detail::for_blocks(n, kGrain, [&](index_t i0, index_t i1) {
-    if (round(data + i0, data + i0, i1 - i0, f, saturate))
-      over.store(true, std::memory_order_relaxed);
-  });
-  return over.load();
-}
-
 float round_to_fp8(Fp8Format f, bool saturate, float x) {
-  round_to_fp8(f, saturate, &x, 1);
-  return x;
-}
-
-void to_fp8_bits(Fp8Format f, bool saturate, std::uint8_t* out, const float* in, index_t n) {
-  const auto& narrow = detail::isa_kernels().rounding.narrow_fp8;
-  detail::for_blocks(
-      n, kGrain, [&](index_t i0, index_t i1) { narrow(out + i0, in + i0, i1 - i0, f, saturate); });
-}
-
-void from_fp8_bits(Fp8Format f, float* out, const std::uint8_t* in, index_t n) {
-  const auto& widen = detail::isa_kernels().rounding.widen_fp8;
-  detail::for_blocks(n, kGrain,
-                     [&](index_t i0, index_t i1) { widen(out + i0, in + i0, i1 - i0, f); });
+  using B = bits::ScalarFp8;
+  return std::bit_cast<float>(
+      B::round_bits(std::bit_cast<std::int32_t>(x), B::format(f), saturate));
 }
 
 std::uint8_t to_fp8_bits(Fp8Format f, bool saturate, float x) {
-  std::uint8_t b = 0;
-  to_fp8_bits(f, saturate, &b, &x, 1);
-  return b;
+  using B = bits::ScalarFp8;
+  const auto F = B::format(f);
+  const std::int32_t c = B::code(B::round_bits(std::bit_cast<std::int32_t>(x), F, saturate), F);
+  return static_cast<std::uint8_t>(c & 0xFF);
 }
 
 float from_fp8_bits(Fp8Format f, std::uint8_t b) {
-  float x = 0;
-  from_fp8_bits(f, &x, &b, 1);
-  return x;
-}
-
-void to_e8m0(std::uint8_t* out, const float* in, index_t n, E8m0Rounding r) {
-  const auto& k = detail::isa_kernels().rounding.to_e8m0;
-  detail::for_blocks(n, kGrain, [&](index_t i0, index_t i1) {
-    k(out + i0, in + i0, i1 - i0, 0, r == E8m0Rounding::up);
-  });
+  using B = bits::ScalarFp8;
+  return std::bit_cast<float>(B::widen_bits(b, B::format(f)));
 }
 
 std::uint8_t to_e8m0(float x, E8m0Rounding r) {
-  std::uint8_t b = 0;
-  to_e8m0(&b, &x, 1, r);
-  return b;
+  return static_cast<std::uint8_t>(
+      bits::ScalarFp8::e8m0(std::bit_cast<std::int32_t>(x), 0, r == E8m0Rounding::up));
 }
 
 float e8m0_value(std::uint8_t b) {
@@ -100,10 +65,9 @@ float e8m0_value(std::uint8_t b) {
 std::uint8_t mx_scale(float amax, Fp8Format f) {
   // floor(log2 amax) - emax, from the exponent field; a non-finite amax has no scale.
   if (!std::isfinite(amax)) return 0xFF;
-  std::uint8_t b = 0;
   const float a = std::fabs(amax);
-  detail::isa_kernels().rounding.to_e8m0(&b, &a, 1, fp8_emax(f), false);
-  return b;
+  return static_cast<std::uint8_t>(
+      bits::ScalarFp8::e8m0(std::bit_cast<std::int32_t>(a), fp8_emax(f), false));
 }
 
 const char* to_string(Fp8Scaling s) {

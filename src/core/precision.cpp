@@ -1,10 +1,9 @@
 #include "teo/precision.hpp"
 
-#include <atomic>
+#include <bit>
 #include <cmath>
 
-#include "kernels/kernels_internal.hpp"
-#include "kernels/parallel.hpp"
+#include "core/float_bits.hpp"
 #include "teo/errors.hpp"
 
 namespace teo {
@@ -13,16 +12,6 @@ namespace {
 
 constexpr Precision kAll[] = {Precision::fp64, Precision::fp32, Precision::tf32,
                               Precision::bf16, Precision::fp16, Precision::fp8};
-
-void require_16_bit(Precision p, const char* what) {
-  if (p != Precision::bf16 && p != Precision::fp16) {
-    throw ConfigError(std::string(what) + ": precision " + to_string(p) +
-                      " has no 16-bit format (bf16 or fp16 only)");
-  }
-}
-
-// Element-wise work is cut into blocks of this many values over the threads.
-constexpr index_t kGrain = 16384;
 
 }  // namespace
 
@@ -81,46 +70,40 @@ std::string overflow_message(Precision p) {
          " (its largest finite value is " + (p == Precision::fp16 ? "65504" : "about 3.4e38") + ")";
 }
 
-bool round_to(Precision p, float* data, index_t n) {
-  p = storage_format(p);
-  if (p == Precision::fp32 || p == Precision::fp64) return false;
-  const auto& round = detail::isa_kernels().rounding.round;
-  std::atomic<bool> over{false};
-  detail::for_blocks(n, kGrain, [&](index_t i0, index_t i1) {
-    if (round(data + i0, data + i0, i1 - i0, p)) over.store(true, std::memory_order_relaxed);
-  });
-  return over.load();
-}
-
 float round_to(Precision p, float x) {
-  round_to(p, &x, 1);
-  return x;
+  p = storage_format(p);
+  const auto b = std::bit_cast<std::int32_t>(x);
+  switch (p) {
+    case Precision::bf16:
+      return std::bit_cast<float>(bits::Scalar::round_drop(b, 16));
+    case Precision::tf32:
+      return std::bit_cast<float>(bits::Scalar::round_drop(b, 13));
+    case Precision::fp16:
+      return std::bit_cast<float>(bits::Scalar::round_fp16(b));
+    default:
+      return x;
+  }
 }
 
-void to_bits(Precision p, std::uint16_t* out, const float* in, index_t n) {
-  require_16_bit(p, "to_bits");
-  const auto& narrow = detail::isa_kernels().rounding.narrow;
-  detail::for_blocks(n, kGrain,
-                     [&](index_t i0, index_t i1) { narrow(out + i0, in + i0, i1 - i0, p); });
-}
-
-void from_bits(Precision p, float* out, const std::uint16_t* in, index_t n) {
-  require_16_bit(p, "from_bits");
-  const auto& widen = detail::isa_kernels().rounding.widen;
-  detail::for_blocks(n, kGrain,
-                     [&](index_t i0, index_t i1) { widen(out + i0, in + i0, i1 - i0, p); });
+void require_16_bit(Precision p, const char* what) {
+  if (p != Precision::bf16 && p != Precision::fp16) {
+    throw ConfigError(std::string(what) + ": precision " + to_string(p) +
+                      " has no 16-bit format (bf16 or fp16 only)");
+  }
 }
 
 std::uint16_t to_bits(Precision p, float x) {
-  std::uint16_t h = 0;
-  to_bits(p, &h, &x, 1);
-  return h;
+  require_16_bit(p, "to_bits");
+  const auto b = std::bit_cast<std::int32_t>(x);
+  const std::int32_t h =
+      p == Precision::bf16 ? bits::Scalar::round_drop(b, 16) >> 16 : bits::Scalar::to_fp16(b);
+  return static_cast<std::uint16_t>(h & 0xFFFF);
 }
 
 float from_bits(Precision p, std::uint16_t h) {
-  float x = 0;
-  from_bits(p, &x, &h, 1);
-  return x;
+  require_16_bit(p, "from_bits");
+  return std::bit_cast<float>(p == Precision::bf16 ? bits::Scalar::from_bf16(h)
+                                                   : bits::Scalar::from_fp16(h));
 }
 
 }  // namespace teo

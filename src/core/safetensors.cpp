@@ -139,21 +139,18 @@ std::vector<double> Tensor::float_values() const {
     }
     case DType::BF16:
     case DType::F16: {
-      std::vector<std::uint16_t> h(n);
+      const Precision p = dtype == DType::BF16 ? Precision::bf16 : Precision::fp16;
+      std::vector<double> out(n);
       for (std::size_t i = 0; i < n; ++i)
-        h[i] = static_cast<std::uint16_t>(b[2 * i] | b[2 * i + 1] << 8);
-      std::vector<float> f(n);
-      from_bits(dtype == DType::BF16 ? Precision::bf16 : Precision::fp16, f.data(), h.data(),
-                static_cast<index_t>(n));
-      return {f.begin(), f.end()};
+        out[i] = from_bits(p, static_cast<std::uint16_t>(b[2 * i] | b[2 * i + 1] << 8));
+      return out;
     }
     case DType::F8_E5M2: {
       // E5M2 is the top byte of an fp16
-      std::vector<std::uint16_t> h(n);
-      for (std::size_t i = 0; i < n; ++i) h[i] = static_cast<std::uint16_t>(b[i] << 8);
-      std::vector<float> f(n);
-      from_bits(Precision::fp16, f.data(), h.data(), static_cast<index_t>(n));
-      return {f.begin(), f.end()};
+      std::vector<double> out(n);
+      for (std::size_t i = 0; i < n; ++i)
+        out[i] = from_bits(Precision::fp16, static_cast<std::uint16_t>(b[i] << 8));
+      return out;
     }
     case DType::F8_E4M3: {
       std::vector<double> out(n);

@@ -9,6 +9,7 @@
 #include "teo/model.hpp"
 #include "teo/precision.hpp"
 #include "teo/rng.hpp"
+#include "teo/rounding.hpp"
 
 namespace teo {
 

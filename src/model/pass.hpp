@@ -21,6 +21,7 @@
 #include "teo/layers/rope.hpp"
 #include "teo/model.hpp"
 #include "teo/precision.hpp"
+#include "teo/rounding.hpp"
 
 namespace teo::detail {
 

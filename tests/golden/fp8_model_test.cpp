@@ -19,6 +19,7 @@
 #include "teo/fp8.hpp"
 #include "teo/golden.hpp"
 #include "teo/precision.hpp"
+#include "teo/rounding.hpp"
 
 namespace teo::golden {
 namespace {

@@ -18,6 +18,7 @@
 #include "teo/golden.hpp"
 #include "teo/golden_ops.hpp"
 #include "teo/precision.hpp"
+#include "teo/rounding.hpp"
 
 namespace teo::golden {
 namespace {

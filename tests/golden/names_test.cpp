@@ -16,6 +16,7 @@
 #include "teo/layers/rope.hpp"
 #include "teo/names.hpp"
 #include "teo/precision.hpp"
+#include "teo/rounding.hpp"
 #include "test_paths.hpp"
 
 namespace {

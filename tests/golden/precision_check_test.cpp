@@ -12,6 +12,7 @@
 #include "teo/golden.hpp"
 #include "teo/model.hpp"
 #include "teo/precision.hpp"
+#include "teo/rounding.hpp"
 
 namespace teo::golden {
 namespace {

@@ -23,6 +23,7 @@
 #include "teo/golden.hpp"
 #include "teo/golden_ops.hpp"
 #include "teo/precision.hpp"
+#include "teo/rounding.hpp"
 #include "teo/safetensors.hpp"
 #include "test_paths.hpp"
 

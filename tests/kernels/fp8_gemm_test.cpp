@@ -11,6 +11,7 @@
 #include "support.hpp"
 #include "teo/backend.hpp"
 #include "teo/fp8.hpp"
+#include "teo/rounding.hpp"
 
 namespace teo {
 namespace {

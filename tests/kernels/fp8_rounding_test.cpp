@@ -17,6 +17,7 @@
 #include "kernels/kernels_internal.hpp"
 #include "support.hpp"
 #include "teo/fp8.hpp"
+#include "teo/rounding.hpp"
 #include "teo/safetensors.hpp"
 
 namespace teo {
@@ -133,12 +134,12 @@ void sweep(const std::vector<std::uint32_t>* patterns) {
     thread_local std::vector<std::uint8_t> want(kChunk), got8(kChunk);
     thread_local std::vector<float> got(kChunk);
     const float* x = reinterpret_cast<const float*>(in);
-    const auto report = [&](Isa isa, const std::string& what, std::int64_t i, std::uint32_t g,
-                            std::uint32_t w) {
+    const auto report = [&](const char* who, const std::string& what, std::int64_t i,
+                            std::uint32_t g, std::uint32_t w) {
       ++mismatches;
       if (printed++ < 10) {
-        ADD_FAILURE() << to_string(isa) << " " << what << " of 0x" << std::hex << in[i]
-                      << ": got 0x" << g << ", want 0x" << w;
+        ADD_FAILURE() << who << " " << what << " of 0x" << std::hex << in[i] << ": got 0x" << g
+                      << ", want 0x" << w;
       }
     };
     for (Fp8Format f : {Fp8Format::e4m3, Fp8Format::e5m2}) {
@@ -155,15 +156,22 @@ void sweep(const std::vector<std::uint32_t>* patterns) {
           k.narrow_fp8(got8.data(), x, n, f, sat);
           if (std::memcmp(got8.data(), want.data(), n) != 0) {
             for (std::int64_t i = 0; i < n; ++i)
-              if (got8[i] != want[i]) report(isa, what + " bits", i, got8[i], want[i]);
+              if (got8[i] != want[i]) report(to_string(isa), what + " bits", i, got8[i], want[i]);
           }
           k.round_fp8(got.data(), x, n, f, sat);
           if (std::memcmp(got.data(), want_value.data(), n * sizeof(float)) != 0) {
             for (std::int64_t i = 0; i < n; ++i) {
               const auto g = std::bit_cast<std::uint32_t>(got[i]);
-              if (g != want_value[i]) report(isa, what, i, g, want_value[i]);
+              if (g != want_value[i]) report(to_string(isa), what, i, g, want_value[i]);
             }
           }
+        }
+        // Core's scalar definitions (teo/fp8.hpp), which the kernels' tails call.
+        for (std::int64_t i = 0; i < n; ++i) {
+          const std::uint8_t b = to_fp8_bits(f, sat, x[i]);
+          if (b != want[i]) report("core scalar", what + " bits", i, b, want[i]);
+          const auto g = std::bit_cast<std::uint32_t>(round_to_fp8(f, sat, x[i]));
+          if (g != want_value[i]) report("core scalar", what, i, g, want_value[i]);
         }
       }
     }
@@ -205,6 +213,11 @@ TEST(Fp8Rounding, E8m0OfEverySignExponentAndMantissaClassOnEveryIsa) {
     }
   }
   for (float a : x) {
+    for (bool up : {false, true}) {
+      EXPECT_EQ(to_e8m0(a, up ? E8m0Rounding::up : E8m0Rounding::down),
+                ref_e8m0(std::bit_cast<std::uint32_t>(a), up, 0))
+          << "core scalar 0x" << std::hex << std::bit_cast<std::uint32_t>(a);
+    }
     if (!(std::isfinite(a) && a >= 0)) continue;
     for (Fp8Format f : {Fp8Format::e4m3, Fp8Format::e5m2}) {
       EXPECT_EQ(mx_scale(a, f), ref_e8m0(std::bit_cast<std::uint32_t>(a), false, fp8_emax(f)));
@@ -224,6 +237,9 @@ TEST(Fp8Rounding, EveryByteWidensExactlyAndNarrowsBackOnEveryIsa) {
       for (int i = 0; i < 256; ++i) {
         ASSERT_EQ(std::bit_cast<std::uint32_t>(out[i]), ref_fp8_to_float(b[i], ref_format(f)))
             << to_string(isa) << " " << to_string(f) << " 0x" << std::hex << i;
+        ASSERT_EQ(std::bit_cast<std::uint32_t>(from_fp8_bits(f, b[i])),
+                  ref_fp8_to_float(b[i], ref_format(f)))
+            << "core scalar " << to_string(f) << " 0x" << std::hex << i;
       }
       // Every byte comes back, but E5M2's signalling NaNs, which come back quiet.
       k.narrow_fp8(back.data(), out.data(), 256, f, false);

@@ -19,6 +19,7 @@
 
 #include "kernels/gemm_driver.hpp"
 #include "teo/rng.hpp"
+#include "teo/rounding.hpp"
 
 namespace {
 

@@ -16,6 +16,7 @@
 #include "kernels/kernels_internal.hpp"
 #include "support.hpp"
 #include "teo/precision.hpp"
+#include "teo/rounding.hpp"
 #include "teo/safetensors.hpp"
 
 namespace teo {
@@ -117,12 +118,12 @@ void sweep(const std::vector<std::uint32_t>* patterns) {
       want_tf32[i] = ref_drop(u, 13);
     }
     const float* x = reinterpret_cast<const float*>(in);
-    const auto report = [&](Isa isa, const char* what, std::int64_t i, std::uint32_t g,
+    const auto report = [&](const char* who, const char* what, std::int64_t i, std::uint32_t g,
                             std::uint32_t w) {
       ++mismatches;
       if (printed++ < 10) {
-        ADD_FAILURE() << to_string(isa) << " " << what << " of 0x" << std::hex << in[i]
-                      << ": got 0x" << g << ", want 0x" << w;
+        ADD_FAILURE() << who << " " << what << " of 0x" << std::hex << in[i] << ": got 0x" << g
+                      << ", want 0x" << w;
       }
     };
     for (Isa isa : isas) {
@@ -132,7 +133,7 @@ void sweep(const std::vector<std::uint32_t>* patterns) {
         k.narrow(got16.data(), x, n, p);
         if (std::memcmp(got16.data(), want->data(), n * sizeof(std::uint16_t)) == 0) continue;
         for (std::int64_t i = 0; i < n; ++i)
-          if (got16[i] != (*want)[i]) report(isa, to_string(p), i, got16[i], (*want)[i]);
+          if (got16[i] != (*want)[i]) report(to_string(isa), to_string(p), i, got16[i], (*want)[i]);
       }
       for (auto [p, want] :
            {std::pair{Precision::bf16, &want_bf16}, std::pair{Precision::fp16, &want_fp16},
@@ -141,8 +142,22 @@ void sweep(const std::vector<std::uint32_t>* patterns) {
         if (std::memcmp(got.data(), want->data(), n * sizeof(float)) == 0) continue;
         for (std::int64_t i = 0; i < n; ++i) {
           const auto g = std::bit_cast<std::uint32_t>(got[i]);
-          if (g != (*want)[i]) report(isa, to_string(p), i, g, (*want)[i]);
+          if (g != (*want)[i]) report(to_string(isa), to_string(p), i, g, (*want)[i]);
         }
+      }
+    }
+    // Core's scalar definitions (teo/precision.hpp), which the kernels' tails call.
+    for (std::int64_t i = 0; i < n; ++i) {
+      for (auto [p, want] :
+           {std::pair{Precision::bf16, &bits_bf16}, std::pair{Precision::fp16, &bits_fp16}}) {
+        const std::uint16_t g = to_bits(p, x[i]);
+        if (g != (*want)[i]) report("core scalar", to_string(p), i, g, (*want)[i]);
+      }
+      for (auto [p, want] :
+           {std::pair{Precision::bf16, &want_bf16}, std::pair{Precision::fp16, &want_fp16},
+            std::pair{Precision::tf32, &want_tf32}}) {
+        const auto g = std::bit_cast<std::uint32_t>(round_to(p, x[i]));
+        if (g != (*want)[i]) report("core scalar", to_string(p), i, g, (*want)[i]);
       }
     }
   });
@@ -173,6 +188,8 @@ TEST(Rounding, EveryHalfPatternWidensExactlyOnEveryIsa) {
             p == Precision::bf16 ? ref_bf16_to_float(h[i]) : ref_fp16_to_float(h[i]);
         ASSERT_EQ(std::bit_cast<std::uint32_t>(out[i]), want)
             << to_string(isa) << " " << to_string(p) << " 0x" << std::hex << h[i];
+        ASSERT_EQ(std::bit_cast<std::uint32_t>(from_bits(p, h[i])), want)
+            << "core scalar " << to_string(p) << " 0x" << std::hex << h[i];
       }
       // Widening then narrowing gives every pattern back, NaNs quietened.
       std::vector<std::uint16_t> back(h.size());

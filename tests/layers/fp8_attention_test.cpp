@@ -16,6 +16,7 @@
 #include "teo/errors.hpp"
 #include "teo/fp8.hpp"
 #include "teo/layers/attention.hpp"
+#include "teo/rounding.hpp"
 
 namespace teo {
 namespace {

@@ -7,6 +7,7 @@
 #include "support.hpp"
 #include "teo/backend.hpp"
 #include "teo/precision.hpp"
+#include "teo/rounding.hpp"
 
 namespace teo {
 namespace {

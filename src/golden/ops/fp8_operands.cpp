@@ -6,6 +6,7 @@
 #include "golden/ops/op.hpp"
 #include "kernels/fp8_product.hpp"
 #include "teo/fp8.hpp"
+#include "teo/rounding.hpp"
 
 namespace teo::golden::ops {
 

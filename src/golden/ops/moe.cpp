@@ -16,6 +16,7 @@
 #include "teo/layers/linear.hpp"
 #include "teo/layers/moe.hpp"
 #include "teo/layers/shared_experts.hpp"
+#include "teo/rounding.hpp"
 
 namespace teo::golden::ops {
 

@@ -23,6 +23,7 @@
 #include "teo/config.hpp"
 #include "teo/golden_ops.hpp"
 #include "teo/precision.hpp"
+#include "teo/rounding.hpp"
 #include "teo/safetensors.hpp"
 #include "teo/tensor.hpp"
 

@@ -41,6 +41,11 @@ if [ "${1:-}" = "--test" ] || [ "${1:-}" = "--python" ]; then
   .venv/bin/python -c "import ml_dtypes" 2>/dev/null ||
     .venv/bin/python -m pip install -q "ml_dtypes>=0.2,<0.5"
 fi
+# The tests' GGUF reader (tests/interop/gguf_blocks.py): llama.cpp's own Python package, pinned.
+if [ "${1:-}" = "--test" ]; then
+  .venv/bin/python -m pip show gguf 2>/dev/null | grep -qx 'Version: 0.19.0' ||
+    .venv/bin/python -m pip install -q "gguf==0.19.0"
+fi
 # The tests' Hugging Face models (tests/interop/hf_models.py): a transformers release that runs on
 # Debian's PyTorch 1.13, pinned so that the test does not change under it.
 if [ "${1:-}" = "--test" ]; then

@@ -39,6 +39,7 @@ int layer_of_public(const std::string& rel) {
       {"safetensors.hpp", core}, {"files.hpp", core},      {"sha256.hpp", core},
       {"suggest.hpp", core},     {"profile.hpp", core},    {"rng.hpp", core},
       {"backend.hpp", kernels},  {"kernels.hpp", kernels}, {"rounding.hpp", kernels},
+      {"dequant.hpp", kernels},  {"quant.hpp", core},      {"gguf.hpp", core},
       {"model.hpp", model},      {"contract.hpp", model},  {"bench.hpp", model},
       {"generate.hpp", model},   {"golden.hpp", golden},   {"golden_ops.hpp", golden},
       {"names.hpp", golden},     {"train.hpp", train},     {"decoder_layer.hpp", model},

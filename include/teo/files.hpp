@@ -3,6 +3,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -25,6 +26,17 @@ void commit_temp(int fd, const std::string& tmp, const std::string& path, bool o
 
 // Writes all of `bytes` at `offset` of `fd` (pwrite, retried); false with errno set on failure.
 bool write_all_at(int fd, const void* bytes, std::size_t size, std::uint64_t offset);
+
+// A regular file mapped read-only: its bytes live as long as `backing` (or a copy of it) does. An
+// empty file has no mapping (bytes is empty).
+struct MappedFile {
+  std::shared_ptr<const void> backing;
+  std::string_view bytes;
+};
+// Maps `path`. FileError when it is missing, not a regular file, or cannot be opened or mapped;
+// FormatError when it is longer than max_bytes ("PATH: the file is N bytes, more than the limit of
+// M"), checked on what was opened.
+MappedFile map_readonly(const std::string& path, std::uint64_t max_bytes);
 
 // The JSON value in file `path`: FileError when it is missing or unreadable, ConfigError naming
 // the path when it is not valid JSON.

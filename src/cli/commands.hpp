@@ -9,6 +9,10 @@
 #include "teo/golden.hpp"
 #include "teo/train/options.hpp"
 
+namespace CLI {
+class App;
+}  // namespace CLI
+
 namespace teo::cli {
 
 // `teo shapes`: every stage's shape, forward then backward.
@@ -80,6 +84,15 @@ struct GoldenOpOptions {
 };
 int run_golden_op(const GoldenOpOptions& opts, std::ostream& out);
 int run_golden_list(const std::string& path, std::ostream& out);
+
+// `teo gguf inspect | dequantize | quantize` (src/cli/gguf.cpp).
+struct GgufOptions {
+  std::string command;  // set by the subcommand that ran
+  std::string in_path, out_path, type, arch;
+  bool json = false, force = false;
+};
+int run_gguf(const GgufOptions& opts, std::ostream& out);
+CLI::App* add_gguf_commands(CLI::App& app, GgufOptions& opts);
 
 // `teo train` (or resume opts.resume) with progress lines, metrics.csv, checkpoints,
 // summary.json and curves.png in opts.out_dir; `teo predict` prints each word's language and

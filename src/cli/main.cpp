@@ -280,7 +280,9 @@ int main(int argc, char** argv) {
       app.add_subcommand("predict", "Print each word's language probabilities from a checkpoint");
   predict->add_option("--checkpoint", predict_ckpt, "a teo train checkpoint")->required();
   predict->add_option("words", predict_words, "words to classify")->required();
-  for (CLI::App* sub : {shapes, bench, golden, gen, exp, op, list, check, train, predict}) {
+  teo::cli::GgufOptions gguf_opts;
+  CLI::App* gguf = teo::cli::add_gguf_commands(app, gguf_opts);
+  for (CLI::App* sub : {shapes, bench, golden, gen, exp, op, list, check, train, predict, gguf}) {
     const bool fast = sub == bench || sub == train;  // they time or train: the fast path
     sub->add_option("--backend", backend_flag,
                     std::string("reference | simd | blas (default: TEO_BACKEND, else ") +
@@ -339,6 +341,7 @@ int main(int argc, char** argv) {
     }
     if (*predict) return teo::cli::run_predict(predict_ckpt, predict_words, std::cout);
     if (*check) return teo::cli::run_golden_check(check_opts, std::cout);
+    if (*gguf) return teo::cli::run_gguf(gguf_opts, std::cout);
     return 0;
   };
   try {

@@ -1,6 +1,7 @@
 #include "teo/files.hpp"
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -15,6 +16,41 @@
 #include "teo/errors.hpp"
 
 namespace teo {
+
+MappedFile map_readonly(const std::string& path, std::uint64_t max_bytes) {
+  std::error_code ec;
+  const auto status = std::filesystem::status(path, ec);
+  if (ec || !std::filesystem::exists(status)) throw FileError(path + ": no such file");
+  if (!std::filesystem::is_regular_file(status)) throw FileError(path + ": not a regular file");
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw FileError(path + ": cannot open for reading: " + std::strerror(errno));
+  // The size of what was opened, not of what the path named a moment before.
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    const std::string why = std::strerror(errno);
+    ::close(fd);
+    throw FileError(path + ": cannot read its size: " + why);
+  }
+  const auto size = static_cast<std::uint64_t>(st.st_size);
+  if (size > max_bytes) {
+    ::close(fd);
+    throw FormatError(path + ": the file is " + std::to_string(size) +
+                      " bytes, more than the limit of " + std::to_string(max_bytes));
+  }
+  if (size == 0) {
+    ::close(fd);
+    return {};
+  }
+  void* p = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
+  const int map_errno = errno;
+  ::close(fd);
+  if (p == MAP_FAILED) throw FileError(path + ": cannot map: " + std::strerror(map_errno));
+  MappedFile m;
+  m.backing = std::shared_ptr<const void>(
+      p, [size](const void* q) { ::munmap(const_cast<void*>(q), size); });
+  m.bytes = std::string_view(static_cast<const char*>(p), size);
+  return m;
+}
 
 std::pair<int, std::string> open_temp_beside(const std::string& path, bool overwrite) {
   namespace fs = std::filesystem;

@@ -402,34 +402,9 @@ File parse(std::string_view bytes, const std::string& source, const Limits& limi
 
 File map(const std::string& path, const Limits& limits) {
   checked_file_size(path, limits);  // names a missing or irregular file, or one too large
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw FileError(path + ": cannot open for reading: " + std::strerror(errno));
-  // The size of what was opened, not of what the path named a moment before.
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) {
-    const std::string why = std::strerror(errno);
-    ::close(fd);
-    throw FileError(path + ": cannot read its size: " + why);
-  }
-  const auto size = static_cast<std::uint64_t>(st.st_size);
-  if (size > limits.max_file_bytes) {
-    ::close(fd);
-    throw FormatError(path + ": the file is " + std::to_string(size) +
-                      " bytes, more than the limit of " + std::to_string(limits.max_file_bytes));
-  }
-  if (size < 8) {
-    ::close(fd);
-    return parse(std::string_view(), path, limits);  // the short-file error
-  }
-  void* p = ::mmap(nullptr, size, PROT_READ, MAP_PRIVATE, fd, 0);
-  const int map_errno = errno;
-  ::close(fd);
-  if (p == MAP_FAILED) throw FileError(path + ": cannot map: " + std::strerror(map_errno));
-  std::shared_ptr<const void> backing(
-      p, [size](const void* q) { ::munmap(const_cast<void*>(q), size); });
-  File f = parse_bytes(std::string_view(static_cast<const char*>(p), size), path, limits,
-                       /*view=*/true);
-  f.backing = std::move(backing);
+  MappedFile m = map_readonly(path, limits.max_file_bytes);
+  File f = parse_bytes(m.bytes, path, limits, /*view=*/true);
+  f.backing = std::move(m.backing);
   return f;
 }
 

@@ -15,7 +15,7 @@ else
   root="$SRC/teo"  # the engines' container: the Dockerfile copies the repository there
 fi
 : "${WORK:?WORK must be set}" "${OUT:?OUT must be set}"
-harnesses=(safetensors config shape golden_check op_spec)
+harnesses=(safetensors config shape golden_check op_spec gguf)
 generator=()
 if command -v ninja >/dev/null; then generator=(-G Ninja); fi
 # Build type "Engine": no flags of its own, only the engine's CFLAGS and CXXFLAGS.
@@ -36,6 +36,7 @@ for h in "${harnesses[@]}"; do
   dict=config.dict
   if [ "$h" = safetensors ] || [ "$h" = golden_check ]; then dict=safetensors.dict; fi
   if [ "$h" = op_spec ]; then dict=op_spec.dict; fi
+  if [ "$h" = gguf ]; then dict=gguf.dict; fi
   cp "$root/fuzz/$dict" "$OUT/teo_fuzz_$h.dict"
   # The shared libraries outside the base system (TBB, OpenBLAS and what they need).
   ldd "$exe" | awk '/=> \// {print $3}' | grep -E 'libtbb|libopenblas|libgfortran|libquadmath' |

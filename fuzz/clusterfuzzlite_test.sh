@@ -30,7 +30,7 @@ export LIB_FUZZING_ENGINE="-fsanitize=fuzzer"
 export OUT="$dir/out" WORK="$dir/work" SRC="$root/.."
 "$root/.clusterfuzzlite/build.sh" > "$dir/build.log" 2>&1 || { tail -n 30 "$dir/build.log"; exit 1; }
 status=0
-for h in safetensors config shape golden_check op_spec; do
+for h in safetensors config shape golden_check op_spec gguf; do
   f="teo_fuzz_$h"
   for need in "$f" "${f}_seed_corpus.zip" "$f.dict"; do
     if [ ! -s "$OUT/$need" ]; then echo "FAIL: $OUT/$need is missing"; status=1; fi

@@ -11,7 +11,7 @@ source scripts/cache.sh
 seconds=${1:-60}
 shift || true
 harnesses=("$@")
-if ((${#harnesses[@]} == 0)); then harnesses=(safetensors config shape golden_check op_spec); fi
+if ((${#harnesses[@]} == 0)); then harnesses=(safetensors config shape golden_check op_spec gguf); fi
 cxx=$(command -v clang++ || command -v clang++-14)
 generator=()
 if command -v ninja >/dev/null; then generator=(-G Ninja); fi
@@ -30,6 +30,7 @@ run_harness() {  # HARNESS
   local h=$1 dict=fuzz/config.dict rc=0
   if [ "$h" = safetensors ] || [ "$h" = golden_check ]; then dict=fuzz/safetensors.dict; fi
   if [ "$h" = op_spec ]; then dict=fuzz/op_spec.dict; fi
+  if [ "$h" = gguf ]; then dict=fuzz/gguf.dict; fi
   mkdir -p "build-fuzz/corpus/$h" "build-fuzz/crashes/$h"
   # Each harness runs single-threaded; TEO_NUM_THREADS=1 keeps the model's own threads out of it.
   # fuzz/lsan.supp: the GEMM's per-worker packing buffers, which LeakSanitizer cannot see held.

@@ -29,17 +29,18 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   teo::fuzz::require(g.metadata.size() == f.metadata.size() && g.tensors.size() == f.tensors.size(),
                      "round trip keeps every key and tensor");
   for (std::size_t i = 0; i < f.metadata.size(); ++i) {
-    teo::fuzz::require(g.metadata[i].first == f.metadata[i].first &&
-                           g.metadata[i].second == f.metadata[i].second,
-                       "round trip keeps " + f.metadata[i].first);
+    teo::fuzz::require(
+        g.metadata[i].first == f.metadata[i].first && g.metadata[i].second == f.metadata[i].second,
+        "round trip keeps " + f.metadata[i].first);
   }
   for (const auto& t : f.tensors) {
     const auto shape = teo::quant::block_shape(t.type);
     std::string why;
     const auto blocks = static_cast<std::int64_t>(t.data().size()) / shape.bytes;
-    teo::fuzz::require(t.numel() / shape.values == blocks &&
-                           teo::quant::first_invalid_block(t.type, t.data().data(), blocks, why) < 0,
-                       "every block of " + t.name + " is whole and valid");
+    teo::fuzz::require(
+        t.numel() / shape.values == blocks &&
+            teo::quant::first_invalid_block(t.type, t.data().data(), blocks, why) < 0,
+        "every block of " + t.name + " is whole and valid");
   }
   return 0;
 }

@@ -111,7 +111,8 @@ struct Limits {
 // dims, a dimension below 1, an element count over 2^62; a ggml type teo does not support (named);
 // dims[0] not whole blocks; an offset other than the previous tensor's end rounded up to the
 // alignment (llama.cpp's rule); data past the end of the file, padding that is not zeros, or bytes
-// after the last tensor's padding; and an invalid block (quant::check_block), named with its tensor and block index.
+// after the last tensor's padding; and an invalid block (quant::check_block), named with its tensor
+// and block index.
 File parse(std::string_view bytes, const std::string& source, const Limits& limits = {});
 // Reads (or maps: the tensors view the mapping, as safetensors::map's do) and parses `path`.
 // FileError when it cannot be read; FormatError as parse().

@@ -85,5 +85,8 @@ void quantize_block(GgmlType t, const float* in, std::uint8_t* block);
 // -0), and its double, as llama.cpp's tables hold it (code 8 is +0 there).
 float e2m1_value(int code);
 int e2m1_twice(int code);
+// The E2M1 code nearest to v, ties to the even code, beyond 6 saturating; 0 (never -0) for values
+// that round to zero.
+int nearest_e2m1(double v);
 
 }  // namespace teo::quant

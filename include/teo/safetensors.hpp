@@ -1,6 +1,6 @@
 // A small, strict reader and writer of the public safetensors format: an 8-byte little-endian
 // header length N, N bytes of JSON header, then the tensors' bytes back to back. teo writes F32,
-// F64, I64, I32 and U8; it also reads the reduced float formats a low-precision candidate may
+// F64, I64, I32, I8 and U8; it also reads the reduced float formats a low-precision candidate may
 // store: BF16, F16, F8_E4M3 (OCP "fn": no infinities) and F8_E5M2.
 #pragma once
 
@@ -20,7 +20,7 @@
 
 namespace teo::safetensors {
 
-enum class DType { F32, F64, I64, U8, BF16, F16, F8_E4M3, F8_E5M2, I32 };
+enum class DType { F32, F64, I64, U8, BF16, F16, F8_E4M3, F8_E5M2, I32, I8 };
 
 const char* dtype_name(DType d);
 std::size_t dtype_size(DType d);
@@ -36,6 +36,8 @@ constexpr DType dtype_of() {
     return DType::I64;
   else if constexpr (std::is_same_v<T, std::int32_t>)
     return DType::I32;
+  else if constexpr (std::is_same_v<T, std::int8_t>)
+    return DType::I8;
   else {
     static_assert(std::is_same_v<T, std::uint8_t>, "safetensors: unsupported element type");
     return DType::U8;
@@ -70,7 +72,7 @@ struct Tensor {
   // The elements of a float tensor (any float dtype) as doubles, exactly; FormatError otherwise.
   std::vector<double> float_values() const;
 
-  // The elements of an integer tensor (I64 or I32) as int64; FormatError otherwise.
+  // The elements of an integer tensor (I64, I32 or I8) as int64; FormatError otherwise.
   std::vector<std::int64_t> int_values() const;
 
   // The elements as T; FormatError when T is not this tensor's dtype.

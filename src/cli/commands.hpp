@@ -2,6 +2,7 @@
 // check; a teo::Error propagates, and main() prints it and exits 2.
 #pragma once
 
+#include <cstdint>
 #include <ostream>
 #include <string>
 #include <vector>
@@ -93,6 +94,18 @@ struct GgufOptions {
 };
 int run_gguf(const GgufOptions& opts, std::ostream& out);
 CLI::App* add_gguf_commands(CLI::App& app, GgufOptions& opts);
+
+// `teo quant dequantize | quantize` (src/cli/quant.cpp).
+struct QuantOptions {
+  std::string command;  // set by the subcommand that ran
+  std::string in_path, out_path, format;
+  int zero_offset = 1;
+  index_t group_size = 128;
+  bool act_order = false, force = false;
+  std::uint64_t seed = 0;
+};
+int run_quant(const QuantOptions& opts, std::ostream& out);
+CLI::App* add_quant_commands(CLI::App& app, QuantOptions& opts);
 
 // `teo train` (or resume opts.resume) with progress lines, metrics.csv, checkpoints,
 // summary.json and curves.png in opts.out_dir; `teo predict` prints each word's language and

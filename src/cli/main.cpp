@@ -282,7 +282,10 @@ int main(int argc, char** argv) {
   predict->add_option("words", predict_words, "words to classify")->required();
   teo::cli::GgufOptions gguf_opts;
   CLI::App* gguf = teo::cli::add_gguf_commands(app, gguf_opts);
-  for (CLI::App* sub : {shapes, bench, golden, gen, exp, op, list, check, train, predict, gguf}) {
+  teo::cli::QuantOptions quant_opts;
+  CLI::App* quant = teo::cli::add_quant_commands(app, quant_opts);
+  for (CLI::App* sub :
+       {shapes, bench, golden, gen, exp, op, list, check, train, predict, gguf, quant}) {
     const bool fast = sub == bench || sub == train;  // they time or train: the fast path
     sub->add_option("--backend", backend_flag,
                     std::string("reference | simd | blas (default: TEO_BACKEND, else ") +
@@ -342,6 +345,7 @@ int main(int argc, char** argv) {
     if (*predict) return teo::cli::run_predict(predict_ckpt, predict_words, std::cout);
     if (*check) return teo::cli::run_golden_check(check_opts, std::cout);
     if (*gguf) return teo::cli::run_gguf(gguf_opts, std::cout);
+    if (*quant) return teo::cli::run_quant(quant_opts, std::cout);
     return 0;
   };
   try {

@@ -204,6 +204,17 @@ int e2m1_twice(int code) {
   return kE2m1Twice[code & 0xF];
 }
 
+int nearest_e2m1(double v) {
+  static constexpr double kMag[8] = {0, 0.5, 1, 1.5, 2, 3, 4, 6};
+  const double a = std::fabs(v);
+  int best = 0;
+  for (int c = 1; c < 8; ++c) {
+    const double dc = std::fabs(a - kMag[c]), db = std::fabs(a - kMag[best]);
+    if (dc < db || (dc == db && c % 2 == 0)) best = c;
+  }
+  return best == 0 ? 0 : (std::signbit(v) ? best | 8 : best);
+}
+
 void dequantize_block(GgmlType t, const std::uint8_t* b, float* y) {
   switch (t) {
     case GgmlType::f32:

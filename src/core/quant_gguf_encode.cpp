@@ -199,18 +199,6 @@ void quantize_q6_k(const float* x, std::uint8_t* b, GgmlType t) {
   }
 }
 
-// The E2M1 code nearest to v (|v| beyond 6 saturates), ties to the even code, +0 as code 0.
-int nearest_e2m1(float v) {
-  static constexpr float kMag[8] = {0, 0.5f, 1, 1.5f, 2, 3, 4, 6};
-  const float a = std::fabs(v);
-  int best = 0;
-  for (int c = 1; c < 8; ++c) {
-    const float dc = std::fabs(a - kMag[c]), db = std::fabs(a - kMag[best]);
-    if (dc < db || (dc == db && c % 2 == 0)) best = c;
-  }
-  return best == 0 ? 0 : (std::signbit(v) ? best | 8 : best);
-}
-
 // MXFP4 (llama.cpp's): e = floor(log2 amax) - 2 + 127, so that amax / 2^(e - 127) is in [4, 8).
 void quantize_mxfp4(const float* x, std::uint8_t* b) {
   float amax = 0;

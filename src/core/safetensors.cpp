@@ -29,8 +29,8 @@ using nlohmann::json;
   throw FormatError(source + ": not a valid safetensors file: " + what);
 }
 
-constexpr DType kDTypes[] = {DType::F32, DType::F64,     DType::I64,     DType::U8, DType::BF16,
-                             DType::F16, DType::F8_E4M3, DType::F8_E5M2, DType::I32};
+constexpr DType kDTypes[] = {DType::F32, DType::F64,     DType::I64,     DType::U8,  DType::BF16,
+                             DType::F16, DType::F8_E4M3, DType::F8_E5M2, DType::I32, DType::I8};
 
 bool parse_dtype(const std::string& s, DType& d) {
   for (DType t : kDTypes) {
@@ -92,6 +92,8 @@ const char* dtype_name(DType d) {
       return "I32";
     case DType::U8:
       return "U8";
+    case DType::I8:
+      return "I8";
     case DType::BF16:
       return "BF16";
     case DType::F16:
@@ -116,6 +118,7 @@ std::size_t dtype_size(DType d) {
     case DType::F16:
       return 2;
     case DType::U8:
+    case DType::I8:
     case DType::F8_E4M3:
     case DType::F8_E5M2:
       return 1;
@@ -124,7 +127,7 @@ std::size_t dtype_size(DType d) {
 }
 
 bool is_float(DType d) {
-  return d != DType::I64 && d != DType::I32 && d != DType::U8;
+  return d != DType::I64 && d != DType::I32 && d != DType::U8 && d != DType::I8;
 }
 
 std::vector<double> Tensor::float_values() const {
@@ -160,6 +163,7 @@ std::vector<double> Tensor::float_values() const {
     case DType::I64:
     case DType::I32:
     case DType::U8:
+    case DType::I8:
       break;
   }
   throw FormatError("tensor " + name + " has dtype " + dtype_name(dtype) + ", not a float type");
@@ -169,6 +173,13 @@ std::vector<std::int64_t> Tensor::int_values() const {
   if (dtype == DType::I32) {
     const auto v = values<std::int32_t>();
     return {v.begin(), v.end()};
+  }
+  if (dtype == DType::I8) {
+    const auto b = data();
+    std::vector<std::int64_t> out(b.size());
+    for (std::size_t i = 0; i < b.size(); ++i)
+      out[i] = static_cast<int>(static_cast<std::int8_t>(b[i]));
+    return out;
   }
   return values<std::int64_t>();
 }
@@ -314,7 +325,7 @@ File parse_bytes(std::string_view bytes, const std::string& source, const Limits
     if (!v["dtype"].is_string()) fail(source, what + " has a dtype that is not a string");
     if (!parse_dtype(v["dtype"].get<std::string>(), e.dtype)) {
       fail(source, what + " has the unsupported dtype '" + v["dtype"].get<std::string>() +
-                       "' (teo reads F32, F64, BF16, F16, F8_E4M3, F8_E5M2, I64, I32 and U8)");
+                       "' (teo reads F32, F64, BF16, F16, F8_E4M3, F8_E5M2, I64, I32, I8 and U8)");
     }
     const json& shape = v["shape"];
     if (!shape.is_array()) fail(source, what + " has a shape that is not an array");

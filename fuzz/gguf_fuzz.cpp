@@ -14,7 +14,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   namespace gguf = teo::gguf;
   const std::string_view in(reinterpret_cast<const char*>(data), size);
   gguf::Limits limits;
-  limits.max_array_items = 1 << 16;
+  limits.max_metadata_items = 1 << 16;
   gguf::File f;
   try {
     f = gguf::parse(in, "fuzz", limits);

@@ -100,19 +100,22 @@ struct File {
 
 struct Limits {
   std::uint64_t max_file_bytes = std::uint64_t{1} << 36;  // 64 GiB
-  std::uint64_t max_array_items = std::uint64_t{1} << 28;
+  // The items of all metadata arrays together (a tokenizer's vocabulary, merges and scores are a
+  // few hundred thousand each).
+  std::uint64_t max_metadata_items = std::uint64_t{1} << 23;
 };
 
 // Parses a whole file held in memory. FormatError, naming `source` and the rule, for: a short file;
 // a wrong magic; a version other than 2 or 3 (a big-endian file is named as one); counts that
 // cannot fit in the file; a string past the end or not UTF-8; a duplicate or empty key; an unknown
-// value type, a bool other than 0 or 1, arrays nested over 8 deep; general.alignment not a UINT32
+// value type, a bool other than 0 or 1, arrays nested over 8 deep, more array items in all than
+// Limits::max_metadata_items; general.alignment not a UINT32
 // power of two; a tensor name that is empty, of 64 bytes or more, or repeated; 0 or more than 4
-// dims, a dimension below 1, an element count over 2^62; a ggml type teo does not support (named);
-// dims[0] not whole blocks; an offset other than the previous tensor's end rounded up to the
-// alignment (llama.cpp's rule); data past the end of the file, padding that is not zeros, or bytes
-// after the last tensor's padding; and an invalid block (quant::check_block), named with its tensor
-// and block index.
+// dims, a dimension below 1, an element or byte count over 2^62; a ggml type teo does not support
+// (named); dims[0] not whole blocks; an offset other than the previous tensor's end rounded up to
+// the alignment (llama.cpp's rule); data past the end of the file, padding that is not zeros, or
+// bytes after the last tensor's padding; and an invalid block (quant::check_block), named with its
+// tensor and block index.
 File parse(std::string_view bytes, const std::string& source, const Limits& limits = {});
 // Reads (or maps: the tensors view the mapping, as safetensors::map's do) and parses `path`.
 // FileError when it cannot be read; FormatError as parse().

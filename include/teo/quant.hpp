@@ -67,7 +67,8 @@ void dequantize_block(GgmlType t, const std::uint8_t* block, float* out);
 
 // Why block `block` is not a valid block of t, or "" when it is: a scale that is not finite (an
 // F16 scale of inf or NaN, E8M0 0xFF) or not an unsigned E4M3 value (NVFP4: 0x7F or the sign bit
-// set); for F32, F16 and BF16 a value that is not finite.
+// set); an MXFP4 value past float32's range (E8M0 253 or 254 with a large code); for F32, F16 and
+// BF16 a value that is not finite.
 std::string check_block(GgmlType t, const std::uint8_t* block);
 // The index of the first invalid block of `blocks` blocks back to back, with check_block's reason
 // in `why`; -1 when every block is valid.
@@ -77,8 +78,8 @@ std::int64_t first_invalid_block(GgmlType t, const std::uint8_t* bytes, std::int
 // A block of t holding in (block_shape(t).values finite values), by teo's quantizer
 // (docs/quantization.md): Q8_0, Q4_0, Q4_1, Q5_0 and Q5_1 as llama.cpp's reference quantizers,
 // the K types by one pass of min and max per sub-block, MXFP4 and NVFP4 by the nearest E2M1 value
-// under the block's scale. InputError for a value that is not finite, or one beyond what the
-// format can hold.
+// under the block's scale (saturating). InputError for a value that is not finite, or a scale
+// beyond F16's range (the Q types, F16 and BF16).
 void quantize_block(GgmlType t, const float* in, std::uint8_t* block);
 
 // The E2M1 value of a 4-bit code (OCP: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives; code 8 is

@@ -20,8 +20,9 @@
 //          global scale), `input_scale` F32 (a scalar, the activations' global scale; optional).
 //          w = e2m1 * s * s2.
 //
-// Every dequantized value is the exact product, which a float64 holds; the 4-bit formats' values
-// (and int8's with a 16-bit scale) are also exact in float32.
+// Every dequantized value is the exact product, which a float64 holds. gptq's and awq's (F16
+// scales), int8's with a 16-bit scale and mxfp4's within float32's range are also exact in float32;
+// nvfp4's, with its F32 global scale, in general are not.
 #pragma once
 
 #include <cstdint>
@@ -46,6 +47,9 @@ struct Packed {
 
 struct Dequantize {
   int zero_offset = 1;  // gptq: 1 (v1 checkpoints) or 0 (gptq_v2)
+  // gptq without g_idx, awq: the quantization config's group_size (groups of that many input
+  // columns, the last one shorter); 0: the columns divided evenly over the scales' groups.
+  index_t group_size = 0;
 };
 
 // The roles a format needs, and those it may have.
@@ -55,7 +59,8 @@ std::vector<std::string> optional_roles(TensorFormat f);
 std::string tensor_name(TensorFormat f, const std::string& prefix, const std::string& role);
 
 // The weights of `file` in format f, by prefix: each prefix with every required role present.
-// FormatError naming the tensor when a weight has some of its roles but not all.
+// FormatError naming the tensor when a weight has some of its roles but not all, or for int8 a
+// weight_zero_point (asymmetric int8 is not read).
 std::map<std::string, Packed> find_packed(const safetensors::File& file, TensorFormat f);
 
 // The dequantized weight's shape: (rows, cols), or mxfp4's (..., rows, cols).
@@ -64,7 +69,9 @@ std::vector<std::int64_t> dequantized_shape(const Packed& p, const std::string& 
 // The exact values, row-major in dequantized_shape's order. FormatError naming `what` and the rule
 // for a missing role, a wrong dtype or shape, a group size that does not divide, a g_idx outside
 // the groups, a scale that is not finite (an F16 inf, E8M0 0xFF, E4M3 NaN), a gptq zero_offset
-// other than 0 or 1, a non-scalar global scale.
+// other than 0 or 1, a stored zero of 15 in a v1 gptq checkpoint (ambiguous between AutoGPTQ and
+// exllama), a non-scalar global scale, a tensor whose bytes do not fill its shape. Only 4-bit gptq
+// and awq are read: another width's qweight does not match g_idx or the scales.
 std::vector<double> dequantize(const Packed& p, const std::string& what, const Dequantize& d = {});
 
 struct Quantize {

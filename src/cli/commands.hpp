@@ -100,7 +100,7 @@ struct QuantOptions {
   std::string command;  // set by the subcommand that ran
   std::string in_path, out_path, format;
   int zero_offset = 1;
-  index_t group_size = 128;
+  index_t group_size = 0;  // 0: unset (quantize 128, dequantize from the shapes)
   bool act_order = false, force = false;
   std::uint64_t seed = 0;
 };

@@ -1,5 +1,6 @@
 // `teo quant`: quantized safetensors checkpoints (teo/quant_formats.hpp) dequantized exactly, or
 // float weights quantized by teo, for checking another loader or kernel against teo's values.
+#include <algorithm>
 #include <ostream>
 #include <string>
 
@@ -27,6 +28,7 @@ int dequantize_checkpoint(const QuantOptions& opts, std::ostream& out) {
   }
   quant::Dequantize how;
   how.zero_offset = opts.zero_offset;
+  how.group_size = std::max<index_t>(opts.group_size, 0);
   safetensors::File s;
   for (const auto& [prefix, p] : packed) {
     const std::string what = opts.in_path + ": " + prefix;
@@ -46,7 +48,7 @@ int quantize_checkpoint(const QuantOptions& opts, std::ostream& out) {
   const auto format = quant::parse_tensor_format(opts.format, "--format");
   const safetensors::File in = safetensors::map(opts.in_path);
   quant::Quantize how;
-  how.group_size = opts.group_size;
+  how.group_size = opts.group_size == 0 ? 128 : opts.group_size;
   how.act_order = opts.act_order;
   how.seed = opts.seed;
   how.zero_offset = opts.zero_offset;
@@ -87,6 +89,10 @@ CLI::App* add_quant_commands(CLI::App& app, QuantOptions& opts) {
                   "gptq: 1 for v1 checkpoints (\"checkpoint_format\": \"gptq\"), 0 for gptq_v2")
         ->check(CLI::Range(0, 1));
     c->add_flag("--force", opts.force, "overwrite --out");
+    c->add_option("--group-size", opts.group_size,
+                  "gptq, awq: input columns per group (quantize: default 128, -1 one group; "
+                  "dequantize: the checkpoint's group_size, needed where g_idx is absent and the "
+                  "columns do not divide evenly)");
   };
   CLI::App* deq = q->add_subcommand(
       "dequantize", "Write every quantized weight's exact values as F64 (PREFIX.weight)");
@@ -96,7 +102,6 @@ CLI::App* add_quant_commands(CLI::App& app, QuantOptions& opts) {
       "quantize",
       "Write the *.weight matrices of a safetensors file in --format (teo's quantizer)");
   common(qu);
-  qu->add_option("--group-size", opts.group_size, "gptq, awq: columns per group (-1: one group)");
   qu->add_flag("--act-order", opts.act_order, "gptq: groups by a seeded permutation (g_idx)");
   qu->add_option("--seed", opts.seed, "gptq --act-order: the permutation's seed");
   qu->callback([&opts] { opts.command = "quantize"; });

@@ -126,7 +126,8 @@ class Cursor {
   std::uint64_t at_ = 0;
 };
 
-Value read_value(Cursor& c, ValueType t, const std::string& key, const Limits& limits, int depth) {
+Value read_value(Cursor& c, ValueType t, const std::string& key, const Limits& limits, int depth,
+                 std::uint64_t& items) {
   Value v;
   v.type = t;
   switch (t) {
@@ -185,13 +186,21 @@ Value read_value(Cursor& c, ValueType t, const std::string& key, const Limits& l
       const std::size_t least = v.item_type == ValueType::string  ? 8
                                 : v.item_type == ValueType::array ? 12
                                                                   : fixed_size(v.item_type);
-      if (n > limits.max_array_items || n > c.left() / least) {
+      if (n > c.left() / least) {
         c.fail("metadata " + key + ": an array of " + std::to_string(n) + " " +
                to_string(v.item_type) + " items cannot fit in the file");
       }
+      // Each item is held as a Value (about 100 bytes), so the items of all arrays together are
+      // bounded too.
+      if (n > limits.max_metadata_items - std::min(items, limits.max_metadata_items)) {
+        c.fail("metadata " + key + ": an array of " + std::to_string(n) +
+               " items takes the metadata past its limit of " +
+               std::to_string(limits.max_metadata_items) + " items");
+      }
+      items += n;
       v.items.reserve(n);
       for (std::uint64_t k = 0; k < n; ++k)
-        v.items.push_back(read_value(c, v.item_type, key, limits, depth + 1));
+        v.items.push_back(read_value(c, v.item_type, key, limits, depth + 1, items));
       break;
     }
   }
@@ -281,7 +290,11 @@ std::string shape_error(quant::GgmlType type, const std::vector<std::int64_t>& d
     return "has " + std::to_string(dims[0]) + " values in a row (dims[0]), not whole " +
            quant::to_string(type) + " blocks of " + std::to_string(shape.values);
   }
-  bytes = n / static_cast<std::uint64_t>(shape.values) * static_cast<std::uint64_t>(shape.bytes);
+  const std::uint64_t blocks = n / static_cast<std::uint64_t>(shape.values);
+  if (blocks > (std::uint64_t{1} << 62) / static_cast<std::uint64_t>(shape.bytes)) {
+    return "has more than 2^62 bytes";
+  }
+  bytes = blocks * static_cast<std::uint64_t>(shape.bytes);
   return "";
 }
 
@@ -310,13 +323,14 @@ File parse_bytes(std::string_view b, const std::string& source, const Limits& li
     c.fail(std::to_string(n_tensors) + " tensor infos cannot fit in the file");
   }
   std::set<std::string> keys;
+  std::uint64_t items = 0;
   for (std::uint64_t k = 0; k < n_kv; ++k) {
     std::string key = c.string("a metadata key");
     if (key.empty()) c.fail("a metadata key is empty");
     if (!keys.insert(key).second) c.fail("metadata key " + key + " appears twice");
     const auto t = c.get<std::uint32_t>("a metadata type");
     if (!known(t)) c.fail("metadata " + key + ": unknown value type " + std::to_string(t));
-    Value v = read_value(c, static_cast<ValueType>(t), key, limits, 0);
+    Value v = read_value(c, static_cast<ValueType>(t), key, limits, 0, items);
     f.metadata.emplace_back(std::move(key), std::move(v));
   }
   if (const Value* a = f.meta("general.alignment")) {
@@ -356,6 +370,10 @@ File parse_bytes(std::string_view b, const std::string& source, const Limits& li
     if (const auto why = shape_error(t.type, t.dims, size); !why.empty()) {
       c.fail("tensor " + t.name + " " + why);
     }
+    if (size > b.size()) {
+      c.fail("tensor " + t.name + " needs " + std::to_string(size) +
+             " bytes, more than the file's " + std::to_string(b.size()));
+    }
     const auto offset = c.get<std::uint64_t>("a tensor's offset");
     if (offset != expected) {
       c.fail("tensor " + t.name + " is at offset " + std::to_string(offset) + ", expected " +
@@ -364,7 +382,13 @@ File parse_bytes(std::string_view b, const std::string& source, const Limits& li
     }
     offsets.push_back(offset);
     sizes.push_back(size);
+    // offset (= expected) and size are each at most the file's size, so neither this sum nor the
+    // data's end below can wrap; past the file, the data cannot be there.
     expected = round_up(offset + size, align);
+    if (expected > b.size()) {
+      c.fail("tensor " + t.name + "'s data ends past the end of the file (" +
+             std::to_string(b.size()) + " bytes)");
+    }
     f.tensors.push_back(std::move(t));
   }
   const std::uint64_t data = round_up(c.at(), align);

@@ -38,7 +38,19 @@ std::string shape_str(const std::vector<std::int64_t>& s) {
 const Tensor& part(const Packed& p, const std::string& role, const std::string& what) {
   const auto it = p.parts.find(role);
   if (it == p.parts.end()) fail(what, std::string(to_string(p.format)) + " needs its " + role);
-  return it->second;
+  const Tensor& t = it->second;
+  std::int64_t n = 1;
+  for (const auto d : t.shape) {
+    if (d < 0 || (d > 0 && n > (std::int64_t{1} << 40) / d)) {
+      fail(what, t.name + " has shape " + shape_str(t.shape) + ", negative or too large");
+    }
+    n *= d;
+  }
+  if (t.data().size() != static_cast<std::size_t>(n) * safetensors::dtype_size(t.dtype)) {
+    fail(what, t.name + " holds " + std::to_string(t.data().size()) + " bytes, not the " +
+                   std::to_string(n) + " elements of its shape");
+  }
+  return t;
 }
 
 void expect_dtype(const Tensor& t, std::initializer_list<DType> ok, const std::string& what) {
@@ -122,7 +134,7 @@ std::vector<double> dequantize_int8(const Packed& p, const std::string& what) {
 
 // gptq and awq: the groups of the input columns, from g_idx or contiguous.
 std::vector<index_t> column_groups(const Packed& p, index_t cols, index_t groups,
-                                   const std::string& what) {
+                                   index_t group_size, const std::string& what) {
   std::vector<index_t> g(static_cast<std::size_t>(cols));
   const auto it = p.parts.find("g_idx");
   if (p.format == TensorFormat::gptq && it != p.parts.end()) {
@@ -139,15 +151,25 @@ std::vector<index_t> column_groups(const Packed& p, index_t cols, index_t groups
     }
     return g;
   }
-  if (cols % groups != 0) {
+  // Without g_idx, groups of group_size columns (the last one shorter), as AutoGPTQ and AutoAWQ
+  // make them; unknown (0), the columns divided evenly over the scales' groups.
+  if (group_size > 0) {
+    if ((cols + group_size - 1) / group_size != groups) {
+      fail(what, std::to_string(cols) + " input columns in groups of " +
+                     std::to_string(group_size) + " are not the scales' " + std::to_string(groups) +
+                     " groups");
+    }
+  } else if (cols % groups != 0) {
     fail(what, std::to_string(cols) + " input columns do not divide into " +
-                   std::to_string(groups) + " groups of the scales");
+                   std::to_string(groups) + " groups of the scales: give the group size");
   }
-  for (index_t c = 0; c < cols; ++c) g[c] = c / (cols / groups);
+  const index_t gs = group_size > 0 ? group_size : cols / groups;
+  for (index_t c = 0; c < cols; ++c) g[c] = c / gs;
   return g;
 }
 
-std::vector<double> dequantize_int4(const Packed& p, const std::string& what, int zero_offset) {
+std::vector<double> dequantize_int4(const Packed& p, const std::string& what, int zero_offset,
+                                    index_t group_size) {
   const bool awq = p.format == TensorFormat::awq;
   const Tensor& qw = part(p, "qweight", what);
   const Tensor& qz = part(p, "qzeros", what);
@@ -170,7 +192,7 @@ std::vector<double> dequantize_int4(const Packed& p, const std::string& what, in
     fail(what, "the GPTQ zero offset is 1 (v1 checkpoints) or 0 (gptq_v2), got " +
                    std::to_string(zero_offset));
   }
-  const auto group = column_groups(p, cols, groups, what);
+  const auto group = column_groups(p, cols, groups, group_size, what);
   const auto s = finite_values(sc, what);
   const auto q = words(qw), z = words(qz);
   const index_t wq = awq ? rows / 8 : rows;  // words per row of qweight
@@ -183,6 +205,11 @@ std::vector<double> dequantize_int4(const Packed& p, const std::string& what, in
               awq ? awq_nibble_of_column(static_cast<int>(r % 8)) : static_cast<int>(r % 8));
       const int qv = awq ? nib(q[c * wq + r / 8], awq_nibble_of_column(static_cast<int>(r % 8)))
                          : nib(q[(c / 8) * wq + r], static_cast<int>(c % 8));
+      if (!awq && zero_offset == 1 && zr == 15) {
+        fail(what, qz.name + ": row " + std::to_string(r) + " of group " + std::to_string(g) +
+                       " stores a zero of 15, which a v1 checkpoint cannot mean: AutoGPTQ's "
+                       "dequantization wraps 15 + 1 to 0, exllama's kernels read 16");
+      }
       const int zero = awq ? zr : zr + zero_offset;
       out[static_cast<std::size_t>(r * cols + c)] =
           s[g * rows + r] * static_cast<double>(qv - zero);
@@ -315,6 +342,11 @@ std::map<std::string, Packed> find_packed(const safetensors::File& file, TensorF
     }
   }
   for (const auto& prefix : prefixes) {
+    if (f == TensorFormat::int8 && file.find(prefix + ".weight_zero_point")) {
+      throw FormatError("int8 weight " + prefix +
+                        " has a weight_zero_point: asymmetric int8 is not read (teo's int8 is "
+                        "symmetric, per output channel)");
+    }
     Packed p;
     p.format = f;
     for (const auto& r : all) {
@@ -369,7 +401,7 @@ std::vector<double> dequantize(const Packed& p, const std::string& what, const D
       return dequantize_int8(p, what);
     case TensorFormat::gptq:
     case TensorFormat::awq:
-      return dequantize_int4(p, what, d.zero_offset);
+      return dequantize_int4(p, what, d.zero_offset, d.group_size);
     case TensorFormat::mxfp4:
       return dequantize_mxfp4(p, what);
     case TensorFormat::nvfp4:

@@ -124,7 +124,10 @@ Packed quantize(TensorFormat f, const std::vector<double>& w,
        std::string(to_string(f)) + ": a weight is (rows, cols)" +
            (f == TensorFormat::mxfp4 ? " with leading dimensions" : ""));
   index_t n = 1;
-  for (auto d : shape) n *= d;
+  for (auto d : shape) {
+    need(d > 0, std::string(to_string(f)) + ": every dimension of a weight is at least 1");
+    n *= d;
+  }
   need(static_cast<index_t>(w.size()) == n, "quantize: the values do not fill the shape");
   for (double v : w)
     if (!std::isfinite(v)) throw InputError("quantize: a weight is not finite");
@@ -138,7 +141,8 @@ Packed quantize(TensorFormat f, const std::vector<double>& w,
       for (index_t r = 0; r < rows; ++r) {
         double amax = 0;
         for (index_t c = 0; c < cols; ++c) amax = std::max(amax, std::fabs(w[r * cols + c]));
-        scale[r] = amax > 0 ? static_cast<float>(amax / 127) : 1.0f;
+        scale[r] = static_cast<float>(amax / 127);
+        if (!(scale[r] > 0)) scale[r] = 1.0f;  // a row of zeros, or one so small its scale is 0
         for (index_t c = 0; c < cols; ++c) {
           const double v = std::nearbyint(w[r * cols + c] / scale[r]);
           q[r * cols + c] = static_cast<std::int8_t>(std::clamp(v, -127.0, 127.0));
@@ -181,7 +185,8 @@ Packed quantize(TensorFormat f, const std::vector<double>& w,
       double amax = 0;
       for (double v : w) amax = std::max(amax, std::fabs(v));
       // ModelOpt's global scale: the tensor's amax over E2M1's 6 times E4M3's 448.
-      const float global = amax > 0 ? static_cast<float>(amax / (6.0 * 448.0)) : 1.0f;
+      float global = static_cast<float>(amax / (6.0 * 448.0));
+      if (!(global >= 0x1p-126f)) global = 1.0f;  // zeros, or so small the scale is not normal
       std::vector<std::uint8_t> q(static_cast<std::size_t>(n / 2), 0);
       std::vector<std::uint8_t> s(static_cast<std::size_t>(n / 16));
       for (index_t k = 0; k < n / 16; ++k) {

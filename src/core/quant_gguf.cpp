@@ -327,8 +327,19 @@ std::string check_block(GgmlType t, const std::uint8_t* b) {
     }
     case GgmlType::q6_k:
       return scale(208, "d");
-    case GgmlType::mxfp4:
-      return b[0] == 0xFF ? "its E8M0 scale is 0xff, which is NaN" : "";
+    case GgmlType::mxfp4: {
+      if (b[0] == 0xFF) return "its E8M0 scale is 0xff, which is NaN";
+      // 2^(e - 127) times 4 or 6 is past float32's largest value for e of 253 and 254.
+      float y[32];
+      dequantize_block(t, b, y);
+      for (int j = 0; j < 32; ++j) {
+        if (!std::isfinite(y[j])) {
+          return "its value " + std::to_string(j) + " (E8M0 scale " + std::to_string(b[0]) +
+                 ") overflows float32";
+        }
+      }
+      return "";
+    }
     case GgmlType::nvfp4:
       for (int s = 0; s < 4; ++s) {
         if (b[s] == 0x7F || b[s] >= 0x80) {

@@ -32,6 +32,13 @@ float f16_value(const std::uint8_t* p) {
   return from_bits(Precision::fp16, static_cast<std::uint16_t>(p[0] | p[1] << 8));
 }
 
+// 1 / d, or 0 where that is not finite (d is 0, or so small that 1 / d overflows): llama.cpp's
+// id, without its undefined conversion of inf * x to an integer.
+float inverse(float d) {
+  const float id = d != 0 ? 1.0f / d : 0.0f;
+  return std::isfinite(id) ? id : 0.0f;
+}
+
 // llama.cpp's nearest_int: to nearest, ties to even.
 int nearest(float x) {
   return static_cast<int>(std::nearbyint(x));
@@ -63,7 +70,7 @@ float signed_max(const float* x, int n) {
 void quantize_symmetric(const float* x, std::uint8_t* b, bool five, GgmlType t) {
   const float half = five ? 16.0f : 8.0f;
   const float d = signed_max(x, 32) / -half;
-  const float id = d != 0 ? 1.0f / d : 0.0f;
+  const float id = inverse(d);
   put_f16(b, d, t, "d");
   std::uint32_t qh = 0;
   std::uint8_t* qs = b + (five ? 6 : 2);
@@ -87,7 +94,7 @@ void quantize_affine(const float* x, std::uint8_t* b, bool five, GgmlType t) {
   }
   const int top = five ? 31 : 15;
   const float d = (hi - lo) / static_cast<float>(top);
-  const float id = d != 0 ? 1.0f / d : 0.0f;
+  const float id = inverse(d);
   put_f16(b, d, t, "d");
   put_f16(b + 2, lo, t, "m");
   std::uint32_t qh = 0;
@@ -106,7 +113,7 @@ void quantize_q8_0(const float* x, std::uint8_t* b, GgmlType t) {
   float amax = 0;
   for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(x[j]));
   const float d = amax / 127.0f;
-  const float id = d != 0 ? 1.0f / d : 0.0f;
+  const float id = inverse(d);
   put_f16(b, d, t, "d");
   for (int j = 0; j < 32; ++j) {
     b[2 + j] = static_cast<std::uint8_t>(static_cast<std::int8_t>(std::round(x[j] * id)));

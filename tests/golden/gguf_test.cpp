@@ -204,6 +204,11 @@ TEST(Gguf, EveryRuleOfTheReaderIsANamedError) {
     expect_refused(b, "general.alignment must be a UINT32 power of two");
   }
   expect_refused(patched(good.find("bé"), "b\xff"), "not UTF-8");
+  {
+    gguf::Limits small;
+    small.max_metadata_items = 1;  // the file's array has 2
+    EXPECT_THROW(gguf::parse(good, "small", small), teo::FormatError);
+  }
   const std::size_t w = good.find("w\x02");  // tensor w's name, then its dimension count
   expect_refused(patched(w + 1, le<std::uint32_t>(5)), "GGUF allows 1 to 4");
   expect_refused(patched(w + 5, le<std::uint64_t>(0)), "a dimension of 0");
@@ -213,6 +218,14 @@ TEST(Gguf, EveryRuleOfTheReaderIsANamedError) {
   expect_refused(patched(w + 25, le<std::uint64_t>(32)), "expected 0");
   expect_refused(patched(good.find("bias") - 8, le<std::uint64_t>(1) + "w"), "appears twice");
   expect_refused(good + std::string(32, '\0'), "bytes follow the last tensor");
+  // Sizes that would wrap a 64-bit byte count or offset, and one larger than the file.
+  const std::size_t bias_dim = good.find("bias") + 4 + 4;
+  expect_refused(patched(bias_dim, le<std::uint64_t>((std::uint64_t{1} << 62) - 1)),
+                 "tensor bias has more than 2^62 bytes");
+  expect_refused(patched(bias_dim, le<std::uint64_t>(std::uint64_t{1} << 62)),
+                 "tensor bias has more than 2^62 bytes");
+  expect_refused(patched(bias_dim, le<std::uint64_t>(std::uint64_t{1} << 60)),
+                 "tensor bias needs 4611686018427387904 bytes, more than the file's");
   const std::size_t data = good.size() - 32 - 96;  // the Q8_0 tensor's data
   expect_refused(patched(data + 1, "\x7c"), "tensor w, block 0 (values 0 to 31): its F16 scale d");
   expect_refused(patched(data + 34 + 1, "\xfe"), "tensor w, block 1 (values 32 to 63)");
@@ -222,6 +235,7 @@ TEST(Gguf, EveryRuleOfTheReaderIsANamedError) {
   // And the File builder's rules.
   gguf::File f;
   EXPECT_THROW(f.add("x", GgmlType::q4_k, {128, 1}, {}), teo::ShapeError);
+  EXPECT_THROW(f.add("x", GgmlType::f32, {std::int64_t{1} << 62}, {}), teo::ShapeError);
   EXPECT_THROW(f.add(std::string(64, 'x'), GgmlType::f32, {1}, std::vector<std::uint8_t>(4)),
                teo::FormatError);
   EXPECT_THROW(f.add("x", GgmlType::f32, {2}, std::vector<std::uint8_t>(4)), teo::FormatError);

@@ -58,7 +58,8 @@ def random_blocks(rng, name):
         h = np.where((h & 0x7C00) == 0x7C00, h & 0xBFFF, h).astype(np.uint16)
         b[:, at:at + 2] = h.view(np.uint8).reshape(-1, 2)
     if name == "MXFP4":
-        b[:, 0] = rng.integers(0, 255, size=len(b))  # E8M0 0xff is NaN
+        # E8M0 0xff is NaN; 253 and 254 overflow float32 with large codes (refused, below)
+        b[:, 0] = rng.integers(0, 253, size=len(b))
     if name == "NVFP4":
         b[:, 0:4] = rng.integers(0, 0x7F, size=(len(b), 4))  # unsigned E4M3 below 0x7f
     return b.reshape(ROWS, BLOCKS_PER_ROW * size)
@@ -199,7 +200,7 @@ MUTANTS = {
         [b[:, :2], np.zeros_like(b[:, 2:6]), b[:, 6:]], 1)),
     "q4_k_scale_fields_off_by_one": ("Q4_K", lambda b: np.concatenate(
         [b[:, :4], np.roll(b[:, 4:16], 1, axis=1), b[:, 16:]], 1)),
-    "q6_k_scales_unsigned": ("Q6_K", None),
+    "q6_k_scale_sign_dropped": ("Q6_K", None),
     "e2m1_negative_zero_nonzero": ("MXFP4", None),
 }
 
@@ -207,7 +208,7 @@ MUTANTS = {
 def mutant_values(reader, mutant):
     kind, alter = MUTANTS[mutant]
     saved_q6, saved_kv = gguf.quants.Q6_K.dequantize_blocks, gguf.quants.MXFP4.kvalues
-    if mutant == "q6_k_scales_unsigned":
+    if mutant == "q6_k_scale_sign_dropped":
         def q6(cls, blocks):
             blocks = blocks.copy()
             s = blocks[:, 192:208]
@@ -292,6 +293,22 @@ def main():
     if "tensor bad, block 5" not in p.stderr or "not finite" not in p.stderr:
         fail(f"the infinite scale was not named: {p.stderr.strip()}")
     print("an infinite F16 scale: " + p.stderr.strip())
+    # An MXFP4 block whose values gguf decodes to inf (E8M0 254, code 7: 6 * 2^127).
+    over = os.path.join(work, "mxfp4_overflow.gguf")
+    w = gguf.GGUFWriter(over, arch="teo-interop")
+    b = np.zeros((1, 17), np.uint8)
+    b[0, 0], b[0, 1] = 254, 0x07
+    if np.isfinite(gguf.quants.dequantize(b, Q.MXFP4)).all():
+        fail("gguf decodes E8M0 254 with code 7 as finite")
+    w.add_tensor("over", b, raw_dtype=Q.MXFP4)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    p = run([teo, "gguf", "inspect", over], expect=2)
+    if "tensor over, block 0" not in p.stderr or "overflows float32" not in p.stderr:
+        fail(f"the overflowing MXFP4 block was not named: {p.stderr.strip()}")
+    print("an MXFP4 block gguf decodes to inf: " + p.stderr.strip())
     if FAILURES:
         print(f"{len(FAILURES)} failures")
         return 1

@@ -6,8 +6,8 @@ For int8, GPTQ (v1 and v2, act-order), AWQ, MXFP4 (gpt-oss's layout) and NVFP4 (
 `teo quant quantize` packs random weights and `teo quant dequantize` unpacks them to float64. The
 numpy dequantization below must give the same bits for every weight. Each mutant (one layout rule
 broken, as the bugs reported in vLLM, TensorRT-LLM and llama.cpp broke them) must differ at its own
-weight and agree at the others. Checkpoints with a NaN scale or a g_idx outside the groups must be
-refused by name.
+weight and agree at the others. Checkpoints with an E8M0 or E4M3 NaN scale or a g_idx outside the
+groups must be refused by name.
 
 Sources of the layouts: AutoGPTQ's and Hugging Face's `gptq` (qweight packed 8 a word along the
 input dimension, qzeros along the output, zero + 1 in v1), AutoAWQ's GEMM packing (AWQ_ORDER
@@ -138,8 +138,10 @@ def mxfp4(t, p, mut=None):
 
 def nvfp4(t, p, mut=None):
     w = t[p + ".weight"]
-    codes = np.stack([w & 15, w >> 4], -1).reshape(w.shape[0], -1)
-    s = e4m3(t[p + ".weight_scale"]).repeat(16, axis=1)
+    lo, hi = (w >> 4, w & 15) if mut == "nvfp4_nibbles_swapped" else (w & 15, w >> 4)
+    codes = np.stack([lo, hi], -1).reshape(w.shape[0], -1)
+    block = 32 if mut == "nvfp4_block_of_32" else 16  # TensorRT-LLM #14793's wrong block size
+    s = e4m3(t[p + ".weight_scale"]).repeat(block, axis=1)[:, :codes.shape[1]]
     g = float(t[p + ".weight_scale_2"].reshape(-1)[0])
     v = E2M1[codes] * s * g
     return v * g if mut == "nvfp4_global_scale_twice" else v
@@ -157,7 +159,8 @@ CASES = {
             ["awq_without_interleave", "group_scales_along_rows"]),
     "mxfp4": ("mxfp4", [], lambda t, p, m=None: mxfp4(t, p, m),
               ["mxfp4_nibbles_swapped", "e2m1_negative_zero_nonzero"]),
-    "nvfp4": ("nvfp4", [], lambda t, p, m=None: nvfp4(t, p, m), ["nvfp4_global_scale_twice"]),
+    "nvfp4": ("nvfp4", [], lambda t, p, m=None: nvfp4(t, p, m),
+              ["nvfp4_global_scale_twice", "nvfp4_nibbles_swapped", "nvfp4_block_of_32"]),
 }
 
 
@@ -231,6 +234,22 @@ def main():
     p = run([teo, "quant", "dequantize", bad, "--format", "mxfp4", "--out", bad + ".out"], 2)
     if "element 3 is 0xff" not in p.stderr:
         fail(f"E8M0 0xff not named: {p.stderr.strip()}")
+    print("refused: " + p.stderr.strip())
+    t = read(os.path.join(work, "nvfp4.safetensors"))
+    s = t["a.weight_scale"].copy()
+    s.reshape(-1)[7] = 0x7F  # E4M3's NaN
+    write(bad, {**t, "a.weight_scale": s}, {k: "F8_E4M3" for k in t if k.endswith("_scale")})
+    p = run([teo, "quant", "dequantize", bad, "--format", "nvfp4", "--out", bad + ".out"], 2)
+    if "a.weight_scale element 7" not in p.stderr or "not a finite scale" not in p.stderr:
+        fail(f"E4M3 NaN not named: {p.stderr.strip()}")
+    print("refused: " + p.stderr.strip())
+    t = read(os.path.join(work, "gptq_v1_act_order.safetensors"))
+    g = t["a.g_idx"].copy()
+    g[5] = 99
+    write(bad, {**t, "a.g_idx": g})
+    p = run([teo, "quant", "dequantize", bad, "--format", "gptq", "--out", bad + ".out"], 2)
+    if "a.g_idx[5] is 99, outside the 2 groups" not in p.stderr:
+        fail(f"g_idx outside the groups not named: {p.stderr.strip()}")
     print("refused: " + p.stderr.strip())
     if FAILURES:
         print(f"{len(FAILURES)} failures")

@@ -214,8 +214,10 @@ TEST(QuantFormats, BrokenCheckpointsAreNamedErrors) {
   mx.parts["blocks"] = tensor("e_blocks", DType::U8, {1, 1, 16}, std::vector<std::uint8_t>(16));
   mx.parts["scales"] = tensor("e_scales", DType::U8, {1, 1}, std::vector<std::uint8_t>{0xFF});
   expect_error(mx, "e_scales element 0 is 0xff");
-  mx.parts["scales"].shape = {1, 2};
+  mx.parts["scales"] = tensor("e_scales", DType::U8, {1, 2}, std::vector<std::uint8_t>{0, 0});
   expect_error(mx, "expected [1, 1]");
+  mx.parts["scales"].bytes.pop_back();
+  expect_error(mx, "e_scales holds 1 bytes, not the 2 elements of its shape");
   const auto nv = q::quantize(q::TensorFormat::nvfp4, normal(32, 1, 1), {1, 32});
   auto nan = nv;
   nan.parts["weight_scale"].bytes[1] = 0x7F;
@@ -224,6 +226,26 @@ TEST(QuantFormats, BrokenCheckpointsAreNamedErrors) {
   vec.parts["weight_scale_2"] = tensor("g", DType::F32, {2}, std::vector<float>{1, 1});
   expect_error(vec, "expected a scalar");
   EXPECT_THROW(q::quantize(q::TensorFormat::gptq, normal(8 * 12, 1, 1), {8, 12}), teo::ShapeError);
+  EXPECT_THROW(q::quantize(q::TensorFormat::int8, {}, {4, 0}), teo::ShapeError);
+  // A v1 checkpoint's stored zero of 15 (AutoGPTQ wraps 15 + 1 to 0, exllama reads 16).
+  bad = p;
+  bad.parts["qzeros"] = tensor("w.qzeros", DType::I32, {2, 1}, std::vector<std::int32_t>{0xF, 0});
+  expect_error(bad, "stores a zero of 15, which a v1 checkpoint cannot mean");
+  bad.parts["qzeros"].bytes.pop_back();
+  expect_error(bad, "holds 7 bytes, not the 2 elements of its shape");
+  // Without g_idx, the quantization config's group size decides the groups.
+  bad = p;
+  bad.parts.erase("g_idx");
+  q::Dequantize d;
+  d.group_size = 8;
+  EXPECT_EQ(q::dequantize(bad, "w", d), q::dequantize(p, "w"));
+  d.group_size = 4;
+  try {
+    q::dequantize(bad, "w", d);
+    ADD_FAILURE() << "a group size of 4 over 16 columns is 4 groups, not 2";
+  } catch (const teo::FormatError& e) {
+    EXPECT_NE(std::string(e.what()).find("are not the scales' 2 groups"), std::string::npos);
+  }
   EXPECT_THROW(q::parse_tensor_format("gguf", "--format"), teo::ConfigError);
 }
 
@@ -241,6 +263,9 @@ TEST(QuantFormats, CheckpointsAreFoundByTheirNames) {
   ASSERT_EQ(found.size(), 1u);
   EXPECT_EQ(found.begin()->first, "model.layers.0.q_proj");
   add("model.layers.1.up", q::quantize(q::TensorFormat::int8, normal(64, 2, 1), {8, 8}));
+  EXPECT_EQ(q::find_packed(f, q::TensorFormat::int8).size(), 2u);
+  f.add("model.layers.1.up.weight_zero_point", std::vector<std::int64_t>{4}, plain.data(), 4);
+  EXPECT_THROW(q::find_packed(f, q::TensorFormat::int8), teo::FormatError);
   teo::safetensors::File partial;
   q::Quantize how;
   how.group_size = 32;
@@ -263,6 +288,18 @@ TEST(QuantFormats, SwizzledScalesFollowCutlasss128x4Layout) {
   EXPECT_EQ(z[512 + 16 + 4 + 1], s[33 * cols + 5]);
   // (129, 0): the second row of tiles starts at 128 * 8.
   EXPECT_EQ(z[128 * 8 + 16], s[129 * cols + 0]);
+  // Independently: vLLM's swizzle_blockscale is the padded matrix reshaped (M/128, 4, 32, K/4, 4)
+  // and permuted (0, 3, 2, 1, 4); walking that order gives each stored byte its (r, c).
+  std::size_t at = 0;
+  for (long mt = 0; mt < 2; ++mt)
+    for (long kt = 0; kt < 2; ++kt)
+      for (long b = 0; b < 32; ++b)
+        for (long a = 0; a < 4; ++a)
+          for (long c = 0; c < 4; ++c, ++at) {
+            const long r = mt * 128 + a * 32 + b, col = kt * 4 + c;
+            const std::uint8_t want = r < rows && col < cols ? s[r * cols + col] : 0;
+            ASSERT_EQ(z[at], want) << r << " " << col;
+          }
   EXPECT_EQ(q::unswizzle_128x4(z, rows, cols), s);
   std::size_t zeros = 0;
   for (auto b : z) zeros += b == 0;

@@ -154,7 +154,7 @@ TEST(GgufBlocks, EveryTypeDequantizesAsAPlainLoopWrittenFromItsLayout) {
   }
 }
 
-TEST(GgufBlocks, ThreadsAndBackendsChangeNoBit) {
+TEST(GgufBlocks, ThreadCountsChangeNoBit) {
   teo::ScopedSettings keep;
   std::mt19937 rng(7);
   for (GgmlType t : teo::quant::ggml_types()) {
@@ -167,9 +167,9 @@ TEST(GgufBlocks, ThreadsAndBackendsChangeNoBit) {
       teo::quant::dequantize_block(t, blocks.data() + k * shape.bytes,
                                    one.data() + static_cast<std::size_t>(k * shape.values));
     }
-    for (auto backend : {teo::Backend::reference, teo::Backend::simd}) {
+    teo::set_backend(teo::Backend::simd);  // the reference backend runs one task
+    {
       for (int threads : {1, 2, 3}) {
-        teo::set_backend(backend);
         teo::set_num_threads(threads);
         std::vector<float> got(one.size());
         teo::dequantize(t, blocks.data(), n, got.data());
@@ -181,10 +181,12 @@ TEST(GgufBlocks, ThreadsAndBackendsChangeNoBit) {
         for (auto& e : x) e = normal(draw);
         std::vector<std::uint8_t> q(blocks.size());
         teo::quantize(t, x.data(), n, q.data());
-        std::vector<std::uint8_t> q1(shape.bytes);
-        teo::quant::quantize_block(t, x.data() + shape.values * 17, q1.data());
-        EXPECT_EQ(std::memcmp(q.data() + 17 * shape.bytes, q1.data(), q1.size()), 0)
-            << teo::quant::to_string(t);
+        std::vector<std::uint8_t> q1(blocks.size());
+        for (int k = 0; k < count; ++k) {
+          teo::quant::quantize_block(t, x.data() + static_cast<std::size_t>(k * shape.values),
+                                     q1.data() + k * shape.bytes);
+        }
+        EXPECT_EQ(q, q1) << teo::quant::to_string(t) << " with " << threads << " threads";
       }
     }
   }

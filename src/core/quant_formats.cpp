@@ -106,10 +106,6 @@ double scalar(const Packed& p, const std::string& role, const std::string& what)
   return finite_values(t, what)[0];
 }
 
-void expect_positive(index_t v, const std::string& what, const std::string& why) {
-  if (v < 1) fail(what, why);
-}
-
 std::vector<double> dequantize_int8(const Packed& p, const std::string& what) {
   const Tensor& w = part(p, "weight", what);
   const Tensor& s = part(p, "weight_scale", what);
@@ -184,7 +180,7 @@ std::vector<double> dequantize_int4(const Packed& p, const std::string& what, in
   const index_t cols = awq ? qw.shape[0] : 8 * qw.shape[0];
   const index_t rows = awq ? 8 * qw.shape[1] : qw.shape[1];
   const index_t groups = sc.shape[0];
-  expect_positive(groups, what, sc.name + " has no groups");
+  if (groups < 1) fail(what, sc.name + " has no groups");
   expect_shape(sc, {groups, rows}, what);
   expect_shape(qz, {groups, rows / 8}, what);
   if (rows % 8 != 0) fail(what, std::to_string(rows) + " output rows are not whole words of 8");
@@ -352,19 +348,15 @@ std::map<std::string, Packed> find_packed(const safetensors::File& file, TensorF
     for (const auto& r : all) {
       if (const auto* t = file.find(tensor_name(f, prefix, r))) p.parts[r] = *t;
     }
+    // "x.weight" alone is an unquantized weight, not a broken int8 or nvfp4 one.
+    if (p.parts.size() == 1 && p.parts.count("weight")) continue;
     for (const auto& r : roles) {
       if (!p.parts.count(r)) {
-        // "x.weight" alone is an unquantized weight, not a broken int8 or nvfp4 one.
-        if (p.parts.size() == 1 && p.parts.count("weight")) break;
         throw FormatError(std::string(to_string(f)) + " weight " + prefix + " has no " +
                           tensor_name(f, prefix, r));
       }
     }
-    if (p.parts.size() >= roles.size()) {
-      bool whole = true;
-      for (const auto& r : roles) whole = whole && p.parts.count(r);
-      if (whole) out.emplace(prefix, std::move(p));
-    }
+    out.emplace(prefix, std::move(p));
   }
   return out;
 }

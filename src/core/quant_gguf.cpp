@@ -205,11 +205,10 @@ int e2m1_twice(int code) {
 }
 
 int nearest_e2m1(double v) {
-  static constexpr double kMag[8] = {0, 0.5, 1, 1.5, 2, 3, 4, 6};
   const double a = std::fabs(v);
   int best = 0;
   for (int c = 1; c < 8; ++c) {
-    const double dc = std::fabs(a - kMag[c]), db = std::fabs(a - kMag[best]);
+    const double dc = std::fabs(a - e2m1_value(c)), db = std::fabs(a - e2m1_value(best));
     if (dc < db || (dc == db && c % 2 == 0)) best = c;
   }
   return best == 0 ? 0 : (std::signbit(v) ? best | 8 : best);

@@ -412,7 +412,6 @@ File parse(std::string_view bytes, const std::string& source, const Limits& limi
 }
 
 File map(const std::string& path, const Limits& limits) {
-  checked_file_size(path, limits);  // names a missing or irregular file, or one too large
   MappedFile m = map_readonly(path, limits.max_file_bytes);
   File f = parse_bytes(m.bytes, path, limits, /*view=*/true);
   f.backing = std::move(m.backing);

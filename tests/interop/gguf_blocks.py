@@ -18,13 +18,12 @@ Exits 1 on any failure.
 
 import json
 import os
-import struct
-import subprocess
 import sys
 
 import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as Q
+from interop_io import FAILURES, fail, read_safetensors, run, write_safetensors
 
 TYPES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K",
          "MXFP4", "NVFP4"]
@@ -32,12 +31,6 @@ TYPES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "
 F16_SCALES = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],
               "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
 ROWS, BLOCKS_PER_ROW = 3, 4
-FAILURES = []
-
-
-def fail(msg):
-    FAILURES.append(msg)
-    print("FAIL:", msg)
 
 
 def random_blocks(rng, name):
@@ -65,36 +58,6 @@ def random_blocks(rng, name):
     return b.reshape(ROWS, BLOCKS_PER_ROW * size)
 
 
-def run(cmd, expect=0):
-    p = subprocess.run(cmd, capture_output=True, text=True)
-    if p.returncode != expect:
-        fail(f"{' '.join(cmd)} exited {p.returncode}, expected {expect}: {p.stderr.strip()}")
-    return p
-
-
-def read_safetensors(path):
-    with open(path, "rb") as f:
-        n = struct.unpack("<Q", f.read(8))[0]
-        header = json.loads(f.read(n))
-        data = f.read()
-    header.pop("__metadata__", None)
-    return {k: np.frombuffer(data[t["data_offsets"][0]:t["data_offsets"][1]], np.float32)
-            .reshape(t["shape"]) for k, t in header.items()}
-
-
-def write_safetensors(path, tensors):
-    header, data = {}, b""
-    for k, v in tensors.items():
-        raw = np.ascontiguousarray(v, np.float32).tobytes()
-        header[k] = {"dtype": "F32", "shape": list(v.shape),
-                     "data_offsets": [len(data), len(data) + len(raw)]}
-        data += raw
-    h = json.dumps(header).encode()
-    h += b" " * (-len(h) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(h)) + h + data)
-
-
 def first_difference(want, got, name):
     """'' when the bits agree, else where they first differ: block, element, both values."""
     w = np.ascontiguousarray(want, np.float32).reshape(-1).view(np.uint32)
@@ -115,6 +78,20 @@ def gguf_values(reader):
             for t in reader.tensors}
 
 
+def write_gguf(w):
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def write_one_tensor(path, name, blocks, qtype):
+    """A file of one tensor of raw blocks, written by gguf's GGUFWriter (which checks nothing)."""
+    w = gguf.GGUFWriter(path, arch="teo-interop")
+    w.add_tensor(name, blocks, raw_dtype=qtype)
+    write_gguf(w)
+
+
 def write_source(path, rng):
     w = gguf.GGUFWriter(path, arch="teo-interop")
     w.add_uint8("test.u8", 200)
@@ -132,16 +109,9 @@ def write_source(path, rng):
     w.add_array("test.strings", ["a", "", "ü"])
     w.add_array("test.ints", [1, -2, 3])
     w.add_array("test.floats", [0.5, -1.25])
-    blocks = {}
     for name in TYPES:
-        b = random_blocks(rng, name)
-        blocks[name] = b
-        w.add_tensor(f"t.{name.lower()}", b, raw_shape=None, raw_dtype=Q[name])
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return blocks
+        w.add_tensor(f"t.{name.lower()}", random_blocks(rng, name), raw_dtype=Q[name])
+    write_gguf(w)
 
 
 def check_metadata(teo_json, reader):
@@ -156,12 +126,9 @@ def check_metadata(teo_json, reader):
         if m["type"] != f.types[0].name:
             fail(f"metadata {k}: teo type {m['type']}, gguf {f.types[0].name}")
         want = f.contents()
-        if isinstance(want, float) or (isinstance(want, list) and want and
-                                       isinstance(want[0], float)):
-            same = np.array_equal(np.float32(want) if f.types[-1].name == "FLOAT32"
-                                  else np.float64(want), np.array(m["value"], np.float64)
-                                  .astype(np.float32 if f.types[-1].name == "FLOAT32"
-                                          else np.float64))
+        floats = {"FLOAT32": np.float32, "FLOAT64": np.float64}.get(f.types[-1].name)
+        if floats:  # gguf widens FLOAT32 to a Python float; compare at the stored width
+            same = np.array_equal(np.array(want, floats), np.array(m["value"], floats))
         else:
             same = want == m["value"]
         if not same:
@@ -281,30 +248,20 @@ def main():
 
     # A block with an infinite scale: gguf-py reads it, teo refuses it by tensor and block.
     inf = os.path.join(work, "inf_scale.gguf")
-    w = gguf.GGUFWriter(inf, arch="teo-interop")
     b = random_blocks(rng, "Q8_0")
     b.reshape(-1, 34)[5, 0:2] = np.array([0x7C00], np.uint16).view(np.uint8)
-    w.add_tensor("bad", b, raw_dtype=Q.Q8_0)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_one_tensor(inf, "bad", b, Q.Q8_0)
     p = run([teo, "gguf", "inspect", inf], expect=2)
     if "tensor bad, block 5" not in p.stderr or "not finite" not in p.stderr:
         fail(f"the infinite scale was not named: {p.stderr.strip()}")
     print("an infinite F16 scale: " + p.stderr.strip())
     # An MXFP4 block whose values gguf decodes to inf (E8M0 254, code 7: 6 * 2^127).
     over = os.path.join(work, "mxfp4_overflow.gguf")
-    w = gguf.GGUFWriter(over, arch="teo-interop")
     b = np.zeros((1, 17), np.uint8)
     b[0, 0], b[0, 1] = 254, 0x07
     if np.isfinite(gguf.quants.dequantize(b, Q.MXFP4)).all():
         fail("gguf decodes E8M0 254 with code 7 as finite")
-    w.add_tensor("over", b, raw_dtype=Q.MXFP4)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    write_one_tensor(over, "over", b, Q.MXFP4)
     p = run([teo, "gguf", "inspect", over], expect=2)
     if "tensor over, block 0" not in p.stderr or "overflows float32" not in p.stderr:
         fail(f"the overflowing MXFP4 block was not named: {p.stderr.strip()}")

@@ -18,57 +18,21 @@ transformers' gpt-oss unpacking (low nibble first), NVIDIA ModelOpt's NVFP4 (E2M
 Usage: .venv/bin/python tests/interop/quant_formats.py TEO_BINARY WORK_DIR
 """
 
-import json
 import os
-import struct
-import subprocess
 import sys
 
 import numpy as np
+from interop_io import FAILURES, fail, run
+from interop_io import read_safetensors as read
+from interop_io import write_safetensors as write
 
-FAILURES = []
 E2M1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float64)
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # nibble k of a word holds column AWQ_ORDER[k]
-DT = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I32": np.int32, "I8": np.int8,
-      "U8": np.uint8, "F8_E4M3": np.uint8}
 
 
-def fail(msg):
-    FAILURES.append(msg)
-    print("FAIL:", msg)
 
 
-def read(path):
-    with open(path, "rb") as f:
-        n = struct.unpack("<Q", f.read(8))[0]
-        header = json.loads(f.read(n))
-        data = f.read()
-    header.pop("__metadata__", None)
-    return {k: np.frombuffer(data[t["data_offsets"][0]:t["data_offsets"][1]], DT[t["dtype"]])
-            .reshape(t["shape"]) for k, t in header.items()}
 
-
-def write(path, tensors, dtypes=None):
-    header, data = {}, b""
-    names = {np.dtype(np.float32): "F32", np.dtype(np.uint8): "U8", np.dtype(np.int8): "I8",
-             np.dtype(np.int32): "I32", np.dtype(np.float16): "F16", np.dtype(np.float64): "F64"}
-    for k, v in tensors.items():
-        raw = np.ascontiguousarray(v).tobytes()
-        dtype = (dtypes or {}).get(k, names[v.dtype])
-        header[k] = {"dtype": dtype, "shape": list(v.shape),
-                     "data_offsets": [len(data), len(data) + len(raw)]}
-        data += raw
-    h = json.dumps(header).encode()
-    h += b" " * (-len(h) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(h)) + h + data)
-
-
-def run(cmd, expect=0):
-    p = subprocess.run(cmd, capture_output=True, text=True)
-    if p.returncode != expect:
-        fail(f"{' '.join(cmd[1:4])} exited {p.returncode}, expected {expect}: {p.stderr.strip()}")
-    return p
 
 
 def e4m3(b):

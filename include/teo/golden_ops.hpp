@@ -101,6 +101,9 @@ struct ContractTensor {
   // An output the case gives an upstream gradient for (grad.output.<name>): not optional, not a
   // router's choice, margin or grouped layout, not of a forward-only op.
   bool upstream = false;
+  // A float output with one right answer, judged with no tolerance (a quantized weight's exact
+  // dequantization, output.weight_dequant).
+  bool exact = false;
 };
 std::vector<ContractTensor> op_contract(const OpCase& c);
 

@@ -442,7 +442,11 @@ Precision judged_precision(const File& golden, const File& candidate, bool f32,
   std::optional<Precision> implied;
   std::string implied_by;
   for (const auto& t : candidate.tensors) {
-    if (!golden.find(t.name) || !detail::is_judged(t.name, is_op_file(golden))) {
+    const auto* g = golden.find(t.name);
+    // a tensor the golden stores in a dtype of its own (a quantized cache's fp8 codes) implies
+    // nothing in it
+    if (!g || !detail::is_judged(t.name, is_op_file(golden)) ||
+        (g->dtype == t.dtype && g->dtype != DType::F32 && g->dtype != DType::F64)) {
       continue;
     }
     std::optional<Precision> p;
@@ -515,6 +519,10 @@ CaseReport check(const File& golden, const File& candidate, const CheckOptions& 
   std::string tie;
   const bool op = is_op_file(golden);
   const std::set<std::string> optional_outputs = optional_outputs_of(golden, op);
+  std::set<std::string> exact_outputs;
+  if (op)
+    for (const auto& t : op_contract(op_case_of(golden)))
+      if (t.exact) exact_outputs.insert(t.name);
   if (budget) {
     // once per case; its memory is reported, since for a large case it is most of the check's
     if (opts.progress) opts.progress("emulating the " + std::string(to_string(p)) + " run", true);
@@ -602,6 +610,11 @@ CaseReport check(const File& golden, const File& candidate, const CheckOptions& 
       rep.tensors.push_back(model_ids->second);
     } else if (g.dtype == DType::I32 && dependence != detail::RoutingDependence::whole) {
       rep.tensors.push_back(detail::judge_exact_ints(g, c));
+    } else if (exact_outputs.contains(g.name)) {
+      const auto e = budget ? emu.find(g.name) : emu.end();
+      if (budget && e == emu.end())
+        throw FormatError("the golden's " + g.name + " is not in the contract");
+      rep.tensors.push_back(detail::judge_exact(golden, g, c, f32, budget ? &e->second : nullptr));
     } else if (dependence == detail::RoutingDependence::whole) {
       TensorResult r;
       r.name = g.name;

@@ -138,6 +138,16 @@ bool is_judged(const std::string& name, bool op_case);
 // batch * seq_len, ...), an op case's own (OpDef::longest_reduction).
 index_t longest_reduction(const Case& c);
 index_t longest_reduction(const OpCase& c);
+// Where element i of an op case's exact output `name` lies in what it was computed from (a
+// quantized weight's row and block), or "" when its op says nothing of it.
+std::string locate_exact(const OpCase& c, const std::string& name, std::int64_t i);
+// An op case's exact output (ContractTensor::exact) judged against its one right answer, with
+// no tolerance: the golden's values (for a float64 candidate of a float32 case, its ref64 twin:
+// the exact values); under a precision budget, `emu` (the emulated run's values: the float32
+// value as the precision stores it) is right too, value by value. Values compare as numbers (-0
+// equals 0). The message locates the first difference (locate_exact).
+TensorResult judge_exact(const safetensors::File& golden, const safetensors::Tensor& g,
+                         const safetensors::Tensor* c, bool f32, const std::vector<double>* emu);
 // That limit for the golden `f` (a model or an op case).
 double conditioning_limit(const safetensors::File& f);
 

@@ -2,6 +2,7 @@
 // run's results as soon as they are computed, into a File in memory or a file written as it goes.
 #include <unistd.h>
 
+#include <cstring>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -10,6 +11,7 @@
 #include "golden/sink.hpp"
 #include "golden_internal.hpp"
 #include "teo/files.hpp"
+#include "teo/fp8.hpp"
 #include "teo/golden.hpp"
 #include "teo/golden_ops.hpp"
 
@@ -35,10 +37,30 @@ std::vector<safetensors::Entry> entries_of(const std::vector<Slot>& slots, bool 
     if (is_result(t.role)) e.push_back({t.name, stored(t.dtype), t.shape});
   if (f32) {
     for (const auto& t : slots)
-      if (is_result(t.role) && t.dtype == DType::F64)
-        e.push_back({"ref64." + t.name, DType::F64, t.shape});
+      if (has_ref64(t)) e.push_back({"ref64." + t.name, DType::F64, t.shape});
   }
   return e;
+}
+
+// A packed result's values (exactly representable in `d`) as the bytes of d.
+template <class Real>
+std::vector<unsigned char> packed_bytes(DType d, const Tensor<Real>& x) {
+  const auto n = static_cast<std::size_t>(x.numel());
+  std::vector<unsigned char> b(n * safetensors::dtype_size(d));
+  for (std::size_t i = 0; i < n; ++i) {
+    if (d == DType::F32) {
+      const auto f = static_cast<float>(x[static_cast<index_t>(i)]);
+      std::memcpy(b.data() + 4 * i, &f, 4);
+    } else if (d == DType::I8) {
+      b[i] = static_cast<unsigned char>(static_cast<std::int8_t>(x[static_cast<index_t>(i)]));
+    } else if (d == DType::F8_E4M3 || d == DType::F8_E5M2) {
+      b[i] = to_fp8_bits(d == DType::F8_E4M3 ? Fp8Format::e4m3 : Fp8Format::e5m2, false,
+                         static_cast<float>(x[static_cast<index_t>(i)]));
+    } else {
+      throw std::logic_error("a packed result of another dtype");
+    }
+  }
+  return b;
 }
 
 // Puts a run's results under their names (prefix before each) and frees each once it is put.
@@ -49,7 +71,15 @@ void put_results(Sink& sink, const std::vector<Slot>& slots, Results<Real>& r,
     if (!is_result(t.role)) continue;
     const auto it = r.find(t.name);
     const Tensor<Real>& x = it->second;
-    if (t.dtype == DType::I32) {
+    if (t.packed) {
+      // in its own dtype (exact values: codes, float32 scales); a float one's ref64 twin in F64
+      if (prefix.empty()) {
+        const auto bytes = packed_bytes(t.dtype, x);
+        sink.put({t.name, t.dtype, t.shape, bytes.data(), bytes.size()});
+      } else if (safetensors::is_float(t.dtype)) {
+        sink.put(out_of(prefix + t.name, t.shape, x.data(), static_cast<std::size_t>(x.numel())));
+      }
+    } else if (t.dtype == DType::I32) {
       // integer outputs (exact in Real) have no ref64 twin
       if (prefix.empty()) {
         const std::vector<std::int32_t> ids(x.begin(), x.end());
@@ -74,7 +104,10 @@ Metadata make_into(const OpCase& c, const Spec& s, Sink& sink) {
   Values v = draw_inputs(s, c);
   for (const auto& t : slots) {
     if (is_result(t.role)) continue;
-    if (t.dtype == DType::I64) {
+    if (t.packed) {
+      const auto& x = v.raw.at(t.name);
+      sink.put({t.name, t.dtype, t.shape, x.data(), x.size()});
+    } else if (t.dtype == DType::I64) {
       const auto& x = v.i64.at(t.name);
       sink.put(out_of(t.name, t.shape, x.data(), x.size()));
     } else if (t.dtype == DType::I32) {

@@ -151,6 +151,7 @@ Spec spec_of(const OpCase& c) {
   r.use("fp8_outlier");
   Spec s = parse_spec(op_named(c.op), r);
   s.fp8_delayed = fp8_delayed(*s.def, c);
+  s.float32 = c.dtype == "float32";
   fill_defaults(s);
   return s;
 }
@@ -355,7 +356,7 @@ Values draw_inputs(const Spec& s, const OpCase& c) {
   Values v;
   const std::uint64_t seed = c.seed;
   for (const auto& t : layout(s)) {
-    if (is_result(t.role)) continue;
+    if (is_result(t.role) || t.packed) continue;  // the op's draw packs its weights
     const std::int64_t n = numel(t.shape);
     if (t.dtype == DType::I64 || t.dtype == DType::I32) {
       std::vector<std::int64_t> x(static_cast<std::size_t>(n));
@@ -394,6 +395,13 @@ Values draw_inputs(const Spec& s, const OpCase& c) {
     v.f[t.name] = std::move(x);
   }
   if (s.def->draw) s.def->draw(s, c, v);
+  for (const auto& t : layout(s)) {
+    if (!t.packed || is_result(t.role)) continue;
+    const auto it = v.raw.find(t.name);
+    if (it == v.raw.end() || it->second.size() != static_cast<std::size_t>(numel(t.shape)) *
+                                                      safetensors::dtype_size(t.dtype))
+      throw std::logic_error("the " + std::string(s.def->name) + " op drew no " + t.name);
+  }
   return v;
 }
 
@@ -407,7 +415,14 @@ Values values_of(const File& f, const Spec& s) {
       throw FormatError("the op case's " + t.name + " is " + g->shape_str() + ", expected " +
                         safetensors::Tensor{t.name, t.dtype, t.shape, {}}.shape_str());
     }
-    if (t.dtype == DType::I64 || t.dtype == DType::I32) {
+    if (t.packed) {
+      if (g->dtype != t.dtype) {
+        throw FormatError("the op case's " + t.name + " is " + safetensors::dtype_name(g->dtype) +
+                          ", expected " + safetensors::dtype_name(t.dtype));
+      }
+      const auto d = g->data();
+      v.raw[t.name].assign(d.begin(), d.end());
+    } else if (t.dtype == DType::I64 || t.dtype == DType::I32) {
       v.i64[t.name] = g->int_values();
     } else if (t.dtype == DType::U8) {
       v.u8[t.name] = g->values<std::uint8_t>();
@@ -500,6 +515,8 @@ OpCase OpCase::from_json(const json& j, const std::string& op, std::uint64_t max
   Spec s = parse_spec(o, r);
   r.finish();
   s.fp8_delayed = fp8_delayed(o, c);
+  s.float32 = c.dtype == "float32";
+  if (o.check_case) o.check_case(s, c);
   if (c.precision == Precision::fp8 && c.fp8.attention && !o.has_attention) {
     throw ConfigError("spec.fp8_attention: the " + c.op + " op has no attention to run in fp8");
   }
@@ -580,8 +597,7 @@ void validate_op_file(const File& f, bool inputs_only) {
       continue;
     }
     want.push_back({t.name, d, t.shape, sym});
-    if (f32 && is_result(t.role) && t.dtype == DType::F64)
-      want.push_back({"ref64." + t.name, DType::F64, t.shape, sym});
+    if (f32 && has_ref64(t)) want.push_back({"ref64." + t.name, DType::F64, t.shape, sym});
   }
   if (!inputs_only) {
     const auto operands = fp8_operand_tensors(c, s);
@@ -593,7 +609,8 @@ void validate_op_file(const File& f, bool inputs_only) {
   // and those drawn below a bound (token ids, labels)
   std::set<std::string> ints;
   for (const auto& t : layout(s))
-    if ((t.dtype == DType::I64 || t.dtype == DType::I32) && !is_result(t.role)) ints.insert(t.name);
+    if ((t.dtype == DType::I64 || t.dtype == DType::I32) && !is_result(t.role) && !t.packed)
+      ints.insert(t.name);
   for (const auto& name : ints) {
     const auto* expected = spec_ints(s, name);
     if (!expected) {
@@ -614,8 +631,7 @@ std::set<std::string> op_contract_names(const File& f) {
   std::set<std::string> out;
   for (const auto& t : layout(s)) {
     out.insert(t.name);
-    if (c.dtype == "float32" && is_result(t.role) && t.dtype == DType::F64)
-      out.insert("ref64." + t.name);
+    if (c.dtype == "float32" && has_ref64(t)) out.insert("ref64." + t.name);
   }
   for (const auto& t : fp8_operand_tensors(c, s)) out.insert(t.name);
   return out;
@@ -698,12 +714,17 @@ std::vector<ContractTensor> op_contract(const OpCase& c) {
     if (!is_result(t.role)) continue;
     const bool upstream =
         t.role == Role::output && !t.optional && !t.no_grad && !s.def->forward_only;
-    out.push_back({t.name, t.shape, t.optional, t.dtype == DType::I32, upstream});
+    out.push_back({t.name, t.shape, t.optional, t.dtype == DType::I32, upstream, t.exact});
   }
   return out;
 }
 
 namespace detail {
+std::string locate_exact(const OpCase& c, const std::string& name, std::int64_t i) {
+  const Spec s = spec_of(c);
+  return s.def->locate ? s.def->locate(s, name, i) : "";
+}
+
 index_t longest_reduction(const OpCase& c) {
   const Spec s = spec_of(c);
   return s.def->longest_reduction(s);

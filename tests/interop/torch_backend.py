@@ -69,6 +69,8 @@ ST_DTYPES = {
     "BF16": np.dtype("<u2"),  # numpy has no bfloat16: the raw bit patterns
     "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "I16": np.dtype("<i2"),
     "I8": np.dtype("i1"), "U8": np.dtype("u1"), "BOOL": np.dtype("?"),
+    # numpy has no fp8: the bytes (a quantized weight's scales, fp8 operands)
+    "F8_E4M3": np.dtype("u1"), "F8_E5M2": np.dtype("u1"),
 }
 ST_NAMES = {np.dtype("<f8"): "F64", np.dtype("<f4"): "F32",
             np.dtype("<f2"): "F16", np.dtype("<i8"): "I64",

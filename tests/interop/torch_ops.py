@@ -137,6 +137,36 @@ MUTANTS = {
                          "Llama 4's routing weight applied at the output, not the input"),
     "memory_padding_ignored": ("decoder_layer_post_f64", "output.y",
                                "cross-attention without the source padding mask"),
+    # quantized weights (docs/quantization.md): each layout bug is named at the dequantized weight
+    "awq_without_interleave": ("linear_awq_f32", "output.weight_dequant",
+                               "AWQ's nibbles read in plain order, not 0 2 4 6 1 3 5 7"),
+    "gptq_without_plus_one": ("linear_gptq_act_order_f64", "output.weight_dequant",
+                              "a v1 GPTQ checkpoint's stored zero used without its +1"),
+    "gptq_plus_one_on_v2": ("linear_gptq_v2_bf16", "output.weight_dequant",
+                            "the v1 +1 added to a gptq_v2 checkpoint's zero"),
+    "g_idx_ignored": ("linear_gptq_act_order_f64", "output.weight_dequant",
+                      "act-order groups taken as consecutive columns, g_idx ignored"),
+    "mxfp4_nibbles_swapped": ("linear_mxfp4_f64", "output.weight_dequant",
+                              "MXFP4 codes read high nibble first"),
+    "nvfp4_global_scale_twice": ("linear_nvfp4_f32", "output.weight_dequant",
+                                 "NVFP4's weight_scale_2 applied twice"),
+    "nvfp4_block_of_32": ("linear_nvfp4_fp16", "output.weight_dequant",
+                          "NVFP4 scales over blocks of 32, not 16 (TensorRT-LLM #14793)"),
+    "q4_k_scale_fields_off_by_one": ("linear_gguf_q4_k_f32", "output.weight_dequant",
+                                     "Q4_K's 6-bit scales and mins read one field off"),
+    "q5_0_high_bits_ignored": ("linear_gguf_q5_0_f32", "output.weight_dequant",
+                               "Q5_0's fifth bits dropped"),
+    "dequant_per_use_rounded_to_bf16": ("linear_gguf_q6_k_f32", "output.y",
+                                        "the weight written exactly, then multiplied in bf16"),
+    # quantized KV caches: the append's codes are judged exactly, the attention by the budget
+    "kv_scale_of_one": ("kvcache_fp8_e4m3_paged_f32", "output.k_pages",
+                        "a KV scale passed as None and taken as 1 (TensorRT-LLM #16916)"),
+    "k_scale_for_v": ("kvcache_fp8_e5m2_per_head_bf16", "output.v_cache",
+                      "the values quantized with the keys' scale"),
+    "int8_scale_over_255": ("kvcache_int8_decode_f64", "output.k_scale",
+                            "an int8 row scale of amax / 255"),
+    "fp8_dequant_unscaled": ("kvcache_fp8_e4m3_paged_f32", "output.lse",
+                             "the attention reads the fp8 codes without their scale"),
 }
 
 # float64 cases not also run in float32, and why.
@@ -242,12 +272,60 @@ def masked_softmax(x, visible, mode):
     return mode.store(torch.where(has, tb.softmax(safe), torch.zeros_like(safe)))
 
 
+def gguf_rows(raw, qtype, mutant):
+    """A GGUF weight's rows by the gguf package's numpy dequantization (llama.cpp's own Python),
+    with a mutant's one layout rule broken in the blocks it reads."""
+    import gguf  # in the venv (scripts/setup.sh); only the GGUF cases need it
+    b = np.ascontiguousarray(raw)
+    size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]][1]
+    blocks = b.reshape(-1, size).copy()
+    if mutant == "q4_k_scale_fields_off_by_one" and qtype == "Q4_K":
+        blocks[:, 4:16] = np.roll(blocks[:, 4:16], 1, axis=1)
+    if mutant == "q5_0_high_bits_ignored" and qtype == "Q5_0":
+        blocks[:, 2:6] = 0
+    return gguf.quants.dequantize(blocks.reshape(b.shape), gguf.GGMLQuantizationType[qtype])
+
+
+def dequantized_weight(spec, raw, mutant):
+    """The weight of a weight_format case, exactly (float64), from its packed tensors: GGUF blocks
+    by the gguf package, the safetensors formats by quant_formats.py's numpy code, written from
+    each format's reference description."""
+    import quant_formats as qf
+    fmt = spec["weight_format"]
+    if fmt.startswith("gguf:"):
+        return gguf_rows(raw["param.weight"], fmt[5:], mutant).astype(np.float64)
+    if fmt == "int8":
+        return qf.int8(raw, "param")
+    if fmt == "gptq":
+        return qf.int4(raw, "param", "gptq", spec["zero_offset"], mutant)
+    if fmt == "awq":
+        return qf.int4(raw, "param", "awq", 0, mutant)
+    if fmt == "mxfp4":
+        return qf.mxfp4(raw, "param.weight", mutant)
+    return qf.nvfp4(raw, "param", mutant)
+
+
 def op_linear(spec, T, mode):
-    x, w = T["input.x"], T["param.weight"]
+    x = T["input.x"]
     b = T.get("param.bias")
+    out = {}
+    if "weight_format" in spec:
+        # the exact values as the backend holds them: float64, or float32 rounded once, then as
+        # the mode stores them
+        exact = dequantized_weight(spec, mode.raw, mode.mutant)
+        w = torch.from_numpy(exact if mode.dtype == torch.float64 else exact.astype(np.float32))
+        w = w.to(mode.dtype)
+        if mode.name == "float16":
+            w = w.half().float()
+        out["output.weight_dequant"] = w
+        if mode.mutant == "dequant_per_use_rounded_to_bf16":
+            w = w.to(torch.bfloat16).to(mode.dtype)  # the product reads other weights than it wrote
+    else:
+        w = T["param.weight"]
     if mode.mutant == "linear_weight_grad_transposed":
         return {"output.y": _LinearWeightGradTransposed.apply(x, w, b)}
-    return {"output.y": mode.linear(x, w, b)}
+    out["output.y"] = mode.linear(x, w, b)
+    return out
 
 
 def op_layer_norm(spec, T, mode):
@@ -658,6 +736,85 @@ def cache_index(spec, T, t, heads, mode):
     return tuple(i.expand(B, S, heads) for i in idx)
 
 
+def fp8_values(b, fmt):
+    """fp8 bytes as float64, from OCP's definitions: E4M3 (bias 7, NaN at S.1111.111), E5M2
+    (bias 15, inf and NaN at exponent 31)."""
+    b = b.astype(np.int64)
+    if fmt == "fp8_e4m3":
+        e, m = (b >> 3) & 15, b & 7
+        v = np.where(e == 0, m * 2.0 ** -9, (8 + m) * 2.0 ** (e - 10))
+    else:
+        e, m = (b >> 2) & 31, b & 3
+        v = np.where(e == 0, m * 2.0 ** -16, (4 + m) * 2.0 ** (e - 17))
+    return np.where(b & 0x80, -v, v)
+
+
+def fp8_round(x, fmt):
+    """x rounded to the fp8 format, to nearest with ties to even, saturating."""
+    mbits, emin, top = (3, -6, 448.0) if fmt == "fp8_e4m3" else (2, -14, 57344.0)
+    a = np.abs(x)
+    e = np.floor(np.log2(np.where(a > 0, a, 1.0)))
+    step = 2.0 ** (np.maximum(e, emin) - mbits)
+    return np.sign(x) * np.minimum(np.round(a / step) * step, top)  # np.round: ties to even
+
+
+def quantize_rows(x, fmt, scale, f32, mutant):
+    """A quantized cache's codes for rows x (..., D): fp8 under `scale` (broadcast), int8 with a
+    scale of each row's amax / 127 (returned), in the case's arithmetic."""
+    dt = np.float32 if f32 else np.float64
+    x = x.astype(dt)
+    if fmt == "int8":
+        amax = np.abs(x).max(-1, keepdims=True)
+        s = (amax / dt(255 if mutant == "int8_scale_over_255" else 127)).astype(np.float32)
+        q = np.where(s > 0, x / np.where(s > 0, s, 1).astype(dt), 0)
+        return np.clip(np.round(q), -127, 127).astype(np.float64), s[..., 0]
+    return fp8_round((x / scale.astype(dt)).astype(np.float64), fmt), None
+
+
+def quantized_cache_step(spec, T, mode, k_new, v_new, idx, ok, kind):
+    """The append to a quantized cache and its dequantization: (codes and scales out, K and V
+    as the attention reads them)."""
+    fmt, raw = spec["cache_format"], mode.raw
+    f32 = spec["dtype"] == "float32"
+    out, deq = {}, []
+    for side, new in (("k", k_new), ("v", v_new)):
+        codes = raw["input.%s_%s" % (side, kind)]
+        codes = codes.astype(np.float64) if fmt == "int8" else fp8_values(codes, fmt)
+        scale = raw["input.%s_scale" % ("k" if mode.mutant == "k_scale_for_v" else side)]
+        scale = scale.astype(np.float64).copy()
+        rows = new.detach().to(torch.float64).numpy().transpose(0, 2, 1, 3)  # (B, Sq, Hkv, D)
+        if fmt == "int8":
+            q, s = quantize_rows(rows, fmt, None, f32, mode.mutant)
+        else:
+            per_head = scale.reshape(1, 1, -1, 1) if scale.size > 1 else scale.reshape(1, 1, 1, 1)
+            if mode.mutant == "kv_scale_of_one":
+                per_head = np.ones_like(per_head)  # a scale passed as None, taken as 1
+            q, s = quantize_rows(rows, fmt, per_head, f32, mode.mutant)
+        ii = tuple(i.numpy() for i in idx)
+        okn = ok.numpy()
+        codes[ii] = q[okn]
+        if fmt == "int8":
+            scale = scale.reshape(codes.shape[:-1])
+            scale[ii] = s[okn]
+            out["output.%s_scale" % side] = torch.from_numpy(scale.astype(np.float32))
+            d = codes * scale[..., None]
+        elif scale.size > 1:
+            g = (np.arange(codes.shape[2]) if kind == "pages" else np.arange(codes.shape[1]))
+            shape = [1] * codes.ndim
+            shape[2 if kind == "pages" else 1] = g.size
+            d = codes * scale.reshape(shape)
+        else:
+            d = codes * scale.reshape(())
+        if mode.mutant == "fp8_dequant_unscaled":
+            d = codes
+        out["output.%s_%s" % (side, kind)] = torch.from_numpy(codes)
+        # the dequantized values as the backend holds them: float64, or float32 rounded once
+        w = torch.from_numpy(d if mode.dtype == torch.float64 else d.astype(np.float32))
+        w = w.to(mode.dtype)
+        deq.append(w.half().float() if mode.name == "float16" else w)
+    return out, deq[0], deq[1]
+
+
 def op_attention_kvcache(spec, T, mode):
     """One step on a KV cache: new token i of sequence b sits at position cache_lengths[b] + i
     (RoPE on its query and key there), its K/V is written to that cache slot, and the queries
@@ -681,9 +838,13 @@ def op_attention_kvcache(spec, T, mode):
     t = pos + (1 if mode.mutant == "append_one_late" else 0)
     ok = t < capacity
     idx = tuple(i[ok] for i in cache_index(spec, T, t.clamp(max=capacity - 1), Hkv, mode))
-    kc = kc.index_put(idx, k_new.transpose(1, 2)[ok])
-    vc = vc.index_put(idx, v_new.transpose(1, 2)[ok])
-    out["output.k_" + kind], out["output.v_" + kind] = kc, vc
+    if spec.get("cache_format"):
+        written, kc, vc = quantized_cache_step(spec, T, mode, k_new, v_new, idx, ok, kind)
+        out.update(written)
+    else:
+        kc = kc.index_put(idx, k_new.transpose(1, 2)[ok])
+        vc = vc.index_put(idx, v_new.transpose(1, 2)[ok])
+        out["output.k_" + kind], out["output.v_" + kind] = kc, vc
     # the gather: sequence b's first cache_lengths[b] + Sq tokens, contiguous, zero beyond
     kv_len = cache + Sq
     t = torch.arange(int(kv_len.max()))[None, :].expand(B, -1)
@@ -927,6 +1088,7 @@ def run_op(path, dtype=None, mutant=None):
         raise tb.BadInput("%s is not an op case" % path)
     spec = json.loads(meta["spec"])
     mode = Mode(dtype or spec["dtype"], mutant)
+    mode.raw = tensors  # a quantized weight's packed tensors, as stored
     T, leaves = {}, {}
     for name, arr in tensors.items():
         if name.startswith("ref64.") or name.startswith("output.") or name.startswith("act.") or (

@@ -4,6 +4,7 @@
 // cached so far, bottom-right causal. Forward only.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <map>
 #include <numeric>
 #include <string>
@@ -12,6 +13,7 @@
 #include "golden/ops/op.hpp"
 #include "golden/ops/rotary.hpp"
 #include "model/model_internal.hpp"
+#include "teo/fp8.hpp"
 #include "teo/layers/attention.hpp"
 #include "teo/rng.hpp"
 
@@ -37,6 +39,12 @@ struct KvCacheSpec {
   } kv;
   index_t max_len = 0;  // the rows of a sequence's cache (paged: max_pages * page_size)
   ModelConfig cfg;
+  // The cache's format: the case's float type, fp8 (E4M3 or E5M2) with a scale per tensor or per
+  // KV head, or int8 with a scale per token and KV head (docs/golden-format.md, "Quantized KV
+  // caches").
+  enum class Format { none, fp8, int8 } format = Format::none;
+  Fp8Format fp8 = Fp8Format::e4m3;
+  bool per_head = false;
 };
 
 const KvCacheSpec& own(const Spec& s) {
@@ -212,6 +220,26 @@ void parse(Spec& spec, Reader& r) {
         "follows the sequence's end");
   }
   s.lse = r.flag("lse", true);
+  const std::string f =
+      r.choice("cache_format", {"float", "fp8_e4m3", "fp8_e5m2", "int8"}, "float");
+  s.format = f == "float"  ? KvCacheSpec::Format::none
+             : f == "int8" ? KvCacheSpec::Format::int8
+                           : KvCacheSpec::Format::fp8;
+  s.fp8 = f == "fp8_e5m2" ? Fp8Format::e5m2 : Fp8Format::e4m3;
+  if (r.has("kv_scale") && s.format != KvCacheSpec::Format::fp8)
+    throw ConfigError("spec.kv_scale applies to an fp8 cache_format (int8 has one per token)");
+  s.per_head = r.choice("kv_scale", {"per_tensor", "per_head"}, "per_tensor") == "per_head";
+  if (s.format != KvCacheSpec::Format::none && s.cfg.embeddings.positional == Positional::rope) {
+    throw ConfigError(
+        "spec.cache_format: a quantized cache's append is judged exactly, so the keys it "
+        "quantizes are inputs: give them rotated (positional \"none\"), not RoPE");
+  }
+}
+
+// A quantized cache is the case's own quantization: no fp8 recipe on top of it.
+void check_case(const Spec& spec, const OpCase& c) {
+  if (own(spec).format != KvCacheSpec::Format::none && c.precision == Precision::fp8)
+    throw ConfigError("spec.precision fp8: the cache of a cache_format case is quantized already");
 }
 
 void fill(Spec& spec) {
@@ -261,6 +289,11 @@ void write_options(const Spec& spec, ojson& j) {
   }
   j["scale"] = s.scale ? *s.scale : 1.0 / std::sqrt(static_cast<double>(s.d_head));
   j["lse"] = s.lse;
+  if (s.format == KvCacheSpec::Format::none) return;
+  j["cache_format"] = s.format == KvCacheSpec::Format::int8 ? "int8"
+                      : s.fp8 == Fp8Format::e4m3            ? "fp8_e4m3"
+                                                            : "fp8_e5m2";
+  if (s.format == KvCacheSpec::Format::fp8) j["kv_scale"] = s.per_head ? "per_head" : "per_tensor";
 }
 
 // The cache's shape for a head size d: (B, Hkv, max_len, d) or (num_pages, page_size, Hkv, d).
@@ -269,16 +302,48 @@ Dims cache_dims(const KvCacheSpec& s, index_t d) {
   return {s.batch, s.kv_heads, s.max_len, d};
 }
 
+// A quantized cache's scales: (1) or (Hkv) for fp8, one per cache row and head for int8 (the
+// cache's dims without the last).
+Dims scale_dims(const KvCacheSpec& s) {
+  if (s.format == KvCacheSpec::Format::fp8) return {s.per_head ? s.kv_heads : 1};
+  Dims d = cache_dims(s, 1);
+  d.pop_back();
+  return d;
+}
+
+DType code_dtype(const KvCacheSpec& s) {
+  if (s.format == KvCacheSpec::Format::int8) return DType::I8;
+  return s.fp8 == Fp8Format::e4m3 ? DType::F8_E4M3 : DType::F8_E5M2;
+}
+
+// A quantized cache's tensor, stored as a serving engine stores it (an output: judged exactly).
+Slot packed_slot(std::string name, DType d, Dims dims, Role role) {
+  Slot x{std::move(name), d, std::move(dims), role};
+  x.packed = true;
+  x.exact = x.no_grad = role == Role::output;
+  return x;
+}
+
 void tensors(const Spec& spec, OpTensors& t) {
   const auto& s = own(spec);
   const bool paged = s.kv.paged;
+  const bool quantized = s.format != KvCacheSpec::Format::none;
   const Dims q = {s.batch, s.heads, s.seq, s.d_head};
   t.in.push_back(float_slot("input.q", q, Role::input));
   t.in.push_back(float_slot("input.k_new", {s.batch, s.kv_heads, s.seq, s.d_head}, Role::input));
   t.in.push_back(float_slot("input.v_new", {s.batch, s.kv_heads, s.seq, s.d_head_v}, Role::input));
   const std::string k = paged ? "k_pages" : "k_cache", v = paged ? "v_pages" : "v_cache";
-  t.in.push_back(float_slot("input." + k, cache_dims(s, s.d_head), Role::input));
-  t.in.push_back(float_slot("input." + v, cache_dims(s, s.d_head_v), Role::input));
+  if (quantized) {
+    t.fixed.push_back(
+        packed_slot("input." + k, code_dtype(s), cache_dims(s, s.d_head), Role::input));
+    t.fixed.push_back(
+        packed_slot("input." + v, code_dtype(s), cache_dims(s, s.d_head_v), Role::input));
+    for (const char* n : {"input.k_scale", "input.v_scale"})
+      t.fixed.push_back(packed_slot(n, DType::F32, scale_dims(s), Role::input));
+  } else {
+    t.in.push_back(float_slot("input." + k, cache_dims(s, s.d_head), Role::input));
+    t.in.push_back(float_slot("input." + v, cache_dims(s, s.d_head_v), Role::input));
+  }
   t.fixed.push_back({"input.cache_lengths", DType::I64, {s.batch}, Role::input});
   if (paged) {
     t.fixed.push_back({"input.block_table", DType::I32, {s.batch, s.kv.max_pages}, Role::input});
@@ -289,8 +354,20 @@ void tensors(const Spec& spec, OpTensors& t) {
     t.out.push_back(float_slot("output.q_rot", q, Role::output));
     t.out.back().optional = true;
   }
-  t.out.push_back(float_slot("output." + k, cache_dims(s, s.d_head), Role::output));
-  t.out.push_back(float_slot("output." + v, cache_dims(s, s.d_head_v), Role::output));
+  if (quantized) {
+    // int8's scales first: a wrong scale is the first divergence, not the codes it spoils
+    if (s.format == KvCacheSpec::Format::int8) {
+      for (const char* n : {"output.k_scale", "output.v_scale"})
+        t.out.push_back(packed_slot(n, DType::F32, scale_dims(s), Role::output));
+    }
+    t.out.push_back(
+        packed_slot("output." + k, code_dtype(s), cache_dims(s, s.d_head), Role::output));
+    t.out.push_back(
+        packed_slot("output." + v, code_dtype(s), cache_dims(s, s.d_head_v), Role::output));
+  } else {
+    t.out.push_back(float_slot("output." + k, cache_dims(s, s.d_head), Role::output));
+    t.out.push_back(float_slot("output." + v, cache_dims(s, s.d_head_v), Role::output));
+  }
   if (s.lse) {
     t.out.push_back(float_slot("output.lse", {s.batch, s.heads, s.seq}, Role::output));
     t.out.back().optional = true;
@@ -338,6 +415,141 @@ struct CacheIndex {
   }
 };
 
+// ---- a quantized cache (docs/golden-format.md, "Quantized KV caches") ------------------------
+
+// x rounded to fp8 format f from a double, to nearest with ties to even, saturating at the
+// format's largest value, with no rounding on the way.
+double round_fp8(Fp8Format f, double x) {
+  if (x == 0) return x;
+  const int min_exp = f == Fp8Format::e4m3 ? -6 : -14, mbits = f == Fp8Format::e4m3 ? 3 : 2;
+  int e = 0;
+  std::frexp(x, &e);
+  const double step = std::ldexp(1.0, std::max(e - 1, min_exp) - mbits);
+  const double r = std::nearbyint(std::abs(x) / step) * step;
+  return std::copysign(std::min(r, static_cast<double>(fp8_max(f))), x);
+}
+
+// The fp8 code of x under scale s: x / s in the case's arithmetic (a float32 case: float32
+// division of float32 values), rounded to f, saturating.
+double fp8_code(Fp8Format f, double x, float s, bool f32) {
+  return round_fp8(f, f32 ? static_cast<double>(static_cast<float>(x) / s) : x / s);
+}
+
+// int8: a row's scale, amax / 127 in the case's arithmetic, stored as float32.
+template <class T>
+float int8_scale(const T* x, index_t n, bool f32) {
+  double amax = 0;
+  for (index_t i = 0; i < n; ++i) amax = std::max(amax, std::abs(static_cast<double>(x[i])));
+  return f32 ? static_cast<float>(amax) / 127.0f : static_cast<float>(amax / 127.0);
+}
+
+// ... and a value's code: x / s in the case's arithmetic, to nearest with ties to even, clamped to
+// [-127, 127]; 0 in a row of zeros (scale 0).
+double int8_code(double x, float s, bool f32) {
+  if (!(s > 0)) return 0;
+  const double q = f32 ? static_cast<double>(static_cast<float>(x) / s) : x / s;
+  return std::clamp(std::nearbyint(q), -127.0, 127.0);
+}
+
+// The K/V head of element i of a cache of head size d.
+index_t head_of(const KvCacheSpec& s, index_t i, index_t d) {
+  return s.kv.paged ? (i / d) % s.kv_heads : (i / (s.max_len * d)) % s.kv_heads;
+}
+
+// A packed tensor's values as numbers: fp8 or int8 codes, float32 scales.
+std::vector<double> packed_values(const Values& v, const std::string& n, DType d) {
+  const auto it = v.raw.find(n);
+  if (it == v.raw.end()) throw FormatError("the op case has no " + n);
+  const auto& b = it->second;
+  std::vector<double> out;
+  if (d == DType::F32) {
+    out.resize(b.size() / 4);
+    for (std::size_t i = 0; i < out.size(); ++i) {
+      float f = 0;
+      std::memcpy(&f, b.data() + 4 * i, 4);
+      out[i] = f;
+    }
+    return out;
+  }
+  out.resize(b.size());
+  for (std::size_t i = 0; i < b.size(); ++i) {
+    out[i] = d == DType::I8 ? static_cast<double>(static_cast<std::int8_t>(b[i]))
+                            : static_cast<double>(from_fp8_bits(
+                                  d == DType::F8_E4M3 ? Fp8Format::e4m3 : Fp8Format::e5m2, b[i]));
+  }
+  return out;
+}
+
+// A quantized cache's scales, each finite and positive (int8's: or 0, a row of zeros);
+// FormatError naming the first that is not.
+std::vector<double> scales_of(const Values& v, const std::string& n, bool int8) {
+  auto x = packed_values(v, n, DType::F32);
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    if (!std::isfinite(x[i]) || x[i] < 0 || (!int8 && x[i] == 0)) {
+      throw FormatError("the op case's " + n + "[" + std::to_string(i) + "] is " +
+                        std::to_string(x[i]) + "; a KV cache scale is finite and positive" +
+                        (int8 ? " (or 0 for a row of zeros)" : "") + ", never a default");
+    }
+  }
+  return x;
+}
+
+// The cached tokens of a quantized cache, as a serving engine wrote them: drawn uniform in
+// [-1, 1) as a float cache is, then quantized by the append's own rule. fp8's scales are
+// amax / fp8_max times 2^u (u uniform in [0, 1), from the scale's stream), amax over the cache and
+// the new tokens (of the head, per_head), so that nothing saturates; int8's, each row's own.
+void draw(const Spec& spec, const OpCase& c, Values& v) {
+  const auto& s = own(spec);
+  if (s.format == KvCacheSpec::Format::none) return;
+  const bool f32 = c.dtype == "float32";
+  for (const bool key : {true, false}) {
+    const std::string name =
+        std::string("input.") + (key ? "k_" : "v_") + (s.kv.paged ? "pages" : "cache");
+    const std::string scale = key ? "input.k_scale" : "input.v_scale";
+    const index_t d = key ? s.d_head : s.d_head_v;
+    const std::int64_t n = numel(cache_dims(s, d));
+    std::vector<double> x(static_cast<std::size_t>(n));
+    const std::uint64_t stream = rng::stream_id(name);
+    for (std::size_t i = 0; i < x.size(); ++i) x[i] = 2 * rng::uniform01(c.seed, stream, i) - 1;
+    as_stored(x, c);
+    std::vector<unsigned char> codes(x.size());
+    std::vector<float> sc;
+    if (s.format == KvCacheSpec::Format::fp8) {
+      std::vector<double> amax(s.per_head ? static_cast<std::size_t>(s.kv_heads) : 1, 0.0);
+      const auto slot = [&](index_t g) -> double& { return amax[s.per_head ? g : 0]; };
+      for (index_t i = 0; i < n; ++i)
+        slot(head_of(s, i, d)) = std::max(slot(head_of(s, i, d)), std::abs(x[i]));
+      const auto& fresh = v.f.at(key ? "input.k_new" : "input.v_new");
+      for (std::size_t j = 0; j < fresh.size(); ++j) {
+        const index_t g = (static_cast<index_t>(j) / (s.seq * d)) % s.kv_heads;
+        slot(g) = std::max(slot(g), std::abs(fresh[j]));
+      }
+      for (std::size_t g = 0; g < amax.size(); ++g) {
+        const double u = rng::uniform01(c.seed, rng::stream_id(scale), g);
+        sc.push_back(amax[g] > 0 ? static_cast<float>(amax[g] / fp8_max(s.fp8) * std::exp2(u))
+                                 : 1.0f);
+      }
+      for (index_t i = 0; i < n; ++i) {
+        const float q =
+            static_cast<float>(fp8_code(s.fp8, x[i], sc[s.per_head ? head_of(s, i, d) : 0], f32));
+        codes[i] = to_fp8_bits(s.fp8, false, q);
+      }
+    } else {
+      for (index_t r = 0; r < n / d; ++r) {
+        sc.push_back(int8_scale(x.data() + r * d, d, f32));
+        for (index_t j = 0; j < d; ++j) {
+          const auto q = static_cast<std::int8_t>(int8_code(x[r * d + j], sc.back(), f32));
+          codes[r * d + j] = static_cast<unsigned char>(q);
+        }
+      }
+    }
+    v.raw[name] = std::move(codes);
+    auto& b = v.raw[scale];
+    b.resize(sc.size() * 4);
+    std::memcpy(b.data(), sc.data(), b.size());
+  }
+}
+
 template <class Real>
 void run(RunContext<Real>& c) {
   const auto& s = own(c.s);
@@ -361,21 +573,74 @@ void run(RunContext<Real>& c) {
     k_rot = c.zeros("input.k_new");
     rot.apply(k_rot.data(), k_new.data(), Hkv, Sq, Dh, /*back=*/false);
   }
-  // The append: new token i of sequence b is row cache_lengths[b] + i of its cache.
-  r.at(k_out) = c.in(k_in);
-  r.at(v_out) = c.in(v_in);
+  // The append: new token i of sequence b is row cache_lengths[b] + i of its cache (a quantized
+  // cache's row: its codes, and int8's scale).
+  const bool quantized = s.format != KvCacheSpec::Format::none;
+  const bool int8 = s.format == KvCacheSpec::Format::int8, f32 = c.s.float32;
+  std::vector<double> scale[2];
+  if (quantized) {
+    const auto as_tensor = [&](const std::string& in, const std::string& out, DType d) {
+      const auto x = packed_values(c.v, in, d);
+      auto& t = r.at(out);
+      for (index_t i = 0; i < t.numel(); ++i) t[i] = static_cast<Real>(x[i]);
+    };
+    as_tensor(k_in, k_out, code_dtype(s));
+    as_tensor(v_in, v_out, code_dtype(s));
+    scale[0] = scales_of(c.v, "input.k_scale", int8);
+    scale[1] = scales_of(c.v, "input.v_scale", int8);
+  } else {
+    r.at(k_out) = c.in(k_in);
+    r.at(v_out) = c.in(v_in);
+  }
   Real* kc = r.at(k_out).data();
   Real* vc = r.at(v_out).data();
   const Real* kn = rope ? k_rot.data() : k_new.data();
+  // row x (d values) of a new token into its cache slot `to`; int8: its scale into `row`
+  const auto put = [&](const Real* x, index_t d, Real* to, int side, index_t g, index_t row) {
+    if (!quantized) return void(std::copy_n(x, d, to));
+    if (!int8) {
+      const auto sc = static_cast<float>(scale[side][s.per_head ? g : 0]);
+      for (index_t j = 0; j < d; ++j) to[j] = static_cast<Real>(fp8_code(s.fp8, x[j], sc, f32));
+      return;
+    }
+    const float sc = int8_scale(x, d, f32);
+    scale[side][static_cast<std::size_t>(row)] = sc;
+    for (index_t j = 0; j < d; ++j) to[j] = static_cast<Real>(int8_code(x[j], sc, f32));
+  };
   for (index_t b = 0; b < B; ++b)
     for (index_t g = 0; g < Hkv; ++g)
       for (index_t i = 0; i < Sq; ++i) {
         const index_t t = cache[static_cast<std::size_t>(b)] + i, n = (b * Hkv + g) * Sq + i;
-        std::copy_n(kn + n * Dh, Dh, kc + at(b, g, t, Dh));
-        std::copy_n(v_new.data() + n * Dv, Dv, vc + at(b, g, t, Dv));
+        put(kn + n * Dh, Dh, kc + at(b, g, t, Dh), 0, g, at(b, g, t, 1));
+        put(v_new.data() + n * Dv, Dv, vc + at(b, g, t, Dv), 1, g, at(b, g, t, 1));
       }
-  c.done(k_out);
-  c.done(v_out);
+  Tensor<Real> kd, vd;  // a quantized cache dequantized: what the attention reads
+  if (quantized) {
+    const auto dequantize = [&](const Tensor<Real>& codes, index_t d, int side, Tensor<Real>& to,
+                                const std::string& what) {
+      to = Tensor<Real>(codes.shape());
+      for (index_t i = 0; i < codes.numel(); ++i) {
+        const double sc = scale[side][static_cast<std::size_t>(int8         ? i / d
+                                                               : s.per_head ? head_of(s, i, d)
+                                                                            : 0)];
+        to[i] = static_cast<Real>(static_cast<double>(codes[i]) * sc);
+      }
+      store(to, c.p, what);
+    };
+    dequantize(r.at(k_out), Dh, 0, kd, "the dequantized keys");
+    dequantize(r.at(v_out), Dv, 1, vd, "the dequantized values");
+    if (int8) {
+      for (int side = 0; side < 2; ++side) {
+        auto& t = r.at(side == 0 ? "output.k_scale" : "output.v_scale");
+        for (index_t i = 0; i < t.numel(); ++i) t[i] = static_cast<Real>(scale[side][i]);
+      }
+    }
+    kc = kd.data();
+    vc = vd.data();
+  } else {
+    c.done(k_out);
+    c.done(v_out);
+  }
   // The attention reads each sequence's first cache_lengths[b] + Sq rows: in place from a
   // contiguous cache they all fill, else gathered into (B, Hkv, L, D), zero past them.
   const index_t L = s.kv_seq;
@@ -431,8 +696,10 @@ const OpDef& attention_kvcache_op() {
       .config_of = config_in<KvCacheSpec>,
       .spec_ints = given_ints,
       .tensors = tensors,
+      .check_case = check_case,
       .longest_reduction = longest_reduction,
       .working_bytes = working_bytes,
+      .draw = draw,
       .run_float = run<float>,
       .run_double = run<double>,
       .forward_only = true,
@@ -440,7 +707,9 @@ const OpDef& attention_kvcache_op() {
       .samples =
           {R"({"batch": 2, "num_heads": 2, "q_len": 2, "d_head": 3, "max_len": 6, "cache_lengths": [4, 1]})",
            R"({"batch": 3, "num_heads": 4, "num_kv_heads": 2, "q_len": 3, "d_head": 4, "d_head_v": 3, "layout": "paged", "page_size": 2, "cache_lengths": [0, 5, 2], "positional": "rope", "attn_sinks": true, "sliding_window": 4, "attn_logit_softcap": 2.0})",
-           R"({"batch": 2, "num_heads": 2, "q_len": 1, "d_head": 2, "layout": "paged", "page_size": 3, "num_pages": 5, "block_table": [[4, 0], [2, 2]], "cache_lengths": [3, 0], "positional": "alibi", "causal": false, "lse": false})"},
+           R"({"batch": 2, "num_heads": 2, "q_len": 1, "d_head": 2, "layout": "paged", "page_size": 3, "num_pages": 5, "block_table": [[4, 0], [2, 2]], "cache_lengths": [3, 0], "positional": "alibi", "causal": false, "lse": false})",
+           R"({"batch": 2, "num_heads": 4, "num_kv_heads": 2, "q_len": 2, "d_head": 4, "layout": "paged", "page_size": 2, "cache_lengths": [3, 0], "cache_format": "fp8_e4m3", "kv_scale": "per_head"})",
+           R"({"batch": 2, "num_heads": 2, "q_len": 1, "d_head": 3, "d_head_v": 2, "max_len": 5, "cache_lengths": [4, 2], "cache_format": "int8"})"},
   };
   return def;
 }

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "golden/ops/op.hpp"
+#include "golden/ops/weight_format.hpp"
 #include "kernels/fp8_product.hpp"
 #include "teo/fp8.hpp"
 #include "teo/layers/linear.hpp"
@@ -15,10 +16,12 @@ namespace teo::golden::ops {
 
 namespace {
 
-// The op's spec: rows of in_features, out_features, and whether it has a bias.
+// The op's spec: rows of in_features, out_features, whether it has a bias, and the weight's
+// format (dense, or quantized: golden/ops/weight_format.hpp).
 struct LinearSpec {
   index_t rows = 0, in_f = 0, out_f = 0;
   bool bias = true;
+  WeightFormat weight;
 };
 
 const LinearSpec& own(const Spec& s) {
@@ -31,6 +34,8 @@ void parse(Spec& spec, Reader& r) {
   s.in_f = r.size("in_features", 1);
   s.out_f = r.size("out_features", 1);
   s.bias = r.flag("bias", true);
+  s.weight = read_weight_format(r);
+  check_weight_shape(s.weight, s.out_f, s.in_f, "the weight (out_features, in_features)");
 }
 
 void write_sizes(const Spec& spec, ojson& j) {
@@ -43,13 +48,33 @@ void write_sizes(const Spec& spec, ojson& j) {
 void write_options(const Spec& spec, ojson& j) {
   const auto& s = own(spec);
   j["bias"] = s.bias;
+  write_weight_format(s.weight, j);
+}
+
+// A quantized weight is the case's own quantization: its activations are judged in bf16, fp16 or
+// tf32, not under an fp8 recipe that would quantize the weight again.
+void check_case(const Spec& spec, const OpCase& c) {
+  if (!own(spec).weight.dense() && c.precision == Precision::fp8) {
+    throw ConfigError(
+        "spec.precision fp8: the weight of a weight_format case is quantized "
+        "already (give tf32, bf16 or fp16, or no precision)");
+  }
 }
 
 void tensors(const Spec& spec, OpTensors& t) {
   const auto& s = own(spec);
   const double inv_sqrt_in = 1.0 / std::sqrt(static_cast<double>(std::max<index_t>(s.in_f, 1)));
   t.in.push_back(float_slot("input.x", {s.rows, s.in_f}, Role::input));
-  t.in.push_back(float_slot("param.weight", {s.out_f, s.in_f}, Role::param, inv_sqrt_in));
+  if (s.weight.dense()) {
+    t.in.push_back(float_slot("param.weight", {s.out_f, s.in_f}, Role::param, inv_sqrt_in));
+  } else {
+    // a quantized weight has no gradient (weight-only quantization is for serving)
+    for (auto& p : weight_slots(s.weight, "param.weight", s.out_f, s.in_f, Role::param))
+      t.fixed.push_back(std::move(p));
+    Slot d = float_slot("output.weight_dequant", {s.out_f, s.in_f}, Role::output);
+    d.optional = d.exact = true;
+    t.out.push_back(std::move(d));
+  }
   if (s.bias) t.in.push_back(float_slot("param.bias", {s.out_f}, Role::param, inv_sqrt_in));
   t.out.push_back(float_slot("output.y", {s.rows, s.out_f}, Role::output));
   if (spec.fp8_delayed) {  // the dequantization scales of x, W and dY (docs/fp8.md)
@@ -63,6 +88,11 @@ void tensors(const Spec& spec, OpTensors& t) {
 // the current scale, and above it even after the bf16 rounding (2^(1/64) > 1 + 2^-9, half a bf16
 // step), so that nothing saturates and each value keeps up to one bit less.
 void draw(const Spec& spec, const OpCase& c, Values& v) {
+  const auto& s = own(spec);
+  if (!s.weight.dense()) {
+    const double amp = 1.0 / std::sqrt(static_cast<double>(s.in_f));
+    draw_weight(s.weight, "param.weight", s.out_f, s.in_f, amp, c.seed, v);
+  }
   if (!spec.fp8_delayed) return;
   const auto set = [&](const char* scale, const char* of, Fp8Format f) {
     double amax = 0;
@@ -94,11 +124,29 @@ std::vector<Fp8OperandSlot> fp8_operands(const Spec& spec) {
           {"grad_weight.x", s.in_f, s.rows, false, false}};
 }
 
+std::string locate(const Spec& spec, const std::string& name, std::int64_t i) {
+  const auto& s = own(spec);
+  return name == "output.weight_dequant" ? locate_weight(s.weight, s.in_f, i) : "";
+}
+
+// The weight: the case's own, or a quantized one's exact values (output.weight_dequant) as Real
+// holds them, rounded as the precision stores them.
+template <class Real>
+Tensor<Real> weight_of(RunContext<Real>& c) {
+  const auto& s = own(c.s);
+  if (s.weight.dense()) return c.in("param.weight");
+  const auto exact = dequantize_weight(s.weight, "param.weight", s.out_f, s.in_f, c.v);
+  auto& d = c.r.at("output.weight_dequant");
+  for (index_t i = 0; i < d.numel(); ++i) d[i] = static_cast<Real>(exact[i]);
+  c.done("output.weight_dequant");
+  return d;
+}
+
 template <class Real>
 void run(RunContext<Real>& c) {
   const auto& s = own(c.s);
   auto& r = c.r;
-  const auto x = c.in("input.x"), w = c.in("param.weight"), dy = c.in("grad.output.y");
+  const auto x = c.in("input.x"), w = weight_of(c), dy = c.in("grad.output.y");
   const Tensor<Real> b = s.bias ? c.in("param.bias") : Tensor<Real>();
   std::optional<teo::detail::Fp8DelayedScope> delayed;
   if constexpr (std::is_same_v<Real, float>) {
@@ -111,7 +159,10 @@ void run(RunContext<Real>& c) {
   linear_forward(r["output.y"].data(), x.data(), w.data(), s.bias ? b.data() : nullptr, s.rows,
                  s.in_f, s.out_f);
   c.done("output.y");
-  linear_backward(r["grad.input.x"].data(), r["grad.param.weight"].data(),
+  // a quantized weight's gradient is not a result: computed aside and dropped
+  Tensor<Real> dw_aside = s.weight.dense() ? Tensor<Real>() : Tensor<Real>(w.shape());
+  linear_backward(r["grad.input.x"].data(),
+                  s.weight.dense() ? r["grad.param.weight"].data() : dw_aside.data(),
                   s.bias ? r["grad.param.bias"].data() : nullptr, dy.data(), x.data(), w.data(),
                   s.rows, s.in_f, s.out_f);
 }
@@ -126,13 +177,24 @@ const OpDef& linear_op() {
       .write_sizes = write_sizes,
       .write_options = write_options,
       .tensors = tensors,
+      .check_case = check_case,
+      .locate = locate,
       .longest_reduction = longest_reduction,
       .draw = draw,
       .run_float = run<float>,
       .run_double = run<double>,
       .fp8_operands = fp8_operands,
       .samples = {R"({"rows": 5, "in_features": 4, "out_features": 3})",
-                  R"({"rows": 3, "in_features": 2, "out_features": 4, "bias": false})"},
+                  R"({"rows": 3, "in_features": 2, "out_features": 4, "bias": false})",
+                  R"({"rows": 3, "in_features": 32, "out_features": 8, "weight_format": "gptq",
+                      "group_size": 16, "act_order": true})",
+                  R"({"rows": 2, "in_features": 16, "out_features": 8, "weight_format": "awq",
+                      "group_size": 8})",
+                  R"({"rows": 3, "in_features": 32, "out_features": 2, "weight_format": "mxfp4",
+                      "bias": false})",
+                  R"({"rows": 2, "in_features": 32, "out_features": 3, "weight_format": "nvfp4"})",
+                  R"({"rows": 2, "in_features": 256, "out_features": 2,
+                      "weight_format": "gguf:Q4_K"})"},
   };
   return def;
 }

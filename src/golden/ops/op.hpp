@@ -51,6 +51,9 @@ struct Spec {
   // linear under an fp8 recipe with delayed scales: the operands' scales are inputs
   // (input.fp8_scale.*)
   bool fp8_delayed = false;
+  // The case's dtype is float32: what an op whose result is defined in the case's own arithmetic
+  // (a quantized KV cache's codes) computes in, in both of a float32 case's runs.
+  bool float32 = false;
   std::any own;
 
   // The op's spec, of its own type T; std::logic_error if the op's spec is of another type.
@@ -175,6 +178,12 @@ struct Slot {
   // integer output (I32: the experts chosen) is one always; it has no ref64 twin, since the
   // generator keeps every such choice the same in float32 and float64.
   bool no_grad = false;
+  // A quantized weight's part (golden/ops/weight_format.hpp): stored as its checkpoint stores it,
+  // bytes of `dtype`, drawn by the op's draw (Values::raw) and read back as those bytes.
+  bool packed = false;
+  // A float output with one right answer (a weight's exact dequantization): judged equal to the
+  // golden's values, with no tolerance.
+  bool exact = false;
 };
 
 // An integer output of the case (I32), held as exact values of the run's Real.
@@ -202,6 +211,7 @@ struct Values {
   std::map<std::string, std::vector<double>> f;
   std::map<std::string, std::vector<std::int64_t>> i64;
   std::map<std::string, std::vector<std::uint8_t>> u8;
+  std::map<std::string, std::vector<unsigned char>> raw;  // the packed slots' bytes
 };
 
 // The integers or mask `name` of n values; FormatError otherwise.
@@ -334,6 +344,11 @@ struct OpDef {
   detail::RoutingDependence (*routing_dependence)(const Spec& s, const std::string& name) = nullptr;
   // Its tensors.
   void (*tensors)(const Spec& s, OpTensors& t) = nullptr;
+  // ConfigError for a case the op refuses whole (a precision its spec cannot take), or null.
+  void (*check_case)(const Spec& s, const OpCase& c) = nullptr;
+  // Where element i of the exact output `name` lies in what it was computed from (a quantized
+  // weight's block), for the checker's message; null when the op has no exact output.
+  std::string (*locate)(const Spec& s, const std::string& name, std::int64_t i) = nullptr;
   // The longest sum behind any one result: the float32 conditioning test's L.
   index_t (*longest_reduction)(const Spec& s) = nullptr;
   // The bytes of the run's working tensors beyond the generic estimate (the values as doubles,
@@ -376,6 +391,12 @@ Spec spec_of(const OpCase& c);
 std::vector<Slot> layout(const Spec& s);
 // Whether a tensor of this role is computed (an output or a gradient) rather than drawn.
 bool is_result(Role r);
+// Whether a float32 case stores a float64 twin (ref64.) of slot t: each float result (a packed
+// one's values are the same in both runs), not an integer one.
+inline bool has_ref64(const Slot& t) {
+  return is_result(t.role) &&
+         (t.dtype == DType::F64 || (t.packed && safetensors::is_float(t.dtype)));
+}
 // The elements of a tensor of these dims, ShapeError on overflow.
 std::int64_t numel(const Dims& d);
 

@@ -1,0 +1,59 @@
+// Internal to the op cases: a weight stored in a quantized format (docs/golden-format.md,
+// "Quantized weights"), as the linear op takes it. The spec's weight_format names the format; the
+// case holds the packed tensors under the names a checkpoint gives them (teo/quant_formats.hpp,
+// teo/quant.hpp), drawn by quantizing a uniform weight with teo's quantizer; every run reads the
+// weight's exact dequantized values from them.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "golden/ops/op.hpp"
+#include "teo/quant.hpp"
+#include "teo/quant_formats.hpp"
+
+namespace teo::golden::ops {
+
+struct WeightFormat {
+  enum class Kind { dense, tensor, gguf };
+  Kind kind = Kind::dense;
+  quant::TensorFormat tensor = quant::TensorFormat::int8;  // kind tensor
+  quant::GgmlType gguf = quant::GgmlType::q8_0;            // kind gguf
+  index_t group_size = 128;                                // gptq, awq: input columns a group
+  bool act_order = false;                                  // gptq: g_idx, a permutation
+  int zero_offset = 1;                                     // gptq: 1 (v1) or 0 (gptq_v2)
+
+  bool dense() const { return kind == Kind::dense; }
+  // "int8", "gptq", "awq", "mxfp4", "nvfp4", or "gguf:" and a ggml type name ("gguf:Q4_K").
+  std::string name() const;
+};
+
+// The spec's weight_format and the keys of its format (group_size, act_order, zero_offset): dense
+// when absent. ConfigError for an unknown format, or a key its format does not take.
+WeightFormat read_weight_format(Reader& r);
+// Writes weight_format and its keys (nothing for a dense weight).
+void write_weight_format(const WeightFormat& f, ojson& j);
+// ConfigError naming `what` unless a weight (rows, cols) packs in f (whole blocks, groups and
+// 32-bit words).
+void check_weight_shape(const WeightFormat& f, index_t rows, index_t cols, const std::string& what);
+
+// The packed tensors of the weight whose dense name is `name` (rows, cols): the checkpoint's
+// names of its parts, with the module name `name` less ".weight" (mxfp4: `name`_blocks), each an
+// input slot of role `role`, packed.
+std::vector<Slot> weight_slots(const WeightFormat& f, const std::string& name, index_t rows,
+                               index_t cols, Role role);
+// Draws the weight `name` (rows, cols), uniform in [-amp, amp) from the stream of `name`, and
+// stores its packing by teo's quantizer in v.raw under weight_slots' names.
+void draw_weight(const WeightFormat& f, const std::string& name, index_t rows, index_t cols,
+                 double amp, std::uint64_t seed, Values& v);
+// The weight's exact values (rows, cols), row-major, from the packed tensors in v. FormatError
+// naming the tensor for a packing that does not read (a scale that is not finite, an invalid
+// block).
+std::vector<double> dequantize_weight(const WeightFormat& f, const std::string& name, index_t rows,
+                                      index_t cols, const Values& v);
+// Where element i of the dequantized weight (rows, cols) lies in the packing: "row r, block b of
+// the row (columns a to b)" or its group.
+std::string locate_weight(const WeightFormat& f, index_t cols, std::int64_t i);
+
+}  // namespace teo::golden::ops

@@ -424,3 +424,61 @@ TEST(QuantizedKvCache, AMissingZeroOrNanScaleIsANamedErrorNeverADefault) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(QuantizedExperts, KQuantAndMxfp4ExpertsAreTheirExactValuesAndAWrongOneIsNamedByExpert) {
+  // ggml #1506: K-quant experts degenerated where only F32, F16 and Q8_0 experts were tested
+  for (const char* fmt : {"gguf:Q4_K", "mxfp4", "gptq"}) {
+    SCOPED_TRACE(fmt);
+    const bool k = std::string(fmt) == "gguf:Q4_K";
+    json j = {{"op", "moe"},
+              {"tokens", 4},
+              {"d_model", k ? 256 : 32},
+              {"num_experts", 3},
+              {"num_experts_per_tok", 2},
+              {"moe_d_ff", k ? 256 : 32},
+              {"weight_format", fmt},
+              {"dtype", "float64"},
+              {"seed", 3}};
+    if (std::string(fmt) == "gptq") j["group_size"] = 16;
+    const st::File g = golden::make_op(golden::OpCase::from_json(j));
+    EXPECT_EQ(g.find("grad.param.experts.w_up"), nullptr) << "quantized experts have no gradient";
+    // each expert's weight is its own packing's exact values
+    const auto d = g.find("output.experts.w_up_dequant")->float_values();
+    const auto D = j["d_model"].get<index_t>();
+    if (k) {
+      const auto* w = g.find("param.experts.w_up");
+      ASSERT_EQ(w->shape, (std::vector<std::int64_t>{3, D, D / 256 * 144}));
+      std::vector<float> x(static_cast<std::size_t>(3 * D * D));
+      teo::dequantize(teo::quant::GgmlType::q4_k,
+                      reinterpret_cast<const std::uint8_t*>(w->data().data()), 3 * D * D, x.data());
+      for (std::size_t i = 0; i < d.size(); ++i) ASSERT_EQ(d[i], x[i]) << i;
+    }
+    st::File c = results_of(g);
+    auto rep = golden::check(g, c, {});
+    EXPECT_EQ(rep.failed, 0);
+    auto* t = find_mut(c, "output.experts.w_up_dequant");
+    auto v = t->float_values();
+    const std::size_t at = (2 * D + 1) * D + 8;  // expert 2, row 1, column 8
+    v[at] = -v[at] + 1;
+    set_values(*t, v);
+    rep = golden::check(g, c, {});
+    EXPECT_EQ(rep.first_divergence, "output.experts.w_up_dequant");
+    EXPECT_NE(result(rep, "output.experts.w_up_dequant").message.find("expert 2, row 1, column 8"),
+              std::string::npos)
+        << result(rep, "output.experts.w_up_dequant").message;
+  }
+  json bad = {{"op", "moe"},
+              {"tokens", 2},
+              {"d_model", 32},
+              {"num_experts", 2},
+              {"num_experts_per_tok", 1},
+              {"moe_d_ff", 40},
+              {"weight_format", "mxfp4"},
+              {"dtype", "float64"},
+              {"seed", 1}};
+  EXPECT_THROW(golden::OpCase::from_json(bad), teo::ConfigError) << "w_down's 40 columns";
+}
+
+}  // namespace

@@ -55,6 +55,13 @@ st::File mutant_of(const st::File& golden, Mutant m, Part part) {
       c.add<std::int32_t>(t.name, t.shape, ids.data(), ids.size());
       continue;
     }
+    if (!st::is_float(t.dtype)) {
+      // a quantized cache's int8 codes: zeros, or negated (codes lie in [-127, 127])
+      auto q = t.values<std::int8_t>();
+      for (auto& x : q) x = static_cast<std::int8_t>(m == Mutant::zero ? 0 : -x);
+      c.add<std::int8_t>(t.name, t.shape, q.data(), q.size());
+      continue;
+    }
     auto v = t.float_values();
     // a masked score's -inf stays: a zero there fails as a NaN/Inf mismatch, which would hide
     // whether the finite values are judged

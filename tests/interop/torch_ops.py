@@ -158,6 +158,8 @@ MUTANTS = {
                                "Q5_0's fifth bits dropped"),
     "dequant_per_use_rounded_to_bf16": ("linear_gguf_q6_k_f32", "output.y",
                                         "the weight written exactly, then multiplied in bf16"),
+    "moe_expert_nibbles_swapped": ("moe_mxfp4_experts_f32", "output.experts.w_gate_dequant",
+                                   "gpt-oss's MXFP4 experts read high nibble first"),
     # quantized KV caches: the append's codes are judged exactly, the attention by the budget
     "kv_scale_of_one": ("kvcache_fp8_e4m3_paged_f32", "output.k_pages",
                         "a KV scale passed as None and taken as 1 (TensorRT-LLM #16916)"),
@@ -286,23 +288,40 @@ def gguf_rows(raw, qtype, mutant):
     return gguf.quants.dequantize(blocks.reshape(b.shape), gguf.GGMLQuantizationType[qtype])
 
 
-def dequantized_weight(spec, raw, mutant):
-    """The weight of a weight_format case, exactly (float64), from its packed tensors: GGUF blocks
-    by the gguf package, the safetensors formats by quant_formats.py's numpy code, written from
-    each format's reference description."""
+def dequantized_weight(spec, raw, mutant, name="param.weight", experts=False):
+    if mutant == "moe_expert_nibbles_swapped":
+        mutant = "mxfp4_nibbles_swapped"
+    """The weight `name` of a weight_format case, exactly (float64), from its packed tensors:
+    GGUF blocks by the gguf package, the safetensors formats by quant_formats.py's numpy code,
+    written from each format's reference description; with `experts`, the experts' weights
+    stacked (E, rows, cols), each packed on its own."""
     import quant_formats as qf
     fmt = spec["weight_format"]
     if fmt.startswith("gguf:"):
-        return gguf_rows(raw["param.weight"], fmt[5:], mutant).astype(np.float64)
-    if fmt == "int8":
-        return qf.int8(raw, "param")
-    if fmt == "gptq":
-        return qf.int4(raw, "param", "gptq", spec["zero_offset"], mutant)
-    if fmt == "awq":
-        return qf.int4(raw, "param", "awq", 0, mutant)
+        return gguf_rows(raw[name], fmt[5:], mutant).astype(np.float64)
     if fmt == "mxfp4":
-        return qf.mxfp4(raw, "param.weight", mutant)
-    return qf.nvfp4(raw, "param", mutant)
+        return qf.mxfp4(raw, name, mutant)
+    module = name[:-len(".weight")] if name.endswith(".weight") else name
+    parts = {k: v for k, v in raw.items() if k.startswith(module + ".")}
+
+    def one(t):
+        if fmt == "int8":
+            return qf.int8(t, module)
+        if fmt in ("gptq", "awq"):
+            return qf.int4(t, module, fmt, spec.get("zero_offset", 0), mutant)
+        return qf.nvfp4(t, module, mutant)
+    if not experts:
+        return one(parts)
+    lead = next(iter(parts.values())).shape[0]
+    return np.stack([one({k: v[e] for k, v in parts.items()}) for e in range(lead)])
+
+
+def as_held(exact, mode):
+    """Exact weights as a backend holds them: float64, or float32 rounded once, then as the mode
+    stores them."""
+    w = torch.from_numpy(exact if mode.dtype == torch.float64 else exact.astype(np.float32))
+    w = w.to(mode.dtype)
+    return w.half().float() if mode.name == "float16" else w
 
 
 def op_linear(spec, T, mode):
@@ -312,11 +331,7 @@ def op_linear(spec, T, mode):
     if "weight_format" in spec:
         # the exact values as the backend holds them: float64, or float32 rounded once, then as
         # the mode stores them
-        exact = dequantized_weight(spec, mode.raw, mode.mutant)
-        w = torch.from_numpy(exact if mode.dtype == torch.float64 else exact.astype(np.float32))
-        w = w.to(mode.dtype)
-        if mode.name == "float16":
-            w = w.half().float()
+        w = as_held(dequantized_weight(spec, mode.raw, mode.mutant), mode)
         out["output.weight_dequant"] = w
         if mode.mutant == "dequant_per_use_rounded_to_bf16":
             w = w.to(torch.bfloat16).to(mode.dtype)  # the product reads other weights than it wrote
@@ -501,6 +516,11 @@ def op_moe(spec, T, mode):
     each expert over its rows, the combine in slot order, and the shared experts (a SwiGLU FFN on
     every token, Qwen2-MoE's sigmoid gate on it)."""
     x = T["input.x"]
+    dequant = {}
+    if "weight_format" in spec:  # quantized experts: their exact values, as the backend holds them
+        for n in ("w_gate", "w_up", "w_down"):
+            T["param.experts." + n] = dequant["output.experts.%s_dequant" % n] = as_held(
+                dequantized_weight(spec, mode.raw, mode.mutant, "param.experts." + n, True), mode)
     logits = mode.linear(x, T["param.gate.weight"], T.get("param.gate.bias"))
     ids, w, scores, margin = router_choice(spec, T, logits, mode)
     dt = logits.dtype
@@ -546,7 +566,7 @@ def op_moe(spec, T, mode):
     y = mode.store(y)
     res = {"output.logits": logits, "output.scores": scores.detach().to(dt),
            "output.topk_ids": ids.int(), "output.topk_weights": w,
-           "output.selection_margin": margin.to(dt),
+           "output.selection_margin": margin.to(dt), **dequant,
            "act.moe.expert_offsets": offsets.int(), "act.moe.source_rows": order.int(),
            "act.moe.expert_in": x_in, "act.moe.expert_hidden": hidden, "act.moe.expert_out": out}
     if spec["shared_d_ff"] > 0:

@@ -126,7 +126,7 @@ std::vector<Fp8OperandSlot> fp8_operands(const Spec& spec) {
 
 std::string locate(const Spec& spec, const std::string& name, std::int64_t i) {
   const auto& s = own(spec);
-  return name == "output.weight_dequant" ? locate_weight(s.weight, s.in_f, i) : "";
+  return name == "output.weight_dequant" ? locate_weight(s.weight, s.out_f, s.in_f, i) : "";
 }
 
 // The weight: the case's own, or a quantized one's exact values (output.weight_dequant) as Real

@@ -11,6 +11,7 @@
 
 #include "golden/ops/op.hpp"
 #include "golden/ops/router_spec.hpp"
+#include "golden/ops/weight_format.hpp"
 #include "layers/logistic.hpp"
 #include "teo/layers/feed_forward.hpp"
 #include "teo/layers/linear.hpp"
@@ -36,7 +37,19 @@ struct MoeOpSpec {
   bool shared_gate = false;
   bool aux_losses = false;
   std::vector<std::int64_t> loads;  // expert_loads: expert e gets exactly loads[e] rows
+  WeightFormat experts;             // weight_format: the routed experts' (dense by default)
 };
+
+// The routed experts' weights, each (E, rows, cols): w_gate and w_up (F, D), w_down (D, F).
+struct ExpertWeight {
+  const char* name;
+  const char* dequant;  // the exact values' output, with a weight_format
+  bool down;
+};
+constexpr ExpertWeight kExpertWeights[] = {
+    {"param.experts.w_gate", "output.experts.w_gate_dequant", false},
+    {"param.experts.w_up", "output.experts.w_up_dequant", false},
+    {"param.experts.w_down", "output.experts.w_down_dequant", true}};
 
 const MoeOpSpec& own(const Spec& s) {
   return s.as<MoeOpSpec>();
@@ -107,6 +120,10 @@ void parse(Spec& spec, Reader& r) {
     throw ConfigError("spec.shared_expert_gate needs shared experts (shared_d_ff > 0)");
   s.aux_losses = r.flag("aux_losses", false);
   s.loads = read_loads(r, s.router);
+  s.experts = read_weight_format(r);
+  check_weight_shape(s.experts, m.d_ff, m.d_model,
+                     "an expert's w_gate and w_up (moe_d_ff, d_model)");
+  check_weight_shape(s.experts, m.d_model, m.d_ff, "an expert's w_down (d_model, moe_d_ff)");
   try {
     m.validate();
   } catch (const ConfigError& e) {
@@ -135,6 +152,15 @@ void write_options(const Spec& spec, ojson& j) {
   j["shared_expert_gate"] = s.shared_gate;
   j["aux_losses"] = s.aux_losses;
   if (!s.loads.empty()) j["expert_loads"] = s.loads;
+  write_weight_format(s.experts, j);
+}
+
+// Quantized experts are the case's own quantization: no fp8 recipe on top of them.
+void check_case(const Spec& spec, const OpCase& c) {
+  if (!own(spec).experts.dense() && c.precision == Precision::fp8)
+    throw ConfigError(
+        "spec.precision fp8: the experts of a weight_format case are quantized "
+        "already (give tf32, bf16 or fp16, or no precision)");
 }
 
 // The experts' pre-activations of a clamped SwiGLU are drawn wide enough that its clamps at
@@ -150,9 +176,16 @@ void tensors(const Spec& spec, OpTensors& t) {
   const index_t E = s.router.router.experts, N = T * s.router.router.top_k;
   const double in_d = expert_amp(s), in_f = 1.0 / std::sqrt(static_cast<double>(F));
   router_inputs(s.router, t);
-  t.in.push_back(float_slot("param.experts.w_gate", {E, F, D}, Role::param, in_d));
-  t.in.push_back(float_slot("param.experts.w_up", {E, F, D}, Role::param, in_d));
-  t.in.push_back(float_slot("param.experts.w_down", {E, D, F}, Role::param, in_f));
+  for (const auto& w : kExpertWeights) {
+    const index_t rows = w.down ? D : F, cols = w.down ? F : D;
+    if (s.experts.dense()) {
+      t.in.push_back(float_slot(w.name, {E, rows, cols}, Role::param, w.down ? in_f : in_d));
+      continue;
+    }
+    // quantized experts have no gradient (weight-only quantization serves)
+    for (auto& p : weight_slots(s.experts, w.name, rows, cols, Role::param, E))
+      t.fixed.push_back(std::move(p));
+  }
   if (s.expert_bias) {
     t.in.push_back(float_slot("param.experts.b_gate", {E, F}, Role::param, in_d));
     t.in.push_back(float_slot("param.experts.b_up", {E, F}, Role::param, in_d));
@@ -168,6 +201,13 @@ void tensors(const Spec& spec, OpTensors& t) {
       t.in.push_back(float_slot("param.shared_gate.weight", {1, D}, Role::param, d));
   }
   router_outputs(s.router, t, /*weights_grad=*/false);
+  if (!s.experts.dense()) {
+    for (const auto& w : kExpertWeights) {
+      Slot d = float_slot(w.dequant, {E, w.down ? D : F, w.down ? F : D}, Role::output);
+      d.optional = d.exact = d.no_grad = true;
+      t.out.push_back(std::move(d));
+    }
+  }
   // the grouped layout, in pipeline order, then the shared experts and the block's output
   t.out.push_back(int_output("act.moe.expert_offsets", {E + 1}));
   t.out.push_back(int_output("act.moe.source_rows", {N}));
@@ -205,7 +245,7 @@ detail::RoutingDependence routing_dependence(const Spec& spec, const std::string
   using detail::RoutingDependence;
   if (const auto d = router_dependence(own(spec).router, name)) return *d;
   if (name == "output.y") return RoutingDependence::token_rows;
-  if (name == "act.moe.shared_out") return RoutingDependence::none;
+  if (name == "act.moe.shared_out" || name.ends_with("_dequant")) return RoutingDependence::none;
   return RoutingDependence::whole;
 }
 
@@ -256,6 +296,38 @@ void draw(const Spec& spec, const OpCase& c, Values& v) {
   const auto& s = own(spec);
   if (!s.loads.empty()) force_loads(s, c, v);
   draw_router(s.router, c, v);
+  if (s.experts.dense()) return;
+  const index_t D = s.moe.d_model, F = s.moe.d_ff;
+  for (const auto& w : kExpertWeights) {
+    draw_weight(s.experts, w.name, w.down ? D : F, w.down ? F : D,
+                w.down ? 1.0 / std::sqrt(static_cast<double>(F)) : expert_amp(s), c.seed, v,
+                s.router.router.experts);
+  }
+}
+
+std::string locate(const Spec& spec, const std::string& name, std::int64_t i) {
+  const auto& s = own(spec);
+  const index_t D = s.moe.d_model, F = s.moe.d_ff;
+  for (const auto& w : kExpertWeights) {
+    if (name == w.dequant)
+      return locate_weight(s.experts, w.down ? D : F, w.down ? F : D, i, s.router.router.experts);
+  }
+  return "";
+}
+
+// Expert weight w: the case's own, or a quantized one's exact values (its _dequant output) as Real
+// holds them, rounded as the precision stores them.
+template <class Real>
+Tensor<Real> expert_weight(RunContext<Real>& c, const ExpertWeight& w) {
+  const auto& s = own(c.s);
+  if (s.experts.dense()) return c.take(w.name);
+  const index_t D = s.moe.d_model, F = s.moe.d_ff;
+  const auto exact = dequantize_weight(s.experts, w.name, w.down ? D : F, w.down ? F : D, c.v,
+                                       s.router.router.experts);
+  auto& d = c.r.at(w.dequant);
+  for (index_t i = 0; i < d.numel(); ++i) d[i] = static_cast<Real>(exact[i]);
+  c.done(w.dequant);
+  return d;
 }
 
 template <class Real>
@@ -270,8 +342,8 @@ void run(RunContext<Real>& c) {
   const auto gate = c.in("param.gate.weight"), gate_b = in_or_empty(p.gate_bias, "param.gate.bias");
   const auto corr = in_or_empty(p.selection_bias, "param.gate.e_score_correction_bias");
   // the experts' weights, read once, are the case's largest tensors (RunContext::take)
-  const auto wg = c.take("param.experts.w_gate"), wu = c.take("param.experts.w_up");
-  const auto wd = c.take("param.experts.w_down");
+  const auto wg = expert_weight(c, kExpertWeights[0]), wu = expert_weight(c, kExpertWeights[1]);
+  const auto wd = expert_weight(c, kExpertWeights[2]);
   const auto bg = in_or_empty(s.expert_bias, "param.experts.b_gate");
   const auto bu = in_or_empty(s.expert_bias, "param.experts.b_up");
   const auto bd = in_or_empty(s.expert_bias, "param.experts.b_down");
@@ -341,11 +413,19 @@ void run(RunContext<Real>& c) {
   const auto grad = [&](bool given, const char* name) {
     return given ? c.r.at(name).data() : static_cast<Real*>(nullptr);
   };
+  // quantized experts' gradients are not results: computed aside and dropped
+  const bool dense = s.experts.dense();
+  Tensor<Real> aside[3];
+  const auto expert_grad = [&](int i, const Tensor<Real>& weight) {
+    if (dense) return c.r.at(std::string("grad.") + kExpertWeights[i].name).data();
+    aside[i] = Tensor<Real>(weight.shape());
+    return aside[i].data();
+  };
   MoeGrads<Real> g{grad(true, "grad.param.gate.weight"),
                    grad(p.gate_bias, "grad.param.gate.bias"),
-                   grad(true, "grad.param.experts.w_gate"),
-                   grad(true, "grad.param.experts.w_up"),
-                   grad(true, "grad.param.experts.w_down"),
+                   expert_grad(0, wg),
+                   expert_grad(1, wu),
+                   expert_grad(2, wd),
                    grad(s.expert_bias, "grad.param.experts.b_gate"),
                    grad(s.expert_bias, "grad.param.experts.b_up"),
                    grad(s.expert_bias, "grad.param.experts.b_down")};
@@ -373,6 +453,8 @@ const OpDef& moe_op() {
       .router_of = router_of,
       .routing_dependence = routing_dependence,
       .tensors = tensors,
+      .check_case = check_case,
+      .locate = locate,
       .longest_reduction = longest_reduction,
       .working_bytes = working_bytes,
       .taken = {"param.experts.w_gate", "param.experts.w_up", "param.experts.w_down"},
@@ -384,7 +466,8 @@ const OpDef& moe_op() {
            R"({"tokens": 5, "d_model": 4, "num_experts": 8, "num_experts_per_tok": 2, "moe_d_ff": 3, "router_scoring": "sigmoid", "selection_bias": true, "router_groups": 4, "topk_groups": 2, "routed_scaling_factor": 2.5, "shared_d_ff": 4, "aux_losses": true})",
            R"({"tokens": 5, "d_model": 4, "num_experts": 4, "num_experts_per_tok": 2, "moe_d_ff": 3, "router_order": "topk_then_score", "router_bias": true, "expert_kind": "clamped_swiglu", "expert_bias": true})",
            R"({"tokens": 4, "d_model": 3, "num_experts": 4, "num_experts_per_tok": 1, "moe_d_ff": 2, "router_scoring": "sigmoid", "router_order": "topk_then_score", "weight_at": "input", "shared_d_ff": 3, "shared_expert_gate": true, "replay_routing": true, "clear_margins": false})",
-           R"({"tokens": 6, "d_model": 4, "num_experts": 4, "num_experts_per_tok": 2, "moe_d_ff": 2, "expert_loads": [0, 1, 5, 6]})"},
+           R"({"tokens": 6, "d_model": 4, "num_experts": 4, "num_experts_per_tok": 2, "moe_d_ff": 2, "expert_loads": [0, 1, 5, 6]})",
+           R"({"tokens": 5, "d_model": 32, "num_experts": 3, "num_experts_per_tok": 2, "moe_d_ff": 32, "weight_format": "mxfp4"})"},
   };
   return def;
 }

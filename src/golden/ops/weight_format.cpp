@@ -2,6 +2,7 @@
 // packed tensors' names and shapes, their draw by teo's quantizer and their exact dequantization.
 #include "golden/ops/weight_format.hpp"
 
+#include <algorithm>
 #include <stdexcept>
 
 #include "teo/dequant.hpp"
@@ -168,9 +169,10 @@ void check_weight_shape(const WeightFormat& f, index_t rows, index_t cols,
 }
 
 std::vector<Slot> weight_slots(const WeightFormat& f, const std::string& name, index_t rows,
-                               index_t cols, Role role) {
+                               index_t cols, Role role, index_t lead) {
   std::vector<Slot> out;
-  for (const Part& p : parts_of(f, rows, cols)) {
+  for (Part& p : parts_of(f, rows, cols)) {
+    if (lead > 0) p.shape.insert(p.shape.begin(), lead);
     Slot s{part_name(f, name, p.role), p.dtype, p.shape, role};
     s.packed = true;
     out.push_back(std::move(s));
@@ -179,67 +181,91 @@ std::vector<Slot> weight_slots(const WeightFormat& f, const std::string& name, i
 }
 
 void draw_weight(const WeightFormat& f, const std::string& name, index_t rows, index_t cols,
-                 double amp, std::uint64_t seed, Values& v) {
+                 double amp, std::uint64_t seed, Values& v, index_t lead) {
   const std::uint64_t stream = rng::stream_id(name);
-  std::vector<double> w(static_cast<std::size_t>(rows * cols));
+  const index_t slices = std::max<index_t>(lead, 1), n = rows * cols;
+  std::vector<double> w(static_cast<std::size_t>(slices * n));
   for (std::size_t i = 0; i < w.size(); ++i) w[i] = amp * (2 * rng::uniform01(seed, stream, i) - 1);
   if (f.kind == WeightFormat::Kind::gguf) {
     const std::vector<float> x(w.begin(), w.end());
-    std::vector<unsigned char> bytes(static_cast<std::size_t>(rows) *
+    std::vector<unsigned char> bytes(static_cast<std::size_t>(slices * rows) *
                                      quant::row_bytes(f.gguf, cols, name));
-    teo::quantize(f.gguf, x.data(), rows * cols, bytes.data());
+    teo::quantize(f.gguf, x.data(), slices * n, bytes.data());
     v.raw[name] = std::move(bytes);
     return;
   }
-  const quant::Packed p = quant::quantize(f.tensor, w, {rows, cols},
-                                          {.group_size = f.group_size,
-                                           .act_order = f.act_order,
-                                           .seed = seed,
-                                           .zero_offset = f.zero_offset});
-  for (const Part& part : parts_of(f, rows, cols)) {
-    const auto it = p.parts.find(part.role);
-    if (it == p.parts.end() || it->second.dtype != part.dtype || it->second.shape != part.shape)
-      throw std::logic_error("teo's quantizer packed " + name + " unlike its parts");
-    const auto d = it->second.data();
-    v.raw[part_name(f, name, part.role)].assign(d.begin(), d.end());
+  // each slice (an expert's weight) packed on its own, the parts stacked along the lead
+  for (index_t e = 0; e < slices; ++e) {
+    const quant::Packed p = quant::quantize(
+        f.tensor, std::vector<double>(w.begin() + e * n, w.begin() + (e + 1) * n), {rows, cols},
+        {.group_size = f.group_size,
+         .act_order = f.act_order,
+         .seed = seed + static_cast<std::uint64_t>(e),
+         .zero_offset = f.zero_offset});
+    for (const Part& part : parts_of(f, rows, cols)) {
+      const auto it = p.parts.find(part.role);
+      if (it == p.parts.end() || it->second.dtype != part.dtype || it->second.shape != part.shape)
+        throw std::logic_error("teo's quantizer packed " + name + " unlike its parts");
+      const auto d = it->second.data();
+      auto& to = v.raw[part_name(f, name, part.role)];
+      to.insert(to.end(), d.begin(), d.end());
+    }
   }
 }
 
 std::vector<double> dequantize_weight(const WeightFormat& f, const std::string& name, index_t rows,
-                                      index_t cols, const Values& v) {
+                                      index_t cols, const Values& v, index_t lead) {
   const auto bytes_of = [&](const std::string& n) -> const std::vector<unsigned char>& {
     const auto it = v.raw.find(n);
     if (it == v.raw.end()) throw FormatError("the op case has no " + n);
     return it->second;
   };
+  const index_t slices = std::max<index_t>(lead, 1), n = rows * cols;
   if (f.kind == WeightFormat::Kind::gguf) {
     const auto& b = bytes_of(name);
     const std::int64_t per_row = cols / quant::block_shape(f.gguf).values;
     std::string why;
-    const std::int64_t bad = quant::first_invalid_block(f.gguf, b.data(), rows * per_row, why);
+    const std::int64_t bad =
+        quant::first_invalid_block(f.gguf, b.data(), slices * rows * per_row, why);
     if (bad >= 0) {
-      throw FormatError("the op case's " + name + ", row " + std::to_string(bad / per_row) +
-                        ", block " + std::to_string(bad % per_row) + ": " + why);
+      const std::int64_t row = bad / per_row;
+      throw FormatError("the op case's " + name + ", " +
+                        (lead > 0 ? "expert " + std::to_string(row / rows) + ", " : "") + "row " +
+                        std::to_string(row % rows) + ", block " + std::to_string(bad % per_row) +
+                        ": " + why);
     }
-    std::vector<float> x(static_cast<std::size_t>(rows * cols));
-    teo::dequantize(f.gguf, b.data(), rows * cols, x.data());
+    std::vector<float> x(static_cast<std::size_t>(slices * n));
+    teo::dequantize(f.gguf, b.data(), slices * n, x.data());
     return {x.begin(), x.end()};
   }
-  quant::Packed p;
-  p.format = f.tensor;
-  for (const Part& part : parts_of(f, rows, cols)) {
-    const std::string n = part_name(f, name, part.role);
-    safetensors::Tensor t{n, part.dtype, part.shape, {}};
-    t.bytes = bytes_of(n);
-    p.parts[part.role] = std::move(t);
+  std::vector<double> out;
+  out.reserve(static_cast<std::size_t>(slices * n));
+  for (index_t e = 0; e < slices; ++e) {
+    quant::Packed p;
+    p.format = f.tensor;
+    for (const Part& part : parts_of(f, rows, cols)) {
+      const std::string pn = part_name(f, name, part.role);
+      const auto& all = bytes_of(pn);
+      const std::size_t size = all.size() / static_cast<std::size_t>(slices);
+      safetensors::Tensor t{pn, part.dtype, part.shape, {}};
+      t.bytes.assign(all.begin() + static_cast<std::ptrdiff_t>(e * size),
+                     all.begin() + static_cast<std::ptrdiff_t>((e + 1) * size));
+      p.parts[part.role] = std::move(t);
+    }
+    const auto x = quant::dequantize(p,
+                                     "the op case's " + module_of(name) +
+                                         (lead > 0 ? " (expert " + std::to_string(e) + ")" : ""),
+                                     {.zero_offset = f.zero_offset, .group_size = f.group_size});
+    out.insert(out.end(), x.begin(), x.end());
   }
-  return quant::dequantize(p, "the op case's " + module_of(name),
-                           {.zero_offset = f.zero_offset, .group_size = f.group_size});
+  return out;
 }
 
-std::string locate_weight(const WeightFormat& f, index_t cols, std::int64_t i) {
-  const index_t r = i / cols, c = i % cols, block = block_of(f, cols);
-  const std::string at = "row " + std::to_string(r) + ", column " + std::to_string(c);
+std::string locate_weight(const WeightFormat& f, index_t rows, index_t cols, std::int64_t i,
+                          index_t lead) {
+  const index_t r = (i / cols) % rows, c = i % cols, block = block_of(f, cols);
+  const std::string at = (lead > 0 ? "expert " + std::to_string(i / (rows * cols)) + ", " : "") +
+                         "row " + std::to_string(r) + ", column " + std::to_string(c);
   if (f.kind == WeightFormat::Kind::tensor && f.tensor == TensorFormat::int8)
     return at + " (the row's scale)";
   if (f.kind == WeightFormat::Kind::tensor && f.tensor == TensorFormat::gptq && f.act_order)

@@ -38,22 +38,25 @@ void write_weight_format(const WeightFormat& f, ojson& j);
 // 32-bit words).
 void check_weight_shape(const WeightFormat& f, index_t rows, index_t cols, const std::string& what);
 
-// The packed tensors of the weight whose dense name is `name` (rows, cols): the checkpoint's
-// names of its parts, with the module name `name` less ".weight" (mxfp4: `name`_blocks), each an
-// input slot of role `role`, packed.
+// The packed tensors of the weight whose dense name is `name` (rows, cols), or with lead > 0 of
+// `lead` such weights stacked (the experts' (E, rows, cols)): the checkpoint's names of its parts,
+// with the module name `name` less ".weight" (mxfp4: `name`_blocks), each an input slot of role
+// `role`, packed, each part of a stack with the lead as its first dimension.
 std::vector<Slot> weight_slots(const WeightFormat& f, const std::string& name, index_t rows,
-                               index_t cols, Role role);
-// Draws the weight `name` (rows, cols), uniform in [-amp, amp) from the stream of `name`, and
-// stores its packing by teo's quantizer in v.raw under weight_slots' names.
+                               index_t cols, Role role, index_t lead = 0);
+// Draws the weight `name` ((lead,) rows, cols), uniform in [-amp, amp) from the stream of `name`,
+// and stores its packing by teo's quantizer (each weight of a stack on its own, act order seeded
+// by seed + its index) in v.raw under weight_slots' names.
 void draw_weight(const WeightFormat& f, const std::string& name, index_t rows, index_t cols,
-                 double amp, std::uint64_t seed, Values& v);
-// The weight's exact values (rows, cols), row-major, from the packed tensors in v. FormatError
-// naming the tensor for a packing that does not read (a scale that is not finite, an invalid
-// block).
+                 double amp, std::uint64_t seed, Values& v, index_t lead = 0);
+// The weight's exact values ((lead,) rows, cols), row-major, from the packed tensors in v.
+// FormatError naming the tensor for a packing that does not read (a scale that is not finite, an
+// invalid block).
 std::vector<double> dequantize_weight(const WeightFormat& f, const std::string& name, index_t rows,
-                                      index_t cols, const Values& v);
-// Where element i of the dequantized weight (rows, cols) lies in the packing: "row r, block b of
-// the row (columns a to b)" or its group.
-std::string locate_weight(const WeightFormat& f, index_t cols, std::int64_t i);
+                                      index_t cols, const Values& v, index_t lead = 0);
+// Where element i of the dequantized weight ((lead,) rows, cols) lies in the packing: "(expert e,)
+// row r, column c: block b of the row (columns a to b)" or its group.
+std::string locate_weight(const WeightFormat& f, index_t rows, index_t cols, std::int64_t i,
+                          index_t lead = 0);
 
 }  // namespace teo::golden::ops

@@ -17,7 +17,8 @@ except ImportError:  # pragma: no cover - depends on the environment
     BFLOAT16 = None
 
 _NUMPY = {"F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
-          "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "U8": np.dtype("u1"), "BF16": np.dtype("<u2"),
+          "I64": np.dtype("<i8"), "I32": np.dtype("<i4"), "I8": np.dtype("i1"), "U8": np.dtype("u1"),
+          "BF16": np.dtype("<u2"),
           "F8_E4M3": np.dtype("u1"), "F8_E5M2": np.dtype("u1")}
 
 _bf16_warned = False  # the warning that BF16 loads as uint16 is given once per process

@@ -102,6 +102,8 @@ def why_not(spec):
     """Why this kernel cannot run an attention_kvcache case, or None when it can."""
     if spec.get("layout") != "paged":
         return "contiguous cache (this kernel is paged)"
+    if spec.get("cache_format"):
+        return "a %s cache (this kernel's cache is float)" % spec["cache_format"]
     used = [k for k in UNSUPPORTED if spec.get(k) not in (None, False, "none")]
     if used:
         return "variants this kernel does not implement: " + ", ".join(used)

@@ -141,11 +141,15 @@ index_t longest_reduction(const OpCase& c);
 // Where element i of an op case's exact output `name` lies in what it was computed from (a
 // quantized weight's row and block), or "" when its op says nothing of it.
 std::string locate_exact(const OpCase& c, const std::string& name, std::int64_t i);
+// Per element of the op case's exact output `name`, the other value a faithful kernel may give
+// at a near tie of its rounding (OpDef::alternates), NaN elsewhere; empty when there is none.
+std::vector<double> exact_alternates(const safetensors::File& golden, const std::string& name);
 // An op case's exact output (ContractTensor::exact) judged against its one right answer, with
 // no tolerance: the golden's values (for a float64 candidate of a float32 case, its ref64 twin:
 // the exact values); under a precision budget, `emu` (the emulated run's values: the float32
 // value as the precision stores it) is right too, value by value. Values compare as numbers (-0
-// equals 0). The message locates the first difference (locate_exact).
+// equals 0). At a near tie of its rounding (exact_alternates) the other rounding is right too.
+// The message locates the first difference (locate_exact).
 TensorResult judge_exact(const safetensors::File& golden, const safetensors::Tensor& g,
                          const safetensors::Tensor* c, bool f32, const std::vector<double>* emu);
 // That limit for the golden `f` (a model or an op case).

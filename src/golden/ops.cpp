@@ -720,6 +720,12 @@ std::vector<ContractTensor> op_contract(const OpCase& c) {
 }
 
 namespace detail {
+std::vector<double> exact_alternates(const File& golden, const std::string& name) {
+  const Spec s = spec_of(op_case_of(golden));
+  if (!s.def->alternates) return {};
+  return s.def->alternates(s, values_of(golden, s), name);
+}
+
 std::string locate_exact(const OpCase& c, const std::string& name, std::int64_t i) {
   const Spec s = spec_of(c);
   return s.def->locate ? s.def->locate(s, name, i) : "";

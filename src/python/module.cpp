@@ -60,7 +60,7 @@ using Wire = std::tuple<std::string, std::string, std::vector<std::int64_t>, py:
 
 teo::safetensors::DType dtype_named(const std::string& name, const std::string& tensor) {
   using teo::safetensors::DType;
-  for (DType d : {DType::F32, DType::F64, DType::I64, DType::I32, DType::U8, DType::BF16,
+  for (DType d : {DType::F32, DType::F64, DType::I64, DType::I32, DType::I8, DType::U8, DType::BF16,
                   DType::F16, DType::F8_E4M3, DType::F8_E5M2}) {
     if (name == teo::safetensors::dtype_name(d)) return d;
   }

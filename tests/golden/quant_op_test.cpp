@@ -355,6 +355,37 @@ TEST(QuantizedKvCache, TheAppendWritesTheCodesOfKOverItsScaleAndAWrongCodeFailsT
   }
 }
 
+TEST(QuantizedKvCache, AtANearTieOfItsRoundingEitherCodeIsRightAndNoOtherIs) {
+  json j = kKv;
+  j["cache_format"] = "fp8_e4m3";
+  st::File g = golden::make_op(kvcache(j));
+  // new token 0 of sequence 0, head 0, element 0 (cache row 5): k / s just above the midpoint
+  // 1.0625 of the E4M3 values 1 and 1.125, so that the golden's code is 1.125
+  const float s = static_cast<float>(g.find("input.k_scale")->float_values()[0]);
+  const float x = s * 1.0625f * (1 + 0x1p-21f);
+  std::memcpy(find_mut(g, "input.k_new")->bytes.data(), &x, 4);
+  const std::size_t at = ((0 * 2 + 0) * 9 + 5) * 8;
+  find_mut(g, "output.k_cache")->bytes[at] = teo::to_fp8_bits(teo::Fp8Format::e4m3, false, 1.125f);
+  const double ref = 1.125;
+  std::memcpy(find_mut(g, "ref64.output.k_cache")->bytes.data() + 8 * at, &ref, 8);
+  st::File c = results_of(g);
+  auto* k = find_mut(c, "output.k_cache");
+  EXPECT_EQ(golden::check(g, c, {}).failed, 0);
+  // a kernel that multiplies by 1 / s may round it down: accepted, and said
+  k->bytes[at] = teo::to_fp8_bits(teo::Fp8Format::e4m3, false, 1.0f);
+  auto rep = golden::check(g, c, {});
+  EXPECT_EQ(rep.failed, 0);
+  EXPECT_NE(result(rep, "output.k_cache").message.find("1 value(s) at a near tie"),
+            std::string::npos)
+      << result(rep, "output.k_cache").message;
+  // but not a code further off, nor the other rounding where there is no tie
+  k->bytes[at] = teo::to_fp8_bits(teo::Fp8Format::e4m3, false, 1.25f);
+  EXPECT_EQ(golden::check(g, c, {}).first_divergence, "output.k_cache");
+  k->bytes[at] = teo::to_fp8_bits(teo::Fp8Format::e4m3, false, 1.125f);
+  k->bytes[at + 1] ^= 1;
+  EXPECT_EQ(golden::check(g, c, {}).first_divergence, "output.k_cache");
+}
+
 TEST(QuantizedKvCache, Int8KeepsARowScaleOfAmaxOver127AndItsCodes) {
   json j = kKv;
   j["cache_format"] = "int8";

@@ -506,6 +506,27 @@ def test_each_op_gives_the_float64_op_cases_bits(name):
         assert same_bits(a, g.tensors[n]), n
 
 
+def test_quantized_cases_load_check_and_save_in_their_dtypes(tmp_path):
+    # fp8 codes and scales load as uint8 bytes and are judged and saved as fp8 again
+    for name in ("kvcache_fp8_e4m3_paged_f32", "linear_nvfp4_f32", "kvcache_int8_paged_f32"):
+        g = op_case(name)
+        assert teo.golden.check(g, g, require_all=True).passed, name
+        out = {n: a for n, a in g.tensors.items()
+               if n.startswith(("output.", "grad.input.", "grad.param."))}
+        fp8 = {n: "F8_E4M3" for n in out if out[n].dtype == np.uint8}
+        assert teo.golden.check(g, out, bits=fp8, require_all=True).passed, name
+        bad = dict(out)
+        k = next(n for n in out if n.startswith("output.k_")) if "kvcache" in name else None
+        if k:
+            bad[k] = np.zeros_like(out[k])
+            report = teo.golden.check(g, bad, bits=fp8)
+            assert not report.passed and k in str(report), name
+        teo.golden.save(tmp_path / (name + ".safetensors"), g)
+        again = teo.golden.load(tmp_path / (name + ".safetensors"))
+        for n in g.tensors:
+            assert same_bits(g.tensors[n], again.tensors[n]), n
+
+
 def test_ops_in_float32_pass_the_float32_case():
     g = op_case("attention_odd_dh_scale_f32")
     args, kw = _op_args(g)

@@ -451,6 +451,28 @@ double int8_code(double x, float s, bool f32) {
   return std::clamp(std::nearbyint(q), -127.0, 127.0);
 }
 
+// The other rounding of quotient q where q lies within kTieTolerance of a midpoint between two
+// codes (fp8 values, or integers for int8 clamped to [-127, 127]), else NaN.
+double other_rounding(const KvCacheSpec& s, double q) {
+  const double a = std::abs(q);
+  double lo = 0, step = 1;
+  if (s.format == KvCacheSpec::Format::fp8) {
+    if (a >= fp8_max(s.fp8)) return NAN;  // saturated: one answer
+    const int min_exp = s.fp8 == Fp8Format::e4m3 ? -6 : -14;
+    const int mbits = s.fp8 == Fp8Format::e4m3 ? 3 : 2;
+    int e = 0;
+    std::frexp(a, &e);
+    step = std::ldexp(1.0, std::max(e - 1, min_exp) - mbits);
+  } else if (a >= 127) {
+    return NAN;
+  }
+  lo = std::floor(a / step) * step;
+  if (std::abs(a - (lo + step / 2)) > kTieTolerance * a) return NAN;
+  const double mine =
+      s.format == KvCacheSpec::Format::fp8 ? round_fp8(s.fp8, a) : std::nearbyint(a);
+  return std::copysign(mine == lo ? lo + step : lo, q);
+}
+
 // The K/V head of element i of a cache of head size d.
 index_t head_of(const KvCacheSpec& s, index_t i, index_t d) {
   return s.kv.paged ? (i / d) % s.kv_heads : (i / (s.max_len * d)) % s.kv_heads;
@@ -548,6 +570,34 @@ void draw(const Spec& spec, const OpCase& c, Values& v) {
     b.resize(sc.size() * 4);
     std::memcpy(b.data(), sc.data(), b.size());
   }
+}
+
+// The appended codes' other roundings at near ties (OpDef::alternates): the quotients of the new
+// keys or values over their scales, recomputed in float64 from the case's inputs.
+std::vector<double> alternates(const Spec& spec, const Values& v, const std::string& name) {
+  const auto& s = own(spec);
+  const std::string kind = s.kv.paged ? "pages" : "cache";
+  const bool key = name == "output.k_" + kind;
+  if (s.format == KvCacheSpec::Format::none || (!key && name != "output.v_" + kind)) return {};
+  const index_t d = key ? s.d_head : s.d_head_v;
+  const auto& fresh = v.f.at(key ? "input.k_new" : "input.v_new");
+  const auto& cache = spec_ints_of(v, spec, "input.cache_lengths");
+  const CacheIndex at{s, s.kv.paged ? spec_ints_of(v, spec, "input.block_table").data() : nullptr};
+  const bool int8 = s.format == KvCacheSpec::Format::int8, f32 = spec.float32;
+  const auto given =
+      int8 ? std::vector<double>() : scales_of(v, key ? "input.k_scale" : "input.v_scale", false);
+  std::vector<double> out(static_cast<std::size_t>(numel(cache_dims(s, d))), NAN);
+  for (index_t b = 0; b < s.batch; ++b)
+    for (index_t g = 0; g < s.kv_heads; ++g)
+      for (index_t i = 0; i < s.seq; ++i) {
+        const index_t t = cache[static_cast<std::size_t>(b)] + i;
+        const double* x = fresh.data() + ((b * s.kv_heads + g) * s.seq + i) * d;
+        const double sc = int8 ? int8_scale(x, d, f32) : given[s.per_head ? g : 0];
+        if (!(sc > 0)) continue;
+        for (index_t j = 0; j < d; ++j)
+          out[static_cast<std::size_t>(at(b, g, t, d) + j)] = other_rounding(s, x[j] / sc);
+      }
+  return out;
 }
 
 template <class Real>
@@ -697,6 +747,7 @@ const OpDef& attention_kvcache_op() {
       .spec_ints = given_ints,
       .tensors = tensors,
       .check_case = check_case,
+      .alternates = alternates,
       .longest_reduction = longest_reduction,
       .working_bytes = working_bytes,
       .draw = draw,

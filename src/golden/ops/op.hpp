@@ -37,6 +37,10 @@ using safetensors::DType;
 struct OpDef;
 struct RouterPart;
 
+// How close to a rounding midpoint, relative to the quotient, a quantized value's quotient is a
+// near tie (OpDef::alternates): 2^-20, eight float32 ulps.
+inline constexpr double kTieTolerance = 0x1p-20;
+
 // Attention stores scores and probs (B, H, S, S) by default up to this many entries each; beyond
 // it the case uses the row-blocked path and omits them.
 inline constexpr std::int64_t kProbsDefaultLimit = std::int64_t{1} << 22;
@@ -349,6 +353,12 @@ struct OpDef {
   // Where element i of the exact output `name` lies in what it was computed from (a quantized
   // weight's block), for the checker's message; null when the op has no exact output.
   std::string (*locate)(const Spec& s, const std::string& name, std::int64_t i) = nullptr;
+  // For an exact output whose values are roundings of quotients (a quantized cache's codes): per
+  // element, the other value a faithful kernel may give where its quotient lies within
+  // kTieTolerance of a rounding midpoint (a kernel that multiplies by a reciprocal, or divides in
+  // another precision, may round it the other way), NaN elsewhere; empty when no element has two.
+  std::vector<double> (*alternates)(const Spec& s, const Values& v,
+                                    const std::string& name) = nullptr;
   // The longest sum behind any one result: the float32 conditioning test's L.
   index_t (*longest_reduction)(const Spec& s) = nullptr;
   // The bytes of the run's working tensors beyond the generic estimate (the values as doubles,

@@ -133,11 +133,13 @@ def arrays_of(wire):
 
 
 def bits_of(wire):
-    """name -> "BF16" for the BF16 tensors of the core's tuples that arrays_of gives as uint16
-    bit patterns (ml_dtypes not installed): the bits= that writes them back as BF16."""
-    if BFLOAT16 is not None:
-        return {}
-    return {name: "BF16" for name, dtype, _, _ in wire if dtype == "BF16"}
+    """name -> dtype for the tensors of the core's tuples that arrays_of gives as bit patterns:
+    F8_E4M3 and F8_E5M2 (uint8: a quantized weight's scales, a quantized cache), and BF16 (uint16)
+    where ml_dtypes is not installed. The bits= that writes them back in their dtypes."""
+    out = {name: dtype for name, dtype, _, _ in wire if dtype in ("F8_E4M3", "F8_E5M2")}
+    if BFLOAT16 is None:
+        out.update({name: "BF16" for name, dtype, _, _ in wire if dtype == "BF16"})
+    return out
 
 
 def st_dtype(name, a):
@@ -148,18 +150,19 @@ def st_dtype(name, a):
         return "BF16"
     table = {np.dtype(np.float64): "F64", np.dtype(np.float32): "F32",
              np.dtype(np.float16): "F16", np.dtype(np.int64): "I64", np.dtype(np.int32): "I32",
-             np.dtype(np.uint8): "U8",
+             np.dtype(np.int8): "I8", np.dtype(np.uint8): "U8",
              np.dtype(np.bool_): "U8"}
     if d.newbyteorder("=") in table:
         return table[d.newbyteorder("=")]
     raise ConfigError("tensor %s has dtype %s; teo reads float64, float32, float16, bfloat16 "
-                      "(ml_dtypes or torch), int64, int32 and uint8" % (name, d))
+                      "(ml_dtypes or torch), int64, int32, int8 and uint8" % (name, d))
 
 
 def wire_of(tensors, bits=None):
     """The core's tuples from name -> array (numpy, torch of any float dtype, ...; see as_array).
-    bits maps a name to "BF16" or "F16" for uint16 arrays that hold bit patterns; a torch
-    bfloat16 tensor needs none. Any layout is accepted (copied to C order)."""
+    bits maps a name to "BF16" or "F16" for uint16 arrays that hold bit patterns, or to "F8_E4M3"
+    or "F8_E5M2" for uint8 ones; a torch bfloat16 tensor needs none. Any layout is accepted
+    (copied to C order)."""
     from . import ConfigError
     if not isinstance(tensors, dict):
         raise ConfigError("tensors must be a dict of name -> array, got %s"
@@ -170,7 +173,7 @@ def wire_of(tensors, bits=None):
             raise ConfigError("tensor names must be strings, got %r" % (name,))
         a = as_array(t)
         if bits and name in bits:
-            if a.dtype != np.uint16:
+            if a.dtype != (np.uint8 if bits[name].startswith("F8") else np.uint16):
                 raise ConfigError("tensor %s is declared %s bits but has dtype %s"
                                   % (name, bits[name], a.dtype))
             dtype = bits[name]

@@ -12,7 +12,7 @@ class Golden:
     """A loaded golden file or op case.
 
     tensors: name -> ndarray (BF16 as ml_dtypes.bfloat16, or uint16 bit patterns where ml_dtypes
-    is not installed; F16 as numpy.float16); metadata: the __metadata__ strings; config and case
+    is not installed; F16 as numpy.float16; F8_E4M3 and F8_E5M2 as uint8 bytes); metadata: the __metadata__ strings; config and case
     (model cases) or op and spec (op cases) parsed from it; path: where it was read from (None
     when made in memory). A model golden's params(), batch() and masks() are what teo.run takes.
     """
@@ -22,7 +22,7 @@ class Golden:
         self.tensors = tensors
         self.path = path
         self._wire = None
-        self._bits = dict(bits or {})  # name -> "BF16" for tensors held as uint16 bit patterns
+        self._bits = dict(bits or {})  # name -> "BF16", "F8_E4M3", ...: tensors held as bits
         fmt = self.metadata.get("format")
         self.format = fmt
         self.config = self.case = self.op = self.spec = None
@@ -35,8 +35,8 @@ class Golden:
 
     def wire(self):
         if self._wire is None:
-            bits = {n: b for n, b in self._bits.items()
-                    if n in self.tensors and self.tensors[n].dtype == "uint16"}
+            bits = {n: b for n, b in self._bits.items() if n in self.tensors and
+                    self.tensors[n].dtype == ("uint8" if b.startswith("F8") else "uint16")}
             self._wire = wire_of(self.tensors, bits)
         return self._wire
 
@@ -96,11 +96,17 @@ def save(path, tensors, metadata=None, *, force=False, bits=None):
     """Writes name -> array as safetensors, atomically (a temporary file renamed into place),
     creating the folders it goes in. An existing file is a FileError unless force. Arrays are
     numpy arrays (ml_dtypes.bfloat16 included) or torch tensors of any dtype teo reads
-    (bfloat16 as BF16, float16 as F16; requires_grad is fine). bits: see teo.golden.check."""
+    (bfloat16 as BF16, float16 as F16; requires_grad is fine). bits: see teo.golden.check.
+    tensors may be a loaded Golden: its tensors in their own dtypes, with its metadata unless
+    metadata is given."""
     from . import FileError
     path = os.fspath(path)
+    if isinstance(tensors, Golden):
+        metadata = tensors.metadata if metadata is None else metadata
+        wire = tensors.wire()
+    else:
+        wire = wire_of(tensors, bits)
     meta = [(str(k), str(v)) for k, v in (metadata or {}).items()]
-    wire = wire_of(tensors, bits)
     folder = os.path.dirname(os.path.abspath(path))
     try:
         os.makedirs(folder, exist_ok=True)
@@ -209,7 +215,7 @@ def check(golden, candidate, *, precision=None, only=None, require_all=False, al
 
     golden: a path or a loaded Golden. candidate: a path, a Golden, or a dict name -> array
     (numpy, ml_dtypes.bfloat16, float16, or torch tensors; uint16 bit patterns with
-    bits={name: "BF16" or "F16"}). precision: what the candidate computed in (fp64, fp32,
+    bits={name: "BF16" or "F16"}, fp8 bytes with bits={name: "F8_E4M3" or "F8_E5M2"}). precision: what the candidate computed in (fp64, fp32,
     tf32, bf16, fp16, fp8; default implied by its dtypes). only: "forward" or "backward".
     budget_k, budget_floor and fp8_recipe_k are `teo golden check`'s --budget-k, --budget-floor
     and --fp8-recipe-k (float("inf") turns the fp8 recipe rule off).

@@ -608,13 +608,13 @@ CaseReport check(const File& golden, const File& candidate, const CheckOptions& 
       rep.tensors.push_back(routing->ids);
     } else if (model_judged) {
       rep.tensors.push_back(model_ids->second);
-    } else if (g.dtype == DType::I32 && dependence != detail::RoutingDependence::whole) {
-      rep.tensors.push_back(detail::judge_exact_ints(g, c));
     } else if (exact_outputs.contains(g.name)) {
       const auto e = budget ? emu.find(g.name) : emu.end();
       if (budget && e == emu.end())
         throw FormatError("the golden's " + g.name + " is not in the contract");
       rep.tensors.push_back(detail::judge_exact(golden, g, c, f32, budget ? &e->second : nullptr));
+    } else if (g.dtype == DType::I32 && dependence != detail::RoutingDependence::whole) {
+      rep.tensors.push_back(detail::judge_exact_ints(g, c));
     } else if (dependence == detail::RoutingDependence::whole) {
       TensorResult r;
       r.name = g.name;

@@ -174,7 +174,7 @@ std::vector<Slot> layout(const Spec& s) {
   for (const auto& x : in)
     if (x.role == Role::param) all.push_back(x);
   for (const auto& x : out) all.push_back(x);
-  if (s.def->forward_only) return all;
+  if (s.def->forward_only || s.forward_only) return all;
   for (const auto& x : out) {
     if (x.optional || x.no_grad) continue;  // no gradient flows into these
     all.push_back(float_slot("grad." + x.name, x.shape, Role::grad_output));
@@ -712,8 +712,8 @@ std::vector<ContractTensor> op_contract(const OpCase& c) {
   const Spec s = spec_of(c);
   for (const auto& t : layout(s)) {
     if (!is_result(t.role)) continue;
-    const bool upstream =
-        t.role == Role::output && !t.optional && !t.no_grad && !s.def->forward_only;
+    const bool upstream = t.role == Role::output && !t.optional && !t.no_grad &&
+                          !s.def->forward_only && !s.forward_only;
     out.push_back({t.name, t.shape, t.optional, t.dtype == DType::I32, upstream, t.exact});
   }
   return out;

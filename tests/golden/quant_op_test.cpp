@@ -513,3 +513,63 @@ TEST(QuantizedExperts, KQuantAndMxfp4ExpertsAreTheirExactValuesAndAWrongOneIsNam
 }
 
 }  // namespace
+
+namespace {
+
+TEST(W8A8, TheCodesAreEachTokensAndTheInt32AccumulatorIsExact) {
+  for (const char* dtype : {"float32", "float64"}) {
+    SCOPED_TRACE(dtype);
+    const st::File g = golden::make_op(linear({{"rows", 4},
+                                               {"in_features", 64},
+                                               {"out_features", 8},
+                                               {"weight_format", "int8"},
+                                               {"activation_format", "int8"}},
+                                              dtype));
+    // serving: no upstream gradient, no gradient
+    for (const auto& t : g.tensors) EXPECT_FALSE(t.name.starts_with("grad.")) << t.name;
+    const bool f32 = std::string(dtype) == "float32";
+    const auto x = g.find("input.x")->float_values();
+    const auto sx = g.find("output.x_scale")->float_values();
+    const auto xq = g.find("output.x_quant")->int_values();
+    const auto wq = g.find("param.weight")->int_values();
+    const auto ws = g.find("param.weight_scale")->float_values();
+    const auto acc = g.find("output.acc")->int_values();
+    const auto y = g.find("output.y")->float_values();
+    const auto b = g.find("param.bias")->float_values();
+    for (int r = 0; r < 4; ++r) {
+      double amax = 0;
+      for (int k = 0; k < 64; ++k) amax = std::max(amax, std::abs(x[r * 64 + k]));
+      const float s = f32 ? static_cast<float>(amax) / 127.0f : static_cast<float>(amax / 127.0);
+      ASSERT_EQ(sx[r], s);
+      for (int k = 0; k < 64; ++k) {
+        const double q =
+            f32 ? static_cast<double>(static_cast<float>(x[r * 64 + k]) / s) : x[r * 64 + k] / s;
+        ASSERT_EQ(xq[r * 64 + k], static_cast<std::int64_t>(std::nearbyint(q)));
+      }
+      for (int o = 0; o < 8; ++o) {
+        std::int64_t sum = 0;
+        for (int k = 0; k < 64; ++k) sum += xq[r * 64 + k] * wq[o * 64 + k];
+        ASSERT_EQ(acc[r * 8 + o], sum);
+        const double want = static_cast<double>(sum) * sx[r] * ws[o] + b[o];
+        EXPECT_NEAR(y[r * 8 + o], want, (f32 ? 1e-6 : 1e-15) * (std::abs(want) + 1));
+      }
+    }
+    st::File c = results_of(g);
+    EXPECT_EQ(golden::check(g, c, {}).failed, 0);
+    // one accumulator off by one: named there, before y
+    auto* a = find_mut(c, "output.acc");
+    auto v = a->values<std::int32_t>();
+    v[5] += 1;
+    std::memcpy(a->bytes.data(), v.data(), v.size() * 4);
+    const auto rep = golden::check(g, c, {});
+    EXPECT_EQ(rep.first_divergence, "output.acc");
+  }
+  expect_refused({{"rows", 2},
+                  {"in_features", 64},
+                  {"out_features", 8},
+                  {"weight_format", "nvfp4"},
+                  {"activation_format", "int8"}},
+                 "goes with weight_format \"int8\"");
+}
+
+}  // namespace

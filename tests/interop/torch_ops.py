@@ -160,6 +160,9 @@ MUTANTS = {
                                         "the weight written exactly, then multiplied in bf16"),
     "moe_expert_nibbles_swapped": ("moe_mxfp4_experts_f32", "output.experts.w_gate_dequant",
                                    "gpt-oss's MXFP4 experts read high nibble first"),
+    "w8a8_scale_per_tensor": ("linear_w8a8_f32", "output.x_scale",
+                              "W8A8 with one activation scale for all tokens"),
+    "w8a8_acc_int16": ("linear_w8a8_bf16", "output.acc", "W8A8 accumulated in a wrapping int16"),
     # quantized KV caches: the append's codes are judged exactly, the attention by the budget
     "kv_scale_of_one": ("kvcache_fp8_e4m3_paged_f32", "output.k_pages",
                         "a KV scale passed as None and taken as 1 (TensorRT-LLM #16916)"),
@@ -324,6 +327,29 @@ def as_held(exact, mode):
     return w.half().float() if mode.name == "float16" else w
 
 
+def w8a8(spec, x, b, mode):
+    """W8A8 as SmoothQuant-style kernels run it: each token's scale amax / 127 and its codes
+    round(x / s) (ties to even, in the case's arithmetic), the codes' products summed in int32,
+    then y = acc * s_x * s_w + b."""
+    dt = np.float32 if spec["dtype"] == "float32" else np.float64
+    xs = x.detach().to(torch.float64).numpy().astype(dt)
+    amax = np.abs(xs).max(-1, keepdims=True)
+    if mode.mutant == "w8a8_scale_per_tensor":
+        amax = np.full_like(amax, np.abs(xs).max())
+    sx = (amax / dt(127)).astype(np.float32)
+    q = np.clip(np.round(np.where(sx > 0, xs / np.where(sx > 0, sx, 1).astype(dt), 0)), -127, 127)
+    wq = mode.raw["param.weight"].astype(np.int64)
+    ws = mode.raw["param.weight_scale"].astype(np.float64).reshape(-1)
+    acc = q.astype(np.int64) @ wq.T
+    if mode.mutant == "w8a8_acc_int16":
+        acc = ((acc + 2**15) % 2**16) - 2**15  # an int16 accumulator wrapping
+    y = torch.from_numpy(acc.astype(np.float64) * sx.astype(np.float64) * ws[None, :]).to(mode.dtype)
+    if b is not None:
+        y = y + b.detach()
+    return {"output.x_scale": torch.from_numpy(sx[:, 0]), "output.x_quant": torch.from_numpy(q),
+            "output.acc": torch.from_numpy(acc.astype(np.int32)), "output.y": mode.store(y)}
+
+
 def op_linear(spec, T, mode):
     x = T["input.x"]
     b = T.get("param.bias")
@@ -337,6 +363,8 @@ def op_linear(spec, T, mode):
             w = w.to(torch.bfloat16).to(mode.dtype)  # the product reads other weights than it wrote
     else:
         w = T["param.weight"]
+    if spec.get("activation_format") == "int8":
+        return dict(out, **w8a8(spec, x, b, mode))
     if mode.mutant == "linear_weight_grad_transposed":
         return {"output.y": _LinearWeightGradTransposed.apply(x, w, b)}
     out["output.y"] = mode.linear(x, w, b)

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "golden/ops/op.hpp"
+#include "golden/ops/quantize_case.hpp"
 #include "golden/ops/rotary.hpp"
 #include "model/model_internal.hpp"
 #include "teo/fp8.hpp"
@@ -417,60 +418,10 @@ struct CacheIndex {
 
 // ---- a quantized cache (docs/golden-format.md, "Quantized KV caches") ------------------------
 
-// x rounded to fp8 format f from a double, to nearest with ties to even, saturating at the
-// format's largest value, with no rounding on the way.
-double round_fp8(Fp8Format f, double x) {
-  if (x == 0) return x;
-  const int min_exp = f == Fp8Format::e4m3 ? -6 : -14, mbits = f == Fp8Format::e4m3 ? 3 : 2;
-  int e = 0;
-  std::frexp(x, &e);
-  const double step = std::ldexp(1.0, std::max(e - 1, min_exp) - mbits);
-  const double r = std::nearbyint(std::abs(x) / step) * step;
-  return std::copysign(std::min(r, static_cast<double>(fp8_max(f))), x);
-}
-
-// The fp8 code of x under scale s: x / s in the case's arithmetic (a float32 case: float32
-// division of float32 values), rounded to f, saturating.
-double fp8_code(Fp8Format f, double x, float s, bool f32) {
-  return round_fp8(f, f32 ? static_cast<double>(static_cast<float>(x) / s) : x / s);
-}
-
-// int8: a row's scale, amax / 127 in the case's arithmetic, stored as float32.
-template <class T>
-float int8_scale(const T* x, index_t n, bool f32) {
-  double amax = 0;
-  for (index_t i = 0; i < n; ++i) amax = std::max(amax, std::abs(static_cast<double>(x[i])));
-  return f32 ? static_cast<float>(amax) / 127.0f : static_cast<float>(amax / 127.0);
-}
-
-// ... and a value's code: x / s in the case's arithmetic, to nearest with ties to even, clamped to
-// [-127, 127]; 0 in a row of zeros (scale 0).
-double int8_code(double x, float s, bool f32) {
-  if (!(s > 0)) return 0;
-  const double q = f32 ? static_cast<double>(static_cast<float>(x) / s) : x / s;
-  return std::clamp(std::nearbyint(q), -127.0, 127.0);
-}
-
-// The other rounding of quotient q where q lies within kTieTolerance of a midpoint between two
-// codes (fp8 values, or integers for int8 clamped to [-127, 127]), else NaN.
+// The other rounding of quotient q at a near tie (quantize_case.hpp), for this cache's format.
 double other_rounding(const KvCacheSpec& s, double q) {
-  const double a = std::abs(q);
-  double lo = 0, step = 1;
-  if (s.format == KvCacheSpec::Format::fp8) {
-    if (a >= fp8_max(s.fp8)) return NAN;  // saturated: one answer
-    const int min_exp = s.fp8 == Fp8Format::e4m3 ? -6 : -14;
-    const int mbits = s.fp8 == Fp8Format::e4m3 ? 3 : 2;
-    int e = 0;
-    std::frexp(a, &e);
-    step = std::ldexp(1.0, std::max(e - 1, min_exp) - mbits);
-  } else if (a >= 127) {
-    return NAN;
-  }
-  lo = std::floor(a / step) * step;
-  if (std::abs(a - (lo + step / 2)) > kTieTolerance * a) return NAN;
-  const double mine =
-      s.format == KvCacheSpec::Format::fp8 ? round_fp8(s.fp8, a) : std::nearbyint(a);
-  return std::copysign(mine == lo ? lo + step : lo, q);
+  return s.format == KvCacheSpec::Format::fp8 ? other_fp8_rounding(s.fp8, q)
+                                              : other_int8_rounding(q);
 }
 
 // The K/V head of element i of a cache of head size d.

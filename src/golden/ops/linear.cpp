@@ -1,11 +1,14 @@
 // The linear op (docs/golden-format.md, "Op cases"): y = x W^T + b.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <optional>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
 #include "golden/ops/op.hpp"
+#include "golden/ops/quantize_case.hpp"
 #include "golden/ops/weight_format.hpp"
 #include "kernels/fp8_product.hpp"
 #include "teo/fp8.hpp"
@@ -16,12 +19,14 @@ namespace teo::golden::ops {
 
 namespace {
 
-// The op's spec: rows of in_features, out_features, whether it has a bias, and the weight's
-// format (dense, or quantized: golden/ops/weight_format.hpp).
+// The op's spec: rows of in_features, out_features, whether it has a bias, the weight's format
+// (dense, or quantized: golden/ops/weight_format.hpp), and W8A8: int8 activations quantized per
+// token (forward only).
 struct LinearSpec {
   index_t rows = 0, in_f = 0, out_f = 0;
   bool bias = true;
   WeightFormat weight;
+  bool w8a8 = false;
 };
 
 const LinearSpec& own(const Spec& s) {
@@ -36,6 +41,16 @@ void parse(Spec& spec, Reader& r) {
   s.bias = r.flag("bias", true);
   s.weight = read_weight_format(r);
   check_weight_shape(s.weight, s.out_f, s.in_f, "the weight (out_features, in_features)");
+  s.w8a8 = r.choice("activation_format", {"none", "int8"}, "none") == "int8";
+  if (s.w8a8 && s.weight.name() != "int8") {
+    throw ConfigError("spec.activation_format int8 (W8A8) goes with weight_format \"int8\", not " +
+                      s.weight.name());
+  }
+  // an int32 accumulator holds in_features products of at most 127 * 127
+  if (s.w8a8 && s.in_f > (std::int64_t{1} << 31) / (std::int64_t{127} * 127)) {
+    throw ConfigError("spec.in_features: W8A8's int32 accumulator holds at most 133144 products");
+  }
+  spec.forward_only = s.w8a8;  // serving: W8A8 has no backward
 }
 
 void write_sizes(const Spec& spec, ojson& j) {
@@ -49,6 +64,7 @@ void write_options(const Spec& spec, ojson& j) {
   const auto& s = own(spec);
   j["bias"] = s.bias;
   write_weight_format(s.weight, j);
+  if (s.w8a8) j["activation_format"] = "int8";
 }
 
 // A quantized weight is the case's own quantization: its activations are judged in bf16, fp16 or
@@ -76,6 +92,17 @@ void tensors(const Spec& spec, OpTensors& t) {
     t.out.push_back(std::move(d));
   }
   if (s.bias) t.in.push_back(float_slot("param.bias", {s.out_f}, Role::param, inv_sqrt_in));
+  if (s.w8a8) {
+    // each token's scale and codes, then the exact int32 accumulation of the codes' products
+    for (auto [name, d, dims] : {std::tuple{"output.x_scale", DType::F32, Dims{s.rows}},
+                                 std::tuple{"output.x_quant", DType::I8, Dims{s.rows, s.in_f}}}) {
+      Slot q{name, d, dims, Role::output};
+      q.packed = q.exact = q.no_grad = true;
+      t.out.push_back(std::move(q));
+    }
+    t.out.push_back(int_output("output.acc", {s.rows, s.out_f}));
+    t.out.back().exact = true;  // under a precision, the emulated run's codes' sums are right too
+  }
   t.out.push_back(float_slot("output.y", {s.rows, s.out_f}, Role::output));
   if (spec.fp8_delayed) {  // the dequantization scales of x, W and dY (docs/fp8.md)
     for (const char* n : {"input.fp8_scale.x", "input.fp8_scale.weight", "input.fp8_scale.grad_y"})
@@ -142,10 +169,68 @@ Tensor<Real> weight_of(RunContext<Real>& c) {
   return d;
 }
 
+// W8A8 (forward only): each token's int8 scale and codes, acc = the codes' products summed in
+// int32 (exact), y = acc * x_scale * weight_scale + b in Real.
+template <class Real>
+void run_w8a8(RunContext<Real>& c, const Tensor<Real>& x) {
+  const auto& s = own(c.s);
+  auto& r = c.r;
+  const index_t in = s.in_f, out = s.out_f;
+  const auto& wq = c.v.raw.at("param.weight");
+  std::vector<float> ws(static_cast<std::size_t>(out));
+  std::memcpy(ws.data(), c.v.raw.at("param.weight_scale").data(), ws.size() * 4);
+  std::vector<std::int8_t> xq(static_cast<std::size_t>(s.rows * in));
+  for (index_t i = 0; i < s.rows; ++i) {
+    const float sx = int8_scale(x.data() + i * in, in, c.s.float32);
+    r.at("output.x_scale")[i] = static_cast<Real>(sx);
+    for (index_t k = 0; k < in; ++k) {
+      const double q = int8_code(x[i * in + k], sx, c.s.float32);
+      xq[static_cast<std::size_t>(i * in + k)] = static_cast<std::int8_t>(q);
+      r.at("output.x_quant")[i * in + k] = static_cast<Real>(q);
+    }
+  }
+  const Tensor<Real> b = s.bias ? c.in("param.bias") : Tensor<Real>();
+  for (index_t i = 0; i < s.rows; ++i) {
+    for (index_t o = 0; o < out; ++o) {
+      std::int64_t acc = 0;
+      for (index_t k = 0; k < in; ++k) {
+        acc += std::int64_t{xq[static_cast<std::size_t>(i * in + k)]} *
+               static_cast<std::int8_t>(wq[static_cast<std::size_t>(o * in + k)]);
+      }
+      r.at("output.acc")[i * out + o] = static_cast<Real>(acc);
+      Real y = static_cast<Real>(acc) * r.at("output.x_scale")[i] * static_cast<Real>(ws[o]);
+      if (s.bias) y += b[o];
+      r.at("output.y")[i * out + o] = y;
+    }
+  }
+  c.done("output.y");
+}
+
+// W8A8's codes at a near tie of x / x_scale (OpDef::alternates).
+std::vector<double> alternates(const Spec& spec, const Values& v, const std::string& name) {
+  const auto& s = own(spec);
+  if (!s.w8a8 || name != "output.x_quant") return {};
+  const auto& x = v.f.at("input.x");
+  std::vector<double> out(x.size(), NAN);
+  for (index_t i = 0; i < s.rows; ++i) {
+    const float sx = int8_scale(x.data() + i * s.in_f, s.in_f, spec.float32);
+    if (!(sx > 0)) continue;
+    for (index_t k = 0; k < s.in_f; ++k) {
+      const auto at = static_cast<std::size_t>(i * s.in_f + k);
+      out[at] = other_int8_rounding(x[at] / sx);
+    }
+  }
+  return out;
+}
+
 template <class Real>
 void run(RunContext<Real>& c) {
   const auto& s = own(c.s);
   auto& r = c.r;
+  if (s.w8a8) {
+    weight_of(c);
+    return run_w8a8(c, c.in("input.x"));
+  }
   const auto x = c.in("input.x"), w = weight_of(c), dy = c.in("grad.output.y");
   const Tensor<Real> b = s.bias ? c.in("param.bias") : Tensor<Real>();
   std::optional<teo::detail::Fp8DelayedScope> delayed;
@@ -179,6 +264,7 @@ const OpDef& linear_op() {
       .tensors = tensors,
       .check_case = check_case,
       .locate = locate,
+      .alternates = alternates,
       .longest_reduction = longest_reduction,
       .draw = draw,
       .run_float = run<float>,
@@ -194,7 +280,9 @@ const OpDef& linear_op() {
                       "bias": false})",
                   R"({"rows": 2, "in_features": 32, "out_features": 3, "weight_format": "nvfp4"})",
                   R"({"rows": 2, "in_features": 256, "out_features": 2,
-                      "weight_format": "gguf:Q4_K"})"},
+                      "weight_format": "gguf:Q4_K"})",
+                  R"({"rows": 3, "in_features": 8, "out_features": 4, "weight_format": "int8",
+                      "activation_format": "int8"})"},
   };
   return def;
 }

@@ -58,6 +58,8 @@ struct Spec {
   // The case's dtype is float32: what an op whose result is defined in the case's own arithmetic
   // (a quantized KV cache's codes) computes in, in both of a float32 case's runs.
   bool float32 = false;
+  // The case has no backward, whatever its op's OpDef::forward_only (W8A8 serves): set by parse.
+  bool forward_only = false;
   std::any own;
 
   // The op's spec, of its own type T; std::logic_error if the op's spec is of another type.

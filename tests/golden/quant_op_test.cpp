@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "check_support.hpp"
+#include "golden/ops/quantize_case.hpp"
 #include "teo/dequant.hpp"
 #include "teo/fp8.hpp"
 #include "teo/golden.hpp"
@@ -384,6 +385,40 @@ TEST(QuantizedKvCache, AtANearTieOfItsRoundingEitherCodeIsRightAndNoOtherIs) {
   k->bytes[at] = teo::to_fp8_bits(teo::Fp8Format::e4m3, false, 1.125f);
   k->bytes[at + 1] ^= 1;
   EXPECT_EQ(golden::check(g, c, {}).first_divergence, "output.k_cache");
+}
+
+TEST(QuantizedKvCache, TheOtherRoundingIsAroundTheGoldensOwnCode) {
+  using teo::golden::ops::other_fp8_rounding;
+  using teo::golden::ops::other_int8_rounding;
+  // exact 3.49999995: float32's quotient is 3.5, rounded to 4; a kernel with 1 / s may give 3
+  EXPECT_EQ(other_int8_rounding(3.49999995, 4.0), 3.0);
+  EXPECT_EQ(other_int8_rounding(3.49999995, 3.0), 4.0);
+  EXPECT_EQ(other_int8_rounding(-3.50000004, -4.0), -3.0);
+  EXPECT_TRUE(std::isnan(other_int8_rounding(3.4, 3.0))) << "no tie: one answer";
+  EXPECT_TRUE(std::isnan(other_int8_rounding(127.4, 127.0))) << "clamped: one answer";
+  // E4M3 between 1.125 and 1.25 (midpoint 1.1875, ties to the even 1.25)
+  EXPECT_EQ(other_fp8_rounding(teo::Fp8Format::e4m3, 1.1875 - 1e-9, 1.25), 1.125);
+  EXPECT_EQ(other_fp8_rounding(teo::Fp8Format::e4m3, 1.1875 - 1e-9, 1.125), 1.25);
+  EXPECT_TRUE(std::isnan(other_fp8_rounding(teo::Fp8Format::e4m3, 1.17, 1.125)));
+  EXPECT_TRUE(std::isnan(other_fp8_rounding(teo::Fp8Format::e4m3, 500.0, 448.0)));
+}
+
+TEST(QuantizedKvCache, ACachedCodeThatIsNoCodeIsANamedError) {
+  json j = kKv;
+  j["cache_format"] = "fp8_e4m3";
+  st::File g = golden::make_op(kvcache(j));
+  find_mut(g, "input.v_cache")->bytes[17] = 0x7F;  // E4M3's NaN
+  try {
+    golden::run_op(g, std::nullopt);
+    ADD_FAILURE() << "a NaN code was read";
+  } catch (const teo::FormatError& e) {
+    EXPECT_NE(std::string(e.what()).find("input.v_cache[17]"), std::string::npos) << e.what();
+  }
+  json i8 = kKv;
+  i8["cache_format"] = "int8";
+  st::File h = golden::make_op(kvcache(i8));
+  find_mut(h, "input.k_cache")->bytes[3] = 0x80;  // -128
+  EXPECT_THROW(golden::run_op(h, std::nullopt), teo::FormatError);
 }
 
 TEST(QuantizedKvCache, Int8KeepsARowScaleOfAmaxOver127AndItsCodes) {

@@ -418,10 +418,17 @@ struct CacheIndex {
 
 // ---- a quantized cache (docs/golden-format.md, "Quantized KV caches") ------------------------
 
-// The other rounding of quotient q at a near tie (quantize_case.hpp), for this cache's format.
-double other_rounding(const KvCacheSpec& s, double q) {
-  return s.format == KvCacheSpec::Format::fp8 ? other_fp8_rounding(s.fp8, q)
-                                              : other_int8_rounding(q);
+// The largest code's magnitude: the fp8 format's largest value, or int8's 127.
+double fp8_or_int8_max(const KvCacheSpec& s) {
+  return s.format == KvCacheSpec::Format::fp8 ? static_cast<double>(fp8_max(s.fp8)) : 127.0;
+}
+
+// The other code of x under scale sc at a near tie (quantize_case.hpp), for this cache's format:
+// around the exact quotient, against the code the case's own arithmetic gives.
+double other_rounding(const KvCacheSpec& s, double x, float sc, bool f32) {
+  if (s.format == KvCacheSpec::Format::fp8)
+    return other_fp8_rounding(s.fp8, x / sc, fp8_code(s.fp8, x, sc, f32));
+  return other_int8_rounding(x / sc, int8_code(x, sc, f32));
 }
 
 // The K/V head of element i of a cache of head size d.
@@ -546,7 +553,8 @@ std::vector<double> alternates(const Spec& spec, const Values& v, const std::str
         const double sc = int8 ? int8_scale(x, d, f32) : given[s.per_head ? g : 0];
         if (!(sc > 0)) continue;
         for (index_t j = 0; j < d; ++j)
-          out[static_cast<std::size_t>(at(b, g, t, d) + j)] = other_rounding(s, x[j] / sc);
+          out[static_cast<std::size_t>(at(b, g, t, d) + j)] =
+              other_rounding(s, x[j], static_cast<float>(sc), f32);
       }
   return out;
 }
@@ -583,7 +591,16 @@ void run(RunContext<Real>& c) {
     const auto as_tensor = [&](const std::string& in, const std::string& out, DType d) {
       const auto x = packed_values(c.v, in, d);
       auto& t = r.at(out);
-      for (index_t i = 0; i < t.numel(); ++i) t[i] = static_cast<Real>(x[i]);
+      for (index_t i = 0; i < t.numel(); ++i) {
+        // a code the append never writes: an fp8 NaN or infinity, int8's -128
+        if (!std::isfinite(x[i]) || x[i] < -fp8_or_int8_max(s) || x[i] > fp8_or_int8_max(s)) {
+          throw FormatError("the op case's " + in + "[" + std::to_string(i) + "] is " +
+                            std::to_string(x[i]) + ", not a code of the " +
+                            (int8 ? "int8" : "fp8") + " cache (finite, within +-" +
+                            std::to_string(static_cast<int>(fp8_or_int8_max(s))) + ")");
+        }
+        t[i] = static_cast<Real>(x[i]);
+      }
     };
     as_tensor(k_in, k_out, code_dtype(s));
     as_tensor(v_in, v_out, code_dtype(s));

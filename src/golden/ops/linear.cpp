@@ -46,9 +46,9 @@ void parse(Spec& spec, Reader& r) {
     throw ConfigError("spec.activation_format int8 (W8A8) goes with weight_format \"int8\", not " +
                       s.weight.name());
   }
-  // an int32 accumulator holds in_features products of at most 127 * 127
-  if (s.w8a8 && s.in_f > (std::int64_t{1} << 31) / (std::int64_t{127} * 127)) {
-    throw ConfigError("spec.in_features: W8A8's int32 accumulator holds at most 133144 products");
+  // an int32 accumulator holds in_features products of at most 128 * 128
+  if (s.w8a8 && s.in_f > (std::int64_t{1} << 31) / (std::int64_t{128} * 128)) {
+    throw ConfigError("spec.in_features: W8A8's int32 accumulator holds at most 131072 products");
   }
   spec.forward_only = s.w8a8;  // serving: W8A8 has no backward
 }
@@ -197,6 +197,12 @@ void run_w8a8(RunContext<Real>& c, const Tensor<Real>& x) {
         acc += std::int64_t{xq[static_cast<std::size_t>(i * in + k)]} *
                static_cast<std::int8_t>(wq[static_cast<std::size_t>(o * in + k)]);
       }
+      // float32 holds integers exactly up to 2^24: a float32 run's larger sum would not be exact
+      if (std::is_same_v<Real, float> && (acc > (1 << 24) || acc < -(1 << 24))) {
+        throw RangeError("output.acc[" + std::to_string(i * out + o) + "] is " +
+                         std::to_string(acc) + ", beyond the integers a float32 run holds " +
+                         "exactly (2^24): give the case as float64");
+      }
       r.at("output.acc")[i * out + o] = static_cast<Real>(acc);
       Real y = static_cast<Real>(acc) * r.at("output.x_scale")[i] * static_cast<Real>(ws[o]);
       if (s.bias) y += b[o];
@@ -217,7 +223,7 @@ std::vector<double> alternates(const Spec& spec, const Values& v, const std::str
     if (!(sx > 0)) continue;
     for (index_t k = 0; k < s.in_f; ++k) {
       const auto at = static_cast<std::size_t>(i * s.in_f + k);
-      out[at] = other_int8_rounding(x[at] / sx);
+      out[at] = other_int8_rounding(x[at] / sx, int8_code(x[at], sx, spec.float32));
     }
   }
   return out;

@@ -45,30 +45,31 @@ inline double int8_code(double x, float s, bool f32) {
   return std::clamp(std::nearbyint(q), -127.0, 127.0);
 }
 
-// The other rounding of quotient q (a value between two codes `step` apart from `lo` up) where q
-// lies within kTieTolerance of their midpoint, else NaN.
-inline double other_rounding_between(double q, double lo, double step, double mine) {
+// The other of the two codes around quotient q (the exact quotient, in float64; `step` apart from
+// `lo` up) where q lies within kTieTolerance of their midpoint, else NaN. `code` is the golden's
+// (the rounding of the quotient in the case's arithmetic, which at a midpoint may be either).
+inline double other_rounding_between(double q, double lo, double step, double code) {
   const double a = std::abs(q);
   if (std::abs(a - (lo + step / 2)) > kTieTolerance * a) return NAN;
-  return std::copysign(mine == lo ? lo + step : lo, q);
+  return std::copysign(std::abs(code) == lo ? lo + step : lo, q);
 }
 
-// fp8: the other rounding of q at a near tie, NaN elsewhere (and where it saturates).
-inline double other_fp8_rounding(Fp8Format f, double q) {
+// fp8: the other code of exact quotient q at a near tie, NaN elsewhere (and where it saturates).
+inline double other_fp8_rounding(Fp8Format f, double q, double code) {
   const double a = std::abs(q);
   if (a >= fp8_max(f) || a == 0) return NAN;
   const int min_exp = f == Fp8Format::e4m3 ? -6 : -14, mbits = f == Fp8Format::e4m3 ? 3 : 2;
   int e = 0;
   std::frexp(a, &e);
   const double step = std::ldexp(1.0, std::max(e - 1, min_exp) - mbits);
-  return other_rounding_between(q, std::floor(a / step) * step, step, round_fp8(f, a));
+  return other_rounding_between(q, std::floor(a / step) * step, step, code);
 }
 
-// int8: the other integer of q at a near tie, NaN elsewhere (and beyond +-127).
-inline double other_int8_rounding(double q) {
+// int8: the other integer of exact quotient q at a near tie, NaN elsewhere (and beyond +-127).
+inline double other_int8_rounding(double q, double code) {
   const double a = std::abs(q);
   if (a >= 127) return NAN;
-  return other_rounding_between(q, std::floor(a), 1.0, std::nearbyint(a));
+  return other_rounding_between(q, std::floor(a), 1.0, code);
 }
 
 }  // namespace teo::golden::ops

@@ -28,7 +28,7 @@ std::string stage_name(const std::string& n) {
   return n;
 }
 
-namespace {
+namespace detail {
 
 std::string index_str(std::int64_t flat, const std::vector<std::int64_t>& shape) {
   std::vector<std::int64_t> idx(shape.size());
@@ -40,6 +40,12 @@ std::string index_str(std::int64_t flat, const std::vector<std::int64_t>& shape)
   for (std::size_t d = 0; d < idx.size(); ++d) s += (d ? "," : "") + std::to_string(idx[d]);
   return s + "]";
 }
+
+}  // namespace detail
+
+namespace {
+
+using detail::index_str;
 
 using detail::full_digits;
 

@@ -10,21 +10,6 @@ namespace teo::golden::detail {
 using safetensors::DType;
 using safetensors::File;
 
-namespace {
-
-std::string index_of(std::int64_t flat, const std::vector<std::int64_t>& shape) {
-  std::vector<std::int64_t> idx(shape.size());
-  for (std::size_t d = shape.size(); d-- > 0;) {
-    idx[d] = shape[d] ? flat % shape[d] : 0;
-    flat = shape[d] ? flat / shape[d] : 0;
-  }
-  std::string s = "[";
-  for (std::size_t d = 0; d < idx.size(); ++d) s += (d ? "," : "") + std::to_string(idx[d]);
-  return s + "]";
-}
-
-}  // namespace
-
 TensorResult judge_exact(const File& golden, const safetensors::Tensor& g,
                          const safetensors::Tensor* c, bool f32, const std::vector<double>* emu) {
   TensorResult r;
@@ -85,7 +70,7 @@ TensorResult judge_exact(const File& golden, const safetensors::Tensor& g,
   r.message = std::to_string(wrong) + " of " + std::to_string(want.size()) +
               " values differ from the exact values" +
               (emu ? " (and from them as the precision stores them)" : "") + "; first at " +
-              index_of(first, g.shape) + (where.empty() ? "" : " (" + where + ")") +
+              index_str(first, g.shape) + (where.empty() ? "" : " (" + where + ")") +
               ": candidate " + full_digits(cv[i]) + ", exact " + full_digits(want[i]) + tie_note;
   return r;
 }

@@ -144,6 +144,8 @@ std::string locate_exact(const OpCase& c, const std::string& name, std::int64_t 
 // Per element of the op case's exact output `name`, the other value a faithful kernel may give
 // at a near tie of its rounding (OpDef::alternates), NaN elsewhere; empty when there is none.
 std::vector<double> exact_alternates(const safetensors::File& golden, const std::string& name);
+// "[i,j,k]": the index of flat element `flat` of a tensor of `shape`.
+std::string index_str(std::int64_t flat, const std::vector<std::int64_t>& shape);
 // An op case's exact output (ContractTensor::exact) judged against its one right answer, with
 // no tolerance: the golden's values (for a float64 candidate of a float32 case, its ref64 twin:
 // the exact values); under a precision budget, `emu` (the emulated run's values: the float32

@@ -1,5 +1,5 @@
-// What the checker's tests share: a report's row by name, options judging as fp8, and an
-// ill-conditioned case.
+// What the checker's tests share: a report's row by name, a file's tensor to change, options
+// judging as fp8, and an ill-conditioned case.
 #pragma once
 
 #include <stdexcept>
@@ -7,6 +7,7 @@
 
 #include "teo/golden.hpp"
 #include "teo/precision.hpp"
+#include "teo/safetensors.hpp"
 
 namespace teo::golden::test_support {
 
@@ -15,6 +16,13 @@ inline const TensorResult& result(const CaseReport& r, const std::string& name) 
   for (const auto& t : r.tensors)
     if (t.name == name) return t;
   throw std::runtime_error("no tensor " + name);
+}
+
+// The tensor `name` of f, to change in place, or null.
+inline safetensors::Tensor* find_mut(safetensors::File& f, const std::string& name) {
+  for (auto& t : f.tensors)
+    if (t.name == name) return &t;
+  return nullptr;
 }
 
 // Check options judging the candidate as fp8, every other option at its default.

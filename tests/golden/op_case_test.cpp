@@ -15,6 +15,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include "check_support.hpp"
 #include "golden/ops/op.hpp"
 #include "support.hpp"
 #include "teo/backend.hpp"
@@ -33,6 +34,7 @@ namespace st = teo::safetensors;
 namespace golden = teo::golden;
 using nlohmann::json;
 using teo::index_t;
+using teo::golden::test_support::find_mut;
 
 const fs::path kOps = fs::path(TEO_SOURCE_DIR) / "golden" / "ops";
 
@@ -662,12 +664,6 @@ TEST(OpCases, BadSpecsGiveNamedErrorsBeforeAllocation) {
 }
 
 // ---- the checker on op cases -------------------------------------------------------------------
-
-st::Tensor* find_mut(st::File& f, const std::string& name) {
-  for (auto& t : f.tensors)
-    if (t.name == name) return &t;
-  return nullptr;
-}
 
 TEST(OpCases, CheckerNamesTheFirstDivergenceAndNeverRequiresOptionalOutputs) {
   const st::File g = golden::make_op(spec("attention", {{"batch", 1},

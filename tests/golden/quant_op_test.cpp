@@ -28,6 +28,7 @@ using golden::Status;
 using golden::test_support::result;
 using nlohmann::json;
 using teo::index_t;
+using teo::golden::test_support::find_mut;
 
 golden::OpCase linear(json j, const std::string& dtype = "float32") {
   j["op"] = "linear";
@@ -72,12 +73,6 @@ std::vector<Format> formats() {
     if (!f.keys.contains("in_features")) f.keys["in_features"] = 64;
   }
   return out;
-}
-
-st::Tensor* find_mut(st::File& f, const std::string& name) {
-  for (auto& t : f.tensors)
-    if (t.name == name) return &t;
-  return nullptr;
 }
 
 void set_values(st::Tensor& t, const std::vector<double>& v) {

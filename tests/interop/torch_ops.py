@@ -787,13 +787,12 @@ def cache_index(spec, T, t, heads, mode):
 def fp8_values(b, fmt):
     """fp8 bytes as float64, from OCP's definitions: E4M3 (bias 7, NaN at S.1111.111), E5M2
     (bias 15, inf and NaN at exponent 31)."""
-    b = b.astype(np.int64)
+    import quant_formats as qf
     if fmt == "fp8_e4m3":
-        e, m = (b >> 3) & 15, b & 7
-        v = np.where(e == 0, m * 2.0 ** -9, (8 + m) * 2.0 ** (e - 10))
-    else:
-        e, m = (b >> 2) & 31, b & 3
-        v = np.where(e == 0, m * 2.0 ** -16, (4 + m) * 2.0 ** (e - 17))
+        return qf.e4m3(b)
+    b = b.astype(np.int64)
+    e, m = (b >> 2) & 31, b & 3
+    v = np.where(e == 0, m * 2.0 ** -16, (4 + m) * 2.0 ** (e - 17))
     return np.where(b & 0x80, -v, v)
 
 

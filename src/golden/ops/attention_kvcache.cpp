@@ -436,34 +436,10 @@ index_t head_of(const KvCacheSpec& s, index_t i, index_t d) {
   return s.kv.paged ? (i / d) % s.kv_heads : (i / (s.max_len * d)) % s.kv_heads;
 }
 
-// A packed tensor's values as numbers: fp8 or int8 codes, float32 scales.
-std::vector<double> packed_values(const Values& v, const std::string& n, DType d) {
-  const auto it = v.raw.find(n);
-  if (it == v.raw.end()) throw FormatError("the op case has no " + n);
-  const auto& b = it->second;
-  std::vector<double> out;
-  if (d == DType::F32) {
-    out.resize(b.size() / 4);
-    for (std::size_t i = 0; i < out.size(); ++i) {
-      float f = 0;
-      std::memcpy(&f, b.data() + 4 * i, 4);
-      out[i] = f;
-    }
-    return out;
-  }
-  out.resize(b.size());
-  for (std::size_t i = 0; i < b.size(); ++i) {
-    out[i] = d == DType::I8 ? static_cast<double>(static_cast<std::int8_t>(b[i]))
-                            : static_cast<double>(from_fp8_bits(
-                                  d == DType::F8_E4M3 ? Fp8Format::e4m3 : Fp8Format::e5m2, b[i]));
-  }
-  return out;
-}
-
 // A quantized cache's scales, each finite and positive (int8's: or 0, a row of zeros);
 // FormatError naming the first that is not.
 std::vector<double> scales_of(const Values& v, const std::string& n, bool int8) {
-  auto x = packed_values(v, n, DType::F32);
+  auto x = packed_numbers(v, n, DType::F32);
   for (std::size_t i = 0; i < x.size(); ++i) {
     if (!std::isfinite(x[i]) || x[i] < 0 || (!int8 && x[i] == 0)) {
       throw FormatError("the op case's " + n + "[" + std::to_string(i) + "] is " +
@@ -589,7 +565,7 @@ void run(RunContext<Real>& c) {
   std::vector<double> scale[2];
   if (quantized) {
     const auto as_tensor = [&](const std::string& in, const std::string& out, DType d) {
-      const auto x = packed_values(c.v, in, d);
+      const auto x = packed_numbers(c.v, in, d);
       auto& t = r.at(out);
       for (index_t i = 0; i < t.numel(); ++i) {
         // a code the append never writes: an fp8 NaN or infinity, int8's -128

@@ -177,8 +177,7 @@ void run_w8a8(RunContext<Real>& c, const Tensor<Real>& x) {
   auto& r = c.r;
   const index_t in = s.in_f, out = s.out_f;
   const auto& wq = c.v.raw.at("param.weight");
-  std::vector<float> ws(static_cast<std::size_t>(out));
-  std::memcpy(ws.data(), c.v.raw.at("param.weight_scale").data(), ws.size() * 4);
+  const auto ws = packed_numbers(c.v, "param.weight_scale", DType::F32);
   std::vector<std::int8_t> xq(static_cast<std::size_t>(s.rows * in));
   for (index_t i = 0; i < s.rows; ++i) {
     const float sx = int8_scale(x.data() + i * in, in, c.s.float32);

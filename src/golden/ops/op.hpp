@@ -231,6 +231,10 @@ const std::vector<T>& ints_of(const std::map<std::string, std::vector<T>>& m,
   return it->second;
 }
 
+// The packed slot `name` (its bytes in v.raw, of dtype d) as numbers, as safetensors reads them:
+// floats (fp8 widened) or integers. FormatError when the case has no such tensor.
+std::vector<double> packed_numbers(const Values& v, const std::string& name, DType d);
+
 // A golden's token ids and labels must lie in [0, hi): FormatError otherwise.
 void check_range(const std::vector<std::int64_t>& v, std::int64_t hi, const std::string& what);
 

@@ -34,16 +34,16 @@ int layer_of_source(const std::string& rel) {
 
 int layer_of_public(const std::string& rel) {
   static const std::map<std::string, Layer> headers = {
-      {"types.hpp", core},          {"errors.hpp", core},     {"tensor.hpp", core},
-      {"config.hpp", core},         {"precision.hpp", core},  {"fp8.hpp", core},
-      {"safetensors.hpp", core},    {"files.hpp", core},      {"sha256.hpp", core},
-      {"suggest.hpp", core},        {"profile.hpp", core},    {"rng.hpp", core},
-      {"backend.hpp", kernels},     {"kernels.hpp", kernels}, {"rounding.hpp", kernels},
-      {"dequant.hpp", kernels},     {"quant.hpp", core},      {"gguf.hpp", core},
-      {"quant_formats.hpp", core},  {"model.hpp", model},     {"contract.hpp", model},
-      {"bench.hpp", model},         {"generate.hpp", model},  {"golden.hpp", golden},
-      {"golden_ops.hpp", golden},   {"names.hpp", golden},    {"train.hpp", train},
-      {"decoder_layer.hpp", model}, {"moe_kinds.hpp", core}};
+      {"types.hpp", core},         {"errors.hpp", core},         {"tensor.hpp", core},
+      {"config.hpp", core},        {"precision.hpp", core},      {"fp8.hpp", core},
+      {"safetensors.hpp", core},   {"files.hpp", core},          {"sha256.hpp", core},
+      {"suggest.hpp", core},       {"profile.hpp", core},        {"rng.hpp", core},
+      {"backend.hpp", kernels},    {"kernels.hpp", kernels},     {"rounding.hpp", kernels},
+      {"dequant.hpp", kernels},    {"quant.hpp", core},          {"gguf.hpp", core},
+      {"quant_formats.hpp", core}, {"weight_format.hpp", core},  {"model.hpp", model},
+      {"contract.hpp", model},     {"bench.hpp", model},         {"generate.hpp", model},
+      {"golden.hpp", golden},      {"golden_ops.hpp", golden},   {"names.hpp", golden},
+      {"train.hpp", train},        {"decoder_layer.hpp", model}, {"moe_kinds.hpp", core}};
   if (rel.starts_with("layers/")) return layers;
   if (rel.starts_with("train/")) return train;
   const auto it = headers.find(rel);

@@ -10,6 +10,7 @@
 
 #include "teo/errors.hpp"
 #include "teo/moe_kinds.hpp"
+#include "teo/weight_format.hpp"
 
 namespace teo {
 
@@ -203,6 +204,18 @@ struct NormsConfig {
   bool operator==(const NormsConfig&) const = default;
 };
 
+// Quantized weights (docs/quantization.md, "Quantized models"): the layers' linear weights stored
+// in `format` as checkpoints ship them. The golden's values of such a weight are its exact
+// dequantized values; it has no gradient.
+struct QuantizationConfig {
+  quant::WeightFormat format;  // never dense
+  // Which parameters: globs over teo's parameter names ("layers.*.moe.experts.*"); empty: every
+  // linear weight of the layers (attention, FFN, experts, shared experts), not the router's, the
+  // embeddings', the norms' or the head's.
+  std::vector<std::string> targets;
+  bool operator==(const QuantizationConfig&) const = default;
+};
+
 // What reads the last hidden state: an encoder's pooling, pooler and classifier, or an LM head;
 // and the loss.
 struct HeadConfig {
@@ -231,6 +244,7 @@ struct ModelConfig {
   FfnConfig ffn{};
   NormsConfig norms{};
   HeadConfig head{};
+  std::optional<QuantizationConfig> quantization{};
 
   // Dh, each head's q and k width: head_dim, else d_model / num_heads (MLA: Dn + Dr).
   index_t d_head() const {

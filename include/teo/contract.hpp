@@ -19,18 +19,20 @@
 namespace teo::contract {
 
 enum class Role {
-  input,  // input.tokens, input.lengths, input.labels (an encoder's)
-  param,  // param.<name>
-  mask,   // dropout.<site>: U8, 1 = kept
-  act,    // act.<name>: what forward computes
-  grad,   // grad.<param> and grad.act.<name>: what backward computes
-  ref64,  // ref64.<act or grad>: a float32 case's float64 twin
+  input,   // input.tokens, input.lengths, input.labels (an encoder's)
+  param,   // param.<name>
+  mask,    // dropout.<site>: U8, 1 = kept
+  act,     // act.<name>: what forward computes
+  grad,    // grad.<param> and grad.act.<name>: what backward computes
+  ref64,   // ref64.<act or grad>: a float32 case's float64 twin
+  packed,  // quant.<weight>.<role>: a quantized weight's stored tensors (its format's dtypes)
 };
 const char* to_string(Role r);
 
 // Which dtype a tensor has: integer ids, masks, the case's float type, float64 in any case, or
 // 32-bit integers (an MoE layer's routing and grouped layout).
-enum class DTypeRule { i64, u8, real, f64, i32 };
+// A packed tensor's dtype is its format's: i8, i32, f16, f32, u8 or f8_e4m3.
+enum class DTypeRule { i64, u8, real, f64, i32, i8, f16, f32, f8_e4m3 };
 const char* to_string(DTypeRule d);
 
 // The sizes a model case adds to its config: steps > 0 for a generation case (a decoder's greedy
@@ -89,7 +91,7 @@ std::vector<TensorSpec> masks(const ModelConfig& cfg, Sizes s);
 // grad.act.pooled (a decoder: grad.act.lm_logits, the LM head), the final norm, then from the last
 // layer down its output's gradient and its parameters' (the reverse of the order forward uses
 // them, weight before bias), grad.act.input and the embeddings. Every parameter has its
-// grad.<name>; a tied LM head's is in grad.embedding.weight.
+// grad.<name> but a quantized weight; a tied LM head's is in grad.embedding.weight.
 std::vector<TensorSpec> gradients(const ModelConfig& cfg, Sizes s);
 
 // Whether a golden tensor of a model under cfg is 0 in exact arithmetic, so that it holds nothing
@@ -105,11 +107,30 @@ bool noise_only(const std::string& golden_name, const ModelConfig& cfg);
 // act.generate.{t}.logits (B, V), the logits after it.
 std::vector<TensorSpec> generation(const ModelConfig& cfg, Sizes s);
 
+// A weight that cfg's quantization stores packed (docs/quantization.md, "Quantized models"): its
+// parameter's name and the matrix (rows, cols) it is, `lead` of them stacked (the experts', E).
+struct QuantizedWeight {
+  std::string name;
+  index_t lead = 0, rows = 0, cols = 0;
+};
+// cfg's quantized weights in parameter order (none without quantization). ConfigError for a
+// target glob that names no linear weight of the layers, or a weight its format cannot pack.
+std::vector<QuantizedWeight> quantized(const ModelConfig& cfg);
+// The linear weights of the layers a quantization may store packed (its targets' default), in
+// parameter order, whether or not their shapes pack.
+std::vector<std::string> quantizable(const ModelConfig& cfg);
+// Whether parameter `name` (without "param.") is one of them.
+bool is_quantized(const ModelConfig& cfg, const std::string& name);
+// The packed tensors of cfg's quantized weights in parameter order, each weight's parts in its
+// format's order (teo/weight_format.hpp): "quant." + quant::weight_part_name of the parameter,
+// a stack's parts with E first.
+std::vector<TensorSpec> packed(const ModelConfig& cfg);
+
 // Every tensor of a model golden, in file order: the inputs (input.generate.tokens last), the
-// parameters, the dropout masks (when cfg.dropout > 0), the activations, the generation steps'
-// logits, the gradients, and for a float32 case the ref64 twin of each activation, generation
-// logits and gradient. Shapes resolved; dtype rules as stored (real means F32 in a
-// float32 case, F64 in a float64 one).
+// parameters, the quantized weights' packed tensors, the dropout masks (when cfg.dropout > 0), the
+// activations, the generation steps' logits, the gradients, and for a float32 case the ref64 twin
+// of each activation, generation logits and gradient. Shapes resolved; dtype rules as stored (real
+// means F32 in a float32 case, F64 in a float64 one).
 std::vector<TensorSpec> model_case(const ModelConfig& cfg, Sizes s, bool float32);
 
 }  // namespace teo::contract

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -57,9 +58,22 @@ struct NameMap {
 // a float32 case refuses F64 values float32 cannot hold), the optional ones left as `seeded`
 // holds them. Before anything is converted: a missing tensor, a checkpoint tensor no rule and no
 // ignore pattern covers, or a shape that disagrees with the config is a FormatError naming it.
+//
+// A config with quantization reads its quantized weights' packed tensors (their checkpoint names:
+// quant::weight_part_name of the dense name) into `packed` under the golden's names (contract::
+// packed), the experts' stacked and a fused tensor's rows split as the map says; their values in
+// the result are the seed's, for the caller to dequantize.
 template <class Real>
-Params<Real> params_from_checkpoint(const safetensors::File& checkpoint, const NameMap& map,
-                                    const ModelConfig& cfg, Params<Real> seeded);
+Params<Real> params_from_checkpoint(
+    const safetensors::File& checkpoint, const NameMap& map, const ModelConfig& cfg,
+    Params<Real> seeded, std::map<std::string, std::vector<unsigned char>>* packed = nullptr);
+
+// A case's or config's JSON with its quantization's targets the weights the checkpoint stores
+// packed, when config.json's quantization_config (which reads as every linear weight of the
+// layers) leaves some of them dense (gpt-oss quantizes its experts only); the JSON as it is when
+// it has no quantization or names its targets. FormatError when the checkpoint packs none.
+nlohmann::json with_checkpoint_targets(const safetensors::File& checkpoint, const NameMap& map,
+                                       nlohmann::json config);
 
 // The teo config keys a checkpoint's config.json gives under `map` (its "fixed" keys, then each
 // mapped key); ConfigError naming an hf key the map neither maps nor ignores, or a value it

@@ -46,6 +46,8 @@ int run_golden_generate(const GoldenGenerateOptions& opts, std::ostream& out) {
     const nlohmann::json spec = read_json_file(opts.config_path);
     if (!spec.is_object()) throw ConfigError(opts.config_path + ": not a JSON object");
     for (const auto& [k, v] : spec.items()) j[k] = v;
+    if (!opts.weights.empty())
+      j = names::with_checkpoint_targets(safetensors::map(opts.weights), *map, std::move(j));
     try {
       c = golden::Case::from_json(j);
     } catch (const ConfigError& e) {

@@ -87,6 +87,66 @@ nlohmann::json rope_scaling_to_json(const RopeScaling& s) {
   return j;
 }
 
+// quantization: {"weight_format": ..., "group_size": ..., "act_order": ..., "zero_offset": ...,
+// "targets": [globs]}, the keys of its format only (as an op case's spec takes them).
+QuantizationConfig read_quantization(const nlohmann::json& j) {
+  if (!j.is_object()) {
+    throw ConfigError("quantization must be an object, got " + std::string(j.type_name()) + " " +
+                      j.dump());
+  }
+  if (!j.contains("weight_format")) throw ConfigError("quantization needs a \"weight_format\"");
+  QuantizationConfig q;
+  q.format =
+      quant::parse_weight_format(get_string(j.at("weight_format"), "quantization.weight_format"),
+                                 "quantization.weight_format");
+  const bool gptq = q.format.kind == quant::WeightFormat::Kind::tensor &&
+                    q.format.tensor == quant::TensorFormat::gptq;
+  for (const auto& [key, v] : j.items()) {
+    const std::string k = "quantization." + key;
+    const auto only = [&](bool ok, const char* formats) {
+      if (!ok)
+        throw ConfigError(k + " applies to a weight_format of " + formats + ", not " +
+                          q.format.name());
+    };
+    if (key == "weight_format") {
+      continue;
+    } else if (key == "group_size") {
+      only(q.format.grouped(), "gptq or awq");
+      q.format.group_size = get_int(v, k);
+      if (q.format.group_size < 1) throw ConfigError(k + " must be at least 1, got " + v.dump());
+    } else if (key == "act_order") {
+      only(gptq, "gptq");
+      q.format.act_order = get_bool(v, k);
+    } else if (key == "zero_offset") {
+      only(gptq, "gptq");
+      const index_t z = get_int(v, k);
+      if (z != 0 && z != 1)
+        throw ConfigError(k + " must be 1 (a v1 gptq checkpoint) or 0 (gptq_v2), got " + v.dump());
+      q.format.zero_offset = static_cast<int>(z);
+    } else if (key == "targets") {
+      if (!v.is_array() || v.empty())
+        throw ConfigError(k + " must be a non-empty array of globs over teo's parameter names");
+      for (const auto& g : v) q.targets.push_back(get_string(g, k));
+    } else {
+      throw ConfigError("unknown quantization key \"" + key +
+                        "\" (weight_format, group_size, act_order, zero_offset, targets)");
+    }
+  }
+  return q;
+}
+
+nlohmann::json quantization_json(const QuantizationConfig& q) {
+  nlohmann::json j{{"weight_format", q.format.name()}};
+  if (q.format.grouped()) j["group_size"] = q.format.group_size;
+  if (q.format.kind == quant::WeightFormat::Kind::tensor &&
+      q.format.tensor == quant::TensorFormat::gptq) {
+    j["act_order"] = q.format.act_order;
+    j["zero_offset"] = q.format.zero_offset;
+  }
+  if (!q.targets.empty()) j["targets"] = q.targets;
+  return j;
+}
+
 }  // namespace
 
 namespace {
@@ -138,7 +198,8 @@ const char* const kConfigKeys[] = {"vocab_size",
                                    "input",
                                    "image_size",
                                    "patch_size",
-                                   "channels"};
+                                   "channels",
+                                   "quantization"};
 }  // namespace
 
 std::string ModelConfig::architecture_of(const nlohmann::json& j) {
@@ -358,6 +419,8 @@ ModelConfig ModelConfig::from_json(const nlohmann::json& j) {
         throw ConfigError(
             "decoder_positional must be \"sinusoidal\", \"learned\" or \"none\", got \"" + s +
             "\"");
+    } else if (key == "quantization") {
+      c.quantization = read_quantization(v);
     } else if (detail::read_mla_key(c.attention, key, v) ||
                detail::read_moe_key(c.ffn.moe, key, v)) {
       // a latent attention key (config_mla.cpp) or a mixture of experts' (config_moe.cpp)
@@ -467,6 +530,7 @@ nlohmann::json ModelConfig::to_json() const {
   if (ffn.kind != FfnKind::mlp) j["ffn"] = to_string(ffn.kind);
   if (!ffn.ffn_bias) j["ffn_bias"] = false;
   detail::moe_to_json(*this, j);
+  if (quantization) j["quantization"] = quantization_json(*quantization);
   if (!attention.attn_bias) j["attn_bias"] = false;
   if (attention.attn_out_bias) j["attn_out_bias"] = *attention.attn_out_bias;
   if (!head.head_bias) j["head_bias"] = false;

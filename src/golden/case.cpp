@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "golden/golden_internal.hpp"
+#include "teo/contract.hpp"
 #include "teo/files.hpp"
 #include "teo/golden.hpp"
 
@@ -141,6 +142,15 @@ Case Case::from_json(const json& j) {
     throw ConfigError(
         "case.fp8_scales: delayed scales are inputs of the linear op case only (docs/fp8.md); "
         "a model case computes its scales");
+  }
+  if (c.config.quantization) {
+    // a precision rounds the parameters, and a quantized weight's values are its packing's
+    if (c.precision) {
+      throw ConfigError("case.precision: a quantized model (quantization." +
+                        c.config.quantization->format.name() +
+                        ") computes with its weights' exact values, in full precision only");
+    }
+    (void)contract::quantized(c.config);  // every target packs (ConfigError naming it)
   }
   const std::size_t real = c.dtype == "float32" ? sizeof(float) : sizeof(double);
   if (c.config.encoder_decoder()) {

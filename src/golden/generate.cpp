@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "golden/check_routing.hpp"
+#include "golden/quantized_params.hpp"
 #include "golden/sink.hpp"
 #include "golden_internal.hpp"
 #include "teo/contract.hpp"
@@ -246,9 +247,16 @@ void generate_typed(const Case& c, const Batch& batch, Sink& sink, const Generat
   const ModelConfig& cfg = c.config;
   std::optional<Params<Real>> params(Params<Real>::init(cfg, c.seed));
   if (c.drawn_norms) draw_norms(*params, c.seed);
+  // a quantized model computes with its weights' exact dequantized values: the checkpoint's
+  // packing, or teo's quantizer's of the drawn weights
+  ops::Packed packed;
   if (opts.checkpoint) {
     stage("reading the checkpoint's parameters (" + opts.names->family + ")");
-    params = names::params_from_checkpoint(*opts.checkpoint, *opts.names, cfg, std::move(*params));
+    params = names::params_from_checkpoint(*opts.checkpoint, *opts.names, cfg, std::move(*params),
+                                           &packed);
+    if (cfg.quantization) detail::dequantize_params(*params, packed, "the checkpoint");
+  } else if (cfg.quantization) {
+    packed = detail::quantize_params(*params, c.seed);
   }
   if constexpr (f32) {
     if (c.precision) round_params(*params, *c.precision);
@@ -285,6 +293,11 @@ void generate_typed(const Case& c, const Batch& batch, Sink& sink, const Generat
   params->visit([&](const std::string& n, const Tensor<Real>& t) {
     outs.push_back(out_of("param." + n, t));
   });
+  for (const auto& t : contract::packed(cfg)) {
+    const auto& bytes = packed.at(t.name);
+    outs.push_back(
+        {t.name, detail::stored_dtype(t.dtype, f32), t.shape, bytes.data(), bytes.size()});
+  }
   const auto computed = run_outs(cfg, batch, *run, /*masks=*/true, /*with_backward=*/true);
   outs.insert(outs.end(), computed.begin(), computed.end());
   std::optional<Generation<Real>> gen;

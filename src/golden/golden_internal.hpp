@@ -184,6 +184,14 @@ inline safetensors::DType stored_dtype(contract::DTypeRule rule, bool f32) {
       return safetensors::DType::F64;
     case contract::DTypeRule::i32:
       return safetensors::DType::I32;
+    case contract::DTypeRule::i8:
+      return safetensors::DType::I8;
+    case contract::DTypeRule::f16:
+      return safetensors::DType::F16;
+    case contract::DTypeRule::f32:
+      return safetensors::DType::F32;
+    case contract::DTypeRule::f8_e4m3:
+      return safetensors::DType::F8_E4M3;
   }
   return safetensors::DType::F64;
 }

@@ -2,6 +2,8 @@
 // checkpoint and teo's names (include/teo/names.hpp, docs/models.md).
 #include "teo/names.hpp"
 
+#include "golden/names_internal.hpp"
+
 #include <fnmatch.h>
 
 #include <algorithm>
@@ -24,7 +26,7 @@ const std::vector<std::pair<std::string, std::string>>& builtin_maps();
 namespace st = safetensors;
 using nlohmann::json;
 
-namespace {
+namespace detail {
 
 std::string need_string(const json& j, const std::string& what) {
   if (!j.is_string()) throw ConfigError(what + " must be a string, got " + j.dump());
@@ -44,17 +46,6 @@ std::string with_index(std::string pattern, const std::string& i, const char* fi
   if (at != std::string::npos) pattern.replace(at, 3, i);
   return pattern;
 }
-
-// A parameter of the contract, or one expert's slice of it, with its rule and checkpoint name.
-struct Placed {
-  std::string teo;
-  std::vector<std::int64_t> shape;  // teo's: the parameter's, or an expert's slice of it
-  const Rule* rule;
-  std::string checkpoint;
-  std::int64_t offset = 0;         // of the slice in the parameter (elements)
-  std::int64_t count = 0;          // the slice's elements
-  std::vector<std::int64_t> full;  // the parameter's shape
-};
 
 std::vector<Placed> place(const NameMap& map, const ModelConfig& cfg) {
   std::map<std::string, const Rule*> by_teo;
@@ -186,7 +177,7 @@ bool ignored(const NameMap& map, const std::string& name) {
 
 // The file's tensor `role` + name, the name with or without the base prefix.
 const st::Tensor* find_in(const st::File& f, const NameMap& map, const std::string& name,
-                          const std::string& role = "") {
+                          const std::string& role) {
   if (const auto* t = f.find(role + name)) return t;
   if (!map.base_prefix.empty() && name.starts_with(map.base_prefix))
     return f.find(role + name.substr(map.base_prefix.size()));
@@ -221,7 +212,17 @@ json effective_json(const ModelConfig& cfg) {
   return j;
 }
 
-}  // namespace
+}  // namespace detail
+
+using detail::checkpoint_index;
+using detail::checkpoint_shape;
+using detail::effective_json;
+using detail::find_in;
+using detail::ignored;
+using detail::need_string;
+using detail::place;
+using detail::Placed;
+using detail::shape_str;
 
 namespace {
 
@@ -377,14 +378,30 @@ NameMap NameMap::load(const std::string& family_or_path) {
 
 template <class Real>
 Params<Real> params_from_checkpoint(const st::File& checkpoint, const NameMap& map,
-                                    const ModelConfig& cfg, Params<Real> seeded) {
+                                    const ModelConfig& cfg, Params<Real> seeded,
+                                    std::map<std::string, std::vector<unsigned char>>* packed) {
   const auto placed = place(map, cfg);
+  std::set<std::string> quantized;
+  for (const auto& w : contract::quantized(cfg)) quantized.insert(w.name);
+  if (!quantized.empty() && !packed)
+    throw std::logic_error("params_from_checkpoint of a quantized config without `packed`");
   // Every check before any value moves: presence, shape, and no tensor left unread.
   std::set<std::string> read;
   std::vector<const st::Tensor*> found;  // each placed parameter's tensor, or null (optional)
   for (const auto& p : placed) {
-    const st::Tensor* t = find_in(checkpoint, map, p.checkpoint);
+    const bool dense = !quantized.contains(p.teo);
+    const st::Tensor* t = dense ? find_in(checkpoint, map, p.checkpoint) : nullptr;
     found.push_back(t);
+    if (!dense) {
+      // a quantized weight is its packing, read below; a dense one in its place is an error
+      const st::Tensor* d = find_in(checkpoint, map, p.checkpoint);
+      if (d && st::is_float(d->dtype)) {
+        throw FormatError("checkpoint tensor " + d->name + " is dense, but the config's " +
+                          "quantization stores teo's " + p.teo + " in " +
+                          cfg.quantization->format.name());
+      }
+      continue;
+    }
     if (!t) {
       // an optional parameter is read whole or not at all: never some experts of it
       const bool some_read = std::any_of(placed.begin(), placed.end(), [&](const Placed& q) {
@@ -404,6 +421,7 @@ Params<Real> params_from_checkpoint(const st::File& checkpoint, const NameMap& m
     }
     read.insert(t->name);
   }
+  if (!quantized.empty()) detail::read_packed(checkpoint, map, cfg, placed, *packed, read);
   for (const auto& t : checkpoint.tensors) {
     if (!read.contains(t.name) && !ignored(map, t.name)) {
       throw FormatError("checkpoint tensor " + t.name + " is read by no teo parameter of this " +
@@ -582,6 +600,11 @@ json config_from_hf(const json& hf, const NameMap& map) {
   for (const auto& [k, v] : defaults.items())
     if (!with_defaults.contains(k)) with_defaults[k] = v;
   for (const auto& [hk, hv] : with_defaults.items()) {
+    if (hk == "quantization_config" &&
+        std::find(ignored.begin(), ignored.end(), hk) == ignored.end()) {
+      out["quantization"] = detail::quantization_from_hf(hv);
+      continue;
+    }
     const auto rule = keys.find(hk);
     if (rule == keys.end()) {
       if (std::find(ignored.begin(), ignored.end(), hk) != ignored.end()) continue;
@@ -650,8 +673,13 @@ json hf_config_of(const ModelConfig& cfg, const NameMap& map) {
       break;
     }
   }
-  // The family expresses cfg when reading this back (with cfg's free keys) gives cfg itself.
+  if (cfg.quantization)
+    out["quantization_config"] = detail::hf_quantization_config(*cfg.quantization);
+  // The family expresses cfg when reading this back (with cfg's free keys, and a quantization's
+  // targets, which a checkpoint's tensors give) gives cfg itself.
   json back = config_from_hf(out, map);
+  if (cfg.quantization && !cfg.quantization->targets.empty())
+    back["quantization"]["targets"] = cfg.quantization->targets;
   for (const auto& k : c.value("free", json::array()))
     if (teo.contains(k.get<std::string>())) back[k.get<std::string>()] = teo.at(k);
   ModelConfig again;
@@ -685,7 +713,10 @@ st::File checkpoint_of(const st::File& golden, const NameMap& map) {
   };
   std::vector<std::string> order;
   std::map<std::string, Out> outs;
+  std::set<std::string> quantized;
+  for (const auto& w : contract::quantized(cfg)) quantized.insert(w.name);
   for (const auto& p : placed) {
+    if (quantized.contains(p.teo)) continue;  // its packing, after the dense tensors
     const st::Tensor* t = golden.find("param." + p.teo);
     if (!t) throw FormatError("the golden has no param." + p.teo);
     const std::size_t size = st::dtype_size(t->dtype);
@@ -708,74 +739,15 @@ st::File checkpoint_of(const st::File& golden, const NameMap& map) {
     const Out& o = outs.at(n);
     f.add(n, o.dtype, o.shape, o.bytes.data(), o.bytes.size());
   }
+  if (!quantized.empty()) detail::write_packed(golden, map, cfg, placed, f);
   return f;
 }
 
-st::File candidate_in_teo_names(const st::File& candidate, const NameMap& map,
-                                const ModelConfig& cfg) {
-  const auto placed = place(map, cfg);
-  st::File out;
-  out.metadata = candidate.metadata;
-  std::set<std::string> used;
-  // role + teo name -> the parameter assembled from its slices (one, or one per expert)
-  struct Assembled {
-    std::string teo;  // the parameter's name
-    st::DType dtype;
-    std::vector<std::int64_t> shape;
-    std::vector<unsigned char> bytes;
-    std::int64_t parts = 0;
-  };
-  std::vector<std::string> order;
-  std::map<std::string, Assembled> assembled;
-  std::map<std::string, std::int64_t> slices;  // teo name -> its placed slices
-  for (const auto& p : placed) ++slices[p.teo];
-  for (const auto& p : placed) {
-    for (const char* role : {"grad.", "param."}) {
-      const st::Tensor* t = find_in(candidate, map, p.checkpoint, role);
-      if (!t) continue;
-      if (t->shape != checkpoint_shape(p)) {
-        throw FormatError("candidate tensor " + t->name + " has shape " + shape_str(t->shape) +
-                          ", expected " + shape_str(checkpoint_shape(p)) + " (teo's " + role +
-                          p.teo + ")");
-      }
-      used.insert(t->name);
-      const std::size_t size = st::dtype_size(t->dtype);
-      const std::string name = role + p.teo;
-      auto [it, fresh] = assembled.try_emplace(name);
-      Assembled& a = it->second;
-      if (fresh) {
-        order.push_back(name);
-        a.teo = p.teo;
-        a.dtype = t->dtype;
-        a.shape = p.full;
-        a.bytes.assign(static_cast<std::size_t>(Shape(p.full).numel()) * size, 0);
-      } else if (a.dtype != t->dtype) {
-        throw FormatError("candidate tensor " + t->name + " is " + st::dtype_name(t->dtype) +
-                          ", another expert's slice of teo's " + name + " is " +
-                          st::dtype_name(a.dtype));
-      }
-      ++a.parts;
-      const auto src = t->data();
-      for (std::int64_t e = 0; e < p.count; ++e) {
-        std::memcpy(a.bytes.data() + static_cast<std::size_t>(p.offset + e) * size,
-                    src.data() + static_cast<std::size_t>(checkpoint_index(p, e)) * size, size);
-      }
-    }
-  }
-  for (const auto& name : order) {
-    const Assembled& a = assembled.at(name);
-    // a parameter some of whose experts the candidate lacks is missing, not partly zero
-    if (a.parts == slices.at(a.teo))
-      out.add(name, a.dtype, a.shape, a.bytes.data(), a.bytes.size());
-  }
-  for (const auto& t : candidate.tensors)
-    if (!used.contains(t.name)) out.add(t.name, t.dtype, t.shape, t.data().data(), t.data().size());
-  return out;
-}
-
-template Params<float> params_from_checkpoint<float>(const st::File&, const NameMap&,
-                                                     const ModelConfig&, Params<float>);
-template Params<double> params_from_checkpoint<double>(const st::File&, const NameMap&,
-                                                       const ModelConfig&, Params<double>);
+template Params<float> params_from_checkpoint<float>(
+    const st::File&, const NameMap&, const ModelConfig&, Params<float>,
+    std::map<std::string, std::vector<unsigned char>>*);
+template Params<double> params_from_checkpoint<double>(
+    const st::File&, const NameMap&, const ModelConfig&, Params<double>,
+    std::map<std::string, std::vector<unsigned char>>*);
 
 }  // namespace teo::names

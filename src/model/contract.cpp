@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <initializer_list>
 #include <map>
+#include <set>
 #include <stdexcept>
 #include <string_view>
 
@@ -319,6 +320,8 @@ const char* to_string(Role r) {
       return "grad";
     case Role::ref64:
       return "ref64";
+    case Role::packed:
+      return "packed";
   }
   return "?";
 }
@@ -335,6 +338,14 @@ const char* to_string(DTypeRule d) {
       return "F64";
     case DTypeRule::i32:
       return "I32";
+    case DTypeRule::i8:
+      return "I8";
+    case DTypeRule::f16:
+      return "F16";
+    case DTypeRule::f32:
+      return "F32";
+    case DTypeRule::f8_e4m3:
+      return "F8_E4M3";
   }
   return "?";
 }
@@ -495,7 +506,10 @@ std::vector<TensorSpec> gradients(const ModelConfig& cfg, Sizes s) {
   // an encoder_decoder's decoder layers: their parameters in use order (DecoderLayerParams::visit)
   std::vector<std::vector<std::string>> dec_layers(
       static_cast<std::size_t>(cfg.encoder_decoder() ? cfg.dec_layers() : 0));
+  std::set<std::string> no_grad;  // weight-only formats have no weight gradient
+  for (const auto& w : quantized(cfg)) no_grad.insert(w.name);
   for (const auto& p : params(cfg)) {
+    if (no_grad.contains(p.name)) continue;
     if (p.name.starts_with("decoder.layers.")) {
       const auto at = std::string("decoder.layers.").size();
       dec_layers[std::stoul(p.name.substr(at, p.name.find('.', at) - at))].push_back(p.name);
@@ -648,6 +662,7 @@ std::vector<TensorSpec> model_case(const ModelConfig& cfg, Sizes s, bool float32
     t.name = "param." + t.name;
     out.push_back(std::move(t));
   }
+  for (auto& t : packed(cfg)) out.push_back(std::move(t));
   if (cfg.dropout > 0) {
     for (auto& t : masks(cfg, s)) out.push_back(std::move(t));
   }

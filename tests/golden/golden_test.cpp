@@ -74,10 +74,11 @@ TEST(GoldenCorpus, ManifestMatchesTheCommittedFiles) {
   // new family of cases pays for itself by keeping its cases small (tiny widths, few layers).
   // 30 MB until the mixtures of experts (2026-12), whose op and model cases have 2 MB of it; 33 MB
   // since the quantized weights and caches (0.3 MB: a weight's exact values are a float tensor of
-  // its own, and a K-quant row is 256 values at least).
+  // its own, and a K-quant row is 256 values at least); 34 MB since the quantized models (0.9 MB:
+  // MXFP4's blocks of 32 widen gpt-oss's case to 32).
   const json ops = json::parse(slurp(kCorpus / "ops" / "manifest.json"));
-  EXPECT_LE(total + ops["total_bytes"].get<std::uint64_t>(), 33u * 1000 * 1000)
-      << "the corpus stays under 33 MB";
+  EXPECT_LE(total + ops["total_bytes"].get<std::uint64_t>(), 34u * 1000 * 1000)
+      << "the corpus stays under 34 MB";
   EXPECT_EQ(m["total_bytes"], total);
 }
 

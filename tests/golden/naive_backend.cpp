@@ -11,6 +11,8 @@
 #include <nlohmann/json.hpp>
 
 #include "teo/config.hpp"
+#include "teo/contract.hpp"
+#include "teo/golden.hpp"
 
 namespace teo::testing {
 
@@ -1148,8 +1150,10 @@ File run(const File& golden, Mutation mut, bool with_backward,
   for (const auto& [name, g] : act_grads) {
     if (!written.count("grad.act." + name)) out.put("grad.act." + name, act_shapes.at(name), g);
   }
+  const teo::ModelConfig qcfg = teo::golden::case_of(golden).config;
   for (const auto& [name, g] : grads) {
-    if (!written.count("grad." + name))
+    // a quantized weight has no gradient in the contract
+    if (!written.count("grad." + name) && !teo::contract::is_quantized(qcfg, name))
       out.put("grad." + name, golden.find("param." + name)->shape, g);
   }
   return out.file;

@@ -10,7 +10,7 @@ import numpy as np
 
 FAILURES = []
 DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "I32": np.int32, "I8": np.int8,
-          "U8": np.uint8, "F8_E4M3": np.uint8}
+          "U8": np.uint8, "F8_E4M3": np.uint8, "I64": np.int64}
 NAMES = {np.dtype(v): k for k, v in DTYPES.items() if k != "F8_E4M3"}
 
 

@@ -7,7 +7,9 @@ For int8, GPTQ (v1 and v2, act-order), AWQ, MXFP4 (gpt-oss's layout) and NVFP4 (
 numpy dequantization below must give the same bits for every weight. Each mutant (one layout rule
 broken, as the bugs reported in vLLM, TensorRT-LLM and llama.cpp broke them) must differ at its own
 weight and agree at the others. Checkpoints with an E8M0 or E4M3 NaN scale or a g_idx outside the
-groups must be refused by name.
+groups must be refused by name. The corpus's quantized model cases must hold each quantized weight
+as the numpy dequantization of its packed tensors (quant.*), with no gradient, and every layout
+mutant but E2M1's -0 (teo's quantizer writes none) must differ from them.
 
 Sources of the layouts: AutoGPTQ's and Hugging Face's `gptq` (qweight packed 8 a word along the
 input dimension, qzeros along the output, zero + 1 in v1), AutoAWQ's GEMM packing (AWQ_ORDER
@@ -140,6 +142,44 @@ def first_difference(want, got):
             f"numpy {want.reshape(-1)[i]!r}, teo {got.reshape(-1)[i]!r}")
 
 
+# The corpus's quantized model cases: each weight's packed parts (quant.<weight>.<role>) and the
+# format's numpy dequantization, which must be the golden's param.<weight> bit for bit.
+MODELS = {"quant_llama_gptq_f64": "gptq_v1_act_order", "quant_llama_awq_f32": "awq",
+          "quant_llama_nvfp4_f64": "nvfp4", "quant_gpt_oss_mxfp4_f64": "mxfp4"}
+
+
+def models():
+    corpus = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "golden")
+    for name, case in MODELS.items():
+        fmt, _, deq, mutants = CASES[case]
+        t = read(os.path.join(corpus, name + ".safetensors"))
+        params = [k[len("param."):] for k in t if k.startswith("param.")]
+        if fmt == "mxfp4":
+            weights = [p for p in params if "quant." + p + "_blocks" in t]
+        else:
+            weights = [p for p in params if p.endswith(".weight") and any(
+                k.startswith("quant." + p[:-7] + ".") for k in t)]
+        if not weights:
+            fail(f"{name}: no packed weight")
+            continue
+        module = (lambda p: "quant." + p) if fmt == "mxfp4" else (lambda p: "quant." + p[:-7])
+        for p in weights:
+            want = t["param." + p].astype(np.float64)
+            diff = first_difference(deq(t, module(p)), want)
+            if diff:
+                fail(f"{name} {p}: {diff}")
+            if "grad." + p in t:
+                fail(f"{name}: a quantized weight has a gradient, grad.{p}")
+        print(f"{name}: {len(weights)} weights, numpy's values are the golden's bit for bit")
+        # teo's quantizer writes no E2M1 -0, so that mutant is judged on the drawn codes above only
+        for m in [m for m in mutants if m != "e2m1_negative_zero_nonzero"]:
+            if not any(first_difference(deq(t, module(p), m), t["param." + p].astype(np.float64))
+                       for p in weights):
+                fail(f"{name}: mutant {m} agrees with the golden")
+            else:
+                print(f"  mutant {m}: differs")
+
+
 def main():
     teo, work = sys.argv[1], sys.argv[2]
     os.makedirs(work, exist_ok=True)
@@ -215,6 +255,7 @@ def main():
     if "a.g_idx[5] is 99, outside the 2 groups" not in p.stderr:
         fail(f"g_idx outside the groups not named: {p.stderr.strip()}")
     print("refused: " + p.stderr.strip())
+    models()
     if FAILURES:
         print(f"{len(FAILURES)} failures")
         return 1

@@ -39,8 +39,10 @@ float16 kernel torch lacks on the CPU) is reported as unsupported.
 
 import argparse
 import dataclasses
+import fnmatch
 import json
 import math
+import re
 import os
 import struct
 import sys
@@ -148,7 +150,24 @@ def st_write(path, tensors, meta, st_dtypes=None):
 # The case as stored in a golden file
 # ---------------------------------------------------------------------------
 
+def quantized(cfg, name):
+    """Whether the config's quantization stores parameter `name` packed: a linear weight of the
+    layers (not the router's, the shared experts' gate or a norm) its targets name (all of them
+    when it has none)."""
+    q = cfg.get("quantization")
+    m = re.match(r"^(?:decoder\.)?layers\.\d+\.(.*)$", name)
+    if not q or not m:
+        return False
+    tail = m.group(1)
+    linear = tail.startswith("moe.experts.w_") or (
+        tail.endswith(".weight") and "norm" not in tail
+        and not tail.startswith(("moe.gate.", "moe.shared_gate.")))
+    targets = q.get("targets")
+    return linear and (not targets or any(fnmatch.fnmatchcase(name, g) for g in targets))
+
+
 CONFIG_DEFAULTS = {
+    "quantization": None,  # param.* holds the quantized weights' exact values
     "vocab_size": 64, "max_len": 32, "d_model": 16, "num_heads": 2,
     "d_ff": 32, "num_layers": 2, "num_classes": 4, "norm_first": False,
     "activation": "gelu", "layer_norm_eps": 1e-5, "positional": "sinusoidal",
@@ -1836,8 +1855,8 @@ def process(path, out_dir, check, variant=AS_GOLDEN):
         else:
             missing.append("act." + n)
     for n in (sorted(param_grads) if seq2seq else param_names(cfg)):
-        if n.endswith(".e_score_correction_bias"):
-            continue  # it chooses only: no gradient in the contract
+        if n.endswith(".e_score_correction_bias") or quantized(cfg, n):
+            continue  # it chooses only, or a quantized weight: no gradient in the contract
         out["grad." + n] = to_numpy(param_grads[n])
     for n in gact_names:
         if n in act_grads:

@@ -6,28 +6,20 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
 #include "golden/ops/op.hpp"
 #include "teo/quant.hpp"
 #include "teo/quant_formats.hpp"
+#include "teo/weight_format.hpp"
 
 namespace teo::golden::ops {
 
-struct WeightFormat {
-  enum class Kind { dense, tensor, gguf };
-  Kind kind = Kind::dense;
-  quant::TensorFormat tensor = quant::TensorFormat::int8;  // kind tensor
-  quant::GgmlType gguf = quant::GgmlType::q8_0;            // kind gguf
-  index_t group_size = 128;                                // gptq, awq: input columns a group
-  bool act_order = false;                                  // gptq: g_idx, a permutation
-  int zero_offset = 1;                                     // gptq: 1 (v1) or 0 (gptq_v2)
-
-  bool dense() const { return kind == Kind::dense; }
-  // "int8", "gptq", "awq", "mxfp4", "nvfp4", or "gguf:" and a ggml type name ("gguf:Q4_K").
-  std::string name() const;
-};
+using quant::WeightFormat;
+// Packed tensors' bytes by name.
+using Packed = std::map<std::string, std::vector<unsigned char>>;
 
 // The spec's weight_format and the keys of its format (group_size, act_order, zero_offset): dense
 // when absent. ConfigError for an unknown format, or a key its format does not take.
@@ -49,11 +41,19 @@ std::vector<Slot> weight_slots(const WeightFormat& f, const std::string& name, i
 // by seed + its index) in v.raw under weight_slots' names.
 void draw_weight(const WeightFormat& f, const std::string& name, index_t rows, index_t cols,
                  double amp, std::uint64_t seed, Values& v, index_t lead = 0);
+// Packs w ((lead,) rows, cols), row-major, by teo's quantizer into raw under weight_slots' names,
+// as draw_weight does with the values it draws.
+void pack_weight(const WeightFormat& f, const std::string& name, index_t rows, index_t cols,
+                 const std::vector<double>& w, std::uint64_t seed, Packed& raw, index_t lead = 0);
 // The weight's exact values ((lead,) rows, cols), row-major, from the packed tensors in v.
 // FormatError naming the tensor for a packing that does not read (a scale that is not finite, an
 // invalid block).
 std::vector<double> dequantize_weight(const WeightFormat& f, const std::string& name, index_t rows,
                                       index_t cols, const Values& v, index_t lead = 0);
+// The same from the packed tensors in raw; the errors name `where` ("the golden").
+std::vector<double> dequantize_weight(const WeightFormat& f, const std::string& name, index_t rows,
+                                      index_t cols, const Packed& raw, index_t lead,
+                                      const std::string& where);
 // Where element i of the dequantized weight ((lead,) rows, cols) lies in the packing: "(expert e,)
 // row r, column c: block b of the row (columns a to b)" or its group.
 std::string locate_weight(const WeightFormat& f, index_t rows, index_t cols, std::int64_t i,

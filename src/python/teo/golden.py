@@ -41,9 +41,10 @@ class Golden:
         return self._wire
 
     def inputs(self):
-        """The tensors a backend reads: input.*, param.*, grad.output.* and dropout.* masks."""
+        """The tensors a backend reads: input.*, param.*, a quantized model's packed weights
+        (quant.*), grad.output.* and dropout.* masks."""
         return {n: t for n, t in self.tensors.items()
-                if n.startswith(("input.", "param.", "grad.output.", "dropout."))}
+                if n.startswith(("input.", "param.", "quant.", "grad.output.", "dropout."))}
 
     def _model_case(self, what):
         from . import ConfigError

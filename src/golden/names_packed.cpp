@@ -80,36 +80,25 @@ std::vector<std::int64_t> checkpoint_part_shape(const PartPlace& pp) {
   return s;
 }
 
-// Moves the slice's bytes between the golden's tensor g (the whole stack) and the checkpoint's c:
-// to_golden or back. A fused part's row r is the checkpoint's r * parts + index (interleaved) or
-// index * rows + r; a scalar (NVFP4's global scale) is every part's.
-void move(const PartPlace& pp, unsigned char* g, unsigned char* c, std::size_t size,
-          bool to_golden) {
+// Calls run(golden offset, checkpoint offset, bytes) for each run of the slice's bytes in the
+// golden's tensor (the whole stack) and the checkpoint's. A fused part's row r is the
+// checkpoint's r * parts + index (interleaved) or index * rows + r; a scalar (NVFP4's global
+// scale) is every part's.
+template <class Run>
+void for_each_run(const PartPlace& pp, std::size_t size, Run&& run) {
   const std::int64_t matrices = pp.lead > 0 && pp.expert < 0 ? pp.lead : 1;
   const std::int64_t per = numel(pp.part.shape) * static_cast<std::int64_t>(size);
   const std::int64_t rows = pp.part.shape.empty() ? 1 : pp.part.shape[0];
   const std::int64_t row = rows > 0 ? per / rows : 0;
   for (std::int64_t m = 0; m < matrices; ++m) {
-    const std::int64_t gm = pp.expert >= 0 ? pp.expert : m;
-    unsigned char* gp = g + gm * per;
-    unsigned char* cp = c + m * per * pp.parts;
+    const std::int64_t g = (pp.expert >= 0 ? pp.expert : m) * per;
     if (pp.part.shape.empty()) {
-      // a scalar: the same bytes for every part
-      if (to_golden) {
-        std::memcpy(gp, c + m * per, static_cast<std::size_t>(per));
-      } else {
-        std::memcpy(c + m * per, gp, static_cast<std::size_t>(per));
-      }
+      run(g, m * per, per);
       continue;
     }
     for (std::int64_t r = 0; r < rows; ++r) {
       const std::int64_t cr = pp.interleave ? r * pp.parts + pp.index : pp.index * rows + r;
-      unsigned char* a = gp + r * row;
-      unsigned char* b = cp + cr * row;
-      if (to_golden)
-        std::memcpy(a, b, static_cast<std::size_t>(row));
-      else
-        std::memcpy(b, a, static_cast<std::size_t>(row));
+      run(g + r * row, m * per * pp.parts + cr * row, row);
     }
   }
 }
@@ -138,9 +127,10 @@ void read_packed(const st::File& checkpoint, const NameMap& map, const ModelConf
     auto& g = packed[pp.golden];
     g.resize(static_cast<std::size_t>(numel(pp.part.shape) * std::max<std::int64_t>(pp.lead, 1)) *
              size);
-    auto bytes = t->data();
-    std::vector<unsigned char> c(bytes.begin(), bytes.end());
-    move(pp, g.data(), c.data(), size, /*to_golden=*/true);
+    const auto c = t->data();
+    for_each_run(pp, size, [&](std::int64_t go, std::int64_t co, std::int64_t n) {
+      std::memcpy(g.data() + go, c.data() + co, static_cast<std::size_t>(n));
+    });
   }
 }
 
@@ -166,20 +156,24 @@ void write_packed(const st::File& golden, const NameMap& map, const ModelConfig&
       o.shape = checkpoint_part_shape(pp);
       o.bytes.assign(static_cast<std::size_t>(numel(o.shape)) * size, 0);
     }
-    auto src = t->data();
-    std::vector<unsigned char> g(src.begin(), src.end());
+    const auto g = t->data();
     if (pp.part.shape.empty() && !fresh) {
       // a fused weight has one global scale: its parts' must agree
-      std::vector<unsigned char> mine(o.bytes.size());
-      move(pp, g.data(), mine.data(), size, /*to_golden=*/false);
-      if (mine != o.bytes) {
+      bool same = true;
+      for_each_run(pp, size, [&](std::int64_t go, std::int64_t co, std::int64_t n) {
+        same = same &&
+               std::memcmp(g.data() + go, o.bytes.data() + co, static_cast<std::size_t>(n)) == 0;
+      });
+      if (!same) {
         throw FormatError("the fused tensor " + pp.checkpoint + " has one " + pp.part.role +
                           ", but its parts' differ (" + pp.golden +
                           "): " + cfg.quantization->format.name() + " cannot store them fused");
       }
       continue;
     }
-    move(pp, g.data(), o.bytes.data(), size, /*to_golden=*/false);
+    for_each_run(pp, size, [&](std::int64_t go, std::int64_t co, std::int64_t n) {
+      std::memcpy(o.bytes.data() + co, g.data() + go, static_cast<std::size_t>(n));
+    });
   }
   for (const auto& n : order) {
     const Out& o = outs.at(n);
